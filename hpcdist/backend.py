@@ -1,0 +1,196 @@
+"""The array module: NumPy on the CPU, CuPy on the GPU. The only module that imports cupy.
+
+Everything above this layer asks for ``xp()`` and writes array math against it, so the same
+code runs on both devices. The device is decided once per process, at the entry point, by
+``init(device, local_rank)``; ``HPCDIST_DEVICE=cpu|gpu|auto`` sets the default.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+DEVICES = ("cpu", "gpu", "auto")
+
+_xp = np          # the active array module
+_device = "cpu"   # "cpu" or "gpu", after init()
+_cupy = None      # the cupy module once imported, else None
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be used (CuPy missing, no GPU visible)."""
+
+
+def _import_cupy():
+    global _cupy
+    if _cupy is None:
+        try:
+            import cupy
+        except ImportError as e:
+            raise DeviceError(
+                "device 'gpu' needs CuPy: pip install 'hpcdist[gpu]' (cupy-cuda12x), "
+                f"or run with --device cpu ({e})") from None
+        _cupy = cupy
+    return _cupy
+
+
+def gpu_count() -> int:
+    """Number of visible CUDA devices (0 when CuPy or a driver is missing)."""
+    try:
+        cupy = _import_cupy()
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+def env_local_rank() -> int:
+    """This process's rank on its node, read from the launcher's environment (0 if unknown).
+
+    The communicator knows better (a shared-memory split); entry points pass that in. This
+    fallback covers code that runs before MPI is up.
+    """
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                "PMI_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def init(device: str | None = None, local_rank: int | None = None) -> str:
+    """Choose the array module for this process; return the device chosen ("cpu" or "gpu").
+
+    Args:
+        device: "cpu", "gpu" or "auto" (GPU when one is visible); default $HPCDIST_DEVICE or "cpu".
+        local_rank: node-local rank; on the GPU the process binds to GPU ``local_rank % count``.
+    """
+    global _xp, _device
+    device = (device or os.environ.get("HPCDIST_DEVICE") or "cpu").lower()
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
+    if device == "auto":
+        device = "gpu" if gpu_count() > 0 else "cpu"
+    if device == "gpu":
+        cupy = _import_cupy()
+        n = gpu_count()
+        if n == 0:
+            raise DeviceError("device 'gpu' asked for, but CuPy sees no CUDA device "
+                              "(check CUDA_VISIBLE_DEVICES and the driver), or use --device cpu")
+        lr = env_local_rank() if local_rank is None else local_rank
+        cupy.cuda.Device(lr % n).use()
+        _xp, _device = cupy, "gpu"
+    else:
+        _xp, _device = np, "cpu"
+    return _device
+
+
+def xp():
+    """The active array module (numpy or cupy)."""
+    return _xp
+
+
+def device() -> str:
+    return _device
+
+
+def array_module(arr):
+    """The module an array belongs to (numpy for NumPy arrays, cupy for CuPy arrays)."""
+    if _cupy is not None and isinstance(arr, _cupy.ndarray):
+        return _cupy
+    return np
+
+
+def is_gpu_array(arr) -> bool:
+    return _cupy is not None and isinstance(arr, _cupy.ndarray)
+
+
+def to_numpy(arr) -> np.ndarray:
+    """A host copy (or the array itself when it already lives on the host)."""
+    if is_gpu_array(arr):
+        return _cupy.asnumpy(arr)
+    return np.asarray(arr)
+
+
+def to_device(arr, dtype=None):
+    """An array of the active module holding ``arr``'s values."""
+    return _xp.asarray(arr, dtype=dtype)
+
+
+def synchronize(arr=None) -> None:
+    """Wait until the GPU work producing ``arr`` (or any work on the device) is done.
+
+    Required before MPI reads a GPU buffer: MPI knows nothing about CUDA streams.
+    """
+    if _cupy is not None and (arr is None or is_gpu_array(arr)):
+        _cupy.cuda.get_current_stream().synchronize()
+
+
+# ---- dtypes ---------------------------------------------------------------------------------
+
+def bfloat16():
+    """The bfloat16 dtype: ml_dtypes' on NumPy (CuPy has none; compute in fp32 there)."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise DeviceError("bf16 on NumPy needs ml_dtypes: pip install 'hpcdist[bf16]'") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+_DTYPE_NAMES = {
+    "fp16": "float16", "float16": "float16", "half": "float16",
+    "fp32": "float32", "float32": "float32", "float": "float32",
+    "fp64": "float64", "float64": "float64", "double": "float64",
+    "int32": "int32", "int64": "int64",
+}
+
+
+def dtype(name) -> np.dtype:
+    """Resolve a dtype name ("fp32", "float64", "bf16", ...) or dtype to a numpy dtype."""
+    if isinstance(name, str):
+        if name.lower() in ("bf16", "bfloat16"):
+            return bfloat16()
+        if name.lower() not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {name!r}: choose one of "
+                             f"{', '.join(sorted(_DTYPE_NAMES))}, bf16")
+        return np.dtype(_DTYPE_NAMES[name.lower()])
+    return np.dtype(name)
+
+
+_default_float = np.dtype(np.float32)
+
+
+def default_float() -> np.dtype:
+    return _default_float
+
+
+def set_default_float(dt) -> None:
+    """dtype of new floating tensors and parameters (float32 unless tests ask for float64)."""
+    global _default_float
+    _default_float = dtype(dt)
+
+
+# ---- scatter-add and random numbers --------------------------------------------------------
+
+def scatter_add(target, idx, values) -> None:
+    """``target[idx] += values`` with repeated indices accumulating (embedding backward)."""
+    if is_gpu_array(target):
+        import cupyx
+        cupyx.scatter_add(target, idx, values)
+    else:
+        np.add.at(target, idx, values)
+
+
+_rng = None          # the generator behind dropout
+_rng_module = None   # the array module it was made for
+
+
+def seed(value: int) -> None:
+    """Seed the generator behind dropout on the active device."""
+    global _rng, _rng_module
+    _rng, _rng_module = _xp.random.default_rng(value), _xp
+
+
+def rng():
+    """The active device's random generator (seed 0 unless ``seed`` was called)."""
+    if _rng is None or _rng_module is not _xp:
+        seed(0)
+    return _rng

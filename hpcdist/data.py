@@ -1,0 +1,168 @@
+"""Datasets and the sampler: embedded digit tasks, a character-level text loader, and
+``DistributedSampler`` (each rank its own shard, every rank the same number of batches).
+
+Every dataset is a list of examples ``0 .. len-1`` and ``batch(indices) -> (x, y)`` as host
+int64 arrays: ``x`` (B, T) tokens in, ``y`` (B, T) next tokens, ``IGNORE`` where no loss applies.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+IGNORE = -100  # target value that the loss skips (matches ops.cross_entropy's default)
+
+
+class DigitTask:
+    """Sort or reverse a sequence of ``length`` digits in ``[0, num_digits)``.
+
+    Example (sort, length 4): input 3 1 2 1 -> output 1 1 2 3. The model reads the input and
+    the output so far, and predicts the output (minGPT's sort demo layout, no separator):
+    x = 3 1 2 1 1 1 2, y = - - - 1 1 2 3 (positions marked - are not scored).
+    All ``num_digits**length`` sequences are enumerated; a seeded permutation puts
+    ``test_fraction`` of them in a held-out split that training never sees.
+    """
+
+    kinds = ("sort", "reverse")
+
+    def __init__(self, kind: str = "sort", length: int = 6, num_digits: int = 4,
+                 split: str = "train", test_fraction: float = 0.25, seed: int = 1234):
+        if kind not in self.kinds:
+            raise ValueError(f"unknown digit task {kind!r}: choose one of {', '.join(self.kinds)}")
+        if length < 2 or num_digits < 2:
+            raise ValueError("a digit task needs length >= 2 and num_digits >= 2")
+        total = num_digits ** length
+        if total > 10_000_000:
+            raise ValueError(f"{num_digits}**{length} sequences is too many to enumerate; "
+                             "lower length or num_digits")
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        self.kind, self.length, self.num_digits = kind, length, num_digits
+        self.vocab_size = num_digits
+        self.block_size = 2 * length - 1
+        order = np.random.default_rng(seed).permutation(total)
+        n_test = max(1, int(round(total * test_fraction)))
+        self.ids = order[:n_test] if split == "test" else order[n_test:]
+
+    def __len__(self):
+        return len(self.ids)
+
+    def batch(self, indices):
+        ids = self.ids[np.asarray(indices)]
+        n, V = self.length, self.num_digits
+        digits = (ids[:, None] // V ** np.arange(n - 1, -1, -1)[None, :]) % V   # (B, n)
+        out = np.sort(digits, axis=1) if self.kind == "sort" else digits[:, ::-1]
+        seq = np.concatenate([digits, out], axis=1)                           # (B, 2n)
+        x = seq[:, :-1].astype(np.int64)
+        y = seq[:, 1:].astype(np.int64)
+        y[:, :n - 1] = IGNORE
+        return x, y
+
+
+class CharText:
+    """Character-level language modelling on a user's text file.
+
+    The first ``1 - test_fraction`` of the text trains, the rest is held out; example i is the
+    window ``text[i : i + block_size + 1]``.
+    """
+
+    def __init__(self, path: str, block_size: int = 64, split: str = "train",
+                 test_fraction: float = 0.1):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"data file {path!r} does not exist")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if not text:
+            raise ValueError(f"data file {path!r} is empty")
+        chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.itos = chars
+        self.vocab_size = len(chars)
+        self.block_size = block_size
+        codes = np.fromiter((self.stoi[c] for c in text), dtype=np.int64, count=len(text))
+        cut = int(len(codes) * (1 - test_fraction))
+        self.codes = codes[:cut] if split == "train" else codes[cut:]
+        if len(self.codes) < block_size + 1:
+            raise ValueError(f"data file {path!r}: the {split} split has {len(self.codes)} "
+                             f"characters, fewer than block_size + 1 = {block_size + 1}; "
+                             "use a longer file or a smaller --block-size")
+
+    def __len__(self):
+        return len(self.codes) - self.block_size
+
+    def batch(self, indices):
+        idx = np.asarray(indices)[:, None] + np.arange(self.block_size + 1)[None, :]
+        seq = self.codes[idx]
+        return seq[:, :-1], seq[:, 1:]
+
+
+class DistributedSampler:
+    """Batches of example indices for one rank: a seeded shuffle per epoch, split over ranks.
+
+    Every rank gets the same number of batches per epoch, so no rank waits in a collective for
+    a batch that never comes: with ``drop_last`` the tail that does not fill a global batch is
+    dropped; otherwise the permutation is padded by wrapping around. Rank r takes every
+    world-th example starting at r, as torch's DistributedSampler does.
+    """
+
+    def __init__(self, n: int, batch_size: int, rank: int = 0, world: int = 1, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = True):
+        if n <= 0:
+            raise ValueError("the dataset is empty")
+        if batch_size <= 0:
+            raise ValueError(f"batch size must be positive, got {batch_size}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside world size {world}")
+        global_batch = batch_size * world
+        if drop_last and n < global_batch:
+            raise ValueError(f"dataset of {n} examples is smaller than one global batch "
+                             f"({batch_size} x {world} ranks = {global_batch})")
+        self.n, self.batch_size, self.rank, self.world = n, batch_size, rank, world
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.epoch = 0
+        self.position = 0  # batches already taken in this epoch (checkpointed)
+        self._cache = (None, None)  # (epoch, this rank's indices for it)
+        per_epoch = n // global_batch if drop_last else -(-n // global_batch)
+        self.batches_per_epoch = per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position = epoch, 0
+
+    def _epoch_indices(self):
+        if self._cache[0] == self.epoch:
+            return self._cache[1]
+        order = (np.random.default_rng((self.seed, self.epoch)).permutation(self.n)
+                 if self.shuffle else np.arange(self.n))
+        need = self.batches_per_epoch * self.batch_size * self.world
+        if need > self.n:                                  # pad by wrapping around
+            order = np.concatenate([order, order[:need - self.n]])
+        mine = order[:need][self.rank::self.world]         # (batches_per_epoch * batch_size,)
+        self._cache = (self.epoch, mine)
+        return mine
+
+    def next_batch(self):
+        """Indices of this rank's next batch; moves to the next epoch when one ends."""
+        if self.position >= self.batches_per_epoch:
+            self.set_epoch(self.epoch + 1)
+        mine = self._epoch_indices()
+        b = self.position
+        self.position += 1
+        return mine[b * self.batch_size:(b + 1) * self.batch_size]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.position = int(sd["epoch"]), int(sd["position"])
+
+
+def make_task(task: str, *, length=6, num_digits=4, data=None, block_size=64, seed=1234):
+    """(train, test) datasets for a task name: 'sort', 'reverse' or 'text' (needs ``data``)."""
+    if task in DigitTask.kinds:
+        return (DigitTask(task, length, num_digits, "train", seed=seed),
+                DigitTask(task, length, num_digits, "test", seed=seed))
+    if task == "text":
+        if not data:
+            raise ValueError("task 'text' needs a data file: --data PATH")
+        return CharText(data, block_size, "train"), CharText(data, block_size, "test")
+    raise ValueError(f"unknown task {task!r}: choose one of sort, reverse, text")

@@ -1,0 +1,106 @@
+"""GPT: a decoder-only transformer in the style of GPT-2 / nanoGPT."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import backend, ops
+from ..tensor import Tensor
+from .layers import MLP, Dropout, Embedding, LayerNorm, Linear
+from .module import Module, ModuleList
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 64     # longest sequence the position table covers
+    vocab_size: int = 16
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True  # the output head reuses the token embedding (wte.T)
+
+    def validate(self) -> None:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(Module):
+    def __init__(self, cfg: GPTConfig):
+        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
+        self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias, std=0.02)
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=proj_std)
+        self.attn_drop = Dropout(cfg.dropout)
+        self.resid_drop = Dropout(cfg.dropout)
+        self.n_head = cfg.n_head
+        xp = backend.xp()
+        # True above the diagonal: position t may not look at t' > t.
+        self.causal_mask = xp.triu(xp.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        nh, hs = self.n_head, C // self.n_head
+        q, k, v = self.c_attn(x).split(3, axis=2)                  # 3 x (B, T, C)
+        q = q.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
+        k = k.reshape(B, T, nh, hs).transpose(0, 2, 3, 1)          # (B, nh, hs, T)
+        v = v.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
+        att = (q @ k) * (1.0 / math.sqrt(hs))                      # (B, nh, T, T)
+        att = att.masked_fill(self.causal_mask[:T, :T], -math.inf).softmax(axis=-1)
+        y = self.attn_drop(att) @ v                                 # (B, nh, T, hs)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)                # (B, T, C)
+        return self.resid_drop(self.c_proj(y))
+
+
+class Block(Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        self.ln_1 = LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP([cfg.n_embd, 4 * cfg.n_embd, cfg.n_embd], activation="gelu",
+                       dropout=cfg.dropout, bias=cfg.bias, std=0.02,
+                       proj_std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(Module):
+    def __init__(self, cfg: GPTConfig):
+        cfg.validate()
+        self.config = cfg
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=0.02)
+        self.wpe = Embedding(cfg.block_size, cfg.n_embd, std=0.02)
+        self.drop = Dropout(cfg.dropout)
+        self.blocks = ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.ln_f = LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = None if cfg.tie_weights else \
+            Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02)
+
+    def forward(self, idx, targets=None, ignore_index: int = -100):
+        """idx (B, T) integer tokens -> logits (B, T, vocab), and the loss when targets given."""
+        if isinstance(idx, Tensor):
+            idx = idx.data
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = backend.array_module(idx).arange(T)
+        x = self.drop(self.wte(idx) + self.wpe(pos))               # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        if self.lm_head is None:
+            logits = x @ self.wte.weight.T                          # (B, T, vocab)
+        else:
+            logits = self.lm_head(x)
+        if targets is None:
+            return logits
+        return logits, ops.cross_entropy(logits, targets, ignore_index=ignore_index)

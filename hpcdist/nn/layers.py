@@ -1,0 +1,96 @@
+"""Layers: Linear, Embedding, LayerNorm, Dropout, MLP."""
+from __future__ import annotations
+
+import math
+
+from .. import ops
+from .module import Module, ModuleList, Parameter, init_normal, init_uniform
+from ..tensor import Tensor
+
+
+class Linear(Module):
+    """``y = x @ weight + bias`` with weight stored (in_features, out_features).
+
+    Default init is PyTorch's U(-1/sqrt(in), 1/sqrt(in)); pass ``std`` for N(0, std) (GPT-2).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 std: float | None = None):
+        bound = 1.0 / math.sqrt(in_features)
+        w = init_normal((in_features, out_features), std) if std is not None else \
+            init_uniform((in_features, out_features), bound)
+        self.weight = Parameter(w)
+        if bias:
+            b = init_uniform((out_features,), bound) if std is None else \
+                init_normal((out_features,), 0.0)
+            self.bias = Parameter(b)
+        else:
+            self.bias = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x @ self.weight
+        return y + self.bias if self.bias is not None else y
+
+
+class Embedding(Module):
+    """Rows of a (num_embeddings, dim) table picked by integer indices."""
+
+    def __init__(self, num_embeddings: int, dim: int, std: float = 1.0):
+        self.weight = Parameter(init_normal((num_embeddings, dim), std))
+
+    def forward(self, idx) -> Tensor:
+        return ops.embedding(self.weight, idx)
+
+
+class LayerNorm(Module):
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
+        from .. import backend
+        xp = backend.xp()
+        self.weight = Parameter(xp.ones(dim, dtype=backend.default_float()))
+        self.bias = Parameter(xp.zeros(dim, dtype=backend.default_float())) if bias else None
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Dropout(Module):
+    def __init__(self, p: float = 0.0):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.dropout(x, self.p, self.training)
+
+
+_ACTIVATIONS = {"relu": ops.relu, "gelu": ops.gelu, "tanh": ops.tanh, "sigmoid": ops.sigmoid}
+
+
+class MLP(Module):
+    """Linear layers with an activation between them: sizes [784, 128, 10] -> 2 layers.
+
+    ``proj_std`` sets the init std of the last layer (GPT-2 scales residual projections).
+    """
+
+    def __init__(self, sizes, activation: str = "relu", dropout: float = 0.0, bias: bool = True,
+                 std: float | None = None, proj_std: float | None = None):
+        if len(sizes) < 2:
+            raise ValueError(f"MLP needs at least an input and an output size, got {sizes}")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}: one of {sorted(_ACTIVATIONS)}")
+        n = len(sizes) - 1
+        self.layers = ModuleList([
+            Linear(sizes[i], sizes[i + 1], bias=bias,
+                   std=proj_std if (i == n - 1 and proj_std is not None) else std)
+            for i in range(n)])
+        self.act = _ACTIVATIONS[activation]
+        self.drop = Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < n - 1:
+                x = self.act(x)
+        return self.drop(x)

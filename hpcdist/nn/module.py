@@ -1,0 +1,127 @@
+"""Module and Parameter: the containers that layers and models are built from."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..tensor import Tensor
+
+
+class Parameter(Tensor):
+    """A leaf Tensor that a Module owns and an optimizer updates."""
+
+    __slots__ = ()
+
+    def __init__(self, data, name: str | None = None):
+        super().__init__(data, requires_grad=True, name=name)
+
+
+_init_rng = np.random.default_rng(0)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed parameter init (host NumPy, so CPU and GPU runs start from identical weights)
+    and the device generator behind dropout."""
+    global _init_rng
+    _init_rng = np.random.default_rng(seed)
+    backend.seed(seed)
+
+
+def init_normal(shape, std: float) -> np.ndarray:
+    return _init_rng.normal(0.0, std, size=shape).astype(backend.default_float())
+
+
+def init_uniform(shape, bound: float) -> np.ndarray:
+    return _init_rng.uniform(-bound, bound, size=shape).astype(backend.default_float())
+
+
+class Module:
+    """Base class: attributes that are Parameters or Modules are found by ``named_parameters``."""
+
+    training = True
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def _children(self):
+        for name, value in vars(self).items():
+            if isinstance(value, (Parameter, Module)):
+                yield name, value
+
+    def named_parameters(self, prefix: str = ""):
+        """(name, Parameter) pairs in definition order; a shared (tied) Parameter appears once."""
+        out, seen = [], set()
+
+        def visit(mod, pre):
+            for name, value in mod._children():
+                if isinstance(value, Parameter):
+                    if id(value) not in seen:
+                        seen.add(id(value))
+                        out.append((pre + name, value))
+                else:
+                    visit(value, pre + name + ".")
+        visit(self, prefix)
+        return out
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def modules(self):
+        """This module and every submodule, depth first."""
+        yield self
+        for _, value in self._children():
+            if isinstance(value, Module):
+                yield from value.modules()
+
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    def train(self, mode: bool = True):
+        for m in self.modules():
+            m.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def state_dict(self) -> dict:
+        """name -> host NumPy copy of each parameter."""
+        return {name: backend.to_numpy(p.data).copy() for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Copy values into the existing parameter arrays (views into flat buffers stay views)."""
+        params = dict(self.named_parameters())
+        if strict:
+            missing = sorted(set(params) - set(state))
+            unexpected = sorted(set(state) - set(params))
+            if missing or unexpected:
+                raise KeyError(f"state_dict mismatch: missing {missing}, unexpected {unexpected}")
+        for name, value in state.items():
+            if name not in params:
+                continue
+            p = params[name]
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"state_dict[{name!r}] has shape {tuple(value.shape)}, "
+                                 f"the parameter has {tuple(p.shape)}")
+            p.data[...] = backend.to_device(value, dtype=p.data.dtype)
+
+
+class ModuleList(Module):
+    """A list of modules whose parameters are registered as ``0.``, ``1.``, ..."""
+
+    def __init__(self, modules):
+        for i, m in enumerate(modules):
+            setattr(self, str(i), m)
+        self._n = len(modules)
+
+    def __iter__(self):
+        return (getattr(self, str(i)) for i in range(self._n))
+
+    def __len__(self):
+        return self._n
+
+    def __getitem__(self, i):
+        return getattr(self, str(range(self._n)[i]))

@@ -1,0 +1,202 @@
+"""Optimizers as update rules on flat arrays, LR schedules, and gradient-norm clipping.
+
+An optimizer packs its parameters into one contiguous buffer (``FlatParams``): each
+parameter's ``.data`` and ``.grad`` become views into ``flat.data`` and ``flat.grad``. The
+update rule (``sgd_update``, ``adamw_update``) then runs once over the flat arrays — few,
+large NumPy calls instead of one small call per tensor — and ZeRO can run the very same rule
+on a shard ``[lo, hi)`` of those arrays. Semantics follow torch.optim.SGD and torch.optim.AdamW.
+"""
+from __future__ import annotations
+
+import math
+
+from . import backend
+
+
+class FlatParams:
+    """Parameters packed into one flat ``data`` array and one flat ``grad`` array.
+
+    ``offsets[i]`` is where parameter i starts; ``decay_ranges`` lists the merged [lo, hi)
+    ranges whose parameters take weight decay (matrices, not biases or norms, as in GPT-2).
+    """
+
+    def __init__(self, params, decay=lambda p: p.ndim >= 2):
+        params = list(params)
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a parameter appears twice in the optimizer's list")
+        xp = backend.array_module(params[0].data)
+        dtype = params[0].data.dtype
+        total = sum(p.size for p in params)
+        self.data = xp.empty(total, dtype=dtype)
+        self.grad = xp.zeros(total, dtype=dtype)
+        self.params, self.offsets = params, []
+        ranges, off = [], 0
+        for p in params:
+            n = p.size
+            self.data[off:off + n] = p.data.reshape(-1)
+            p.data = self.data[off:off + n].reshape(p.shape)
+            p.grad = self.grad[off:off + n].reshape(p.shape)
+            if decay(p):
+                if ranges and ranges[-1][1] == off:
+                    ranges[-1] = (ranges[-1][0], off + n)
+                else:
+                    ranges.append((off, off + n))
+            self.offsets.append(off)
+            off += n
+        self.decay_ranges = ranges
+        self.size = total
+
+
+def decay_ranges_in(ranges, lo: int, hi: int):
+    """``ranges`` clipped to the shard [lo, hi), shifted to start at 0 (for ZeRO shards)."""
+    out = []
+    for a, b in ranges:
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            out.append((a - lo, b - lo))
+    return out
+
+
+# ---- update rules on flat arrays ---------------------------------------------------------------
+
+def sgd_update(p, g, state: dict, step: int, lr: float, momentum=0.0, dampening=0.0,
+               nesterov=False, weight_decay=0.0, decay_ranges=None) -> None:
+    """One SGD step in place (torch.optim.SGD semantics: L2 decay is added to the gradient)."""
+    if weight_decay:
+        g = g.copy()
+        for a, b in (decay_ranges if decay_ranges is not None else [(0, p.size)]):
+            g[a:b] += weight_decay * p[a:b]
+    if momentum:
+        buf = state.get("momentum")
+        if buf is None or step == 1:
+            buf = state["momentum"] = g.copy()
+        else:
+            buf *= momentum
+            buf += (1.0 - dampening) * g
+        g = g + momentum * buf if nesterov else buf
+    p -= lr * g
+
+
+def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, beta2=0.999, eps=1e-8,
+                 weight_decay=0.0, decay_ranges=None) -> None:
+    """One AdamW step in place: bias-corrected moments, decoupled weight decay."""
+    xp = backend.array_module(p)
+    if "exp_avg" not in state:
+        state["exp_avg"] = xp.zeros_like(p)
+        state["exp_avg_sq"] = xp.zeros_like(p)
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    if weight_decay:
+        for a, b in (decay_ranges if decay_ranges is not None else [(0, p.size)]):
+            p[a:b] *= 1.0 - lr * weight_decay
+    m *= beta1
+    m += (1.0 - beta1) * g
+    v *= beta2
+    v += (1.0 - beta2) * (g * g)
+    bias1 = 1.0 - beta1 ** step
+    bias2 = 1.0 - beta2 ** step
+    denom = xp.sqrt(v)
+    denom /= math.sqrt(bias2)
+    denom += eps
+    p -= (lr / bias1) * (m / denom)
+
+
+# ---- optimizers ----------------------------------------------------------------------------------
+
+class Optimizer:
+    """Holds the flat buffers, the per-buffer state and the step count; subclasses pick a rule."""
+
+    def __init__(self, params, lr: float, weight_decay: float = 0.0):
+        if lr < 0:
+            raise ValueError(f"learning rate must be non-negative, got {lr}")
+        self.flat = FlatParams(params)
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.state: dict = {}
+        self.step_count = 0
+
+    def zero_grad(self) -> None:
+        self.flat.grad[...] = 0
+
+    def step(self, lr: float | None = None) -> None:
+        """Apply one update with ``lr`` (the base lr unless a schedule passes one)."""
+        self.step_count += 1
+        self.update(self.flat.data, self.flat.grad, self.state, self.step_count,
+                    self.lr if lr is None else lr, self.flat.decay_ranges)
+
+    def update(self, p, g, state, step, lr, decay_ranges) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Host arrays of the optimizer state plus the step count."""
+        out = {f"state.{k}": backend.to_numpy(v).copy() for k, v in self.state.items()}
+        out["step_count"] = self.step_count
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step_count = int(sd["step_count"])
+        self.state = {k[len("state."):]: backend.to_device(v) for k, v in sd.items()
+                      if k.startswith("state.")}
+
+
+class SGD(Optimizer):
+    def __init__(self, params, lr: float, momentum: float = 0.0, dampening: float = 0.0,
+                 nesterov: bool = False, weight_decay: float = 0.0):
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum needs momentum > 0 and dampening 0")
+        super().__init__(params, lr, weight_decay)
+        self.momentum, self.dampening, self.nesterov = momentum, dampening, nesterov
+
+    def update(self, p, g, state, step, lr, decay_ranges):
+        sgd_update(p, g, state, step, lr, self.momentum, self.dampening, self.nesterov,
+                   self.weight_decay, decay_ranges)
+
+
+class AdamW(Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01):
+        for b in betas:
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Adam betas must be in [0, 1), got {betas}")
+        super().__init__(params, lr, weight_decay)
+        self.betas, self.eps = tuple(betas), eps
+
+    def update(self, p, g, state, step, lr, decay_ranges):
+        adamw_update(p, g, state, step, lr, self.betas[0], self.betas[1], self.eps,
+                     self.weight_decay, decay_ranges)
+
+
+# ---- schedule and clipping -------------------------------------------------------------------
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr: float = 0.0) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay to ``min_lr`` at ``total``.
+
+    ``step`` counts from 1 (the first update).
+    """
+    if warmup > 0 and step <= warmup:
+        return base_lr * step / warmup
+    if step >= total:
+        return min_lr
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def grad_norm_sq(flat_grad) -> float:
+    """Sum of squared gradient entries (ranks add theirs up for a global norm)."""
+    g = flat_grad.astype("float64", copy=False) if flat_grad.dtype.itemsize < 4 else flat_grad
+    return float((g * g).sum())
+
+
+def clip_scale(norm: float, max_norm: float) -> float:
+    """Factor that brings a gradient of global ``norm`` down to ``max_norm`` (1.0 if within)."""
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+def clip_grad_norm(flat_grad, max_norm: float) -> float:
+    """Scale ``flat_grad`` in place so its L2 norm is at most ``max_norm``; return the old norm."""
+    norm = math.sqrt(grad_norm_sq(flat_grad))
+    scale = clip_scale(norm, max_norm)
+    if scale < 1.0:
+        flat_grad *= scale
+    return norm

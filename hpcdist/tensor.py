@@ -1,0 +1,242 @@
+"""Tensor and the reverse-mode engine: an iterative topological sort plus a reverse walk.
+
+A Tensor holds ``data`` (an xp array) and, once backward has run, ``grad`` (an xp array of the
+same shape). Ops (ops.py) build a result Tensor that remembers its parents and a closure
+``backward(g) -> tuple of parent gradients``. ``Tensor.backward`` sorts the graph without
+recursion (deep graphs are fine), walks it in reverse, sums gradients of reused nodes, and
+frees the graph as it goes. Leaves may carry hooks that fire once their gradient for this
+backward pass is final; DDP starts its bucket allreduce from them.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from . import backend
+
+_grad_enabled = True
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Inside this block ops record no graph (inference, optimizer updates, evaluation)."""
+    global _grad_enabled
+    prev, _grad_enabled = _grad_enabled, False
+    try:
+        yield
+    finally:
+        _grad_enabled = prev
+
+
+def is_grad_enabled() -> bool:
+    return _grad_enabled
+
+
+def _freed_graph(_g):
+    raise RuntimeError("backward through a graph that was already freed: call "
+                       "backward(retain_graph=True) the first time to backpropagate twice")
+
+
+class Tensor:
+    """An xp array plus what autograd needs. ``hd.tensor(array, requires_grad=True)``."""
+
+    __slots__ = ("data", "grad", "requires_grad", "_parents", "_backward", "_hooks", "name",
+                 "__weakref__")
+    __array_priority__ = 100  # numpy_array * tensor -> Tensor.__rmul__, not an object array
+
+    def __init__(self, data, requires_grad: bool = False, dtype=None, name: str | None = None):
+        xp = backend.xp()
+        if isinstance(data, Tensor):
+            data = data.data
+        if dtype is None and not hasattr(data, "dtype"):
+            # Python scalars and lists: floats become the default float dtype.
+            arr = xp.asarray(data)
+            if arr.dtype.kind == "f":
+                arr = arr.astype(backend.default_float())
+        else:
+            arr = xp.asarray(data, dtype=dtype)
+        if requires_grad and arr.dtype.kind not in "fc" and arr.dtype.name != "bfloat16":
+            raise TypeError(f"only floating tensors can require gradients (got {arr.dtype})")
+        self.data = arr
+        self.grad = None
+        self.requires_grad = requires_grad
+        self._parents = ()
+        self._backward = None
+        self._hooks = None
+        self.name = name
+
+    @classmethod
+    def _make(cls, data, parents, backward):
+        """An op's result: records the graph only when some parent needs a gradient."""
+        t = cls.__new__(cls)
+        t.data = data
+        t.grad = None
+        t._hooks = None
+        t.name = None
+        if _grad_enabled and any(p.requires_grad for p in parents):
+            t.requires_grad = True
+            t._parents = parents
+            t._backward = backward
+        else:
+            t.requires_grad = False
+            t._parents = ()
+            t._backward = None
+        return t
+
+    # ---- properties ------------------------------------------------------------------------
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+    @property
+    def size(self):
+        return self.data.size
+
+    @property
+    def is_leaf(self):
+        return self._backward is None
+
+    def __len__(self):
+        return len(self.data)
+
+    def __repr__(self):
+        g = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor({self.data!r}{g})"
+
+    def numpy(self):
+        """A host NumPy copy of the data."""
+        return backend.to_numpy(self.data)
+
+    def item(self):
+        return self.data.item()
+
+    def detach(self) -> "Tensor":
+        """The same data, cut from the graph."""
+        return Tensor._make(self.data, (), None)
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def register_grad_hook(self, fn):
+        """Call ``fn(tensor)`` once this leaf's ``.grad`` is final in a backward pass.
+
+        Returns a handle whose ``remove()`` unregisters the hook.
+        """
+        if not self.is_leaf:
+            raise ValueError("gradient hooks fire on leaves (parameters) only")
+        if self._hooks is None:
+            self._hooks = []
+        self._hooks.append(fn)
+        hooks = self._hooks
+
+        class _Handle:
+            @staticmethod
+            def remove():
+                if fn in hooks:
+                    hooks.remove(fn)
+        return _Handle()
+
+    # ---- the engine ------------------------------------------------------------------------
+    def backward(self, grad=None, retain_graph: bool = False) -> None:
+        """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` that requires it."""
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad")
+        xp = backend.array_module(self.data)
+        if grad is None:
+            if self.data.size != 1:
+                raise RuntimeError("backward() without a gradient needs a scalar output; "
+                                   f"got shape {self.shape}")
+            grad = xp.ones_like(self.data)
+        elif isinstance(grad, Tensor):
+            grad = grad.data
+
+        grads = {id(self): grad}
+        for node in reversed(_topological_order(self)):
+            g = grads.pop(id(node), None)
+            if g is None:
+                continue
+            if node._backward is None:               # a leaf: its gradient is now final
+                if node.grad is None:
+                    node.grad = g.astype(node.data.dtype, copy=True)
+                else:
+                    node.grad += g                      # in place: .grad may be a bucket view
+                if node._hooks:
+                    for hook in node._hooks:
+                        hook(node)
+                continue
+            parent_grads = node._backward(g)
+            for p, pg in zip(node._parents, parent_grads):
+                if pg is None or not p.requires_grad:
+                    continue
+                key = id(p)
+                prev = grads.get(key)
+                grads[key] = pg if prev is None else prev + pg
+            if not retain_graph:
+                node._backward = _freed_graph
+                node._parents = ()
+
+
+def _topological_order(root: Tensor) -> list:
+    """Nodes that need gradients, every node after all of its parents. No recursion."""
+    order, visited = [], set()
+    stack = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        stack.append((node, True))
+        for p in node._parents:
+            if p.requires_grad and id(p) not in visited:
+                stack.append((p, False))
+    return order
+
+
+def tensor(data, requires_grad: bool = False, dtype=None) -> Tensor:
+    """Make a Tensor from an array, list or scalar (copied to the active device)."""
+    return Tensor(data, requires_grad=requires_grad, dtype=dtype)
+
+
+# Operator methods live in ops.py next to their backward; attached here so `a + b` works.
+from . import ops as _ops  # noqa: E402  (ops imports Tensor from this module)
+
+Tensor.__add__ = lambda a, b: _ops.add(a, b)
+Tensor.__radd__ = lambda a, b: _ops.add(b, a)
+Tensor.__sub__ = lambda a, b: _ops.sub(a, b)
+Tensor.__rsub__ = lambda a, b: _ops.sub(b, a)
+Tensor.__mul__ = lambda a, b: _ops.mul(a, b)
+Tensor.__rmul__ = lambda a, b: _ops.mul(b, a)
+Tensor.__truediv__ = lambda a, b: _ops.div(a, b)
+Tensor.__rtruediv__ = lambda a, b: _ops.div(b, a)
+Tensor.__neg__ = lambda a: _ops.neg(a)
+Tensor.__pow__ = lambda a, b: _ops.pow(a, b)
+Tensor.__rpow__ = lambda a, b: _ops.pow(b, a)
+Tensor.__matmul__ = lambda a, b: _ops.matmul(a, b)
+Tensor.__rmatmul__ = lambda a, b: _ops.matmul(b, a)
+Tensor.__getitem__ = lambda a, idx: _ops.getitem(a, idx)
+Tensor.exp = lambda a: _ops.exp(a)
+Tensor.log = lambda a: _ops.log(a)
+Tensor.sqrt = lambda a: _ops.sqrt(a)
+Tensor.tanh = lambda a: _ops.tanh(a)
+Tensor.relu = lambda a: _ops.relu(a)
+Tensor.gelu = lambda a: _ops.gelu(a)
+Tensor.sigmoid = lambda a: _ops.sigmoid(a)
+Tensor.sum = lambda a, axis=None, keepdims=False: _ops.sum(a, axis, keepdims)
+Tensor.mean = lambda a, axis=None, keepdims=False: _ops.mean(a, axis, keepdims)
+Tensor.max = lambda a, axis=None, keepdims=False: _ops.max(a, axis, keepdims)
+Tensor.reshape = lambda a, *shape: _ops.reshape(a, *shape)
+Tensor.transpose = lambda a, *axes: _ops.transpose(a, *axes)
+Tensor.permute = lambda a, *axes: _ops.transpose(a, *axes)
+Tensor.T = property(lambda a: _ops.transpose(a))
+Tensor.softmax = lambda a, axis=-1: _ops.softmax(a, axis)
+Tensor.log_softmax = lambda a, axis=-1: _ops.log_softmax(a, axis)
+Tensor.masked_fill = lambda a, mask, value: _ops.masked_fill(a, mask, value)
+Tensor.split = lambda a, sizes, axis=0: _ops.split(a, sizes, axis)

@@ -1,0 +1,53 @@
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import hpcdist as hd  # noqa: E402
+from hpcdist import backend  # noqa: E402
+
+
+@pytest.fixture
+def float64():
+    """New parameters and float tensors in float64 for the duration of a test."""
+    prev = backend.default_float()
+    backend.set_default_float("float64")
+    yield
+    backend.set_default_float(prev)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def numerical_grad(f, arrays, i, weights, eps=1e-6):
+    """Central differences of sum(f(*arrays) * weights) with respect to arrays[i]."""
+    a = arrays[i]
+    grad = np.zeros_like(a)
+    for idx in np.ndindex(a.shape):
+        old = a[idx]
+        a[idx] = old + eps
+        plus = float((f(*[hd.tensor(x) for x in arrays]).data * weights).sum())
+        a[idx] = old - eps
+        minus = float((f(*[hd.tensor(x) for x in arrays]).data * weights).sum())
+        a[idx] = old
+        grad[idx] = (plus - minus) / (2 * eps)
+    return grad
+
+
+def gradcheck(f, *arrays, wrt=None, atol=1e-6, rtol=1e-5, seed=0):
+    """Compare autograd's gradient of a random projection of f with central differences."""
+    arrays = [np.array(a, dtype=np.float64) for a in arrays]
+    wrt = range(len(arrays)) if wrt is None else wrt
+    tensors = [hd.tensor(a.copy(), requires_grad=(i in wrt)) for i, a in enumerate(arrays)]
+    out = f(*tensors)
+    weights = np.random.default_rng(seed).standard_normal(out.shape)
+    (out * hd.tensor(weights)).sum().backward()
+    for i in wrt:
+        num = numerical_grad(f, arrays, i, weights)
+        np.testing.assert_allclose(tensors[i].grad, num, atol=atol, rtol=rtol,
+                                   err_msg=f"gradient of input {i}")
+    return out

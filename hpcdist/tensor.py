@@ -155,49 +155,68 @@ class Tensor:
         elif isinstance(grad, Tensor):
             grad = grad.data
 
+        # Count, for each node, how many consumers will send it a gradient; a node runs once
+        # all of them have. A leaf is finalized (and its hooks fire) the moment its count
+        # reaches zero, so the last layer's parameters are done first (DDP overlap needs that).
+        if self._backward is None:       # backward() on a leaf itself
+            _finalize_leaf(self, grad)
+            return
+        pending = _consumer_counts(self)
         grads = {id(self): grad}
-        for node in reversed(_topological_order(self)):
+        ready = [self]
+        while ready:
+            node = ready.pop()
             g = grads.pop(id(node), None)
-            if g is None:
-                continue
-            if node._backward is None:               # a leaf: its gradient is now final
-                if node.grad is None:
-                    node.grad = g.astype(node.data.dtype, copy=True)
-                else:
-                    node.grad += g                      # in place: .grad may be a bucket view
-                if node._hooks:
-                    for hook in node._hooks:
-                        hook(node)
-                continue
-            parent_grads = node._backward(g)
-            for p, pg in zip(node._parents, parent_grads):
-                if pg is None or not p.requires_grad:
+            # No gradient arrived (every path carried None): still release the parents.
+            parent_grads = node._backward(g) if g is not None else (None,) * len(node._parents)
+            if not retain_graph:
+                parents, node._backward, node._parents = node._parents, _freed_graph, ()
+            else:
+                parents = node._parents
+            for p, pg in zip(parents, parent_grads):
+                if not p.requires_grad:
                     continue
                 key = id(p)
-                prev = grads.get(key)
-                grads[key] = pg if prev is None else prev + pg
-            if not retain_graph:
-                node._backward = _freed_graph
-                node._parents = ()
+                if pg is not None:
+                    prev = grads.get(key)
+                    grads[key] = pg if prev is None else prev + pg
+                pending[key] -= 1
+                if pending[key]:
+                    continue
+                if p._backward is None:
+                    _finalize_leaf(p, grads.pop(key, None))
+                else:
+                    ready.append(p)
 
 
-def _topological_order(root: Tensor) -> list:
-    """Nodes that need gradients, every node after all of its parents. No recursion."""
-    order, visited = [], set()
-    stack = [(root, False)]
+def _consumer_counts(root: Tensor) -> dict:
+    """id(node) -> number of edges from nodes that need gradients into it. No recursion."""
+    counts = {id(root): 0}
+    stack = [root]
     while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
-            continue
-        if id(node) in visited:
-            continue
-        visited.add(id(node))
-        stack.append((node, True))
+        node = stack.pop()
         for p in node._parents:
-            if p.requires_grad and id(p) not in visited:
-                stack.append((p, False))
-    return order
+            if not p.requires_grad:
+                continue
+            key = id(p)
+            if key not in counts:
+                counts[key] = 0
+                stack.append(p)
+            counts[key] += 1
+    return counts
+
+
+def _finalize_leaf(leaf: Tensor, g) -> None:
+    """Add this pass's gradient into ``leaf.grad`` (in place: it may be a bucket view)."""
+    if g is None:
+        return
+    if leaf.grad is None:
+        leaf.grad = g.astype(leaf.data.dtype, copy=True)
+    else:
+        leaf.grad += g
+    if leaf._hooks:
+        for hook in leaf._hooks:
+            hook(leaf)
 
 
 def tensor(data, requires_grad: bool = False, dtype=None) -> Tensor:

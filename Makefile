@@ -1,0 +1,44 @@
+# hpcdist: `make train` and `make test` each bootstrap .venv first (idempotent).
+#
+#   make venv        create/refresh .venv (reinstalls only when pyproject.toml changed)
+#   make train       train the default task
+#   make test        every test (unit tests, then the MPI tests at several world sizes)
+#   make bench       the autograd benchmark
+#
+# With no system mpiexec on PATH the venv gets the MPICH wheel from PyPI, which brings
+# mpiexec/mpirun into .venv/bin. On a cluster with a system MPI, see README.md.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+# One BLAS/OpenMP thread per process: MPI ranks share the cores instead of fighting over them.
+export OMP_NUM_THREADS ?= 1
+export OPENBLAS_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+
+.PHONY: venv train test test-unit bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@extras=test,bf16; \
+	if ! command -v mpiexec >/dev/null 2>&1; then \
+	  echo "no system mpiexec found: installing the MPICH wheel into $(VENV)"; extras=$$extras,mpich; \
+	fi; \
+	$(BIN)/python -m pip install -q -e ".[$$extras]"
+	@touch $@
+
+train: venv
+	$(BIN)/python -m hpcdist.train
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+bench: venv
+	$(BIN)/python -m hpcdist.bench autograd
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache *.egg-info

@@ -1,0 +1,20 @@
+"""Benchmarks, one command each: ``python -m hpcdist.bench <name> [options]``."""
+import importlib
+import sys
+
+BENCHMARKS = {
+    "autograd": "hpcdist.bench.autograd",
+}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+        print("usage: python -m hpcdist.bench {" + ",".join(BENCHMARKS) + "} [options]")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(BENCHMARKS[argv[0]])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

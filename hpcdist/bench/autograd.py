@@ -1,0 +1,223 @@
+"""Autograd step time against PyTorch CPU eager (same threads) and a hand-written NumPy floor.
+
+Each contender starts from the same weights and sees the same batches; the table prints the
+median step time (forward + backward + update), the ratio to PyTorch, and the loss after the
+same number of steps (they must agree). A last line measures Tensor overhead per op: an
+hpcdist op on a tiny array minus the same NumPy call.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+import hpcdist as hd
+from hpcdist import nn, ops, optim
+
+
+def _median_step(step, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+# ---- MLP 784-128-10 ------------------------------------------------------------------------
+
+def mlp_contenders(batch: int, lr: float, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, 784)).astype(np.float32)
+    y = rng.integers(0, 10, size=batch)
+    nn.manual_seed(seed)
+    model = nn.MLP([784, 128, 10])
+    w1, b1, w2, b2 = (p.data.copy() for p in model.parameters())
+    opt = optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    out = {}
+
+    def hd_step():
+        opt.zero_grad()
+        loss = ops.cross_entropy(model(hd.tensor(x)), y)
+        loss.backward()
+        opt.step()
+        return float(loss.data)
+    out["hpcdist"] = hd_step
+
+    # The floor: the same math written by hand in NumPy, one flat momentum buffer.
+    params = [w1.copy(), b1.copy(), w2.copy(), b2.copy()]
+    bufs = [None] * 4
+    onehot = np.eye(10, dtype=np.float32)[y]
+
+    def numpy_step():
+        W1, B1, W2, B2 = params
+        h_pre = x @ W1 + B1
+        h = np.maximum(h_pre, 0)
+        z = h @ W2 + B2
+        z = z - z.max(axis=1, keepdims=True)
+        e = np.exp(z)
+        p = e / e.sum(axis=1, keepdims=True)
+        loss = -np.log(p[np.arange(batch), y]).mean()
+        dz = (p - onehot) / batch
+        dW2, dB2 = h.T @ dz, dz.sum(0)
+        dh = (dz @ W2.T) * (h_pre > 0)
+        dW1, dB1 = x.T @ dh, dh.sum(0)
+        for i, g in enumerate((dW1, dB1, dW2, dB2)):
+            bufs[i] = g.copy() if bufs[i] is None else bufs[i] * 0.9 + g
+            params[i] -= lr * bufs[i]
+        return float(loss)
+    out["numpy (floor)"] = numpy_step
+
+    try:
+        import torch
+    except ImportError:
+        return out
+    tp = [torch.tensor(a.copy(), requires_grad=True) for a in (w1, b1, w2, b2)]
+    topt = torch.optim.SGD(tp, lr=lr, momentum=0.9)
+    tx, ty = torch.tensor(x), torch.tensor(y)
+
+    def torch_step():
+        topt.zero_grad()
+        h = torch.relu(tx @ tp[0] + tp[1])
+        loss = torch.nn.functional.cross_entropy(h @ tp[2] + tp[3], ty)
+        loss.backward()
+        topt.step()
+        return loss.item()
+    out["pytorch"] = torch_step
+    return out
+
+
+# ---- GPT -------------------------------------------------------------------------------------
+
+def gpt_contenders(cfg: nn.GPTConfig, batch: int, lr: float, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, cfg.vocab_size, size=(batch, cfg.block_size))
+    tgt = rng.integers(0, cfg.vocab_size, size=(batch, cfg.block_size))
+    nn.manual_seed(seed)
+    model = nn.GPT(cfg)
+    sd = model.state_dict()
+    opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    out = {}
+
+    def hd_step():
+        opt.zero_grad()
+        _, loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        return float(loss.data)
+    out["hpcdist"] = hd_step
+
+    try:
+        import torch
+    except ImportError:
+        return out
+    F = torch.nn.functional
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in sd.items()}
+    topt = torch.optim.AdamW(list(p.values()), lr=lr, weight_decay=0.0)
+    tidx, ttgt = torch.tensor(idx), torch.tensor(tgt)
+    B, T, C, nh = batch, cfg.block_size, cfg.n_embd, cfg.n_head
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+
+    def torch_forward():
+        # The same network in PyTorch eager, on our parameter layout (weights in x out).
+        x = p["wte.weight"][tidx] + p["wpe.weight"][:T]
+        for i in range(cfg.n_layer):
+            b = f"blocks.{i}."
+            h = F.layer_norm(x, (C,), p[b + "ln_1.weight"], p[b + "ln_1.bias"])
+            q, k, v = (h @ p[b + "attn.c_attn.weight"] + p[b + "attn.c_attn.bias"]).split(C, 2)
+            q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
+            att = ((q @ k.transpose(-2, -1)) / (C // nh) ** 0.5).masked_fill(mask, float("-inf"))
+            y = (att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+            x = x + y @ p[b + "attn.c_proj.weight"] + p[b + "attn.c_proj.bias"]
+            h = F.layer_norm(x, (C,), p[b + "ln_2.weight"], p[b + "ln_2.bias"])
+            h = F.gelu(h @ p[b + "mlp.layers.0.weight"] + p[b + "mlp.layers.0.bias"],
+                       approximate="tanh")
+            x = x + h @ p[b + "mlp.layers.1.weight"] + p[b + "mlp.layers.1.bias"]
+        x = F.layer_norm(x, (C,), p["ln_f.weight"], p["ln_f.bias"])
+        return F.cross_entropy((x @ p["wte.weight"].T).reshape(-1, cfg.vocab_size),
+                               ttgt.reshape(-1))
+
+    def torch_step():
+        topt.zero_grad()
+        loss = torch_forward()
+        loss.backward()
+        topt.step()
+        return loss.item()
+    out["pytorch"] = torch_step
+    return out
+
+
+# ---- per-op overhead ---------------------------------------------------------------------------
+
+def op_overhead_us(iters: int = 20000) -> float:
+    """Mean extra microseconds an hpcdist op costs over the bare NumPy call (forward, graph on)."""
+    a = np.ones(4, np.float32)
+    b = np.ones(4, np.float32)
+    ta = hd.tensor(a, requires_grad=True)
+    tb = hd.tensor(b, requires_grad=True)
+    pairs = [(lambda: a + b, lambda: ta + tb), (lambda: a * b, lambda: ta * tb),
+             (lambda: np.tanh(a), lambda: ta.tanh()), (lambda: a.sum(), lambda: ta.sum())]
+    extra = []
+    for raw, ours in pairs:
+        t_raw = min(_time(raw, iters) for _ in range(3))
+        t_ours = min(_time(ours, iters) for _ in range(3))
+        extra.append((t_ours - t_raw) / iters * 1e6)
+    return float(np.mean(extra))
+
+
+def _time(fn, n):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return time.perf_counter() - t0
+
+
+def run_table(title, contenders, steps, warmup):
+    rows = {}
+    for name, step in contenders.items():
+        losses = []
+        t = _median_step(lambda: losses.append(step()), warmup, steps)
+        rows[name] = (t, losses[-1])
+    ref = rows.get("pytorch", (None,))[0]
+    print(f"\n{title}")
+    print(f"{'':16s} {'step ms':>9s} {'vs pytorch':>11s} {'loss after ' + str(warmup + steps):>17s}")
+    for name, (t, loss) in rows.items():
+        ratio = f"{t / ref:.2f}x" if ref else "n/a"
+        print(f"{name:16s} {t * 1e3:9.3f} {ratio:>11s} {loss:17.6f}")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench autograd", description=__doc__)
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per contender")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    args = ap.parse_args(argv)
+    try:
+        import torch
+        torch.set_num_threads(args.threads)
+        tv = torch.__version__
+    except ImportError:
+        tv = "not installed (pip install torch==2.13.0 to compare)"
+    print(f"autograd benchmark | threads {args.threads} | numpy {np.__version__} | torch {tv}")
+    mlp = run_table("MLP 784-128-10, batch 64, SGD momentum",
+                    mlp_contenders(64, 0.05), args.steps, args.warmup)
+    from hpcdist.train import TrainConfig
+    d = TrainConfig()
+    cfg = nn.GPTConfig(block_size=2 * d.length - 1, vocab_size=d.num_digits, n_layer=d.n_layer,
+                       n_head=d.n_head, n_embd=d.n_embd)
+    gpt = run_table(f"GPT {cfg.n_layer}x{cfg.n_embd} (train.py default), batch {d.batch_size}, "
+                    f"T {cfg.block_size}, AdamW", gpt_contenders(cfg, d.batch_size, 1e-3),
+                    args.steps, args.warmup)
+    print(f"\nTensor overhead over raw NumPy: {op_overhead_us():.2f} us per op (target <= 3)")
+    for title, rows, target in (("MLP", mlp, 1.3), ("GPT", gpt, 1.5)):
+        if "pytorch" in rows:
+            r = rows["hpcdist"][0] / rows["pytorch"][0]
+            dl = abs(rows["hpcdist"][1] - rows["pytorch"][1])
+            print(f"{title}: hpcdist/pytorch = {r:.2f} (target <= {target}); "
+                  f"|loss difference| = {dl:.2e}")
+    return 0

@@ -1,0 +1,415 @@
+"""Communicator: hpcdist's collectives over an mpi4py communicator.
+
+Every collective here is one of our algorithms built on MPI point-to-point calls; MPI's own
+collectives are only the oracle in tests and the baseline in benchmarks. Arrays cross MPI as
+raw bytes (any dtype, fp16 and bf16 included); reductions run in the array's own module.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import backend
+from . import check, p2p, rabenseifner, recursive_doubling, ring, sparse, tree
+from .layout import check_op, shard_bounds, shard_counts
+
+# ---- algorithm choice ----------------------------------------------------------------------
+# Thresholds measured on the 2-core development machine with
+#   mpiexec -n N python -m hpcdist.bench collectives      (N = 2, 4, 8; see README)
+# Recursive doubling sends the whole buffer log2(P) times but in the fewest rounds; it wins
+# below ALLREDUCE_SMALL_BYTES. Rabenseifner sends 2(P-1)/P of it in 2 log2(P) rounds; the
+# ring sends the same bytes in 2(P-1) rounds, each rank talking only to its neighbours.
+ALLREDUCE_SMALL_BYTES = 16 << 10
+ALLREDUCE_RING_BYTES = 1 << 20
+BCAST_SMALL_BYTES = 64 << 10
+
+ALLREDUCE_ALGORITHMS = {
+    "ring": ring.allreduce_inplace,
+    "recursive_doubling": recursive_doubling.allreduce_inplace,
+    "rabenseifner": rabenseifner.allreduce_inplace,
+}
+BCAST_ALGORITHMS = {
+    "binomial": tree.bcast_binomial,
+    "scatter_allgather": tree.bcast_scatter_allgather,
+}
+
+
+def choose_allreduce(nbytes: int, world: int, algorithm: str = "auto") -> str:
+    """The allreduce algorithm for a message size (``HPCDIST_ALLREDUCE`` overrides "auto")."""
+    algorithm = os.environ.get("HPCDIST_ALLREDUCE", "auto") if algorithm == "auto" else algorithm
+    if algorithm != "auto":
+        if algorithm not in ALLREDUCE_ALGORITHMS:
+            raise ValueError(f"unknown allreduce algorithm {algorithm!r}: choose auto, "
+                             f"{', '.join(ALLREDUCE_ALGORITHMS)}")
+        return algorithm
+    if nbytes < ALLREDUCE_SMALL_BYTES or world <= 2:
+        return "recursive_doubling"   # at P=2 all three do one exchange; RD has no chunking
+    return "rabenseifner" if nbytes < ALLREDUCE_RING_BYTES else "ring"
+
+
+def choose_bcast(nbytes: int, world: int, algorithm: str = "auto") -> str:
+    algorithm = os.environ.get("HPCDIST_BCAST", "auto") if algorithm == "auto" else algorithm
+    if algorithm != "auto":
+        if algorithm not in BCAST_ALGORITHMS:
+            raise ValueError(f"unknown bcast algorithm {algorithm!r}: choose auto, "
+                             f"{', '.join(BCAST_ALGORITHMS)}")
+        return algorithm
+    return "binomial" if nbytes < BCAST_SMALL_BYTES or world <= 2 else "scatter_allgather"
+
+
+def cuda_aware() -> bool:
+    """Whether MPI can read GPU buffers directly (HPCDIST_CUDA_AWARE=0|1 overrides)."""
+    env = os.environ.get("HPCDIST_CUDA_AWARE")
+    if env in ("0", "1"):
+        return env == "1"
+    query = getattr(MPI, "Query_cuda_support", None)
+    try:
+        return bool(query()) if query is not None else False
+    except Exception:
+        return False
+
+
+class Handle:
+    """A non-blocking collective in flight: ``wait()`` returns its result, ``test()`` polls."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def test(self) -> bool:
+        return self._future.done()
+
+    def wait(self):
+        return self._future.result()
+
+
+class _Done:
+    """A future that already holds its result (used when no progress thread is available)."""
+
+    def __init__(self, fn):
+        self._value, self._error = None, None
+        try:
+            self._value = fn()
+        except BaseException as e:  # re-raised by result(), as a real future would
+            self._error = e
+
+    def done(self):
+        return True
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class Communicator:
+    """Collectives, point-to-point and sparse exchange over ``mpi_comm`` (default COMM_WORLD).
+
+    Construction is collective: every rank of ``mpi_comm`` must construct it, in the same order.
+    """
+
+    def __init__(self, mpi_comm=None):
+        self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
+        node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        node.Free()
+        # Non-blocking collectives run on their own duplicate, in a progress thread, so their
+        # messages can never match a blocking call's.
+        self._bg_mpi = self.mpi.Dup()
+        # Point-to-point has its own duplicate too: user tags never meet collective traffic.
+        self._p2p_mpi = self.mpi.Dup()
+        self._send_seq: dict = {}            # dest -> messages sent (payload tags)
+        self._executor = None
+        self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self.debug = os.environ.get("HPCDIST_DEBUG", "0") == "1"
+        self.cuda_aware = cuda_aware()
+        self._calls = {}
+        self.sparse_stats = sparse.SparseStats()
+
+    def __repr__(self):
+        return f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank})"
+
+    def split(self, color: int, key: int | None = None) -> "Communicator":
+        """A Communicator over the ranks that pass the same ``color``, ordered by ``key``."""
+        return Communicator(self.mpi.Split(color, self.rank if key is None else key))
+
+    # ---- argument handling --------------------------------------------------------------
+    def _problem(self, buf, name: str, root: int | None = None) -> str | None:
+        """What is wrong with this rank's arguments (None if nothing)."""
+        if not hasattr(buf, "dtype") or not hasattr(buf, "flags"):
+            return f"{name} must be a NumPy or CuPy array, got {type(buf).__name__}"
+        if not buf.flags.c_contiguous:
+            return f"{name} must be C-contiguous (pass xp.ascontiguousarray({name}))"
+        if root is not None and not 0 <= root < self.size:
+            return f"root must be in [0, {self.size}), got {root}"
+        try:
+            p2p.dtype_code(buf.dtype)
+        except TypeError as e:
+            return f"{name}: {e}"
+        return None
+
+    def _agree(self, mpi, kind, buf, name, op=None, root=None, length=None, k=-1,
+               problem=None) -> None:
+        """Raise on every rank, before data moves, if the ranks' arguments disagree.
+
+        ``problem`` is a local error found by the caller; it joins the agreement like any
+        other, so the rank with the bad argument raises it and the others raise a mismatch.
+        """
+        problem = self._problem(buf, name, root) or problem
+        key = id(mpi)                      # call order is per MPI communicator
+        self._calls[key] = self._calls.get(key, 0) + 1
+        ok = problem is None
+        h = check.header(kind, (length if length is not None else buf.size) if ok else -1,
+                         buf.dtype if ok else None, op, -1 if root is None else root, not ok,
+                         self._calls[key],
+                         buf.shape if ok else None, self.debug, k=k)
+        try:
+            check.agree(mpi, h)
+        except check.CollectiveMismatchError:
+            if problem is not None:
+                raise ValueError(problem) from None
+            raise
+
+    def _stage_in(self, buf):
+        """A flat buffer MPI may read: a host copy of a GPU array unless MPI is CUDA-aware,
+        else a view of ``buf`` itself."""
+        if backend.is_gpu_array(buf):
+            backend.synchronize(buf)          # the producing stream must be done
+            if not self.cuda_aware:
+                return backend.to_numpy(buf).reshape(-1)
+        return buf.reshape(-1)
+
+    def _staged(self, buf) -> bool:
+        """True when ``_stage_in(buf)`` is a host copy rather than a view of ``buf``."""
+        return backend.is_gpu_array(buf) and not self.cuda_aware
+
+    def _stage_out(self, host, like):
+        if backend.is_gpu_array(like) and not backend.is_gpu_array(host):
+            return backend.array_module(like).asarray(host)
+        return host
+
+    def _run(self, fn, blocking: bool):
+        if blocking:
+            return fn(self.mpi)
+        if not self.threaded:
+            # No MPI_THREAD_MULTIPLE: run now (correct, no overlap), in call order.
+            return Handle(_Done(lambda: fn(self._bg_mpi)))
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"hpcdist-comm-{self.rank}")
+        return Handle(self._executor.submit(fn, self._bg_mpi))
+
+    # ---- collectives --------------------------------------------------------------------
+    def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None):
+        """Reduce ``buf`` over all ranks; every rank gets the result (a new array unless
+        ``out`` is given — ``out=buf`` reduces in place)."""
+        return self._allreduce(buf, op, algorithm, out, blocking=True)
+
+    def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None) -> Handle:
+        """Non-blocking allreduce: progresses in a background thread; ``wait()`` -> result.
+        Do not touch ``buf`` (or ``out``) until then."""
+        return self._allreduce(buf, op, algorithm, out, blocking=False)
+
+    def _allreduce(self, buf, op, algorithm, out, blocking):
+        check_op(op)
+        name = choose_allreduce(getattr(buf, "nbytes", 0), self.size, algorithm)
+
+        def run(mpi):
+            self._agree(mpi, "allreduce", buf, "buf", op)
+            in_place = out is buf
+            work = self._stage_in(buf)
+            if not in_place and not self._staged(buf):
+                work = work.copy()             # out of place: leave buf as it was
+            if self.size > 1 and work.size:
+                ALLREDUCE_ALGORITHMS[name](mpi, work, op)
+            if in_place and not self._staged(buf):
+                return buf                     # reduced where it lies
+            result = self._stage_out(work, buf).reshape(buf.shape)
+            if out is None:
+                return result
+            out[...] = result
+            return out
+        return self._run(run, blocking)
+
+    def reduce_scatter(self, buf, op: str = "sum"):
+        """This rank's shard (shard layout, see layout.py) of the reduction of ``buf``."""
+        return self._reduce_scatter(buf, op, blocking=True)
+
+    def ireduce_scatter(self, buf, op: str = "sum") -> Handle:
+        return self._reduce_scatter(buf, op, blocking=False)
+
+    def _reduce_scatter(self, buf, op, blocking):
+        check_op(op)
+
+        def run(mpi):
+            self._agree(mpi, "reduce_scatter", buf, "buf", op)
+            work = self._stage_in(buf).copy()
+            lo, hi = shard_bounds(work.size, self.size, self.rank)
+            if self.size > 1 and work.size:
+                ring.reduce_scatter_inplace(mpi, work, op)
+            return self._stage_out(work[lo:hi].copy(), buf)
+        return self._run(run, blocking)
+
+    def allgather(self, shard, total: int | None = None):
+        """Concatenation of every rank's 1-D ``shard``.
+
+        With ``total``, shards follow the shard layout of a length-``total`` array (the last
+        ones may be shorter or empty); without it, every shard must have the same length.
+        """
+        return self._allgather(shard, total, blocking=True)
+
+    def iallgather(self, shard, total: int | None = None) -> Handle:
+        return self._allgather(shard, total, blocking=False)
+
+    def _allgather(self, shard, total, blocking):
+        def run(mpi):
+            P, n = self.size, getattr(shard, "size", 0)
+            counts = shard_counts(total, P) if total is not None else [n] * P
+            problem = None
+            if total is not None and counts[self.rank] != n:
+                problem = (f"shard has {n} elements, but rank {self.rank}'s shard of a "
+                           f"length-{total} array over {P} ranks has {counts[self.rank]}")
+            self._agree(mpi, "allgather", shard, "shard",
+                        length=total if total is not None else n, problem=problem)
+            return self._gather_pieces(mpi, shard, counts)
+        return self._run(run, blocking)
+
+    def _gather_pieces(self, mpi, piece, counts):
+        """Ring allgather of pieces of the given per-rank sizes into one array."""
+        bounds, off = [], 0
+        for c in counts:
+            bounds.append((off, off + int(c)))
+            off += int(c)
+        work = self._stage_in(piece)
+        full = backend.array_module(work).empty(off, dtype=work.dtype)
+        full[bounds[self.rank][0]:bounds[self.rank][1]] = work
+        if self.size > 1 and off:
+            ring.allgather_inplace(mpi, full, bounds)
+        return self._stage_out(full, piece)
+
+    def allgatherv(self, buf):
+        """Concatenation of every rank's 1-D ``buf``, lengths free to differ."""
+        self._agree(self.mpi, "allgatherv", buf, "buf", length=0)
+        counts = np.zeros(self.size, dtype=np.int64)
+        counts[self.rank] = buf.size
+        ring.allgather_inplace(self.mpi, counts, [(i, i + 1) for i in range(self.size)])
+        return self._gather_pieces(self.mpi, buf, counts)
+
+    def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
+        """Overwrite ``buf`` on every rank with root's ``buf`` (in place); returns ``buf``."""
+        self._agree(self.mpi, "bcast", buf, "buf", root=root)
+        name = choose_bcast(buf.nbytes, self.size, algorithm)
+        work = self._stage_in(buf)
+        if self.size > 1 and work.size:
+            BCAST_ALGORITHMS[name](self.mpi, work, root)
+        if self._staged(buf):
+            buf[...] = self._stage_out(work, buf).reshape(buf.shape)
+        return buf
+
+    def reduce(self, buf, op: str = "sum", root: int = 0):
+        """Binomial-tree reduction to ``root``: the result there, None on other ranks."""
+        check_op(op)
+        self._agree(self.mpi, "reduce", buf, "buf", op, root=root)
+        work = self._stage_in(buf).copy()
+        if self.size > 1 and work.size:
+            tree.reduce_binomial(self.mpi, work, root, op)
+        return self._stage_out(work, buf).reshape(buf.shape) if self.rank == root else None
+
+    def barrier(self) -> None:
+        tree.barrier(self.mpi)
+
+    # ---- point to point -----------------------------------------------------------------
+    def _check_peer(self, peer: int, name: str, tag: int) -> None:
+        if not 0 <= peer < self.size:
+            raise ValueError(f"{name} must be in [0, {self.size}), got {peer}")
+        if not 0 <= tag < p2p.MAX_TAG:
+            raise ValueError(f"tag must be in [0, {p2p.MAX_TAG}), got {tag}")
+
+    def _outgoing(self, arr, dest: int, tag: int):
+        """Checked, staged array and its payload tag for a send to ``dest``."""
+        self._check_peer(dest, "dest", tag)
+        problem = self._problem(arr, "arr")
+        if problem:
+            raise ValueError(problem)
+        seq = self._send_seq.get(dest, 0)
+        self._send_seq[dest] = seq + 1
+        return self._stage_in(arr).reshape(arr.shape), p2p.payload_tag(seq)
+
+    def _recv_on_host(self) -> bool:
+        return backend.device() == "gpu" and not self.cuda_aware
+
+    def send(self, arr, dest: int, tag: int = 0) -> None:
+        """Send an array; its shape and dtype travel with it."""
+        work, ptag = self._outgoing(arr, dest, tag)
+        p2p.send(self._p2p_mpi, work, dest, tag, ptag)
+
+    def recv(self, source: int, tag: int = 0):
+        """Receive an array sent with ``send``/``isend``, on the active device."""
+        self._check_peer(source, "source", tag)
+        host = self._recv_on_host()
+        out = p2p.recv(self._p2p_mpi, source, tag, np if host else backend.xp())
+        return backend.to_device(out) if host else out
+
+    def isend(self, arr, dest: int, tag: int = 0) -> p2p.SendHandle:
+        """Non-blocking send; ``wait()`` before reusing ``arr``."""
+        work, ptag = self._outgoing(arr, dest, tag)
+        return p2p.isend(self._p2p_mpi, work, dest, tag, ptag)
+
+    def irecv(self, source: int, tag: int = 0) -> p2p.RecvHandle:
+        """Non-blocking receive; ``wait()`` returns the array."""
+        self._check_peer(source, "source", tag)
+        host = self._recv_on_host()
+        return p2p.RecvHandle(self._p2p_mpi, source, tag, np if host else backend.xp(),
+                              finish=backend.to_device if host else None)
+
+    def sendrecv(self, arr, dest: int, source: int, sendtag: int = 0, recvtag: int | None = None):
+        """Send ``arr`` to ``dest`` while receiving from ``source`` (no deadlock in a ring)."""
+        h = self.isend(arr, dest, sendtag)
+        out = self.recv(source, sendtag if recvtag is None else recvtag)
+        h.wait()
+        return out
+
+    # ---- sparse --------------------------------------------------------------------------
+    def sparse_allreduce(self, grad, density: float | None = None, k: int | None = None,
+                         op: str = "sum"):
+        """Top-k exchange: every rank's k largest-|.| entries, summed into a dense array.
+
+        Falls back to the dense ring allreduce when that sends fewer bytes (k/n above about
+        1/P); ``self.sparse_stats`` records the sizes and which path ran.
+        """
+        if op not in ("sum", "avg"):
+            raise ValueError(f"sparse_allreduce supports op sum or avg, got {op!r}")
+        n = getattr(grad, "size", 0)
+        kk = sparse.choose_k(n, density, k)
+        if n >= 2 ** 31:
+            raise ValueError("sparse_allreduce indexes with int32: arrays must be < 2**31")
+        self._agree(self.mpi, "sparse_allreduce", grad, "grad", op, length=n, k=kk)
+        sparse_b, dense_b = sparse.wire_bytes(n, kk, grad.dtype.itemsize, self.size)
+        flat = grad.reshape(-1)
+        if sparse_b >= dense_b:
+            out = self.allreduce(flat, op="sum", algorithm="ring")
+            stats = sparse.SparseStats(n, kk, sparse_b, dense_b, dense_b, True)
+        else:
+            idx, vals = sparse.top_k(flat, kk)
+            host_idx, host_vals = self._stage_in(idx), self._stage_in(vals)
+            out = self._stage_out(sparse.exchange(self.mpi, host_idx, host_vals, n), grad)
+            stats = sparse.SparseStats(n, kk, sparse_b, dense_b, sparse_b, False)
+        if op == "avg":
+            out /= self.size
+        self.sparse_stats = stats
+        return out.reshape(grad.shape)
+
+    # ---- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the progress thread and free the duplicate communicator (collective)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        for name in ("_bg_mpi", "_p2p_mpi"):
+            dup = getattr(self, name)
+            if dup is not None and dup != MPI.COMM_NULL:
+                dup.Free()
+                setattr(self, name, None)

@@ -1,0 +1,55 @@
+"""Ring reduce-scatter, ring allgather and ring allreduce (reduce-scatter, then allgather).
+
+Bandwidth-optimal: each rank sends 2(P-1)/P of the buffer in 2(P-1) steps of one chunk.
+Chunks follow the shard layout (layout.py), so after the reduce-scatter phase rank r holds the
+reduced shard r — exactly ``reduce_scatter``'s result — and ZeRO can stop there.
+"""
+from __future__ import annotations
+
+from .. import backend
+from .layout import as_bytes, finish, reduce_into, ring_peers, shard_bounds, shard_size
+
+TAG = 101
+
+
+def reduce_scatter_inplace(comm, buf, op: str) -> tuple[int, int]:
+    """Reduce ``buf`` across ranks; afterwards ``buf[lo:hi]`` (returned) is this rank's reduced
+    shard and the rest of ``buf`` is scratch. ``avg`` is finished on the shard."""
+    P, r = comm.Get_size(), comm.Get_rank()
+    L = buf.size
+    bounds = [shard_bounds(L, P, c) for c in range(P)]
+    left, right = ring_peers(r, P)
+    incoming = backend.array_module(buf).empty(shard_size(L, P), dtype=buf.dtype)
+    for step in range(P - 1):
+        send_c, recv_c = (r - step - 1) % P, (r - step - 2) % P   # last step receives chunk r
+        (slo, shi), (rlo, rhi) = bounds[send_c], bounds[recv_c]
+        part = incoming[:rhi - rlo]
+        comm.Sendrecv(as_bytes(buf[slo:shi]), right, TAG, as_bytes(part), left, TAG)
+        reduce_into(buf[rlo:rhi], part, op)
+    lo, hi = bounds[r]
+    finish(buf[lo:hi], op, P)
+    return lo, hi
+
+
+def allgather_inplace(comm, buf, bounds, pos=None, left=None, right=None) -> None:
+    """Fill every piece of ``buf`` from the rank that owns it.
+
+    ``bounds[i]`` is piece i's [lo, hi); the rank at ring position ``pos`` owns piece ``pos``
+    on entry. Pieces may differ in size (allgatherv). ``pos``/``left``/``right`` default to the
+    rank and its ring neighbours; the scatter-allgather broadcast passes root-relative ones.
+    """
+    P = comm.Get_size()
+    if pos is None:
+        pos = comm.Get_rank()
+        left, right = ring_peers(pos, P)
+    for step in range(P - 1):
+        send_c, recv_c = (pos - step) % P, (pos - step - 1) % P
+        (slo, shi), (rlo, rhi) = bounds[send_c], bounds[recv_c]
+        comm.Sendrecv(as_bytes(buf[slo:shi]), right, TAG + 1, as_bytes(buf[rlo:rhi]), left, TAG + 1)
+
+
+def allreduce_inplace(comm, buf, op: str) -> None:
+    """Phase 1: ring reduce-scatter. Phase 2: ring allgather of the reduced shards."""
+    P = comm.Get_size()
+    reduce_scatter_inplace(comm, buf, op)
+    allgather_inplace(comm, buf, [shard_bounds(buf.size, P, c) for c in range(P)])

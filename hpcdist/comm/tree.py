@@ -1,0 +1,76 @@
+"""Binomial-tree broadcast and reduce, the scatter + allgather broadcast, and a barrier.
+
+Ranks are renumbered relative to the root (``vrank = (rank - root) % P``) so the tree is
+always rooted at 0: vrank v receives from v minus its lowest set bit and sends to v + 2^k
+for every 2^k below that bit (layout.binomial_parent / binomial_children).
+"""
+from __future__ import annotations
+
+from .. import backend
+from . import ring
+from .layout import (as_bytes, binomial_children, binomial_parent, finish, reduce_into,
+                     shard_bounds)
+
+TAG = 104
+
+
+def _real(vrank: int, root: int, P: int) -> int:
+    return (vrank + root) % P
+
+
+def bcast_binomial(comm, buf, root: int) -> None:
+    """log2(P) rounds of whole-buffer sends down the tree: best for small messages."""
+    P, r = comm.Get_size(), comm.Get_rank()
+    v = (r - root) % P
+    if v:
+        comm.Recv(as_bytes(buf), _real(binomial_parent(v), root, P), TAG)
+    for child in binomial_children(v, P):
+        comm.Send(as_bytes(buf), _real(child, root, P), TAG)
+
+
+def reduce_binomial(comm, buf, root: int, op: str) -> None:
+    """Reduce up the tree into ``buf`` on the root (elsewhere ``buf`` becomes scratch)."""
+    P, r = comm.Get_size(), comm.Get_rank()
+    v = (r - root) % P
+    tmp = backend.array_module(buf).empty_like(buf)
+    # Children send in reverse order of the broadcast: the smallest subtree finishes first.
+    for child in reversed(binomial_children(v, P)):
+        comm.Recv(as_bytes(tmp), _real(child, root, P), TAG + 1)
+        reduce_into(buf, tmp, op)
+    if v:
+        comm.Send(as_bytes(buf), _real(binomial_parent(v), root, P), TAG + 1)
+    else:
+        finish(buf, op, P)
+
+
+def bcast_scatter_allgather(comm, buf, root: int) -> None:
+    """Van de Geijn's broadcast for large messages: binomial scatter of P pieces, then ring
+    allgather. Moves about 2x the buffer per rank instead of log2(P)x."""
+    P, r = comm.Get_size(), comm.Get_rank()
+    v = (r - root) % P
+    bounds = [shard_bounds(buf.size, P, c) for c in range(P)]   # piece c belongs to vrank c
+
+    def span(first, count):            # elements of pieces [first, first+count), clipped
+        last = min(first + count, P)
+        return bounds[first][0], bounds[last - 1][1]
+
+    # Phase 1: binomial scatter. The subtree under vrank v covers pieces [v, v + lowbit(v)).
+    if v:
+        lo, hi = span(v, v & -v)
+        comm.Recv(as_bytes(buf[lo:hi]), _real(binomial_parent(v), root, P), TAG + 2)
+    for child in binomial_children(v, P):
+        lo, hi = span(child, child & -child)
+        comm.Send(as_bytes(buf[lo:hi]), _real(child, root, P), TAG + 2)
+    # Phase 2: ring allgather in root-relative order.
+    ring.allgather_inplace(comm, buf, bounds, pos=v,
+                           left=_real(v - 1, root, P), right=_real(v + 1, root, P))
+
+
+def barrier(comm) -> None:
+    """Dissemination barrier: ceil(log2 P) rounds of empty messages at distance 1, 2, 4, .."""
+    P, r = comm.Get_size(), comm.Get_rank()
+    empty = bytearray(0)
+    dist = 1
+    while dist < P:
+        comm.Sendrecv(empty, (r + dist) % P, TAG + 3, bytearray(0), (r - dist) % P, TAG + 3)
+        dist <<= 1

@@ -1,0 +1,36 @@
+"""Run under mpiexec: ``mpiexec -n N python -m pytest --with-mpi tests/mpi`` (make test does).
+
+Only rank 0 reports. A failure on any rank prints that rank's traceback to stderr and aborts
+the whole job, so a rank that fails can never leave the others waiting in a collective.
+"""
+import sys
+
+import pytest
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    if WORLD.Get_rank() != 0:             # one report per run, from rank 0
+        reporter = config.pluginmanager.getplugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and WORLD.Get_size() > 1:
+        sys.__stderr__.write(f"\n[rank {WORLD.Get_rank()} of {WORLD.Get_size()}] "
+                             f"{item.nodeid} failed:\n{report.longreprtext}\n")
+        sys.__stderr__.flush()
+        WORLD.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def comm():
+    from hpcdist.comm import Communicator
+    return Communicator()

@@ -1,0 +1,218 @@
+"""Every algorithm, op and dtype against MPI's built-in collectives on the same data."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcdist.comm import CollectiveMismatchError, shard_bounds
+from hpcdist.comm.communicator import ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS
+
+pytestmark = pytest.mark.mpi
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+OPS = ["sum", "avg", "max", "min"]
+MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def lengths(P):
+    return sorted({0, 1, max(P - 1, 0), P, P + 1, 7, 13, 97, 1031})
+
+
+def rank_data(n, dtype, rank, seed=0):
+    """Small integers (exact in every dtype, so float sums are order-independent)."""
+    rng = np.random.default_rng(1000 * seed + rank)
+    return rng.integers(-20, 21, size=n).astype(dtype)
+
+
+def oracle_allreduce(comm, x, op):
+    """MPI's Allreduce (fp16 computed in fp64: MPI has no half type)."""
+    src = x.astype(np.float64) if x.dtype == np.float16 else x
+    out = np.empty_like(src)
+    comm.mpi.Allreduce(src, out, op=MPI_OPS[op])
+    if op == "avg":
+        out = out // comm.size if out.dtype.kind == "i" else out / comm.size
+    return out.astype(x.dtype)
+
+
+@pytest.mark.parametrize("algorithm", ["auto"] + sorted(ALLREDUCE_ALGORITHMS))
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_matches_mpi(comm, algorithm, op, dtype):
+    for n in lengths(comm.size):
+        x = rank_data(n, dtype, comm.rank, seed=n)
+        before = x.copy()
+        got = comm.allreduce(x, op=op, algorithm=algorithm)
+        np.testing.assert_array_equal(got, oracle_allreduce(comm, x, op), err_msg=f"n={n}")
+        np.testing.assert_array_equal(x, before)        # out of place leaves buf alone
+        assert got.dtype == x.dtype and got.shape == x.shape
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALLREDUCE_ALGORITHMS))
+def test_allreduce_random_floats_in_place_and_identical_everywhere(comm, algorithm):
+    rng = np.random.default_rng(comm.rank)
+    x = rng.standard_normal((31, 17))
+    ref = oracle_allreduce(comm, x, "sum")
+    out = comm.allreduce(x, out=x, algorithm=algorithm)
+    assert out is x
+    np.testing.assert_allclose(x, ref, rtol=1e-12, atol=1e-12)
+    everyone = np.empty((comm.size,) + x.shape)
+    comm.mpi.Allgather(x, everyone)
+    assert (everyone == everyone[0]).all(), "ranks ended with different bits"
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALLREDUCE_ALGORITHMS))
+def test_allreduce_4Mi_elements(comm, algorithm):
+    n = 4 * 1024 * 1024 + 3
+    x = rank_data(n, "float32", comm.rank, seed=5)
+    np.testing.assert_array_equal(comm.allreduce(x, algorithm=algorithm),
+                                  oracle_allreduce(comm, x, "sum"))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_scatter_matches_mpi(comm, op, dtype):
+    for n in lengths(comm.size) + [4 * 1024 * 1024 + 1] * (dtype == "float32" and op == "sum"):
+        x = rank_data(n, dtype, comm.rank, seed=n)
+        lo, hi = shard_bounds(n, comm.size, comm.rank)
+        got = comm.reduce_scatter(x, op=op)
+        np.testing.assert_array_equal(got, oracle_allreduce(comm, x, op)[lo:hi], err_msg=f"n={n}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allgather_layout_and_equal_shards(comm, dtype):
+    P, r = comm.size, comm.rank
+    for total in lengths(P) + [4 * 1024 * 1024 + 5] * (dtype == "float32"):
+        full = rank_data(total, dtype, 0, seed=total)          # the same array everywhere
+        lo, hi = shard_bounds(total, P, r)
+        np.testing.assert_array_equal(comm.allgather(full[lo:hi].copy(), total=total), full)
+    for n in (0, 1, 5):
+        mine = rank_data(n, dtype, r, seed=3)
+        ref = np.empty(n * P, dtype=dtype)
+        comm.mpi.Allgather(mine.view(np.uint8), ref.view(np.uint8))
+        np.testing.assert_array_equal(comm.allgather(mine), ref)
+
+
+def test_allgatherv_uneven(comm):
+    mine = np.arange(comm.rank * 3, dtype=np.float64) + 100 * comm.rank
+    expected = np.concatenate([np.arange(q * 3, dtype=np.float64) + 100 * q
+                               for q in range(comm.size)])
+    np.testing.assert_array_equal(comm.allgatherv(mine), expected)
+
+
+@pytest.mark.parametrize("algorithm", sorted(BCAST_ALGORITHMS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bcast_every_root(comm, algorithm, dtype):
+    for root in range(comm.size):
+        for n in lengths(comm.size) + [4 * 1024 * 1024 + 7] * (dtype == "float64" and root == comm.size - 1):
+            x = rank_data(n, dtype, comm.rank, seed=root)
+            ref = x.copy()
+            comm.mpi.Bcast(ref.view(np.uint8), root=root)
+            assert comm.bcast(x, root=root, algorithm=algorithm) is x
+            np.testing.assert_array_equal(x, ref, err_msg=f"root={root} n={n}")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_every_root(comm, op, dtype):
+    for root in range(comm.size):
+        for n in (0, 1, comm.size + 1, 97):
+            x = rank_data(n, dtype, comm.rank, seed=n + root)
+            got = comm.reduce(x, op=op, root=root)
+            ref = oracle_allreduce(comm, x, op)
+            if comm.rank == root:
+                np.testing.assert_array_equal(got, ref)
+            else:
+                assert got is None
+
+
+def test_barrier_and_comm_self(comm):
+    comm.barrier()
+    from hpcdist.comm import Communicator
+    solo = Communicator(MPI.COMM_SELF)
+    x = np.arange(5.0)
+    np.testing.assert_array_equal(solo.allreduce(x), x)
+    np.testing.assert_array_equal(solo.reduce_scatter(x), x)
+    np.testing.assert_array_equal(solo.allgather(x), x)
+    solo.close()
+
+
+def test_split_even_odd(comm):
+    sub = comm.split(comm.rank % 2)
+    members = [q for q in range(comm.size) if q % 2 == comm.rank % 2]
+    assert sub.size == len(members) and sub.rank == members.index(comm.rank)
+    got = sub.allreduce(np.array([float(comm.rank)]))
+    assert got[0] == sum(members)
+    sub.close()
+
+
+def test_local_rank_on_one_node(comm):
+    assert comm.local_rank == comm.rank and comm.local_size == comm.size
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def test_length_mismatch_raises_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    x = np.ones(10 + (comm.rank == comm.size - 1), dtype=np.float32)
+    with pytest.raises(CollectiveMismatchError, match="length differs across ranks"):
+        comm.allreduce(x)
+    with pytest.raises(CollectiveMismatchError, match="length"):
+        comm.reduce_scatter(x)
+    comm.barrier()   # and the communicator still works afterwards
+    np.testing.assert_array_equal(comm.allreduce(np.ones(3)), np.full(3, comm.size))
+
+
+def test_dtype_mismatch_raises_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    x = np.ones(4, dtype=np.float32 if comm.rank else np.float64)
+    with pytest.raises(CollectiveMismatchError, match="dtypes differ"):
+        comm.allreduce(x)
+    with pytest.raises(CollectiveMismatchError, match="dtypes differ"):
+        comm.bcast(x)
+
+
+def test_non_contiguous_on_one_rank(comm):
+    x = np.ones((4, 4), dtype=np.float32)
+    arg = x[:, ::2] if comm.rank == 0 else np.ones(8, np.float32)
+    if comm.rank == 0:
+        with pytest.raises(ValueError, match="buf must be C-contiguous"):
+            comm.allreduce(arg)
+    else:
+        with pytest.raises(CollectiveMismatchError, match="bad argument"):
+            comm.allreduce(arg)
+
+
+def test_wrong_root(comm):
+    with pytest.raises(ValueError, match="root must be in"):
+        comm.bcast(np.ones(3), root=comm.size)
+    with pytest.raises(ValueError, match="root must be in"):
+        comm.reduce(np.ones(3), root=-1)
+
+
+def test_different_collectives_raise(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    x = np.ones(3)
+    with pytest.raises(CollectiveMismatchError, match="different collectives"):
+        comm.allreduce(x) if comm.rank == 0 else comm.bcast(x)
+
+
+def test_allgather_shard_not_matching_layout(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    total = 3 * comm.size
+    n = 3 + (comm.rank == 0)
+    if comm.rank == 0:
+        with pytest.raises(ValueError, match="shard has 4 elements"):
+            comm.allgather(np.ones(n), total=total)
+    else:
+        with pytest.raises(CollectiveMismatchError):
+            comm.allgather(np.ones(n), total=total)
+
+
+def test_unknown_op_and_algorithm(comm):
+    with pytest.raises(ValueError, match="op must be one of"):
+        comm.allreduce(np.ones(2), op="prod")
+    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+        comm.allreduce(np.ones(2), algorithm="butterfly")

@@ -219,3 +219,17 @@ def rng():
     if _rng is None or _rng_module is not _xp:
         seed(0)
     return _rng
+
+
+def nccl_module():
+    """``cupy.cuda.nccl``, or a DeviceError that says what is missing."""
+    cupy = _import_cupy()
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise DeviceError(f"the NCCL backend needs CuPy built with NCCL support ({e}); "
+                          "use --backend mpi") from None
+    if not getattr(nccl, "available", True):
+        raise DeviceError("CuPy was built without NCCL; use --backend mpi")
+    del cupy
+    return nccl

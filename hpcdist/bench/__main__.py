@@ -4,6 +4,7 @@ import sys
 
 BENCHMARKS = {
     "autograd": "hpcdist.bench.autograd",
+    "collectives": "hpcdist.bench.collectives",
 }
 
 

@@ -219,14 +219,20 @@ class Communicator:
 
         def run(mpi):
             self._agree(mpi, "allreduce", buf, "buf", op)
-            in_place = out is buf
-            work = self._stage_in(buf)
-            if not in_place and not self._staged(buf):
-                work = work.copy()             # out of place: leave buf as it was
+            staged = self._staged(buf)
+            if staged:
+                work = self._stage_in(buf)     # a host copy: reduce there, copy back
+            else:
+                target = buf if out is None else out
+                if out is None:
+                    target = buf.copy()        # out of place: leave buf as it was
+                elif out is not buf:
+                    out[...] = buf             # reduce in the caller's out, one copy
+                work = target.reshape(-1)
             if self.size > 1 and work.size:
                 ALLREDUCE_ALGORITHMS[name](mpi, work, op)
-            if in_place and not self._staged(buf):
-                return buf                     # reduced where it lies
+            if not staged:
+                return target
             result = self._stage_out(work, buf).reshape(buf.shape)
             if out is None:
                 return result

@@ -21,11 +21,17 @@ DTYPE_NAMES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64
                "uint16", "uint32", "uint64", "bool", "complex64", "complex128", "bfloat16")
 
 
+_CODES: dict = {}   # dtype -> code; np.dtype(...).name is slow enough to show per call
+
+
 def dtype_code(dtype) -> int:
-    name = np.dtype(dtype).name
-    if name not in DTYPE_NAMES:
-        raise TypeError(f"dtype {name} cannot be sent: supported are {', '.join(DTYPE_NAMES)}")
-    return DTYPE_NAMES.index(name)
+    code = _CODES.get(dtype)
+    if code is None:
+        name = np.dtype(dtype).name
+        if name not in DTYPE_NAMES:
+            raise TypeError(f"dtype {name} cannot be sent: supported are {', '.join(DTYPE_NAMES)}")
+        code = _CODES[dtype] = DTYPE_NAMES.index(name)
+    return code
 
 
 def dtype_from_code(code: int):

@@ -216,3 +216,20 @@ def test_unknown_op_and_algorithm(comm):
         comm.allreduce(np.ones(2), op="prod")
     with pytest.raises(ValueError, match="unknown allreduce algorithm"):
         comm.allreduce(np.ones(2), algorithm="butterfly")
+
+
+def test_process_mesh_axes(comm):
+    from hpcdist.comm.mesh import ProcessMesh
+    P = comm.size
+    for dp, tp, pp in {(P, 1, 1), (1, P, 1), (1, 1, P)} | ({(2, 2, P // 4)} if P % 4 == 0 else set()):
+        mesh = ProcessMesh(comm, dp=dp, tp=tp, pp=pp)
+        c = mesh.coord
+        assert (mesh.dp_comm.size, mesh.tp_comm.size, mesh.pp_comm.size) == (dp, tp, pp)
+        assert (mesh.dp_comm.rank, mesh.tp_comm.rank, mesh.pp_comm.rank) == (c.dp, c.tp, c.pp)
+        # the members of my tp group are exactly the ranks that share my dp and pp
+        members = mesh.tp_comm.allgather(np.array([comm.rank]))
+        expected = [(c.pp * dp + c.dp) * tp + t for t in range(tp)]
+        assert members.tolist() == expected
+        mesh.close()
+    with pytest.raises(ValueError, match="does not match the world size"):
+        ProcessMesh(comm, dp=P + 1)

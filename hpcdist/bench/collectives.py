@@ -1,0 +1,250 @@
+"""Collectives benchmark: ``mpiexec -n N python -m hpcdist.bench collectives``.
+
+For allreduce, reduce-scatter, allgather, broadcast and sendrecv, sizes 8 B .. 64 MiB in 4x
+steps (OSU / nccl-tests style): warm-up, timed iterations between barriers, time averaged over
+iterations, then the mean and the max over ranks. Columns: time, algbw = size/time, busbw =
+algbw x the nccl-tests factor (allreduce 2(n-1)/n, reduce-scatter and allgather (n-1)/n,
+bcast and sendrecv 1), the same MPI built-in on the same buffers in the same run, the time
+ratio ours/MPI, and the alpha-beta model's prediction from a measured ping-pong.
+``--algorithms`` adds allreduce timed per algorithm (the data behind the "auto" thresholds);
+``--overlap`` measures how much of an iallreduce hides behind computation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcdist.comm import Communicator, shard_bounds
+from hpcdist.comm.communicator import ALLREDUCE_ALGORITHMS, choose_allreduce, choose_bcast
+
+BUSBW = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+         "allgather": lambda n: (n - 1) / n, "bcast": lambda n: 1.0, "sendrecv": lambda n: 1.0}
+MiB = 1 << 20
+
+
+def sizes(lo: int, hi: int):
+    out, s = [], lo
+    while s < hi:
+        out.append(s)
+        s *= 4
+    return out + [hi]
+
+
+def iterations(nbytes: int) -> int:
+    if nbytes <= 64 << 10:
+        return 50
+    if nbytes <= MiB:
+        return 20
+    return 5 if nbytes <= 16 * MiB else 3
+
+
+def timed(mpi, fn, iters: int, warmup: int = 2):
+    """Mean seconds per call on this rank, then (mean over ranks, max over ranks)."""
+    for _ in range(warmup):
+        fn()
+    mpi.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t = (time.perf_counter() - t0) / iters
+    return mpi.allreduce(t, op=MPI.SUM) / mpi.Get_size(), mpi.allreduce(t, op=MPI.MAX)
+
+
+def pingpong(mpi, nbytes: int, iters: int) -> float:
+    """One-way time between ranks 0 and 1 (seconds; 0 for single-rank runs)."""
+    if mpi.Get_size() < 2:
+        return 0.0
+    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)[:nbytes]
+    r = mpi.Get_rank()
+    mpi.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        if r == 0:
+            mpi.Send(buf, 1, 7)
+            mpi.Recv(buf, 1, 7)
+        elif r == 1:
+            mpi.Recv(buf, 0, 7)
+            mpi.Send(buf, 0, 7)
+    t = (time.perf_counter() - t0) / iters / 2
+    return mpi.bcast(t, root=0)
+
+
+def fit_alpha_beta(mpi):
+    """alpha (s) from an 8-byte ping-pong, beta (s/byte) from a 16 MiB one."""
+    a = pingpong(mpi, 8, 200)
+    big = 16 * MiB
+    b = max(pingpong(mpi, big, 5) - a, 0.0) / big
+    return a, b
+
+
+def predict(kind: str, nbytes: int, P: int, a: float, b: float, algorithm: str = "") -> float:
+    """alpha-beta cost of our algorithm for ``kind`` (the agreement check adds log2 P rounds)."""
+    if P == 1:
+        return 0.0
+    lg = math.ceil(math.log2(P))
+    pof2 = 1 << (P.bit_length() - 1)
+    fold = 0 if pof2 == P else 2 * (a + nbytes * b)
+    check = lg * a
+    if kind == "sendrecv":
+        return a + nbytes * b
+    if kind == "allreduce":
+        algorithm = algorithm or choose_allreduce(nbytes, P)
+        if algorithm == "recursive_doubling":
+            return check + fold + int(math.log2(pof2)) * (a + nbytes * b)
+        if algorithm == "rabenseifner":
+            return check + fold + 2 * int(math.log2(pof2)) * a + 2 * (pof2 - 1) / pof2 * nbytes * b
+        return check + 2 * (P - 1) * a + 2 * (P - 1) / P * nbytes * b
+    if kind in ("reduce_scatter", "allgather"):
+        return check + (P - 1) * a + (P - 1) / P * nbytes * b
+    if choose_bcast(nbytes, P) == "binomial":
+        return check + lg * (a + nbytes * b)
+    return check + (lg + P - 1) * a + 2 * (P - 1) / P * nbytes * b
+
+
+def bench_one(comm, kind: str, nbytes: int):
+    """(ours, mpi) timings for one collective at one size: each (mean, max) over ranks."""
+    P, r, mpi = comm.size, comm.rank, comm.mpi
+    n = max(nbytes // 4, 1)
+    x = np.ones(n, dtype=np.float32)
+    out = np.empty_like(x)
+    iters = iterations(nbytes)
+    if kind == "allreduce":
+        ours = lambda: comm.allreduce(x, out=out)                      # noqa: E731
+        ref = lambda: mpi.Allreduce(x, out, op=MPI.SUM)               # noqa: E731
+    elif kind == "reduce_scatter":
+        counts = [hi - lo for lo, hi in (shard_bounds(n, P, q) for q in range(P))]
+        shard = np.empty(counts[r], dtype=np.float32)
+        ours = lambda: comm.reduce_scatter(x)                          # noqa: E731
+        ref = lambda: mpi.Reduce_scatter(x, shard, counts, op=MPI.SUM)  # noqa: E731
+    elif kind == "allgather":
+        lo, hi = shard_bounds(n, P, r)
+        mine = x[lo:hi].copy()
+        counts = [b - a for a, b in (shard_bounds(n, P, q) for q in range(P))]
+        displs = [shard_bounds(n, P, q)[0] for q in range(P)]
+        ours = lambda: comm.allgather(mine, total=n)                   # noqa: E731
+        ref = lambda: mpi.Allgatherv(mine, [out, counts, displs, MPI.FLOAT])  # noqa: E731
+    elif kind == "bcast":
+        ours = lambda: comm.bcast(x, root=0)                           # noqa: E731
+        ref = lambda: mpi.Bcast(x, root=0)                             # noqa: E731
+    else:  # sendrecv around the ring
+        right, left = (r + 1) % P, (r - 1) % P
+        ours = lambda: comm.sendrecv(x, dest=right, source=left)      # noqa: E731
+        ref = lambda: mpi.Sendrecv(x, right, 9, out, left, 9)          # noqa: E731
+    return timed(mpi, ours, iters), timed(mpi, ref, iters)
+
+
+def plot(rows, P, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    kinds = list(dict.fromkeys(r["collective"] for r in rows))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.6), sharey=True)
+    for ax, kind in zip(np.atleast_1d(axes), kinds):
+        rs = [r for r in rows if r["collective"] == kind]
+        ax.loglog([r["bytes"] for r in rs], [r["busbw_GBs"] for r in rs], "o-", label="hpcdist")
+        ax.loglog([r["bytes"] for r in rs], [r["mpi_busbw_GBs"] for r in rs], "s--", label="MPI built-in")
+        ax.set_title(kind)
+        ax.set_xlabel("message size (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+    np.atleast_1d(axes)[0].set_ylabel("busbw (GB/s)")
+    np.atleast_1d(axes)[0].legend()
+    fig.suptitle(f"hpcdist collectives vs MPI built-ins, {P} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def overlap(comm, nbytes: int = 16 * MiB):
+    """Share of an iallreduce hidden behind computation: (t_comm + t_comp - t_both) / min."""
+    x = np.ones(nbytes // 4, dtype=np.float32)
+    a = np.random.default_rng(0).standard_normal((384, 384))
+
+    def compute():
+        y = a
+        for _ in range(12):
+            y = np.tanh(y @ a)
+        return y
+    mpi = comm.mpi
+    t_comm = timed(mpi, lambda: comm.allreduce(x), 3)[1]
+    t_comp = timed(mpi, compute, 3)[1]
+    t_both = timed(mpi, lambda: (lambda h: (compute(), h.wait()))(comm.iallreduce(x)), 3)[1]
+    hidden = (t_comm + t_comp - t_both) / min(t_comm, t_comp)
+    return t_comm, t_comp, t_both, hidden
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench collectives", description=__doc__)
+    ap.add_argument("--min-bytes", type=int, default=8)
+    ap.add_argument("--max-bytes", type=int, default=64 * MiB)
+    ap.add_argument("--collectives", default="allreduce,reduce_scatter,allgather,bcast,sendrecv")
+    ap.add_argument("--algorithms", action="store_true", help="also time each allreduce algorithm")
+    ap.add_argument("--overlap", action="store_true", help="also measure iallreduce overlap")
+    ap.add_argument("--out", default="runs", help="folder for CSV, JSON and PNG")
+    args = ap.parse_args(argv)
+    comm = Communicator()
+    P, main_rank = comm.size, comm.rank == 0
+    say = print if main_rank else (lambda *a, **k: None)
+    a, b = fit_alpha_beta(comm.mpi)
+    say(f"collectives benchmark | {P} ranks | {MPI.Get_library_version().splitlines()[0]} | "
+        f"ping-pong alpha {a * 1e6:.1f} us, 1/beta {1 / b / 1e9 if b else float('inf'):.2f} GB/s")
+    rows = []
+    for kind in args.collectives.split(","):
+        if kind not in BUSBW:
+            raise SystemExit(f"unknown collective {kind!r}: choose from {', '.join(BUSBW)}")
+        say(f"\n{kind}" + (f" (auto algorithm per size)" if kind == "allreduce" else ""))
+        say(f"{'bytes':>10s} {'time us':>10s} {'max us':>10s} {'algbw GB/s':>11s} {'busbw GB/s':>11s}"
+            f" {'MPI us':>10s} {'MPI busbw':>10s} {'ours/MPI':>9s} {'model us':>10s}")
+        for nbytes in sizes(args.min_bytes, args.max_bytes):
+            (t, tmax), (tm, _) = bench_one(comm, kind, nbytes)
+            f = BUSBW[kind](P) if P > 1 else 1.0
+            row = {"collective": kind, "ranks": P, "bytes": nbytes, "time_us": t * 1e6,
+                   "max_us": tmax * 1e6, "algbw_GBs": nbytes / t / 1e9,
+                   "busbw_GBs": nbytes / t / 1e9 * f, "mpi_time_us": tm * 1e6,
+                   "mpi_busbw_GBs": nbytes / tm / 1e9 * f, "ratio": t / tm,
+                   "model_us": predict(kind, nbytes, P, a, b) * 1e6}
+            rows.append(row)
+            say(f"{nbytes:10d} {row['time_us']:10.1f} {row['max_us']:10.1f} {row['algbw_GBs']:11.3f} "
+                f"{row['busbw_GBs']:11.3f} {row['mpi_time_us']:10.1f} {row['mpi_busbw_GBs']:10.3f} "
+                f"{row['ratio']:9.2f} {row['model_us']:10.1f}")
+    if args.algorithms and P > 1:
+        say("\nallreduce time (us) by algorithm")
+        names = sorted(ALLREDUCE_ALGORITHMS)
+        say(f"{'bytes':>10s} " + " ".join(f"{nm:>19s}" for nm in names) + f" {'auto picks':>19s}")
+        for nbytes in sizes(args.min_bytes, args.max_bytes):
+            x = np.ones(max(nbytes // 4, 1), dtype=np.float32)
+            ts = [timed(comm.mpi, lambda nm=nm: comm.allreduce(x, out=x, algorithm=nm),
+                        iterations(nbytes))[0] for nm in names]
+            rows.append({"collective": "allreduce_by_algorithm", "ranks": P, "bytes": nbytes,
+                         **{f"{nm}_us": tt * 1e6 for nm, tt in zip(names, ts)}})
+            say(f"{nbytes:10d} " + " ".join(f"{tt * 1e6:19.1f}" for tt in ts)
+                + f" {choose_allreduce(nbytes, P):>19s}")
+    if args.overlap and P > 1:
+        tc, tp, tb, hidden = overlap(comm)
+        rows.append({"collective": "overlap", "ranks": P, "comm_s": tc, "compute_s": tp,
+                     "both_s": tb, "hidden": hidden})
+        say(f"\noverlap (16 MiB iallreduce + matmul work): comm {tc * 1e3:.1f} ms, compute "
+            f"{tp * 1e3:.1f} ms, both {tb * 1e3:.1f} ms -> {hidden * 100:.0f}% of the shorter hidden")
+    comm.close()
+    if main_rank:
+        os.makedirs(args.out, exist_ok=True)
+        base = os.path.join(args.out, f"bench_collectives_n{P}")
+        with open(base + ".json", "w") as f:
+            json.dump({"ranks": P, "alpha_s": a, "beta_s_per_byte": b, "rows": rows}, f, indent=1)
+        main_rows = [r for r in rows if r["collective"] in BUSBW]
+        with open(base + ".csv", "w") as f:
+            keys = list(main_rows[0])
+            f.write(",".join(keys) + "\n")
+            for r in main_rows:
+                f.write(",".join(str(r[k]) for k in keys) + "\n")
+        png = plot(main_rows, P, base + ".png")
+        say(f"\nwrote {base}.csv, {base}.json" + (f", {png}" if png else ""))
+    return 0

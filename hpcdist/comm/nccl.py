@@ -1,0 +1,134 @@
+"""NCCL backend through ``cupy.cuda.nccl``, with the Communicator's interface.
+
+The unique id is made on rank 0 and broadcast with our own MPI broadcast; after that every
+collective runs in NCCL on the current CUDA stream. One rank per GPU: NCCL refuses two ranks
+on the same device. Selected with ``backend="nccl"`` (``make_communicator``) or
+``--backend nccl``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from . import p2p
+from .layout import check_op, shard_bounds, shard_size
+
+_NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+                "int32": "NCCL_INT32", "int64": "NCCL_INT64", "uint8": "NCCL_UINT8",
+                "int8": "NCCL_INT8"}
+_NCCL_OPS = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN"}
+
+
+class NcclCommunicator:
+    """allreduce, reduce_scatter, allgather, bcast, send/recv over NCCL, on GPU arrays."""
+
+    def __init__(self, mpi_comm=None):
+        from .communicator import Communicator
+        self.host = Communicator(mpi_comm)            # MPI: bootstrap, agreement, barrier
+        self.rank, self.size = self.host.rank, self.host.size
+        self.local_rank = self.host.local_rank
+        self.nccl = backend.nccl_module()              # a clear error without CuPy/NCCL
+        uid = np.zeros(128, dtype=np.int8)
+        if self.rank == 0:
+            uid[:] = np.asarray(self.nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
+        self.host.bcast(uid, root=0)
+        self.comm = self.nccl.NcclCommunicator(self.size, tuple(int(b) for b in uid), self.rank)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _args(self, buf):
+        if not backend.is_gpu_array(buf):
+            raise ValueError("the NCCL backend works on GPU (CuPy) arrays; use --device gpu")
+        if not buf.flags.c_contiguous:
+            raise ValueError("buf must be C-contiguous")
+        name = buf.dtype.name
+        if name not in _NCCL_DTYPES:
+            raise TypeError(f"NCCL has no {name}; supported: {', '.join(_NCCL_DTYPES)}")
+        return getattr(self.nccl, _NCCL_DTYPES[name])
+
+    @staticmethod
+    def _stream():
+        return backend.xp().cuda.get_current_stream().ptr
+
+    def _agree(self, kind, buf, op=None, root=None):
+        self.host._agree(self.host.mpi, kind, backend.to_numpy(buf.reshape(-1)[:0]), "buf", op,
+                         root, length=buf.size)
+
+    # ---- collectives -----------------------------------------------------------------------
+    def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None):
+        check_op(op)
+        self._agree("allreduce", buf, op)
+        dt = self._args(buf)
+        out = backend.xp().empty_like(buf) if out is None else out
+        self.comm.allReduce(buf.data.ptr, out.data.ptr, buf.size, dt,
+                            getattr(self.nccl, _NCCL_OPS[op]), self._stream())
+        if op == "avg":
+            out /= self.size
+        return out
+
+    def reduce_scatter(self, buf, op: str = "sum"):
+        """Shard layout as everywhere: NCCL needs equal chunks, so pad to P*ceil(L/P)."""
+        check_op(op)
+        self._agree("reduce_scatter", buf, op)
+        xp, dt = backend.xp(), self._args(buf)
+        L, P = buf.size, self.size
+        S = shard_size(L, P)
+        padded = xp.zeros(S * P, dtype=buf.dtype)
+        padded[:L] = buf.reshape(-1)
+        out = xp.empty(S, dtype=buf.dtype)
+        self.comm.reduceScatter(padded.data.ptr, out.data.ptr, S, dt,
+                                getattr(self.nccl, _NCCL_OPS[op]), self._stream())
+        if op == "avg":
+            out /= P
+        lo, hi = shard_bounds(L, P, self.rank)
+        return out[:hi - lo]
+
+    def allgather(self, shard, total: int | None = None):
+        xp, dt = backend.xp(), self._args(shard)
+        P = self.size
+        S = shard_size(total, P) if total is not None else shard.size
+        self._agree("allgather", shard)
+        send = xp.zeros(S, dtype=shard.dtype)
+        send[:shard.size] = shard
+        full = xp.empty(S * P, dtype=shard.dtype)
+        self.comm.allGather(send.data.ptr, full.data.ptr, S, dt, self._stream())
+        return full[:total] if total is not None else full
+
+    def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
+        self._agree("bcast", buf, root=root)
+        dt = self._args(buf)
+        self.comm.bcast(buf.data.ptr, buf.size, dt, root, self._stream())
+        return buf
+
+    def send(self, arr, dest: int, tag: int = 0) -> None:
+        """Shape and dtype go over MPI (the p2p header); the payload over NCCL."""
+        dt = self._args(arr)
+        self.host.send(p2p.make_header(arr, 0), dest, tag)
+        self.nccl.groupStart()
+        self.comm.send(arr.data.ptr, arr.size, dt, dest, self._stream())
+        self.nccl.groupEnd()
+
+    def recv(self, source: int, tag: int = 0):
+        out, _ = p2p.alloc_from_header(self.host.recv(source, tag), backend.xp())
+        self.nccl.groupStart()
+        self.comm.recv(out.data.ptr, out.size, self._args(out), source, self._stream())
+        self.nccl.groupEnd()
+        return out
+
+    def barrier(self) -> None:
+        backend.synchronize()
+        self.host.barrier()
+
+    def close(self) -> None:
+        self.comm.destroy()
+        self.host.close()
+
+
+def make_communicator(backend_name: str = "mpi", mpi_comm=None):
+    """``"mpi"``: our collectives over MPI (host staging for GPU arrays where needed);
+    ``"nccl"``: NCCL through CuPy."""
+    if backend_name == "mpi":
+        from .communicator import Communicator
+        return Communicator(mpi_comm)
+    if backend_name == "nccl":
+        return NcclCommunicator(mpi_comm)
+    raise ValueError(f"unknown communication backend {backend_name!r}: choose mpi or nccl")

@@ -1,0 +1,139 @@
+"""Pure logic of the communication layer, without MPI: layout, trees, folding, top-k, costs."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcdist.comm import layout, sparse
+from hpcdist.comm.communicator import choose_allreduce, choose_bcast
+from hpcdist.comm.mesh import MeshCoord, mesh_coords, mesh_rank, validate_mesh
+
+
+@given(st.integers(0, 10_000), st.integers(1, 64))
+def test_shards_tile_the_array_in_rank_order(L, P):
+    bounds = [layout.shard_bounds(L, P, r) for r in range(P)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == L
+    for (lo, hi), (lo2, _) in zip(bounds, bounds[1:]):
+        assert lo <= hi == lo2
+    S = layout.shard_size(L, P)
+    assert all(hi - lo <= S for lo, hi in bounds)
+    assert sum(layout.shard_counts(L, P)) == L
+    assert layout.padded_length(L, P) % P == 0 and layout.padded_length(L, P) - L < P
+
+
+def test_shard_layout_examples():
+    # 10 over 4: S = 3 -> [0,3) [3,6) [6,9) [9,10)
+    assert [layout.shard_bounds(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    # 2 over 4: S = 1 -> two empty shards at the end
+    assert layout.shard_counts(2, 4) == [1, 1, 0, 0]
+
+
+@given(st.integers(1, 100))
+def test_fold_unfold_are_inverse(P):
+    pof2 = 1 << (P.bit_length() - 1)
+    survivors = []
+    for r in range(P):
+        p2, new = layout.fold_rank(r, P)
+        assert p2 == pof2
+        if new >= 0:
+            assert layout.unfold_rank(new, P) == r
+            survivors.append(new)
+    assert sorted(survivors) == list(range(pof2))
+
+
+@given(st.integers(1, 200))
+def test_binomial_tree_reaches_every_rank_once(P):
+    received = {0}
+    frontier = [0]
+    while frontier:
+        v = frontier.pop()
+        for c in layout.binomial_children(v, P):
+            assert layout.binomial_parent(c) == v and c not in received and c < P
+            received.add(c)
+            frontier.append(c)
+    assert received == set(range(P))
+
+
+def test_ring_peers():
+    assert layout.ring_peers(0, 5) == (4, 1) and layout.ring_peers(4, 5) == (3, 0)
+
+
+def test_reduce_into_and_finish():
+    a = np.array([1, 5, 3], dtype=np.int32)
+    layout.reduce_into(a, np.array([4, 2, 3], np.int32), "max")
+    assert a.tolist() == [4, 5, 3]
+    layout.reduce_into(a, np.array([1, 1, 1], np.int32), "sum")
+    layout.finish(a, "avg", 2)
+    assert a.tolist() == [2, 3, 2]      # floor division for integers
+    with pytest.raises(ValueError, match="op must be one of"):
+        layout.check_op("prod")
+
+
+@settings(max_examples=50)
+@given(st.integers(1, 2000), st.floats(0.0005, 1.0))
+def test_top_k_picks_the_largest_magnitudes(n, density):
+    x = np.random.default_rng(n).permutation(n).astype(np.float64) - n / 2 + 0.25
+    k = sparse.choose_k(n, density, None)
+    idx, vals = sparse.top_k(x, k)
+    assert len(set(idx.tolist())) == k
+    np.testing.assert_array_equal(vals, x[idx])
+    threshold = np.sort(np.abs(x))[n - k]
+    assert (np.abs(vals) >= threshold).all()
+
+
+def test_choose_k():
+    assert sparse.choose_k(1000, 0.01, None) == 10
+    assert sparse.choose_k(10, 0.001, None) == 1      # at least one value
+    assert sparse.choose_k(10, None, 50) == 10        # at most n
+    with pytest.raises(ValueError):
+        sparse.choose_k(10, None, None)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_sparse_beats_dense_below_about_one_over_P(P):
+    n = 1_000_000
+    for k_over_n, sparse_wins in ((0.5 / P, True), (2.0 / P, False)):
+        s, d = sparse.wire_bytes(n, int(k_over_n * n), 4, P)
+        assert (s < d) == sparse_wins
+
+
+def test_algorithm_choice_and_override(monkeypatch):
+    assert choose_allreduce(8, 8) == "recursive_doubling"
+    assert choose_allreduce(64 << 20, 8) == "ring"
+    assert choose_allreduce(64 << 20, 8, "rabenseifner") == "rabenseifner"
+    monkeypatch.setenv("HPCDIST_ALLREDUCE", "ring")
+    assert choose_allreduce(8, 8) == "ring"
+    monkeypatch.setenv("HPCDIST_BCAST", "binomial")
+    assert choose_bcast(64 << 20, 8) == "binomial"
+    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+        choose_allreduce(8, 8, "nope")
+
+
+def test_mesh_coordinates_round_trip():
+    dp, tp, pp = 2, 3, 2
+    seen = set()
+    for r in range(dp * tp * pp):
+        c = mesh_coords(r, dp, tp, pp)
+        assert mesh_rank(c, dp, tp) == r
+        seen.add((c.dp, c.tp, c.pp))
+    assert len(seen) == 12
+    assert mesh_coords(1, dp, tp, pp) == MeshCoord(dp=0, tp=1, pp=0)   # tp fastest
+
+
+def test_mesh_validation():
+    with pytest.raises(ValueError, match="does not match the world size 8"):
+        validate_mesh(8, 3, 1, 1)
+    with pytest.raises(ValueError, match="positive"):
+        validate_mesh(8, 0, 8, 1)
+    validate_mesh(8, 2, 2, 2)
+
+
+def test_nccl_backend_without_cupy_is_a_clear_error():
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed; this checks the message when it is missing")
+    except ImportError:
+        pass
+    from hpcdist.backend import DeviceError, nccl_module
+    with pytest.raises(DeviceError, match="CuPy"):
+        nccl_module()

@@ -221,7 +221,8 @@ def main(argv=None) -> int:
         say(f"{'bytes':>10s} " + " ".join(f"{nm:>19s}" for nm in names) + f" {'auto picks':>19s}")
         for nbytes in sizes(args.min_bytes, args.max_bytes):
             x = np.ones(max(nbytes // 4, 1), dtype=np.float32)
-            ts = [timed(comm.mpi, lambda nm=nm: comm.allreduce(x, out=x, algorithm=nm),
+            y = np.empty_like(x)
+            ts = [timed(comm.mpi, lambda nm=nm: comm.allreduce(x, out=y, algorithm=nm),
                         iterations(nbytes))[0] for nm in names]
             rows.append({"collective": "allreduce_by_algorithm", "ranks": P, "bytes": nbytes,
                          **{f"{nm}_us": tt * 1e6 for nm, tt in zip(names, ts)}})

@@ -48,28 +48,31 @@ def agree(comm, h: np.ndarray) -> None:
         if h[5]:
             raise CollectiveMismatchError("argument error")
         return
-    both = np.concatenate([h, -h])
+    n = len(h)
+    both = np.empty(2 * n, dtype=np.int64)
+    both[:n], both[n:] = h, -h
     recursive_doubling.allreduce_inplace(comm, both, "max")
-    hi, lo = both[:len(h)], -both[len(h):]
+    hi, lo = both[:n], -both[n:]
+    bad = np.flatnonzero(hi != lo)           # vectorized: this runs on every collective
+    if not len(bad) and not hi[5]:           # all agree, and no rank found a bad argument
+        return
     kind = KINDS[int(h[0])]
     if hi[5]:
         raise CollectiveMismatchError(
             f"{kind}: a rank passed a bad argument (its own error says which); "
             "every rank stops here instead of waiting")
-    bad = [i for i in range(len(h)) if hi[i] != lo[i]]
-    if bad:
-        i = bad[0]
-        if FIELDS[i] == "collective":
-            what = f"ranks called different collectives ({KINDS[lo[i]]} and {KINDS[hi[i]]})"
-        elif FIELDS[i] == "call order":
-            what = f"ranks are at different calls of this communicator (#{lo[i]} .. #{hi[i]})"
-        elif FIELDS[i] == "dtype":
-            names = [DTYPE_NAMES[c] if c >= 0 else "none" for c in (lo[i], hi[i])]
-            what = f"dtypes differ across ranks ({names[0]} and {names[1]})"
-        elif FIELDS[i] == "shape":
-            what = "array shapes differ across ranks"
-        else:
-            what = f"{FIELDS[i]} differs across ranks (min {lo[i]}, max {hi[i]})"
-        raise CollectiveMismatchError(
-            f"{kind}: {what}; every rank must pass the same "
-            f"{'length and dtype' if i in (1, 2) else FIELDS[i]}")
+    i = int(bad[0])
+    if FIELDS[i] == "collective":
+        what = f"ranks called different collectives ({KINDS[lo[i]]} and {KINDS[hi[i]]})"
+    elif FIELDS[i] == "call order":
+        what = f"ranks are at different calls of this communicator (#{lo[i]} .. #{hi[i]})"
+    elif FIELDS[i] == "dtype":
+        names = [DTYPE_NAMES[c] if c >= 0 else "none" for c in (lo[i], hi[i])]
+        what = f"dtypes differ across ranks ({names[0]} and {names[1]})"
+    elif FIELDS[i] == "shape":
+        what = "array shapes differ across ranks"
+    else:
+        what = f"{FIELDS[i]} differs across ranks (min {lo[i]}, max {hi[i]})"
+    raise CollectiveMismatchError(
+        f"{kind}: {what}; every rank must pass the same "
+        f"{'length and dtype' if i in (1, 2) else FIELDS[i]}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import backend
+
 OPS = ("sum", "avg", "max", "min")
 
 
@@ -64,7 +66,6 @@ def finish(buf, op: str, world: int) -> None:
 
 
 def _module(arr):
-    from .. import backend
     return backend.array_module(arr)
 
 
@@ -116,5 +117,4 @@ def binomial_parent(vrank: int) -> int:
 
 def as_bytes(arr):
     """A uint8 view of a contiguous array (what crosses MPI: any dtype, fp16 and bf16 too)."""
-    return arr.reshape(-1).view(np.uint8) if isinstance(arr, np.ndarray) else \
-        arr.reshape(-1).view(_module(arr).uint8)
+    return arr.reshape(-1).view(np.uint8)      # numpy and cupy both take numpy's dtype

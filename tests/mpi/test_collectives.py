@@ -233,3 +233,25 @@ def test_process_mesh_axes(comm):
         mesh.close()
     with pytest.raises(ValueError, match="does not match the world size"):
         ProcessMesh(comm, dp=P + 1)
+
+
+def test_debug_mode_checks_shape_and_call_order(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    sub = comm.split(0)                 # a fresh communicator: its call counter starts at 0
+    sub.debug = True                    # what HPCDIST_DEBUG=1 sets at construction
+    x = np.ones((2, 3)) if sub.rank == 0 else np.ones((3, 2))
+    with pytest.raises(CollectiveMismatchError, match="shapes differ"):
+        sub.allreduce(x)
+    if sub.rank == 0:                   # as if rank 0 had skipped a collective the others ran
+        sub._calls[id(sub.mpi)] -= 1
+    with pytest.raises(CollectiveMismatchError, match="different calls"):
+        sub.allreduce(np.ones(4))
+    sub.debug = False                   # without debug, same length and dtype is enough
+    np.testing.assert_array_equal(sub.allreduce(np.ones(4)), np.full(4, sub.size))
+    sub.close()
+
+
+def test_bad_argument_on_every_rank_still_raises(comm):
+    with pytest.raises(ValueError, match="C-contiguous"):
+        comm.allreduce(np.ones((4, 4))[:, ::2])

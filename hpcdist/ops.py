@@ -161,20 +161,20 @@ def matmul(a, b) -> Tensor:
         return reshape(matmul(reshape(a, 1, a.shape[0]), b), *(b.shape[:-2] + b.shape[-1:]))
     if b.ndim == 1:
         return reshape(matmul(a, reshape(b, b.shape[0], 1)), *a.shape[:-1])
-    xp = _xp(a)
-    out = a.data @ b.data
+    xp, mm = _xp(a), backend.matmul
+    out = mm(a.data, b.data)
 
     def backward(g):
         ga = gb = None
         if a.requires_grad:
-            ga = _unbroadcast(g @ xp.swapaxes(b.data, -1, -2), a.shape)
+            ga = _unbroadcast(mm(g, xp.swapaxes(b.data, -1, -2)), a.shape)
         if b.requires_grad:
             if b.ndim == 2 and a.ndim > 2:
                 # (..., n, k) @ (k, m): fold the batch into one GEMM instead of summing after.
                 k, m = b.shape
-                gb = a.data.reshape(-1, k).T @ g.reshape(-1, m)
+                gb = mm(a.data.reshape(-1, k).T, g.reshape(-1, m))
             else:
-                gb = _unbroadcast(xp.swapaxes(a.data, -1, -2) @ g, b.shape)
+                gb = _unbroadcast(mm(xp.swapaxes(a.data, -1, -2), g), b.shape)
         return ga, gb
     return Tensor._make(out, (a, b), backward)
 

@@ -108,9 +108,10 @@ class Optimizer:
     """Holds the flat buffers, the per-buffer state and the step count; subclasses pick a rule."""
 
     def __init__(self, params, lr: float, weight_decay: float = 0.0):
+        """``params``: a list of Parameters, or a FlatParams already made (by DDP)."""
         if lr < 0:
             raise ValueError(f"learning rate must be non-negative, got {lr}")
-        self.flat = FlatParams(params)
+        self.flat = params if isinstance(params, FlatParams) else FlatParams(params)
         self.lr = lr
         self.weight_decay = weight_decay
         self.state: dict = {}

@@ -78,6 +78,24 @@ def choose_bcast(nbytes: int, world: int, algorithm: str = "auto") -> str:
     return "binomial" if nbytes < BCAST_SMALL_BYTES or world <= 2 else "scatter_allgather"
 
 
+def allreduce_wire_bytes(algorithm: str, n: int, world: int, itemsize: int) -> int:
+    """Payload bytes one rank sends in our allreduce of n elements (rank 0's count for the
+    folding algorithms; the agreement header is not counted)."""
+    P = world
+    if P == 1 or n == 0:
+        return 0
+    if algorithm == "ring":
+        S = -(-n // P)
+        return 2 * (P - 1) * S * itemsize
+    pof2 = 1 << (P.bit_length() - 1)
+    fold = n * itemsize if pof2 != P else 0
+    rounds = pof2.bit_length() - 1
+    if algorithm == "recursive_doubling":
+        return fold + rounds * n * itemsize
+    S = -(-n // pof2)
+    return fold + 2 * (pof2 - 1) * S * itemsize        # rabenseifner
+
+
 def cuda_aware() -> bool:
     """Whether MPI can read GPU buffers directly (HPCDIST_CUDA_AWARE=0|1 overrides)."""
     env = os.environ.get("HPCDIST_CUDA_AWARE")
@@ -146,6 +164,7 @@ class Communicator:
         self.cuda_aware = cuda_aware()
         self._calls = {}
         self.sparse_stats = sparse.SparseStats()
+        self.bytes_sent = 0          # payload bytes this rank's allreduces sent (analytic)
 
     def __repr__(self):
         return f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank})"
@@ -221,19 +240,31 @@ class Communicator:
         return Handle(self._executor.submit(fn, self._bg_mpi))
 
     # ---- collectives --------------------------------------------------------------------
-    def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None):
+    def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
+                  wire_dtype=None):
         """Reduce ``buf`` over all ranks; every rank gets the result (a new array unless
-        ``out`` is given — ``out=buf`` reduces in place)."""
-        return self._allreduce(buf, op, algorithm, out, blocking=True)
+        ``out`` is given — ``out=buf`` reduces in place).
 
-    def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None) -> Handle:
+        ``wire_dtype`` (e.g. "float16") sends that dtype while reducing in ``buf``'s dtype;
+        it runs the ring algorithm.
+        """
+        return self._allreduce(buf, op, algorithm, out, wire_dtype, blocking=True)
+
+    def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
+                   wire_dtype=None) -> Handle:
         """Non-blocking allreduce: progresses in a background thread; ``wait()`` -> result.
         Do not touch ``buf`` (or ``out``) until then."""
-        return self._allreduce(buf, op, algorithm, out, blocking=False)
+        return self._allreduce(buf, op, algorithm, out, wire_dtype, blocking=False)
 
-    def _allreduce(self, buf, op, algorithm, out, blocking):
+    def _allreduce(self, buf, op, algorithm, out, wire_dtype, blocking):
         check_op(op)
         name = choose_allreduce(getattr(buf, "nbytes", 0), self.size, algorithm)
+        if wire_dtype is not None:
+            wire_dtype = np.dtype(wire_dtype)
+            name = "ring"
+        if hasattr(buf, "dtype"):
+            itemsize = (wire_dtype if wire_dtype is not None else buf.dtype).itemsize
+            self.bytes_sent += allreduce_wire_bytes(name, buf.size, self.size, itemsize)
 
         def run(mpi):
             self._agree(mpi, "allreduce", buf, "buf", op)
@@ -248,7 +279,10 @@ class Communicator:
                     out[...] = buf             # reduce in the caller's out, one copy
                 work = target.reshape(-1)
             if self.size > 1 and work.size:
-                ALLREDUCE_ALGORITHMS[name](mpi, work, op)
+                if wire_dtype is not None:
+                    ring.allreduce_inplace(mpi, work, op, wire_dtype)
+                else:
+                    ALLREDUCE_ALGORITHMS[name](mpi, work, op)
             if not staged:
                 return target
             result = self._stage_out(work, buf).reshape(buf.shape)
@@ -424,6 +458,8 @@ class Communicator:
         if op == "avg":
             out /= self.size
         self.sparse_stats = stats
+        if not stats.fell_back:
+            self.bytes_sent += stats.bytes_sent
         return out.reshape(grad.shape)
 
     # ---- teardown -------------------------------------------------------------------------

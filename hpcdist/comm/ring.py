@@ -12,44 +12,62 @@ from .layout import as_bytes, finish, reduce_into, ring_peers, shard_bounds, sha
 TAG = 101
 
 
-def reduce_scatter_inplace(comm, buf, op: str) -> tuple[int, int]:
+def reduce_scatter_inplace(comm, buf, op: str, wire_dtype=None) -> tuple[int, int]:
     """Reduce ``buf`` across ranks; afterwards ``buf[lo:hi]`` (returned) is this rank's reduced
-    shard and the rest of ``buf`` is scratch. ``avg`` is finished on the shard."""
+    shard and the rest of ``buf`` is scratch. ``avg`` is finished on the shard.
+
+    ``wire_dtype`` (e.g. float16) is what travels; the reduction stays in ``buf``'s dtype.
+    """
     P, r = comm.Get_size(), comm.Get_rank()
     L = buf.size
     bounds = [shard_bounds(L, P, c) for c in range(P)]
     left, right = ring_peers(r, P)
-    incoming = backend.array_module(buf).empty(shard_size(L, P), dtype=buf.dtype)
+    xp = backend.array_module(buf)
+    incoming = xp.empty(shard_size(L, P), dtype=wire_dtype or buf.dtype)
     for step in range(P - 1):
         send_c, recv_c = (r - step - 1) % P, (r - step - 2) % P   # last step receives chunk r
         (slo, shi), (rlo, rhi) = bounds[send_c], bounds[recv_c]
         part = incoming[:rhi - rlo]
-        comm.Sendrecv(as_bytes(buf[slo:shi]), right, TAG, as_bytes(part), left, TAG)
-        reduce_into(buf[rlo:rhi], part, op)
+        out = buf[slo:shi] if wire_dtype is None else buf[slo:shi].astype(wire_dtype)
+        comm.Sendrecv(as_bytes(out), right, TAG, as_bytes(part), left, TAG)
+        reduce_into(buf[rlo:rhi], part if wire_dtype is None else part.astype(buf.dtype), op)
     lo, hi = bounds[r]
     finish(buf[lo:hi], op, P)
     return lo, hi
 
 
-def allgather_inplace(comm, buf, bounds, pos=None, left=None, right=None) -> None:
+def allgather_inplace(comm, buf, bounds, pos=None, left=None, right=None,
+                      wire_dtype=None) -> None:
     """Fill every piece of ``buf`` from the rank that owns it.
 
     ``bounds[i]`` is piece i's [lo, hi); the rank at ring position ``pos`` owns piece ``pos``
     on entry. Pieces may differ in size (allgatherv). ``pos``/``left``/``right`` default to the
     rank and its ring neighbours; the scatter-allgather broadcast passes root-relative ones.
+    With ``wire_dtype`` pieces travel in that dtype, and the owner rounds its own piece the
+    same way, so that every rank ends with identical values.
     """
     P = comm.Get_size()
     if pos is None:
         pos = comm.Get_rank()
         left, right = ring_peers(pos, P)
+    if wire_dtype is not None:
+        lo, hi = bounds[pos]
+        wire = buf[lo:hi].astype(wire_dtype)
+        buf[lo:hi] = wire
+        staged = backend.array_module(buf).empty(buf.size, dtype=wire_dtype)
+        staged[lo:hi] = wire
+        allgather_inplace(comm, staged, bounds, pos, left, right)
+        buf[...] = staged.astype(buf.dtype)
+        return
     for step in range(P - 1):
         send_c, recv_c = (pos - step) % P, (pos - step - 1) % P
         (slo, shi), (rlo, rhi) = bounds[send_c], bounds[recv_c]
         comm.Sendrecv(as_bytes(buf[slo:shi]), right, TAG + 1, as_bytes(buf[rlo:rhi]), left, TAG + 1)
 
 
-def allreduce_inplace(comm, buf, op: str) -> None:
+def allreduce_inplace(comm, buf, op: str, wire_dtype=None) -> None:
     """Phase 1: ring reduce-scatter. Phase 2: ring allgather of the reduced shards."""
     P = comm.Get_size()
-    reduce_scatter_inplace(comm, buf, op)
-    allgather_inplace(comm, buf, [shard_bounds(buf.size, P, c) for c in range(P)])
+    reduce_scatter_inplace(comm, buf, op, wire_dtype)
+    allgather_inplace(comm, buf, [shard_bounds(buf.size, P, c) for c in range(P)],
+                      wire_dtype=wire_dtype)

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 from .. import backend, ops
+from ..recompute import checkpoint
 from ..tensor import Tensor
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear
 from .module import Module, ModuleList
@@ -20,6 +21,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True  # the output head reuses the token embedding (wte.T)
+    checkpoint_activations: bool = False  # recompute each block's activations in backward
 
     def validate(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -94,8 +96,9 @@ class GPT(Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = backend.array_module(idx).arange(T)
         x = self.drop(self.wte(idx) + self.wpe(pos))               # (B, T, C)
+        recompute = self.config.checkpoint_activations and self.training
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x) if recompute else block(x)
         x = self.ln_f(x)
         if self.lm_head is None:
             logits = x @ self.wte.weight.T                          # (B, T, vocab)

@@ -1,0 +1,37 @@
+"""End the whole MPI job when any rank dies: print that rank's traceback, then MPI_Abort.
+
+Without this, an exception on one rank leaves the others blocked in their next collective
+until the job's time limit. ``install()`` covers the main thread and every other thread (the
+progress thread of non-blocking collectives included).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+
+_installed = False
+
+
+def _abort(rank: int, size: int, exc_type, exc, tb) -> None:
+    from mpi4py import MPI
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write(f"\n[hpcdist] rank {rank} of {size} failed; ending the job:\n{text}")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
+def install() -> None:
+    """Abort the job on an uncaught exception in any thread of any rank (idempotent).
+
+    On a single-rank run the normal Python behaviour is kept.
+    """
+    global _installed
+    from mpi4py import MPI
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if _installed or size == 1:
+        return
+    _installed = True
+    sys.excepthook = lambda t, e, tb: _abort(rank, size, t, e, tb)
+    threading.excepthook = lambda a: _abort(rank, size, a.exc_type, a.exc_value,
+                                            a.exc_traceback)

@@ -1,0 +1,189 @@
+"""Training configuration: a dataclass with typed overrides from TOML and flags.
+
+Settings come from ``TrainConfig`` defaults, then a TOML file (``--config``), then flags; every
+field is a flag (``n_layer`` -> ``--n-layer``) and a TOML key. ``validate`` rejects settings that
+cannot work before any rank does any work; ``ConfigError`` carries the one-line message.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from . import backend
+
+
+@dataclass
+class TrainConfig:
+    # task
+    task: str = "sort"            # sort | reverse | text
+    data: str = ""                # text file for task 'text'
+    length: int = 6               # digits per sequence (sort/reverse)
+    num_digits: int = 10          # digit alphabet size (sort/reverse)
+    block_size: int = 64          # context length (text)
+    # model
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+    checkpoint_activations: bool = False  # recompute each block's activations in backward
+    # optimization
+    steps: int = 600
+    batch_size: int = 64          # per rank
+    optimizer: str = "adamw"      # adamw | sgd
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    momentum: float = 0.9         # sgd only
+    grad_clip: float = 1.0        # 0 disables
+    grad_accum: int = 1           # micro-batches per step (communication on the last only)
+    scale_lr: bool = False        # multiply lr by the world size (linear scaling, with warmup)
+    # data parallelism
+    bucket_mb: float = 25.0       # gradient bucket size
+    first_bucket_mb: float = 1.0  # the first bucket (last layers) is smaller: starts earlier
+    overlap: bool = True          # average buckets during backward
+    compress: str = "none"        # none | fp16 | topk
+    density: float = 0.01         # topk: fraction of each bucket sent
+    compress_momentum: float = 0.9  # topk: DGC momentum correction (the optimizer then runs
+                                  # without momentum of its own)
+    compress_clip: float = 0.0    # topk: local gradient clipping norm (0 disables)
+    density_warmup: int = 0       # topk: steps of DGC's exponential density warm-up
+    precision: str = "fp32"       # fp32 | fp16 | bf16 compute (fp32 master weights)
+    loss_scale: float = 65536.0   # fp16: initial dynamic loss scale
+    backend: str = "mpi"          # mpi | nccl (nccl: GPU only)
+    # checkpoints
+    save_dir: str = ""            # where checkpoints go ("" = none)
+    save_every: int = 0           # steps between checkpoints (0 = only at the end)
+    resume: bool = False          # continue from the latest checkpoint in save_dir
+    # run
+    seed: int = 1337
+    device: str = "cpu"           # cpu | gpu | auto
+    dtype: str = "fp32"           # fp32 | fp64 (master precision; fp64 for exactness tests)
+    log_every: int = 50
+    eval_batch: int = 512
+    out_dir: str = "runs"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; reported as one line, exit code 2."""
+
+
+POSITIVE = ("length", "num_digits", "block_size", "n_layer", "n_head", "n_embd", "steps",
+            "batch_size", "log_every", "eval_batch", "grad_accum", "bucket_mb", "first_bucket_mb",
+            "loss_scale")
+CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
+           "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
+           "compress": ("none", "fp16", "topk"), "precision": ("fp32", "fp16", "bf16"),
+           "backend": ("mpi", "nccl")}
+
+
+def validate(cfg: TrainConfig) -> None:
+    for name in POSITIVE:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    for name, choices in CHOICES.items():
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(f"unknown {name} {getattr(cfg, name)!r}: choose one of "
+                              f"{', '.join(choices)}")
+    if cfg.n_embd % cfg.n_head:
+        raise ConfigError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
+        raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0, got lr={cfg.lr} min_lr={cfg.min_lr}")
+    if cfg.warmup < 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0:
+        raise ConfigError("warmup, grad_clip and weight_decay must be non-negative")
+    if cfg.task == "text" and not cfg.data:
+        raise ConfigError("task 'text' needs a data file: --data PATH")
+    if cfg.data and cfg.task != "text":
+        raise ConfigError(f"--data is for task 'text'; task {cfg.task!r} is generated, "
+                          "drop --data or pass --task text")
+    if not 0.0 < cfg.density <= 1.0:
+        raise ConfigError(f"density must be in (0, 1], got {cfg.density}")
+    if not 0.0 <= cfg.compress_momentum < 1.0:
+        raise ConfigError(f"compress_momentum must be in [0, 1), got {cfg.compress_momentum}")
+    if cfg.save_every < 0 or cfg.density_warmup < 0 or cfg.compress_clip < 0:
+        raise ConfigError("save_every, density_warmup and compress_clip must be non-negative")
+    if (cfg.save_every or cfg.resume) and not cfg.save_dir:
+        raise ConfigError("--save-every and --resume need --save-dir")
+    if cfg.precision != "fp32" and cfg.dtype == "fp64":
+        raise ConfigError(f"--precision {cfg.precision} keeps fp32 master weights; "
+                          "it cannot be combined with --dtype fp64")
+    if cfg.backend == "nccl" and cfg.device != "gpu":
+        raise ConfigError("--backend nccl needs --device gpu (NCCL moves GPU memory)")
+
+
+def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:
+    """Checks that depend on the world size; identical on every rank, so all fail together."""
+    global_batch = cfg.batch_size * world
+    if train_len < global_batch * cfg.grad_accum:
+        raise ConfigError(f"the training set has {train_len} examples, fewer than one global "
+                          f"step needs ({cfg.batch_size} per rank x {world} ranks x "
+                          f"{cfg.grad_accum} micro-batches); lower --batch-size")
+    if cfg.compress == "topk" and world == 1:
+        raise ConfigError("--compress topk on a single rank compresses nothing; "
+                          "run with mpirun -n N (N > 1) or drop --compress")
+
+
+def load_toml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+    known = {f.name: f for f in fields(TrainConfig)}
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"config file {path!r}: unknown key {key!r} "
+                              f"(known: {', '.join(sorted(known))})")
+        want = known[name].type
+        ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+              "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+              "bool": isinstance(value, bool), "str": isinstance(value, str)}[want]
+        if not ok:
+            raise ConfigError(f"config file {path!r}: {key} should be {want}, "
+                              f"got {type(value).__name__} {value!r}")
+        out[name] = float(value) if want == "float" else value
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's default prints usage first)
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m hpcdist.train",
+                description="Train a GPT on an embedded task or a text file.")
+    p.add_argument("--config", help="TOML file of settings (flags override it)")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            p.add_argument(flag, dest=f.name, type={"int": int, "float": float, "str": str}[f.type],
+                           default=None, help=f"default {f.default!r}")
+    return p
+
+
+def parse_config(argv=None) -> TrainConfig:
+    args = build_parser().parse_args(argv)
+    values = load_toml(args.config) if args.config else {}
+    values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
+    cfg = TrainConfig(**values)
+    validate(cfg)
+    return cfg

@@ -1,7 +1,7 @@
 # hpcdist: `make train` and `make test` each bootstrap .venv first (idempotent).
 #
 #   make venv        create/refresh .venv (reinstalls only when pyproject.toml changed)
-#   make train       train the default task
+#   make train       train the default task on 8 MPI ranks (NP=4 make train; ARGS="--steps 100")
 #   make test        every test: unit tests, then the MPI tests at 1, 2, 3, 4, 5 and 8 ranks
 #   make bench       the autograd benchmark
 #
@@ -31,8 +31,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[$$extras]"
 	@touch $@
 
+# The main job: data-parallel training of the default task on NP ranks (8 share 2 cores
+# fine here: one BLAS thread each, set above).
+NP ?= 8
+MPIEXEC = $$(test -x $(BIN)/mpiexec && echo $(BIN)/mpiexec || echo mpiexec)
+
 train: venv
-	$(BIN)/python -m hpcdist.train
+	$(MPIEXEC) -n $(NP) $(BIN)/python -m hpcdist.train $(ARGS)
 
 # The MPI tests run at every world size below, each under a hard timeout; a failure on any
 # rank aborts the whole job with that rank's traceback (tests/mpi/conftest.py).
@@ -45,10 +50,9 @@ test-unit: venv
 	$(BIN)/python -m pytest -q tests --ignore=tests/mpi
 
 test-mpi: venv
-	@mpiexec=$$(test -x $(BIN)/mpiexec && echo $(BIN)/mpiexec || echo mpiexec); \
-	for n in $(MPI_SIZES); do \
-	  echo "== $$mpiexec -n $$n pytest --with-mpi tests/mpi"; \
-	  timeout -k 10 $(MPI_TIMEOUT) $$mpiexec -n $$n $(BIN)/python -m pytest --with-mpi -q \
+	@for n in $(MPI_SIZES); do \
+	  echo "== mpiexec -n $$n pytest --with-mpi tests/mpi"; \
+	  timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest --with-mpi -q \
 	    -p no:cacheprovider tests/mpi || exit 1; \
 	done
 

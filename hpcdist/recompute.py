@@ -50,3 +50,20 @@ def checkpoint(fn, *inputs: Tensor) -> Tensor:
         # The inputs are plain data, but fn's parameters still train: keep the node.
         result.requires_grad, result._parents, result._backward = True, tuple(inputs), backward
     return result
+
+
+def graph_bytes(root: Tensor) -> int:
+    """Bytes of activations the graph behind ``root`` keeps alive (non-leaf outputs).
+
+    What activation checkpointing saves: with it, only each block's input stays.
+    """
+    seen, stack, total = set(), [root], 0
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node._backward is not None:
+            total += node.data.nbytes
+        stack.extend(node._parents)
+    return total

@@ -161,6 +161,9 @@ def train(cfg: TrainConfig, comm=None, log=print) -> dict:
         + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
 
     tokens_per_step = cfg.batch_size * cfg.grad_accum * train_set.block_size * world
+    # fp16 overflows are expected (the loss scaler finds them and skips the step): no warnings
+    overflow_ok = np.errstate(over="ignore", invalid="ignore") if mp.scaler.enabled \
+        else contextlib.nullcontext()
     lr_scale = world if cfg.scale_lr else 1
     t_start = time.perf_counter()
     loss_value = float("nan")
@@ -174,7 +177,7 @@ def train(cfg: TrainConfig, comm=None, log=print) -> dict:
         for micro in range(cfg.grad_accum):
             x, y = train_set.batch(sampler.next_batch())
             quiet = micro < cfg.grad_accum - 1           # communicate on the last only
-            with ddp.no_sync() if quiet else contextlib.nullcontext():
+            with ddp.no_sync() if quiet else contextlib.nullcontext(), overflow_ok:
                 _, loss = model(xp.asarray(x), xp.asarray(y))
                 mp.scale_loss(loss * (1.0 / cfg.grad_accum)).backward()
             loss_sum += float(loss.data)

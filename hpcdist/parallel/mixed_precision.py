@@ -67,10 +67,10 @@ class LossScaler:
             setattr(self, k, int(sd[k]))
 
 
-class MasterParams:
+class MasterParams(FlatParams):
     """An fp32 copy of a FlatParams' layout, not bound to any Parameter (the optimizer's)."""
 
-    def __init__(self, compute: FlatParams, dtype="float32"):
+    def __init__(self, compute: FlatParams, dtype="float32"):   # noqa: no super(): no binding
         xp = backend.array_module(compute.data)
         self.data = compute.data.astype(dtype)
         self.grad = xp.zeros(compute.size, dtype=dtype)

@@ -255,3 +255,20 @@ def test_debug_mode_checks_shape_and_call_order(comm):
 def test_bad_argument_on_every_rank_still_raises(comm):
     with pytest.raises(ValueError, match="C-contiguous"):
         comm.allreduce(np.ones((4, 4))[:, ::2])
+
+
+def test_fp16_wire_reduces_in_fp32_and_counts_half_the_bytes(comm):
+    rng = np.random.default_rng(comm.rank)
+    x = rng.standard_normal(1000).astype(np.float32)
+    before = comm.bytes_sent
+    got = comm.allreduce(x, op="avg", wire_dtype="float16")
+    wire16 = comm.bytes_sent - before
+    assert got.dtype == np.float32
+    ref = oracle_allreduce(comm, x.astype(np.float64), "avg")
+    np.testing.assert_allclose(got, ref, rtol=0, atol=5e-3 * np.abs(ref).max() + 1e-3)
+    everyone = np.empty((comm.size, x.size), np.float32)
+    comm.mpi.Allgather(got, everyone)
+    assert (everyone == everyone[0]).all(), "ranks disagree after the fp16-wire ring"
+    before = comm.bytes_sent
+    comm.allreduce(x, algorithm="ring")
+    assert wire16 * 2 == comm.bytes_sent - before

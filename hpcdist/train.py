@@ -130,8 +130,12 @@ def _fail_injection(rank: int, step: int) -> None:
 
 # ---- the run ----------------------------------------------------------------------------------
 
-def train(cfg: TrainConfig, comm=None, log=print) -> dict:
-    """Train on every rank of ``comm``; return the final metrics (the same on every rank)."""
+def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) -> dict:
+    """Train on every rank of ``comm``; return the final metrics (the same on every rank).
+
+    ``probe_cosine`` (benchmarks): also measure each step's cosine similarity between the
+    averaged gradient and the dense average (an extra, uncounted allreduce per bucket).
+    """
     comm = comm or Communicator()
     rank, world = comm.rank, comm.size
     device = backend.init(cfg.device, comm.local_rank)
@@ -165,7 +169,10 @@ def train(cfg: TrainConfig, comm=None, log=print) -> dict:
     overflow_ok = np.errstate(over="ignore", invalid="ignore") if mp.scaler.enabled \
         else contextlib.nullcontext()
     lr_scale = world if cfg.scale_lr else 1
+    ddp.probe_cosine = probe_cosine
     t_start = time.perf_counter()
+    bytes_start = comm.bytes_sent
+    step_times = []
     loss_value = float("nan")
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
@@ -191,6 +198,7 @@ def train(cfg: TrainConfig, comm=None, log=print) -> dict:
             mp.copy_master_to_compute()
         loss_value = loss_sum / cfg.grad_accum
         dt = time.perf_counter() - t0
+        step_times.append(dt)
         if step % cfg.log_every == 0 or step == cfg.steps:
             g = comm.allreduce(np.array([loss_value]), op="avg")[0]   # the global mean loss
             rec = {"step": step, "loss": float(g), "lr": lr, "step_ms": dt * 1e3,
@@ -212,9 +220,14 @@ def train(cfg: TrainConfig, comm=None, log=print) -> dict:
             say(f"saved {folder}")
 
     accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, comm)
+    ran = max(cfg.steps - start, 1)
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
              "train_loss": loss_value, "steps": cfg.steps, "world": world,
-             "seconds": time.perf_counter() - t_start, "skipped_steps": mp.scaler.skipped}
+             "seconds": time.perf_counter() - t_start, "skipped_steps": mp.scaler.skipped,
+             "bytes_per_step": (comm.bytes_sent - bytes_start) / ran,
+             "step_ms_median": float(np.median(step_times)) * 1e3 if step_times else 0.0}
+    if ddp.cosines:
+        final["cosine_mean"] = float(np.mean(ddp.cosines))
     what = "exact-match" if cfg.task != "text" else "next-char"
     say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss {test_loss:.4f} | "
         f"{final['seconds']:.1f} s")

@@ -5,6 +5,8 @@ import sys
 BENCHMARKS = {
     "autograd": "hpcdist.bench.autograd",
     "collectives": "hpcdist.bench.collectives",
+    "compression": "hpcdist.bench.compression",
+    "ddp": "hpcdist.bench.ddp",
 }
 
 

@@ -438,29 +438,34 @@ class Communicator:
         Falls back to the dense ring allreduce when that sends fewer bytes (k/n above about
         1/P); ``self.sparse_stats`` records the sizes and which path ran.
         """
-        if op not in ("sum", "avg"):
-            raise ValueError(f"sparse_allreduce supports op sum or avg, got {op!r}")
         n = getattr(grad, "size", 0)
         kk = sparse.choose_k(n, density, k)
-        if n >= 2 ** 31:
-            raise ValueError("sparse_allreduce indexes with int32: arrays must be < 2**31")
-        self._agree(self.mpi, "sparse_allreduce", grad, "grad", op, length=n, k=kk)
-        sparse_b, dense_b = sparse.wire_bytes(n, kk, grad.dtype.itemsize, self.size)
-        flat = grad.reshape(-1)
+        sparse_b, dense_b = sparse.wire_bytes(n, kk, getattr(grad, "itemsize", 4), self.size)
         if sparse_b >= dense_b:
-            out = self.allreduce(flat, op="sum", algorithm="ring")
-            stats = sparse.SparseStats(n, kk, sparse_b, dense_b, dense_b, True)
-        else:
-            idx, vals = sparse.top_k(flat, kk)
-            host_idx, host_vals = self._stage_in(idx), self._stage_in(vals)
-            out = self._stage_out(sparse.exchange(self.mpi, host_idx, host_vals, n), grad)
-            stats = sparse.SparseStats(n, kk, sparse_b, dense_b, sparse_b, False)
+            if op not in ("sum", "avg"):
+                raise ValueError(f"sparse_allreduce supports op sum or avg, got {op!r}")
+            out = self.allreduce(grad, op=op, algorithm="ring")
+            self.sparse_stats = sparse.SparseStats(n, kk, sparse_b, dense_b, dense_b, True)
+            return out
+        idx, vals = sparse.top_k(grad.reshape(-1), kk)
+        return self.sparse_exchange(idx, vals, n, op).reshape(grad.shape)
+
+    def sparse_exchange(self, idx, vals, n: int, op: str = "sum"):
+        """Sum every rank's (index, value) pairs into a dense length-n array (ring allgatherv
+        of the pairs). Each rank passes the same n and the same number of pairs."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"sparse_allreduce supports op sum or avg, got {op!r}")
+        if n >= 2 ** 31:
+            raise ValueError("sparse exchange indexes with int32: arrays must be < 2**31")
+        self._agree(self.mpi, "sparse_allreduce", vals, "vals", op, length=n, k=idx.size)
+        out = self._stage_out(sparse.exchange(self.mpi, self._stage_in(idx),
+                                              self._stage_in(vals), n), vals)
         if op == "avg":
             out /= self.size
-        self.sparse_stats = stats
-        if not stats.fell_back:
-            self.bytes_sent += stats.bytes_sent
-        return out.reshape(grad.shape)
+        sparse_b, dense_b = sparse.wire_bytes(n, idx.size, vals.dtype.itemsize, self.size)
+        self.sparse_stats = sparse.SparseStats(n, idx.size, sparse_b, dense_b, sparse_b, False)
+        self.bytes_sent += sparse_b
+        return out
 
     # ---- teardown -------------------------------------------------------------------------
     def close(self) -> None:

@@ -126,7 +126,7 @@ class TopKCompression(NoCompression):
         else:
             v += g
         (idx, vals), n = self.compress(v)
-        grad[...] = comm.sparse_allreduce(self.decompress((idx, vals), n), k=idx.size, op="avg")
+        grad[...] = comm.sparse_exchange(idx, vals, n, op="avg")
         v[idx] = 0                    # sent: the residual keeps only what stayed behind
         u[idx] = 0                    # momentum factor masking
         return _Done()

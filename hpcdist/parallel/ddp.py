@@ -89,6 +89,11 @@ class DistributedDataParallel:
                         for i, (lo, hi, members) in enumerate(plan)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0                            # next bucket to launch, in order
+        # Benchmark probe: cosine similarity of the averaged (compressed) gradient to the
+        # dense average, via an extra dense allreduce whose bytes are not counted.
+        self.probe_cosine = False
+        self.cosines: list = []
+        self._probe = None
         for p in params:
             p.register_grad_hook(self._grad_ready)
 
@@ -113,6 +118,12 @@ class DistributedDataParallel:
         grad = self.flat.grad[bucket.lo:bucket.hi]
         if self.compute is not self.flat:          # mixed precision: average in fp32
             grad[...] = self.compute.grad[bucket.lo:bucket.hi]
+        if self.probe_cosine:
+            sent = self.comm.bytes_sent
+            if self._probe is None:
+                self._probe = {}
+            self._probe[bucket.index] = self.comm.allreduce(grad, op="avg")
+            self.comm.bytes_sent = sent
         bucket.handle = self.compression.start(self.comm, grad, bucket.index)
         self._next = bucket.index + 1
 
@@ -126,6 +137,15 @@ class DistributedDataParallel:
             b.handle = None
             b.pending = len(b.params)
         self._next = 0
+        if self._probe:
+            dot = n1 = n2 = 0.0
+            for b in self.buckets:
+                got, ref = self.flat.grad[b.lo:b.hi], self._probe[b.index]
+                dot += float((got * ref).sum())
+                n1 += float((got * got).sum())
+                n2 += float((ref * ref).sum())
+            self.cosines.append(dot / max((n1 * n2) ** 0.5, 1e-30))
+            self._probe = None
         if hasattr(self.compression, "step"):
             self.compression.step += 1
 

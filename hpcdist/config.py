@@ -121,6 +121,9 @@ def validate(cfg: TrainConfig) -> None:
                           "it cannot be combined with --dtype fp64")
     if cfg.backend == "nccl" and cfg.device != "gpu":
         raise ConfigError("--backend nccl needs --device gpu (NCCL moves GPU memory)")
+    if cfg.backend == "nccl" and cfg.compress != "none":
+        raise ConfigError(f"--compress {cfg.compress} runs on the MPI backend; with "
+                          "--backend nccl use --compress none")
 
 
 def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:

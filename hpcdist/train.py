@@ -84,7 +84,11 @@ def build(cfg: TrainConfig, comm):
                         LossScaler(init_scale=cfg.loss_scale, enabled=cfg.precision == "fp16"))
     compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
                                    cfg.compress_clip, cfg.density_warmup)
-    ddp = DistributedDataParallel(model, comm, flat=mp.master, compute=mp.compute,
+    grad_comm = comm
+    if cfg.backend == "nccl":                      # gradients over NCCL, the rest over MPI
+        from .comm.nccl import NcclCommunicator
+        grad_comm = NcclCommunicator(comm.mpi)
+    ddp = DistributedDataParallel(model, grad_comm, flat=mp.master, compute=mp.compute,
                                   bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
                                   overlap=cfg.overlap, compression=compression)
     # With DGC the momentum lives in the compressor; the optimizer must not add its own.
@@ -171,12 +175,12 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
     lr_scale = world if cfg.scale_lr else 1
     ddp.probe_cosine = probe_cosine
     t_start = time.perf_counter()
-    bytes_start = comm.bytes_sent
+    bytes_start = ddp.comm.bytes_sent              # the gradient communicator's count
     step_times = []
     loss_value = float("nan")
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        bytes0 = comm.bytes_sent
+        bytes0 = ddp.comm.bytes_sent
         _fail_injection(rank, step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
         mp.zero_grad()
@@ -203,7 +207,7 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
             g = comm.allreduce(np.array([loss_value]), op="avg")[0]   # the global mean loss
             rec = {"step": step, "loss": float(g), "lr": lr, "step_ms": dt * 1e3,
                    "tokens_per_s": tokens_per_step / dt, "grad_norm": norm,
-                   "bytes_sent": comm.bytes_sent - bytes0, "loss_scale": mp.scaler.scale,
+                   "bytes_sent": ddp.comm.bytes_sent - bytes0, "loss_scale": mp.scaler.scale,
                    "skipped_steps": mp.scaler.skipped}
             eta = (time.perf_counter() - t_start) / (step - start) * (cfg.steps - step)
             say(f"step {step:5d}/{cfg.steps} | loss {g:.4f} | lr {lr:.2e} | "
@@ -224,7 +228,7 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
              "train_loss": loss_value, "steps": cfg.steps, "world": world,
              "seconds": time.perf_counter() - t_start, "skipped_steps": mp.scaler.skipped,
-             "bytes_per_step": (comm.bytes_sent - bytes_start) / ran,
+             "bytes_per_step": (ddp.comm.bytes_sent - bytes_start) / ran,
              "step_ms_median": float(np.median(step_times)) * 1e3 if step_times else 0.0}
     if ddp.cosines:
         final["cosine_mean"] = float(np.mean(ddp.cosines))

@@ -48,6 +48,12 @@ BAD = [
     (["--device", "tpu"], "unknown device"),
     (["--bogus-flag", "1"], "unrecognized arguments"),
     (["--steps", "ten"], "invalid int value"),
+    (["--compress", "topk"], "compresses nothing"),
+    (["--backend", "nccl"], "needs --device gpu"),
+    (["--save-every", "5"], "need --save-dir"),
+    (["--precision", "fp8"], "unknown precision"),
+    (["--density", "0"], "density must be in"),
+    (["--length", "3", "--num-digits", "2", "--batch-size", "64"], "fewer than one global step"),
 ]
 
 

@@ -19,6 +19,20 @@ _NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64":
 _NCCL_OPS = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN"}
 
 
+class _StreamHandle:
+    """A collective queued on the CUDA stream: done once the stream reaches it."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self):
+        backend.synchronize(self._result)
+        return self._result
+
+
 class NcclCommunicator:
     """allreduce, reduce_scatter, allgather, bcast, send/recv over NCCL, on GPU arrays."""
 
@@ -33,6 +47,17 @@ class NcclCommunicator:
             uid[:] = np.asarray(self.nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
         self.host.bcast(uid, root=0)
         self.comm = self.nccl.NcclCommunicator(self.size, tuple(int(b) for b in uid), self.rank)
+        self.bytes_sent = 0                            # ring-equivalent payload bytes
+
+    def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
+                   wire_dtype=None):
+        """NCCL queues the allreduce on the current stream; ``wait()`` syncs the stream."""
+        if wire_dtype is not None:
+            raise ValueError("the NCCL backend has no wire dtype; use --compress none")
+        return _StreamHandle(self.allreduce(buf, op=op, out=out))
+
+    def split(self, color: int, key: int | None = None):
+        raise NotImplementedError("split the MPI communicator and build NcclCommunicator on it")
 
     # ---- helpers ---------------------------------------------------------------------------
     def _args(self, buf):
@@ -59,6 +84,7 @@ class NcclCommunicator:
         self._agree("allreduce", buf, op)
         dt = self._args(buf)
         out = backend.xp().empty_like(buf) if out is None else out
+        self.bytes_sent += 2 * (self.size - 1) * -(-buf.size // self.size) * buf.dtype.itemsize
         self.comm.allReduce(buf.data.ptr, out.data.ptr, buf.size, dt,
                             getattr(self.nccl, _NCCL_OPS[op]), self._stream())
         if op == "avg":

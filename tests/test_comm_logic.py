@@ -101,6 +101,7 @@ def test_algorithm_choice_and_override(monkeypatch):
     assert choose_allreduce(8, 8) == "recursive_doubling"
     assert choose_allreduce(64 << 20, 8) == "ring"
     assert choose_allreduce(64 << 20, 8, "rabenseifner") == "rabenseifner"
+    assert choose_bcast(4 << 20, 4) == "binomial" and choose_bcast(4 << 20, 8) == "scatter_allgather"
     monkeypatch.setenv("HPCDIST_ALLREDUCE", "ring")
     assert choose_allreduce(8, 8) == "ring"
     monkeypatch.setenv("HPCDIST_BCAST", "binomial")

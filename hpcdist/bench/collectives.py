@@ -21,7 +21,8 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcdist.comm import Communicator, shard_bounds
-from hpcdist.comm.communicator import ALLREDUCE_ALGORITHMS, choose_allreduce, choose_bcast
+from hpcdist.comm.select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, choose_allreduce,
+                                  choose_bcast)
 
 BUSBW = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
          "allgather": lambda n: (n - 1) / n, "bcast": lambda n: 1.0, "sendrecv": lambda n: 1.0}
@@ -216,18 +217,23 @@ def main(argv=None) -> int:
                 f"{row['busbw_GBs']:11.3f} {row['mpi_time_us']:10.1f} {row['mpi_busbw_GBs']:10.3f} "
                 f"{row['ratio']:9.2f} {row['model_us']:10.1f}")
     if args.algorithms and P > 1:
-        say("\nallreduce time (us) by algorithm")
-        names = sorted(ALLREDUCE_ALGORITHMS)
-        say(f"{'bytes':>10s} " + " ".join(f"{nm:>19s}" for nm in names) + f" {'auto picks':>19s}")
-        for nbytes in sizes(args.min_bytes, args.max_bytes):
-            x = np.ones(max(nbytes // 4, 1), dtype=np.float32)
-            y = np.empty_like(x)
-            ts = [timed(comm.mpi, lambda nm=nm: comm.allreduce(x, out=y, algorithm=nm),
-                        iterations(nbytes))[0] for nm in names]
-            rows.append({"collective": "allreduce_by_algorithm", "ranks": P, "bytes": nbytes,
-                         **{f"{nm}_us": tt * 1e6 for nm, tt in zip(names, ts)}})
-            say(f"{nbytes:10d} " + " ".join(f"{tt * 1e6:19.1f}" for tt in ts)
-                + f" {choose_allreduce(nbytes, P):>19s}")
+        for kind, names, choose in (("allreduce", sorted(ALLREDUCE_ALGORITHMS), choose_allreduce),
+                                    ("bcast", sorted(BCAST_ALGORITHMS), choose_bcast)):
+            say(f"\n{kind} time (us) by algorithm")
+            say(f"{'bytes':>10s} " + " ".join(f"{nm:>19s}" for nm in names) + f" {'auto picks':>19s}")
+            for nbytes in sizes(args.min_bytes, args.max_bytes):
+                x = np.ones(max(nbytes // 4, 1), dtype=np.float32)
+                y = np.empty_like(x)
+                if kind == "allreduce":
+                    call = lambda nm: comm.allreduce(x, out=y, algorithm=nm)   # noqa: E731
+                else:
+                    call = lambda nm: comm.bcast(x, root=0, algorithm=nm)      # noqa: E731
+                ts = [timed(comm.mpi, lambda nm=nm: call(nm), iterations(nbytes))[0]
+                      for nm in names]
+                rows.append({"collective": f"{kind}_by_algorithm", "ranks": P, "bytes": nbytes,
+                             **{f"{nm}_us": tt * 1e6 for nm, tt in zip(names, ts)}})
+                say(f"{nbytes:10d} " + " ".join(f"{tt * 1e6:19.1f}" for tt in ts)
+                    + f" {choose(nbytes, P):>19s}")
     if args.overlap and P > 1:
         tc, tp, tb, hidden = overlap(comm)
         rows.append({"collective": "overlap", "ranks": P, "comm_s": tc, "compute_s": tp,

@@ -24,6 +24,12 @@ def run_ranks(n: int, args: list, timeout: float = 1800) -> list:
             if line.startswith("RESULT ")]
 
 
+def relaunch(name: str, ranks: int, argv) -> list:
+    """Run benchmark ``name``'s worker on ``ranks`` ranks with the same options."""
+    rest = [a for a in (argv or []) if a != "--worker"]
+    return run_ranks(ranks, [name, "--worker", *rest])
+
+
 def emit(record: dict) -> None:
     """A worker's result line, read back by ``run_ranks``."""
     print("RESULT " + json.dumps(record), flush=True)

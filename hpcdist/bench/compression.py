@@ -11,7 +11,7 @@ import argparse
 import os
 import tempfile
 
-from hpcdist.bench.common import emit, run_ranks, table, write_json
+from hpcdist.bench.common import emit, relaunch, table, write_json
 
 
 def worker(args) -> int:
@@ -54,8 +54,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    passthrough = [a for a in (argv or []) if a != "--worker"]
-    rows = run_ranks(args.ranks, ["compression", "--worker", *passthrough])
+    rows = relaunch("compression", args.ranks, argv)
     print(f"gradient compression | default task | {args.ranks} ranks | {args.steps} steps | "
           f"{args.optimizer} lr {args.lr:g} | DGC momentum {args.dgc_momentum:g}")
     dense = rows[0]

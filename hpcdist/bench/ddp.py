@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from hpcdist.bench.common import emit, run_ranks, table, write_json
+from hpcdist.bench.common import emit, relaunch, table, write_json
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=128)
 
@@ -86,10 +86,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    passthrough = [a for a in (argv or []) if a != "--worker"]
-    rows = []
-    for n in args.sizes:
-        rows += run_ranks(n, ["ddp", "--worker", *passthrough])
+    rows = [r for n in args.sizes for r in relaunch("ddp", n, argv)]
     base = rows[0]["step_overlap_ms"]
     for r in rows:
         saved = r["step_no_overlap_ms"] - r["step_overlap_ms"]

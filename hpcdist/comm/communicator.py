@@ -13,88 +13,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import backend
-from . import check, p2p, rabenseifner, recursive_doubling, ring, sparse, tree
+from . import check, p2p, ring, sparse, tree
 from .layout import check_op, shard_bounds, shard_counts
-
-# ---- algorithm choice ----------------------------------------------------------------------
-# Thresholds measured on the 2-core development machine with
-#   mpiexec -n N python -m hpcdist.bench collectives      (N = 2, 4, 8; see README)
-# Recursive doubling sends the whole buffer log2(P) times but in the fewest rounds; it wins
-# below ALLREDUCE_SMALL_BYTES. Rabenseifner sends 2(P-1)/P of it in 2 log2(P) rounds; the
-# ring sends the same bytes in 2(P-1) rounds, each rank talking only to its neighbours.
-#
-# allreduce, microseconds per call by algorithm (``--algorithms``), float32, 2026-11-21:
-#   bytes      N=2: RD / Rab / ring      N=4: RD / Rab / ring      N=8: RD / Rab / ring
-#   32 KiB       44 /  132 /  215          155 /  214 /  260          882 / 1075 / 1437
-#   128 KiB     150 /  344 /  129          223 /  267 /  306         1502 / 1354 / 2150
-#   512 KiB     867 /  907 /  742          382 /  377 /  412         6255 / 3001 / 3961
-#   2 MiB      1804 / 1600 / 1630          841 /  641 /  736        14089 / 7836 / 3443
-#   8 MiB      3563 / 5532 / 2916         6183 / 3728 / 3502        24732 / 12069 / 8352
-# Recursive doubling wins below 64 KiB everywhere; the ring wins from 2 MiB (clearly at N=8,
-# by 0-20% at N=2 and 4); Rabenseifner in between (at N=2 it is the ring's schedule).
-ALLREDUCE_SMALL_BYTES = 64 << 10
-ALLREDUCE_RING_BYTES = 2 << 20
-# bcast: binomial below 64 KiB; scatter + ring allgather above, where it moves 2x the buffer
-# per rank instead of log2(P)x (same sweep, bcast table in README).
-BCAST_SMALL_BYTES = 64 << 10
-
-ALLREDUCE_ALGORITHMS = {
-    "ring": ring.allreduce_inplace,
-    "recursive_doubling": recursive_doubling.allreduce_inplace,
-    "rabenseifner": rabenseifner.allreduce_inplace,
-}
-BCAST_ALGORITHMS = {
-    "binomial": tree.bcast_binomial,
-    "scatter_allgather": tree.bcast_scatter_allgather,
-}
-
-
-def _forced(algorithm: str, env: str, table: dict, what: str):
-    """The algorithm forced by argument or by ``env``; None when both say "auto"."""
-    algorithm = os.environ.get(env, "auto") if algorithm == "auto" else algorithm
-    if algorithm == "auto":
-        return None
-    if algorithm not in table:
-        raise ValueError(f"unknown {what} algorithm {algorithm!r}: choose auto, "
-                         f"{', '.join(table)}")
-    return algorithm
-
-
-def choose_allreduce(nbytes: int, world: int, algorithm: str = "auto") -> str:
-    """The allreduce algorithm for a message size (``HPCDIST_ALLREDUCE`` overrides "auto")."""
-    forced = _forced(algorithm, "HPCDIST_ALLREDUCE", ALLREDUCE_ALGORITHMS, "allreduce")
-    if forced:
-        return forced
-    if nbytes < ALLREDUCE_SMALL_BYTES:
-        return "recursive_doubling"
-    return "rabenseifner" if nbytes < ALLREDUCE_RING_BYTES else "ring"
-
-
-def choose_bcast(nbytes: int, world: int, algorithm: str = "auto") -> str:
-    """The broadcast algorithm for a message size (``HPCDIST_BCAST`` overrides "auto")."""
-    forced = _forced(algorithm, "HPCDIST_BCAST", BCAST_ALGORITHMS, "bcast")
-    if forced:
-        return forced
-    return "binomial" if nbytes < BCAST_SMALL_BYTES or world <= 2 else "scatter_allgather"
-
-
-def allreduce_wire_bytes(algorithm: str, n: int, world: int, itemsize: int) -> int:
-    """Payload bytes one rank sends in our allreduce of n elements (rank 0's count for the
-    folding algorithms; the agreement header is not counted)."""
-    P = world
-    if P == 1 or n == 0:
-        return 0
-    if algorithm == "ring":
-        S = -(-n // P)
-        return 2 * (P - 1) * S * itemsize
-    pof2 = 1 << (P.bit_length() - 1)
-    fold = n * itemsize if pof2 != P else 0
-    rounds = pof2.bit_length() - 1
-    if algorithm == "recursive_doubling":
-        return fold + rounds * n * itemsize
-    S = -(-n // pof2)
-    return fold + 2 * (pof2 - 1) * S * itemsize        # rabenseifner
-
+from .select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, allreduce_wire_bytes,  # noqa: F401
+                     choose_allreduce, choose_bcast)
 
 def cuda_aware() -> bool:
     """Whether MPI can read GPU buffers directly (HPCDIST_CUDA_AWARE=0|1 overrides)."""

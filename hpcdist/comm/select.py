@@ -1,0 +1,95 @@
+"""Which algorithm runs: the registries, the measured thresholds behind "auto", and the
+bytes each algorithm puts on the wire."""
+from __future__ import annotations
+
+import os
+
+from . import rabenseifner, recursive_doubling, ring, tree
+
+# Thresholds measured on the 2-core development machine with
+#   mpiexec -n N python -m hpcdist.bench collectives      (N = 2, 4, 8; see README)
+# Recursive doubling sends the whole buffer log2(P) times but in the fewest rounds; it wins
+# below ALLREDUCE_SMALL_BYTES. Rabenseifner sends 2(P-1)/P of it in 2 log2(P) rounds; the
+# ring sends the same bytes in 2(P-1) rounds, each rank talking only to its neighbours.
+#
+# allreduce, microseconds per call by algorithm (``--algorithms``), float32, 2026-11-21:
+#   bytes      N=2: RD / Rab / ring      N=4: RD / Rab / ring      N=8: RD / Rab / ring
+#   32 KiB       44 /  132 /  215          155 /  214 /  260          882 / 1075 / 1437
+#   128 KiB     150 /  344 /  129          223 /  267 /  306         1502 / 1354 / 2150
+#   512 KiB     867 /  907 /  742          382 /  377 /  412         6255 / 3001 / 3961
+#   2 MiB      1804 / 1600 / 1630          841 /  641 /  736        14089 / 7836 / 3443
+#   8 MiB      3563 / 5532 / 2916         6183 / 3728 / 3502        24732 / 12069 / 8352
+# Recursive doubling wins below 64 KiB everywhere; the ring wins from 2 MiB (clearly at N=8,
+# by 0-20% at N=2 and 4); Rabenseifner in between (at N=2 it is the ring's schedule).
+ALLREDUCE_SMALL_BYTES = 64 << 10
+ALLREDUCE_RING_BYTES = 2 << 20
+# bcast, microseconds by algorithm (same sweep), binomial / scatter + ring allgather:
+#   bytes         N=4              N=8
+#   512 KiB     635 /   742     1636 /  1999
+#   2 MiB      2143 /  2248     5123 /  4371
+#   8 MiB      4800 /  5612    10124 /  9201
+#   32 MiB    14624 / 10294    33129 / 23200
+# Scatter-allgather moves ~2x the buffer per rank instead of log2(P)x, but in log2(P) + P-1
+# steps: it pays off later at small P. Binomial below 16 MiB under 8 ranks (wins at 8 MiB,
+# loses at 32 MiB at N=4), below 2 MiB from 8 ranks (wins at 512 KiB, loses at 2 MiB at N=8).
+BCAST_SMALL_BYTES = 16 << 20
+BCAST_SMALL_BYTES_MANY = 2 << 20     # from BCAST_MANY_RANKS ranks up
+BCAST_MANY_RANKS = 8
+
+ALLREDUCE_ALGORITHMS = {
+    "ring": ring.allreduce_inplace,
+    "recursive_doubling": recursive_doubling.allreduce_inplace,
+    "rabenseifner": rabenseifner.allreduce_inplace,
+}
+BCAST_ALGORITHMS = {
+    "binomial": tree.bcast_binomial,
+    "scatter_allgather": tree.bcast_scatter_allgather,
+}
+
+
+def _forced(algorithm: str, env: str, table: dict, what: str):
+    """The algorithm forced by argument or by ``env``; None when both say "auto"."""
+    algorithm = os.environ.get(env, "auto") if algorithm == "auto" else algorithm
+    if algorithm == "auto":
+        return None
+    if algorithm not in table:
+        raise ValueError(f"unknown {what} algorithm {algorithm!r}: choose auto, "
+                         f"{', '.join(table)}")
+    return algorithm
+
+
+def choose_allreduce(nbytes: int, world: int, algorithm: str = "auto") -> str:
+    """The allreduce algorithm for a message size (``HPCDIST_ALLREDUCE`` overrides "auto")."""
+    forced = _forced(algorithm, "HPCDIST_ALLREDUCE", ALLREDUCE_ALGORITHMS, "allreduce")
+    if forced:
+        return forced
+    if nbytes < ALLREDUCE_SMALL_BYTES:
+        return "recursive_doubling"
+    return "rabenseifner" if nbytes < ALLREDUCE_RING_BYTES else "ring"
+
+
+def choose_bcast(nbytes: int, world: int, algorithm: str = "auto") -> str:
+    """The broadcast algorithm for a message size (``HPCDIST_BCAST`` overrides "auto")."""
+    forced = _forced(algorithm, "HPCDIST_BCAST", BCAST_ALGORITHMS, "bcast")
+    if forced:
+        return forced
+    small = BCAST_SMALL_BYTES_MANY if world >= BCAST_MANY_RANKS else BCAST_SMALL_BYTES
+    return "binomial" if nbytes < small or world <= 2 else "scatter_allgather"
+
+
+def allreduce_wire_bytes(algorithm: str, n: int, world: int, itemsize: int) -> int:
+    """Payload bytes one rank sends in our allreduce of n elements (rank 0's count for the
+    folding algorithms; the agreement header is not counted)."""
+    P = world
+    if P == 1 or n == 0:
+        return 0
+    if algorithm == "ring":
+        S = -(-n // P)
+        return 2 * (P - 1) * S * itemsize
+    pof2 = 1 << (P.bit_length() - 1)
+    fold = n * itemsize if pof2 != P else 0
+    rounds = pof2.bit_length() - 1
+    if algorithm == "recursive_doubling":
+        return fold + rounds * n * itemsize
+    S = -(-n // pof2)
+    return fold + 2 * (pof2 - 1) * S * itemsize        # rabenseifner

@@ -61,6 +61,7 @@ class TrainConfig:
     precision: str = "fp32"       # fp32 | fp16 | bf16 compute (fp32 master weights)
     loss_scale: float = 65536.0   # fp16: initial dynamic loss scale
     backend: str = "mpi"          # mpi | nccl (nccl: GPU only)
+    zero: int = 0                 # ZeRO stage: 0 (plain DDP), 1, 2 or 3
     # checkpoints
     save_dir: str = ""            # where checkpoints go ("" = none)
     save_every: int = 0           # steps between checkpoints (0 = only at the end)
@@ -121,6 +122,16 @@ def validate(cfg: TrainConfig) -> None:
                           "it cannot be combined with --dtype fp64")
     if cfg.backend == "nccl" and cfg.device != "gpu":
         raise ConfigError("--backend nccl needs --device gpu (NCCL moves GPU memory)")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    if cfg.zero and cfg.compress != "none":
+        raise ConfigError(f"--zero {cfg.zero} reduce-scatters dense gradients; gradient "
+                          "compression runs with --zero 0 only")
+    if cfg.zero and cfg.backend == "nccl":
+        raise ConfigError("--zero runs on the MPI backend; drop --backend nccl")
+    if cfg.zero == 3 and cfg.checkpoint_activations:
+        raise ConfigError("--zero 3 with --checkpoint-activations is not supported yet "
+                          "(recomputation would gather each block a third time); pick one")
     if cfg.backend == "nccl" and cfg.compress != "none":
         raise ConfigError(f"--compress {cfg.compress} runs on the MPI backend; with "
                           "--backend nccl use --compress none")

@@ -21,6 +21,7 @@ from .comm import Communicator, abort
 from .config import ConfigError, TrainConfig, parse_config, validate_world
 from .parallel import DistributedDataParallel, make_compression
 from .parallel.mixed_precision import LossScaler, MixedPrecision
+from .parallel.zero import Zero
 from .tensor import no_grad
 
 __all__ = ["TrainConfig", "ConfigError", "parse_config", "train", "main", "evaluate"]
@@ -68,8 +69,73 @@ def evaluate(model, dataset, batch: int, comm=None, max_examples: int = 4096):
 
 # ---- building the run -------------------------------------------------------------------------
 
+class DataParallelStep:
+    """The plain data-parallel path (``--zero 0``): DDP + mixed precision + a full optimizer,
+    behind the same small interface as ``parallel.zero.Zero``."""
+
+    def __init__(self, ddp, opt, mp, comm):
+        self.ddp, self.opt, self.mp, self.host = ddp, opt, mp, comm
+        self.comm = ddp.comm                       # the gradient communicator (bytes count)
+        self.scaler = mp.scaler
+
+    def zero_grad(self):
+        self.mp.zero_grad()
+
+    def micro_context(self, last: bool):
+        return contextlib.nullcontext() if last else self.ddp.no_sync()
+
+    def scale_loss(self, loss):
+        return self.mp.scale_loss(loss)
+
+    def sync(self):
+        self.ddp.sync_gradients()
+
+    def apply(self, lr: float, grad_clip: float = 0.0):
+        overflow = self.mp.unscale_and_check(self.host) if self.scaler.enabled else False
+        if not self.scaler.update(overflow):
+            return False, None
+        norm = optim.clip_grad_norm(self.mp.master.grad, grad_clip) if grad_clip else None
+        self.opt.step(lr)
+        self.mp.copy_master_to_compute()
+        return True, norm
+
+    def eval_context(self):
+        return contextlib.nullcontext()
+
+    def state(self):
+        shared = {"params": backend.to_numpy(self.mp.master.data)}
+        shared.update({f"opt.{k}": np.asarray(v) for k, v in self.opt.state_dict().items()})
+        own = {f"compress.{k}": v for k, v in self.ddp.compression.state_dict().items()}
+        return shared, own
+
+    def restore(self, shared, own):
+        self.mp.master.data[...] = backend.to_device(shared["params"])
+        self.mp.copy_master_to_compute()
+        self.opt.load_state_dict({k[len("opt."):]: (int(v) if k == "opt.step_count" else v)
+                                  for k, v in shared.items() if k.startswith("opt.")})
+        self.ddp.compression.load_state_dict({k[len("compress."):]: v for k, v in own.items()
+                                              if k.startswith("compress.")})
+
+    def memory(self) -> dict:
+        """Bytes alive in parameters, gradients and optimizer state (compute + master)."""
+        mp = self.mp
+        params = mp.compute.data.nbytes
+        # mixed precision: the fp32 master weights count as optimizer state (the ZeRO paper's
+        # K), and DDP averages into an fp32 gradient beside the compute gradient
+        grads = mp.compute.grad.nbytes + (mp.master.grad.nbytes if mp.mixed else 0)
+        state = sum(v.nbytes for v in self.opt.state.values() if hasattr(v, "nbytes")) + \
+            (mp.master.data.nbytes if mp.mixed else 0)
+        return {"params": params, "grads": grads, "optimizer": state,
+                "total": params + grads + state}
+
+    peak_memory = memory                            # nothing here changes size in a step
+
+    def full_parameters(self):
+        return self.mp.master.data
+
+
 def build(cfg: TrainConfig, comm):
-    """Datasets, model (compute copies), mixed precision, DDP and optimizer for this rank."""
+    """Datasets, model and the training step (DDP or ZeRO) for this rank."""
     train_set, test_set = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
                                          data=cfg.data or None, block_size=cfg.block_size)
     validate_world(cfg, comm.size, len(train_set))
@@ -80,8 +146,22 @@ def build(cfg: TrainConfig, comm):
         block_size=train_set.block_size, vocab_size=train_set.vocab_size, n_layer=cfg.n_layer,
         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
         tie_weights=cfg.tie_weights, checkpoint_activations=cfg.checkpoint_activations))
-    mp = MixedPrecision(model.parameters(), cfg.precision,
-                        LossScaler(init_scale=cfg.loss_scale, enabled=cfg.precision == "fp16"))
+    scaler = LossScaler(init_scale=cfg.loss_scale, enabled=cfg.precision == "fp16")
+    # With DGC the momentum lives in the compressor; the optimizer must not add its own.
+    momentum = 0.0 if cfg.compress == "topk" and cfg.compress_momentum else cfg.momentum
+
+    def make_optimizer(flat):
+        if cfg.optimizer == "adamw":
+            return optim.AdamW(flat, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                               weight_decay=cfg.weight_decay)
+        return optim.SGD(flat, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
+
+    if cfg.zero:
+        low = None if cfg.precision == "fp32" else backend.dtype(cfg.precision)
+        step = Zero(model, comm, cfg.zero, make_optimizer, compute_dtype=low, scaler=scaler,
+                    bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb)
+        return train_set, test_set, model, step
+    mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
     compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
                                    cfg.compress_clip, cfg.density_warmup)
     grad_comm = comm
@@ -91,38 +171,24 @@ def build(cfg: TrainConfig, comm):
     ddp = DistributedDataParallel(model, grad_comm, flat=mp.master, compute=mp.compute,
                                   bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
                                   overlap=cfg.overlap, compression=compression)
-    # With DGC the momentum lives in the compressor; the optimizer must not add its own.
-    momentum = 0.0 if cfg.compress == "topk" and cfg.compress_momentum else cfg.momentum
-    if cfg.optimizer == "adamw":
-        opt = optim.AdamW(mp.master, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                          weight_decay=cfg.weight_decay)
-    else:
-        opt = optim.SGD(mp.master, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
-    return train_set, test_set, model, mp, ddp, opt
+    return train_set, test_set, model, DataParallelStep(ddp, make_optimizer(mp.master), mp, comm)
 
 
-def run_state(model, opt, sampler, mp, ddp):
+def run_state(step, sampler):
     """(shared, own) arrays that make a run resumable bit for bit."""
-    shared = {"params": backend.to_numpy(mp.master.data)}
-    shared.update({f"opt.{k}": np.asarray(v) for k, v in opt.state_dict().items()})
-    own = {"sampler": np.array([sampler.epoch, sampler.position], dtype=np.int64),
-           "rng": checkpoint.json_array(backend.rng_state())}
-    own.update({f"scaler.{k}": v for k, v in mp.scaler.state_dict().items()})
-    own.update({f"compress.{k}": v for k, v in ddp.compression.state_dict().items()})
+    shared, own = step.state()
+    own["sampler"] = np.array([sampler.epoch, sampler.position], dtype=np.int64)
+    own["rng"] = checkpoint.json_array(backend.rng_state())
+    own.update({f"scaler.{k}": v for k, v in step.scaler.state_dict().items()})
     return shared, own
 
 
-def restore_state(shared, own, opt, sampler, mp, ddp) -> None:
-    mp.master.data[...] = backend.to_device(shared["params"])
-    mp.copy_master_to_compute()
-    opt.load_state_dict({k[len("opt."):]: (int(v) if k == "opt.step_count" else v)
-                         for k, v in shared.items() if k.startswith("opt.")})
+def restore_state(shared, own, step, sampler) -> None:
+    step.restore(shared, own)
     sampler.load_state_dict({"epoch": own["sampler"][0], "position": own["sampler"][1]})
     backend.set_rng_state(checkpoint.from_json_array(own["rng"]))
-    mp.scaler.load_state_dict({k[len("scaler."):]: v for k, v in own.items()
-                               if k.startswith("scaler.")})
-    ddp.compression.load_state_dict({k[len("compress."):]: v for k, v in own.items()
-                                     if k.startswith("compress.")})
+    step.scaler.load_state_dict({k[len("scaler."):]: v for k, v in own.items()
+                                 if k.startswith("scaler.")})
 
 
 def _fail_injection(rank: int, step: int) -> None:
@@ -143,7 +209,7 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
     comm = comm or Communicator()
     rank, world = comm.rank, comm.size
     device = backend.init(cfg.device, comm.local_rank)
-    train_set, test_set, model, mp, ddp, opt = build(cfg, comm)
+    train_set, test_set, model, step_fn = build(cfg, comm)
     sampler = data.DistributedSampler(len(train_set), cfg.batch_size, rank, world, seed=cfg.seed)
     xp = backend.xp()
     is_main = rank == 0
@@ -154,7 +220,7 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
         folder = checkpoint.latest(cfg.save_dir)
         if folder is not None:
             manifest, shared, own = checkpoint.load(folder, comm)
-            restore_state(shared, own, opt, sampler, mp, ddp)
+            restore_state(shared, own, step_fn, sampler)
             start = manifest["step"]
             say(f"resumed from {folder} at step {start}")
 
@@ -164,42 +230,39 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
     say(f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), "
         f"{model.num_parameters():,} parameters | task {cfg.task} "
         f"({len(train_set):,} train / {len(test_set):,} held-out) | device {device} | "
-        f"world size {world} | {cfg.precision} | compress {cfg.compress} | "
-        f"{cfg.steps} steps x batch {cfg.batch_size} x {world} ranks"
+        f"world size {world} | {cfg.precision} | "
+        + (f"ZeRO stage {cfg.zero} | " if cfg.zero else f"compress {cfg.compress} | ")
+        + f"{cfg.steps} steps x batch {cfg.batch_size} x {world} ranks"
         + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
 
     tokens_per_step = cfg.batch_size * cfg.grad_accum * train_set.block_size * world
-    # fp16 overflows are expected (the loss scaler finds them and skips the step): no warnings
-    overflow_ok = np.errstate(over="ignore", invalid="ignore") if mp.scaler.enabled \
-        else contextlib.nullcontext()
     lr_scale = world if cfg.scale_lr else 1
-    ddp.probe_cosine = probe_cosine
+    # fp16 overflows are expected (the loss scaler finds them and skips the step): no warnings
+    overflow_ok = np.errstate(over="ignore", invalid="ignore") if step_fn.scaler.enabled \
+        else contextlib.nullcontext()
+    ddp = getattr(step_fn, "ddp", None)
+    if ddp is not None:
+        ddp.probe_cosine = probe_cosine
     t_start = time.perf_counter()
-    bytes_start = ddp.comm.bytes_sent              # the gradient communicator's count
+    bytes_start = step_fn.comm.bytes_sent           # the gradient communicator's count
     step_times = []
     loss_value = float("nan")
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        bytes0 = ddp.comm.bytes_sent
+        bytes0 = step_fn.comm.bytes_sent
         _fail_injection(rank, step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
-        mp.zero_grad()
+        step_fn.zero_grad()
         loss_sum = 0.0
         for micro in range(cfg.grad_accum):
             x, y = train_set.batch(sampler.next_batch())
-            quiet = micro < cfg.grad_accum - 1           # communicate on the last only
-            with ddp.no_sync() if quiet else contextlib.nullcontext(), overflow_ok:
+            last = micro == cfg.grad_accum - 1           # communicate on the last only
+            with step_fn.micro_context(last), overflow_ok:
                 _, loss = model(xp.asarray(x), xp.asarray(y))
-                mp.scale_loss(loss * (1.0 / cfg.grad_accum)).backward()
+                step_fn.scale_loss(loss * (1.0 / cfg.grad_accum)).backward()
             loss_sum += float(loss.data)
-        ddp.sync_gradients()
-        overflow = mp.unscale_and_check(comm) if mp.scaler.enabled else False
-        norm = None
-        if mp.scaler.update(overflow):
-            if cfg.grad_clip:
-                norm = optim.clip_grad_norm(mp.master.grad, cfg.grad_clip)
-            opt.step(lr)
-            mp.copy_master_to_compute()
+        step_fn.sync()
+        _, norm = step_fn.apply(lr, cfg.grad_clip)
         loss_value = loss_sum / cfg.grad_accum
         dt = time.perf_counter() - t0
         step_times.append(dt)
@@ -207,8 +270,8 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
             g = comm.allreduce(np.array([loss_value]), op="avg")[0]   # the global mean loss
             rec = {"step": step, "loss": float(g), "lr": lr, "step_ms": dt * 1e3,
                    "tokens_per_s": tokens_per_step / dt, "grad_norm": norm,
-                   "bytes_sent": ddp.comm.bytes_sent - bytes0, "loss_scale": mp.scaler.scale,
-                   "skipped_steps": mp.scaler.skipped}
+                   "bytes_sent": step_fn.comm.bytes_sent - bytes0,
+                   "loss_scale": step_fn.scaler.scale, "skipped_steps": step_fn.scaler.skipped}
             eta = (time.perf_counter() - t_start) / (step - start) * (cfg.steps - step)
             say(f"step {step:5d}/{cfg.steps} | loss {g:.4f} | lr {lr:.2e} | "
                 f"{rec['tokens_per_s']:,.0f} tok/s | {dt * 1e3:.1f} ms/step | "
@@ -219,26 +282,28 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
             if not np.isfinite(g):
                 raise FloatingPointError(f"loss became {g} at step {step}; lower --lr")
         if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
-            folder = checkpoint.save(cfg.save_dir, step, comm, *run_state(model, opt, sampler, mp, ddp),
-                                     meta={"task": cfg.task})
+            folder = checkpoint.save(cfg.save_dir, step, comm, *run_state(step_fn, sampler),
+                                     meta={"task": cfg.task, "zero": cfg.zero})
             say(f"saved {folder}")
 
-    accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, comm)
+    with step_fn.eval_context():
+        accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, comm)
     ran = max(cfg.steps - start, 1)
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
              "train_loss": loss_value, "steps": cfg.steps, "world": world,
-             "seconds": time.perf_counter() - t_start, "skipped_steps": mp.scaler.skipped,
-             "bytes_per_step": (ddp.comm.bytes_sent - bytes_start) / ran,
+             "seconds": time.perf_counter() - t_start, "skipped_steps": step_fn.scaler.skipped,
+             "bytes_per_step": (step_fn.comm.bytes_sent - bytes_start) / ran,
              "step_ms_median": float(np.median(step_times)) * 1e3 if step_times else 0.0}
-    if ddp.cosines:
+    if ddp is not None and ddp.cosines:
         final["cosine_mean"] = float(np.mean(ddp.cosines))
+    final["memory_peak"] = step_fn.peak_memory()
     what = "exact-match" if cfg.task != "text" else "next-char"
     say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss {test_loss:.4f} | "
         f"{final['seconds']:.1f} s")
     if is_main:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()
-    final["params"] = mp.master.data      # the final master weights (tests compare them)
+    final["params"] = step_fn.full_parameters()   # final master weights (tests compare them)
     return final
 
 

@@ -54,6 +54,9 @@ BAD = [
     (["--precision", "fp8"], "unknown precision"),
     (["--density", "0"], "density must be in"),
     (["--length", "3", "--num-digits", "2", "--batch-size", "64"], "fewer than one global step"),
+    (["--zero", "4"], "--zero must be 0, 1, 2 or 3"),
+    (["--zero", "2", "--compress", "fp16"], "compression runs with --zero 0 only"),
+    (["--zero", "3", "--checkpoint-activations"], "not supported yet"),
 ]
 
 

@@ -161,6 +161,11 @@ class Communicator:
                 max_workers=1, thread_name_prefix=f"hpcdist-comm-{self.rank}")
         return Handle(self._executor.submit(fn, self._bg_mpi))
 
+    def run_async(self, fn) -> Handle:
+        """Run ``fn(mpi_comm)`` in the progress thread, in order with the other non-blocking
+        calls (ZeRO's gathers and reduce-scatters of flat ranges use it)."""
+        return self._run(fn, blocking=False)
+
     # ---- collectives --------------------------------------------------------------------
     def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
                   wire_dtype=None):
@@ -230,6 +235,7 @@ class Communicator:
             lo, hi = shard_bounds(work.size, self.size, self.rank)
             if self.size > 1 and work.size:
                 ring.reduce_scatter_inplace(mpi, work, op)
+                self.bytes_sent += (work.size - (hi - lo)) * work.dtype.itemsize
             return self._stage_out(work[lo:hi].copy(), buf)
         return self._run(run, blocking)
 
@@ -268,6 +274,7 @@ class Communicator:
         full[bounds[self.rank][0]:bounds[self.rank][1]] = work
         if self.size > 1 and off:
             ring.allgather_inplace(mpi, full, bounds)
+            self.bytes_sent += (off - piece.size) * work.dtype.itemsize   # all but my piece
         return self._stage_out(full, piece)
 
     def allgatherv(self, buf):

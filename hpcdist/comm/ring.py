@@ -7,23 +7,27 @@ reduced shard r — exactly ``reduce_scatter``'s result — and ZeRO can stop th
 from __future__ import annotations
 
 from .. import backend
-from .layout import as_bytes, finish, reduce_into, ring_peers, shard_bounds, shard_size
+from .layout import as_bytes, finish, reduce_into, ring_peers, shard_bounds
 
 TAG = 101
 
 
-def reduce_scatter_inplace(comm, buf, op: str, wire_dtype=None) -> tuple[int, int]:
+def reduce_scatter_inplace(comm, buf, op: str, wire_dtype=None, bounds=None) -> tuple[int, int]:
     """Reduce ``buf`` across ranks; afterwards ``buf[lo:hi]`` (returned) is this rank's reduced
-    shard and the rest of ``buf`` is scratch. ``avg`` is finished on the shard.
+    piece and the rest of ``buf`` is scratch. ``avg`` is finished on the piece.
 
-    ``wire_dtype`` (e.g. float16) is what travels; the reduction stays in ``buf``'s dtype.
+    ``bounds[c]`` is rank c's piece (default: the shard layout); pieces may differ in size
+    (ZeRO reduce-scatters a bucket onto the global shards). ``wire_dtype`` (e.g. float16) is
+    what travels; the reduction stays in ``buf``'s dtype.
     """
     P, r = comm.Get_size(), comm.Get_rank()
     L = buf.size
-    bounds = [shard_bounds(L, P, c) for c in range(P)]
+    if bounds is None:
+        bounds = [shard_bounds(L, P, c) for c in range(P)]
     left, right = ring_peers(r, P)
     xp = backend.array_module(buf)
-    incoming = xp.empty(shard_size(L, P), dtype=wire_dtype or buf.dtype)
+    widest = max(hi - lo for lo, hi in bounds)
+    incoming = xp.empty(widest, dtype=buf.dtype if wire_dtype is None else wire_dtype)
     for step in range(P - 1):
         send_c, recv_c = (r - step - 1) % P, (r - step - 2) % P   # last step receives chunk r
         (slo, shi), (rlo, rhi) = bounds[send_c], bounds[recv_c]

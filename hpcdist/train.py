@@ -286,17 +286,19 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
                                      meta={"task": cfg.task, "zero": cfg.zero})
             say(f"saved {folder}")
 
+    train_bytes = step_fn.comm.bytes_sent - bytes_start    # before evaluation's gathers
     with step_fn.eval_context():
         accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, comm)
     ran = max(cfg.steps - start, 1)
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
              "train_loss": loss_value, "steps": cfg.steps, "world": world,
              "seconds": time.perf_counter() - t_start, "skipped_steps": step_fn.scaler.skipped,
-             "bytes_per_step": (step_fn.comm.bytes_sent - bytes_start) / ran,
+             "bytes_per_step": train_bytes / ran,
              "step_ms_median": float(np.median(step_times)) * 1e3 if step_times else 0.0}
     if ddp is not None and ddp.cosines:
         final["cosine_mean"] = float(np.mean(ddp.cosines))
     final["memory_peak"] = step_fn.peak_memory()
+    final["memory_state"] = step_fn.memory()      # between steps
     what = "exact-match" if cfg.task != "text" else "next-char"
     say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss {test_loss:.4f} | "
         f"{final['seconds']:.1f} s")

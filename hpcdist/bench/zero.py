@@ -73,9 +73,8 @@ def analytic(psi: float, n: int) -> None:
           f" GB with everything sharded over {n} (its total divided by N).")
     print(f"The ZeRO paper counts 16 bytes per parameter (mixed-precision Adam): "
           f"{16 * psi / 1e9:,.0f} GB per GPU before sharding, {16 * psi / n / 1e9:,.0f} GB at "
-          f"stage 3. The seed lab's 64 B/param is 4x the paper's 16 — it includes more than the "
-          f"model states (fp32 gradients, a second Adam copy, activations-like buffers); both "
-          f"shard the same way, by N.")
+          f"stage 3. The seed lab's 64 B/param is 4x the paper's 16; its breakdown is not "
+          f"stated here, so both are printed. Both divide by N when everything is sharded.")
 
 
 def main(argv=None) -> int:

@@ -235,6 +235,10 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
         + f"{cfg.steps} steps x batch {cfg.batch_size} x {world} ranks"
         + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
 
+    if cfg.zero:
+        say(f"ZeRO stage {cfg.zero}: rank 0 holds elements [{step_fn.lo}, {step_fn.hi}) of "
+            f"{step_fn.L:,}; padding to equal shards would add {step_fn.padding} "
+            f"(the last shards are shorter instead)")
     tokens_per_step = cfg.batch_size * cfg.grad_accum * train_set.block_size * world
     lr_scale = world if cfg.scale_lr else 1
     # fp16 overflows are expected (the loss scaler finds them and skips the step): no warnings
@@ -297,8 +301,10 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) ->
              "step_ms_median": float(np.median(step_times)) * 1e3 if step_times else 0.0}
     if ddp is not None and ddp.cosines:
         final["cosine_mean"] = float(np.mean(ddp.cosines))
-    final["memory_peak"] = step_fn.peak_memory()
+    final["memory_peak"] = step_fn.peak_memory()  # the largest within any step
     final["memory_state"] = step_fn.memory()      # between steps
+    say("model state per rank, MiB (peak within a step): "
+        + ", ".join(f"{k} {v / 2 ** 20:.3f}" for k, v in final["memory_peak"].items()))
     what = "exact-match" if cfg.task != "text" else "next-char"
     say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss {test_loss:.4f} | "
         f"{final['seconds']:.1f} s")

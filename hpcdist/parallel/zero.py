@@ -33,45 +33,8 @@ from .. import backend
 from ..comm import ring
 from ..comm.layout import padded_length, shard_bounds
 from ..optim import FlatParams, decay_ranges_in
-from ..tensor import Tensor
 from .ddp import plan_buckets
-
-
-class ShardParams(FlatParams):
-    """The optimizer's view of this rank's shard: flat ``data`` and ``grad``, decay ranges."""
-
-    def __init__(self, data, grad, decay_ranges):   # noqa: no super(): nothing to pack
-        self.data, self.grad, self.decay_ranges = data, grad, decay_ranges
-        self.size, self.params, self.offsets = data.size, [], []
-
-
-def _pieces(a: int, b: int, world: int, length: int):
-    """Each rank's part of the flat range [a, b), relative to a (empty where none)."""
-    out = []
-    for c in range(world):
-        lo, hi = shard_bounds(length, world, c)
-        s, e = max(a, lo), min(b, hi)
-        out.append((s - a, e - a) if s < e else (0, 0))
-    return out
-
-
-class Group:
-    """Parameters that are gathered, or reduce-scattered, together: flat ranges [a, b)."""
-
-    def __init__(self, index, ranges, params):
-        self.index, self.ranges, self.params = index, ranges, params
-        self.pending = len(params)
-        self.launched = False       # its gradients are on their way this micro-batch
-        self.handle = None          # in-flight gather (stage 3) or reduce-scatter
-        self.buffers = None         # gathered full values, one array per range
-
-
-def _identity(x: Tensor, on_backward) -> Tensor:
-    """x itself, plus a callback when backward reaches this point."""
-    def backward(g):
-        on_backward()
-        return (g,)
-    return Tensor._make(x.data, (x,), backward)
+from .shards import Group, ShardParams, identity_hook, pieces_of_range
 
 
 class Zero:
@@ -160,7 +123,6 @@ class Zero:
             self._group_of = {id(p): g for g in self.groups for p in g.params}
             for p in params:
                 p.register_grad_hook(self._grad_ready)
-        self.require_sync = True
 
     # ---- stage 3: gather units --------------------------------------------------------------
     def _stage3_groups(self):
@@ -197,7 +159,7 @@ class Zero:
             for a, b in group.ranges:
                 buf = xp.empty(b - a, dtype=self.compute_dtype)
                 s, e = max(a, self.lo), min(b, self.hi)
-                pieces = _pieces(a, b, P, self.L)
+                pieces = pieces_of_range(a, b, P, self.L)
                 if s < e:
                     buf[s - a:e - a] = self.compute_shard[s - self.lo:e - self.lo]
                 if P > 1:
@@ -254,10 +216,10 @@ class Zero:
             def forward(x, inner=inner, group=group, prev=prev, nxt=nxt):
                 self._materialize(group)
                 self._prefetch(nxt)                       # overlaps this block's compute
-                x_in = _identity(x, lambda: self._after_block_backward(group))
+                x_in = identity_hook(x, lambda: self._after_block_backward(group))
                 out = inner(x_in)
                 self._release(group)
-                return _identity(out, lambda: self._before_block_backward(group, prev))
+                return identity_hook(out, lambda: self._before_block_backward(group, prev))
             block.forward = forward
 
     def _before_block_backward(self, group, prev) -> None:
@@ -296,7 +258,7 @@ class Zero:
         def run(mpi):
             parts = []
             for (a, b), buf in zip(group.ranges, packed):
-                pieces = _pieces(a, b, P, self.L)
+                pieces = pieces_of_range(a, b, P, self.L)
                 if P > 1:
                     ring.reduce_scatter_inplace(mpi, buf, "avg", bounds=pieces)
                 s, e = max(a, lo), min(b, hi)

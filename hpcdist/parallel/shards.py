@@ -1,0 +1,45 @@
+"""Building blocks of ZeRO: the optimizer's view of a shard, the pieces of a flat range that
+each rank owns, groups of parameters moved together, and an identity node that calls back when
+backward reaches it."""
+from __future__ import annotations
+
+from ..comm.layout import shard_bounds
+from ..optim import FlatParams
+from ..tensor import Tensor
+
+
+class ShardParams(FlatParams):
+    """The optimizer's view of this rank's shard: flat ``data`` and ``grad``, decay ranges."""
+
+    def __init__(self, data, grad, decay_ranges):   # noqa: no super(): nothing to pack
+        self.data, self.grad, self.decay_ranges = data, grad, decay_ranges
+        self.size, self.params, self.offsets = data.size, [], []
+
+
+def pieces_of_range(a: int, b: int, world: int, length: int):
+    """Each rank's part of the flat range [a, b), relative to a (empty where none)."""
+    out = []
+    for c in range(world):
+        lo, hi = shard_bounds(length, world, c)
+        s, e = max(a, lo), min(b, hi)
+        out.append((s - a, e - a) if s < e else (0, 0))
+    return out
+
+
+class Group:
+    """Parameters that are gathered, or reduce-scattered, together: flat ranges [a, b)."""
+
+    def __init__(self, index, ranges, params):
+        self.index, self.ranges, self.params = index, ranges, params
+        self.pending = len(params)
+        self.launched = False       # its gradients are on their way this micro-batch
+        self.handle = None          # in-flight gather (stage 3) or reduce-scatter
+        self.buffers = None         # gathered full values, one array per range
+
+
+def identity_hook(x: Tensor, on_backward) -> Tensor:
+    """x itself, plus a callback when backward reaches this point."""
+    def backward(g):
+        on_backward()
+        return (g,)
+    return Tensor._make(x.data, (x,), backward)

@@ -134,11 +134,21 @@ class DataParallelStep:
         return self.mp.master.data
 
 
-def build(cfg: TrainConfig, comm):
-    """Datasets, model and the training step (DDP or ZeRO) for this rank."""
-    train_set, test_set = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
-                                         data=cfg.data or None, block_size=cfg.block_size)
-    validate_world(cfg, comm.size, len(train_set))
+def prepare(cfg: TrainConfig, comm):
+    """Everything a run needs from disk, checked before any work: the (train, test) datasets
+    (validated against the world size) and the verified checkpoint to resume from, if any.
+    Raises ConfigError, CheckpointError or OSError on this rank only."""
+    datasets = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
+                              data=cfg.data or None, block_size=cfg.block_size)
+    validate_world(cfg, comm.size, len(datasets[0]))
+    folder = checkpoint.latest(cfg.save_dir) if cfg.resume else None
+    resume = (folder, *checkpoint.load(folder, comm)) if folder else None
+    return datasets, resume
+
+
+def build(cfg: TrainConfig, comm, datasets):
+    """Model and the training step (DDP or ZeRO) for this rank, over prepared datasets."""
+    train_set, test_set = datasets
     backend.set_default_float("float64" if cfg.dtype == "fp64" else "float32")
     nn.manual_seed(cfg.seed)
     backend.seed(cfg.seed + 1000 * comm.rank)        # per-rank dropout streams
@@ -160,7 +170,7 @@ def build(cfg: TrainConfig, comm):
         low = None if cfg.precision == "fp32" else backend.dtype(cfg.precision)
         step = Zero(model, comm, cfg.zero, make_optimizer, compute_dtype=low, scaler=scaler,
                     bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb)
-        return train_set, test_set, model, step
+        return model, step
     mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
     compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
                                    cfg.compress_clip, cfg.density_warmup)
@@ -171,7 +181,7 @@ def build(cfg: TrainConfig, comm):
     ddp = DistributedDataParallel(model, grad_comm, flat=mp.master, compute=mp.compute,
                                   bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
                                   overlap=cfg.overlap, compression=compression)
-    return train_set, test_set, model, DataParallelStep(ddp, make_optimizer(mp.master), mp, comm)
+    return model, DataParallelStep(ddp, make_optimizer(mp.master), mp, comm)
 
 
 def run_state(step, sampler):
@@ -200,29 +210,32 @@ def _fail_injection(rank: int, step: int) -> None:
 
 # ---- the run ----------------------------------------------------------------------------------
 
-def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False) -> dict:
+def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False,
+          prepared=None) -> dict:
     """Train on every rank of ``comm``; return the final metrics (the same on every rank).
 
-    ``probe_cosine`` (benchmarks): also measure each step's cosine similarity between the
+    ``prepared``: what ``prepare`` returned (main checks it before any work); made here if
+    not given. ``probe_cosine`` (benchmarks): also measure each step's cosine similarity between the
     averaged gradient and the dense average (an extra, uncounted allreduce per bucket).
     """
     comm = comm or Communicator()
     rank, world = comm.rank, comm.size
     device = backend.init(cfg.device, comm.local_rank)
-    train_set, test_set, model, step_fn = build(cfg, comm)
+    if prepared is None:
+        prepared = prepare(cfg, comm)
+    (train_set, test_set), resume = prepared
+    model, step_fn = build(cfg, comm, (train_set, test_set))
     sampler = data.DistributedSampler(len(train_set), cfg.batch_size, rank, world, seed=cfg.seed)
     xp = backend.xp()
     is_main = rank == 0
     say = log if is_main else (lambda *a, **k: None)
 
     start = 0
-    if cfg.resume:
-        folder = checkpoint.latest(cfg.save_dir)
-        if folder is not None:
-            manifest, shared, own = checkpoint.load(folder, comm)
-            restore_state(shared, own, step_fn, sampler)
-            start = manifest["step"]
-            say(f"resumed from {folder} at step {start}")
+    if resume is not None:
+        folder, manifest, shared, own = resume
+        restore_state(shared, own, step_fn, sampler)
+        start = manifest["step"]
+        say(f"resumed from {folder} at step {start}")
 
     if is_main:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -331,26 +344,19 @@ def main(argv=None) -> int:
     comm = Communicator()                              # collective: every rank, always
     abort.install()
     message = None
-    try:
+    try:                                               # every check that needs no collective
         cfg = parse_config(argv)
         backend.init(cfg.device, comm.local_rank)
-        if cfg.resume and cfg.save_dir and checkpoint.latest(cfg.save_dir):
-            checkpoint.load(checkpoint.latest(cfg.save_dir), comm)   # verify before work
-    except (ConfigError, backend.DeviceError, checkpoint.CheckpointError, OSError) as e:
+        prepared = prepare(cfg, comm)
+    except (ConfigError, backend.DeviceError, checkpoint.CheckpointError, OSError,
+            ValueError) as e:
         message = str(e)
-    if message is None:
-        try:                                           # data-dependent checks, still pre-work
-            train_set, _ = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
-                                          data=cfg.data or None, block_size=cfg.block_size)
-            validate_world(cfg, comm.size, len(train_set))
-        except (ConfigError, OSError, ValueError) as e:
-            message = str(e)
     message = _agree_on_error(comm, message)
     if message is not None:
         if message:
             print(f"hpcdist.train: error: {message}", file=sys.stderr)
         return 2
-    train(cfg, comm)
+    train(cfg, comm, prepared=prepared)
     return 0
 
 

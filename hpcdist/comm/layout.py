@@ -44,7 +44,7 @@ def check_op(op: str) -> str:
 
 def reduce_into(acc, incoming, op: str) -> None:
     """acc <- acc (op) incoming, elementwise in place. "avg" sums; ``finish`` divides."""
-    xp = _module(acc)
+    xp = backend.array_module(acc)
     if op in ("sum", "avg"):
         xp.add(acc, incoming, out=acc)
     elif op == "max":
@@ -63,10 +63,6 @@ def finish(buf, op: str, world: int) -> None:
             buf //= world
         else:
             buf /= world
-
-
-def _module(arr):
-    return backend.array_module(arr)
 
 
 def ring_peers(rank: int, world: int) -> tuple[int, int]:

@@ -1,0 +1,67 @@
+"""Every benchmark command runs end to end on small settings and writes sane results."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "hpcdist.bench", *args], capture_output=True,
+                       text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return r.stdout
+
+
+def mpiexec():
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return local if os.path.exists(local) else "mpiexec"
+
+
+def test_autograd_bench():
+    out = bench("autograd", "--steps", "3", "--warmup", "1")
+    assert "MLP 784-128-10" in out and "Tensor overhead" in out
+
+
+def test_collectives_bench(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    r = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "hpcdist.bench",
+                        "collectives", "--max-bytes", "4096", "--algorithms",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.load(open(tmp_path / "bench_collectives_n2.json"))
+    main = [row for row in res["rows"] if row["collective"] == "allreduce"]
+    assert [row["bytes"] for row in main] == [8, 32, 128, 512, 2048, 4096]
+    assert all(row["time_us"] > 0 and row["mpi_time_us"] > 0 for row in main)
+
+
+def test_compression_bench(tmp_path):
+    bench("compression", "--ranks", "2", "--steps", "3", "--out", str(tmp_path / "c.json"))
+    rows = json.load(open(tmp_path / "c.json"))["rows"]
+    dense = rows[0]
+    assert [r["scheme"] for r in rows] == ["dense", "fp16", "topk 0.01", "topk 0.001"]
+    assert rows[1]["bytes_per_step"] * 2 == pytest.approx(dense["bytes_per_step"], rel=0.01)
+    assert rows[3]["bytes_per_step"] < rows[2]["bytes_per_step"] < dense["bytes_per_step"]
+
+
+def test_ddp_bench(tmp_path):
+    bench("ddp", "--sizes", "1,2", "--steps", "2", "--out", str(tmp_path / "d.json"))
+    res = json.load(open(tmp_path / "d.json"))
+    assert [r["ranks"] for r in res["scaling"]] == [1, 2]
+    assert all(m["ratio"] > 1 for m in res["activation_memory"])
+
+
+def test_zero_bench(tmp_path):
+    bench("zero", "--sizes", "2", "--steps", "2", "--out", str(tmp_path / "z.json"))
+    rows = json.load(open(tmp_path / "z.json"))["rows"]
+    for r in rows:
+        if r["stage"] > 0:
+            assert r["state_ratio"] == pytest.approx(1.0, abs=1e-9)
+        assert r["comm_ratio"] == pytest.approx(1.0, abs=0.01)
+    out = bench("zero", "--analytic", "7e9", "--world", "8")
+    assert "448 GB per GPU" in out and "56 GB" in out

@@ -2,7 +2,8 @@
 #
 #   make venv        create/refresh .venv (reinstalls only when pyproject.toml changed)
 #   make train       train the default task on 8 MPI ranks (NP=4 make train; ARGS="--steps 100")
-#   make test        every test: unit tests, then the MPI tests at 1, 2, 3, 4, 5 and 8 ranks
+#   make test        every test: unit tests, the MPI tests at 1, 2, 3, 4, 5 and 8 ranks, then
+#                    the job templates on a real local SLURM (test-slurm; skips without root)
 #   make bench       the autograd benchmark
 #
 # With no system mpiexec on PATH the venv gets the MPICH wheel from PyPI, which brings
@@ -18,13 +19,13 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: venv train test test-unit test-mpi bench clean
+.PHONY: venv train test test-unit test-mpi test-slurm slurm-up slurm-down bench clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@extras=test,bf16; \
+	@extras=test,bf16,bench; \
 	if ! command -v mpiexec >/dev/null 2>&1; then \
 	  echo "no system mpiexec found: installing the MPICH wheel into $(VENV)"; extras=$$extras,mpich; \
 	fi; \
@@ -44,10 +45,10 @@ train: venv
 MPI_SIZES ?= 1 2 3 4 5 8
 MPI_TIMEOUT ?= 600
 
-test: test-unit test-mpi
+test: test-unit test-mpi test-slurm
 
 test-unit: venv
-	$(BIN)/python -m pytest -q tests --ignore=tests/mpi
+	$(BIN)/python -m pytest -q tests --ignore=tests/mpi --ignore=tests/slurm
 
 test-mpi: venv
 	@for n in $(MPI_SIZES); do \
@@ -55,6 +56,20 @@ test-mpi: venv
 	  timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest --with-mpi -q \
 	    -p no:cacheprovider tests/mpi || exit 1; \
 	done
+
+# The templates in jobs/ submitted to a one-node SLURM that tests/slurm/local-slurm.sh
+# installs (apt-get) and starts on this machine, and stops again afterwards.
+SLURM_TIMEOUT ?= 900
+
+test-slurm: venv
+	timeout -k 10 $(SLURM_TIMEOUT) $(BIN)/python -m pytest -q -p no:cacheprovider tests/slurm
+
+# A local SLURM to try the templates by hand: make slurm-up; export SLURM_CONF=...; sbatch ...
+slurm-up:
+	tests/slurm/local-slurm.sh up
+
+slurm-down:
+	tests/slurm/local-slurm.sh down
 
 bench: venv
 	$(BIN)/python -m hpcdist.bench autograd

@@ -73,6 +73,9 @@ class TrainConfig:
     log_every: int = 50
     eval_batch: int = 512
     out_dir: str = "runs"
+    # observability
+    trace: str = ""               # write a Chrome trace of every rank to this file
+    comm_log: bool = False        # print per-collective timings next to the alpha-beta model
 
 
 class ConfigError(ValueError):

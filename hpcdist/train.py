@@ -11,20 +11,28 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
 
-from . import backend, checkpoint, data, nn, optim
+from . import backend, checkpoint, data, nn, optim, timeline
 from .comm import Communicator, abort
+from .comm.model import fit_alpha_beta
 from .config import ConfigError, TrainConfig, parse_config, validate_world
 from .parallel import DistributedDataParallel, make_compression
 from .parallel.mixed_precision import LossScaler, MixedPrecision
 from .parallel.zero import Zero
 from .tensor import no_grad
 
-__all__ = ["TrainConfig", "ConfigError", "parse_config", "train", "main", "evaluate"]
+__all__ = ["TrainConfig", "ConfigError", "parse_config", "train", "main", "evaluate",
+           "EXIT_PREEMPTED"]
+
+# Exit code of a run that stopped on a signal after saving a checkpoint: the job scripts in
+# jobs/ requeue on it (75 is EX_TEMPFAIL, "try again later").
+EXIT_PREEMPTED = 75
 
 
 # ---- evaluation -------------------------------------------------------------------------------
@@ -201,11 +209,57 @@ def restore_state(shared, own, step, sampler) -> None:
                                  if k.startswith("scaler.")})
 
 
-def _fail_injection(rank: int, step: int) -> None:
-    """Test hook: HPCDIST_FAIL_AT=RANK:STEP raises on that rank at that step."""
+def _test_hooks(rank: int, step: int) -> None:
+    """Test hooks: HPCDIST_FAIL_AT=RANK:STEP raises on that rank at that step;
+    HPCDIST_SIGNAL_AT=RANK:STEP[:SIGNAL] sends that rank SIGNAL (default SIGUSR1) there."""
     spec = os.environ.get("HPCDIST_FAIL_AT")
     if spec and spec == f"{rank}:{step}":
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (HPCDIST_FAIL_AT)")
+    spec = os.environ.get("HPCDIST_SIGNAL_AT", "").split(":")
+    if len(spec) >= 2 and spec[:2] == [str(rank), str(step)]:
+        os.kill(os.getpid(), getattr(signal, spec[2] if len(spec) > 2 else "SIGUSR1"))
+
+
+class StopRequest:
+    """SIGUSR1 or SIGTERM ask a run with a checkpoint folder to save and stop: SLURM sends them
+    before a time limit (``--signal``), on preemption and on ``scancel``. Ranks see a signal
+    at different moments, so they agree: at the end of every step each rank starts a
+    non-blocking 8-byte MAX allreduce of "signal seen" and reads the previous step's result,
+    which is the same on every rank. A signal during step k stops every rank after step k+1;
+    the exchange runs in the progress thread and costs the step nothing it would notice."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+        self._pending = None
+
+    def install(self) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return False                      # Python delivers signals to the main thread only
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def poll(self, comm, more: bool = True) -> int:
+        """The signal any rank had seen by the previous poll (0: none); then, if ``more``
+        and none, starts the next exchange. Collective: every rank polls every step."""
+        agreed = 0
+        if self._pending is not None:
+            agreed = int(self._pending.wait()[0])
+            self._pending = None
+        if more and not agreed:
+            self._pending = comm.iallreduce(np.array([float(self.signum)]), op="max")
+        return agreed
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -217,8 +271,48 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False,
     ``prepared``: what ``prepare`` returned (main checks it before any work); made here if
     not given. ``probe_cosine`` (benchmarks): also measure each step's cosine similarity between the
     averaged gradient and the dense average (an extra, uncounted allreduce per bucket).
+    With ``cfg.save_dir``, SIGUSR1/SIGTERM save a checkpoint and stop the run early: the
+    result then has ``"event": "preempted"`` and no evaluation.
     """
     comm = comm or Communicator()
+    recorder = clocks = alpha_beta = None
+    if cfg.trace or cfg.comm_log:
+        recorder, clocks = timeline.Recorder(comm.rank), timeline.ClockSync()
+        clocks.measure(comm.mpi)
+        if cfg.comm_log:
+            alpha_beta = fit_alpha_beta(comm.mpi, big=4 << 20)
+        timeline.activate(recorder)
+    stop = StopRequest()
+    watching = bool(cfg.save_dir) and stop.install()
+    try:
+        final = _run(cfg, comm, log, probe_cosine, prepared, stop if watching else None)
+    finally:
+        stop.restore()
+        timeline.deactivate()
+    if recorder is not None:
+        _report_timeline(cfg, comm, recorder, clocks, alpha_beta, log)
+    return final
+
+
+def _report_timeline(cfg, comm, recorder, clocks, alpha_beta, log) -> None:
+    """Write the Chrome trace and print the communication log (collective)."""
+    clocks.measure(comm.mpi)
+    if cfg.trace:
+        path = timeline.write_chrome_trace(cfg.trace, recorder, clocks, comm.mpi,
+                                           metadata={"world": comm.size, "task": cfg.task})
+        if path:
+            log(f"wrote Chrome trace {path} ({comm.size} ranks; open in ui.perfetto.dev)")
+    if cfg.comm_log:
+        rows = timeline.comm_log(recorder, comm.mpi, *alpha_beta)
+        if rows is not None:
+            log(timeline.format_comm_log(rows, *alpha_beta))
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            with open(os.path.join(cfg.out_dir, "comm_log.json"), "w") as f:
+                json.dump({"alpha_s": alpha_beta[0], "beta_s_per_byte": alpha_beta[1],
+                           "rows": rows}, f, indent=1)
+
+
+def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
     rank, world = comm.rank, comm.size
     device = backend.init(cfg.device, comm.local_rank)
     if prepared is None:
@@ -260,26 +354,34 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False,
     ddp = getattr(step_fn, "ddp", None)
     if ddp is not None:
         ddp.probe_cosine = probe_cosine
+    span = timeline.span
     t_start = time.perf_counter()
     bytes_start = step_fn.comm.bytes_sent           # the gradient communicator's count
     step_times = []
     loss_value = float("nan")
+    stopped = 0                                     # the signal that stopped the run early
+    step = start
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         bytes0 = step_fn.comm.bytes_sent
-        _fail_injection(rank, step)
+        _test_hooks(rank, step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
-        step_fn.zero_grad()
-        loss_sum = 0.0
-        for micro in range(cfg.grad_accum):
-            x, y = train_set.batch(sampler.next_batch())
-            last = micro == cfg.grad_accum - 1           # communicate on the last only
-            with step_fn.micro_context(last), overflow_ok:
-                _, loss = model(xp.asarray(x), xp.asarray(y))
-                step_fn.scale_loss(loss * (1.0 / cfg.grad_accum)).backward()
-            loss_sum += float(loss.data)
-        step_fn.sync()
-        _, norm = step_fn.apply(lr, cfg.grad_clip)
+        with span("step", step=step):
+            step_fn.zero_grad()
+            loss_sum = 0.0
+            for micro in range(cfg.grad_accum):
+                x, y = train_set.batch(sampler.next_batch())
+                last = micro == cfg.grad_accum - 1           # communicate on the last only
+                with step_fn.micro_context(last), overflow_ok:
+                    with span("forward", micro=micro):
+                        _, loss = model(xp.asarray(x), xp.asarray(y))
+                    with span("backward", micro=micro):
+                        step_fn.scale_loss(loss * (1.0 / cfg.grad_accum)).backward()
+                loss_sum += float(loss.data)
+            with span("gradient sync"):
+                step_fn.sync()
+            with span("optimizer step"):
+                _, norm = step_fn.apply(lr, cfg.grad_clip)
         loss_value = loss_sum / cfg.grad_accum
         dt = time.perf_counter() - t0
         step_times.append(dt)
@@ -298,13 +400,32 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False,
                 metrics.flush()
             if not np.isfinite(g):
                 raise FloatingPointError(f"loss became {g} at step {step}; lower --lr")
-        if cfg.save_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
-            folder = checkpoint.save(cfg.save_dir, step, comm, *run_state(step_fn, sampler),
-                                     meta={"task": cfg.task, "zero": cfg.zero})
+        if stop is not None:
+            stopped = stop.poll(comm, more=step < cfg.steps - 1)
+        if cfg.save_dir and (stopped or (cfg.save_every and step % cfg.save_every == 0)
+                             or step == cfg.steps):
+            with span("checkpoint", step=step):
+                folder = checkpoint.save(cfg.save_dir, step, comm, *run_state(step_fn, sampler),
+                                         meta={"task": cfg.task, "zero": cfg.zero})
             say(f"saved {folder}")
+        if stopped:
+            break
+
+    if stopped:
+        name = signal.Signals(stopped).name
+        say(f"stopped after step {step} of {cfg.steps} on {name}: the checkpoint above "
+            f"holds the run; exit code {EXIT_PREEMPTED} (the job script requeues, --resume "
+            f"continues)")
+        final = {"event": "preempted", "step": step, "signal": name, "steps": cfg.steps,
+                 "world": world, "seconds": time.perf_counter() - t_start}
+        if is_main:
+            metrics.write(json.dumps(final) + "\n")
+            metrics.close()
+        final["params"] = step_fn.full_parameters()
+        return final
 
     train_bytes = step_fn.comm.bytes_sent - bytes_start    # before evaluation's gathers
-    with step_fn.eval_context():
+    with step_fn.eval_context(), span("evaluate"):
         accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, comm)
     ran = max(cfg.steps - start, 1)
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
@@ -356,8 +477,8 @@ def main(argv=None) -> int:
         if message:
             print(f"hpcdist.train: error: {message}", file=sys.stderr)
         return 2
-    train(cfg, comm, prepared=prepared)
-    return 0
+    final = train(cfg, comm, prepared=prepared)
+    return EXIT_PREEMPTED if final.get("event") == "preempted" else 0
 
 
 if __name__ == "__main__":

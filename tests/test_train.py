@@ -102,3 +102,21 @@ def test_gpu_without_cupy_is_a_clear_error(tmp_path):
         pass
     r = run_train("--device", "gpu", "--out-dir", str(tmp_path))
     assert r.returncode == 2 and "CuPy" in r.stderr
+
+
+def test_signal_saves_a_checkpoint_exits_75_and_resume_finishes(tmp_path):
+    """SIGUSR1 (what the job templates forward before a time limit) during step 5: the run
+    stops after step 6 with a checkpoint and exit code 75; --resume continues from it."""
+    args = ["--steps", "20", "--n-layer", "1", "--n-embd", "16", "--log-every", "10",
+            "--save-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HPCDIST_SIGNAL_AT="0:5")
+    r = subprocess.run([sys.executable, "-m", "hpcdist.train", *args], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=ROOT)
+    assert r.returncode == train.EXIT_PREEMPTED == 75, r.stderr
+    assert "stopped after step 6 of 20 on SIGUSR1" in r.stdout
+    assert (tmp_path / "ckpt" / "step_00000006" / "manifest.json").exists()
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "preempted" and last["step"] == 6
+    r = run_train(*args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "at step 6" in r.stdout and "held-out accuracy" in r.stdout

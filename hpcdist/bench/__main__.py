@@ -7,6 +7,7 @@ BENCHMARKS = {
     "collectives": "hpcdist.bench.collectives",
     "compression": "hpcdist.bench.compression",
     "ddp": "hpcdist.bench.ddp",
+    "plot": "hpcdist.bench.plot",
     "zero": "hpcdist.bench.zero",
 }
 

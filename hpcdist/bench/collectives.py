@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 
@@ -21,11 +20,11 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcdist.comm import Communicator, shard_bounds
+from hpcdist.comm.model import busbw_factor, fit_alpha_beta, predict
 from hpcdist.comm.select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, choose_allreduce,
                                   choose_bcast)
 
-BUSBW = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-         "allgather": lambda n: (n - 1) / n, "bcast": lambda n: 1.0, "sendrecv": lambda n: 1.0}
+KINDS = ("allreduce", "reduce_scatter", "allgather", "bcast", "sendrecv")
 MiB = 1 << 20
 
 
@@ -55,57 +54,6 @@ def timed(mpi, fn, iters: int, warmup: int = 2):
         fn()
     t = (time.perf_counter() - t0) / iters
     return mpi.allreduce(t, op=MPI.SUM) / mpi.Get_size(), mpi.allreduce(t, op=MPI.MAX)
-
-
-def pingpong(mpi, nbytes: int, iters: int) -> float:
-    """One-way time between ranks 0 and 1 (seconds; 0 for single-rank runs)."""
-    if mpi.Get_size() < 2:
-        return 0.0
-    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)[:nbytes]
-    r = mpi.Get_rank()
-    mpi.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        if r == 0:
-            mpi.Send(buf, 1, 7)
-            mpi.Recv(buf, 1, 7)
-        elif r == 1:
-            mpi.Recv(buf, 0, 7)
-            mpi.Send(buf, 0, 7)
-    t = (time.perf_counter() - t0) / iters / 2
-    return mpi.bcast(t, root=0)
-
-
-def fit_alpha_beta(mpi):
-    """alpha (s) from an 8-byte ping-pong, beta (s/byte) from a 16 MiB one."""
-    a = pingpong(mpi, 8, 200)
-    big = 16 * MiB
-    b = max(pingpong(mpi, big, 5) - a, 0.0) / big
-    return a, b
-
-
-def predict(kind: str, nbytes: int, P: int, a: float, b: float, algorithm: str = "") -> float:
-    """alpha-beta cost of our algorithm for ``kind`` (the agreement check adds log2 P rounds)."""
-    if P == 1:
-        return 0.0
-    lg = math.ceil(math.log2(P))
-    pof2 = 1 << (P.bit_length() - 1)
-    fold = 0 if pof2 == P else 2 * (a + nbytes * b)
-    check = lg * a
-    if kind == "sendrecv":
-        return a + nbytes * b
-    if kind == "allreduce":
-        algorithm = algorithm or choose_allreduce(nbytes, P)
-        if algorithm == "recursive_doubling":
-            return check + fold + int(math.log2(pof2)) * (a + nbytes * b)
-        if algorithm == "rabenseifner":
-            return check + fold + 2 * int(math.log2(pof2)) * a + 2 * (pof2 - 1) / pof2 * nbytes * b
-        return check + 2 * (P - 1) * a + 2 * (P - 1) / P * nbytes * b
-    if kind in ("reduce_scatter", "allgather"):
-        return check + (P - 1) * a + (P - 1) / P * nbytes * b
-    if choose_bcast(nbytes, P) == "binomial":
-        return check + lg * (a + nbytes * b)
-    return check + (lg + P - 1) * a + 2 * (P - 1) / P * nbytes * b
 
 
 def bench_one(comm, kind: str, nbytes: int):
@@ -138,30 +86,6 @@ def bench_one(comm, kind: str, nbytes: int):
         ours = lambda: comm.sendrecv(x, dest=right, source=left)      # noqa: E731
         ref = lambda: mpi.Sendrecv(x, right, 9, out, left, 9)          # noqa: E731
     return timed(mpi, ours, iters), timed(mpi, ref, iters)
-
-
-def plot(rows, P, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    kinds = list(dict.fromkeys(r["collective"] for r in rows))
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.6), sharey=True)
-    for ax, kind in zip(np.atleast_1d(axes), kinds):
-        rs = [r for r in rows if r["collective"] == kind]
-        ax.loglog([r["bytes"] for r in rs], [r["busbw_GBs"] for r in rs], "o-", label="hpcdist")
-        ax.loglog([r["bytes"] for r in rs], [r["mpi_busbw_GBs"] for r in rs], "s--", label="MPI built-in")
-        ax.set_title(kind)
-        ax.set_xlabel("message size (bytes)")
-        ax.grid(True, which="both", alpha=0.3)
-    np.atleast_1d(axes)[0].set_ylabel("busbw (GB/s)")
-    np.atleast_1d(axes)[0].legend()
-    fig.suptitle(f"hpcdist collectives vs MPI built-ins, {P} ranks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
 
 
 def overlap(comm, nbytes: int = 16 * MiB):
@@ -199,14 +123,14 @@ def main(argv=None) -> int:
         f"ping-pong alpha {a * 1e6:.1f} us, 1/beta {1 / b / 1e9 if b else float('inf'):.2f} GB/s")
     rows = []
     for kind in args.collectives.split(","):
-        if kind not in BUSBW:
-            raise SystemExit(f"unknown collective {kind!r}: choose from {', '.join(BUSBW)}")
+        if kind not in KINDS:
+            raise SystemExit(f"unknown collective {kind!r}: choose from {', '.join(KINDS)}")
         say(f"\n{kind}" + (f" (auto algorithm per size)" if kind == "allreduce" else ""))
         say(f"{'bytes':>10s} {'time us':>10s} {'max us':>10s} {'algbw GB/s':>11s} {'busbw GB/s':>11s}"
             f" {'MPI us':>10s} {'MPI busbw':>10s} {'ours/MPI':>9s} {'model us':>10s}")
         for nbytes in sizes(args.min_bytes, args.max_bytes):
             (t, tmax), (tm, _) = bench_one(comm, kind, nbytes)
-            f = BUSBW[kind](P) if P > 1 else 1.0
+            f = busbw_factor(kind, P)
             row = {"collective": kind, "ranks": P, "bytes": nbytes, "time_us": t * 1e6,
                    "max_us": tmax * 1e6, "algbw_GBs": nbytes / t / 1e9,
                    "busbw_GBs": nbytes / t / 1e9 * f, "mpi_time_us": tm * 1e6,
@@ -246,12 +170,18 @@ def main(argv=None) -> int:
         base = os.path.join(args.out, f"bench_collectives_n{P}")
         with open(base + ".json", "w") as f:
             json.dump({"ranks": P, "alpha_s": a, "beta_s_per_byte": b, "rows": rows}, f, indent=1)
-        main_rows = [r for r in rows if r["collective"] in BUSBW]
+        main_rows = [r for r in rows if r["collective"] in KINDS]
         with open(base + ".csv", "w") as f:
             keys = list(main_rows[0])
             f.write(",".join(keys) + "\n")
             for r in main_rows:
                 f.write(",".join(str(r[k]) for k in keys) + "\n")
-        png = plot(main_rows, P, base + ".png")
+        png = None
+        try:
+            from hpcdist.bench.plot import _pyplot, plot_collectives
+            plot_collectives(_pyplot(), [{"ranks": P, "rows": main_rows}], base + ".png")
+            png = base + ".png"
+        except SystemExit:                     # no matplotlib: the CSV and JSON are written
+            pass
         say(f"\nwrote {base}.csv, {base}.json" + (f", {png}" if png else ""))
     return 0

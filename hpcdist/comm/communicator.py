@@ -12,7 +12,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .. import backend
+from .. import backend, timeline
 from . import check, p2p, ring, sparse, tree
 from .layout import check_op, shard_bounds, shard_counts
 from .select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, allreduce_wire_bytes,  # noqa: F401
@@ -161,10 +161,18 @@ class Communicator:
                 max_workers=1, thread_name_prefix=f"hpcdist-comm-{self.rank}")
         return Handle(self._executor.submit(fn, self._bg_mpi))
 
-    def run_async(self, fn) -> Handle:
+    def run_async(self, fn, label: tuple | None = None) -> Handle:
         """Run ``fn(mpi_comm)`` in the progress thread, in order with the other non-blocking
-        calls (ZeRO's gathers and reduce-scatters of flat ranges use it)."""
-        return self._run(fn, blocking=False)
+        calls (ZeRO's gathers and reduce-scatters of flat ranges use it). ``label`` =
+        (collective, algorithm, bytes) records the call on the timeline."""
+        return self._run(self._timed(*label, fn) if label else fn, blocking=False)
+
+    def _timed(self, kind: str, algorithm: str, nbytes: int, fn):
+        """``fn(mpi)``, recorded as one ``kind`` call when a timeline recorder is active."""
+        def run(mpi):
+            with timeline.collective(kind, algorithm, nbytes, self.size):
+                return fn(mpi)
+        return run
 
     # ---- collectives --------------------------------------------------------------------
     def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
@@ -189,9 +197,11 @@ class Communicator:
         if wire_dtype is not None:
             wire_dtype = np.dtype(wire_dtype)
             name = "ring"
+        itemsize = 0
         if hasattr(buf, "dtype"):
             itemsize = (wire_dtype if wire_dtype is not None else buf.dtype).itemsize
             self.bytes_sent += allreduce_wire_bytes(name, buf.size, self.size, itemsize)
+        label = name if wire_dtype is None else f"ring({wire_dtype.name} wire)"
 
         def run(mpi):
             self._agree(mpi, "allreduce", buf, "buf", op)
@@ -217,7 +227,8 @@ class Communicator:
                 return result
             out[...] = result
             return out
-        return self._run(run, blocking)
+        nbytes = getattr(buf, "size", 0) * itemsize
+        return self._run(self._timed("allreduce", label, nbytes, run), blocking)
 
     def reduce_scatter(self, buf, op: str = "sum"):
         """This rank's shard (shard layout, see layout.py) of the reduction of ``buf``."""
@@ -237,7 +248,8 @@ class Communicator:
                 ring.reduce_scatter_inplace(mpi, work, op)
                 self.bytes_sent += (work.size - (hi - lo)) * work.dtype.itemsize
             return self._stage_out(work[lo:hi].copy(), buf)
-        return self._run(run, blocking)
+        return self._run(self._timed("reduce_scatter", "ring", getattr(buf, "nbytes", 0), run),
+                         blocking)
 
     def allgather(self, shard, total: int | None = None):
         """Concatenation of every rank's 1-D ``shard``.
@@ -261,7 +273,9 @@ class Communicator:
             self._agree(mpi, "allgather", shard, "shard",
                         length=total if total is not None else n, problem=problem)
             return self._gather_pieces(mpi, shard, counts)
-        return self._run(run, blocking)
+        n = getattr(shard, "size", 0)
+        nbytes = (total if total is not None else n * self.size) * getattr(shard, "itemsize", 0)
+        return self._run(self._timed("allgather", "ring", nbytes, run), blocking)
 
     def _gather_pieces(self, mpi, piece, counts):
         """Ring allgather of pieces of the given per-rank sizes into one array."""
@@ -279,34 +293,40 @@ class Communicator:
 
     def allgatherv(self, buf):
         """Concatenation of every rank's 1-D ``buf``, lengths free to differ."""
-        self._agree(self.mpi, "allgatherv", buf, "buf", length=0)
-        counts = np.zeros(self.size, dtype=np.int64)
-        counts[self.rank] = buf.size
-        ring.allgather_inplace(self.mpi, counts, [(i, i + 1) for i in range(self.size)])
-        return self._gather_pieces(self.mpi, buf, counts)
+        with timeline.collective("allgatherv", "ring", 0, self.size) as info:
+            self._agree(self.mpi, "allgatherv", buf, "buf", length=0)
+            counts = np.zeros(self.size, dtype=np.int64)
+            counts[self.rank] = buf.size
+            ring.allgather_inplace(self.mpi, counts, [(i, i + 1) for i in range(self.size)])
+            if info is not None:
+                info["bytes"] = int(counts.sum()) * buf.itemsize
+            return self._gather_pieces(self.mpi, buf, counts)
 
     def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
         """Overwrite ``buf`` on every rank with root's ``buf`` (in place); returns ``buf``."""
-        self._agree(self.mpi, "bcast", buf, "buf", root=root)
-        name = choose_bcast(buf.nbytes, self.size, algorithm)
-        work = self._stage_in(buf)
-        if self.size > 1 and work.size:
-            BCAST_ALGORITHMS[name](self.mpi, work, root)
-        if self._staged(buf):
-            buf[...] = self._stage_out(work, buf).reshape(buf.shape)
-        return buf
+        name = choose_bcast(getattr(buf, "nbytes", 0), self.size, algorithm)
+        with timeline.collective("bcast", name, getattr(buf, "nbytes", 0), self.size):
+            self._agree(self.mpi, "bcast", buf, "buf", root=root)
+            work = self._stage_in(buf)
+            if self.size > 1 and work.size:
+                BCAST_ALGORITHMS[name](self.mpi, work, root)
+            if self._staged(buf):
+                buf[...] = self._stage_out(work, buf).reshape(buf.shape)
+            return buf
 
     def reduce(self, buf, op: str = "sum", root: int = 0):
         """Binomial-tree reduction to ``root``: the result there, None on other ranks."""
         check_op(op)
-        self._agree(self.mpi, "reduce", buf, "buf", op, root=root)
-        work = self._stage_in(buf).copy()
-        if self.size > 1 and work.size:
-            tree.reduce_binomial(self.mpi, work, root, op)
-        return self._stage_out(work, buf).reshape(buf.shape) if self.rank == root else None
+        with timeline.collective("reduce", "binomial", getattr(buf, "nbytes", 0), self.size):
+            self._agree(self.mpi, "reduce", buf, "buf", op, root=root)
+            work = self._stage_in(buf).copy()
+            if self.size > 1 and work.size:
+                tree.reduce_binomial(self.mpi, work, root, op)
+            return self._stage_out(work, buf).reshape(buf.shape) if self.rank == root else None
 
     def barrier(self) -> None:
-        tree.barrier(self.mpi)
+        with timeline.collective("barrier", "dissemination", 0, self.size):
+            tree.barrier(self.mpi)
 
     # ---- point to point -----------------------------------------------------------------
     def _check_peer(self, peer: int, name: str, tag: int) -> None:
@@ -331,13 +351,17 @@ class Communicator:
     def send(self, arr, dest: int, tag: int = 0) -> None:
         """Send an array; its shape and dtype travel with it."""
         work, ptag = self._outgoing(arr, dest, tag)
-        p2p.send(self._p2p_mpi, work, dest, tag, ptag)
+        with timeline.collective("send", "p2p", work.nbytes, self.size):
+            p2p.send(self._p2p_mpi, work, dest, tag, ptag)
 
     def recv(self, source: int, tag: int = 0):
         """Receive an array sent with ``send``/``isend``, on the active device."""
         self._check_peer(source, "source", tag)
         host = self._recv_on_host()
-        out = p2p.recv(self._p2p_mpi, source, tag, np if host else backend.xp())
+        with timeline.collective("recv", "p2p", 0, self.size) as info:
+            out = p2p.recv(self._p2p_mpi, source, tag, np if host else backend.xp())
+            if info is not None:
+                info["bytes"] = out.nbytes
         return backend.to_device(out) if host else out
 
     def isend(self, arr, dest: int, tag: int = 0) -> p2p.SendHandle:
@@ -386,9 +410,12 @@ class Communicator:
             raise ValueError(f"sparse_allreduce supports op sum or avg, got {op!r}")
         if n >= 2 ** 31:
             raise ValueError("sparse exchange indexes with int32: arrays must be < 2**31")
-        self._agree(self.mpi, "sparse_allreduce", vals, "vals", op, length=n, k=idx.size)
-        out = self._stage_out(sparse.exchange(self.mpi, self._stage_in(idx),
-                                              self._stage_in(vals), n), vals)
+        pairs = getattr(idx, "nbytes", 0) + getattr(vals, "nbytes", 0)
+        with timeline.collective("sparse_allreduce", "topk-allgatherv", pairs * self.size,
+                                 self.size):
+            self._agree(self.mpi, "sparse_allreduce", vals, "vals", op, length=n, k=idx.size)
+            out = self._stage_out(sparse.exchange(self.mpi, self._stage_in(idx),
+                                                  self._stage_in(vals), n), vals)
         if op == "avg":
             out /= self.size
         sparse_b, dense_b = sparse.wire_bytes(n, idx.size, vals.dtype.itemsize, self.size)

@@ -29,7 +29,7 @@ import contextlib
 
 import numpy as np
 
-from .. import backend
+from .. import backend, timeline
 from ..comm import ring
 from ..comm.layout import padded_length, shard_bounds
 from ..optim import FlatParams, decay_ranges_in
@@ -170,8 +170,13 @@ class Zero:
 
     def _prefetch(self, group) -> None:
         if group is not None and group.buffers is None and group.handle is None:
-            group.handle = self.comm.run_async(self._gather_fn(group))
+            group.handle = self.comm.run_async(self._gather_fn(group),
+                                               label=("allgather", "ring", self._bytes(group)))
             self.comm.bytes_sent += self._range_bytes(group)
+
+    def _bytes(self, group) -> int:
+        """Bytes of the group's full ranges (what a gather returns, a reduce-scatter takes)."""
+        return sum(b - a for a, b in group.ranges) * self.compute_dtype.itemsize
 
     def _range_bytes(self, group) -> int:
         """Bytes this rank sends to gather or reduce-scatter the group: all but its part."""
@@ -264,7 +269,7 @@ class Zero:
                 s, e = max(a, lo), min(b, hi)
                 parts.append((s, e, buf[s - a:e - a].copy() if s < e else None))
             return parts
-        group.handle = self.comm.run_async(run)
+        group.handle = self.comm.run_async(run, label=("reduce_scatter", "ring", self._bytes(group)))
         group.launched = True
         self.comm.bytes_sent += self._range_bytes(group)
 
@@ -304,8 +309,10 @@ class Zero:
         """After backward: every rank's gradient shard holds the averaged gradient."""
         if self.stage == 1:                   # in place: afterwards only the shard is meaningful
             if self.comm.size > 1:
-                ring.reduce_scatter_inplace(self.comm.mpi, self.compute.grad, "avg",
-                                            bounds=self._shard_bounds())
+                with timeline.collective("reduce_scatter", "ring", self.compute.grad.nbytes,
+                                         self.comm.size):
+                    ring.reduce_scatter_inplace(self.comm.mpi, self.compute.grad, "avg",
+                                                bounds=self._shard_bounds())
                 self.comm.bytes_sent += self._others_bytes(self.L)
             self._track()
             return

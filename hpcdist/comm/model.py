@@ -1,0 +1,96 @@
+"""The alpha-beta cost model of our collectives, and the ping-pong that measures alpha and beta.
+
+A message of n bytes costs ``alpha + n * beta`` (latency plus inverse bandwidth; reduction
+arithmetic is left out). Each formula below counts the rounds and the bytes one rank sends in
+our implementation of that algorithm (see ring.py, recursive_doubling.py, rabenseifner.py,
+tree.py, sparse.py), plus the agreement check every collective starts with: one
+recursive-doubling round trip of a small header per doubling step (check.py).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from .select import choose_allreduce, choose_bcast
+
+MiB = 1 << 20
+
+
+def pingpong(mpi, nbytes: int, iters: int, a: int = 0, b: int = 1) -> float:
+    """One-way seconds per message between ranks ``a`` and ``b`` (0 on a single rank);
+    collective over ``mpi``, the result broadcast from rank ``a``."""
+    if mpi.Get_size() < 2:
+        return 0.0
+    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)[:nbytes]
+    r = mpi.Get_rank()
+    mpi.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        if r == a:
+            mpi.Send(buf, b, 7)
+            mpi.Recv(buf, b, 7)
+        elif r == b:
+            mpi.Recv(buf, a, 7)
+            mpi.Send(buf, a, 7)
+    t = (time.perf_counter() - t0) / iters / 2
+    return mpi.bcast(t, root=a)
+
+
+def fit_alpha_beta(mpi, big: int = 16 * MiB, iters: tuple = (200, 5)):
+    """(alpha seconds, beta seconds/byte): alpha from an 8-byte ping-pong between ranks 0 and
+    1, beta from a ``big``-byte one. Collective; (0, 0) on a single rank."""
+    a = pingpong(mpi, 8, iters[0])
+    b = max(pingpong(mpi, big, iters[1]) - a, 0.0) / big
+    return a, b
+
+
+def predict(kind: str, nbytes: int, P: int, a: float, b: float, algorithm: str = "") -> float:
+    """Seconds the alpha-beta model gives for our ``kind`` collective of ``nbytes`` bytes (the
+    whole buffer; for allgather the gathered result) on ``P`` ranks. ``algorithm`` defaults to
+    what "auto" picks; the agreement check adds ceil(log2 P) latencies."""
+    if P == 1:
+        return 0.0
+    lg = math.ceil(math.log2(P))
+    pof2 = 1 << (P.bit_length() - 1)
+    fold = 0 if pof2 == P else 2 * (a + nbytes * b)      # non-powers of two fold in and out
+    check = lg * a
+    if kind in ("send", "recv", "sendrecv"):
+        return a + nbytes * b
+    if kind == "barrier":
+        return lg * a
+    if kind == "allreduce":
+        algorithm = algorithm or choose_allreduce(nbytes, P)
+        if algorithm == "recursive_doubling":
+            return check + fold + int(math.log2(pof2)) * (a + nbytes * b)
+        if algorithm == "rabenseifner":
+            return (check + fold + 2 * int(math.log2(pof2)) * a
+                    + 2 * (pof2 - 1) / pof2 * nbytes * b)
+        return check + 2 * (P - 1) * a + 2 * (P - 1) / P * nbytes * b
+    if kind in ("reduce_scatter", "allgather", "allgatherv", "sparse_allreduce"):
+        return check + (P - 1) * a + (P - 1) / P * nbytes * b
+    if kind == "reduce":
+        return check + lg * (a + nbytes * b)
+    if kind == "bcast":
+        algorithm = algorithm or choose_bcast(nbytes, P)
+        if algorithm == "binomial":
+            return check + lg * (a + nbytes * b)
+        return check + (lg + P - 1) * a + 2 * (P - 1) / P * nbytes * b
+    raise ValueError(f"no cost model for {kind!r}")
+
+
+# nccl-tests' bus bandwidth factors: busbw = algbw x factor(P) makes every collective's number
+# comparable with the link bandwidth (allreduce moves 2(P-1)/P of the buffer per rank).
+BUSBW_FACTOR = {
+    "allreduce": lambda P: 2 * (P - 1) / P,
+    "reduce_scatter": lambda P: (P - 1) / P,
+    "allgather": lambda P: (P - 1) / P,
+    "allgatherv": lambda P: (P - 1) / P,
+    "sparse_allreduce": lambda P: (P - 1) / P,
+}
+
+
+def busbw_factor(kind: str, P: int) -> float:
+    """nccl-tests' factor for ``kind`` (1 for broadcast, reduce and point-to-point)."""
+    return BUSBW_FACTOR[kind](P) if kind in BUSBW_FACTOR and P > 1 else 1.0

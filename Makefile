@@ -23,7 +23,7 @@ export MKL_NUM_THREADS ?= 1
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@extras=test,bf16,bench; \
 	if ! command -v mpiexec >/dev/null 2>&1; then \

@@ -97,13 +97,15 @@ def test_comm_log_counts_calls_bytes_and_models_them(comm, shared_dir):
                 row["algbw_GBs"] * 2 * (comm.size - 1) / comm.size)
 
 
+@pytest.mark.parametrize("zero", [0, 3])
 def test_signal_on_one_rank_stops_every_rank_at_the_same_step_and_resume_matches(
-        comm, shared_dir, monkeypatch):
+        comm, shared_dir, monkeypatch, zero):
     """SIGUSR1 reaches one rank during step 3: every rank stops after step 4 with a
-    checkpoint, and resuming from it ends bit-identical to a run that never stopped."""
+    checkpoint, and resuming from it ends bit-identical to a run that never stopped
+    (plain DDP and ZeRO-3, whose gathers share the progress thread with the agreement)."""
     victim = comm.size - 1
     ckpt = os.path.join(shared_dir, "ckpt")
-    cfg = dict(steps=8, dropout=0.1)
+    cfg = dict(steps=8, dropout=0.1, zero=zero)
     monkeypatch.setenv("HPCDIST_SIGNAL_AT", f"{victim}:3")
     first = train(small(save_dir=ckpt, out_dir=os.path.join(shared_dir, "a"), **cfg), comm,
                   log=lambda *a: None)

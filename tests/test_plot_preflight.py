@@ -124,3 +124,14 @@ def test_preflight_cli_exit_codes():
         "hpcdist.preflight: error: --device gpu, but the job has no GPUs: submit with "
         "--gpus-per-task=1 (one rank per GPU) on a GPU partition (-p NAME), or train on CPUs "
         "with jobs/train-cpu.sbatch"]
+
+
+def test_preflight_never_starts_mpi():
+    """It runs in the batch shell, outside any launcher: importing mpi4py.MPI there would
+    initialise MPI (and under srun's PMI variables, look for a launcher that is not there)."""
+    r = run("hpcdist.preflight", "--world", "1", "--", "--steps", "5")
+    assert r.returncode == 0
+    probe = subprocess.run([sys.executable, "-c", "import sys, hpcdist.preflight; "
+                            "print('mpi4py.MPI' in sys.modules)"], capture_output=True, text=True,
+                           timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert probe.stdout.strip() == "False", probe.stderr

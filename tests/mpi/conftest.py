@@ -34,3 +34,9 @@ def pytest_runtest_makereport(item, call):
 def comm():
     from hpcdist.comm import Communicator
     return Communicator()
+
+
+@pytest.fixture
+def shared_dir(comm, tmp_path):
+    """A folder every rank sees (rank 0's tmp_path)."""
+    return comm.mpi.bcast(str(tmp_path), root=0)

@@ -5,23 +5,11 @@ from mpi4py import MPI
 
 from hpcdist import checkpoint
 from hpcdist.comm import Communicator
-from hpcdist.train import TrainConfig, train
+from hpcdist.train import train
+
+from helpers import small
 
 pytestmark = pytest.mark.mpi
-
-
-def small(**kw):
-    base = dict(task="sort", length=4, num_digits=4, n_layer=1, n_head=2, n_embd=16,
-                steps=4, batch_size=3, lr=3e-2, warmup=0, min_lr=3e-2, dtype="fp64",
-                log_every=1000, eval_batch=64, seed=7, grad_clip=0.0)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-@pytest.fixture
-def shared_dir(comm, tmp_path):
-    """A folder every rank sees (rank 0's tmp_path)."""
-    return comm.mpi.bcast(str(tmp_path), root=0)
 
 
 def _reference(cfg, out_dir):

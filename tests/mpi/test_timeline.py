@@ -8,22 +8,15 @@ import pytest
 from hpcdist import timeline
 from hpcdist.comm.model import predict
 from hpcdist.comm.select import choose_allreduce
-from hpcdist.train import TrainConfig, train
+from hpcdist.train import train
+
+import helpers
 
 pytestmark = pytest.mark.mpi
 
 
 def small(**kw):
-    base = dict(task="sort", length=4, num_digits=4, n_layer=1, n_head=2, n_embd=16,
-                steps=6, batch_size=3, lr=3e-2, warmup=0, min_lr=3e-2, dtype="fp64",
-                log_every=1000, eval_batch=64, seed=7, grad_clip=0.0)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-@pytest.fixture
-def shared_dir(comm, tmp_path):
-    return comm.mpi.bcast(str(tmp_path), root=0)
+    return helpers.small(**{"steps": 6, **kw})
 
 
 def test_clock_offsets_on_one_node_are_within_half_a_round_trip(comm):

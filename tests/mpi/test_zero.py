@@ -3,27 +3,20 @@ import numpy as np
 import pytest
 
 from hpcdist.comm import shard_bounds
-from hpcdist.train import TrainConfig, train
+from hpcdist.train import train
+
+import helpers
 
 pytestmark = pytest.mark.mpi
 
 
 def small(**kw):
-    base = dict(task="sort", length=4, num_digits=4, n_layer=2, n_head=2, n_embd=16,
-                steps=4, batch_size=3, lr=3e-2, warmup=0, min_lr=3e-2, dtype="fp64",
-                log_every=1000, eval_batch=64, seed=7, grad_clip=0.0, bucket_mb=0.004,
-                first_bucket_mb=0.002)
-    base.update(kw)
-    return TrainConfig(**base)
+    """Two blocks (stage 3 gathers per block) and small buckets (several per step)."""
+    return helpers.small(**{"n_layer": 2, "bucket_mb": 0.004, "first_bucket_mb": 0.002, **kw})
 
 
 def quiet(*a, **k):
     pass
-
-
-@pytest.fixture
-def shared_dir(comm, tmp_path):
-    return comm.mpi.bcast(str(tmp_path), root=0)
 
 
 @pytest.mark.parametrize("extra", [{}, {"grad_clip": 0.05, "grad_accum": 2}])

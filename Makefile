@@ -14,10 +14,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-# One BLAS/OpenMP thread per process: MPI ranks share the cores instead of fighting over them.
-export OMP_NUM_THREADS ?= 1
-export OPENBLAS_NUM_THREADS ?= 1
-export MKL_NUM_THREADS ?= 1
+# BLAS/OpenMP threads per rank: hpcdist itself divides the node's cores among its ranks
+# (hpcdist/threads.py), so `make train` and `mpirun -n 8 python -m hpcdist.train` run alike.
 
 .PHONY: venv train test test-unit test-mpi test-slurm slurm-up slurm-down bench clean
 
@@ -33,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $@
 
 # The main job: data-parallel training of the default task on NP ranks (8 share 2 cores
-# fine here: one BLAS thread each, set above).
+# fine here: one BLAS thread each, chosen by hpcdist/threads.py).
 NP ?= 8
 MPIEXEC = $$(test -x $(BIN)/mpiexec && echo $(BIN)/mpiexec || echo mpiexec)
 

@@ -1,7 +1,11 @@
 """hpcdist: an MPI-native distributed-training toolkit with a small autograd core."""
-from . import backend, ops
-from .nn.module import manual_seed
-from .tensor import Tensor, is_grad_enabled, no_grad, tensor
+from . import threads
+
+threads.early()          # BLAS threads per rank, before NumPy loads its BLAS (threads.py)
+
+from . import backend, ops  # noqa: E402
+from .nn.module import manual_seed  # noqa: E402
+from .tensor import Tensor, is_grad_enabled, no_grad, tensor  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["Tensor", "tensor", "no_grad", "is_grad_enabled", "manual_seed", "backend", "ops"]

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from . import backend, checkpoint, data, nn, optim, timeline
+from . import backend, checkpoint, data, nn, optim, threads, timeline
 from .comm import Communicator, abort
 from .comm.model import fit_alpha_beta
 from .config import ConfigError, TrainConfig, parse_config, validate_world
@@ -291,7 +291,7 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
     say(f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), "
         f"{model.num_parameters():,} parameters | task {cfg.task} "
         f"({len(train_set):,} train / {len(test_set):,} held-out) | device {device} | "
-        f"world size {world} | {cfg.precision} | "
+        f"world size {world} | BLAS threads {threads.choice} | {cfg.precision} | "
         + (f"ZeRO stage {cfg.zero} | " if cfg.zero else f"compress {cfg.compress} | ")
         + f"{cfg.steps} steps x batch {cfg.batch_size} x {world} ranks"
         + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
@@ -303,8 +303,10 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
     tokens_per_step = cfg.batch_size * cfg.grad_accum * train_set.block_size * world
     lr_scale = world if cfg.scale_lr else 1
     # fp16 overflows are expected (the loss scaler finds them and skips the step): no warnings
-    overflow_ok = np.errstate(over="ignore", invalid="ignore") if step_fn.scaler.enabled \
-        else contextlib.nullcontext()
+    # (a new errstate each time: NumPy 2 refuses to re-enter one)
+    def overflow_ok():
+        return (np.errstate(over="ignore", invalid="ignore") if step_fn.scaler.enabled
+                else contextlib.nullcontext())
     ddp = getattr(step_fn, "ddp", None)
     if ddp is not None:
         ddp.probe_cosine = probe_cosine
@@ -326,7 +328,7 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
             for micro in range(cfg.grad_accum):
                 x, y = train_set.batch(sampler.next_batch())
                 last = micro == cfg.grad_accum - 1           # communicate on the last only
-                with step_fn.micro_context(last), overflow_ok:
+                with step_fn.micro_context(last), overflow_ok():
                     with span("forward", micro=micro):
                         _, loss = model(xp.asarray(x), xp.asarray(y))
                     with span("backward", micro=micro):

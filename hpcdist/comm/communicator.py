@@ -12,7 +12,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .. import backend, timeline
+from .. import backend, threads, timeline
 from . import check, p2p, ring, sparse, tree
 from .layout import check_op, shard_bounds, shard_counts
 from .select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, allreduce_wire_bytes,  # noqa: F401
@@ -74,6 +74,8 @@ class Communicator:
         node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
+        if mpi_comm is None:                 # the world: this node's ranks share its cores
+            threads.configure(self.local_size)
         # Non-blocking collectives run on their own duplicate, in a progress thread, so their
         # messages can never match a blocking call's.
         self._bg_mpi = self.mpi.Dup()

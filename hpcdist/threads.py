@@ -1,0 +1,96 @@
+"""BLAS/OpenMP threads per rank: the cores a node has, shared among the ranks on it.
+
+Without this, every rank of ``mpirun -n 8 python -m hpcdist.train`` starts one BLAS thread per
+core, and 8 ranks on 2 cores fight over them (measured: 780 ms/step against 75 ms/step with
+one thread each). torchrun sets one thread per process; we set cores // ranks-per-node.
+
+The rule, in order:
+1. a thread count the user set (``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``,
+   ``MKL_NUM_THREADS`` or ``HPCDIST_THREADS``) is kept;
+2. a rank the launcher bound to fewer cores than the node has (srun ``--cpus-per-task``,
+   ``mpirun --bind-to``) gets one thread per core it was given;
+3. otherwise the cores this process may use, divided by the ranks on this node (at least 1).
+
+``early()`` runs when hpcdist is imported, before NumPy loads its BLAS, using the launcher's
+count of ranks per node when it gives one; ``configure(local_size)`` runs again once the
+communicator knows the exact count and applies it to the loaded libraries (threadpoolctl).
+"""
+from __future__ import annotations
+
+import os
+
+USER_VARS = ("HPCDIST_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+SET_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# Ranks on this node, as MPICH (Hydra), Open MPI and MVAPICH tell each rank.
+LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+_user = next((v for v in USER_VARS if os.environ.get(v, "").strip().isdigit()
+              and int(os.environ[v]) > 0), None)      # decided at import: our own setting
+choice = ""                                            # what was chosen, for the run header
+threads = 0
+_applied = 0                                           # the count threadpoolctl last applied
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):                  # not Linux
+        return os.cpu_count() or 1
+
+
+def decide(local_size: int | None) -> tuple[int, str]:
+    """(threads per rank, why) under the rule above; ``local_size`` None = unknown."""
+    if _user is not None:
+        n = int(os.environ[_user])
+        return n, f"{n} per rank ({_user}={n}, yours)"
+    cores, total = usable_cores(), os.cpu_count() or 1
+    if cores < total:
+        return cores, f"{cores} per rank (the launcher bound this rank to {cores} of {total} cores)"
+    ranks = local_size or 1
+    n = max(1, cores // ranks)
+    return n, f"{n} per rank ({cores} cores / {ranks} rank{'s' * (ranks != 1)} on this node)"
+
+
+def _env_local_size() -> int | None:
+    for var in LOCAL_SIZE_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def _set(n: int, why: str) -> None:
+    global threads, choice
+    threads, choice = n, why
+    if _user is None:
+        for var in SET_VARS:
+            os.environ[var] = str(n)
+
+
+def early() -> None:
+    """Set the thread variables before NumPy loads (hpcdist/__init__.py calls this first)."""
+    if os.environ.get("HPCDIST_THREADS_AUTO", "1") == "0":
+        return
+    _set(*decide(_env_local_size()))
+
+
+def configure(local_size: int) -> str:
+    """Apply the rule with the exact number of ranks on this node to the BLAS/OpenMP libraries
+    already loaded; return the choice (for the run header)."""
+    if os.environ.get("HPCDIST_THREADS_AUTO", "1") == "0":
+        return "left to the libraries (HPCDIST_THREADS_AUTO=0)"
+    n, why = decide(local_size)
+    _set(n, why)
+    if n != _applied:
+        _limit(n)
+    return choice
+
+
+def _limit(n: int) -> None:
+    global _applied
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:                                # the environment variables must do
+        return
+    threadpool_limits(limits=n)
+    _applied = n

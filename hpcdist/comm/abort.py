@@ -2,10 +2,13 @@
 
 Without this, an exception on one rank leaves the others blocked in their next collective
 until the job's time limit. ``install()`` covers the main thread and every other thread (the
-progress thread of non-blocking collectives included).
+progress thread of non-blocking collectives included); the first ``Communicator()`` calls it
+unless told not to (``abort_on_error=False`` or ``HPCDIST_ABORT=0``).
 """
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import threading
 import traceback
@@ -16,7 +19,8 @@ _installed = False
 def _abort(rank: int, size: int, exc_type, exc, tb) -> None:
     from mpi4py import MPI
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    sys.stderr.write(f"\n[hpcdist] rank {rank} of {size} failed; ending the job:\n{text}")
+    sys.stderr.write(f"\n[hpcdist] rank {rank} of {size} (host {socket.gethostname()}, pid "
+                     f"{os.getpid()}) failed; ending the job:\n{text}")
     sys.stderr.flush()
     MPI.COMM_WORLD.Abort(1)
 
@@ -35,3 +39,18 @@ def install() -> None:
     sys.excepthook = lambda t, e, tb: _abort(rank, size, t, e, tb)
     threading.excepthook = lambda a: _abort(rank, size, a.exc_type, a.exc_value,
                                             a.exc_traceback)
+
+
+def fatal(message: str, exc: BaseException | None = None) -> None:
+    """An error no caller will see (a progress-thread failure, a dropped handle): end the job
+    where ``install()`` ran, else print it."""
+    if exc is None:
+        exc = RuntimeError(message)
+    elif message:
+        exc = RuntimeError(message).with_traceback(exc.__traceback__)
+    if _installed:
+        from mpi4py import MPI
+        _abort(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), type(exc), exc,
+               exc.__traceback__)
+    else:
+        sys.stderr.write(f"[hpcdist] {message}\n")

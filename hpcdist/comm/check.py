@@ -1,78 +1,173 @@
-"""Cross-rank agreement on a collective's arguments, before any data moves.
+"""The collective ledger: cross-rank agreement on every call, before any data moves.
 
-Every collective first reduces a small int64 header — what is called, length, dtype, op,
-root, and whether this rank found its own arguments bad — with a recursive-doubling MAX over
-[h, -h]. Every rank gets the same max and min of every field, so a mismatch (or one rank's bad
-argument) raises the same error on every rank instead of leaving some of them waiting.
-``HPCDIST_DEBUG=1`` adds the shape and a per-communicator call counter (call order).
+Every collective (barrier and the non-blocking ones included) first reduces a small int64
+header with one recursive-doubling MAX over [h, -h]: what is called, its call number on this
+communicator, blocking or not, length, dtype, op, root, k, and whether this rank found its own
+arguments bad. Every rank gets the same max and min of every field, so a mismatch raises on
+every rank instead of leaving some waiting or returning a wrong result. On a mismatch the ranks
+exchange one line each describing their call, and the error names every rank's call:
+
+    allreduce: ranks disagree at call #7 of world — rank 1: call #7 allreduce 1,000 x float32
+    sum; ranks 0, 2, 3: call #7 barrier
+
+What the always-on check cannot see: two calls that match in every field (one rank's extra
+``allreduce`` of the same size and dtype pairs with the others' next one). ``HPCDIST_DEBUG=1``
+adds the caller's file and line and the array shape to the header, which catches that too.
 """
 from __future__ import annotations
 
+import os
+import sys
 import zlib
 
 import numpy as np
 
-from . import recursive_doubling
-from .layout import OPS
+from . import ring, watchdog
+from .layout import OPS, fold_rank, unfold_rank
 from .p2p import DTYPE_NAMES, dtype_code
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "bcast", "reduce",
-         "sparse_allreduce")
-FIELDS = ("collective", "length", "dtype", "op", "root", "argument error", "k", "call order",
-          "shape")
+         "sparse_allreduce", "barrier")
+FIELDS = ("collective", "call", "blocking", "length", "dtype", "op", "root", "k",
+          "argument error", "caller", "shape")
+ERROR = FIELDS.index("argument error")
+LINE = 240                      # bytes of each rank's description on a mismatch
+TAG = 190
+_HPCDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class CollectiveMismatchError(ValueError):
     """Ranks called a collective with arguments that do not agree."""
 
 
-def header(kind, length, dtype, op=None, root=-1, local_error=False, seq=0, shape=None,
-           debug=False, k=-1) -> np.ndarray:
-    h = np.zeros(len(FIELDS), dtype=np.int64)
-    h[0] = KINDS.index(kind)
-    h[1] = length
-    h[2] = dtype_code(dtype) if dtype is not None else -1
-    h[3] = OPS.index(op) if op in OPS else -1
-    h[4] = root
-    h[5] = int(bool(local_error))
-    h[6] = k
-    if debug:
-        h[7] = seq
-        h[8] = zlib.crc32(repr(tuple(shape)).encode()) if shape is not None else 0
-    return h
+def caller() -> str:
+    """file:line of the first frame outside hpcdist (the user's call; debug mode only)."""
+    f = sys._getframe(2)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_HPCDIST):
+        f = f.f_back
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f is not None else "?"
 
 
-def agree(comm, h: np.ndarray) -> None:
-    """Raise CollectiveMismatchError on every rank unless all ranks passed the same header."""
+class Call:
+    """One rank's side of one collective call: the header it agrees on, and its description."""
+
+    def __init__(self, kind, seq, blocking, length=0, dtype=None, op=None, root=-1, k=-1,
+                 problem=None, shape=None, where=None):
+        self.kind, self.seq, self.blocking, self.length, self.dtype = kind, seq, blocking, length, dtype
+        self.op, self.root, self.k, self.problem, self.shape, self.where = op, root, k, problem, shape, where
+
+    def header(self) -> np.ndarray:
+        h = np.zeros(len(FIELDS), dtype=np.int64)
+        h[0] = KINDS.index(self.kind)
+        h[1] = self.seq
+        h[2] = int(self.blocking)
+        h[3] = self.length if self.problem is None else -1
+        h[4] = dtype_code(self.dtype) if self.dtype is not None and self.problem is None else -1
+        h[5] = OPS.index(self.op) if self.op in OPS else -1
+        h[6] = self.root
+        h[7] = self.k
+        h[8] = int(self.problem is not None)
+        if self.where is not None:               # debug mode
+            h[9] = zlib.crc32(self.where.encode())
+            h[10] = zlib.crc32(repr(tuple(self.shape)).encode()) if self.shape is not None else 0
+        return h
+
+    def describe(self) -> str:
+        s = f"call #{self.seq} {self.kind}" + ("" if self.blocking else " (non-blocking)")
+        if self.problem is not None:
+            return f"{s} with a bad argument: {self.problem}"
+        if self.kind != "barrier":
+            dtype = DTYPE_NAMES[dtype_code(self.dtype)] if self.dtype is not None else "?"
+            s += f" {self.length:,} x {dtype}"
+            if self.shape is not None and self.where is not None:
+                s += f" shape {tuple(self.shape)}"
+        if self.op is not None:
+            s += f" {self.op}"
+        if self.root >= 0:
+            s += f" root {self.root}"
+        if self.k >= 0:
+            s += f" k {self.k:,}"
+        if self.where is not None:
+            s += f" at {self.where}"
+        return s
+
+
+def _exchange(comm, send, recv, peer) -> None:
+    reqs = [comm.Irecv(recv, peer, TAG), comm.Isend(send, peer, TAG)]
+    watchdog.wait_requests(reqs)
+
+
+def max_inplace(comm, buf: np.ndarray) -> None:
+    """Recursive-doubling MAX of a small int64 array, waiting with back-off (watchdog)."""
+    P, r = comm.Get_size(), comm.Get_rank()
+    pof2, new_rank = fold_rank(r, P)
+    tmp = np.empty_like(buf)
+    if r < 2 * (P - pof2):                       # fold the extra ranks in (MPICH)
+        if r % 2 == 0:
+            watchdog.wait_requests([comm.Isend(buf, r + 1, TAG)])
+        else:
+            watchdog.wait_requests([comm.Irecv(tmp, r - 1, TAG)])
+            np.maximum(buf, tmp, out=buf)
+    if new_rank >= 0:
+        mask = 1
+        while mask < pof2:
+            _exchange(comm, buf, tmp, unfold_rank(new_rank ^ mask, P))
+            np.maximum(buf, tmp, out=buf)
+            mask <<= 1
+    if r < 2 * (P - pof2):                       # and hand the result back out
+        if r % 2:
+            watchdog.wait_requests([comm.Isend(buf, r - 1, TAG + 1)])
+        else:
+            watchdog.wait_requests([comm.Irecv(buf, r + 1, TAG + 1)])
+
+
+def agree(comm, call: Call, label: str = "this communicator") -> None:
+    """Raise CollectiveMismatchError on every rank unless all ranks make the same call.
+
+    A rank whose own argument is bad gets ValueError(its problem); the others get the mismatch
+    error, which quotes it.
+    """
     if comm.Get_size() == 1:
-        if h[5]:
-            raise CollectiveMismatchError("argument error")
+        if call.problem is not None:
+            raise ValueError(call.problem)
         return
+    h = call.header()
     n = len(h)
     both = np.empty(2 * n, dtype=np.int64)
     both[:n], both[n:] = h, -h
-    recursive_doubling.allreduce_inplace(comm, both, "max")
+    max_inplace(comm, both)
     hi, lo = both[:n], -both[n:]
-    bad = np.flatnonzero(hi != lo)           # vectorized: this runs on every collective
-    if not len(bad) and not hi[5]:           # all agree, and no rank found a bad argument
+    if not hi[ERROR] and (hi == lo).all():     # all agree and no rank found a bad argument
         return
-    kind = KINDS[int(h[0])]
-    if hi[5]:
+    lines = _gather_lines(comm, call.describe())
+    if call.problem is not None:
+        raise ValueError(call.problem)
+    bad = [r for r, line in enumerate(lines) if "with a bad argument" in line]
+    if bad:
+        what = "; ".join(f"rank {r}: {lines[r]}" for r in bad)
         raise CollectiveMismatchError(
-            f"{kind}: a rank passed a bad argument (its own error says which); "
-            "every rank stops here instead of waiting")
-    i = int(bad[0])
-    if FIELDS[i] == "collective":
-        what = f"ranks called different collectives ({KINDS[lo[i]]} and {KINDS[hi[i]]})"
-    elif FIELDS[i] == "call order":
-        what = f"ranks are at different calls of this communicator (#{lo[i]} .. #{hi[i]})"
-    elif FIELDS[i] == "dtype":
-        names = [DTYPE_NAMES[c] if c >= 0 else "none" for c in (lo[i], hi[i])]
-        what = f"dtypes differ across ranks ({names[0]} and {names[1]})"
-    elif FIELDS[i] == "shape":
-        what = "array shapes differ across ranks"
-    else:
-        what = f"{FIELDS[i]} differs across ranks (min {lo[i]}, max {hi[i]})"
+            f"{call.kind}: a rank passed a bad argument, so every rank stops here instead of "
+            f"waiting — {what}")
     raise CollectiveMismatchError(
-        f"{kind}: {what}; every rank must pass the same "
-        f"{'length and dtype' if i in (1, 2) else FIELDS[i]}")
+        f"{call.kind}: ranks disagree at call #{call.seq} of {label} — {group_lines(lines)}")
+
+
+def _gather_lines(comm, line: str) -> list[str]:
+    """Every rank's one-line description (a ring allgather of fixed-width bytes)."""
+    P, r = comm.Get_size(), comm.Get_rank()
+    buf = np.zeros(P * LINE, dtype=np.uint8)
+    raw = line.encode()[:LINE]
+    buf[r * LINE:r * LINE + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    ring.allgather_inplace(comm, buf, [(i * LINE, (i + 1) * LINE) for i in range(P)])
+    return [bytes(buf[i * LINE:(i + 1) * LINE]).rstrip(b"\0").decode(errors="replace")
+            for i in range(P)]
+
+
+def group_lines(lines: list[str]) -> str:
+    """'rank 1: X; ranks 0, 2, 3: Y' — ranks grouped by what they said, fewest first."""
+    groups: dict = {}
+    for r, line in enumerate(lines):
+        groups.setdefault(line, []).append(r)
+    parts = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
+    return "; ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) + ": " + line
+                     for line, rs in parts)

@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import backend, threads, timeline
-from . import check, p2p, ring, sparse, tree
+from . import abort, check, p2p, ring, sparse, tree, watchdog
 from .layout import check_op, shard_bounds, shard_counts
 from .select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, allreduce_wire_bytes,  # noqa: F401
                      choose_allreduce, choose_bcast)
@@ -31,16 +31,47 @@ def cuda_aware() -> bool:
 
 
 class Handle:
-    """A non-blocking collective in flight: ``wait()`` returns its result, ``test()`` polls."""
+    """A non-blocking collective in flight: ``wait()`` returns its result, ``test()`` polls.
 
-    def __init__(self, future):
-        self._future = future
+    An error that nobody retrieves is not lost: the next call on the communicator raises it,
+    and a handle dropped unwaited with an error ends the job (``abort.fatal``)."""
+
+    def __init__(self, future, owner=None, call=None):
+        self._future, self._owner, self._call = future, owner, call
+        self._waited = False
+        if owner is not None:
+            owner._handles.append(self)
 
     def test(self) -> bool:
         return self._future.done()
 
     def wait(self):
-        return self._future.result()
+        self._waited = True
+        if self._owner is not None and self._owner._handles:
+            self._owner._forget(self)
+        if self._future.done():
+            return self._future.result()
+        call = self._call
+        with watchdog.waiting(self._owner.label if self._owner else "?",
+                              call.seq if call else 0,
+                              f"wait for {call.kind if call else 'a non-blocking call'}",
+                              0, "all ranks"):
+            return watchdog.wait_future(self._future)
+
+    def _unretrieved_error(self):
+        if self._waited or not self._future.done():
+            return None
+        return self._future.exception()
+
+    def __del__(self):
+        try:
+            e = self._unretrieved_error()
+        except Exception:
+            return
+        if e is not None:
+            what = f"call #{self._call.seq} {self._call.kind}" if self._call else "a call"
+            abort.fatal(f"non-blocking {what} failed and its handle was dropped without "
+                        f"wait(): {type(e).__name__}: {e}")
 
 
 class _Done:
@@ -62,13 +93,31 @@ class _Done:
         return self._value
 
 
+_LABELS: dict = {}      # label -> communicators with those members made by this process
+
+
+def _label(mpi) -> str:
+    """A name for a communicator that every member computes alike: "world", or its members'
+    world ranks ("world ranks 0, 2, 4"), with a count where one set of members has several."""
+    world = MPI.COMM_WORLD
+    if mpi.Get_size() == world.Get_size():
+        base = "world"
+    else:
+        group, wgroup = mpi.Get_group(), world.Get_group()
+        members = group.Translate_ranks(list(range(mpi.Get_size())), wgroup)
+        group.Free(), wgroup.Free()
+        base = "world ranks " + ", ".join(str(r) for r in members)
+    _LABELS[base] = n = _LABELS.get(base, 0) + 1
+    return base if n == 1 else f"{base} (#{n})"
+
+
 class Communicator:
     """Collectives, point-to-point and sparse exchange over ``mpi_comm`` (default COMM_WORLD).
 
     Construction is collective: every rank of ``mpi_comm`` must construct it, in the same order.
     """
 
-    def __init__(self, mpi_comm=None):
+    def __init__(self, mpi_comm=None, abort_on_error: bool | None = None):
         self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
         node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -76,6 +125,18 @@ class Communicator:
         node.Free()
         if mpi_comm is None:                 # the world: this node's ranks share its cores
             threads.configure(self.local_size)
+        # Safe by default: an uncaught exception on any rank, in any thread, ends the job
+        # (opt out: abort_on_error=False or HPCDIST_ABORT=0); the watchdog enforces deadlines.
+        if abort_on_error is None:
+            abort_on_error = os.environ.get("HPCDIST_ABORT", "1") != "0"
+        if abort_on_error:
+            abort.install()
+        if self.size > 1 and MPI.Comm.Compare(self.mpi, MPI.COMM_WORLD) == MPI.IDENT:
+            watchdog.start(MPI.COMM_WORLD)
+        self.label = _label(self.mpi)
+        self._peers = "all ranks" if self.label == "world" else self.label
+        self._seq = 0                        # the ledger: calls made on this communicator
+        self._handles: list = []             # non-blocking calls not yet waited
         # Non-blocking collectives run on their own duplicate, in a progress thread, so their
         # messages can never match a blocking call's.
         self._bg_mpi = self.mpi.Dup()
@@ -86,7 +147,6 @@ class Communicator:
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.debug = os.environ.get("HPCDIST_DEBUG", "0") == "1"
         self.cuda_aware = cuda_aware()
-        self._calls = {}
         self.sparse_stats = sparse.SparseStats()
         self.bytes_sent = 0          # payload bytes this rank's allreduces sent (analytic)
 
@@ -97,13 +157,16 @@ class Communicator:
         """A Communicator over the ranks that pass the same ``color``, ordered by ``key``."""
         return Communicator(self.mpi.Split(color, self.rank if key is None else key))
 
-    # ---- argument handling --------------------------------------------------------------
+    # ---- argument handling and the ledger ------------------------------------------------
     def _problem(self, buf, name: str, root: int | None = None) -> str | None:
         """What is wrong with this rank's arguments (None if nothing)."""
         if not hasattr(buf, "dtype") or not hasattr(buf, "flags"):
             return f"{name} must be a NumPy or CuPy array, got {type(buf).__name__}"
         if not buf.flags.c_contiguous:
             return f"{name} must be C-contiguous (pass xp.ascontiguousarray({name}))"
+        if not buf.dtype.isnative:
+            return (f"{name} has non-native byte order ({buf.dtype.str}); pass "
+                    f"{name}.astype({name}.dtype.newbyteorder('='))")
         if root is not None and not 0 <= root < self.size:
             return f"root must be in [0, {self.size}), got {root}"
         try:
@@ -112,27 +175,76 @@ class Communicator:
             return f"{name}: {e}"
         return None
 
-    def _agree(self, mpi, kind, buf, name, op=None, root=None, length=None, k=-1,
-               problem=None) -> None:
-        """Raise on every rank, before data moves, if the ranks' arguments disagree.
+    @staticmethod
+    def _out_problem(out, buf) -> str | None:
+        """What is wrong with ``out=`` for a result shaped like ``buf``."""
+        if not hasattr(out, "dtype") or not hasattr(out, "flags"):
+            return f"out must be a NumPy or CuPy array, got {type(out).__name__}"
+        if not out.flags.writeable:
+            return "out is read-only"
+        if tuple(out.shape) != tuple(buf.shape) or out.dtype != buf.dtype:
+            return (f"out is {out.dtype}{list(out.shape)}, the result is "
+                    f"{buf.dtype}{list(buf.shape)}")
+        if not out.flags.c_contiguous:
+            return "out must be C-contiguous"
+        return None
 
-        ``problem`` is a local error found by the caller; it joins the agreement like any
-        other, so the rank with the bad argument raises it and the others raise a mismatch.
-        """
-        problem = self._problem(buf, name, root) or problem
-        key = id(mpi)                      # call order is per MPI communicator
-        self._calls[key] = self._calls.get(key, 0) + 1
-        ok = problem is None
-        h = check.header(kind, (length if length is not None else buf.size) if ok else -1,
-                         buf.dtype if ok else None, op, -1 if root is None else root, not ok,
-                         self._calls[key],
-                         buf.shape if ok else None, self.debug, k=k)
-        try:
-            check.agree(mpi, h)
-        except check.CollectiveMismatchError:
-            if problem is not None:
-                raise ValueError(problem) from None
-            raise
+    def _call(self, kind, buf=None, name="buf", blocking=True, op=None, root=None, length=None,
+              k=-1, problem=None, out=None) -> check.Call:
+        """This rank's side of the next call on this communicator (in the caller's thread, so
+        blocking and non-blocking calls share one numbering). Raises here an error of an
+        earlier non-blocking call that nobody waited for."""
+        self._raise_unretrieved()
+        self._seq += 1
+        watchdog.note_call(self.label, self._seq)
+        if kind != "barrier":
+            problem = self._problem(buf, name, root) or problem
+            if problem is None and out is not None and out is not buf:
+                problem = self._out_problem(out, buf)
+        ok = problem is None and buf is not None
+        return check.Call(
+            kind, self._seq, blocking,
+            length=(length if length is not None else buf.size) if ok else 0,
+            dtype=buf.dtype if ok else None, op=op, root=-1 if root is None else root, k=k,
+            problem=problem, shape=buf.shape if ok else None,
+            where=check.caller() if self.debug else None)
+
+    def _submit(self, call, fn, nbytes: int = 0, algorithm: str = "", info: bool = False):
+        """Run ``fn(mpi)`` after the agreement on ``call``: now, or in the progress thread.
+        The wait is registered with the watchdog; ``info``: ``fn`` also takes the timeline's
+        record (to fill in bytes known only later)."""
+        label = self.label
+
+        def run(mpi):
+            with watchdog.waiting(label, call.seq, call.kind, nbytes, self._peers), \
+                    timeline.collective(call.kind, algorithm, nbytes, self.size) as record:
+                check.agree(mpi, call, label)
+                if call.blocking:
+                    return fn(mpi, record) if info else fn(mpi)
+                try:
+                    return fn(mpi, record) if info else fn(mpi)
+                except BaseException as e:   # after the agreement: peers may be mid-exchange
+                    abort.fatal(f"non-blocking call #{call.seq} {call.kind} failed in the "
+                                f"progress thread: {type(e).__name__}: {e}", e)
+                    raise
+        if call.blocking:
+            return run(self.mpi)
+        return Handle(self._run(run), self, call)
+
+    def _forget(self, handle) -> None:
+        self._handles = [h for h in self._handles if h is not handle and not h._waited]
+
+    def _raise_unretrieved(self) -> None:
+        if not self._handles:
+            return
+        for h in list(self._handles):
+            e = h._unretrieved_error()
+            if e is not None:
+                h._waited = True
+                self._forget(h)
+                raise type(e)(f"an earlier non-blocking call #{h._call.seq} {h._call.kind} "
+                              f"failed and was not waited for: {e}") from e
+        self._handles = [h for h in self._handles if not h._future.done()]
 
     def _stage_in(self, buf):
         """A flat buffer MPI may read: a host copy of a GPU array unless MPI is CUDA-aware,
@@ -152,22 +264,21 @@ class Communicator:
             return backend.array_module(like).asarray(host)
         return host
 
-    def _run(self, fn, blocking: bool):
-        if blocking:
-            return fn(self.mpi)
+    def _run(self, fn):
+        """A future of ``fn(bg_mpi)`` in the progress thread (or run now without threads)."""
         if not self.threaded:
             # No MPI_THREAD_MULTIPLE: run now (correct, no overlap), in call order.
-            return Handle(_Done(lambda: fn(self._bg_mpi)))
+            return _Done(lambda: fn(self._bg_mpi))
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=f"hpcdist-comm-{self.rank}")
-        return Handle(self._executor.submit(fn, self._bg_mpi))
+        return self._executor.submit(fn, self._bg_mpi)
 
     def run_async(self, fn, label: tuple | None = None) -> Handle:
         """Run ``fn(mpi_comm)`` in the progress thread, in order with the other non-blocking
         calls (ZeRO's gathers and reduce-scatters of flat ranges use it). ``label`` =
         (collective, algorithm, bytes) records the call on the timeline."""
-        return self._run(self._timed(*label, fn) if label else fn, blocking=False)
+        return Handle(self._run(self._timed(*label, fn) if label else fn))
 
     def _timed(self, kind: str, algorithm: str, nbytes: int, fn):
         """``fn(mpi)``, recorded as one ``kind`` call when a timeline recorder is active."""
@@ -199,14 +310,14 @@ class Communicator:
         if wire_dtype is not None:
             wire_dtype = np.dtype(wire_dtype)
             name = "ring"
+        call = self._call("allreduce", buf, blocking=blocking, op=op, out=out)
         itemsize = 0
-        if hasattr(buf, "dtype"):
+        if call.problem is None:
             itemsize = (wire_dtype if wire_dtype is not None else buf.dtype).itemsize
             self.bytes_sent += allreduce_wire_bytes(name, buf.size, self.size, itemsize)
         label = name if wire_dtype is None else f"ring({wire_dtype.name} wire)"
 
         def run(mpi):
-            self._agree(mpi, "allreduce", buf, "buf", op)
             staged = self._staged(buf)
             if staged:
                 work = self._stage_in(buf)     # a host copy: reduce there, copy back
@@ -229,8 +340,7 @@ class Communicator:
                 return result
             out[...] = result
             return out
-        nbytes = getattr(buf, "size", 0) * itemsize
-        return self._run(self._timed("allreduce", label, nbytes, run), blocking)
+        return self._submit(call, run, getattr(buf, "size", 0) * itemsize, label)
 
     def reduce_scatter(self, buf, op: str = "sum"):
         """This rank's shard (shard layout, see layout.py) of the reduction of ``buf``."""
@@ -241,17 +351,16 @@ class Communicator:
 
     def _reduce_scatter(self, buf, op, blocking):
         check_op(op)
+        call = self._call("reduce_scatter", buf, blocking=blocking, op=op)
 
         def run(mpi):
-            self._agree(mpi, "reduce_scatter", buf, "buf", op)
             work = self._stage_in(buf).copy()
             lo, hi = shard_bounds(work.size, self.size, self.rank)
             if self.size > 1 and work.size:
                 ring.reduce_scatter_inplace(mpi, work, op)
                 self.bytes_sent += (work.size - (hi - lo)) * work.dtype.itemsize
             return self._stage_out(work[lo:hi].copy(), buf)
-        return self._run(self._timed("reduce_scatter", "ring", getattr(buf, "nbytes", 0), run),
-                         blocking)
+        return self._submit(call, run, getattr(buf, "nbytes", 0), "ring")
 
     def allgather(self, shard, total: int | None = None):
         """Concatenation of every rank's 1-D ``shard``.
@@ -265,19 +374,17 @@ class Communicator:
         return self._allgather(shard, total, blocking=False)
 
     def _allgather(self, shard, total, blocking):
-        def run(mpi):
-            P, n = self.size, getattr(shard, "size", 0)
-            counts = shard_counts(total, P) if total is not None else [n] * P
-            problem = None
-            if total is not None and counts[self.rank] != n:
-                problem = (f"shard has {n} elements, but rank {self.rank}'s shard of a "
-                           f"length-{total} array over {P} ranks has {counts[self.rank]}")
-            self._agree(mpi, "allgather", shard, "shard",
-                        length=total if total is not None else n, problem=problem)
-            return self._gather_pieces(mpi, shard, counts)
-        n = getattr(shard, "size", 0)
-        nbytes = (total if total is not None else n * self.size) * getattr(shard, "itemsize", 0)
-        return self._run(self._timed("allgather", "ring", nbytes, run), blocking)
+        P, n = self.size, getattr(shard, "size", 0)
+        counts = shard_counts(total, P) if total is not None else [n] * P
+        problem = None
+        if total is not None and counts[self.rank] != n:
+            problem = (f"shard has {n} elements, but rank {self.rank}'s shard of a "
+                       f"length-{total} array over {P} ranks has {counts[self.rank]}")
+        call = self._call("allgather", shard, "shard", blocking=blocking,
+                          length=total if total is not None else n, problem=problem)
+        nbytes = (total if total is not None else n * P) * getattr(shard, "itemsize", 0)
+        return self._submit(call, lambda mpi: self._gather_pieces(mpi, shard, counts),
+                            nbytes, "ring")
 
     def _gather_pieces(self, mpi, piece, counts):
         """Ring allgather of pieces of the given per-rank sizes into one array."""
@@ -295,40 +402,52 @@ class Communicator:
 
     def allgatherv(self, buf):
         """Concatenation of every rank's 1-D ``buf``, lengths free to differ."""
-        with timeline.collective("allgatherv", "ring", 0, self.size) as info:
-            self._agree(self.mpi, "allgatherv", buf, "buf", length=0)
+        call = self._call("allgatherv", buf, length=0)
+
+        def run(mpi, record):
             counts = np.zeros(self.size, dtype=np.int64)
             counts[self.rank] = buf.size
-            ring.allgather_inplace(self.mpi, counts, [(i, i + 1) for i in range(self.size)])
-            if info is not None:
-                info["bytes"] = int(counts.sum()) * buf.itemsize
-            return self._gather_pieces(self.mpi, buf, counts)
+            ring.allgather_inplace(mpi, counts, [(i, i + 1) for i in range(self.size)])
+            if record is not None:
+                record["bytes"] = int(counts.sum()) * buf.itemsize
+            return self._gather_pieces(mpi, buf, counts)
+        return self._submit(call, run, 0, "ring", info=True)
 
     def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
         """Overwrite ``buf`` on every rank with root's ``buf`` (in place); returns ``buf``."""
         name = choose_bcast(getattr(buf, "nbytes", 0), self.size, algorithm)
-        with timeline.collective("bcast", name, getattr(buf, "nbytes", 0), self.size):
-            self._agree(self.mpi, "bcast", buf, "buf", root=root)
+        call = self._call("bcast", buf, root=root)
+        problem = None if call.problem or getattr(buf, "flags", None) is None \
+            or buf.flags.writeable else "buf is read-only (bcast writes into it)"
+        if problem:
+            call.problem = problem
+
+        def run(mpi):
             work = self._stage_in(buf)
             if self.size > 1 and work.size:
-                BCAST_ALGORITHMS[name](self.mpi, work, root)
+                BCAST_ALGORITHMS[name](mpi, work, root)
             if self._staged(buf):
                 buf[...] = self._stage_out(work, buf).reshape(buf.shape)
             return buf
+        return self._submit(call, run, getattr(buf, "nbytes", 0), name)
 
     def reduce(self, buf, op: str = "sum", root: int = 0):
         """Binomial-tree reduction to ``root``: the result there, None on other ranks."""
         check_op(op)
-        with timeline.collective("reduce", "binomial", getattr(buf, "nbytes", 0), self.size):
-            self._agree(self.mpi, "reduce", buf, "buf", op, root=root)
+        call = self._call("reduce", buf, op=op, root=root)
+
+        def run(mpi):
             work = self._stage_in(buf).copy()
             if self.size > 1 and work.size:
-                tree.reduce_binomial(self.mpi, work, root, op)
+                tree.reduce_binomial(mpi, work, root, op)
             return self._stage_out(work, buf).reshape(buf.shape) if self.rank == root else None
+        return self._submit(call, run, getattr(buf, "nbytes", 0), "binomial")
 
     def barrier(self) -> None:
-        with timeline.collective("barrier", "dissemination", 0, self.size):
-            tree.barrier(self.mpi)
+        """Wait until every rank has called it. The agreement round is itself the barrier
+        (no rank leaves an allreduce before every rank entered it), so a rank that calls
+        another collective instead is named rather than matched."""
+        self._submit(self._call("barrier"), lambda mpi: None, 0, "agreement")
 
     # ---- point to point -----------------------------------------------------------------
     def _check_peer(self, peer: int, name: str, tag: int) -> None:
@@ -353,14 +472,18 @@ class Communicator:
     def send(self, arr, dest: int, tag: int = 0) -> None:
         """Send an array; its shape and dtype travel with it."""
         work, ptag = self._outgoing(arr, dest, tag)
-        with timeline.collective("send", "p2p", work.nbytes, self.size):
+        with timeline.collective("send", "p2p", work.nbytes, self.size), \
+                watchdog.waiting(self.label, 0, f"send to rank {dest} (tag {tag})", work.nbytes,
+                                 f"rank {dest}"):
             p2p.send(self._p2p_mpi, work, dest, tag, ptag)
 
     def recv(self, source: int, tag: int = 0):
         """Receive an array sent with ``send``/``isend``, on the active device."""
         self._check_peer(source, "source", tag)
         host = self._recv_on_host()
-        with timeline.collective("recv", "p2p", 0, self.size) as info:
+        with timeline.collective("recv", "p2p", 0, self.size) as info, \
+                watchdog.waiting(self.label, 0, f"receive from rank {source} (tag {tag})", 0,
+                                 f"rank {source}"):
             out = p2p.recv(self._p2p_mpi, source, tag, np if host else backend.xp())
             if info is not None:
                 info["bytes"] = out.nbytes
@@ -413,11 +536,10 @@ class Communicator:
         if n >= 2 ** 31:
             raise ValueError("sparse exchange indexes with int32: arrays must be < 2**31")
         pairs = getattr(idx, "nbytes", 0) + getattr(vals, "nbytes", 0)
-        with timeline.collective("sparse_allreduce", "topk-allgatherv", pairs * self.size,
-                                 self.size):
-            self._agree(self.mpi, "sparse_allreduce", vals, "vals", op, length=n, k=idx.size)
-            out = self._stage_out(sparse.exchange(self.mpi, self._stage_in(idx),
-                                                  self._stage_in(vals), n), vals)
+        call = self._call("sparse_allreduce", vals, "vals", op=op, length=n, k=idx.size)
+        out = self._submit(call, lambda mpi: self._stage_out(sparse.exchange(
+            mpi, self._stage_in(idx), self._stage_in(vals), n), vals),
+            pairs * self.size, "topk-allgatherv")
         if op == "avg":
             out /= self.size
         sparse_b, dense_b = sparse.wire_bytes(n, idx.size, vals.dtype.itemsize, self.size)

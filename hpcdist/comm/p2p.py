@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
+from . import watchdog
 from .layout import as_bytes
 
 HEADER_LEN = 16
@@ -68,8 +69,7 @@ class SendHandle:
         return MPI.Request.Testall(self._requests)
 
     def wait(self):
-        from mpi4py import MPI
-        MPI.Request.Waitall(self._requests)
+        watchdog.wait_requests(self._requests)
         self._keep = None
 
 
@@ -86,7 +86,7 @@ class RecvHandle:
 
     def _ready(self, block: bool) -> bool:
         if block:
-            self._req.Wait()
+            watchdog.wait_requests([self._req])
             return True
         return self._req.Test()
 
@@ -118,13 +118,8 @@ def isend(comm, arr, dest: int, tag: int, ptag: int) -> SendHandle:
 
 
 def send(comm, arr, dest: int, tag: int, ptag: int) -> None:
-    comm.Send(make_header(arr, ptag), dest, tag)
-    comm.Send(as_bytes(arr), dest, ptag)
+    isend(comm, arr, dest, tag, ptag).wait()
 
 
 def recv(comm, source: int, tag: int, xp):
-    h = np.empty(HEADER_LEN, dtype=np.int64)
-    comm.Recv(h, source, tag)
-    out, ptag = alloc_from_header(h, xp)
-    comm.Recv(as_bytes(out), source, ptag)
-    return out
+    return RecvHandle(comm, source, tag, xp).wait()

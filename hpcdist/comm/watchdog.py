@@ -1,0 +1,348 @@
+"""Nothing waits forever: deadlines on every wait for another rank, and a report that names
+who did not arrive.
+
+Every wait on another rank (a collective, ``Handle.wait``, a receive) is registered here with
+what it waits in: the communicator, the call number on it, the kind, the bytes, the peers.
+A daemon thread per process (the watchdog) looks at those waits a few times a second. When one
+is older than the deadline (``HPCDIST_TIMEOUT`` seconds, or ``--timeout``; default 300), the
+watchdog asks every rank for its status over its own duplicate of the world communicator. Each
+live rank's watchdog answers — its waits, its last call number on each communicator, its
+host, PID and the Python stacks of all its threads; a rank that does not answer within the
+grace period (stopped, wedged, dead) is named unresponsive. The lowest rank whose deadline
+passed prints one report and ends the job with ``MPI_Abort`` (exit code ``EXIT_TIMEOUT``).
+
+Waiting ranks back off: they spin for ``SPIN_S`` (short waits keep their latency), then sleep
+in growing steps up to ``MAX_SLEEP_S``, so a stall does not also burn every core of the node.
+
+Signals: SIGTERM (and SIGINT) reach the watchdog through Python's wakeup fd even while the
+main thread is blocked inside an MPI call. Where no one else handles SIGTERM, the rank says
+where it was (call number, kind, how long it had waited) and ends by that signal. Where a
+handler is installed (``train`` checkpoints on SIGTERM), the deadlines shrink to the grace
+period: the scheduler will kill the job soon, so a stall is reported now.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+DEFAULT_TIMEOUT_S = 300.0
+EXIT_TIMEOUT = 124                  # as timeout(1): the job ended on a missed deadline
+SPIN_S = 200e-6                     # busy-poll this long before sleeping (latency of short waits)
+MAX_SLEEP_S = 2e-3                  # longest sleep between polls of a long wait
+TAG_REQUEST, TAG_REPLY = 1, 2
+
+_lock = threading.Lock()
+_waits: dict = {}                   # thread id -> [Wait, ...] (innermost last)
+_ledger: dict = {}                  # communicator label -> last call number started
+_timeout = None
+_thread = None
+
+
+def timeout() -> float:
+    """The deadline in seconds (``set_timeout``, else ``HPCDIST_TIMEOUT``, else 300)."""
+    if _timeout is not None:
+        return _timeout
+    value = os.environ.get("HPCDIST_TIMEOUT", "")
+    try:
+        t = float(value) if value else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"HPCDIST_TIMEOUT must be a number of seconds, got {value!r}") from None
+    if not t > 0 or t != t or t == float("inf"):
+        raise ValueError(f"HPCDIST_TIMEOUT must be a positive number of seconds, got {value!r}")
+    return t
+
+
+def set_timeout(seconds: float | None) -> None:
+    """Set the deadline for every later wait (None: back to ``HPCDIST_TIMEOUT``)."""
+    global _timeout
+    if seconds is not None and not (0 < seconds < float("inf")):
+        raise ValueError(f"timeout must be a positive number of seconds, got {seconds}")
+    _timeout = seconds
+
+
+def grace() -> float:
+    """How long the watchdog waits for other ranks' answers before naming them unresponsive."""
+    return min(10.0, max(1.0, timeout() / 10))
+
+
+class Wait:
+    """What one thread is waiting in."""
+
+    __slots__ = ("comm", "seq", "kind", "nbytes", "peers", "since")
+
+    def __init__(self, comm, seq, kind, nbytes, peers):
+        self.comm, self.seq, self.kind, self.nbytes, self.peers = comm, seq, kind, nbytes, peers
+        self.since = time.monotonic()
+
+    def describe(self) -> str:
+        size = f" {self.nbytes:,} B" if self.nbytes else ""
+        call = f" call #{self.seq}" if self.seq else ""      # point-to-point has no number
+        return f"{self.comm}{call} {self.kind}{size} with {self.peers}"
+
+    def as_dict(self, now) -> dict:
+        return {"what": self.describe(), "comm": self.comm, "seq": self.seq, "kind": self.kind,
+                "waited_s": round(now - self.since, 3)}
+
+
+class waiting:
+    """``with waiting(comm_label, seq, kind, nbytes, peers):`` registers a wait of this thread."""
+
+    __slots__ = ("wait",)
+
+    def __init__(self, comm, seq, kind, nbytes=0, peers="all ranks"):
+        self.wait = Wait(comm, seq, kind, nbytes, peers)
+
+    def __enter__(self):
+        tid = threading.get_ident()
+        stack = _waits.get(tid)
+        if stack is None:
+            stack = _waits[tid] = []
+        stack.append(self.wait)
+        return self.wait
+
+    def __exit__(self, *exc):
+        stack = _waits.get(threading.get_ident())
+        if stack:
+            stack.pop()
+        return False
+
+
+def note_call(comm_label: str, seq: int) -> None:
+    """Record that this rank started call ``seq`` on ``comm_label`` (the status shows it)."""
+    _ledger[comm_label] = seq
+
+
+def wait_requests(requests) -> None:
+    """Complete MPI requests: spin briefly, then sleep in growing steps (see module doc)."""
+    from mpi4py import MPI
+    testall = MPI.Request.Testall
+    if testall(requests):
+        return
+    end_spin = time.perf_counter() + SPIN_S
+    while time.perf_counter() < end_spin:
+        if testall(requests):
+            return
+    pause = 20e-6
+    while not testall(requests):
+        time.sleep(pause)
+        pause = min(pause * 2, MAX_SLEEP_S)
+
+
+def wait_future(future):
+    """``future.result()`` without blocking forever in one call (signals stay deliverable)."""
+    import concurrent.futures
+    while True:
+        try:
+            return future.result(timeout=0.5)
+        except concurrent.futures.TimeoutError:
+            continue
+
+
+# ---- status and reports ------------------------------------------------------------------
+
+def stacks() -> str:
+    """The Python stacks of every thread of this process."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for tid, frame in sys._current_frames().items():
+        out.append(f"  thread {names.get(tid, tid)}:\n"
+                   + "".join("    " + line for line in traceback.format_stack(frame)))
+    return "".join(out)
+
+
+def status(rank: int) -> dict:
+    now = time.monotonic()
+    waits = [w.as_dict(now) for stack in list(_waits.values()) for w in list(stack)]
+    return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "waits": waits,
+            "ledger": dict(_ledger), "stacks": stacks()}
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def format_report(me: dict, overdue: Wait, statuses: dict, silent: list, deadline: float,
+                  why: str) -> str:
+    """One readable report: this rank's wait, every rank's state, who did not arrive."""
+    lines = [f"[hpcdist watchdog] rank {me['rank']} (host {me['host']}, pid {me['pid']}) "
+             f"{why} {overdue.describe()} (deadline {deadline:g} s, HPCDIST_TIMEOUT / --timeout); "
+             "ending the job."]
+    behind = sorted(r for r, s in statuses.items()
+                    if not any(w["comm"] == overdue.comm and w["seq"] == overdue.seq
+                               for w in s["waits"]))
+    if silent:
+        lines.append(f"  unresponsive: {_ranks(silent)} — no heartbeat answer within "
+                     f"{grace():g} s (stopped, wedged or dead)")
+    if behind:
+        lines.append(f"  not in {overdue.comm} call #{overdue.seq}: {_ranks(behind)}")
+    for r in sorted(statuses):
+        s = statuses[r]
+        where = "; ".join(f"waiting {w['waited_s']:.1f} s in {w['what']}" for w in s["waits"]) \
+            or "not waiting on any rank (computing, or done with this communicator)"
+        last = ", ".join(f"{c} #{n}" for c, n in s["ledger"].items()) or "none"
+        lines.append(f"  rank {r} (host {s['host']}, pid {s['pid']}): {where}; "
+                     f"last calls: {last}")
+    for r in silent:
+        lines.append(f"  rank {r}: no answer")
+    for r in sorted(statuses):
+        lines.append(f"--- Python stacks of rank {r}:\n{statuses[r]['stacks']}")
+    return "\n".join(lines) + "\n"
+
+
+class Watchdog(threading.Thread):
+    """The per-process deadline thread; see the module docstring."""
+
+    def __init__(self, world):
+        super().__init__(name="hpcdist-watchdog", daemon=True)
+        self.mpi = world.Dup()                 # its own messages never meet anyone else's
+        self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
+        self.urgent = False                    # a SIGTERM arrived and someone else handles it
+        self.stand_down_until = 0.0            # a lower rank is reporting
+        self._wake_r = None
+        self.stopping = threading.Event()
+
+    # -- signals -----------------------------------------------------------------------
+    def watch_signals(self) -> None:
+        """Route SIGTERM/SIGINT through a wakeup fd this thread reads (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(r), os.close(w)
+            return
+        if old != -1:                          # someone else uses it (asyncio): leave it
+            signal.set_wakeup_fd(old)
+            os.close(r), os.close(w)
+            return
+        self._wake_r = r
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _note_signal)
+
+    def _read_signals(self) -> None:
+        import select
+        if self._wake_r is None:
+            return
+        while select.select([self._wake_r], [], [], 0)[0]:
+            data = os.read(self._wake_r, 64)
+            for signum in data:
+                self._on_signal(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        if signum not in (signal.SIGTERM, signal.SIGINT):
+            return
+        handler = signal.getsignal(signum)
+        if handler is _note_signal:            # nobody else handles it: say where, then end
+            name = signal.Signals(signum).name
+            now = time.monotonic()
+            waits = [w for stack in list(_waits.values()) for w in list(stack)]
+            where = "; ".join(f"waiting {now - w.since:.1f} s in {w.describe()}" for w in waits) \
+                or "not waiting on another rank"
+            last = ", ".join(f"{c} #{n}" for c, n in _ledger.items()) or "none"
+            sys.stderr.write(f"[hpcdist] rank {self.rank} (host {socket.gethostname()}, pid "
+                             f"{os.getpid()}) ended by {name}: {where}; last calls: {last}\n")
+            sys.stderr.flush()
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        else:                                  # e.g. train's checkpoint-on-SIGTERM
+            self.urgent = True
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        from mpi4py import MPI
+        request = np.zeros(2, dtype=np.int64)
+        recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
+        while not self.stopping.wait(0.05):
+            self._read_signals()
+            st = MPI.Status()
+            while recv.Test(st):               # another rank asks for our status
+                self._answer(st.Get_source(), int(request[1]))
+                recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
+            overdue = self._overdue()
+            if overdue is not None and time.monotonic() >= self.stand_down_until:
+                self._report(overdue, recv, request)
+        recv.Cancel()                           # before MPI_Finalize (see stop())
+        recv.Wait()
+
+    def _overdue(self):
+        limit = grace() if self.urgent else timeout()
+        now = time.monotonic()
+        for stack in list(_waits.values()):
+            for w in list(stack):
+                if now - w.since > limit:
+                    return w
+        return None
+
+    def _answer(self, source: int, reporting: int) -> None:
+        if reporting and source < self.rank:   # a lower rank reports: do not report too
+            self.stand_down_until = time.monotonic() + 3 * grace()
+        body = np.frombuffer(json.dumps(status(self.rank)).encode(), dtype=np.uint8)
+        self.mpi.Isend(body.copy(), source, TAG_REPLY)   # small; completes eagerly or at Abort
+
+    def _report(self, overdue: Wait, recv, request) -> None:
+        from mpi4py import MPI
+        me = status(self.rank)
+        statuses = {self.rank: me}
+        ask = np.array([self.rank, 1], dtype=np.int64)
+        for r in range(self.size):
+            if r != self.rank:
+                self.mpi.Isend(ask, r, TAG_REQUEST)
+        end = time.monotonic() + grace()
+        while len(statuses) < self.size and time.monotonic() < end:
+            st = MPI.Status()
+            if self.mpi.Iprobe(MPI.ANY_SOURCE, TAG_REPLY, st):
+                body = np.empty(st.Get_count(MPI.BYTE), dtype=np.uint8)
+                self.mpi.Recv(body, st.Get_source(), TAG_REPLY)
+                s = json.loads(bytes(body).decode())
+                statuses[s["rank"]] = s
+            st = MPI.Status()
+            while recv.Test(st):
+                self._answer(st.Get_source(), int(request[1]))
+                recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
+            if time.monotonic() < self.stand_down_until:
+                return                          # a lower rank took over; keep answering
+            time.sleep(0.005)
+        silent = [r for r in range(self.size) if r not in statuses]
+        why = ("was asked to stop (SIGTERM) while waiting" if self.urgent
+               else "waited past its deadline in")
+        deadline = grace() if self.urgent else timeout()
+        sys.stderr.write(format_report(me, overdue, statuses, silent, deadline, why))
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(EXIT_TIMEOUT)
+
+
+def _note_signal(signum, frame):
+    """Python-level SIGTERM handler: the watchdog thread acts on the wakeup fd."""
+
+
+def start(world) -> None:
+    """Start the watchdog over ``world`` once per process (collective over ``world``)."""
+    global _thread
+    from mpi4py import MPI
+    if _thread is not None or os.environ.get("HPCDIST_WATCHDOG", "1") == "0":
+        return
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return                                  # it could not talk to the other ranks
+    _thread = Watchdog(world)
+    _thread.watch_signals()
+    _thread.start()
+    atexit.register(stop)                       # runs before mpi4py's MPI_Finalize (LIFO)
+
+
+def stop() -> None:
+    """Stop the watchdog thread (at exit, before MPI finalizes)."""
+    if _thread is not None and _thread.is_alive():
+        _thread.stopping.set()
+        _thread.join(timeout=2.0)

@@ -277,13 +277,20 @@ class Communicator:
     def run_async(self, fn, label: tuple | None = None) -> Handle:
         """Run ``fn(mpi_comm)`` in the progress thread, in order with the other non-blocking
         calls (ZeRO's gathers and reduce-scatters of flat ranges use it). ``label`` =
-        (collective, algorithm, bytes) records the call on the timeline."""
-        return Handle(self._run(self._timed(*label, fn) if label else fn))
+        (collective, algorithm, bytes) records the call on the timeline. No agreement: the
+        caller guarantees every rank makes the same call (its waits still have deadlines)."""
+        return Handle(self._run(self._timed(*(label or ("range call", "", 0)), fn)))
+
+    def run_sync(self, fn, label: tuple):
+        """``fn(mpi_comm)`` now, on this thread: the blocking twin of ``run_async``."""
+        return self._timed(*label, fn)(self.mpi)
 
     def _timed(self, kind: str, algorithm: str, nbytes: int, fn):
-        """``fn(mpi)``, recorded as one ``kind`` call when a timeline recorder is active."""
+        """``fn(mpi)`` registered with the watchdog, and recorded as one ``kind`` call when a
+        timeline recorder is active."""
         def run(mpi):
-            with timeline.collective(kind, algorithm, nbytes, self.size):
+            with watchdog.waiting(self.label, 0, f"{kind} of flat ranges", nbytes, self._peers), \
+                    timeline.collective(kind, algorithm, nbytes, self.size):
                 return fn(mpi)
         return run
 

@@ -266,9 +266,8 @@ class Watchdog(threading.Thread):
         recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
         while not self.stopping.wait(0.05):
             self._read_signals()
-            st = MPI.Status()
-            while recv.Test(st):               # another rank asks for our status
-                self._answer(st.Get_source(), int(request[1]))
+            while recv.Test():                 # another rank asks for our status
+                self._answer(int(request[0]), int(request[1]))
                 recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
             overdue = self._overdue()
             if overdue is not None and time.monotonic() >= self.stand_down_until:
@@ -307,9 +306,8 @@ class Watchdog(threading.Thread):
                 self.mpi.Recv(body, st.Get_source(), TAG_REPLY)
                 s = json.loads(bytes(body).decode())
                 statuses[s["rank"]] = s
-            st = MPI.Status()
-            while recv.Test(st):
-                self._answer(st.Get_source(), int(request[1]))
+            while recv.Test():
+                self._answer(int(request[0]), int(request[1]))
                 recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
             if time.monotonic() < self.stand_down_until:
                 return                          # a lower rank took over; keep answering

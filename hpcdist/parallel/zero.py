@@ -29,7 +29,7 @@ import contextlib
 
 import numpy as np
 
-from .. import backend, timeline
+from .. import backend
 from ..comm import ring
 from ..comm.layout import padded_length, shard_bounds
 from ..optim import FlatParams, decay_ranges_in
@@ -309,10 +309,10 @@ class Zero:
         """After backward: every rank's gradient shard holds the averaged gradient."""
         if self.stage == 1:                   # in place: afterwards only the shard is meaningful
             if self.comm.size > 1:
-                with timeline.collective("reduce_scatter", "ring", self.compute.grad.nbytes,
-                                         self.comm.size):
-                    ring.reduce_scatter_inplace(self.comm.mpi, self.compute.grad, "avg",
-                                                bounds=self._shard_bounds())
+                self.comm.run_sync(
+                    lambda mpi: ring.reduce_scatter_inplace(mpi, self.compute.grad, "avg",
+                                                            bounds=self._shard_bounds()),
+                    ("reduce_scatter", "ring", self.compute.grad.nbytes))
                 self.comm.bytes_sent += self._others_bytes(self.L)
             self._track()
             return
@@ -363,7 +363,10 @@ class Zero:
             if self.mixed:
                 self.compute.data[self.lo:self.hi] = self.master.astype(self.compute_dtype)
             if self.comm.size > 1:
-                ring.allgather_inplace(self.comm.mpi, self.compute.data, self._shard_bounds())
+                self.comm.run_sync(
+                    lambda mpi: ring.allgather_inplace(mpi, self.compute.data,
+                                                       self._shard_bounds()),
+                    ("allgather", "ring", self.compute.data.nbytes))
                 self.comm.bytes_sent += self._others_bytes(self.L)
         elif self.mixed:
             self.compute_shard[...] = self.master.astype(self.compute_dtype)

@@ -7,6 +7,8 @@ cannot work before any rank does any work; ``ConfigError`` carries the one-line 
 from __future__ import annotations
 
 import argparse
+import codecs
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -23,6 +25,7 @@ class TrainConfig:
     # task
     task: str = "sort"            # sort | reverse | text
     data: str = ""                # text file for task 'text'
+    data_encoding: str = "utf-8"  # its encoding (decoded strictly: bad bytes are an error)
     length: int = 6               # digits per sequence (sort/reverse)
     num_digits: int = 10          # digit alphabet size (sort/reverse)
     block_size: int = 64          # context length (text)
@@ -68,6 +71,8 @@ class TrainConfig:
     resume: bool = False          # continue from the latest checkpoint in save_dir
     # run
     seed: int = 1337
+    timeout: float = 0.0          # seconds any rank may wait on another before the job ends
+                                  # with a report (0: $HPCDIST_TIMEOUT, else 300)
     device: str = "cpu"           # cpu | gpu | auto
     dtype: str = "fp32"           # fp32 | fp64 (master precision; fp64 for exactness tests)
     log_every: int = 50
@@ -79,7 +84,12 @@ class TrainConfig:
 
 
 class ConfigError(ValueError):
-    """A setting that cannot work; reported as one line, exit code 2."""
+    """A setting that cannot work; reported as one line, exit code 2. ``field``: the setting
+    it is about, where there is one (parse_config names the file a TOML value came from)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 POSITIVE = ("length", "num_digits", "block_size", "n_layer", "n_head", "n_embd", "steps",
@@ -92,52 +102,68 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
 
 
 def validate(cfg: TrainConfig) -> None:
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if f.type == "float" and not math.isfinite(value):
+            raise ConfigError(f"{f.name} must be a finite number, got {value}", f.name)
     for name in POSITIVE:
         if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}", name)
     for name, choices in CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"unknown {name} {getattr(cfg, name)!r}: choose one of "
-                              f"{', '.join(choices)}")
+                              f"{', '.join(choices)}", name)
+    if cfg.timeout < 0:
+        raise ConfigError(f"timeout must be >= 0 seconds (0: the default), got {cfg.timeout}",
+                          "timeout")
+    try:
+        codecs.lookup(cfg.data_encoding)
+    except LookupError:
+        raise ConfigError(f"unknown data_encoding {cfg.data_encoding!r} (e.g. utf-8, latin-1)",
+                          "data_encoding") from None
     if cfg.n_embd % cfg.n_head:
-        raise ConfigError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+        raise ConfigError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})",
+                          "n_embd")
     if not 0.0 <= cfg.dropout < 1.0:
-        raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}")
+        raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}", "dropout")
     if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
-        raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0, got lr={cfg.lr} min_lr={cfg.min_lr}")
+        raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0, got lr={cfg.lr} min_lr={cfg.min_lr}",
+                          "lr")
     if cfg.warmup < 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0:
-        raise ConfigError("warmup, grad_clip and weight_decay must be non-negative")
+        raise ConfigError("warmup, grad_clip and weight_decay must be non-negative", "warmup")
     if cfg.task == "text" and not cfg.data:
-        raise ConfigError("task 'text' needs a data file: --data PATH")
+        raise ConfigError("task 'text' needs a data file: --data PATH", "task")
     if cfg.data and cfg.task != "text":
         raise ConfigError(f"--data is for task 'text'; task {cfg.task!r} is generated, "
-                          "drop --data or pass --task text")
+                          "drop --data or pass --task text", "data")
     if not 0.0 < cfg.density <= 1.0:
-        raise ConfigError(f"density must be in (0, 1], got {cfg.density}")
+        raise ConfigError(f"density must be in (0, 1], got {cfg.density}", "density")
     if not 0.0 <= cfg.compress_momentum < 1.0:
-        raise ConfigError(f"compress_momentum must be in [0, 1), got {cfg.compress_momentum}")
+        raise ConfigError(f"compress_momentum must be in [0, 1), got {cfg.compress_momentum}",
+                          "compress_momentum")
     if cfg.save_every < 0 or cfg.density_warmup < 0 or cfg.compress_clip < 0:
-        raise ConfigError("save_every, density_warmup and compress_clip must be non-negative")
+        raise ConfigError("save_every, density_warmup and compress_clip must be non-negative",
+                          "save_every")
     if (cfg.save_every or cfg.resume) and not cfg.save_dir:
-        raise ConfigError("--save-every and --resume need --save-dir")
+        raise ConfigError("--save-every and --resume need --save-dir", "save_every")
     if cfg.precision != "fp32" and cfg.dtype == "fp64":
         raise ConfigError(f"--precision {cfg.precision} keeps fp32 master weights; "
-                          "it cannot be combined with --dtype fp64")
+                          "it cannot be combined with --dtype fp64", "precision")
     if cfg.backend == "nccl" and cfg.device != "gpu":
-        raise ConfigError("--backend nccl needs --device gpu (NCCL moves GPU memory)")
+        raise ConfigError("--backend nccl needs --device gpu (NCCL moves GPU memory)", "backend")
     if cfg.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}", "zero")
     if cfg.zero and cfg.compress != "none":
         raise ConfigError(f"--zero {cfg.zero} reduce-scatters dense gradients; gradient "
-                          "compression runs with --zero 0 only")
+                          "compression runs with --zero 0 only", "zero")
     if cfg.zero and cfg.backend == "nccl":
-        raise ConfigError("--zero runs on the MPI backend; drop --backend nccl")
+        raise ConfigError("--zero runs on the MPI backend; drop --backend nccl", "zero")
     if cfg.zero == 3 and cfg.checkpoint_activations:
         raise ConfigError("--zero 3 with --checkpoint-activations is not supported yet "
-                          "(recomputation would gather each block a third time); pick one")
+                          "(recomputation would gather each block a third time); pick one", "zero")
     if cfg.backend == "nccl" and cfg.compress != "none":
         raise ConfigError(f"--compress {cfg.compress} runs on the MPI backend; with "
-                          "--backend nccl use --compress none")
+                          "--backend nccl use --compress none", "backend")
 
 
 def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:
@@ -155,10 +181,12 @@ def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:
 def load_toml(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a directory")
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
     known = {f.name: f for f in fields(TrainConfig)}
     out = {}
@@ -200,7 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv=None) -> TrainConfig:
     args = build_parser().parse_args(argv)
     values = load_toml(args.config) if args.config else {}
-    values.update({k: v for k, v in vars(args).items() if k != "config" and v is not None})
+    flags = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    from_file = set(values) - set(flags)
+    values.update(flags)
     cfg = TrainConfig(**values)
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        if e.field in from_file or (e.field is None and from_file):
+            where = f"set in config file {args.config!r}" if e.field in from_file else \
+                f"with settings from config file {args.config!r}"
+            raise ConfigError(f"{e} ({where})", e.field) from None
+        raise
     return cfg

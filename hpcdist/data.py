@@ -59,6 +59,29 @@ class DigitTask:
         return x, y
 
 
+def read_text(path: str, encoding: str = "utf-8") -> str:
+    """The text of a data file, strictly decoded: a directory, a binary file or bytes that are
+    not ``encoding`` are refused with what to do (never replaced silently)."""
+    if os.path.isdir(path):
+        raise ValueError(f"data file {path!r} is a directory; pass a text file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw:
+        raise ValueError(f"data file {path!r} is empty")
+    if b"\0" in raw[:1 << 16] and not encoding.lower().startswith("utf-16"):
+        raise ValueError(f"data file {path!r} looks binary (it has NUL bytes); pass a text file")
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data file {path!r} is not valid {encoding} (byte 0x{raw[e.start]:02x} "
+                         f"at offset {e.start}); pass --data-encoding with the file's encoding, "
+                         "e.g. --data-encoding latin-1") from None
+    except LookupError:
+        raise ValueError(f"unknown --data-encoding {encoding!r}") from None
+
+
 class CharText:
     """Character-level language modelling on a user's text file.
 
@@ -67,13 +90,8 @@ class CharText:
     """
 
     def __init__(self, path: str, block_size: int = 64, split: str = "train",
-                 test_fraction: float = 0.1):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"data file {path!r} does not exist")
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        if not text:
-            raise ValueError(f"data file {path!r} is empty")
+                 test_fraction: float = 0.1, encoding: str = "utf-8"):
+        text = read_text(path, encoding)
         chars = sorted(set(text))
         self.stoi = {c: i for i, c in enumerate(chars)}
         self.itos = chars
@@ -156,7 +174,8 @@ class DistributedSampler:
         self.epoch, self.position = int(sd["epoch"]), int(sd["position"])
 
 
-def make_task(task: str, *, length=6, num_digits=4, data=None, block_size=64, seed=1234):
+def make_task(task: str, *, length=6, num_digits=4, data=None, block_size=64, seed=1234,
+              encoding="utf-8"):
     """(train, test) datasets for a task name: 'sort', 'reverse' or 'text' (needs ``data``)."""
     if task in DigitTask.kinds:
         return (DigitTask(task, length, num_digits, "train", seed=seed),
@@ -164,5 +183,6 @@ def make_task(task: str, *, length=6, num_digits=4, data=None, block_size=64, se
     if task == "text":
         if not data:
             raise ValueError("task 'text' needs a data file: --data PATH")
-        return CharText(data, block_size, "train"), CharText(data, block_size, "test")
+        return (CharText(data, block_size, "train", encoding=encoding),
+                CharText(data, block_size, "test", encoding=encoding))
     raise ValueError(f"unknown task {task!r}: choose one of sort, reverse, text")

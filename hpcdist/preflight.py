@@ -56,7 +56,8 @@ def check(train_args: list, world: int, tasks_per_node: int | None = None,
     elif gpus_per_node:
         warnings.append(f"{gpus_per_node} GPUs allocated per node, but --device {cfg.device}")
     train_set, _ = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
-                                  data=cfg.data or None, block_size=cfg.block_size)
+                                  data=cfg.data or None, block_size=cfg.block_size,
+                              encoding=cfg.data_encoding)
     validate_world(cfg, world, len(train_set))
     if cfg.resume:
         folder = checkpoint.latest(cfg.save_dir)

@@ -12,13 +12,14 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
 import numpy as np
 
 from . import backend, checkpoint, data, nn, optim, threads, timeline
-from .comm import Communicator, abort
+from .comm import Communicator, abort, watchdog
 from .comm.model import fit_alpha_beta
 from .config import ConfigError, TrainConfig, parse_config, validate_world
 from .parallel import DistributedDataParallel, make_compression
@@ -143,11 +144,26 @@ def prepare(cfg: TrainConfig, comm):
     (validated against the world size) and the verified checkpoint to resume from, if any.
     Raises ConfigError, CheckpointError or OSError on this rank only."""
     datasets = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
-                              data=cfg.data or None, block_size=cfg.block_size)
+                              data=cfg.data or None, block_size=cfg.block_size,
+                              encoding=cfg.data_encoding)
     validate_world(cfg, comm.size, len(datasets[0]))
-    folder = checkpoint.latest(cfg.save_dir) if cfg.resume else None
-    resume = (folder, *checkpoint.load(folder, comm)) if folder else None
-    return datasets, resume
+    if not cfg.resume:
+        return datasets, None
+    folder, note = checkpoint.find_resume(cfg.save_dir)
+    if folder is None:
+        return datasets, (None, note)
+    manifest, shared, own = checkpoint.load(folder, comm)
+    checkpoint.check_meta(manifest, run_meta(cfg), folder)
+    return datasets, (folder, note, manifest, shared, own)
+
+
+def run_meta(cfg: TrainConfig) -> dict:
+    """What a checkpoint must share with the run that resumes it (checked on --resume)."""
+    return {"task": cfg.task, "zero": cfg.zero, "length": cfg.length,
+            "num_digits": cfg.num_digits, "block_size": cfg.block_size, "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head, "n_embd": cfg.n_embd, "bias": cfg.bias,
+            "tie_weights": cfg.tie_weights, "dtype": cfg.dtype, "precision": cfg.precision,
+            "optimizer": cfg.optimizer, "compress": cfg.compress}
 
 
 def build(cfg: TrainConfig, comm, datasets):
@@ -205,15 +221,50 @@ def restore_state(shared, own, step, sampler) -> None:
                                  if k.startswith("scaler.")})
 
 
+def record_ranks(comm, out_dir: str) -> str:
+    """Rank 0 writes ``out_dir/ranks.json``: every rank's host and PID, so that a launcher's
+    "PID X died" maps to a rank. Returns a short summary of the hosts (for the header)."""
+    me = np.zeros(256, dtype=np.uint8)
+    raw = json.dumps([socket.gethostname(), os.getpid()]).encode()[:256]
+    me[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    every = comm.allgather(me).reshape(comm.size, 256)
+    ranks = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in every]
+    if comm.rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        table = [{"rank": r, "host": h, "pid": p} for r, (h, p) in enumerate(ranks)]
+        checkpoint.write_json_atomic(os.path.join(out_dir, "ranks.json"), table)
+    hosts = sorted({h for h, _ in ranks})
+    return f"{len(hosts)} host{'s' * (len(hosts) > 1)} ({', '.join(hosts[:3])}" + \
+        (", ..." if len(hosts) > 3 else "") + ")"
+
+
+def open_metrics(out_dir: str, resumed: bool, say):
+    """``out_dir/metrics.jsonl`` for appending. A resumed run continues the file; a new run
+    moves an earlier run's file aside (metrics.jsonl.1, .2, ...) rather than truncating it."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not resumed and os.path.exists(path) and os.path.getsize(path) > 0:
+        n = 1
+        while os.path.exists(f"{path}.{n}"):
+            n += 1
+        os.replace(path, f"{path}.{n}")
+        say(f"moved the earlier {path} to {path}.{n}")
+    return open(path, "a")
+
+
 def _test_hooks(rank: int, step: int) -> None:
     """Test hooks: HPCDIST_FAIL_AT=RANK:STEP raises on that rank at that step;
-    HPCDIST_SIGNAL_AT=RANK:STEP[:SIGNAL] sends that rank SIGNAL (default SIGUSR1) there."""
+    HPCDIST_SIGNAL_AT=RANK:STEP[:SIGNAL] sends that rank SIGNAL (default SIGUSR1) there;
+    HPCDIST_FSIZE_AT=RANK:STEP:BYTES limits that rank's file size (a full disk) from there."""
     spec = os.environ.get("HPCDIST_FAIL_AT")
     if spec and spec == f"{rank}:{step}":
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (HPCDIST_FAIL_AT)")
     spec = os.environ.get("HPCDIST_SIGNAL_AT", "").split(":")
     if len(spec) >= 2 and spec[:2] == [str(rank), str(step)]:
         os.kill(os.getpid(), getattr(signal, spec[2] if len(spec) > 2 else "SIGUSR1"))
+    spec = os.environ.get("HPCDIST_FSIZE_AT", "").split(":")
+    if len(spec) == 3 and spec[:2] == [str(rank), str(step)]:
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(spec[2]), int(spec[2])))
 
 
 # ---- the run ----------------------------------------------------------------------------------
@@ -280,18 +331,21 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
 
     start = 0
     if resume is not None:
-        folder, manifest, shared, own = resume
-        restore_state(shared, own, step_fn, sampler)
-        start = manifest["step"]
-        say(f"resumed from {folder} at step {start}")
+        folder, note, *state = resume
+        if folder is not None:
+            manifest, shared, own = state
+            restore_state(shared, own, step_fn, sampler)
+            start = manifest["step"]
+            note += f" at step {start}"
+        say(note)
 
+    hosts = record_ranks(comm, cfg.out_dir)
     if is_main:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        metrics = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a" if start else "w")
+        metrics = open_metrics(cfg.out_dir, resumed=start > 0, say=say)
     say(f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), "
         f"{model.num_parameters():,} parameters | task {cfg.task} "
         f"({len(train_set):,} train / {len(test_set):,} held-out) | device {device} | "
-        f"world size {world} | BLAS threads {threads.choice} | {cfg.precision} | "
+        f"world size {world} on {hosts} | BLAS threads {threads.choice} | {cfg.precision} | "
         + (f"ZeRO stage {cfg.zero} | " if cfg.zero else f"compress {cfg.compress} | ")
         + f"{cfg.steps} steps x batch {cfg.batch_size} x {world} ranks"
         + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
@@ -362,7 +416,7 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
                              or step == cfg.steps):
             with span("checkpoint", step=step):
                 folder = checkpoint.save(cfg.save_dir, step, comm, *run_state(step_fn, sampler),
-                                         meta={"task": cfg.task, "zero": cfg.zero})
+                                         meta=run_meta(cfg))
             say(f"saved {folder}")
         if stopped:
             break
@@ -423,6 +477,7 @@ def main(argv=None) -> int:
     message = None
     try:                                               # every check that needs no collective
         cfg = parse_config(argv)
+        watchdog.set_timeout(cfg.timeout or None)
         backend.init(cfg.device, comm.local_rank)
         prepared = prepare(cfg, comm)
     except (ConfigError, backend.DeviceError, checkpoint.CheckpointError, OSError,
@@ -433,7 +488,12 @@ def main(argv=None) -> int:
         if message:
             print(f"hpcdist.train: error: {message}", file=sys.stderr)
         return 2
-    final = train(cfg, comm, prepared=prepared)
+    try:
+        final = train(cfg, comm, prepared=prepared)
+    except checkpoint.CheckpointError as e:       # raised alike on every rank (agreed)
+        if comm.rank == 0:
+            print(f"hpcdist.train: error: {e}", file=sys.stderr)
+        return 1
     return EXIT_PREEMPTED if final.get("event") == "preempted" else 0
 
 

@@ -216,7 +216,8 @@ class Communicator:
         label = self.label
 
         def run(mpi):
-            with watchdog.waiting(label, call.seq, call.kind, nbytes, self._peers), \
+            kind = call.kind if call.blocking else f"{call.kind} (non-blocking)"
+            with watchdog.waiting(label, call.seq, kind, nbytes, self._peers), \
                     timeline.collective(call.kind, algorithm, nbytes, self.size) as record:
                 check.agree(mpi, call, label)
                 if call.blocking:

@@ -16,7 +16,8 @@ in growing steps up to ``MAX_SLEEP_S``, so a stall does not also burn every core
 
 Signals: SIGTERM (and SIGINT) reach the watchdog through Python's wakeup fd even while the
 main thread is blocked inside an MPI call. Where no one else handles SIGTERM, the rank says
-where it was (call number, kind, how long it had waited) and ends by that signal. Where a
+where it was (call number, kind, how long it had waited) and exits with 128 + the signal's
+number (143), as a shell reports a death by that signal. Where a
 handler is installed (``train`` checkpoints on SIGTERM), the deadlines shrink to the grace
 period: the scheduler will kill the job soon, so a stall is reported now.
 """
@@ -182,7 +183,7 @@ def format_report(me: dict, overdue: Wait, statuses: dict, silent: list, deadlin
                                for w in s["waits"]))
     if silent:
         lines.append(f"  unresponsive: {_ranks(silent)} — no heartbeat answer within "
-                     f"{grace():g} s (stopped, wedged or dead)")
+                     f"{grace():g} s (stopped, wedged, dead, or already exited)")
     if behind:
         lines.append(f"  not in {overdue.comm} call #{overdue.seq}: {_ranks(behind)}")
     for r in sorted(statuses):
@@ -254,8 +255,8 @@ class Watchdog(threading.Thread):
             sys.stderr.write(f"[hpcdist] rank {self.rank} (host {socket.gethostname()}, pid "
                              f"{os.getpid()}) ended by {name}: {where}; last calls: {last}\n")
             sys.stderr.flush()
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            time.sleep(0.25)                   # let the launcher forward it (abort.end_job)
+            os._exit(128 + signum)             # as the shell reports a death by that signal
         else:                                  # e.g. train's checkpoint-on-SIGTERM
             self.urgent = True
 
@@ -318,7 +319,8 @@ class Watchdog(threading.Thread):
         deadline = grace() if self.urgent else timeout()
         sys.stderr.write(format_report(me, overdue, statuses, silent, deadline, why))
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(EXIT_TIMEOUT)
+        from . import abort
+        abort.end_job(EXIT_TIMEOUT)
 
 
 def _note_signal(signum, frame):

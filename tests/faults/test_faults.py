@@ -1,0 +1,354 @@
+"""The fault matrix: each fault injected into a real mpiexec job, and how the job ends.
+
+Every case runs under a hard timeout and asserts the exit code, the time to exit, that the
+rank named is the one the fault was injected into, and — for the checkpoint cases — that
+nothing was lost. HPCDIST_TIMEOUT is 3 s here (the watchdog's deadline), so a stall must be
+reported in about 3 s + the 1 s grace, plus start-up.
+"""
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+DEADLINE = 3.0
+START_S = 6.0             # mpiexec + 4 Python processes importing NumPy, on 2 busy cores
+SCENARIOS = os.path.join(HERE, "scenarios.py")
+
+
+def mpiexec():
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return local if os.path.exists(local) else "mpiexec"
+
+
+def launch(args, n=4, **env):
+    full = dict(os.environ, PYTHONPATH=ROOT, HPCDIST_TIMEOUT=str(DEADLINE))
+    full.update(env)
+    if "HPCDIST_DEBUG" not in env:
+        full.pop("HPCDIST_DEBUG", None)
+    cmd = [mpiexec(), "-n", str(n), sys.executable] + args if n else [sys.executable] + args
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full, cwd=ROOT)
+
+
+def finish(proc, limit=90):
+    t0 = time.time()
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"no exit within {limit} s (hung):\n{err[-3000:]}")
+    return proc.returncode, out, err, time.time() - t0
+
+
+def run(args, n=4, limit=90, **env):
+    t0 = time.time()
+    rc, out, err, _ = finish(launch(args, n, **env), limit)
+    return rc, out, err, time.time() - t0
+
+
+def scenario(name, **env):
+    return run([SCENARIOS, name], **env)
+
+
+# ---- library use: mismatches, bad arguments, exceptions, stalls -----------------------------
+
+MISMATCHES = {
+    "extra_call_then_barrier":
+        r"barrier: ranks disagree at call #1 of world — rank 1: call #1 allreduce 4 x float64 sum; "
+        r"ranks 0, 2, 3: call #1 barrier",
+    "skipped_call":
+        r"rank 1: call #1 allreduce 3 x float64 sum; ranks 0, 2, 3: call #1 allreduce 8 x float64 sum",
+    "other_collective":
+        r"rank 1: call #1 bcast 5 x float64 root 0; ranks 0, 2, 3: call #1 allreduce 5 x float64 sum",
+    "big_endian":
+        r"rank 1: call #1 allreduce with a bad argument: buf has non-native byte order \(>f4\)",
+    "readonly_out": r"rank 1: call #1 allreduce with a bad argument: out is read-only",
+    "wrong_shape_out":
+        r"rank 1: call #1 allreduce with a bad argument: out is float64\[5\], the result is "
+        r"float64\[4\]",
+    "mismatch_not_waited":
+        r"an earlier non-blocking call #1 allreduce failed and was not waited for: .*rank 1: "
+        r"call #1 allreduce \(non-blocking\) 5 x float64 sum",
+    "exception_main": r"rank 1 of 4 \(host \S+, pid \d+\) failed.*injected failure on rank 1",
+    "exception_progress_waited":
+        r"rank 1 of 4 \(host \S+, pid \d+\) failed.*non-blocking call #1 allreduce failed in "
+        r"the progress thread: MemoryError: injected failure inside the ring on rank 1",
+    "exception_progress_not_waited":
+        r"rank 1 of 4 \(host \S+, pid \d+\) failed.*non-blocking call #1 allreduce failed in "
+        r"the progress thread",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISMATCHES))
+def test_caught_at_the_first_differing_call_on_every_rank(name):
+    rc, out, err, took = scenario(name)
+    assert rc not in (0, 124), err[-3000:]
+    assert re.search(MISMATCHES[name], err, re.S), err[-3000:]
+    assert took < START_S + 2, f"took {took:.1f} s"
+    assert "got" not in out, "a rank returned a result from the mismatched call"
+
+
+def test_extra_call_of_the_same_size_caught_by_debug_mode_at_once():
+    rc, out, err, took = scenario("extra_call_same_size", HPCDIST_DEBUG="1")
+    assert rc not in (0, 124)
+    assert re.search(r"rank 1: call #1 allreduce 4 x float64 shape \(4,\) sum at scenarios.py:\d+; "
+                     r"ranks 0, 2, 3: call #1 allreduce 4 x float64 shape \(4,\) sum at "
+                     r"scenarios.py:\d+", err), err[-3000:]
+    assert "finished its calls" not in out
+    assert took < START_S + 2
+
+
+def test_extra_call_of_the_same_size_left_alone_is_named_at_the_deadline():
+    # What the always-on check cannot see (README, "Failure behaviour"): the extra call
+    # matches the others' next one; the rank left waiting alone is named at its deadline.
+    rc, out, err, took = scenario("extra_call_same_size")
+    assert rc == 124, err[-3000:]
+    assert re.search(r"rank 1 \(host \S+, pid \d+\) waited past its deadline in world call #2 "
+                     r"allreduce", err), err[-3000:]
+    assert took < START_S + DEADLINE + 2
+
+
+def test_blocking_against_nonblocking_is_named_at_the_deadline():
+    rc, out, err, took = scenario("blocking_vs_nonblocking")
+    assert rc == 124, err[-3000:]
+    assert re.search(r"rank 1 \(host \S+, pid \d+\): waiting [\d.]+ s in world call #1 allreduce "
+                     r"\(non-blocking\)", err), err[-3000:]
+    assert re.search(r"rank 0 \(host \S+, pid \d+\): waiting [\d.]+ s in world call #1 allreduce "
+                     r"40 B", err)
+    assert took < START_S + DEADLINE + 2
+
+
+@pytest.mark.parametrize("stopped", [0, 2])
+def test_stalled_rank_named_unresponsive(stopped):
+    rc, out, err, took = scenario("stall", FAULT_RANK=str(stopped))
+    assert rc == 124, err[-3000:]
+    assert re.search(rf"unresponsive: rank {stopped} — no heartbeat answer", err), err[-3000:]
+    others = [r for r in range(4) if r != stopped]
+    for r in others:      # every live rank reported where it waits, with its stacks
+        assert re.search(rf"rank {r} \(host \S+, pid \d+\): waiting [\d.]+ s in world call #4 "
+                         rf"allreduce", err)
+        assert f"--- Python stacks of rank {r}" in err
+    assert took < START_S + DEADLINE + 2, f"took {took:.1f} s"
+
+
+def test_sigterm_says_where_the_rank_was():
+    rc, out, err, took = scenario("sigterm_in_collective", HPCDIST_TIMEOUT="30")
+    assert rc != 0
+    assert re.search(r"rank 2 \(host \S+, pid \d+\) ended by SIGTERM: waiting [\d.]+ s in world "
+                     r"call #3 allreduce", err), err[-3000:]
+    assert took < START_S + 2
+
+
+# ---- training: stalls, kills, SIGTERM during a stall --------------------------------------
+
+def train_args(tmp_path, *extra, steps=40):
+    return ["-m", "hpcdist.train", "--steps", str(steps), "--log-every", "1000",
+            "--batch-size", "16", "--out-dir", str(tmp_path / "out"), *extra]
+
+
+def ranks_json(tmp_path):
+    path = tmp_path / "out" / "ranks.json"
+    for _ in range(200):
+        if path.exists():
+            try:
+                return json.loads(path.read_text())
+            except json.JSONDecodeError:
+                pass
+        time.sleep(0.05)
+    pytest.fail("ranks.json never appeared")
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_sigstop_mid_training_names_the_stopped_rank(tmp_path, rank):
+    rc, out, err, took = run(train_args(tmp_path), HPCDIST_SIGNAL_AT=f"{rank}:5:SIGSTOP")
+    assert rc == 124, err[-3000:]
+    assert re.search(rf"unresponsive: rank {rank} —", err), err[-3000:]
+    table = json.loads((tmp_path / "out" / "ranks.json").read_text())
+    assert [row["rank"] for row in table] == [0, 1, 2, 3]
+    assert took < START_S + DEADLINE + 3
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_sigkill_mid_training_ends_the_job_and_the_pid_maps_to_the_rank(tmp_path, rank):
+    proc = launch(train_args(tmp_path, steps=100000))
+    table = ranks_json(tmp_path)
+    time.sleep(1.0)
+    victim = table[rank]["pid"]
+    t0 = time.time()
+    os.kill(victim, signal.SIGKILL)
+    rc, out, err, _ = finish(proc)
+    assert rc != 0
+    assert time.time() - t0 < 5
+    assert {row["pid"]: row["rank"] for row in table}[victim] == rank
+
+
+def test_sigterm_during_a_stall_reports_at_once_and_keeps_the_checkpoint(tmp_path):
+    save = tmp_path / "ck"
+    proc = launch(train_args(tmp_path, "--save-dir", str(save), "--save-every", "2",
+                             steps=100000),
+                  HPCDIST_SIGNAL_AT="2:5:SIGSTOP", HPCDIST_TIMEOUT="60")
+    table = ranks_json(tmp_path)
+    time.sleep(3.0)                       # rank 2 is stopped at step 5; the others wait
+    t0 = time.time()
+    for row in table:
+        if row["rank"] != 2:
+            os.kill(row["pid"], signal.SIGTERM)
+    rc, out, err, _ = finish(proc)
+    took = time.time() - t0
+    assert rc == 124, err[-3000:]
+    assert "was asked to stop (SIGTERM) while waiting" in err
+    assert re.search(r"unresponsive: rank 2 —", err), err[-3000:]
+    assert took < 60 / 10 + 6, f"{took:.1f} s: the 60 s deadline was not shortened"
+    from hpcdist import checkpoint
+    folder, note = checkpoint.find_resume(str(save))
+    assert folder.endswith("step_00000004") and "'latest'" in note
+
+
+# ---- checkpoints: nothing lost ------------------------------------------------------------
+
+def _no_temporaries(root):
+    return [p for p in glob.glob(f"{root}/**/*", recursive=True) if ".tmp." in p]
+
+
+def test_disk_full_during_a_save_is_agreed_cleaned_up_and_resumable(tmp_path):
+    save = tmp_path / "ck"
+    args = train_args(tmp_path, "--save-dir", str(save), "--save-every", "5", steps=20)
+    rc, out, err, took = run(args, HPCDIST_FSIZE_AT="1:6:100")
+    assert rc == 1, err[-3000:]
+    assert re.search(r"saving checkpoint step 10 failed on rank 1: \S+rank_00001\.npz\S*: File "
+                     r"too large; the previous checkpoint \(step_00000005\) is still 'latest'", err)
+    assert err.count("hpcdist.train: error:") == 1
+    assert not _no_temporaries(save) and not (save / "step_00000010").exists()
+    assert (save / "latest").read_text() == "step_00000005"
+    rc, out, err, _ = run(args + ["--resume"])
+    assert rc == 0, err[-3000:]
+    assert "resuming from" in out and "at step 5" in out
+
+
+def _first_run(tmp_path, steps=6):
+    save = tmp_path / "ck"
+    args = train_args(tmp_path, "--save-dir", str(save), "--save-every", "2", steps=steps)
+    rc, out, err, _ = run(args, n=2)
+    assert rc == 0, err[-3000:]
+    return save, args
+
+
+def test_resume_without_latest_takes_the_newest_verified_and_appends_metrics(tmp_path):
+    save, args = _first_run(tmp_path)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    before = metrics.read_text().splitlines()
+    (save / "latest").unlink()
+    args[args.index("--steps") + 1] = "8"
+    rc, out, err, _ = run(args + ["--resume"], n=2)
+    assert rc == 0, err[-3000:]
+    assert re.search(r"resuming from \S+step_00000006, the newest checkpoint that verifies "
+                     r"\(\S+latest is missing\) at step 6", out), out
+    after = metrics.read_text().splitlines()
+    assert after[:len(before)] == before and len(after) > len(before)
+
+
+def test_tampered_checkpoint_is_skipped_with_its_reason(tmp_path):
+    save, args = _first_run(tmp_path)
+    path = save / "step_00000006" / "shared.npz"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    rc, out, err, _ = run(args + ["--resume"], n=2)
+    assert rc == 0, err[-3000:]
+    assert re.search(r"resuming from \S+step_00000004, the newest checkpoint that verifies "
+                     r"\('latest' -> step_00000006: \S+shared.npz: checksum mismatch", out), out
+
+
+def test_no_verified_checkpoint_refuses_instead_of_starting_over(tmp_path):
+    save, args = _first_run(tmp_path, steps=2)
+    (save / "step_00000002" / "manifest.json").write_text("{}")
+    rc, out, err, _ = run(args + ["--resume"], n=2)
+    assert rc == 2
+    assert "no checkpoint in" in err and "Refusing to start over" in err
+    assert "step " not in out
+
+
+@pytest.mark.parametrize("change, said", [
+    (["--n-embd", "32"], "n_embd 64 there, 32 here"),
+    (["--task", "reverse"], "task 'sort' there, 'reverse' here"),
+    (["--zero", "1"], "zero 0 there, 1 here"),
+])
+def test_checkpoint_of_another_run_refused_in_one_line(tmp_path, change, said):
+    save, args = _first_run(tmp_path, steps=2)
+    rc, out, err, took = run(args + ["--resume"] + change, n=2)
+    assert rc == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and said in lines[0] and "Traceback" not in err, err
+
+
+def test_checkpoint_of_another_world_size_refused_in_one_line(tmp_path):
+    save, args = _first_run(tmp_path, steps=2)
+    rc, out, err, _ = run(args + ["--resume"], n=3)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and "written by 2 ranks, resuming on 3" in lines[0], err
+
+
+def test_sigkill_during_saves_leaves_a_verified_latest(tmp_path):
+    from hpcdist import checkpoint
+    save = tmp_path / "ck"
+    for delay in (1.5, 2.2):
+        proc = launch(train_args(tmp_path, "--save-dir", str(save), "--save-every", "1",
+                                 *(["--resume"] if save.exists() else []), steps=100000), n=2)
+        table = ranks_json(tmp_path)
+        time.sleep(delay)
+        os.kill(table[1]["pid"], signal.SIGKILL)
+        finish(proc)
+        folder, note = checkpoint.find_resume(str(save))
+        assert folder is not None and "'latest'" in note   # latest itself verifies
+        (tmp_path / "out" / "ranks.json").unlink()
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+def _one_line_error(args, tmp_path=None):
+    rc, out, err, _ = run(["-m", "hpcdist.train", *args], n=0)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("hpcdist.train: error:"), err
+    return lines[0]
+
+
+def test_config_cases(tmp_path):
+    assert "lr must be a finite number, got nan" in _one_line_error(["--lr", "nan"])
+    assert "dropout must be a finite number" in _one_line_error(["--dropout", "inf"])
+    assert "is a directory" in _one_line_error(["--task", "text", "--data", str(tmp_path)])
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(bytes(range(256)) * 20)
+    assert "looks binary" in _one_line_error(["--task", "text", "--data", str(binary)])
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café au lait, s'il vous plaît\n".encode("latin-1") * 50)
+    line = _one_line_error(["--task", "text", "--data", str(latin)])
+    assert "is not valid utf-8 (byte 0xe9 at offset 3); pass --data-encoding" in line
+    rc, out, err, _ = run(["-m", "hpcdist.train", "--task", "text", "--data", str(latin),
+                           "--data-encoding", "latin-1", "--steps", "2", "--block-size", "16",
+                           "--out-dir", str(tmp_path / "o")], n=0)
+    assert rc == 0, err
+    toml = tmp_path / "bad.toml"
+    toml.write_bytes(b"\x00\xff\xfe binary")
+    assert repr(str(toml)) in _one_line_error(["--config", str(toml)])
+    toml.write_text("lr = -1.0\n")
+    assert f"(set in config file {str(toml)!r})" in _one_line_error(["--config", str(toml)])
+    assert "timeout must be >= 0" in _one_line_error(["--timeout", "-1"])
+
+
+# ---- a bounded soak -------------------------------------------------------------------------
+
+def test_soak_random_collectives_against_mpi_builtins():
+    rc, out, err, took = run([os.path.join(HERE, "soak.py"), "--calls", "3000"], n=4, limit=240,
+                             HPCDIST_TIMEOUT="60")
+    assert rc == 0, err[-3000:]
+    assert re.search(r"soak: 3000 calls checked against MPI's built-ins", out), out

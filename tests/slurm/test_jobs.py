@@ -155,8 +155,8 @@ def test_signalled_job_checkpoints_requeues_and_matches_an_uninterrupted_run(clu
     assert stopped, log
     step = int(stopped.group(1))
     assert 50 <= step < 700
-    assert f"resumed from {cluster.tmp / 'preempted' / 'checkpoints'}/step_{step:08d} " \
-           f"at step {step}" in log, log
+    assert f"resuming from {cluster.tmp / 'preempted' / 'checkpoints'}/step_{step:08d} " \
+        f"('latest') at step {step}" in log, log
     assert "attempt 2" in log and "requeueing" in log
     ref = cluster.wait(jobs["reference"], timeout=400)
     assert ref["JobState"] == "COMPLETED" and int(ref["Restarts"]) == 0, cluster.log(jobs["reference"])

@@ -1,0 +1,174 @@
+"""A tensor-parallel GPT: the one model of ``nn.GPT(cfg)``, each rank holding its shards.
+
+Attention heads and the MLP's hidden width are split over the tensor-parallel group; the token
+embedding (and an untied output head) over the vocabulary; LayerNorms, position embeddings and
+the biases of row-parallel layers are replicated. Parameter names are those of ``nn.GPT``, so
+a checkpoint maps one-to-one, and ``shard_spec`` says how each was cut.
+
+Initialisation: ``from_model`` slices a full ``nn.GPT`` built from the same seed, so every
+shard holds exactly the values of the 1-rank model (equivalence is testable to the last bit of
+the initial weights). It needs the whole model on every rank once, at start-up. For models that
+do not fit on one rank, draw each parameter from its own stream, keyed by (seed, parameter
+name), generating only this rank's rows or columns (Megatron's initialisation on the device):
+that scales, but no longer equals the 1-rank run's draw; not needed at our sizes.
+"""
+from __future__ import annotations
+
+import math
+
+from ... import backend
+from ...nn.layers import Dropout, LayerNorm
+from ...nn.module import Module, ModuleList, Parameter
+from ...recompute import checkpoint
+from ...tensor import Tensor
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                     vocab_parallel_cross_entropy)
+from .mappings import copy_to_tp, gather_from_sp, sequence_bounds, _allgather_last
+
+
+def check_divisible(cfg, tp: int) -> None:
+    """Raise ValueError naming what to change when ``cfg`` cannot be split ``tp`` ways."""
+    for name, n in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
+                    ("the MLP width 4 x n_embd", 4 * cfg.n_embd)):
+        if n % tp:
+            raise ValueError(f"--tp {tp} must divide {name} ({n}); choose --tp among "
+                             f"{', '.join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)}")
+
+
+def _copy_replicated(layer_norm: LayerNorm) -> LayerNorm:
+    ln = LayerNorm.__new__(LayerNorm)
+    ln.weight = Parameter(layer_norm.weight.data.copy())
+    ln.bias = Parameter(layer_norm.bias.data.copy()) if layer_norm.bias is not None else None
+    ln.eps = layer_norm.eps
+    ln.shard_spec = {"weight": None, "bias": None}
+    return ln
+
+
+class ParallelAttention(Module):
+    """Causal self-attention with this rank's n_head / tp heads."""
+
+    def __init__(self, attn, cfg, comm, sp: bool):
+        self.c_attn = ColumnParallelLinear(attn.c_attn.weight.data,
+                                           attn.c_attn.bias.data if attn.c_attn.bias else None,
+                                           comm, pieces=3, sequence_parallel=sp)
+        self.c_proj = RowParallelLinear(attn.c_proj.weight.data,
+                                        attn.c_proj.bias.data if attn.c_proj.bias else None,
+                                        comm, sequence_parallel=sp)
+        self.attn_drop, self.resid_drop = Dropout(cfg.dropout), Dropout(cfg.dropout)
+        self.n_head = cfg.n_head // comm.size
+        self.causal_mask = attn.causal_mask
+
+    def forward(self, x: Tensor, T: int) -> Tensor:
+        q, k, v = self.c_attn(x, T).split(3, axis=2)               # 3 x (B, T, C/tp)
+        B, _, Ct = q.shape
+        nh, hs = self.n_head, Ct // self.n_head
+        q = q.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
+        k = k.reshape(B, T, nh, hs).transpose(0, 2, 3, 1)          # (B, nh, hs, T)
+        v = v.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
+        att = (q @ k) * (1.0 / math.sqrt(hs))                      # (B, nh, T, T)
+        att = att.masked_fill(self.causal_mask[:T, :T], -math.inf).softmax(axis=-1)
+        y = (self.attn_drop(att) @ v).transpose(0, 2, 1, 3).reshape(B, T, Ct)
+        return self.resid_drop(self.c_proj(y))                     # (B, T or T/tp, C)
+
+
+class ParallelMLP(Module):
+    """Column-parallel fc (4C split), GELU, row-parallel projection."""
+
+    def __init__(self, mlp, comm, sp: bool):
+        fc, proj = mlp.layers
+        self.layers = ModuleList([
+            ColumnParallelLinear(fc.weight.data, fc.bias.data if fc.bias else None, comm,
+                                 sequence_parallel=sp),
+            RowParallelLinear(proj.weight.data, proj.bias.data if proj.bias else None, comm,
+                              sequence_parallel=sp)])
+        self.act, self.drop = mlp.act, Dropout(mlp.drop.p)
+
+    def forward(self, x: Tensor, T: int) -> Tensor:
+        return self.drop(self.layers[1](self.act(self.layers[0](x, T))))
+
+
+class ParallelBlock(Module):
+    def __init__(self, block, cfg, comm, sp: bool):
+        self.ln_1 = _copy_replicated(block.ln_1)
+        self.attn = ParallelAttention(block.attn, cfg, comm, sp)
+        self.ln_2 = _copy_replicated(block.ln_2)
+        self.mlp = ParallelMLP(block.mlp, comm, sp)
+        self.T = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x), self.T)
+        return x + self.mlp(self.ln_2(x), self.T)
+
+
+class TensorParallelGPT(Module):
+    """``nn.GPT`` split over the tensor-parallel communicator ``comm``; same forward contract:
+    ``model(idx, targets) -> (logits, loss)``. In training the logits are this rank's
+    vocabulary slice (the full logits never exist on one rank); in eval mode they are
+    gathered (trimmed to the vocabulary) for the caller's argmax."""
+
+    def __init__(self, full, comm, sequence_parallel: bool = False):
+        cfg = full.config
+        check_divisible(cfg, comm.size)
+        self.config, self.comm, self.sp = cfg, comm, sequence_parallel
+        self.wte = VocabParallelEmbedding(full.wte.weight.data, comm, sequence_parallel)
+        self.wpe = full.wpe
+        self.wpe.shard_spec = {"weight": None}
+        self.drop = Dropout(cfg.dropout)
+        self.blocks = ModuleList([ParallelBlock(b, cfg, comm, sequence_parallel)
+                                  for b in full.blocks])
+        self.ln_f = _copy_replicated(full.ln_f)
+        self.lm_head = None if full.lm_head is None else ColumnParallelLinear(
+            _pad_columns(full.lm_head.weight.data, comm.size), None, comm,
+            sequence_parallel=sequence_parallel)
+
+    def forward(self, idx, targets=None, ignore_index: int = -100):
+        if isinstance(idx, Tensor):
+            idx = idx.data
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        xp = backend.array_module(idx)
+        lo, hi = sequence_bounds(T, self.comm.size, self.comm.rank) if self.sp else (0, T)
+        x = self.drop(self.wte(idx) + self.wpe(xp.arange(lo, hi)))  # (B, T or T/tp, C)
+        recompute = self.config.checkpoint_activations and self.training
+        for block in self.blocks:
+            block.T = T
+            x = checkpoint(block, x) if recompute else block(x)
+        x = self.ln_f(x)
+        if self.lm_head is None:                                     # tied: wte's rows
+            x = gather_from_sp(x, T, self.comm) if self.sp else copy_to_tp(x, self.comm)
+            logits = x @ self.wte.weight.T                           # (B, T, Vp/tp)
+        else:
+            logits = self.lm_head(x, T)
+        loss = None if targets is None else vocab_parallel_cross_entropy(
+            logits, targets, self.comm, self.wte.lo, self.config.vocab_size, ignore_index)
+        if not self.training or targets is None:
+            logits = Tensor(_allgather_last(logits.data, self.comm)[..., :self.config.vocab_size])
+        return logits if targets is None else (logits, loss)
+
+    # ---- which parameters are what -----------------------------------------------------
+    def named_specs(self):
+        """(name, parameter, spec) for every parameter, in ``parameters()`` order: spec is
+        (axis, pieces) for a shard, None for a replicated parameter."""
+        spec = {}
+        for m in self.modules():
+            for name, s in getattr(m, "shard_spec", {}).items():
+                if getattr(m, name, None) is not None:
+                    spec[id(getattr(m, name))] = s
+        return [(n, p, spec.get(id(p))) for n, p in self.named_parameters()]
+
+    def sequence_parallel_params(self):
+        """Replicated parameters whose gradient is partial under sequence parallelism (they
+        see only this rank's sequence rows): LayerNorms, row-parallel biases, position table."""
+        if not self.sp:
+            return []
+        return [p for _, p, spec in self.named_specs() if spec is None]
+
+
+def _pad_columns(weight, world):
+    xp = backend.array_module(weight)
+    C, V = weight.shape
+    Vp = -(-V // world) * world
+    full = xp.zeros((C, Vp), dtype=weight.dtype)
+    full[:, :V] = weight
+    return full

@@ -1,0 +1,145 @@
+"""Tensor-parallel layers (Megatron-LM, Shoeybi et al. 2019), built from the mappings.
+
+Each layer holds this rank's shard of one layer of the one logical model, and records how
+its parameters were cut (``shard_spec``: parameter name -> (axis, pieces) or None for a
+replicated parameter), so shards can be put back together (checkpoints, tests).
+
+Under sequence parallelism (Korthikanti et al. 2022) the activations between the tensor-
+parallel regions are split along the sequence: the input mapping of a column-parallel layer
+is an allgather along the sequence (instead of copy), the output mapping of a row-parallel
+layer a reduce-scatter along it (instead of allreduce), and LayerNorm, dropout and the biases
+of row-parallel layers see only this rank's rows — so their gradients are partial and must be
+summed over the tensor-parallel group (``sequence_parallel_params``).
+"""
+from __future__ import annotations
+
+from ... import backend, ops
+from ...nn.module import Module, Parameter
+from ...tensor import Tensor
+from .mappings import (copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp)
+
+
+def column_pieces(total: int, pieces: int, rank: int, world: int) -> list[tuple[int, int]]:
+    """Ranges of a dimension that holds ``pieces`` blocks side by side (q, k, v: 3) which this
+    rank takes: the rank-th of ``world`` equal parts of each block."""
+    block = total // pieces
+    part = block // world
+    return [(j * block + rank * part, j * block + (rank + 1) * part) for j in range(pieces)]
+
+
+def take(array, axis: int, ranges):
+    """The given ranges of ``array`` along ``axis``, concatenated (a copy)."""
+    xp = backend.array_module(array)
+    sl = [slice(None)] * array.ndim
+    parts = []
+    for lo, hi in ranges:
+        sl[axis] = slice(lo, hi)
+        parts.append(array[tuple(sl)])
+    return xp.ascontiguousarray(xp.concatenate(parts, axis=axis))
+
+
+class ColumnParallelLinear(Module):
+    """y_t = x @ W[:, cols_t] + b[cols_t]: output columns split. The input is replicated (its
+    mapping is copy: backward allreduces dx) or, under sequence parallelism, split along the
+    sequence (allgather, backward reduce-scatter)."""
+
+    def __init__(self, weight, bias, comm, pieces: int = 1, sequence_parallel=False):
+        C_out = weight.shape[1]
+        cols = column_pieces(C_out, pieces, comm.rank, comm.size)
+        self.weight = Parameter(take(weight, 1, cols))
+        self.bias = Parameter(take(bias, 0, cols)) if bias is not None else None
+        self.comm, self.sp = comm, sequence_parallel
+        self.shard_spec = {"weight": (1, pieces), "bias": (0, pieces)}
+
+    def forward(self, x: Tensor, T: int | None = None) -> Tensor:
+        x = gather_from_sp(x, T, self.comm) if self.sp else copy_to_tp(x, self.comm)
+        y = x @ self.weight
+        return y + self.bias if self.bias is not None else y
+
+
+class RowParallelLinear(Module):
+    """y = sum_t x_t @ W[rows_t, :] + b: input features split (already, by the column-parallel
+    layer before it); the partial products are allreduced (or reduce-scattered along the
+    sequence); the bias is replicated and added after the reduction."""
+
+    def __init__(self, weight, bias, comm, sequence_parallel=False):
+        rows = column_pieces(weight.shape[0], 1, comm.rank, comm.size)
+        self.weight = Parameter(take(weight, 0, rows))
+        self.bias = Parameter(backend.array_module(bias).array(bias)) if bias is not None \
+            else None
+        self.comm, self.sp = comm, sequence_parallel
+        self.shard_spec = {"weight": (0, 1), "bias": None}
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x @ self.weight
+        y = reduce_scatter_to_sp(y, self.comm) if self.sp else reduce_from_tp(y, self.comm)
+        return y + self.bias if self.bias is not None else y
+
+
+def padded_vocab(V: int, world: int) -> int:
+    """The vocabulary rounded up to a multiple of the tensor-parallel size (Megatron pads; the
+    padded rows are zero, never looked up, and masked out of the loss)."""
+    return -(-V // world) * world
+
+
+class VocabParallelEmbedding(Module):
+    """Each rank holds rows [lo, hi) of the (padded) table; tokens outside are masked to zero
+    and the partial results are summed (allreduce, or reduce-scatter along the sequence)."""
+
+    def __init__(self, weight, comm, sequence_parallel=False):
+        xp = backend.array_module(weight)
+        V, C = weight.shape
+        Vp = padded_vocab(V, comm.size)
+        full = xp.zeros((Vp, C), dtype=weight.dtype)
+        full[:V] = weight
+        per = Vp // comm.size
+        self.lo, self.hi, self.vocab_size = comm.rank * per, (comm.rank + 1) * per, V
+        self.weight = Parameter(xp.ascontiguousarray(full[self.lo:self.hi]))
+        self.comm, self.sp = comm, sequence_parallel
+        self.shard_spec = {"weight": (0, 1)}
+
+    def forward(self, idx) -> Tensor:
+        xp = backend.array_module(idx)
+        outside = (idx < self.lo) | (idx >= self.hi)
+        local = xp.where(outside, 0, idx - self.lo)
+        out = ops.embedding(self.weight, local) * Tensor((~outside)[..., None].astype(
+            self.weight.data.dtype))
+        return reduce_scatter_to_sp(out, self.comm) if self.sp else reduce_from_tp(out, self.comm)
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets, comm, lo: int, vocab_size: int,
+                                 ignore_index: int = -100) -> Tensor:
+    """Mean NLL of ``targets`` when each rank holds the logit columns [lo, lo + Vt) of a
+    vocabulary of ``vocab_size`` (columns past it are padding, masked out). The full logits
+    never exist on one rank: a max-allreduce of the row maxima, then one sum-allreduce of
+    [sum of exponentials, target logit] per row."""
+    if isinstance(targets, Tensor):
+        targets = targets.data
+    xp = backend.array_module(logits.data)
+    Vt = logits.shape[-1]
+    z = logits.data.reshape(-1, Vt)
+    pad = max(0, lo + Vt - vocab_size)               # padded columns on this rank
+    if pad:
+        z = z.copy()
+        z[:, Vt - pad:] = -xp.inf
+    t = targets.reshape(-1)
+    valid = t != ignore_index
+    count = max(int(valid.sum()), 1)
+    mine = valid & (t >= lo) & (t < lo + Vt)
+    local_t = xp.where(mine, t - lo, 0)
+    m = comm.allreduce(z.max(axis=1), op="max")       # (N,) the row maxima
+    shifted = z - m[:, None]
+    exp = xp.exp(shifted)
+    rows = xp.arange(z.shape[0])
+    both = xp.stack([exp.sum(axis=1), xp.where(mine, shifted[rows, local_t], 0.0)])
+    both = comm.allreduce(both)                       # [sum of exp, target logit - max]
+    lse = xp.log(both[0])
+    nll = (lse - both[1]) * valid
+    out = nll.sum() / count
+
+    def backward(g):
+        p = exp / both[0][:, None]
+        p[rows[mine], local_t[mine]] -= 1
+        p *= (valid * (g / count))[:, None].astype(p.dtype)
+        return (p.reshape(logits.shape),)
+    return Tensor._make(xp.asarray(out, dtype=z.dtype), (logits,), backward)

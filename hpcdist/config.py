@@ -65,6 +65,9 @@ class TrainConfig:
     loss_scale: float = 65536.0   # fp16: initial dynamic loss scale
     backend: str = "mpi"          # mpi | nccl (nccl: GPU only)
     zero: int = 0                 # ZeRO stage: 0 (plain DDP), 1, 2 or 3
+    # model parallelism
+    tp: int = 1                   # tensor-parallel size (data-parallel size = world / tp)
+    sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence
     # checkpoints
     save_dir: str = ""            # where checkpoints go ("" = none)
     save_every: int = 0           # steps between checkpoints (0 = only at the end)
@@ -161,6 +164,21 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.zero == 3 and cfg.checkpoint_activations:
         raise ConfigError("--zero 3 with --checkpoint-activations is not supported yet "
                           "(recomputation would gather each block a third time); pick one", "zero")
+    if cfg.tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {cfg.tp}", "tp")
+    for name, n in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
+                    ("the MLP width 4 x n_embd", 4 * cfg.n_embd)):
+        if n % cfg.tp:
+            raise ConfigError(f"--tp {cfg.tp} must divide {name} ({n}): each tensor-parallel "
+                              f"rank holds an equal part", "tp")
+    if cfg.tp > 1 and cfg.zero == 3:
+        raise ConfigError("--zero 3 with --tp is not supported (ZeRO-3 would gather shards "
+                          "of shards); use --zero 1 or 2 with --tp", "zero")
+    if cfg.tp > 1 and cfg.backend == "nccl":
+        raise ConfigError("--tp runs its collectives over MPI; drop --backend nccl", "backend")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise ConfigError("--sequence-parallel splits activations over the tensor-parallel "
+                          "group: it needs --tp > 1", "sequence_parallel")
     if cfg.backend == "nccl" and cfg.compress != "none":
         raise ConfigError(f"--compress {cfg.compress} runs on the MPI backend; with "
                           "--backend nccl use --compress none", "backend")
@@ -168,12 +186,16 @@ def validate(cfg: TrainConfig) -> None:
 
 def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:
     """Checks that depend on the world size; identical on every rank, so all fail together."""
-    global_batch = cfg.batch_size * world
+    if world % cfg.tp:
+        raise ConfigError(f"the world size {world} is not divisible by --tp {cfg.tp}: the "
+                          f"data-parallel size is world / tp; run a multiple of {cfg.tp} ranks")
+    replicas = world // cfg.tp
+    global_batch = cfg.batch_size * replicas
     if train_len < global_batch * cfg.grad_accum:
         raise ConfigError(f"the training set has {train_len} examples, fewer than one global "
-                          f"step needs ({cfg.batch_size} per rank x {world} ranks x "
+                          f"step needs ({cfg.batch_size} per replica x {replicas} replicas x "
                           f"{cfg.grad_accum} micro-batches); lower --batch-size")
-    if cfg.compress == "topk" and world == 1:
+    if cfg.compress == "topk" and replicas == 1:
         raise ConfigError("--compress topk on a single rank compresses nothing; "
                           "run with mpirun -n N (N > 1) or drop --compress")
 

@@ -24,8 +24,20 @@ SET_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # Ranks on this node, as MPICH (Hydra), Open MPI and MVAPICH tell each rank.
 LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 
-_user = next((v for v in USER_VARS if os.environ.get(v, "").strip().isdigit()
-              and int(os.environ[v]) > 0), None)      # decided at import: our own setting
+# What hpcdist set itself is marked, so that a process it starts (a benchmark's mpiexec, a
+# test's) does not take the parent's choice — one process on the node — for the user's.
+MARK = "HPCDIST_THREADS_CHOSEN"
+
+
+def _users_setting():
+    for v in USER_VARS:
+        value = os.environ.get(v, "").strip()
+        if value.isdigit() and int(value) > 0 and value != os.environ.get(MARK):
+            return v
+    return None
+
+
+_user = _users_setting()                               # decided at import
 choice = ""                                            # what was chosen, for the run header
 threads = 0
 _applied = 0                                           # the count threadpoolctl last applied
@@ -65,6 +77,7 @@ def _set(n: int, why: str) -> None:
     if _user is None:
         for var in SET_VARS:
             os.environ[var] = str(n)
+        os.environ[MARK] = str(n)
 
 
 def early() -> None:

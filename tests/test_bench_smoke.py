@@ -65,3 +65,17 @@ def test_zero_bench(tmp_path):
         assert r["comm_ratio"] == pytest.approx(1.0, abs=0.01)
     out = bench("zero", "--analytic", "7e9", "--world", "8")
     assert "448 GB per GPU" in out and "56 GB" in out
+
+
+def test_tp_bench(tmp_path):
+    out_file = tmp_path / "tp.json"
+    out = bench("tp", "--ranks", "2", "--steps", "3", "--global-batch", "8", "--seq", "8",
+                "--out", str(out_file))
+    rows = json.loads(out_file.read_text())["rows"]
+    layers = [r for r in rows if r["part"] == "layer"]
+    assert {(r["tp"], r["sp"]) for r in layers} == {(1, False), (2, False), (2, True)}
+    for r in layers:          # the measured traffic is Megatron's formula, element for element
+        if r["tp"] > 1:
+            assert r["comm_ratio"] == 1.0
+        assert r["act_bytes"] > 0
+    assert "x pure DP" in out

@@ -24,7 +24,8 @@ def test_default_task_reaches_90_percent(tmp_path):
     assert final["accuracy"] >= 0.90, lines
     assert "parameters" in lines[0] and "world size 1" in lines[0]
     records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in records[:-1]] == [100, 200, 300, 400]
+    assert [r["step"] for r in records[:-1]] == list(range(1, 401))   # every step is recorded
+    assert sum(1 for line in lines if line.startswith("step ")) == 4    # printed every 100
     assert records[-1]["event"] == "final" and records[-1]["accuracy"] == final["accuracy"]
     assert records[-1]["train_loss"] < records[0]["loss"]
 

@@ -8,6 +8,7 @@ BENCHMARKS = {
     "compression": "hpcdist.bench.compression",
     "ddp": "hpcdist.bench.ddp",
     "plot": "hpcdist.bench.plot",
+    "tp": "hpcdist.bench.tp",
     "zero": "hpcdist.bench.zero",
 }
 

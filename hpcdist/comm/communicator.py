@@ -350,42 +350,69 @@ class Communicator:
             return out
         return self._submit(call, run, getattr(buf, "size", 0) * itemsize, label)
 
-    def reduce_scatter(self, buf, op: str = "sum"):
-        """This rank's shard (shard layout, see layout.py) of the reduction of ``buf``."""
-        return self._reduce_scatter(buf, op, blocking=True)
+    def reduce_scatter(self, buf, op: str = "sum", counts=None):
+        """This rank's shard of the reduction of ``buf``: the shard layout (layout.py), or
+        ``counts[r]`` elements for rank r, in rank order (e.g. whole sequence rows)."""
+        return self._reduce_scatter(buf, op, counts, blocking=True)
 
-    def ireduce_scatter(self, buf, op: str = "sum") -> Handle:
-        return self._reduce_scatter(buf, op, blocking=False)
+    def ireduce_scatter(self, buf, op: str = "sum", counts=None) -> Handle:
+        return self._reduce_scatter(buf, op, counts, blocking=False)
 
-    def _reduce_scatter(self, buf, op, blocking):
+    def _counts_problem(self, counts, total: int) -> str | None:
+        if counts is None:
+            return None
+        if len(counts) != self.size or any(int(c) < 0 for c in counts):
+            return f"counts must give {self.size} non-negative sizes, got {list(counts)}"
+        if sum(int(c) for c in counts) != total:
+            return f"counts add up to {sum(int(c) for c in counts)}, the array has {total}"
+        return None
+
+    @staticmethod
+    def _bounds(counts):
+        out, off = [], 0
+        for c in counts:
+            out.append((off, off + int(c)))
+            off += int(c)
+        return out
+
+    def _reduce_scatter(self, buf, op, counts, blocking):
         check_op(op)
-        call = self._call("reduce_scatter", buf, blocking=blocking, op=op)
+        call = self._call("reduce_scatter", buf, blocking=blocking, op=op,
+                          problem=self._counts_problem(counts, getattr(buf, "size", 0)))
 
         def run(mpi):
             work = self._stage_in(buf).copy()
-            lo, hi = shard_bounds(work.size, self.size, self.rank)
+            bounds = self._bounds(counts) if counts is not None else None
+            lo, hi = bounds[self.rank] if bounds else shard_bounds(work.size, self.size,
+                                                                   self.rank)
             if self.size > 1 and work.size:
-                ring.reduce_scatter_inplace(mpi, work, op)
+                ring.reduce_scatter_inplace(mpi, work, op, bounds=bounds)
                 self.bytes_sent += (work.size - (hi - lo)) * work.dtype.itemsize
             return self._stage_out(work[lo:hi].copy(), buf)
         return self._submit(call, run, getattr(buf, "nbytes", 0), "ring")
 
-    def allgather(self, shard, total: int | None = None):
+    def allgather(self, shard, total: int | None = None, counts=None):
         """Concatenation of every rank's 1-D ``shard``.
 
         With ``total``, shards follow the shard layout of a length-``total`` array (the last
-        ones may be shorter or empty); without it, every shard must have the same length.
+        ones may be shorter or empty); with ``counts``, rank r's shard has ``counts[r]``
+        elements; with neither, every shard must have the same length.
         """
-        return self._allgather(shard, total, blocking=True)
+        return self._allgather(shard, total, blocking=True, counts=counts)
 
-    def iallgather(self, shard, total: int | None = None) -> Handle:
-        return self._allgather(shard, total, blocking=False)
+    def iallgather(self, shard, total: int | None = None, counts=None) -> Handle:
+        return self._allgather(shard, total, blocking=False, counts=counts)
 
-    def _allgather(self, shard, total, blocking):
+    def _allgather(self, shard, total, blocking, counts=None):
         P, n = self.size, getattr(shard, "size", 0)
-        counts = shard_counts(total, P) if total is not None else [n] * P
         problem = None
-        if total is not None and counts[self.rank] != n:
+        if counts is not None:
+            total = sum(int(c) for c in counts)
+            problem = self._counts_problem(counts, total)
+            counts = [int(c) for c in counts]
+        else:
+            counts = shard_counts(total, P) if total is not None else [n] * P
+        if problem is None and total is not None and counts[self.rank] != n:
             problem = (f"shard has {n} elements, but rank {self.rank}'s shard of a "
                        f"length-{total} array over {P} ranks has {counts[self.rank]}")
         call = self._call("allgather", shard, "shard", blocking=blocking,

@@ -52,11 +52,19 @@ class Zero:
     """
 
     def __init__(self, model, comm, stage: int, make_optimizer, compute_dtype=None,
-                 scaler=None, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
+                 scaler=None, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 norm=None, grad_sum=None, sharded_state: bool = False):
+        """``norm`` (strategy.Norm): how the global gradient norm is summed (default: over
+        ``comm``); ``grad_sum``: gradients summed over another group after the average
+        (sequence parallelism); ``sharded_state`` is accepted for the strategy interface
+        (ZeRO's state is per rank anyway)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         from .mixed_precision import LossScaler
+        from .strategy import Norm
         self.model, self.comm, self.stage = model, comm, stage
+        self.norm, self.grad_sum = norm or Norm([comm]), grad_sum
+        self.data_comm = comm
         self.scaler = scaler or LossScaler(enabled=False)
         self.params = params = model.parameters()
         xp = backend.array_module(params[0].data)
@@ -315,8 +323,10 @@ class Zero:
                     ("reduce_scatter", "ring", self.compute.grad.nbytes))
                 self.comm.bytes_sent += self._others_bytes(self.L)
             self._track()
-            return
-        self._flush()
+        else:
+            self._flush()
+        if self.grad_sum is not None:
+            self.grad_sum(self.grad_shard, self.lo)
 
     def _flush(self) -> None:
         """Send what backward did not (the persistent group, unused parameters), wait for every
@@ -341,8 +351,8 @@ class Zero:
         g = self.grad_shard.astype(self.master.dtype)
         if self.scaler.enabled:
             g *= 1.0 / self.scaler.scale
-        sums = np.array([float((g * g).sum()), 0.0 if bool(xp.isfinite(g).all()) else 1.0])
-        sums = self.comm.allreduce(sums) if self.comm.size > 1 else sums
+        sums = self.norm.reduce(np.array([self.norm.sum_sq(g, self.lo),
+                                          0.0 if bool(xp.isfinite(g).all()) else 1.0]))
         norm, overflow = float(np.sqrt(sums[0])), sums[1] > 0
         if not self.scaler.update(bool(overflow)):
             self._end_step()

@@ -18,6 +18,15 @@ from __future__ import annotations
 from ...comm.layout import shard_bounds
 from ...tensor import Tensor
 
+# Elements that entered each kind of tensor-parallel collective (bench tp compares them with
+# Megatron's formula): allreduce and reduce-scatter count their input, allgather its output.
+traffic = {"allreduce": 0, "reduce_scatter": 0, "allgather": 0}
+
+
+def _allreduce(x, comm):
+    traffic["allreduce"] += x.size
+    return comm.allreduce(x)
+
 
 def sequence_bounds(T: int, P: int, rank: int) -> tuple[int, int]:
     """Rows [lo, hi) of a length-T sequence that rank holds under sequence parallelism."""
@@ -31,6 +40,7 @@ def _last_slice(x, comm):
 
 def _allgather_last(x, comm):
     """(..., c) on every rank -> (..., P*c), rank-major along the last axis."""
+    traffic["allgather"] += x.size * comm.size
     xp_full = comm.allgather(x.reshape(-1))                   # (P * prod(x.shape),)
     parts = xp_full.reshape((comm.size,) + x.shape)            # (P, ..., c)
     return parts.transpose(tuple(range(1, x.ndim)) + (0, x.ndim)).reshape(
@@ -45,6 +55,7 @@ def _seq_counts(T, rest, comm):
 def _reduce_scatter_seq(x, comm):
     """(B, T, C) partial sums -> (B, t_r, C): this rank's sequence rows of the sum."""
     B, T, C = x.shape
+    traffic["reduce_scatter"] += x.size
     rows = x.transpose(1, 0, 2).copy().reshape(-1)            # (T, B, C) flat, row-major in T
     mine = comm.reduce_scatter(rows, counts=_seq_counts(T, B * C, comm))
     return mine.reshape(-1, B, C).transpose(1, 0, 2).copy()
@@ -53,6 +64,7 @@ def _reduce_scatter_seq(x, comm):
 def _allgather_seq(x, T, comm):
     """(B, t_r, C) on every rank -> (B, T, C)."""
     B, t, C = x.shape
+    traffic["allgather"] += T * B * C
     full = comm.allgather(x.transpose(1, 0, 2).copy().reshape(-1),
                           counts=_seq_counts(T, B * C, comm))
     return full.reshape(T, B, C).transpose(1, 0, 2).copy()
@@ -60,12 +72,12 @@ def _allgather_seq(x, T, comm):
 
 def copy_to_tp(x: Tensor, comm) -> Tensor:
     """Forward identity; backward allreduce (each rank's use of x adds a partial gradient)."""
-    return Tensor._make(x.data, (x,), lambda g: (comm.allreduce(g),))
+    return Tensor._make(x.data, (x,), lambda g: (_allreduce(g, comm),))
 
 
 def reduce_from_tp(x: Tensor, comm) -> Tensor:
     """Forward allreduce (sum of partial results); backward identity."""
-    return Tensor._make(comm.allreduce(x.data), (x,), lambda g: (g,))
+    return Tensor._make(_allreduce(x.data, comm), (x,), lambda g: (g,))
 
 
 def gather_from_tp(x: Tensor, comm) -> Tensor:

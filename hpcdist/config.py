@@ -233,17 +233,95 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+# --help: what each option does, in groups. Every TrainConfig field appears exactly once
+# (checked at import).
+HELP = {
+    "data": {
+        "task": "what to learn: sort | reverse (generated digit tasks, exact-match accuracy) "
+                "| text (next character of --data)",
+        "data": "text file for --task text",
+        "data_encoding": "its encoding; decoded strictly (bad bytes are an error)",
+        "length": "digits per sequence (sort, reverse)",
+        "num_digits": "digit alphabet size (sort, reverse)",
+        "block_size": "context length in characters (text)",
+    },
+    "model": {
+        "n_layer": "transformer blocks", "n_head": "attention heads per block",
+        "n_embd": "embedding width", "dropout": "dropout probability (0 disables)",
+        "bias": "biases in linear layers and LayerNorms",
+        "tie_weights": "the output head reuses the token embedding",
+        "checkpoint_activations": "recompute each block's activations in backward (less "
+                                  "memory, one more forward)",
+        "dtype": "master precision: fp32 | fp64 (fp64 for exactness tests)",
+        "device": "cpu | gpu | auto (gpu: one GPU per rank, by node-local rank)",
+    },
+    "optimisation": {
+        "steps": "optimizer steps", "batch_size": "sequences per data-parallel replica per "
+                                                  "micro-batch",
+        "grad_accum": "micro-batches per step (gradients communicated on the last only)",
+        "optimizer": "adamw | sgd", "lr": "peak learning rate", "min_lr": "final learning "
+                                                                          "rate (cosine decay)",
+        "warmup": "linear warm-up steps", "weight_decay": "decoupled weight decay (matrices)",
+        "beta1": "AdamW beta1", "beta2": "AdamW beta2", "momentum": "SGD momentum",
+        "grad_clip": "clip the global gradient norm to this (0 disables)",
+        "scale_lr": "multiply lr by the number of data-parallel replicas",
+        "precision": "compute precision fp32 | fp16 | bf16 (fp32 master weights)",
+        "loss_scale": "fp16: initial dynamic loss scale", "seed": "seed of the model and data",
+    },
+    "parallelism": {
+        "tp": "tensor-parallel size: heads, MLP width and vocabulary split over tp neighbouring "
+              "ranks (data-parallel size = world / tp)",
+        "sequence_parallel": "with --tp: split LayerNorm/dropout activations along the sequence",
+        "zero": "ZeRO stage 0 (plain DDP) | 1 (optimizer state) | 2 (+ gradients) | 3 (+ "
+                "parameters), sharded over the data-parallel group",
+        "bucket_mb": "gradient bucket size in MB", "first_bucket_mb": "the first (last "
+                                                                     "layers') bucket, smaller",
+        "overlap": "average buckets during backward", "backend": "mpi | nccl (GPU gradients)",
+        "compress": "gradient compression: none | fp16 | topk (DGC)",
+        "density": "topk: fraction of each bucket sent",
+        "compress_momentum": "topk: DGC momentum correction (the optimizer runs without)",
+        "compress_clip": "topk: local gradient clipping norm (0 disables)",
+        "density_warmup": "topk: steps of DGC's exponential density warm-up",
+        "timeout": "seconds any rank may wait on another before the job ends with a report "
+                   "naming who did not arrive (0: $HPCDIST_TIMEOUT, else 300)",
+    },
+    "checkpoints": {
+        "save_dir": "where checkpoints go (none without it)",
+        "save_every": "steps between checkpoints (0: only at the end)",
+        "resume": "continue from the newest verified checkpoint in --save-dir",
+    },
+    "observability": {
+        "log_every": "print a progress line every N steps (metrics.jsonl records every step)",
+        "eval_batch": "evaluation batch size", "out_dir": "metrics.jsonl, ranks.json, "
+                                                          "comm_log.json go here",
+        "trace": "write a Chrome trace of every rank to this file (ui.perfetto.dev)",
+        "comm_log": "print per-collective timings beside the alpha-beta model",
+    },
+}
+_helped = [name for group in HELP.values() for name in group]
+assert sorted(_helped) == sorted(f.name for f in fields(TrainConfig)), \
+    "config.HELP must describe every TrainConfig field exactly once"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m hpcdist.train",
-                description="Train a GPT on an embedded task or a text file.")
-    p.add_argument("--config", help="TOML file of settings (flags override it)")
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            p.add_argument(flag, dest=f.name, type={"int": int, "float": float, "str": str}[f.type],
-                           default=None, help=f"default {f.default!r}")
+                description="Train a GPT on an embedded task or a text file, over MPI ranks: "
+                            "mpirun -n 8 python -m hpcdist.train [options]. Settings come from "
+                            "the defaults, then --config FILE.toml, then these flags.")
+    p.add_argument("--config", help="TOML file of settings (keys as below, with _ or -)")
+    known = {f.name: f for f in fields(TrainConfig)}
+    for group, options in HELP.items():
+        g = p.add_argument_group(group)
+        for name, text in options.items():
+            f = known[name]
+            flag = "--" + name.replace("_", "-")
+            if f.type == "bool":
+                g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                               default=None, help=f"{text} (default {f.default})")
+            else:
+                g.add_argument(flag, dest=name, default=None,
+                               type={"int": int, "float": float, "str": str}[f.type],
+                               help=f"{text} (default {f.default!r})")
     return p
 
 

@@ -118,7 +118,8 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, comm, lo: int, vocab_s
     xp = backend.array_module(logits.data)
     Vt = logits.shape[-1]
     z = logits.data.reshape(-1, Vt)
-    pad = max(0, lo + Vt - vocab_size)               # padded columns on this rank
+    pad = min(Vt, max(0, lo + Vt - vocab_size))      # padded columns on this rank (all, where
+                                                     # the slice lies past the vocabulary)
     if pad:
         z = z.copy()
         z[:, Vt - pad:] = -xp.inf

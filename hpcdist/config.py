@@ -166,11 +166,9 @@ def validate(cfg: TrainConfig) -> None:
                           "(recomputation would gather each block a third time); pick one", "zero")
     if cfg.tp < 1:
         raise ConfigError(f"--tp must be >= 1, got {cfg.tp}", "tp")
-    for name, n in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
-                    ("the MLP width 4 x n_embd", 4 * cfg.n_embd)):
-        if n % cfg.tp:
-            raise ConfigError(f"--tp {cfg.tp} must divide {name} ({n}): each tensor-parallel "
-                              f"rank holds an equal part", "tp")
+    if cfg.n_head % cfg.tp:     # then n_embd and the MLP width (multiples of n_head) split too
+        raise ConfigError(f"--tp {cfg.tp} must divide n_head ({cfg.n_head}): each tensor-"
+                          f"parallel rank holds an equal share of the heads", "tp")
     if cfg.tp > 1 and cfg.zero == 3:
         raise ConfigError("--zero 3 with --tp is not supported (ZeRO-3 would gather shards "
                           "of shards); use --zero 1 or 2 with --tp", "zero")

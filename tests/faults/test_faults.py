@@ -352,3 +352,17 @@ def test_soak_random_collectives_against_mpi_builtins():
                              HPCDIST_TIMEOUT="60")
     assert rc == 0, err[-3000:]
     assert re.search(r"soak: 3000 calls checked against MPI's built-ins", out), out
+
+
+@pytest.mark.parametrize("args, n, said", [
+    (["--tp", "3"], 3, "--tp 3 must divide n_head (4)"),
+    (["--tp", "4", "--n-head", "6", "--n-embd", "48"], 4, "--tp 4 must divide n_head (6)"),
+    (["--tp", "2"], 3, "the world size 3 is not divisible by --tp 2"),
+    (["--tp", "2", "--zero", "3"], 2, "--zero 3 with --tp is not supported"),
+    (["--sequence-parallel"], 2, "it needs --tp > 1"),
+])
+def test_tensor_parallel_settings_refused_before_any_collective(tmp_path, args, n, said):
+    rc, out, err, took = run(["-m", "hpcdist.train", *args, "--out-dir", str(tmp_path)], n=n)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and said in lines[0], err
+    assert not (tmp_path / "metrics.jsonl").exists()      # no work began

@@ -27,12 +27,12 @@ from .mappings import copy_to_tp, gather_from_sp, sequence_bounds, _allgather_la
 
 
 def check_divisible(cfg, tp: int) -> None:
-    """Raise ValueError naming what to change when ``cfg`` cannot be split ``tp`` ways."""
-    for name, n in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
-                    ("the MLP width 4 x n_embd", 4 * cfg.n_embd)):
-        if n % tp:
-            raise ValueError(f"--tp {tp} must divide {name} ({n}); choose --tp among "
-                             f"{', '.join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)}")
+    """Raise ValueError when ``cfg`` cannot be split ``tp`` ways: tp must divide n_head (then
+    n_embd and the MLP width, multiples of it, split too)."""
+    if cfg.n_head % tp:
+        divisors = [d for d in range(1, cfg.n_head + 1) if cfg.n_head % d == 0]
+        raise ValueError(f"tensor-parallel size {tp} must divide n_head ({cfg.n_head}); "
+                         f"choose one of {', '.join(map(str, divisors))}")
 
 
 def _copy_replicated(layer_norm: LayerNorm) -> LayerNorm:

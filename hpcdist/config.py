@@ -68,6 +68,11 @@ class TrainConfig:
     # model parallelism
     tp: int = 1                   # tensor-parallel size (data-parallel size = world / tp)
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence
+    pp: int = 1                   # pipeline stages (data-parallel size = world / (tp x pp))
+    micro_batches: int = 0        # micro-batches per batch in the pipeline (0: 2 x pp)
+    schedule: str = "1f1b"        # gpipe | 1f1b | interleaved | zb-h1
+    virtual_stages: int = 1       # model chunks per rank (interleaved)
+    pp_split: str = ""            # blocks per stage, e.g. "2,2,1" ("" = as even as possible)
     # checkpoints
     save_dir: str = ""            # where checkpoints go ("" = none)
     save_every: int = 0           # steps between checkpoints (0 = only at the end)
@@ -101,6 +106,7 @@ POSITIVE = ("length", "num_digits", "block_size", "n_layer", "n_head", "n_embd",
 CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
            "compress": ("none", "fp16", "topk"), "precision": ("fp32", "fp16", "bf16"),
+           "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1"),
            "backend": ("mpi", "nccl")}
 
 
@@ -174,6 +180,32 @@ def validate(cfg: TrainConfig) -> None:
                           "of shards); use --zero 1 or 2 with --tp", "zero")
     if cfg.tp > 1 and cfg.backend == "nccl":
         raise ConfigError("--tp runs its collectives over MPI; drop --backend nccl", "backend")
+    if cfg.pp < 1 or cfg.virtual_stages < 1 or cfg.micro_batches < 0:
+        raise ConfigError("--pp and --virtual-stages must be >= 1, --micro-batches >= 0", "pp")
+    if cfg.pp > 1:
+        from .parallel import schedules
+        for bad, why in ((cfg.zero > 1, f"--zero {cfg.zero} shards gradients during backward; "
+                          "with --pp use --zero 0 or 1"),
+                         (cfg.precision != "fp32", f"--precision {cfg.precision} with --pp is "
+                          "not supported yet; use fp32"),
+                         (cfg.compress != "none", "--compress with --pp is not supported yet"),
+                         (cfg.backend == "nccl", "--pp runs over MPI; drop --backend nccl")):
+            if bad:
+                raise ConfigError(why, "pp")
+        m = cfg.micro_batches or 2 * cfg.pp
+        if cfg.batch_size < m:
+            raise ConfigError(f"--batch-size {cfg.batch_size} is split into {m} micro-batches: "
+                              "it must be at least that", "micro_batches")
+        try:
+            schedules.make(cfg.schedule, cfg.pp, m, cfg.virtual_stages)
+            from .parallel.pipeline import partition
+            split = [int(n) for n in cfg.pp_split.split(",")] if cfg.pp_split else None
+            partition(cfg.n_layer, cfg.pp * cfg.virtual_stages, split)
+        except ValueError as e:
+            raise ConfigError(str(e), "pp") from None
+    elif cfg.schedule != "1f1b" or cfg.virtual_stages != 1 or cfg.pp_split or cfg.micro_batches:
+        raise ConfigError("--schedule, --virtual-stages, --pp-split and --micro-batches are for "
+                          "pipelines: add --pp P (P > 1)", "pp")
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("--sequence-parallel splits activations over the tensor-parallel "
                           "group: it needs --tp > 1", "sequence_parallel")
@@ -184,10 +216,11 @@ def validate(cfg: TrainConfig) -> None:
 
 def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:
     """Checks that depend on the world size; identical on every rank, so all fail together."""
-    if world % cfg.tp:
-        raise ConfigError(f"the world size {world} is not divisible by --tp {cfg.tp}: the "
-                          f"data-parallel size is world / tp; run a multiple of {cfg.tp} ranks")
-    replicas = world // cfg.tp
+    if world % (cfg.tp * cfg.pp):
+        raise ConfigError(f"the world size {world} is not divisible by --tp {cfg.tp} x --pp "
+                          f"{cfg.pp}: the data-parallel size is world / (tp x pp); run a "
+                          f"multiple of {cfg.tp * cfg.pp} ranks")
+    replicas = world // (cfg.tp * cfg.pp)
     global_batch = cfg.batch_size * replicas
     if train_len < global_batch * cfg.grad_accum:
         raise ConfigError(f"the training set has {train_len} examples, fewer than one global "
@@ -270,6 +303,13 @@ HELP = {
         "tp": "tensor-parallel size: heads, MLP width and vocabulary split over tp neighbouring "
               "ranks (data-parallel size = world / tp)",
         "sequence_parallel": "with --tp: split LayerNorm/dropout activations along the sequence",
+        "pp": "pipeline stages: the blocks split over pp ranks (data-parallel size = world / "
+              "(tp x pp))",
+        "micro_batches": "micro-batches each batch is split into in the pipeline (0: 2 x pp)",
+        "schedule": "pipeline schedule: gpipe | 1f1b | interleaved | zb-h1 (verified before "
+                    "any micro-batch moves)",
+        "virtual_stages": "model chunks per rank (--schedule interleaved)",
+        "pp_split": "blocks per stage, e.g. 2,2,1 (default: as even as possible)",
         "zero": "ZeRO stage 0 (plain DDP) | 1 (optimizer state) | 2 (+ gradients) | 3 (+ "
                 "parameters), sharded over the data-parallel group",
         "bucket_mb": "gradient bucket size in MB", "first_bucket_mb": "the first (last "

@@ -42,6 +42,7 @@ class Tensor:
     __slots__ = ("data", "grad", "requires_grad", "_parents", "_backward", "_hooks", "name",
                  "__weakref__")
     __array_priority__ = 100  # numpy_array * tensor -> Tensor.__rmul__, not an object array
+    is_weight = False         # nn.Parameter: True (the zero-bubble W pass computes its gradient)
 
     def __init__(self, data, requires_grad: bool = False, dtype=None, name: str | None = None):
         xp = backend.xp()
@@ -142,8 +143,14 @@ class Tensor:
         return _Handle()
 
     # ---- the engine ------------------------------------------------------------------------
-    def backward(self, grad=None, retain_graph: bool = False) -> None:
-        """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` that requires it."""
+    def backward(self, grad=None, retain_graph: bool = False,
+                 defer_weights: list | None = None) -> None:
+        """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` that requires it.
+
+        ``defer_weights`` (a list): compute only the gradients of non-leaf inputs now (the
+        zero-bubble I pass) and append to the list what the leaves' gradients need; pass that
+        list to ``weight_gradients`` later (the W pass).
+        """
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad")
         xp = backend.array_module(self.data)
@@ -167,8 +174,12 @@ class Tensor:
         while ready:
             node = ready.pop()
             g = grads.pop(id(node), None)
-            # No gradient arrived (every path carried None): still release the parents.
-            parent_grads = node._backward(g) if g is not None else (None,) * len(node._parents)
+            if defer_weights is not None and g is not None:
+                parent_grads = _input_gradients(node, g, defer_weights)
+            else:
+                # No gradient arrived (every path carried None): still release the parents.
+                parent_grads = node._backward(g) if g is not None else \
+                    (None,) * len(node._parents)
             if not retain_graph:
                 parents, node._backward, node._parents = node._parents, _freed_graph, ()
             else:
@@ -187,6 +198,45 @@ class Tensor:
                     _finalize_leaf(p, grads.pop(key, None))
                 else:
                     ready.append(p)
+
+
+def _input_gradients(node: Tensor, g, deferred: list):
+    """The I pass: ``node``'s backward with its leaf inputs (parameters) switched off, so
+    ops skip their weight gradients; what the W pass needs is appended to ``deferred``."""
+    leaves = [p for p in node._parents if p.requires_grad and p._backward is None
+              and p.is_weight]
+    if not leaves:
+        return node._backward(g)
+    deferred.append((node._backward, node._parents, g))
+    if len(leaves) == len(node._parents):        # nothing but weights: all of it is W
+        return (None,) * len(node._parents)
+    for p in leaves:
+        p.requires_grad = False
+    try:
+        grads = node._backward(g)
+    finally:
+        for p in leaves:
+            p.requires_grad = True
+    # ops may return a weight's gradient anyway (it is cheap for some): the W pass owns it
+    return tuple(None if any(p is q for q in leaves) else pg
+                 for p, pg in zip(node._parents, grads))
+
+
+def weight_gradients(deferred: list) -> None:
+    """The W pass: the leaf (weight) gradients the I pass left in ``deferred``."""
+    for fn, parents, g in deferred:
+        others = [p for p in parents if p.requires_grad and not p.is_weight]
+        for p in others:
+            p.requires_grad = False
+        try:
+            grads = fn(g)
+        finally:
+            for p in others:
+                p.requires_grad = True
+        for p, pg in zip(parents, grads):
+            if pg is not None and p.requires_grad and p.is_weight:
+                _finalize_leaf(p, pg)
+    deferred.clear()
 
 
 def _consumer_counts(root: Tensor) -> dict:

@@ -55,7 +55,7 @@ def build(cfg: TrainConfig, comm, datasets):
 
 def run_meta(cfg: TrainConfig) -> dict:
     """What a checkpoint must share with the run that resumes it (checked on --resume)."""
-    return {"task": cfg.task, "zero": cfg.zero, "tp": cfg.tp, "length": cfg.length,
+    return {"task": cfg.task, "zero": cfg.zero, "tp": cfg.tp, "pp": cfg.pp, "length": cfg.length,
             "num_digits": cfg.num_digits, "block_size": cfg.block_size, "n_layer": cfg.n_layer,
             "n_head": cfg.n_head, "n_embd": cfg.n_embd, "bias": cfg.bias,
             "tie_weights": cfg.tie_weights, "dtype": cfg.dtype, "precision": cfg.precision,
@@ -129,8 +129,11 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
         say(note)
     hosts = runtime.record_ranks(comm, cfg.out_dir)
     metrics = runtime.open_metrics(cfg.out_dir, resumed=start > 0, say=say) if is_main else None
-    layout = f"DP {data_comm.size} x TP {cfg.tp}" + (" (sequence parallel)"
-                                                       if cfg.sequence_parallel else "")
+    layout = f"DP {data_comm.size} x TP {cfg.tp} x PP {cfg.pp}" + (
+        " (sequence parallel)" if cfg.sequence_parallel else "") + (
+        f" | {cfg.schedule}, {step_fn.m} micro-batches" + (
+            f", {cfg.virtual_stages} virtual stages" if cfg.virtual_stages > 1 else "")
+        if cfg.pp > 1 else "")
     say(f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), "
         f"{cfg_parameters(model, cfg):,} parameters | task {cfg.task} "
         f"({len(train_set):,} train / {len(test_set):,} held-out) | device {device} | "
@@ -171,12 +174,10 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
             for micro in range(cfg.grad_accum):
                 x, y = train_set.batch(sampler.next_batch())
                 last = micro == cfg.grad_accum - 1           # communicate on the last only
-                with step_fn.micro_context(last), overflow_ok():
-                    with span("forward", micro=micro):
-                        _, loss = model(xp.asarray(x), xp.asarray(y))
-                    with span("backward", micro=micro):
-                        step_fn.scale_loss(loss * (1.0 / cfg.grad_accum)).backward()
-                loss_sum += float(loss.data)
+                with step_fn.micro_context(last), overflow_ok(), \
+                        span("forward and backward", micro=micro):
+                    loss_sum += step_fn.forward_backward(xp.asarray(x), xp.asarray(y),
+                                                         1.0 / cfg.grad_accum)
             with span("gradient sync"):
                 step_fn.sync()
             with span("optimizer step"):
@@ -248,9 +249,10 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
 
 def cfg_parameters(model, cfg) -> int:
     """Parameters of the one logical model (a tensor-parallel rank holds only its shards)."""
+    full = getattr(model, "full", model)          # a pipeline stage: the whole model's count
     if cfg.tp == 1:
-        return model.num_parameters()
-    return sum(p.size * (cfg.tp if spec else 1) for _, p, spec in model.named_specs())
+        return full.num_parameters()
+    return sum(p.size * (cfg.tp if spec else 1) for _, p, spec in full.named_specs())
 
 
 def _agree_on_error(comm, message: str | None) -> str | None:

@@ -91,14 +91,24 @@ class GPT(Module):
         """idx (B, T) integer tokens -> logits (B, T, vocab), and the loss when targets given."""
         if isinstance(idx, Tensor):
             idx = idx.data
+        x = self.embed(idx)                                         # (B, T, C)
+        for block in self.blocks:
+            x = self.run_block(block, x, idx.shape[1])
+        return self.head(x, targets, ignore_index)
+
+    # The pieces a pipeline stage runs (parallel/pipeline.py): embed, blocks, head.
+    def embed(self, idx) -> Tensor:
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = backend.array_module(idx).arange(T)
-        x = self.drop(self.wte(idx) + self.wpe(pos))               # (B, T, C)
+        return self.drop(self.wte(idx) + self.wpe(pos))              # (B, T, C)
+
+    def run_block(self, block, x: Tensor, T: int) -> Tensor:
         recompute = self.config.checkpoint_activations and self.training
-        for block in self.blocks:
-            x = checkpoint(block, x) if recompute else block(x)
+        return checkpoint(block, x) if recompute else block(x)
+
+    def head(self, x: Tensor, targets=None, ignore_index: int = -100):
         x = self.ln_f(x)
         if self.lm_head is None:
             logits = x @ self.wte.weight.T                          # (B, T, vocab)

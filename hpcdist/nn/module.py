@@ -11,6 +11,7 @@ class Parameter(Tensor):
     """A leaf Tensor that a Module owns and an optimizer updates."""
 
     __slots__ = ()
+    is_weight = True
 
     def __init__(self, data, name: str | None = None):
         super().__init__(data, requires_grad=True, name=name)

@@ -76,6 +76,13 @@ class GradSum:
             o += b - a
 
 
+def forward_backward(step, x, y, scale: float = 1.0) -> float:
+    """The whole model on this rank: forward, loss (times ``scale``), backward; the loss."""
+    _, loss = step.model(x, y)
+    step.scale_loss(loss * scale).backward()
+    return float(loss.data)
+
+
 class DataParallelStep:
     """The plain data-parallel path (``--zero 0``): DDP + mixed precision + a full optimizer."""
 
@@ -90,6 +97,9 @@ class DataParallelStep:
 
     def zero_grad(self):
         self.mp.zero_grad()
+
+    def forward_backward(self, x, y, scale: float = 1.0) -> float:
+        return forward_backward(self, x, y, scale)
 
     def micro_context(self, last: bool):
         return contextlib.nullcontext() if last else self.ddp.no_sync()
@@ -170,30 +180,50 @@ def build_strategy(cfg, comm, train_set):
     """The model and the training step for this rank (collective over ``comm``)."""
     from .zero import Zero
     backend.set_default_float("float64" if cfg.dtype == "fp64" else "float32")
-    mesh = ProcessMesh(comm, dp=comm.size // cfg.tp, tp=cfg.tp) if cfg.tp > 1 else None
+    model_parallel = cfg.tp > 1 or cfg.pp > 1
+    mesh = ProcessMesh(comm, dp=comm.size // (cfg.tp * cfg.pp), tp=cfg.tp, pp=cfg.pp) \
+        if model_parallel else None
     dp_comm = mesh.dp_comm if mesh else comm
     nn.manual_seed(cfg.seed)                         # the same model on every rank
-    # Dropout streams per data-parallel replica: the ranks of one tensor-parallel group draw
-    # the same masks for the activations they all hold.
-    backend.seed(cfg.seed + 1000 * (mesh.coord.dp if mesh else comm.rank))
+    # Dropout streams per data-parallel replica and stage: the ranks of one tensor-parallel
+    # group draw the same masks for the activations they all hold.
+    backend.seed(cfg.seed + 1000 * (mesh.coord.dp * cfg.pp + mesh.coord.pp if mesh
+                                    else comm.rank))
     model = nn.GPT(nn.GPTConfig(
         block_size=train_set.block_size, vocab_size=train_set.vocab_size, n_layer=cfg.n_layer,
         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
         tie_weights=cfg.tie_weights, checkpoint_activations=cfg.checkpoint_activations))
-    norm, grad_sum = Norm(), None
-    if mesh is not None:
+    if cfg.tp > 1:
         from .tp import TensorParallelGPT
         model = TensorParallelGPT(model, mesh.tp_comm, cfg.sequence_parallel)
+    full, embed_comm = model, None
+    if cfg.pp > 1:
+        from .pipeline import PipelineModel, partition
+        split = [int(n) for n in cfg.pp_split.split(",")] if cfg.pp_split else None
+        bounds = partition(cfg.n_layer, cfg.pp * cfg.virtual_stages, split)
+        model = PipelineModel(full, mesh.coord.pp, cfg.pp, cfg.virtual_stages, bounds)
+        if cfg.tie_weights:                          # the first and the last stage share wte
+            ends = mesh.coord.pp in (0, cfg.pp - 1)
+            embed_comm = mesh.pp_comm.split(color=0 if ends else 1)
+    norm, grad_sum = Norm(), None
+    if mesh is not None:
         count, ranges, off = [], [], 0
-        partial = {id(p) for p in model.sequence_parallel_params()}
-        for _, p, spec in model.named_specs():
-            # replicated parameters count once in the norm (on tensor-parallel rank 0)
-            count.append(np.full(p.size, spec is not None or mesh.coord.tp == 0))
+        partial = {id(p) for p in full.sequence_parallel_params()} if cfg.tp > 1 else set()
+        head_copy = cfg.pp > 1 and cfg.tie_weights and mesh.coord.pp == cfg.pp - 1
+        specs = model.named_specs() if hasattr(model, "named_specs") else \
+            [(n, p, None) for n, p in model.named_parameters()]
+        for name, p, spec in specs:
+            # count each parameter of the one model once: replicated ones on tensor-parallel
+            # rank 0, the tied table on the first stage
+            once = (spec is not None or mesh.coord.tp == 0) and not (
+                head_copy and name == "wte.weight")
+            count.append(np.full(p.size, once))
             if id(p) in partial:
                 ranges.append((off, off + p.size))
             off += p.size
-        norm = Norm([dp_comm if cfg.zero else None, mesh.tp_comm], np.concatenate(count))
-        grad_sum = GradSum(mesh.tp_comm, ranges)
+        norm = Norm([dp_comm if cfg.zero else None, mesh.tp_comm, mesh.pp_comm],
+                    np.concatenate(count))
+        grad_sum = GradSum(mesh.tp_comm, ranges) if ranges else None
     elif cfg.zero:
         norm = Norm([dp_comm])
     scaler = LossScaler(init_scale=cfg.loss_scale, enabled=cfg.precision == "fp16")
@@ -204,18 +234,24 @@ def build_strategy(cfg, comm, train_set):
                     bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
                     norm=norm, grad_sum=grad_sum, sharded_state=mesh is not None)
         step.model, step.data_comm, step.mesh = model, dp_comm, mesh
-        return model, step
-    mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
-    compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
-                                   cfg.compress_clip, cfg.density_warmup)
-    grad_comm = dp_comm
-    if cfg.backend == "nccl":                      # gradients over NCCL, the rest over MPI
-        from ..comm.nccl import NcclCommunicator
-        grad_comm = NcclCommunicator(dp_comm.mpi)
-    ddp = DistributedDataParallel(model, grad_comm, flat=mp.master, compute=mp.compute,
-                                  bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
-                                  overlap=cfg.overlap, compression=compression)
-    step = DataParallelStep(model, ddp, make_optimizer(mp.master), mp, dp_comm, norm,
-                            grad_sum, sharded_state=mesh is not None)
-    step.mesh = mesh
+    else:
+        mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
+        compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
+                                       cfg.compress_clip, cfg.density_warmup)
+        grad_comm = dp_comm
+        if cfg.backend == "nccl":                  # gradients over NCCL, the rest over MPI
+            from ..comm.nccl import NcclCommunicator
+            grad_comm = NcclCommunicator(dp_comm.mpi)
+        ddp = DistributedDataParallel(model, grad_comm, flat=mp.master, compute=mp.compute,
+                                      bucket_mb=cfg.bucket_mb,
+                                      first_bucket_mb=cfg.first_bucket_mb,
+                                      overlap=cfg.overlap and cfg.pp == 1,
+                                      compression=compression)
+        step = DataParallelStep(model, ddp, make_optimizer(mp.master), mp, dp_comm, norm,
+                                grad_sum, sharded_state=mesh is not None)
+        step.mesh = mesh
+    if cfg.pp > 1:
+        from .pipeline import PipelineStep
+        step = PipelineStep(step, model, mesh, cfg.schedule, cfg.micro_batches or 2 * cfg.pp,
+                            cfg.virtual_stages, embed_comm)
     return model, step

@@ -313,6 +313,10 @@ class Zero:
     def scale_loss(self, loss):
         return loss * self.scaler.scale if self.scaler.enabled else loss
 
+    def forward_backward(self, x, y, scale: float = 1.0) -> float:
+        from .strategy import forward_backward
+        return forward_backward(self, x, y, scale)
+
     def sync(self) -> None:
         """After backward: every rank's gradient shard holds the averaged gradient."""
         if self.stage == 1:                   # in place: afterwards only the shard is meaningful

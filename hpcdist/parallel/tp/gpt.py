@@ -124,17 +124,29 @@ class TensorParallelGPT(Module):
     def forward(self, idx, targets=None, ignore_index: int = -100):
         if isinstance(idx, Tensor):
             idx = idx.data
+        x = self.embed(idx)                                          # (B, T or T/tp, C)
+        for block in self.blocks:
+            x = self.run_block(block, x, idx.shape[1])
+        return self.head(x, targets, ignore_index, idx.shape[1])
+
+    # The pieces a pipeline stage runs (parallel/pipeline.py): embed, blocks, head.
+    def embed(self, idx) -> Tensor:
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         xp = backend.array_module(idx)
         lo, hi = sequence_bounds(T, self.comm.size, self.comm.rank) if self.sp else (0, T)
-        x = self.drop(self.wte(idx) + self.wpe(xp.arange(lo, hi)))  # (B, T or T/tp, C)
+        return self.drop(self.wte(idx) + self.wpe(xp.arange(lo, hi)))
+
+    def run_block(self, block, x: Tensor, T: int) -> Tensor:
+        block.T = T
         recompute = self.config.checkpoint_activations and self.training
-        for block in self.blocks:
-            block.T = T
-            x = checkpoint(block, x) if recompute else block(x)
+        return checkpoint(block, x) if recompute else block(x)
+
+    def head(self, x: Tensor, targets=None, ignore_index: int = -100, T: int | None = None):
         x = self.ln_f(x)
+        if T is None:
+            T = x.shape[1] if not self.sp else None
         if self.lm_head is None:                                     # tied: wte's rows
             x = gather_from_sp(x, T, self.comm) if self.sp else copy_to_tp(x, self.comm)
             logits = x @ self.wte.weight.T                           # (B, T, Vp/tp)

@@ -1,0 +1,280 @@
+"""Pipeline parallelism: the model split into stages, and the executor that walks a schedule.
+
+The layers of the one logical model are split over P ranks x v chunks (virtual stages, k =
+chunk * P + rank): embeddings with the first virtual stage, final norm and head with the last.
+Every rank builds its schedule (parallel/schedules.py), annotates each send and receive with
+the shape it will carry, and verifies the whole schedule — every stage's list — before any
+micro-batch moves. The executor only walks this rank's list:
+
+    COMM   post its receives and sends (non-blocking, on the pipeline communicator), wait for
+           the receives; the sends are waited for at the end of the step
+    F      forward of micro-batch mb through chunk c; the inputs and outputs are stashed
+    B      backward from the received gradient (the last stage: from the loss); the stash of
+           (mb, c) is freed
+    I / W  the zero-bubble halves of B: input gradient now, weight gradient later
+
+The loss of micro-batch mb is weighted by its share of the batch's scored positions, so the sum
+over micro-batches is exactly the mean the 1-rank run takes over the whole batch. A tied
+embedding lives on the first and the last stage; their gradients are summed between those two
+ranks before the data-parallel average. Tensor parallelism runs inside each stage unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..comm.p2p import MAX_TAG
+from ..nn.module import Module
+from ..tensor import Tensor, weight_gradients
+from . import schedules as S
+
+
+def partition(n_layer: int, parts: int, split: list | None = None) -> list[tuple[int, int]]:
+    """[lo, hi) of the blocks in each of ``parts`` virtual stages: as even as possible (the
+    first stages take one more), or the sizes ``split`` gives."""
+    if split:
+        if len(split) != parts or any(n < 1 for n in split) or sum(split) != n_layer:
+            raise ValueError(f"--pp-split {','.join(map(str, split))} must give {parts} "
+                             f"positive sizes adding up to n_layer ({n_layer})")
+        sizes = list(split)
+    else:
+        if n_layer < parts:
+            raise ValueError(f"n_layer ({n_layer}) must be at least pp x virtual stages "
+                             f"({parts}): every stage needs a block")
+        sizes = [n_layer // parts + (i < n_layer % parts) for i in range(parts)]
+    bounds, lo = [], 0
+    for n in sizes:
+        bounds.append((lo, lo + n))
+        lo += n
+    return bounds
+
+
+class _Blocks(Module):
+    """Blocks of the full model under their own indices (names stay "blocks.<i>...")."""
+
+    def __init__(self, blocks: dict):
+        for i, b in blocks.items():
+            setattr(self, str(i), b)
+        self.order = sorted(blocks)
+
+    def __iter__(self):
+        return (getattr(self, str(i)) for i in self.order)
+
+
+class PipelineChunk(Module):
+    """Virtual stage k of K: this chunk's blocks, plus the embeddings (k = 0) or the final
+    norm and head (k = K - 1). ``model`` is an ``nn.GPT`` or a ``TensorParallelGPT``."""
+
+    def __init__(self, model, k: int, K: int, layers: tuple[int, int]):
+        self._model = (model,)                 # a tuple: not a child (its parameters are not ours)
+        self.first, self.last = k == 0, k == K - 1
+        if self.first:
+            self.wte, self.wpe = model.wte, model.wpe
+        self.blocks = _Blocks({i: model.blocks[i] for i in range(*layers)})
+        if self.last:
+            self.ln_f = model.ln_f
+            if model.lm_head is not None:
+                self.lm_head = model.lm_head
+            elif not self.first:
+                self.wte = model.wte           # the tied head: a copy of the first stage's table
+
+    def forward(self, x, idx, targets, T: int):
+        model = self._model[0]
+        if self.first:
+            x = model.embed(idx)
+        for block in self.blocks:
+            x = model.run_block(block, x, T)
+        if self.last:                          # (logits, loss)
+            return model.head(x, targets, T=T) if hasattr(model, "comm") else \
+                model.head(x, targets)
+        return x
+
+
+class PipelineModel(Module):
+    """This rank's chunks (one, or v when interleaving); parameters named as in the full model."""
+
+    def __init__(self, model, rank: int, P: int, v: int, bounds):
+        K = P * v
+        self.config = model.config
+        self.chunks = [PipelineChunk(model, c * P + rank, K, bounds[c * P + rank])
+                       for c in range(v)]
+        self.full = model
+        self.step = None                       # the PipelineStep that runs it (evaluation)
+
+    def forward(self, idx, targets=None):
+        """Evaluation (no gradients): the batch through every stage; (logits, loss) on every
+        rank. Training goes through ``PipelineStep.forward_backward``."""
+        logits, loss = self.step.evaluate_batch(idx, targets)
+        return Tensor(logits), Tensor(np.asarray(loss))
+
+    def _children(self):
+        for chunk in self.chunks:
+            yield from chunk._children()
+
+    def named_specs(self):
+        specs = {id(p): spec for _, p, spec in self.full.named_specs()} \
+            if hasattr(self.full, "named_specs") else {}
+        return [(n, p, specs.get(id(p))) for n, p in self.named_parameters()]
+
+
+class PipelineStep:
+    """The pipeline strategy: an inner DataParallelStep or Zero (stage 1) over this rank's
+    parameters, plus the schedule executor. Same interface as every strategy."""
+
+    def __init__(self, inner, pmodel: PipelineModel, mesh, name: str, m: int, v: int,
+                 embed_comm=None):
+        self.inner, self.model, self.mesh = inner, pmodel, mesh
+        self.pp = mesh.pp_comm
+        self.P, self.m, self.v, self.name = mesh.pp, m, v, name
+        self.data_comm, self.comm, self.scaler = inner.data_comm, inner.comm, inner.scaler
+        self.embed_comm = embed_comm
+        if 2 * self.P * v * m > MAX_TAG:
+            raise ValueError(f"pp x virtual stages x micro-batches = {self.P * v * m} is too "
+                             f"many messages to tag (at most {MAX_TAG // 2})")
+        self.schedule = S.make(name, self.P, m, v)
+        self.peak_stash = 0
+        pmodel.step = self
+
+    # -- the strategy interface, mostly the inner strategy's ---------------------------------
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+    def micro_context(self, last: bool):
+        return self.inner.micro_context(last)
+
+    def scale_loss(self, loss):
+        return self.inner.scale_loss(loss)
+
+    def sync(self):
+        if self.embed_comm is not None and self.embed_comm.size > 1:   # tied embedding
+            g = self.model.chunks[0].wte.weight.grad if self.model.chunks[0].first else \
+                self.model.chunks[-1].wte.weight.grad
+            self.embed_comm.allreduce(g, out=g)
+        self.inner.sync()
+
+    def apply(self, lr, grad_clip=0.0):
+        return self.inner.apply(lr, grad_clip)
+
+    # -- the executor ------------------------------------------------------------------------
+    def _shapes(self, sizes, T: int):
+        """The activation shape each micro-batch carries between stages on this rank."""
+        cfg, tp = self.model.config, self.mesh.tp_comm
+        rows = T
+        if getattr(self.model.full, "sp", False):
+            from .tp.mappings import sequence_bounds
+            lo, hi = sequence_bounds(T, tp.size, tp.rank)
+            rows = hi - lo
+        return [(int(b), rows, cfg.n_embd) for b in sizes]
+
+    def verified_schedule(self, sizes, T):
+        """The schedule with every send and receive annotated with its shape, verified."""
+        shapes = self._shapes(sizes, T)
+        sched = [[S.Action(a.kind, a.mb, a.chunk, tuple(
+            S.Op(o.kind, o.what, o.mb, o.chunk, o.peer, shapes[o.mb]) for o in a.ops))
+            for a in stage] for stage in self.schedule]
+        S.verify(sched, self.P, self.m, self.v,
+                 stash_limit=S.promised_stash(self.name, self.P, self.m, self.v))
+        return sched
+
+    def _tag(self, op: S.Op) -> int:
+        src, dst, what, mb, k = S.message_key(op, self.pp.rank, self.P, self.v)
+        return (k * self.m + mb) * 2 + (what == "GRAD")
+
+    def forward_backward(self, x, y, scale: float = 1.0) -> float:
+        """One batch through the pipeline, forward and backward; returns the batch's mean loss
+        (the same on every rank)."""
+        xp = backend.xp()
+        m, T = self.m, x.shape[1]
+        if len(x) < m:
+            raise ValueError(f"--batch-size {len(x)} cannot be split into {m} micro-batches: "
+                             "use at least as many sequences as micro-batches")
+        parts = np.array_split(np.arange(len(x)), m)
+        scored = np.array([int((y[p] != -100).sum()) for p in parts], dtype=np.float64)
+        weights = scored / max(scored.sum(), 1.0)        # each micro-batch's share of the mean
+        sched = self.verified_schedule([len(p) for p in parts], T)[self.pp.rank]
+        K = self.P * self.v
+        stash, grads_in, acts_in, deferred, sends = {}, {}, {}, {}, []
+        loss_sum = 0.0
+        for a in sched:
+            if a.kind == "COMM":
+                recvs = []
+                for op in a.ops:
+                    tag = self._tag(op)
+                    if op.kind == "SEND":
+                        data = stash[(op.mb, op.chunk)][1].data if op.what == "ACT" else \
+                            stash[(op.mb, op.chunk)][0].grad
+                        sends.append(self.pp.isend(xp.ascontiguousarray(data), op.peer, tag))
+                        if op.what == "GRAD":
+                            del stash[(op.mb, op.chunk)]
+                    else:
+                        recvs.append((op, self.pp.irecv(op.peer, tag)))
+                for op, h in recvs:
+                    arr = h.wait()
+                    if tuple(arr.shape) != op.shape:
+                        raise ValueError(f"pipeline stage {self.pp.rank}: {op} brought shape "
+                                         f"{tuple(arr.shape)}, expected {op.shape}")
+                    (acts_in if op.what == "ACT" else grads_in)[(op.mb, op.chunk)] = arr
+                continue
+            key = (a.mb, a.chunk)
+            chunk = self.model.chunks[a.chunk]
+            k = a.chunk * self.P + self.pp.rank
+            if a.kind == "F":
+                idx = xp.asarray(x[parts[a.mb]])
+                inp = None if k == 0 else Tensor(acts_in.pop(key), requires_grad=True)
+                out = chunk(inp, idx, xp.asarray(y[parts[a.mb]]), T)
+                if k == K - 1:
+                    out = out[1]                                # the loss
+                    loss_sum += float(out.data) * weights[a.mb]
+                    out = out * float(weights[a.mb] * scale)
+                stash[key] = (inp, out)
+                self.peak_stash = max(self.peak_stash, len(stash))
+            elif a.kind in ("B", "I"):
+                inp, out = stash[key]
+                seed = None if k == K - 1 else grads_in.pop(key)
+                out = self.inner.scale_loss(out) if k == K - 1 else out
+                if a.kind == "B":
+                    out.backward(seed)
+                else:
+                    deferred[key] = []
+                    out.backward(seed, defer_weights=deferred[key])
+                stash[key] = (inp, None)
+                if k == 0:
+                    del stash[key]
+            else:                                           # W
+                weight_gradients(deferred.pop(key))
+        for h in sends:
+            h.wait()
+        if stash:
+            raise RuntimeError(f"pipeline stage {self.pp.rank}: micro-batches {sorted(stash)} "
+                               "were never sent back (a schedule the verifier should refuse)")
+        # the loss lives on the last stage: every stage reports the same number
+        return float(self.pp.allreduce(np.array([loss_sum if self.pp.rank == (K - 1) % self.P
+                                                 else 0.0]))[0])
+
+    def evaluate_batch(self, x, y):
+        """Forward only, no schedule: (logits, mean loss), the same on every rank."""
+        xp = backend.xp()
+        T, K = x.shape[1], self.P * self.v
+        last = (K - 1) % self.P
+        act, logits, loss = None, None, 0.0
+        for k in range(K):
+            owner, c = k % self.P, k // self.P
+            if owner != self.pp.rank:
+                continue
+            if k > 0:
+                act = self.pp.recv((k - 1) % self.P, tag=MAX_TAG - 1)
+            out = self.model.chunks[c](None if k == 0 else Tensor(act), xp.asarray(x),
+                                       xp.asarray(y), T)
+            if k < K - 1:
+                self.pp.send(xp.ascontiguousarray(out.data), (k + 1) % self.P, tag=MAX_TAG - 1)
+            else:
+                logits, loss = xp.ascontiguousarray(out[0].data), float(out[1].data)
+        if logits is None:
+            logits = xp.empty(tuple(x.shape) + (self.model.config.vocab_size,),
+                              dtype=backend.default_float())
+        self.pp.bcast(logits, root=last)
+        loss = float(self.pp.allreduce(np.array([loss if self.pp.rank == last else 0.0]))[0])
+        return logits, loss

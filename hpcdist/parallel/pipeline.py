@@ -111,6 +111,13 @@ class PipelineModel(Module):
         for chunk in self.chunks:
             yield from chunk._children()
 
+    def train(self, mode: bool = True):
+        self.full.train(mode)                  # the model the chunks call into (head, embed)
+        for chunk in self.chunks:
+            chunk.train(mode)
+        self.training = mode
+        return self
+
     def named_specs(self):
         specs = {id(p): spec for _, p, spec in self.full.named_specs()} \
             if hasattr(self.full, "named_specs") else {}

@@ -19,9 +19,9 @@ and receives are posted one at a time deadlocks in its steady state.
 ``verify`` executes all stages' lists under the strictest MPI semantics — a send completes only
 once its receive is posted, a receive only once its send is; messages between two ranks on one
 tag match in order — and proves
-that the schedule finishes, every send meets a receive of the same shape, each micro-batch's F
-comes before its B (I before W), every F and B happens once, and the stash stays within what the
-schedule promises; it also gives the makespan and bubble for given op costs. A failing schedule
+that the schedule finishes, every send meets a receive of the same shape, every compute runs
+after the data it needs has arrived, each micro-batch's F comes before its B (I before W),
+every F and B happens once, and the stash stays within what the schedule promises; it also gives the makespan and bubble for given op costs. A failing schedule
 is refused with each stage's first blocked action named. Hand-written schedules (a list per
 stage) go through the same verifier.
 """
@@ -275,6 +275,7 @@ def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
     live: list = [set() for _ in range(P)]
     post_time: dict = {}
     sends = [[] for _ in range(P)]    # this stage's posted sends (action, op index)
+    got = [set() for _ in range(P)]   # (what, mb, chunk) received so far
     progress = True
     while progress:
         progress = False
@@ -297,7 +298,15 @@ def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
                         break                       # blocked until the peers send
                     clock[s] = max([clock[s]] + done)
                     sends[s] += [(idx[s], j) for j, op in enumerate(a.ops) if op.kind == "SEND"]
+                    got[s].update((op.what, op.mb, op.chunk) for op in a.ops if op.kind == "RECV")
                 else:
+                    k = a.chunk * P + s                 # the data this compute needs is here
+                    need = ("ACT" if a.kind == "F" and k > 0 else
+                            "GRAD" if a.kind in ("B", "I") and k < P * v - 1 else None)
+                    if need and (need, a.mb, a.chunk) not in got[s]:
+                        raise ScheduleError(f"stage {s}: action {idx[s]} {a} runs before its "
+                                            f"{'activation' if need == 'ACT' else 'gradient'} "
+                                            "is received")
                     cost = c[a.kind]
                     clock[s] += cost
                     busy[s] += cost

@@ -204,7 +204,10 @@ def build_strategy(cfg, comm, train_set):
         model = PipelineModel(full, mesh.coord.pp, cfg.pp, cfg.virtual_stages, bounds)
         if cfg.tie_weights:                          # the first and the last stage share wte
             ends = mesh.coord.pp in (0, cfg.pp - 1)
-            embed_comm = mesh.pp_comm.split(color=0 if ends else 1)
+            embed_comm = mesh.pp_comm.split(color=0 if ends else 1)   # collective over pp
+            if not ends:                               # the middle stages hold no table
+                embed_comm.close()
+                embed_comm = None
     norm, grad_sum = Norm(), None
     if mesh is not None:
         count, ranges, off = [], [], 0

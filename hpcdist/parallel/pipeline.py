@@ -31,16 +31,14 @@ from . import schedules as S
 
 def partition(n_layer: int, parts: int, split: list | None = None) -> list[tuple[int, int]]:
     """[lo, hi) of the blocks in each of ``parts`` virtual stages: as even as possible (the
-    first stages take one more), or the sizes ``split`` gives."""
+    first stages take one more), or the sizes ``split`` gives (a stage may hold none)."""
     if split:
-        if len(split) != parts or any(n < 1 for n in split) or sum(split) != n_layer:
+        if len(split) != parts or any(n < 0 for n in split) or sum(split) != n_layer:
             raise ValueError(f"--pp-split {','.join(map(str, split))} must give {parts} "
-                             f"positive sizes adding up to n_layer ({n_layer})")
+                             f"sizes (>= 0) adding up to n_layer ({n_layer})")
         sizes = list(split)
-    else:
-        if n_layer < parts:
-            raise ValueError(f"n_layer ({n_layer}) must be at least pp x virtual stages "
-                             f"({parts}): every stage needs a block")
+    else:   # fewer blocks than stages: some stages hold none (the first still embeds, the
+        # last still holds the head, a middle one only passes activations on)
         sizes = [n_layer // parts + (i < n_layer % parts) for i in range(parts)]
     bounds, lo = [], 0
     for n in sizes:

@@ -148,4 +148,7 @@ def test_partition():
     assert partition(5, 3, [1, 1, 3]) == [(0, 1), (1, 2), (2, 5)]
     with pytest.raises(ValueError, match="adding up to n_layer"):
         partition(5, 3, [2, 2, 2])
-    assert partition(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]      # relay stages hold none
+    assert partition(2, 4) == [(0, 0), (0, 1), (1, 2), (2, 2)]   # embed | 1 | 1 | head
+    assert partition(3, 4) == [(0, 1), (1, 2), (2, 3), (3, 3)]
+    with pytest.raises(ValueError, match="every stage but the first and the last needs a block"):
+        partition(1, 4)

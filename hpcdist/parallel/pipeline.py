@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
+from .. import backend, timeline
 from ..comm.p2p import MAX_TAG
 from ..nn.module import Module
 from ..tensor import Tensor, weight_gradients
@@ -131,6 +131,19 @@ class PipelineModel(Module):
         return [(n, p, specs.get(id(p))) for n, p in self.named_parameters()]
 
 
+class _Batch:
+    """One batch's state while the executor walks the schedule."""
+
+    def __init__(self, x, y, parts, weights, scale, T):
+        self.x, self.y, self.parts, self.weights, self.scale, self.T = x, y, parts, weights, \
+            scale, T
+        self.stash: dict = {}        # (mb, chunk) -> (input tensor, output) until sent back
+        self.received: dict = {}     # ("ACT" | "GRAD", mb, chunk) -> array
+        self.deferred: dict = {}     # (mb, chunk) -> what its W pass needs
+        self.sends: list = []
+        self.loss = 0.0
+
+
 class PipelineStep:
     """The pipeline strategy: an inner DataParallelStep or Zero (stage 1) over this rank's
     parameters, plus the schedule executor. Same interface as every strategy."""
@@ -200,73 +213,83 @@ class PipelineStep:
     def forward_backward(self, x, y, scale: float = 1.0) -> float:
         """One batch through the pipeline, forward and backward; returns the batch's mean loss
         (the same on every rank)."""
-        xp = backend.xp()
         m, T = self.m, x.shape[1]
         if len(x) < m:
             raise ValueError(f"--batch-size {len(x)} cannot be split into {m} micro-batches: "
                              "use at least as many sequences as micro-batches")
         parts = np.array_split(np.arange(len(x)), m)
         scored = np.array([int((y[p] != -100).sum()) for p in parts], dtype=np.float64)
-        weights = scored / max(scored.sum(), 1.0)        # each micro-batch's share of the mean
-        sched = self.verified_schedule([len(p) for p in parts], T)[self.pp.rank]
-        K = self.P * self.v
-        stash, grads_in, acts_in, deferred, sends = {}, {}, {}, {}, []
-        loss_sum = 0.0
-        for a in sched:
-            if a.kind == "COMM":
-                recvs = []
-                for op in a.ops:
-                    tag = self._tag(op)
-                    if op.kind == "SEND":
-                        data = stash[(op.mb, op.chunk)][1].data if op.what == "ACT" else \
-                            stash[(op.mb, op.chunk)][0].grad
-                        sends.append(self.pp.isend(xp.ascontiguousarray(data), op.peer, tag))
-                        if op.what == "GRAD":
-                            del stash[(op.mb, op.chunk)]
-                    else:
-                        recvs.append((op, self.pp.irecv(op.peer, tag)))
-                for op, h in recvs:
-                    arr = h.wait()
-                    if tuple(arr.shape) != op.shape:
-                        raise ValueError(f"pipeline stage {self.pp.rank}: {op} brought shape "
-                                         f"{tuple(arr.shape)}, expected {op.shape}")
-                    (acts_in if op.what == "ACT" else grads_in)[(op.mb, op.chunk)] = arr
-                continue
-            key = (a.mb, a.chunk)
-            chunk = self.model.chunks[a.chunk]
-            k = a.chunk * self.P + self.pp.rank
-            if a.kind == "F":
-                idx = xp.asarray(x[parts[a.mb]])
-                inp = None if k == 0 else Tensor(acts_in.pop(key), requires_grad=True)
-                out = chunk(inp, idx, xp.asarray(y[parts[a.mb]]), T)
-                if k == K - 1:
-                    out = out[1]                                # the loss
-                    loss_sum += float(out.data) * weights[a.mb]
-                    out = out * float(weights[a.mb] * scale)
-                stash[key] = (inp, out)
-                self.peak_stash = max(self.peak_stash, len(stash))
-            elif a.kind in ("B", "I"):
-                inp, out = stash[key]
-                seed = None if k == K - 1 else grads_in.pop(key)
-                out = self.inner.scale_loss(out) if k == K - 1 else out
-                if a.kind == "B":
-                    out.backward(seed)
+        batch = _Batch(x, y, parts, scored / max(scored.sum(), 1.0), scale, T)
+        for a in self.verified_schedule([len(p) for p in parts], T)[self.pp.rank]:
+            label = "COMM" if a.kind == "COMM" else f"{a.kind}{a.mb}" + (
+                f".{a.chunk}" if self.v > 1 else "")
+            with timeline.span(label, cat="pipeline", kind=a.kind, mb=a.mb, chunk=a.chunk,
+                               ops=[str(o) for o in a.ops] if a.ops else None):
+                if a.kind == "COMM":
+                    self._communicate(a, batch)
                 else:
-                    deferred[key] = []
-                    out.backward(seed, defer_weights=deferred[key])
-                stash[key] = (inp, None)
-                if k == 0:
-                    del stash[key]
-            else:                                           # W
-                weight_gradients(deferred.pop(key))
-        for h in sends:
+                    self._compute(a, batch)
+        for h in batch.sends:
             h.wait()
-        if stash:
-            raise RuntimeError(f"pipeline stage {self.pp.rank}: micro-batches {sorted(stash)} "
-                               "were never sent back (a schedule the verifier should refuse)")
-        # the loss lives on the last stage: every stage reports the same number
-        return float(self.pp.allreduce(np.array([loss_sum if self.pp.rank == (K - 1) % self.P
+        if batch.stash:
+            raise RuntimeError(f"pipeline stage {self.pp.rank}: micro-batches "
+                               f"{sorted(batch.stash)} were never sent back")
+        last = (self.P * self.v - 1) % self.P      # the loss lives on the last stage
+        return float(self.pp.allreduce(np.array([batch.loss if self.pp.rank == last
                                                  else 0.0]))[0])
+
+    def _communicate(self, a, batch) -> None:
+        """Post the action's sends (waited at the end of the step) and receives; wait for the
+        receives and check each brought the shape the schedule says."""
+        xp = backend.xp()
+        recvs = []
+        for op in a.ops:
+            key = (op.mb, op.chunk)
+            if op.kind == "SEND":
+                inp, out = batch.stash[key]
+                data = out.data if op.what == "ACT" else inp.grad
+                batch.sends.append(self.pp.isend(xp.ascontiguousarray(data), op.peer,
+                                                 self._tag(op)))
+                if op.what == "GRAD":                 # the micro-batch is done on this stage
+                    del batch.stash[key]
+            else:
+                recvs.append((op, self.pp.irecv(op.peer, self._tag(op))))
+        for op, h in recvs:
+            arr = h.wait()
+            if tuple(arr.shape) != op.shape:
+                raise ValueError(f"pipeline stage {self.pp.rank}: {op} brought shape "
+                                 f"{tuple(arr.shape)}, expected {op.shape}")
+            batch.received[(op.what, op.mb, op.chunk)] = arr
+
+    def _compute(self, a, batch) -> None:
+        """F, B, I or W of one micro-batch through one of this rank's chunks."""
+        xp = backend.xp()
+        key, K = (a.mb, a.chunk), self.P * self.v
+        k = a.chunk * self.P + self.pp.rank             # the virtual stage
+        if a.kind == "F":
+            inp = None if k == 0 else Tensor(batch.received.pop(("ACT",) + key),
+                                             requires_grad=True)
+            rows = batch.parts[a.mb]
+            out = self.model.chunks[a.chunk](inp, xp.asarray(batch.x[rows]),
+                                             xp.asarray(batch.y[rows]), batch.T)
+            if k == K - 1:                              # the loss, weighted by its share
+                w = batch.weights[a.mb]
+                batch.loss += float(out[1].data) * w
+                out = self.inner.scale_loss(out[1] * float(w * batch.scale))
+            batch.stash[key] = (inp, out)
+            self.peak_stash = max(self.peak_stash, len(batch.stash))
+        elif a.kind in ("B", "I"):
+            inp, out = batch.stash[key]
+            seed = None if k == K - 1 else batch.received.pop(("GRAD",) + key)
+            if a.kind == "I":
+                batch.deferred[key] = []
+            out.backward(seed, defer_weights=batch.deferred.get(key))
+            if k == 0:                                  # nothing to send back
+                del batch.stash[key]
+            else:
+                batch.stash[key] = (inp, None)          # the output is no longer needed
+        else:                                           # W
+            weight_gradients(batch.deferred.pop(key))
 
     def evaluate_batch(self, x, y):
         """Forward only, no schedule: (logits, mean loss), the same on every rank."""

@@ -79,3 +79,36 @@ def test_tp_bench(tmp_path):
             assert r["comm_ratio"] == 1.0
         assert r["act_bytes"] > 0
     assert "x pure DP" in out
+
+
+def test_schedule_picture(tmp_path):
+    out = bench("schedule", "--schedule", "interleaved", "--pp", "2", "--micro-batches", "4",
+                "--virtual-stages", "2", "--out", str(tmp_path / "s.png"))
+    assert "simulated: bubble 11.1%" in out                 # (P-1)/(vm+P-1) = 1/9
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = subprocess.run([sys.executable, "-m", "hpcdist.bench", "schedule", "--schedule",
+                        "interleaved", "--pp", "4", "--micro-batches", "6", "--virtual-stages",
+                        "2", "--out", str(tmp_path / "x.png")], capture_output=True, text=True,
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode != 0 and "not a multiple of --pp 4" in r.stderr
+
+
+def test_pipeline_bench_and_trace_picture(tmp_path):
+    out_file = tmp_path / "pp.json"
+    out = bench("pipeline", "--steps", "4", "--batch", "8", "--micro-batches", "2",
+                "--n-layer", "2", "--n-embd", "16", "--out", str(out_file))
+    rows = json.loads(out_file.read_text())["rows"]
+    assert [r["schedule"] for r in rows] == ["gpipe", "1f1b", "interleaved v2", "zb-h1"]
+    for r in rows:
+        assert 0 <= r["bubble"] < 1 and r["peak_stash"] == r["promised"]
+    trace = tmp_path / "trace.json"
+    r = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "hpcdist.train", "--pp", "2",
+                        "--steps", "3", "--trace", str(trace), "--out-dir", str(tmp_path)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr[-2000:]
+    kinds = {e["args"]["kind"] for e in json.loads(trace.read_text())["traceEvents"]
+             if e.get("cat") == "pipeline"}
+    assert kinds == {"F", "B", "COMM"}
+    out = bench("plot", str(trace), "--out", str(tmp_path / "plots"))
+    assert "pipeline.png" in out

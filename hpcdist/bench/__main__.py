@@ -7,7 +7,9 @@ BENCHMARKS = {
     "collectives": "hpcdist.bench.collectives",
     "compression": "hpcdist.bench.compression",
     "ddp": "hpcdist.bench.ddp",
+    "pipeline": "hpcdist.bench.pipeline",
     "plot": "hpcdist.bench.plot",
+    "schedule": "hpcdist.bench.schedule",
     "tp": "hpcdist.bench.tp",
     "zero": "hpcdist.bench.zero",
 }

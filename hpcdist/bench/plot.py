@@ -11,6 +11,8 @@ Each input is recognised by its content:
 - a Chrome trace (``--trace``): the first steps of every rank as a timeline, one row per
   thread, forward/backward/sync/optimizer/collectives coloured -> timeline.png
 - the compression benchmark's JSON: held-out accuracy vs bytes sent per step -> compression.png
+- a Chrome trace of a pipeline run (``--pp``): stages down, time across, every F/B/I/W with its
+  micro-batch id for one step -> pipeline.png (bench/schedule.py draws it)
 
     python -m hpcdist.bench plot runs/metrics.jsonl runs/bench_collectives_n8.json --out runs/plots
 """
@@ -225,6 +227,12 @@ def main(argv=None) -> int:
         plot_comm_log(plt, doc, out(f"comm_log{i or ''}.png"))
     for i, (_, doc) in enumerate(groups.get("trace", [])):
         plot_trace(plt, doc, out(f"timeline{i or ''}.png"), args.steps)
+        from hpcdist.bench import schedule
+        stages = schedule.events_from_trace(doc)
+        if stages:
+            schedule.draw(plt, stages, out(f"pipeline{i or ''}.png"),
+                          f"pipeline, one step of a real run (measured bubble "
+                          f"{schedule.bubble_of(stages) * 100:.1f}%)", unit="ms")
     for i, (_, doc) in enumerate(groups.get("compression", [])):
         plot_compression(plt, doc, out(f"compression{i or ''}.png"))
     for w in written:

@@ -254,13 +254,14 @@ class Verdict:
     bubble: float                 # idle share of stage-time
     peak_stash: list
     busy: list
+    events: list                  # per stage: (kind, mb, chunk, start, end) of each compute
 
 
 def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
            stash_limit: list | None = None) -> Verdict:
     """Run every stage's actions under strict MPI semantics; raise ScheduleError unless the
     schedule finishes correctly. ``costs``: {"F", "B", "I", "W", "send"} times (default F 1,
-    B 2, I 1, W 1, send 0)."""
+    B 2, I 1, W 1, send 0); a value may be a list, one time per stage."""
     c = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "send": 0.0, **(costs or {})}
     if len(schedule) != P:
         raise ScheduleError(f"the schedule has {len(schedule)} stages, the pipeline {P}")
@@ -276,6 +277,7 @@ def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
     post_time: dict = {}
     sends = [[] for _ in range(P)]    # this stage's posted sends (action, op index)
     got = [set() for _ in range(P)]   # (what, mb, chunk) received so far
+    events: list = [[] for _ in range(P)]
     progress = True
     while progress:
         progress = False
@@ -307,7 +309,8 @@ def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
                         raise ScheduleError(f"stage {s}: action {idx[s]} {a} runs before its "
                                             f"{'activation' if need == 'ACT' else 'gradient'} "
                                             "is received")
-                    cost = c[a.kind]
+                    cost = c[a.kind][s] if isinstance(c[a.kind], (list, tuple)) else c[a.kind]
+                    events[s].append((a.kind, a.mb, a.chunk, clock[s], clock[s] + cost))
                     clock[s] += cost
                     busy[s] += cost
                     key = (a.mb, a.chunk)
@@ -337,7 +340,7 @@ def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
                                     f"{limit[s]} the schedule promises")
     makespan = max(clock)
     bubble = 1.0 - sum(busy) / (P * makespan) if makespan else 0.0
-    return Verdict(makespan, bubble, peak, busy)
+    return Verdict(makespan, bubble, peak, busy, events)
 
 
 def _post(posted, matched, key, op, s, i, j, t, send_cost) -> None:

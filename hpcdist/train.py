@@ -174,8 +174,7 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
             for micro in range(cfg.grad_accum):
                 x, y = train_set.batch(sampler.next_batch())
                 last = micro == cfg.grad_accum - 1           # communicate on the last only
-                with step_fn.micro_context(last), overflow_ok(), \
-                        span("forward and backward", micro=micro):
+                with step_fn.micro_context(last), overflow_ok():
                     loss_sum += step_fn.forward_backward(xp.asarray(x), xp.asarray(y),
                                                          1.0 / cfg.grad_accum)
             with span("gradient sync"):

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from .. import backend, nn, optim
+from .. import backend, nn, optim, timeline
 from ..comm.mesh import ProcessMesh
 from .compression import make_compression
 from .ddp import DistributedDataParallel
@@ -78,8 +78,10 @@ class GradSum:
 
 def forward_backward(step, x, y, scale: float = 1.0) -> float:
     """The whole model on this rank: forward, loss (times ``scale``), backward; the loss."""
-    _, loss = step.model(x, y)
-    step.scale_loss(loss * scale).backward()
+    with timeline.span("forward"):
+        _, loss = step.model(x, y)
+    with timeline.span("backward"):
+        step.scale_loss(loss * scale).backward()
     return float(loss.data)
 
 

@@ -110,6 +110,8 @@ class TensorParallelGPT(Module):
         cfg = full.config
         check_divisible(cfg, comm.size)
         self.config, self.comm, self.sp = cfg, comm, sequence_parallel
+        # the one model's shapes: a checkpoint names tensors by them (reshard.py)
+        self.logical_shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
         self.wte = VocabParallelEmbedding(full.wte.weight.data, comm, sequence_parallel)
         self.wpe = full.wpe
         self.wpe.shard_spec = {"weight": None}

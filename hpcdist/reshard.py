@@ -1,0 +1,114 @@
+"""Layout-free tensors: where a rank's piece of a tensor sits in the one logical model, and how
+any layout cuts its own piece back out. Pure logic on NumPy arrays: no MPI.
+
+A piece of logical tensor ``name`` (shape S) is described by
+
+    cut       None (the whole tensor on this rank), or (axis, blocks, tp_size, tp_rank): the
+              tensor-parallel cut — along ``axis`` the tensor is ``blocks`` blocks side by side
+              (q, k, v: 3), each split into tp_size equal parts, rank tp_rank holding its part
+              of each; the axis is first padded to a multiple of blocks x tp_size (a vocabulary
+              that does not divide: Megatron's padding, zeros)
+    flat      [a, b): the elements of that local block (flattened, C order) the piece holds —
+              all of them, or a ZeRO shard's share
+
+Any layout rebuilds the logical tensor from the pieces that cover it (``assemble``) and takes
+its own piece (``cut_local``), so a checkpoint written by one layout loads into any other.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def padded(length: int, blocks: int, tp: int) -> int:
+    """``length`` rounded up to a multiple of blocks x tp."""
+    unit = blocks * tp
+    return -(-length // unit) * unit
+
+
+def ranges(cut, logical_shape) -> list[tuple[int, int]]:
+    """[lo, hi) along the cut axis, in padded logical coordinates, that the local block holds."""
+    axis, blocks, tp, rank = cut
+    block = padded(logical_shape[axis], blocks, tp) // blocks
+    part = block // tp
+    return [(j * block + rank * part, j * block + (rank + 1) * part) for j in range(blocks)]
+
+
+def local_shape(cut, logical_shape) -> tuple:
+    if cut is None:
+        return tuple(logical_shape)
+    axis, blocks, tp, _ = cut
+    shape = list(logical_shape)
+    shape[axis] = padded(logical_shape[axis], blocks, tp) // tp
+    return tuple(shape)
+
+
+def cut_local(full: np.ndarray, cut) -> np.ndarray:
+    """This rank's local block of the logical tensor ``full`` (padding rows are zeros)."""
+    if cut is None:
+        return np.ascontiguousarray(full)
+    axis, logical = cut[0], full.shape
+    Lp = padded(logical[axis], cut[1], cut[2])
+    if Lp != logical[axis]:
+        pad = [(0, 0)] * full.ndim
+        pad[axis] = (0, Lp - logical[axis])
+        full = np.pad(full, pad)
+    return np.ascontiguousarray(np.concatenate(
+        [np.take(full, np.arange(lo, hi), axis=axis) for lo, hi in ranges(cut, logical)],
+        axis=axis))
+
+
+def assemble(logical_shape, dtype, pieces) -> np.ndarray:
+    """The logical tensor from ``pieces`` = [(cut, (a, b), data)]; raises ValueError unless they
+    cover every element."""
+    logical_shape = tuple(logical_shape)
+    blocks: dict = {}                           # cut -> (local block, filled mask)
+    for cut, (a, b), data in pieces:
+        key = tuple(cut) if cut is not None else None
+        if key not in blocks:
+            shape = local_shape(key, logical_shape)
+            blocks[key] = (np.zeros(int(np.prod(shape)), dtype=dtype),
+                           np.zeros(int(np.prod(shape)), dtype=bool), shape)
+        flat, filled, _ = blocks[key]
+        flat[a:b] = np.asarray(data).reshape(-1)
+        filled[a:b] = True
+    if None in blocks:
+        flat, filled, shape = blocks[None]
+        if not filled.all():
+            raise ValueError(f"pieces cover {int(filled.sum())} of {filled.size} elements")
+        return flat.reshape(shape)
+    axis, nblocks, tp, _ = next(iter(blocks))
+    L = logical_shape[axis]
+    shape = list(logical_shape)
+    shape[axis] = padded(L, nblocks, tp)
+    full = np.zeros(shape, dtype=dtype)
+    seen = np.zeros(shape[axis], dtype=bool)
+    for cut, (flat, filled, lshape) in blocks.items():
+        if not filled.all():
+            raise ValueError(f"tensor-parallel rank {cut[3]}'s block is incomplete "
+                             f"({int(filled.sum())} of {filled.size} elements)")
+        local = flat.reshape(lshape)
+        o = 0
+        for lo, hi in ranges(cut, logical_shape):
+            idx = [slice(None)] * len(shape)
+            idx[axis] = slice(lo, hi)
+            src = [slice(None)] * len(shape)
+            src[axis] = slice(o, o + hi - lo)
+            full[tuple(idx)] = local[tuple(src)]
+            seen[lo:hi] = True
+            o += hi - lo
+    if not seen.all():
+        raise ValueError("pieces miss some tensor-parallel ranks' blocks")
+    idx = [slice(None)] * len(shape)
+    idx[axis] = slice(0, L)
+    return np.ascontiguousarray(full[tuple(idx)])
+
+
+def flat_pieces(entries, lo: int, hi: int, array):
+    """Split ``array`` (elements [lo, hi) of a flat buffer) into per-tensor pieces.
+
+    ``entries`` = [(name, offset, size)] in flat order; yields (name, (a, b), data) where
+    [a, b) is the range within that tensor's local block."""
+    for name, off, size in entries:
+        s, e = max(lo, off), min(hi, off + size)
+        if s < e:
+            yield name, (s - off, e - off), array[s - lo:e - lo]

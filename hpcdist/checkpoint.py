@@ -1,20 +1,27 @@
-"""Atomic, verified, pickle-free checkpoints.
+"""Layout-free, atomic, verified, pickle-free checkpoints.
 
 A checkpoint is a folder ``step_00000123/`` under the save directory:
 
-    shared.npz        arrays every rank holds alike (model, optimizer state), written by rank 0
-    rank_00003.npz    each rank's own arrays (sampler position, RNG state, residuals, ...)
-    manifest.json     step, world size, and for every file its SHA-256, byte count and the
-                      shape and dtype of every array in it — written last, by rank 0
-and ``latest`` names the newest complete folder. Every file is written to a temporary name,
-fsync'ed and renamed, so a crash leaves either the old checkpoint or the new one, never half of
-one. A save that fails on any rank (disk full, permission, quota) fails on every rank: the
-ranks agree, remove what the new checkpoint had written, keep ``latest`` where it was, and
-raise ``CheckpointError`` naming the rank and the path. Loading reads the manifest, checks
-each file's checksum and each array's shape and dtype, and names the bad file in its error.
-``find_resume`` falls back to the newest checkpoint that verifies when ``latest`` is missing
-or damaged, and says so; it never starts over where checkpoints exist. Arrays are stored with ``np.savez`` and read with
-``allow_pickle=False``; JSON-able values (RNG states) travel as UTF-8 bytes in an array.
+    rank_00003.npz    the pieces of tensors this rank writes, and its own state (RNG, ...)
+    manifest.json     written last, by rank 0: step, the layout that wrote it, the run's
+                      scalars (sampler position in global samples, loss scaler, optimizer
+                      step), every file's SHA-256 and size, and every tensor of the one
+                      logical model — parameters ``param/<name>`` and optimizer state
+                      ``opt.<kind>/<name>`` — with its shape and the pieces that hold it
+and ``latest`` names the newest complete folder. Tensors are named as in ``nn.GPT``; a piece
+says where it sits in the logical tensor (its tensor-parallel cut and flat range, see
+reshard.py), so any layout — world size, data-, tensor- or pipeline-parallel sizes, ZeRO stage
+— assembles what it needs (``Reader.tensor``) without gathering the model on one rank. Each
+piece is written once (replicas and replicated copies do not write).
+
+Every file is written to a temporary name, fsync'ed and renamed, so a crash leaves either the
+old checkpoint or the new one, never half of one. A save that fails on any rank (disk full,
+permission, quota) fails on every rank: the ranks agree, remove what the new checkpoint had
+written, keep ``latest`` where it was, and raise ``CheckpointError`` naming the rank and the
+path. Reading checks each file's checksum and names the bad file. ``find_resume`` falls back to
+the newest checkpoint that verifies when ``latest`` is missing or damaged, and says so.
+Arrays are ``np.savez`` files read with ``allow_pickle=False``; JSON values (RNG states) travel
+as UTF-8 bytes in an array.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import numpy as np
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+FORMAT = "hpcdist-checkpoint-2"
 
 
 class CheckpointError(RuntimeError):
@@ -111,15 +119,30 @@ def _oserror(e: OSError, path: str) -> str:
     return f"{e.filename or path}: {e.strerror or e}"
 
 
-def save(save_dir: str, step: int, comm, shared: dict, own: dict, meta: dict | None = None) -> str:
+def _gather_json(comm, obj) -> list:
+    """Every rank's JSON value on every rank (our allgatherv of the UTF-8 bytes)."""
+    raw = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+    sizes = comm.allgather(np.array([raw.size], dtype=np.int64))
+    allbytes = comm.allgatherv(raw.copy())
+    out, o = [], 0
+    for n in sizes:
+        out.append(json.loads(bytes(allbytes[o:o + int(n)]).decode()))
+        o += int(n)
+    return out
+
+
+def save(save_dir: str, step: int, comm, pieces: list, own: dict, meta: dict | None = None,
+         scalars: dict | None = None) -> str:
     """Write a checkpoint collectively; return its folder.
 
-    ``shared``: arrays identical on every rank (rank 0 writes them); ``own``: this rank's.
-    Raises CheckpointError on every rank if writing failed on any (see the module doc).
+    ``pieces``: [(name, cut, logical shape, (a, b), array)] this rank writes (reshard.py);
+    ``own``: this rank's own arrays; ``scalars``: JSON values, the same on every rank (rank 0's
+    are kept). Raises CheckpointError on every rank if writing failed on any.
     """
     folder = step_dir(save_dir, step)
     existed = os.path.isdir(folder)
-    own_path = os.path.join(folder, f"rank_{comm.rank:05d}.npz")
+    name = f"rank_{comm.rank:05d}.npz"
+    path = os.path.join(folder, name)
     error = None
     if comm.rank == 0:
         try:
@@ -127,29 +150,32 @@ def save(save_dir: str, step: int, comm, shared: dict, own: dict, meta: dict | N
         except OSError as e:
             error = _oserror(e, folder)
     error = _agree_failure(comm, error)          # the folder exists before anyone writes
-    own_bytes = b""
+    arrays = {f"p{i}": data for i, (_, _, _, _, data) in enumerate(pieces)}
+    arrays.update({f"own/{k}": v for k, v in own.items()})
+    described = [{"name": n, "cut": list(c) if c is not None else None, "shape": list(shape),
+                  "dtype": str(np.asarray(d).dtype), "flat": [int(a), int(b)], "key": f"p{i}"}
+                 for i, (n, c, shape, (a, b), d) in enumerate(pieces)]
+    digest = None
     if error is None:
         try:
-            own_bytes = _npz_bytes(own)
-            _write_atomic(own_path, own_bytes)
+            raw = _npz_bytes(arrays)
+            _write_atomic(path, raw)
+            digest = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
         except OSError as e:
-            error = _oserror(e, own_path)
+            error = _oserror(e, path)
         error = _agree_failure(comm, error)
     if error is None:
-        digest = np.frombuffer(hashlib.sha256(own_bytes).digest(), dtype=np.uint8).copy()
-        digests = comm.allgather(digest).reshape(comm.size, 32)
-        all_sizes = comm.allgather(np.array([len(own_bytes)], dtype=np.int64))
+        everyone = _gather_json(comm, {"file": name, "digest": digest, "pieces": described})
         if comm.rank == 0:
             try:
-                _write_shared(save_dir, folder, step, comm.size, shared, own, meta, digests,
-                              all_sizes)
+                _write_manifest(save_dir, folder, step, comm.size, everyone, meta, scalars)
             except OSError as e:
                 error = _oserror(e, folder)
         error = _agree_failure(comm, error)      # complete on disk before anyone goes on
     if error is None:
         return folder
     with _quiet():
-        os.remove(own_path)
+        os.remove(path)
     comm.barrier()
     if comm.rank == 0 and not existed:
         shutil.rmtree(folder, ignore_errors=True)
@@ -160,19 +186,18 @@ def save(save_dir: str, step: int, comm, shared: dict, own: dict, meta: dict | N
                           + " and nothing of the failed one is left")
 
 
-def _write_shared(save_dir, folder, step, world, shared, own, meta, digests, all_sizes) -> None:
-    """Rank 0: shared.npz, then the manifest, then ``latest`` (each atomically)."""
-    shared_bytes = _npz_bytes(shared)
-    _write_atomic(os.path.join(folder, "shared.npz"), shared_bytes)
-    files = {"shared.npz": {"sha256": hashlib.sha256(shared_bytes).hexdigest(),
-                            "bytes": len(shared_bytes), "arrays": _describe(shared)}}
-    own_arrays = _describe(own)   # every rank stores the same keys, shapes may differ
-    for r in range(world):
-        files[f"rank_{r:05d}.npz"] = {"sha256": bytes(digests[r]).hex(),
-                                      "bytes": int(all_sizes[r]),
-                                      "arrays": own_arrays if r == 0 else None}
-    manifest = {"format": "hpcdist-checkpoint-1", "step": step, "world": world,
-                "meta": meta or {}, "files": files}
+def _write_manifest(save_dir, folder, step, world, everyone, meta, scalars) -> None:
+    """Rank 0: the manifest (every rank's file and pieces), then ``latest`` (atomically)."""
+    files, tensors = {}, {}
+    for entry in everyone:
+        files[entry["file"]] = entry["digest"]
+        for p in entry["pieces"]:
+            t = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"],
+                                               "pieces": []})
+            t["pieces"].append({"file": entry["file"], "key": p["key"], "cut": p["cut"],
+                                "flat": p["flat"]})
+    manifest = {"format": FORMAT, "step": step, "world": world, "meta": meta or {},
+                "scalars": scalars or {}, "files": files, "tensors": tensors}
     _write_atomic(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1).encode())
     _write_atomic(os.path.join(save_dir, LATEST), os.path.basename(folder).encode())
 
@@ -209,7 +234,10 @@ def read_manifest(folder: str) -> dict:
         raise CheckpointError(f"{mpath}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{mpath}: not a checkpoint manifest (a JSON object expected)")
-    for key, kind in (("step", int), ("world", int), ("files", dict)):
+    if manifest.get("format") != FORMAT and isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{mpath}: format {manifest.get('format')!r}, written by an "
+                              f"older hpcdist; this one reads {FORMAT}")
+    for key, kind in (("step", int), ("world", int), ("files", dict), ("tensors", dict)):
         if not isinstance(manifest.get(key), kind):
             raise CheckpointError(f"{mpath}: the manifest has no valid {key!r}; the checkpoint "
                                   "is damaged or was not written by hpcdist")
@@ -265,6 +293,7 @@ def find_resume(save_dir: str) -> tuple[str | None, str]:
 
 
 def _read_verified(folder: str, name: str, entry: dict) -> dict:
+    """The arrays of one file of a checkpoint, after its size and SHA-256 match the manifest."""
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing (the manifest lists it)")
@@ -275,34 +304,52 @@ def _read_verified(folder: str, name: str, entry: dict) -> dict:
                               "after the checkpoint was written; resume from an older one")
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
+            return {k: z[k] for k in z.files}
     except Exception as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
-    for key, desc in (entry.get("arrays") or {}).items():
-        if key not in arrays:
-            raise CheckpointError(f"{path}: array {key!r} is missing")
-        a = arrays[key]
-        if name == "shared.npz" and (list(a.shape) != desc["shape"] or str(a.dtype) != desc["dtype"]):
-            raise CheckpointError(f"{path}: array {key!r} is {a.dtype}{list(a.shape)}, the "
-                                  f"manifest says {desc['dtype']}{desc['shape']}")
-    return arrays
 
 
-def load(folder: str, comm) -> tuple[dict, dict, dict]:
-    """(manifest, shared arrays, this rank's arrays) of a checkpoint, every file verified."""
-    manifest = read_manifest(folder)
-    mpath = os.path.join(folder, MANIFEST)
-    if manifest["world"] != comm.size:
-        raise CheckpointError(f"{mpath}: written by {manifest['world']} ranks, resuming on "
-                              f"{comm.size}; resume with the same number of ranks")
-    files = manifest["files"]
-    own_name = f"rank_{comm.rank:05d}.npz"
-    for name in ("shared.npz", own_name):
-        if name not in files:
-            raise CheckpointError(f"{mpath}: the manifest lists no {name}")
-    shared = _read_verified(folder, "shared.npz", files["shared.npz"])
-    own = _read_verified(folder, own_name, files[own_name])
-    return manifest, shared, own
+class Reader:
+    """A verified checkpoint, read lazily: each file is checked (SHA-256) when first needed."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.manifest = read_manifest(folder)
+        self.step, self.world = self.manifest["step"], self.manifest["world"]
+        self.scalars = self.manifest.get("scalars", {})
+        self.tensors = self.manifest["tensors"]
+        self._files: dict = {}
+
+    def _file(self, name: str) -> dict:
+        if name not in self._files:
+            entry = self.manifest["files"].get(name)
+            if entry is None:
+                raise CheckpointError(f"{os.path.join(self.folder, MANIFEST)} lists no {name}")
+            self._files[name] = _read_verified(self.folder, name, entry)
+        return self._files[name]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The logical tensor ``name`` (e.g. "param/wte.weight"), assembled from its pieces."""
+        from . import reshard
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.folder}: no tensor {name!r} (this run's model or "
+                                  "optimizer differs from the one that saved it)")
+        pieces = [(p["cut"], tuple(p["flat"]), self._file(p["file"])[p["key"]])
+                  for p in t["pieces"]]
+        try:
+            return reshard.assemble(tuple(t["shape"]), np.dtype(t["dtype"]), pieces)
+        except ValueError as e:
+            raise CheckpointError(f"{self.folder}: tensor {name!r}: {e}") from None
+
+    def own(self, rank: int) -> dict:
+        """Rank ``rank``'s own arrays (RNG state, residuals), as that rank wrote them."""
+        arrays = self._file(f"rank_{rank:05d}.npz")
+        return {k[len("own/"):]: v for k, v in arrays.items() if k.startswith("own/")}
+
+    def verify(self) -> None:
+        for name in self.manifest["files"]:
+            self._file(name)
 
 
 def check_meta(manifest: dict, meta: dict, folder: str) -> None:

@@ -23,6 +23,7 @@ from .comm import Communicator, abort, watchdog
 from .comm.model import fit_alpha_beta
 from .config import ConfigError, TrainConfig, parse_config, validate_world
 from .evaluate import evaluate
+from .parallel import state
 from .parallel.strategy import DataParallelStep, build_strategy
 from .preemption import EXIT_PREEMPTED, StopRequest
 
@@ -42,10 +43,10 @@ def prepare(cfg: TrainConfig, comm):
         return datasets, None
     folder, note = checkpoint.find_resume(cfg.save_dir)
     if folder is None:
-        return datasets, (None, note)
-    manifest, shared, own = checkpoint.load(folder, comm)
-    checkpoint.check_meta(manifest, run_meta(cfg), folder)
-    return datasets, (folder, note, manifest, shared, own)
+        return datasets, (None, note, None)
+    reader = checkpoint.Reader(folder)
+    checkpoint.check_meta(reader.manifest, run_meta(cfg), folder)
+    return datasets, (folder, note, reader)
 
 
 def build(cfg: TrainConfig, comm, datasets):
@@ -54,29 +55,73 @@ def build(cfg: TrainConfig, comm, datasets):
 
 
 def run_meta(cfg: TrainConfig) -> dict:
-    """What a checkpoint must share with the run that resumes it (checked on --resume)."""
-    return {"task": cfg.task, "zero": cfg.zero, "tp": cfg.tp, "pp": cfg.pp, "length": cfg.length,
-            "num_digits": cfg.num_digits, "block_size": cfg.block_size, "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head, "n_embd": cfg.n_embd, "bias": cfg.bias,
-            "tie_weights": cfg.tie_weights, "dtype": cfg.dtype, "precision": cfg.precision,
-            "optimizer": cfg.optimizer, "compress": cfg.compress}
+    """What a checkpoint must share with the run that resumes it (checked on --resume); the
+    layout (world size, DP, TP, PP, ZeRO stage) may differ."""
+    return {"task": cfg.task, "length": cfg.length, "num_digits": cfg.num_digits,
+            "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_embd": cfg.n_embd, "bias": cfg.bias, "tie_weights": cfg.tie_weights,
+            "dtype": cfg.dtype, "precision": cfg.precision, "optimizer": cfg.optimizer,
+            "compress": cfg.compress}
 
 
-def run_state(step, sampler):
-    """(shared, own) arrays that make a run resumable bit for bit."""
-    shared, own = step.state()
-    own["sampler"] = np.array([sampler.epoch, sampler.position], dtype=np.int64)
-    own["rng"] = checkpoint.json_array(backend.rng_state())
-    own.update({f"scaler.{k}": v for k, v in step.scaler.state_dict().items()})
-    return shared, own
+def run_layout(cfg: TrainConfig, world: int) -> dict:
+    return {"world": world, "tp": cfg.tp, "pp": cfg.pp, "dp": world // (cfg.tp * cfg.pp),
+            "zero": cfg.zero, "virtual_stages": cfg.virtual_stages}
 
 
-def restore_state(shared, own, step, sampler) -> None:
-    step.restore(shared, own)
-    sampler.load_state_dict({"epoch": own["sampler"][0], "position": own["sampler"][1]})
-    backend.set_rng_state(checkpoint.from_json_array(own["rng"]))
-    step.scaler.load_state_dict({k[len("scaler."):]: v for k, v in own.items()
-                                 if k.startswith("scaler.")})
+def save_checkpoint(cfg, step, comm, step_fn, sampler) -> str:
+    """The layout-free checkpoint of this run at ``step`` (collective)."""
+    own = {"rng": checkpoint.json_array(backend.rng_state())}
+    ddp = getattr(step_fn, "ddp", None)
+    if ddp is not None:
+        own.update({f"compress.{k}": v for k, v in ddp.compression.state_dict().items()})
+    scalars = {"sampler": {"epoch": sampler.epoch, "position": sampler.position,
+                           "global_batch": sampler.batch_size * sampler.world},
+               "scaler": {k: float(v) for k, v in step_fn.scaler.state_dict().items()},
+               "opt_step_count": int(state.flat_state(step_fn)[3]),
+               "layout": run_layout(cfg, comm.size)}
+    return checkpoint.save(cfg.save_dir, step, comm, state.pieces_to_save(step_fn, cfg), own,
+                           meta=run_meta(cfg), scalars=scalars)
+
+
+def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
+    """Load a checkpoint written by any layout; returns what was done beyond the exact load."""
+    state.load_pieces(step_fn, reader)
+    sc = reader.scalars
+    step_fn.scaler.load_state_dict(sc["scaler"])
+    g_old, g_new = sc["sampler"]["global_batch"], sampler.batch_size * sampler.world
+    samples = sc["sampler"]["position"] * g_old
+    sampler.load_state_dict({"epoch": sc["sampler"]["epoch"], "position": samples // g_new})
+    said = []
+    if samples % g_new:
+        said.append(f"the global batch changed ({g_old} -> {g_new}): continuing at sample "
+                    f"{samples // g_new * g_new} of the epoch instead of {samples}")
+    if sc["layout"] == run_layout(cfg, comm.size):       # the same layout: exact, rank by rank
+        own = reader.own(comm.rank)
+        backend.set_rng_state(checkpoint.from_json_array(own["rng"]))
+        ddp = getattr(step_fn, "ddp", None)
+        if ddp is not None:
+            ddp.compression.load_state_dict({k[len("compress."):]: v for k, v in own.items()
+                                             if k.startswith("compress.")})
+        return "; ".join(said)
+    # Another layout. Dropout streams: each rank derives its own from (seed, step, its rank
+    # in the new layout). Top-K residuals: summed over the old ranks, split evenly.
+    backend.seed(cfg.seed + 7919 * reader.step + 1000 * comm.rank)
+    said.append(f"written by {sc['layout']}, resumed as {run_layout(cfg, comm.size)}: "
+                f"dropout streams reseeded from (seed, step, rank)")
+    ddp = getattr(step_fn, "ddp", None)
+    if ddp is not None and cfg.compress == "topk":
+        if (cfg.tp, cfg.pp) != (sc["layout"]["tp"], sc["layout"]["pp"]):
+            said.append("Top-K residuals dropped (another model-parallel layout)")
+        else:
+            total = None
+            for r in range(reader.world):
+                res = {k: v for k, v in reader.own(r).items() if k.startswith("compress.")}
+                total = res if total is None else {k: total[k] + res[k] for k in total}
+            ddp.compression.load_state_dict({k[len("compress."):]: v / step_fn.data_comm.size
+                                             for k, v in (total or {}).items()})
+            said.append("Top-K residuals summed over the old ranks and split evenly")
+    return "; ".join(said)
 
 
 def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False,
@@ -121,11 +166,11 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
     say = log if is_main else (lambda *a, **k: None)
     start = 0
     if resume is not None:
-        folder, note, *state = resume
+        folder, note, reader = resume
         if folder is not None:
-            restore_state(state[1], state[2], step_fn, sampler)
-            start = state[0]["step"]
-            note += f" at step {start}"
+            extra = restore_checkpoint(reader, cfg, comm, step_fn, sampler)
+            start = reader.step
+            note += f" at step {start}" + (f" ({extra})" if extra else "")
         say(note)
     hosts = runtime.record_ranks(comm, cfg.out_dir)
     metrics = runtime.open_metrics(cfg.out_dir, resumed=start > 0, say=say) if is_main else None
@@ -206,8 +251,7 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
         if cfg.save_dir and (stopped or (cfg.save_every and step % cfg.save_every == 0)
                              or step == cfg.steps):
             with span("checkpoint", step=step):
-                folder = checkpoint.save(cfg.save_dir, step, comm, *run_state(step_fn, sampler),
-                                         meta=run_meta(cfg))
+                folder = save_checkpoint(cfg, step, comm, step_fn, sampler)
             say(f"saved {folder}")
         if stopped:
             break

@@ -81,11 +81,6 @@ def _npz_bytes(arrays: dict) -> bytes:
     return buf.getvalue()
 
 
-def _describe(arrays: dict) -> dict:
-    return {k: {"shape": list(np.shape(v)), "dtype": str(np.asarray(v).dtype)}
-            for k, v in arrays.items()}
-
-
 def step_dir(save_dir: str, step: int) -> str:
     return os.path.join(save_dir, f"step_{step:08d}")
 
@@ -360,3 +355,10 @@ def check_meta(manifest: dict, meta: dict, folder: str) -> None:
     if diffs:
         raise CheckpointError(f"{folder} was written by a different run: " + "; ".join(diffs)
                               + ". Resume with the same settings, or use another --save-dir")
+
+
+if __name__ == "__main__":      # python -m hpcdist.checkpoint inspect|verify|export
+    import sys
+
+    from .checkpoint_tools import main
+    sys.exit(main())

@@ -9,18 +9,16 @@ with a message that says what to set, instead of failing inside every rank.
 Checks: the training options themselves (``hpcdist.config``), the world size against the
 data set and the options (``validate_world``), one rank per GPU for ``--device gpu`` (no GPUs
 allocated, more ranks than GPUs on a node, CuPy missing or seeing fewer devices), and that a
-checkpoint to resume was written by the same number of ranks. Exit 0 (ok, maybe with
-warnings), 2 (a setting to fix).
+checkpoint to resume holds this job's model (any layout and number of ranks loads it). Exit 0
+(ok, maybe with warnings), 2 (a setting to fix).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 from . import backend, checkpoint, data
-from .config import ConfigError, parse_config, validate_world
+from .config import ConfigError, checkpoint_meta, parse_config, validate_world
 
 
 def check(train_args: list, world: int, tasks_per_node: int | None = None,
@@ -60,14 +58,13 @@ def check(train_args: list, world: int, tasks_per_node: int | None = None,
                               encoding=cfg.data_encoding)
     validate_world(cfg, world, len(train_set))
     if cfg.resume:
-        folder = checkpoint.latest(cfg.save_dir)
-        if folder is not None:
-            with open(os.path.join(folder, checkpoint.MANIFEST)) as f:
-                written_by = json.load(f).get("world")
-            if written_by != world:
-                raise ConfigError(f"{folder} was written by {written_by} ranks and this job has "
-                                  f"{world}: resume with --ntasks={written_by} (checkpoints "
-                                  f"hold per-rank state)")
+        try:
+            folder, _ = checkpoint.find_resume(cfg.save_dir)
+            if folder is not None:
+                checkpoint.check_meta(checkpoint.read_manifest(folder), checkpoint_meta(cfg),
+                                      folder)
+        except checkpoint.CheckpointError as e:
+            raise ConfigError(str(e)) from None
     return warnings
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from . import backend, checkpoint, data, optim, runtime, threads, timeline
 from .comm import Communicator, abort, watchdog
 from .comm.model import fit_alpha_beta
-from .config import ConfigError, TrainConfig, parse_config, validate_world
+from .config import ConfigError, TrainConfig, checkpoint_meta, parse_config, validate_world
 from .evaluate import evaluate
 from .parallel import state
 from .parallel.strategy import DataParallelStep, build_strategy
@@ -45,23 +45,13 @@ def prepare(cfg: TrainConfig, comm):
     if folder is None:
         return datasets, (None, note, None)
     reader = checkpoint.Reader(folder)
-    checkpoint.check_meta(reader.manifest, run_meta(cfg), folder)
+    checkpoint.check_meta(reader.manifest, checkpoint_meta(cfg), folder)
     return datasets, (folder, note, reader)
 
 
 def build(cfg: TrainConfig, comm, datasets):
     """(model, training step) for this rank over prepared datasets (strategy.build_strategy)."""
     return build_strategy(cfg, comm, datasets[0])
-
-
-def run_meta(cfg: TrainConfig) -> dict:
-    """What a checkpoint must share with the run that resumes it (checked on --resume); the
-    layout (world size, DP, TP, PP, ZeRO stage) may differ."""
-    return {"task": cfg.task, "length": cfg.length, "num_digits": cfg.num_digits,
-            "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-            "n_embd": cfg.n_embd, "bias": cfg.bias, "tie_weights": cfg.tie_weights,
-            "dtype": cfg.dtype, "precision": cfg.precision, "optimizer": cfg.optimizer,
-            "compress": cfg.compress}
 
 
 def run_layout(cfg: TrainConfig, world: int) -> dict:
@@ -81,7 +71,7 @@ def save_checkpoint(cfg, step, comm, step_fn, sampler) -> str:
                "opt_step_count": int(state.flat_state(step_fn)[3]),
                "layout": run_layout(cfg, comm.size)}
     return checkpoint.save(cfg.save_dir, step, comm, state.pieces_to_save(step_fn, cfg), own,
-                           meta=run_meta(cfg), scalars=scalars)
+                           meta=checkpoint_meta(cfg), scalars=scalars)
 
 
 def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:

@@ -6,7 +6,7 @@
     with step.micro_context(last): loss = model(x, y); step.scale_loss(loss).backward()
     step.sync()                         # gradients averaged (DDP buckets, ZeRO reduce-scatter)
     applied, grad_norm = step.apply(lr, grad_clip)
-    step.state() / step.restore(shared, own); step.memory(); step.full_parameters()
+    step.memory(); step.full_parameters()     # checkpoints: parallel/state.py
 
 and reads ``step.model``, ``step.data_comm`` (the ranks that split the data: each reads other
 samples), ``step.comm`` (the gradient communicator, for byte counts) and ``step.scaler``.
@@ -88,14 +88,12 @@ def forward_backward(step, x, y, scale: float = 1.0) -> float:
 class DataParallelStep:
     """The plain data-parallel path (``--zero 0``): DDP + mixed precision + a full optimizer."""
 
-    def __init__(self, model, ddp, opt, mp, data_comm, norm=None, grad_sum=None,
-                 sharded_state=False):
+    def __init__(self, model, ddp, opt, mp, data_comm, norm=None, grad_sum=None):
         self.model, self.ddp, self.opt, self.mp = model, ddp, opt, mp
         self.data_comm = data_comm
         self.comm = ddp.comm                       # the gradient communicator (bytes count)
         self.scaler = mp.scaler
         self.norm, self.grad_sum = norm or Norm(), grad_sum
-        self.sharded_state = sharded_state         # parameters differ across ranks (TP)
 
     def zero_grad(self):
         self.mp.zero_grad()
@@ -129,24 +127,6 @@ class DataParallelStep:
 
     def eval_context(self):
         return contextlib.nullcontext()
-
-    def state(self):
-        arrays = {"params": backend.to_numpy(self.mp.master.data)}
-        arrays.update({f"opt.{k}": np.asarray(v) for k, v in self.opt.state_dict().items()})
-        own = {f"compress.{k}": v for k, v in self.ddp.compression.state_dict().items()}
-        if self.sharded_state:                     # each rank's shards: its own file
-            own.update(arrays)
-            return {}, own
-        return arrays, own
-
-    def restore(self, shared, own):
-        state = own if self.sharded_state else shared
-        self.mp.master.data[...] = backend.to_device(state["params"])
-        self.mp.copy_master_to_compute()
-        self.opt.load_state_dict({k[len("opt."):]: (int(v) if k == "opt.step_count" else v)
-                                  for k, v in state.items() if k.startswith("opt.")})
-        self.ddp.compression.load_state_dict({k[len("compress."):]: v for k, v in own.items()
-                                              if k.startswith("compress.")})
 
     def memory(self) -> dict:
         """Bytes alive in parameters, gradients and optimizer state (compute + master)."""
@@ -237,7 +217,7 @@ def build_strategy(cfg, comm, train_set):
         low = None if cfg.precision == "fp32" else backend.dtype(cfg.precision)
         step = Zero(model, dp_comm, cfg.zero, make_optimizer, compute_dtype=low, scaler=scaler,
                     bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
-                    norm=norm, grad_sum=grad_sum, sharded_state=mesh is not None)
+                    norm=norm, grad_sum=grad_sum)
         step.model, step.data_comm, step.mesh = model, dp_comm, mesh
     else:
         mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
@@ -253,7 +233,7 @@ def build_strategy(cfg, comm, train_set):
                                       overlap=cfg.overlap and cfg.pp == 1,
                                       compression=compression)
         step = DataParallelStep(model, ddp, make_optimizer(mp.master), mp, dp_comm, norm,
-                                grad_sum, sharded_state=mesh is not None)
+                                grad_sum)
         step.mesh = mesh
     if cfg.pp > 1:
         from .pipeline import PipelineStep

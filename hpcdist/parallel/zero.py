@@ -53,11 +53,10 @@ class Zero:
 
     def __init__(self, model, comm, stage: int, make_optimizer, compute_dtype=None,
                  scaler=None, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 norm=None, grad_sum=None, sharded_state: bool = False):
+                 norm=None, grad_sum=None):
         """``norm`` (strategy.Norm): how the global gradient norm is summed (default: over
         ``comm``); ``grad_sum``: gradients summed over another group after the average
-        (sequence parallelism); ``sharded_state`` is accepted for the strategy interface
-        (ZeRO's state is per rank anyway)."""
+        (sequence parallelism)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         from .mixed_precision import LossScaler
@@ -425,18 +424,6 @@ class Zero:
         return dict(self._peak)
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def state(self):
-        """(shared, own): nothing is shared — each rank writes its shard to its own file."""
-        own = {"zero.master": backend.to_numpy(self.master)}
-        own.update({f"zero.opt.{k}": np.asarray(v) for k, v in self.opt.state_dict().items()})
-        return {}, own
-
-    def restore(self, shared: dict, own: dict) -> None:
-        self.master[...] = backend.to_device(own["zero.master"])
-        self.opt.load_state_dict({k[len("zero.opt."):]: (int(v) if k.endswith("step_count") else v)
-                                  for k, v in own.items() if k.startswith("zero.opt.")})
-        self._rebuild_parameters()
-
     def full_parameters(self):
         """The full master weights, gathered (tests and checkpoints compare them)."""
         return self.comm.allgather(self.master, total=self.L)

@@ -133,8 +133,10 @@ def jobs(cluster):
 
 
 def _final_params(run_dir: Path, steps: int) -> np.ndarray:
-    with np.load(run_dir / "checkpoints" / f"step_{steps:08d}" / "shared.npz") as z:
-        return z["params"]
+    from hpcdist import checkpoint
+    reader = checkpoint.Reader(str(run_dir / "checkpoints" / f"step_{steps:08d}"))
+    return np.concatenate([reader.tensor(n).reshape(-1) for n in sorted(reader.tensors)
+                           if n.startswith("param/")])
 
 
 def test_signalled_job_checkpoints_requeues_and_matches_an_uninterrupted_run(cluster, jobs):

@@ -4,6 +4,7 @@ import sys
 
 BENCHMARKS = {
     "autograd": "hpcdist.bench.autograd",
+    "checkpoint": "hpcdist.bench.checkpoint",
     "collectives": "hpcdist.bench.collectives",
     "compression": "hpcdist.bench.compression",
     "ddp": "hpcdist.bench.ddp",

@@ -369,3 +369,21 @@ def test_tensor_parallel_settings_refused_before_any_collective(tmp_path, args, 
     lines = [line for line in err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1 and said in lines[0], err
     assert not (tmp_path / "metrics.jsonl").exists()      # no work began
+
+
+def test_sigterm_during_saves_stops_cleanly_with_a_verified_latest(tmp_path):
+    from hpcdist import checkpoint
+    save = tmp_path / "ck"
+    proc = launch(train_args(tmp_path, "--save-dir", str(save), "--save-every", "1",
+                             steps=100000), n=2)
+    table = ranks_json(tmp_path)
+    time.sleep(2.0)                       # saving every step: the signal lands in or near one
+    for row in table:
+        os.kill(row["pid"], signal.SIGTERM)
+    rc, out, err, took = finish(proc)
+    assert rc == 75, err[-3000:]          # checkpointed and asked to be requeued
+    assert "stopped after step" in out
+    folder, note = checkpoint.find_resume(str(save))
+    assert "'latest'" in note
+    checkpoint.Reader(folder).verify()
+    assert not _no_temporaries(save)

@@ -60,10 +60,10 @@ def _pipeline_sizes(world):
 
 
 def test_every_schedule_follows_the_one_rank_run(comm, tmp_path):
-    sizes = _pipeline_sizes(comm.size)
-    if not sizes:
-        pytest.skip(f"no pipeline size in 2, 3, 4 divides {comm.size} ranks")
-    for P in sizes:
+    # the whole pipeline at world sizes 2, 3, 4 (DP x PP: the ZeRO-1 and 3D tests below)
+    if comm.size not in (2, 3, 4):
+        pytest.skip("the schedule matrix runs with world size = P in 2, 3, 4")
+    for P in [comm.size]:
         for m in sorted({1, P - 1, P, 2 * P + 1}):
             for schedule in ("gpipe", "1f1b", "zb-h1"):
                 _check(comm, tmp_path / f"{schedule}{P}{m}", P, n_layer=P, micro_batches=m,

@@ -51,26 +51,28 @@ def caller() -> str:
 class Call:
     """One rank's side of one collective call: the header it agrees on, and its description."""
 
+    __slots__ = ("kind", "seq", "blocking", "length", "dtype", "op", "root", "k", "problem",
+                 "shape", "where")
+
     def __init__(self, kind, seq, blocking, length=0, dtype=None, op=None, root=-1, k=-1,
                  problem=None, shape=None, where=None):
         self.kind, self.seq, self.blocking, self.length, self.dtype = kind, seq, blocking, length, dtype
         self.op, self.root, self.k, self.problem, self.shape, self.where = op, root, k, problem, shape, where
 
+    def fields(self) -> list:
+        """The header as Python ints, in FIELDS order."""
+        ok = self.problem is None
+        where = self.where
+        return [KINDS.index(self.kind), self.seq, int(self.blocking),
+                self.length if ok else -1,
+                dtype_code(self.dtype) if self.dtype is not None and ok else -1,
+                OPS.index(self.op) if self.op in OPS else -1, self.root, self.k, int(not ok),
+                zlib.crc32(where.encode()) if where is not None else 0,      # debug mode
+                zlib.crc32(repr(tuple(self.shape)).encode())
+                if where is not None and self.shape is not None else 0]
+
     def header(self) -> np.ndarray:
-        h = np.zeros(len(FIELDS), dtype=np.int64)
-        h[0] = KINDS.index(self.kind)
-        h[1] = self.seq
-        h[2] = int(self.blocking)
-        h[3] = self.length if self.problem is None else -1
-        h[4] = dtype_code(self.dtype) if self.dtype is not None and self.problem is None else -1
-        h[5] = OPS.index(self.op) if self.op in OPS else -1
-        h[6] = self.root
-        h[7] = self.k
-        h[8] = int(self.problem is not None)
-        if self.where is not None:               # debug mode
-            h[9] = zlib.crc32(self.where.encode())
-            h[10] = zlib.crc32(repr(tuple(self.shape)).encode()) if self.shape is not None else 0
-        return h
+        return np.array(self.fields(), dtype=np.int64)
 
     def describe(self) -> str:
         s = f"call #{self.seq} {self.kind}" + ("" if self.blocking else " (non-blocking)")
@@ -131,10 +133,9 @@ def agree(comm, call: Call, label: str = "this communicator") -> None:
         if call.problem is not None:
             raise ValueError(call.problem)
         return
-    h = call.header()
+    h = call.fields()
     n = len(h)
-    both = np.empty(2 * n, dtype=np.int64)
-    both[:n], both[n:] = h, -h
+    both = np.array(h + [-v for v in h], dtype=np.int64)    # max of h and of -h: max and min
     max_inplace(comm, both)
     hi, lo = both[:n], -both[n:]
     if not hi[ERROR] and (hi == lo).all():     # all agree and no rank found a bad argument

@@ -79,10 +79,11 @@ def worker(args) -> int:
             sim_costs["B"] = [i + w for i, w in zip(costs["I"], costs["W"])]
         for k, half in (("I", 0.5), ("W", 0.5)):
             sim_costs.setdefault(k, [b * half for b in sim_costs["B"]])
-        sim = S.verify(S.make(name, P, m, v), P, m, v, sim_costs)
         mean = {k: float(np.mean(x)) for k, x in sim_costs.items() if k != "send"}
+        plan = dict(mean, send=send)                      # ZB-H1 plans with these (the run did)
+        sim = S.verify(S.make(name, P, m, v, plan), P, m, v, sim_costs)
         try:                                              # e.g. interleaved needs m % 4 == 0
-            sim4 = S.verify(S.make(name, 4, m, v), 4, m, v, dict(mean, send=send)).bubble
+            sim4 = S.verify(S.make(name, 4, m, v, plan), 4, m, v, plan).bubble
         except S.ScheduleError:
             sim4 = None
         theory = (P - 1) / (v * m + P - 1) if name != "zb-h1" else None

@@ -11,7 +11,9 @@ micro-batch moves. The executor only walks this rank's list:
     F      forward of micro-batch mb through chunk c; the inputs and outputs are stashed
     B      backward from the received gradient (the last stage: from the loss); the stash of
            (mb, c) is freed
-    I / W  the zero-bubble halves of B: input gradient now, weight gradient later
+    I / W  the zero-bubble halves of B: input gradient now, weight gradient later; ZB-H1 is
+           replanned after two steps from the measured F, I and W times (agreed over the
+           pipeline, then verified like any schedule)
 
 The loss of micro-batch mb is weighted by its share of the batch's scored positions, so the sum
 over micro-batches is exactly the mean the 1-rank run takes over the whole batch. A tied
@@ -19,6 +21,8 @@ embedding lives on the first and the last stage; their gradients are summed betw
 ranks before the data-parallel average. Tensor parallelism runs inside each stage unchanged.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -161,6 +165,10 @@ class PipelineStep:
         self.schedule = S.make(name, self.P, m, v)
         self.peak_stash = 0
         pmodel.step = self
+        # ZB-H1 is planned with F = I = W until two steps have been measured, then replanned
+        # with the measured times, agreed over the pipeline (so every stage gets one plan)
+        self.steps_done, self.times = 0, {"F": [], "I": [], "W": [], "B": []}
+        self.costs = None
 
     # -- the strategy interface, mostly the inner strategy's ---------------------------------
     def __getattr__(self, name):
@@ -228,15 +236,29 @@ class PipelineStep:
                 if a.kind == "COMM":
                     self._communicate(a, batch)
                 else:
+                    t0 = time.perf_counter()
                     self._compute(a, batch)
+                    self.times[a.kind].append(time.perf_counter() - t0)
         for h in batch.sends:
             h.wait()
         if batch.stash:
             raise RuntimeError(f"pipeline stage {self.pp.rank}: micro-batches "
                                f"{sorted(batch.stash)} were never sent back")
         last = (self.P * self.v - 1) % self.P      # the loss lives on the last stage
-        return float(self.pp.allreduce(np.array([batch.loss if self.pp.rank == last
+        loss = float(self.pp.allreduce(np.array([batch.loss if self.pp.rank == last
                                                  else 0.0]))[0])
+        self.steps_done += 1
+        if self.name == "zb-h1" and self.steps_done == 2:
+            self._replan()
+        return loss
+
+    def _replan(self) -> None:
+        """ZB-H1 from the op times measured in the first steps (mean over the stages)."""
+        med = np.array([np.median(self.times[k]) if self.times[k] else 0.0
+                        for k in ("F", "I", "W")])
+        med = self.pp.allreduce(med, op="avg")       # bitwise the same on every stage
+        self.costs = dict(zip(("F", "I", "W"), (float(x) for x in med)))
+        self.schedule = S.make(self.name, self.P, self.m, self.v, self.costs)
 
     def _communicate(self, a, batch) -> None:
         """Post the action's sends (waited at the end of the step) and receives; wait for the

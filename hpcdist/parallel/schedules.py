@@ -141,47 +141,60 @@ def interleaved(P: int, m: int, v: int) -> list[list[Action]]:
     return out
 
 
-def zb_h1(P: int, m: int) -> list[list[Action]]:
+def zb_h1(P: int, m: int, costs: dict | None = None) -> list[list[Action]]:
     """ZB-H1 (Qi et al. 2023): backward split into I (input gradient: on the critical path
-    between stages) and W (weight gradient: off it). The order comes from list scheduling with
-    unit costs F = I = W, the paper's assumption: at each time step every stage runs I of the
-    next micro-batch if its gradient has arrived, else F of the next if fewer than min(P, m)
-    micro-batches are in flight on it (1F1B's peak memory, the H1 bound), else its oldest
-    pending W. Measured with the verifier: bubble 0.36x 1F1B's at P=2, m=8, 0.60x at P=4,
-    m=16 (the paper's "about a third" is the m >> P limit)."""
+    between stages) and W (weight gradient: off it). The order comes from list scheduling over
+    the op times ``costs`` ({"F", "I", "W", "send"}; default F = I = W = 1, send 0, the paper's
+    assumption): whenever a stage is free it runs I of its next micro-batch if that gradient
+    has arrived, else F of the next if fewer than min(P, m) micro-batches are in flight on it
+    (1F1B's peak memory, the H1 bound), else its oldest pending W, else it waits for the next
+    arrival. Measured with the verifier at unit costs: bubble 0.36x 1F1B's at P=2, m=8, 0.60x
+    at P=4, m=16 (the paper's "about a third" is the m >> P limit)."""
     check_params(P, m)
+    c = {"F": 1.0, "I": 1.0, "W": 1.0, "send": 0.0, **(costs or {})}
     limit = min(P, m)
     f_end = [[None] * m for _ in range(P)]          # when F(mb) finished on each stage
     i_end = [[None] * m for _ in range(P)]
     nf, ni, live = [0] * P, [0] * P, [0] * P
     pending = [[] for _ in range(P)]                # micro-batches whose W is still to run
     order: list = [[] for _ in range(P)]
-    t, left = 0, 3 * m * P
+    free = [0.0] * P                                # when each stage is next free
+    left = [3 * m] * P
 
-    def ready(table, s, j):
-        return table[s][j] is not None and table[s][j] <= t
-    while left:
-        for s in range(P):
-            j, k = ni[s], nf[s]
-            if j < m and ready(f_end, s, j) and (s == P - 1 or ready(i_end, s + 1, j)):
-                order[s].append(I(j))
-                i_end[s][j], ni[s] = t + 1, j + 1
-                pending[s].append(j)
-            elif k < m and live[s] < limit and (s == 0 or ready(f_end, s - 1, k)):
-                order[s].append(F(k))
-                f_end[s][k], nf[s], live[s] = t + 1, k + 1, live[s] + 1
-            elif pending[s]:
-                order[s].append(W(pending[s].pop(0)))
-                live[s] -= 1
-            else:
-                continue                            # idle this time step: the bubble
-            left -= 1
-        t += 1
+    def arrived(t_done, t, local):                  # a result is usable once it got here
+        return t_done is not None and t_done + (0.0 if local else c["send"]) <= t + 1e-12
+    while any(left):
+        s = min((q for q in range(P) if left[q]), key=lambda q: free[q])
+        t, j, k = free[s], ni[s], nf[s]
+        if j < m and arrived(f_end[s][j], t, True) and (
+                s == P - 1 or arrived(i_end[s + 1][j], t, False)):
+            order[s].append(I(j))
+            i_end[s][j], ni[s] = t + c["I"], j + 1
+            pending[s].append(j)
+            free[s] = t + c["I"]
+        elif k < m and live[s] < limit and (s == 0 or arrived(f_end[s - 1][k], t, False)):
+            order[s].append(F(k))
+            f_end[s][k], nf[s], live[s] = t + c["F"], k + 1, live[s] + 1
+            free[s] = t + c["F"]
+        elif pending[s]:
+            order[s].append(W(pending[s].pop(0)))
+            live[s] -= 1
+            free[s] = t + c["W"]
+        else:                                       # wait: until the next arrival, or the
+            # other stages' next decision (what this stage waits for is not yet scheduled)
+            soon = [x + c["send"] for x in (f_end[s - 1][k] if s and k < m else None,
+                                             i_end[s + 1][j] if s < P - 1 and j < m else None)
+                    if x is not None and x + c["send"] > t]
+            soon += [free[q] for q in range(P) if q != s and left[q] and free[q] > t]
+            free[s] = min(soon) if soon else t + min(c["F"], c["I"], c["W"])
+            continue
+        left[s] -= 1
     return order
 
 
-def make(name: str, P: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Compute order for ``name`` (one of SCHEDULES), with communication added."""
+def make(name: str, P: int, m: int, v: int = 1, costs: dict | None = None) -> list[list[Action]]:
+    """Compute order for ``name`` (one of SCHEDULES), with communication added. ``costs``:
+    op times ZB-H1's list scheduling plans with (the others do not depend on them)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     if v > 1 and name != "interleaved":
@@ -189,7 +202,7 @@ def make(name: str, P: int, m: int, v: int = 1) -> list[list[Action]]:
     if name == "interleaved" and v == 1:
         raise ScheduleError("--schedule interleaved needs --virtual-stages >= 2")
     order = {"gpipe": lambda: gpipe(P, m), "1f1b": lambda: one_f_one_b(P, m),
-             "interleaved": lambda: interleaved(P, m, v), "zb-h1": lambda: zb_h1(P, m)}[name]()
+             "interleaved": lambda: interleaved(P, m, v), "zb-h1": lambda: zb_h1(P, m, costs)}[name]()
     return add_communication(order, P, v)
 
 

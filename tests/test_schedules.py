@@ -152,3 +152,14 @@ def test_partition():
     assert partition(3, 4) == [(0, 1), (1, 2), (2, 3), (3, 3)]
     with pytest.raises(ValueError, match="every stage but the first and the last needs a block"):
         partition(1, 4)
+
+
+def test_zb_h1_planned_with_measured_costs_beats_1f1b_where_unit_costs_do_not():
+    real = {"F": 2.7, "B": 6.7, "I": 5.2, "W": 1.95, "send": 0.1}     # measured here (README)
+    P, m = 4, 16
+    base = S.verify(S.make("1f1b", P, m), P, m, costs=real)
+    unit = S.verify(S.make("zb-h1", P, m), P, m, costs=real)
+    aware = S.verify(S.make("zb-h1", P, m, costs=real), P, m, costs=real,
+                     stash_limit=S.promised_stash("zb-h1", P, m))
+    assert unit.bubble > base.bubble            # the unit-cost order does not fit these costs
+    assert aware.bubble < 0.75 * base.bubble

@@ -17,7 +17,6 @@ _installed = False
 
 
 def _abort(rank: int, size: int, exc_type, exc, tb) -> None:
-    from mpi4py import MPI
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     sys.stderr.write(f"\n[hpcdist] rank {rank} of {size} (host {socket.gethostname()}, pid "
                      f"{os.getpid()}) failed; ending the job:\n{text}")

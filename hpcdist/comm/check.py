@@ -24,6 +24,7 @@ import numpy as np
 
 from . import ring, watchdog
 from .layout import OPS, fold_rank, unfold_rank
+from . import p2p
 from .p2p import DTYPE_NAMES, dtype_code
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "bcast", "reduce",
@@ -172,3 +173,67 @@ def group_lines(lines: list[str]) -> str:
     parts = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
     return "; ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) + ": " + line
                      for line, rs in parts)
+
+
+# ---- this rank's arguments, checked before the agreement ------------------------------
+
+def argument_problem(buf, name: str, root: int | None, size: int) -> str | None:
+    """What is wrong with this rank's arguments (None if nothing)."""
+    if not hasattr(buf, "dtype") or not hasattr(buf, "flags"):
+        return f"{name} must be a NumPy or CuPy array, got {type(buf).__name__}"
+    if not buf.flags.c_contiguous:
+        return f"{name} must be C-contiguous (pass xp.ascontiguousarray({name}))"
+    if not buf.dtype.isnative:
+        return (f"{name} has non-native byte order ({buf.dtype.str}); pass "
+                f"{name}.astype({name}.dtype.newbyteorder('='))")
+    if root is not None and not 0 <= root < size:
+        return f"root must be in [0, {size}), got {root}"
+    try:
+        p2p.dtype_code(buf.dtype)
+    except TypeError as e:
+        return f"{name}: {e}"
+    return None
+
+
+def out_problem(out, buf) -> str | None:
+    """What is wrong with ``out=`` for a result shaped like ``buf``."""
+    if not hasattr(out, "dtype") or not hasattr(out, "flags"):
+        return f"out must be a NumPy or CuPy array, got {type(out).__name__}"
+    if not out.flags.writeable:
+        return "out is read-only"
+    if tuple(out.shape) != tuple(buf.shape) or out.dtype != buf.dtype:
+        return (f"out is {out.dtype}{list(out.shape)}, the result is "
+                f"{buf.dtype}{list(buf.shape)}")
+    if not out.flags.c_contiguous:
+        return "out must be C-contiguous"
+    return None
+
+
+def counts_problem(counts, total: int, size: int) -> str | None:
+    """What is wrong with per-rank ``counts`` for a ``total``-element array over ``size``."""
+    if counts is None:
+        return None
+    if len(counts) != size or any(int(c) < 0 for c in counts):
+        return f"counts must give {size} non-negative sizes, got {list(counts)}"
+    if sum(int(c) for c in counts) != total:
+        return f"counts add up to {sum(int(c) for c in counts)}, the array has {total}"
+    return None
+
+
+_LABELS: dict = {}      # label -> communicators with those members made by this process
+
+
+def communicator_label(mpi) -> str:
+    """A name for a communicator that every member computes alike: "world", or its members'
+    world ranks ("world ranks 0, 2, 4"), with a count where one set of members has several."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if mpi.Get_size() == world.Get_size():
+        base = "world"
+    else:
+        group, wgroup = mpi.Get_group(), world.Get_group()
+        members = group.Translate_ranks(list(range(mpi.Get_size())), wgroup)
+        group.Free(), wgroup.Free()
+        base = "world ranks " + ", ".join(str(r) for r in members)
+    _LABELS[base] = n = _LABELS.get(base, 0) + 1
+    return base if n == 1 else f"{base} (#{n})"

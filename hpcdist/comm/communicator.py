@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from .. import backend, threads, timeline
 from . import abort, check, p2p, ring, sparse, tree, watchdog
+from .handle import Handle, _Done
 from .layout import check_op, shard_bounds, shard_counts
 from .select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, allreduce_wire_bytes,  # noqa: F401
                      choose_allreduce, choose_bcast)
@@ -28,87 +29,6 @@ def cuda_aware() -> bool:
         return bool(query()) if query is not None else False
     except Exception:
         return False
-
-
-class Handle:
-    """A non-blocking collective in flight: ``wait()`` returns its result, ``test()`` polls.
-
-    An error that nobody retrieves is not lost: the next call on the communicator raises it,
-    and a handle dropped unwaited with an error ends the job (``abort.fatal``)."""
-
-    def __init__(self, future, owner=None, call=None):
-        self._future, self._owner, self._call = future, owner, call
-        self._waited = False
-        if owner is not None:
-            owner._handles.append(self)
-
-    def test(self) -> bool:
-        return self._future.done()
-
-    def wait(self):
-        self._waited = True
-        if self._owner is not None and self._owner._handles:
-            self._owner._forget(self)
-        if self._future.done():
-            return self._future.result()
-        call = self._call
-        with watchdog.waiting(self._owner.label if self._owner else "?",
-                              call.seq if call else 0,
-                              f"wait for {call.kind if call else 'a non-blocking call'}",
-                              0, "all ranks"):
-            return watchdog.wait_future(self._future)
-
-    def _unretrieved_error(self):
-        if self._waited or not self._future.done():
-            return None
-        return self._future.exception()
-
-    def __del__(self):
-        try:
-            e = self._unretrieved_error()
-        except Exception:
-            return
-        if e is not None:
-            what = f"call #{self._call.seq} {self._call.kind}" if self._call else "a call"
-            abort.fatal(f"non-blocking {what} failed and its handle was dropped without "
-                        f"wait(): {type(e).__name__}: {e}")
-
-
-class _Done:
-    """A future that already holds its result (used when no progress thread is available)."""
-
-    def __init__(self, fn):
-        self._value, self._error = None, None
-        try:
-            self._value = fn()
-        except BaseException as e:  # re-raised by result(), as a real future would
-            self._error = e
-
-    def done(self):
-        return True
-
-    def result(self):
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-_LABELS: dict = {}      # label -> communicators with those members made by this process
-
-
-def _label(mpi) -> str:
-    """A name for a communicator that every member computes alike: "world", or its members'
-    world ranks ("world ranks 0, 2, 4"), with a count where one set of members has several."""
-    world = MPI.COMM_WORLD
-    if mpi.Get_size() == world.Get_size():
-        base = "world"
-    else:
-        group, wgroup = mpi.Get_group(), world.Get_group()
-        members = group.Translate_ranks(list(range(mpi.Get_size())), wgroup)
-        group.Free(), wgroup.Free()
-        base = "world ranks " + ", ".join(str(r) for r in members)
-    _LABELS[base] = n = _LABELS.get(base, 0) + 1
-    return base if n == 1 else f"{base} (#{n})"
 
 
 class Communicator:
@@ -133,7 +53,7 @@ class Communicator:
             abort.install()
         if self.size > 1 and MPI.Comm.Compare(self.mpi, MPI.COMM_WORLD) == MPI.IDENT:
             watchdog.start(MPI.COMM_WORLD)
-        self.label = _label(self.mpi)
+        self.label = check.communicator_label(self.mpi)
         self._peers = "all ranks" if self.label == "world" else self.label
         self._seq = 0                        # the ledger: calls made on this communicator
         self._handles: list = []             # non-blocking calls not yet waited
@@ -159,35 +79,7 @@ class Communicator:
 
     # ---- argument handling and the ledger ------------------------------------------------
     def _problem(self, buf, name: str, root: int | None = None) -> str | None:
-        """What is wrong with this rank's arguments (None if nothing)."""
-        if not hasattr(buf, "dtype") or not hasattr(buf, "flags"):
-            return f"{name} must be a NumPy or CuPy array, got {type(buf).__name__}"
-        if not buf.flags.c_contiguous:
-            return f"{name} must be C-contiguous (pass xp.ascontiguousarray({name}))"
-        if not buf.dtype.isnative:
-            return (f"{name} has non-native byte order ({buf.dtype.str}); pass "
-                    f"{name}.astype({name}.dtype.newbyteorder('='))")
-        if root is not None and not 0 <= root < self.size:
-            return f"root must be in [0, {self.size}), got {root}"
-        try:
-            p2p.dtype_code(buf.dtype)
-        except TypeError as e:
-            return f"{name}: {e}"
-        return None
-
-    @staticmethod
-    def _out_problem(out, buf) -> str | None:
-        """What is wrong with ``out=`` for a result shaped like ``buf``."""
-        if not hasattr(out, "dtype") or not hasattr(out, "flags"):
-            return f"out must be a NumPy or CuPy array, got {type(out).__name__}"
-        if not out.flags.writeable:
-            return "out is read-only"
-        if tuple(out.shape) != tuple(buf.shape) or out.dtype != buf.dtype:
-            return (f"out is {out.dtype}{list(out.shape)}, the result is "
-                    f"{buf.dtype}{list(buf.shape)}")
-        if not out.flags.c_contiguous:
-            return "out must be C-contiguous"
-        return None
+        return check.argument_problem(buf, name, root, self.size)
 
     def _call(self, kind, buf=None, name="buf", blocking=True, op=None, root=None, length=None,
               k=-1, problem=None, out=None) -> check.Call:
@@ -200,7 +92,7 @@ class Communicator:
         if kind != "barrier":
             problem = self._problem(buf, name, root) or problem
             if problem is None and out is not None and out is not buf:
-                problem = self._out_problem(out, buf)
+                problem = check.out_problem(out, buf)
         ok = problem is None and buf is not None
         return check.Call(
             kind, self._seq, blocking,
@@ -358,15 +250,6 @@ class Communicator:
     def ireduce_scatter(self, buf, op: str = "sum", counts=None) -> Handle:
         return self._reduce_scatter(buf, op, counts, blocking=False)
 
-    def _counts_problem(self, counts, total: int) -> str | None:
-        if counts is None:
-            return None
-        if len(counts) != self.size or any(int(c) < 0 for c in counts):
-            return f"counts must give {self.size} non-negative sizes, got {list(counts)}"
-        if sum(int(c) for c in counts) != total:
-            return f"counts add up to {sum(int(c) for c in counts)}, the array has {total}"
-        return None
-
     @staticmethod
     def _bounds(counts):
         out, off = [], 0
@@ -378,7 +261,7 @@ class Communicator:
     def _reduce_scatter(self, buf, op, counts, blocking):
         check_op(op)
         call = self._call("reduce_scatter", buf, blocking=blocking, op=op,
-                          problem=self._counts_problem(counts, getattr(buf, "size", 0)))
+                          problem=check.counts_problem(counts, getattr(buf, "size", 0), self.size))
 
         def run(mpi):
             work = self._stage_in(buf).copy()
@@ -408,7 +291,7 @@ class Communicator:
         problem = None
         if counts is not None:
             total = sum(int(c) for c in counts)
-            problem = self._counts_problem(counts, total)
+            problem = check.counts_problem(counts, total, P)
             counts = [int(c) for c in counts]
         else:
             counts = shard_counts(total, P) if total is not None else [n] * P

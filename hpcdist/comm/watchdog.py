@@ -42,7 +42,6 @@ YIELD_S = 10e-3                     # poll (yielding the core) this long, then s
 MAX_SLEEP_S = 2e-3                  # longest sleep between polls of a long wait
 TAG_REQUEST, TAG_REPLY = 1, 2
 
-_lock = threading.Lock()
 _waits: dict = {}                   # thread id -> [Wait, ...] (innermost last)
 _ledger: dict = {}                  # communicator label -> last call number started
 _timeout = None

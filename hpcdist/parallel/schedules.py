@@ -284,7 +284,6 @@ def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
     busy = [0.0] * P
     posted: dict = {}                 # key -> list of (kind, stage, time) waiting to be matched
     matched: dict = {}                # (stage, action index, op index) -> completion time
-    stash = [0] * P
     peak = [0] * P
     live: list = [set() for _ in range(P)]
     post_time: dict = {}

@@ -11,8 +11,6 @@ nothing.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from .. import backend, reshard
 
 

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))

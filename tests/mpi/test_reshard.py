@@ -1,7 +1,6 @@
 """Checkpoints load into any layout: save in one, resume in another, and in fp64 the per-step
 loss and gradient norm after resuming equal the uninterrupted 1-rank run's (rel 1e-10)."""
 import functools
-import os
 
 import numpy as np
 import pytest

@@ -54,66 +54,6 @@ def build(cfg: TrainConfig, comm, datasets):
     return build_strategy(cfg, comm, datasets[0])
 
 
-def run_layout(cfg: TrainConfig, world: int) -> dict:
-    return {"world": world, "tp": cfg.tp, "pp": cfg.pp, "dp": world // (cfg.tp * cfg.pp),
-            "zero": cfg.zero, "virtual_stages": cfg.virtual_stages}
-
-
-def save_checkpoint(cfg, step, comm, step_fn, sampler) -> str:
-    """The layout-free checkpoint of this run at ``step`` (collective)."""
-    own = {"rng": checkpoint.json_array(backend.rng_state())}
-    ddp = getattr(step_fn, "ddp", None)
-    if ddp is not None:
-        own.update({f"compress.{k}": v for k, v in ddp.compression.state_dict().items()})
-    scalars = {"sampler": {"epoch": sampler.epoch, "position": sampler.position,
-                           "global_batch": sampler.batch_size * sampler.world},
-               "scaler": {k: float(v) for k, v in step_fn.scaler.state_dict().items()},
-               "opt_step_count": int(state.flat_state(step_fn)[3]),
-               "layout": run_layout(cfg, comm.size)}
-    return checkpoint.save(cfg.save_dir, step, comm, state.pieces_to_save(step_fn, cfg), own,
-                           meta=checkpoint_meta(cfg), scalars=scalars)
-
-
-def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
-    """Load a checkpoint written by any layout; returns what was done beyond the exact load."""
-    state.load_pieces(step_fn, reader)
-    sc = reader.scalars
-    step_fn.scaler.load_state_dict(sc["scaler"])
-    g_old, g_new = sc["sampler"]["global_batch"], sampler.batch_size * sampler.world
-    samples = sc["sampler"]["position"] * g_old
-    sampler.load_state_dict({"epoch": sc["sampler"]["epoch"], "position": samples // g_new})
-    said = []
-    if samples % g_new:
-        said.append(f"the global batch changed ({g_old} -> {g_new}): continuing at sample "
-                    f"{samples // g_new * g_new} of the epoch instead of {samples}")
-    if sc["layout"] == run_layout(cfg, comm.size):       # the same layout: exact, rank by rank
-        own = reader.own(comm.rank)
-        backend.set_rng_state(checkpoint.from_json_array(own["rng"]))
-        ddp = getattr(step_fn, "ddp", None)
-        if ddp is not None:
-            ddp.compression.load_state_dict({k[len("compress."):]: v for k, v in own.items()
-                                             if k.startswith("compress.")})
-        return "; ".join(said)
-    # Another layout. Dropout streams: each rank derives its own from (seed, step, its rank
-    # in the new layout). Top-K residuals: summed over the old ranks, split evenly.
-    backend.seed(cfg.seed + 7919 * reader.step + 1000 * comm.rank)
-    said.append(f"written by {sc['layout']}, resumed as {run_layout(cfg, comm.size)}: "
-                f"dropout streams reseeded from (seed, step, rank)")
-    ddp = getattr(step_fn, "ddp", None)
-    if ddp is not None and cfg.compress == "topk":
-        if (cfg.tp, cfg.pp) != (sc["layout"]["tp"], sc["layout"]["pp"]):
-            said.append("Top-K residuals dropped (another model-parallel layout)")
-        else:
-            total = None
-            for r in range(reader.world):
-                res = {k: v for k, v in reader.own(r).items() if k.startswith("compress.")}
-                total = res if total is None else {k: total[k] + res[k] for k in total}
-            ddp.compression.load_state_dict({k[len("compress."):]: v / step_fn.data_comm.size
-                                             for k, v in (total or {}).items()})
-            said.append("Top-K residuals summed over the old ranks and split evenly")
-    return "; ".join(said)
-
-
 def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False,
           prepared=None) -> dict:
     """Train on every rank of ``comm``; return the final metrics (the same on every rank).
@@ -158,7 +98,7 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
     if resume is not None:
         folder, note, reader = resume
         if folder is not None:
-            extra = restore_checkpoint(reader, cfg, comm, step_fn, sampler)
+            extra = state.restore_checkpoint(reader, cfg, comm, step_fn, sampler)
             start = reader.step
             note += f" at step {start}" + (f" ({extra})" if extra else "")
         say(note)
@@ -241,7 +181,7 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
         if cfg.save_dir and (stopped or (cfg.save_every and step % cfg.save_every == 0)
                              or step == cfg.steps):
             with span("checkpoint", step=step):
-                folder = save_checkpoint(cfg, step, comm, step_fn, sampler)
+                folder = state.save_checkpoint(cfg, step, comm, step_fn, sampler)
             say(f"saved {folder}")
         if stopped:
             break

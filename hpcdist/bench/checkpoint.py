@@ -25,7 +25,7 @@ def worker(args) -> int:
     from hpcdist.config import TrainConfig
     from hpcdist.parallel import state
     from hpcdist.parallel.strategy import build_strategy
-    from hpcdist.train import restore_checkpoint, save_checkpoint
+    from hpcdist.parallel.state import restore_checkpoint, save_checkpoint
     comm = Communicator()
     root = comm.mpi.bcast(tempfile.mkdtemp() if comm.rank == 0 else "", root=0)
     train_set, _ = data.make_task("sort", length=6, num_digits=10)

@@ -9,7 +9,8 @@ from mpi4py import MPI
 from hpcdist import checkpoint
 from hpcdist.comm import Communicator
 from hpcdist.parallel.strategy import build_strategy
-from hpcdist.train import prepare, restore_checkpoint, save_checkpoint, train
+from hpcdist.parallel.state import restore_checkpoint, save_checkpoint
+from hpcdist.train import prepare, train
 
 from helpers import small
 

@@ -112,3 +112,14 @@ def test_pipeline_bench_and_trace_picture(tmp_path):
     assert kinds == {"F", "B", "COMM"}
     out = bench("plot", str(trace), "--out", str(tmp_path / "plots"))
     assert "pipeline.png" in out
+
+
+def test_checkpoint_bench(tmp_path):
+    out_file = tmp_path / "ck.json"
+    bench("checkpoint", "--ranks", "2", "--n-layer", "1", "--n-embd", "16", "--repeat", "1",
+          "--out", str(out_file))
+    rows = json.loads(out_file.read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["DDP -> ZeRO-1", "ZeRO-1 -> DDP"]
+    ddp, zero = rows
+    assert ddp["plain_bytes"] > ddp["bytes"]             # replicas each wrote a copy; we once
+    assert all(r["save"] > 0 and r["load_other"] > 0 for r in rows)

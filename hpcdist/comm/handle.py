@@ -61,7 +61,10 @@ class _Done:
     def done(self):
         return True
 
-    def result(self):
+    def result(self, timeout=None):
         if self._error is not None:
             raise self._error
         return self._value
+
+    def exception(self):
+        return self._error

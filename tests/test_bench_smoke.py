@@ -123,3 +123,12 @@ def test_checkpoint_bench(tmp_path):
     ddp, zero = rows
     assert ddp["plain_bytes"] > ddp["bytes"]             # replicas each wrote a copy; we once
     assert all(r["save"] > 0 and r["load_other"] > 0 for r in rows)
+
+
+def test_peers_bench(tmp_path):
+    out_file = tmp_path / "peers.json"
+    out = bench("peers", "--sizes", "2", "--max-bytes", "2048", "--out", str(out_file))
+    rows = json.loads(out_file.read_text())["rows"]
+    assert [r["bytes"] for r in rows] == [8, 32, 128, 512, 2048]
+    assert all(r["hpcdist"] > 0 and r["mpi"] > 0 for r in rows)
+    assert "x MPI" in out and (tmp_path / "peers.png").exists()

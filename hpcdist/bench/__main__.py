@@ -8,6 +8,7 @@ BENCHMARKS = {
     "collectives": "hpcdist.bench.collectives",
     "compression": "hpcdist.bench.compression",
     "ddp": "hpcdist.bench.ddp",
+    "peers": "hpcdist.bench.peers",
     "pipeline": "hpcdist.bench.pipeline",
     "plot": "hpcdist.bench.plot",
     "schedule": "hpcdist.bench.schedule",

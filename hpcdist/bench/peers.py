@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         return worker(args)
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        rows += relaunch("peers", n, [a for a in (argv or []) if not a.startswith("--sizes")])
+        rows += relaunch("peers", n, ["--max-bytes", str(args.max_bytes)])
     has_gloo = any("gloo" in r for r in rows)
     if not has_gloo:
         print("PyTorch is not installed: the gloo column is skipped "

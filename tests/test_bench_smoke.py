@@ -132,3 +132,13 @@ def test_peers_bench(tmp_path):
     assert [r["bytes"] for r in rows] == [8, 32, 128, 512, 2048]
     assert all(r["hpcdist"] > 0 and r["mpi"] > 0 for r in rows)
     assert "x MPI" in out and (tmp_path / "peers.png").exists()
+
+
+def test_peers_train_bench(tmp_path):
+    pytest.importorskip("torch")
+    out = bench("peers", "--train", "--ranks", "2", "--steps", "5", "--batch", "8", "--out",
+                str(tmp_path / "peers.json"))
+    rows = json.loads((tmp_path / "peers_train.json").read_text())["rows"]
+    assert rows[0]["ranks"] == 2 and "x PyTorch" in out
+    # the same model, data and optimizer: the losses agree to float32 round-off
+    assert abs(rows[0]["ours_loss"] - rows[0]["torch_loss"]) < 1e-4

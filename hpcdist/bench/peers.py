@@ -6,7 +6,10 @@ separate blocks, each timed between its own library's barriers (MPICH's busy-pol
 slows gloo 3x when mixed in), median of the iterations; the ratios hpcdist / MPI and hpcdist /
 gloo; and a PNG. PyTorch is optional: without it the gloo column is skipped, saying so.
 
-Not here yet (issue 12): the training-step comparison against PyTorch DDP.
+``--train``: the training step beside PyTorch DDP over gloo — the same GPT (PyTorch's copy
+starts from our initial weights, nanoGPT's layout), the same batches from the same sampler, AdamW
+with the same hyperparameters, schedule and clipping, the same BLAS threads per rank — at 1, 2,
+4 and 8 ranks: median step time and the loss after the last step of each.
 """
 from __future__ import annotations
 
@@ -77,15 +80,120 @@ def worker(args) -> int:
     return 0
 
 
+def torch_gpt(torch, sd: dict, cfg):
+    """A nanoGPT-shaped PyTorch module over the nanoGPT-named arrays ``sd`` (our initial
+    weights, from checkpoint_tools.nanogpt_names)."""
+    F = torch.nn.functional
+    C, nh = cfg.n_embd, cfg.n_head
+
+    class GPT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.ParameterDict({k.replace(".", "__"): torch.nn.Parameter(
+                torch.tensor(v)) for k, v in sd.items() if k != "lm_head.weight"})
+
+        def w(self, name):
+            return self.p[name.replace(".", "__")]
+
+        def forward(self, idx):
+            B, T = idx.shape
+            x = self.w("transformer.wte.weight")[idx] + self.w("transformer.wpe.weight")[:T]
+            mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+
+            def ln(x, p):
+                return F.layer_norm(x, (C,), self.w(p + ".weight"), self.w(p + ".bias"))
+            for i in range(cfg.n_layer):
+                h = f"transformer.h.{i}."
+                q, k, v = F.linear(ln(x, h + "ln_1"), self.w(h + "attn.c_attn.weight"),
+                                   self.w(h + "attn.c_attn.bias")).split(C, dim=2)
+                q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
+                att = (q @ k.transpose(-2, -1)) / (C // nh) ** 0.5
+                y = (att.masked_fill(mask, float("-inf")).softmax(-1) @ v)
+                y = y.transpose(1, 2).reshape(B, T, C)
+                x = x + F.linear(y, self.w(h + "attn.c_proj.weight"),
+                                 self.w(h + "attn.c_proj.bias"))
+                m = F.gelu(F.linear(ln(x, h + "ln_2"), self.w(h + "mlp.c_fc.weight"),
+                                    self.w(h + "mlp.c_fc.bias")), approximate="tanh")
+                x = x + F.linear(m, self.w(h + "mlp.c_proj.weight"),
+                                 self.w(h + "mlp.c_proj.bias"))
+            return F.linear(ln(x, "transformer.ln_f"), self.w("transformer.wte.weight"))
+    return GPT()
+
+
+def train_worker(args) -> int:
+    """hpcdist's DDP step, then PyTorch DDP's, on the same model, data and optimizer."""
+    import tempfile
+    import torch
+    import torch.distributed as dist
+
+    from hpcdist import data, nn, optim, threads
+    from hpcdist.checkpoint_tools import nanogpt_names
+    from hpcdist.comm import Communicator
+    from hpcdist.config import TrainConfig
+    from hpcdist.train import train
+    comm = Communicator()
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch, log_every=10 ** 9,
+                      out_dir=comm.mpi.bcast(tempfile.mkdtemp() if comm.rank == 0 else "", 0))
+    ours = train(cfg, comm, log=lambda *a: None)
+    train_set, _ = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits)
+    nn.manual_seed(cfg.seed)                                   # our initial weights, again
+    model = nn.GPT(nn.GPTConfig(block_size=train_set.block_size, vocab_size=train_set.vocab_size,
+                                n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd))
+    sd = nanogpt_names({n: p.data.astype("float32") for n, p in model.named_parameters()})
+    torch.set_num_threads(max(1, threads.threads))
+    port = comm.mpi.bcast(29500 + os.getpid() % 2000 if comm.rank == 0 else None, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
+                            world_size=comm.size)
+    tm = torch_gpt(torch, sd, cfg)
+    ddp = torch.nn.parallel.DistributedDataParallel(tm)
+    decay = [p for p in tm.parameters() if p.ndim >= 2]
+    rest = [p for p in tm.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr,
+                            betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    sampler = data.DistributedSampler(len(train_set), cfg.batch_size, comm.rank, comm.size,
+                                      seed=cfg.seed)
+    times, loss = [], None
+    for step in range(1, cfg.steps + 1):
+        x, y = train_set.batch(sampler.next_batch())
+        lr = optim.lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        logits = ddp(torch.from_numpy(x))
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                                 torch.from_numpy(y).view(-1), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(tm.parameters(), cfg.grad_clip)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    final = torch.tensor([loss.item()])
+    dist.all_reduce(final)
+    dist.destroy_process_group()
+    if comm.rank == 0:
+        emit({"ranks": comm.size, "ours_ms": ours["step_ms_median"],
+              "torch_ms": float(np.median(times[len(times) // 5:])) * 1e3,
+              "ours_loss": ours["train_loss"], "torch_loss": float(final[0]) / comm.size})
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench peers", description=__doc__)
     ap.add_argument("--sizes", default="2,4", help="world sizes")
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--out", default="runs/bench_peers.json")
+    ap.add_argument("--train", action="store_true",
+                    help="the DDP training step beside PyTorch DDP (gloo) instead")
+    ap.add_argument("--ranks", default="1,2,4,8", help="--train: world sizes")
+    ap.add_argument("--steps", type=int, default=100, help="--train: steps")
+    ap.add_argument("--batch", type=int, default=64, help="--train: batch per rank")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker(args)
+        return train_worker(args) if args.train else worker(args)
+    if args.train:
+        return main_train(args)
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         rows += relaunch("peers", n, ["--max-bytes", str(args.max_bytes)])
@@ -123,4 +231,24 @@ def main(argv=None) -> int:
         print(f"wrote {args.out} and {png}")
     except SystemExit:
         print(f"wrote {args.out} (no PNG: matplotlib missing)")
+    return 0
+
+
+def main_train(args) -> int:
+    rows = []
+    for n in (int(x) for x in args.ranks.split(",")):
+        rows += relaunch("peers", n, ["--train", "--steps", str(args.steps), "--batch",
+                                      str(args.batch)])
+    for r in rows:
+        r["ratio"] = r["ours_ms"] / r["torch_ms"]
+        r["loss_diff"] = abs(r["ours_loss"] - r["torch_loss"])
+    print(f"DDP step, default GPT and task, AdamW, batch {args.batch} per rank, {args.steps} "
+          "steps: hpcdist vs PyTorch DDP over gloo (median ms/step after the first fifth)")
+    print(table(rows, [("ranks", "ranks", "d"), ("hpcdist ms", "ours_ms", ".1f"),
+                       ("PyTorch ms", "torch_ms", ".1f"), ("x PyTorch", "ratio", ".2f"),
+                       ("hpcdist loss", "ours_loss", ".4f"), ("PyTorch loss", "torch_loss", ".4f"),
+                       ("|diff|", "loss_diff", ".1e")]))
+    out = os.path.splitext(args.out)[0] + "_train.json"
+    write_json(out, {"rows": rows})
+    print(f"wrote {out}")
     return 0

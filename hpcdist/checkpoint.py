@@ -245,10 +245,9 @@ def read_manifest(folder: str) -> dict:
 
 def verify(folder: str) -> dict:
     """Check every file of a checkpoint against its manifest; return the manifest."""
-    manifest = read_manifest(folder)
-    for name, entry in manifest["files"].items():
-        _read_verified(folder, name, entry)
-    return manifest
+    reader = Reader(folder)
+    reader.verify()
+    return reader.manifest
 
 
 def find_resume(save_dir: str) -> tuple[str | None, str]:

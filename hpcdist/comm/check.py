@@ -1,18 +1,22 @@
-"""The collective ledger: cross-rank agreement on every call, before any data moves.
+"""The collective ledger: cross-rank agreement on every call, before any result is used.
 
-Every collective (barrier and the non-blocking ones included) first reduces a small int64
-header with one recursive-doubling MAX over [h, -h]: what is called, its call number on this
-communicator, blocking or not, length, dtype, op, root, k, and whether this rank found its own
-arguments bad. Every rank gets the same max and min of every field, so a mismatch raises on
-every rank instead of leaving some waiting or returning a wrong result. On a mismatch the ranks
-exchange one line each describing their call, and the error names every rank's call:
+Every collective (barrier and the non-blocking ones included) describes itself as a *key*: a
+62-bit hash of what is called, its call number on this communicator, blocking or not, length,
+dtype, op, root, k, and whether this rank found its own arguments bad. The ranks compute the
+max and the min of the keys with one recursive-doubling exchange of a 16-byte header
+[max, -min]: equal max and min mean every rank makes the same call, so a mismatch raises on
+every rank instead of leaving some waiting or returning a wrong result. On a mismatch the
+ranks exchange one line each describing their call, and the error names every rank's call:
 
     allreduce: ranks disagree at call #7 of world — rank 1: call #7 allreduce 1,000 x float32
     sum; ranks 0, 2, 3: call #7 barrier
 
+Short collectives carry their data in the same messages (short.py), so for them the check
+costs no extra round trip.
+
 What the always-on check cannot see: two calls that match in every field (one rank's extra
 ``allreduce`` of the same size and dtype pairs with the others' next one). ``HPCDIST_DEBUG=1``
-adds the caller's file and line and the array shape to the header, which catches that too.
+adds the caller's file and line and the array shape to the key, which catches that too.
 """
 from __future__ import annotations
 
@@ -22,18 +26,15 @@ import zlib
 
 import numpy as np
 
-from . import ring, watchdog
-from .layout import OPS, fold_rank, unfold_rank
+from . import ring
+from .layout import OPS
 from . import p2p
 from .p2p import DTYPE_NAMES, dtype_code
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "bcast", "reduce",
          "sparse_allreduce", "barrier")
-FIELDS = ("collective", "call", "blocking", "length", "dtype", "op", "root", "k",
-          "argument error", "caller", "shape")
-ERROR = FIELDS.index("argument error")
 LINE = 240                      # bytes of each rank's description on a mismatch
-TAG = 190
+KEY_MASK = (1 << 62) - 1
 _HPCDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -50,30 +51,23 @@ def caller() -> str:
 
 
 class Call:
-    """One rank's side of one collective call: the header it agrees on, and its description."""
+    """One rank's side of one collective call: the key it agrees on, and its description."""
 
     __slots__ = ("kind", "seq", "blocking", "length", "dtype", "op", "root", "k", "problem",
-                 "shape", "where")
+                 "shape", "where", "algorithm")
 
     def __init__(self, kind, seq, blocking, length=0, dtype=None, op=None, root=-1, k=-1,
-                 problem=None, shape=None, where=None):
+                 problem=None, shape=None, where=None, algorithm=""):
         self.kind, self.seq, self.blocking, self.length, self.dtype = kind, seq, blocking, length, dtype
         self.op, self.root, self.k, self.problem, self.shape, self.where = op, root, k, problem, shape, where
+        self.algorithm = algorithm        # ranks must run the same one (e.g. all fused)
 
-    def fields(self) -> list:
-        """The header as Python ints, in FIELDS order."""
+    def key(self) -> int:
+        """The call as a number every rank computes alike (see ``key``)."""
         ok = self.problem is None
-        where = self.where
-        return [KINDS.index(self.kind), self.seq, int(self.blocking),
-                self.length if ok else -1,
-                dtype_code(self.dtype) if self.dtype is not None and ok else -1,
-                OPS.index(self.op) if self.op in OPS else -1, self.root, self.k, int(not ok),
-                zlib.crc32(where.encode()) if where is not None else 0,      # debug mode
-                zlib.crc32(repr(tuple(self.shape)).encode())
-                if where is not None and self.shape is not None else 0]
-
-    def header(self) -> np.ndarray:
-        return np.array(self.fields(), dtype=np.int64)
+        return key(self.kind, self.seq, self.blocking, self.algorithm,
+                   self.length if ok else -1, self.dtype if ok else None, self.op, self.root,
+                   self.k, ok, self.where, self.shape)
 
     def describe(self) -> str:
         s = f"call #{self.seq} {self.kind}" + ("" if self.blocking else " (non-blocking)")
@@ -90,57 +84,67 @@ class Call:
             s += f" root {self.root}"
         if self.k >= 0:
             s += f" k {self.k:,}"
+        if self.algorithm:
+            s += f" via {self.algorithm}"
         if self.where is not None:
             s += f" at {self.where}"
         return s
 
 
-def _exchange(comm, send, recv, peer) -> None:
-    reqs = [comm.Irecv(recv, peer, TAG), comm.Isend(send, peer, TAG)]
-    watchdog.wait_requests(reqs)
+def key(kind, seq, blocking, algorithm, length, dtype, op, root, k, ok, where=None,
+        shape=None) -> int:
+    """A call as a 62-bit number: ``hash`` of ints, which is not salted per process (``hash``
+    of a str is). ``where`` and ``shape`` count only in debug mode (``where`` set)."""
+    return hash((seq, static_key(kind, blocking, algorithm, length, dtype, op, root, k, ok,
+                                 where, shape))) & KEY_MASK
 
 
-def max_inplace(comm, buf: np.ndarray) -> None:
-    """Recursive-doubling MAX of a small int64 array, waiting with back-off (watchdog)."""
-    P, r = comm.Get_size(), comm.Get_rank()
-    pof2, new_rank = fold_rank(r, P)
-    tmp = np.empty_like(buf)
-    if r < 2 * (P - pof2):                       # fold the extra ranks in (MPICH)
-        if r % 2 == 0:
-            watchdog.wait_requests([comm.Isend(buf, r + 1, TAG)])
-        else:
-            watchdog.wait_requests([comm.Irecv(tmp, r - 1, TAG)])
-            np.maximum(buf, tmp, out=buf)
-    if new_rank >= 0:
-        mask = 1
-        while mask < pof2:
-            _exchange(comm, buf, tmp, unfold_rank(new_rank ^ mask, P))
-            np.maximum(buf, tmp, out=buf)
-            mask <<= 1
-    if r < 2 * (P - pof2):                       # and hand the result back out
-        if r % 2:
-            watchdog.wait_requests([comm.Isend(buf, r - 1, TAG + 1)])
-        else:
-            watchdog.wait_requests([comm.Irecv(buf, r + 1, TAG + 1)])
+def static_key(kind, blocking, algorithm, length, dtype, op, root, k, ok, where=None,
+               shape=None) -> int:
+    """Everything of a call's key but its number (cacheable: ``key`` is
+    ``hash((seq, static_key)) & KEY_MASK``)."""
+    return hash((KINDS.index(kind), blocking, _name_code(algorithm), length,
+                 -1 if dtype is None else dtype_code(dtype), OPS.index(op) if op in OPS else -1,
+                 root, k, ok,
+                 0 if where is None else zlib.crc32(where.encode()),
+                 0 if where is None or shape is None
+                 else zlib.crc32(repr(tuple(shape)).encode())))
 
 
-def agree(comm, call: Call, label: str = "this communicator") -> None:
+_NAME_CODES: dict = {}
+
+
+def _name_code(name: str) -> int:
+    """A number for an algorithm's name, the same in every process (crc32, cached)."""
+    code = _NAME_CODES.get(name)
+    if code is None:
+        code = _NAME_CODES[name] = zlib.crc32(name.encode())
+    return code
+
+
+def agree(exchanges, call: Call, label: str = "this communicator", payload=None,
+          fold=None) -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks make the same call.
 
     A rank whose own argument is bad gets ValueError(its problem); the others get the mismatch
-    error, which quotes it.
+    error, which quotes it. ``payload`` (an ``Exchange`` already filled) rides along, folded
+    with ``fold`` (short.py); its ``data`` holds the result when this returns.
     """
+    comm = exchanges.comm
     if comm.Get_size() == 1:
         if call.problem is not None:
             raise ValueError(call.problem)
         return
-    h = call.fields()
-    n = len(h)
-    both = np.array(h + [-v for v in h], dtype=np.int64)    # max of h and of -h: max and min
-    max_inplace(comm, both)
-    hi, lo = both[:n], -both[n:]
-    if not hi[ERROR] and (hi == lo).all():     # all agree and no rank found a bad argument
+    ex = payload if payload is not None else exchanges.get(0, np.uint8)
+    if ex.run(call.key(), fold):
+        if call.problem is not None:             # every rank has the same (bad) call
+            raise ValueError(call.problem)
         return
+    mismatch(comm, call, label)
+
+
+def mismatch(comm, call: Call, label: str):
+    """After keys differed: every rank's one-line description, and the error on every rank."""
     lines = _gather_lines(comm, call.describe())
     if call.problem is not None:
         raise ValueError(call.problem)
@@ -179,6 +183,9 @@ def group_lines(lines: list[str]) -> str:
 
 def argument_problem(buf, name: str, root: int | None, size: int) -> str | None:
     """What is wrong with this rank's arguments (None if nothing)."""
+    if (type(buf) is np.ndarray and buf.flags.c_contiguous and buf.dtype in p2p.KNOWN
+            and (root is None or 0 <= root < size)):
+        return None                               # the common case, quickly
     if not hasattr(buf, "dtype") or not hasattr(buf, "flags"):
         return f"{name} must be a NumPy or CuPy array, got {type(buf).__name__}"
     if not buf.flags.c_contiguous:

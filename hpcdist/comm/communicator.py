@@ -13,11 +13,15 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import backend, threads, timeline
-from . import abort, check, p2p, ring, sparse, tree, watchdog
+from . import abort, check, p2p, ring, short, sparse, tree, watchdog
 from .handle import Handle, _Done
-from .layout import check_op, shard_bounds, shard_counts
-from .select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, allreduce_wire_bytes,  # noqa: F401
+from .layout import check_op, finish, shard_bounds, shard_counts
+from .select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, FUSED, SHORT_ALLGATHER,  # noqa: F401
+                     SHORT_ALLREDUCE, SHORT_BCAST, SHORT_REDUCE_SCATTER, allreduce_wire_bytes,
                      choose_allreduce, choose_bcast)
+
+# op -> the elementwise reduction (avg sums; finish() divides), as layout.reduce_into
+_REDUCE = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 
 def cuda_aware() -> bool:
     """Whether MPI can read GPU buffers directly (HPCDIST_CUDA_AWARE=0|1 overrides)."""
@@ -60,12 +64,22 @@ class Communicator:
         # Non-blocking collectives run on their own duplicate, in a progress thread, so their
         # messages can never match a blocking call's.
         self._bg_mpi = self.mpi.Dup()
+        # The agreement's exchanges (short.py), one set per MPI communicator: the caller's
+        # thread uses self.mpi's, the progress thread _bg_mpi's.
+        self._exchanges = {id(c): short.Exchanges(c) for c in (self.mpi, self._bg_mpi)}
         # Point-to-point has its own duplicate too: user tags never meet collective traffic.
         self._p2p_mpi = self.mpi.Dup()
         self._send_seq: dict = {}            # dest -> messages sent (payload tags)
         self._executor = None
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.debug = os.environ.get("HPCDIST_DEBUG", "0") == "1"
+        # Algorithms forced for "auto" (read once here: the environment is slow per call).
+        self._auto = {"allreduce": os.environ.get("HPCDIST_ALLREDUCE", "auto"),
+                      "bcast": os.environ.get("HPCDIST_BCAST", "auto")}
+        # Blocking short calls may take the lean path (see "collectives").
+        self._lean_ok = self.size > 1
+        self._static_keys: dict = {}     # a lean call's fields -> check.static_key
+        self._lean_wait = watchdog.Wait(self.label, 0, "", 0, self._peers)
         self.cuda_aware = cuda_aware()
         self.sparse_stats = sparse.SparseStats()
         self.bytes_sent = 0          # payload bytes this rank's allreduces sent (analytic)
@@ -101,30 +115,47 @@ class Communicator:
             problem=problem, shape=buf.shape if ok else None,
             where=check.caller() if self.debug else None)
 
-    def _submit(self, call, fn, nbytes: int = 0, algorithm: str = "", info: bool = False):
+    def _submit(self, call, fn, nbytes: int = 0, algorithm: str = "", info: bool = False,
+                fused: bool = False):
         """Run ``fn(mpi)`` after the agreement on ``call``: now, or in the progress thread.
         The wait is registered with the watchdog; ``info``: ``fn`` also takes the timeline's
-        record (to fill in bytes known only later)."""
+        record (to fill in bytes known only later); ``fused``: ``fn`` carries its data in the
+        agreement itself (``_agree``)."""
         label = self.label
 
         def run(mpi):
             kind = call.kind if call.blocking else f"{call.kind} (non-blocking)"
-            with watchdog.waiting(label, call.seq, kind, nbytes, self._peers), \
-                    timeline.collective(call.kind, algorithm, nbytes, self.size) as record:
-                check.agree(mpi, call, label)
-                if call.blocking:
-                    return fn(mpi, record) if info else fn(mpi)
-                try:
-                    return fn(mpi, record) if info else fn(mpi)
-                except BaseException as e:   # after the agreement: peers may be mid-exchange
-                    abort.fatal(f"non-blocking call #{call.seq} {call.kind} failed in the "
-                                f"progress thread: {type(e).__name__}: {e}", e)
-                    raise
+            wait = watchdog.enter(label, call.seq, kind, nbytes, self._peers)
+            try:
+                with timeline.collective(call.kind, algorithm, nbytes, self.size) as record:
+                    if fused:                # agrees first, then only local work is left
+                        return fn(mpi, record) if info else fn(mpi)
+                    self._agree(mpi, call)   # a mismatch raises alike on every rank
+                    try:
+                        return fn(mpi, record) if info else fn(mpi)
+                    except BaseException as e:
+                        if not call.blocking:   # peers may be mid-exchange: end the job
+                            abort.fatal(f"non-blocking call #{call.seq} {call.kind} failed "
+                                        f"in the progress thread: {type(e).__name__}: {e}", e)
+                        raise
+            finally:
+                watchdog.leave(wait)
         if call.blocking:
+            if fused and timeline.active() is None:      # the short path, lean: no closures
+                wait = watchdog.enter(label, call.seq, call.kind, nbytes, self._peers)
+                try:
+                    return fn(self.mpi)
+                finally:
+                    watchdog.leave(wait)
             return run(self.mpi)
         if self.size == 1:        # nothing to wait for: done now, no progress-thread handoff
             return Handle(_Done(lambda: run(self._bg_mpi)), self, call)   # (13% of a DDP
         return Handle(self._run(run), self, call)                       # step at 1 rank)
+
+    def _agree(self, mpi, call, payload=None, fold=None) -> None:
+        """The ledger's agreement on ``call`` (check.agree), carrying ``payload`` (a filled
+        short.Exchange, folded with the ufunc ``fold``) for short collectives."""
+        check.agree(self._exchanges[id(mpi)], call, self.label, payload, fold)
 
     def _forget(self, handle) -> None:
         self._handles = [h for h in self._handles if h is not handle and not h._waited]
@@ -190,6 +221,59 @@ class Communicator:
         return run
 
     # ---- collectives --------------------------------------------------------------------
+    # Short calls carry their data in the agreement (short.py): one recursive doubling in all.
+    # Blocking short calls on host arrays take a lean path (``_lean``) that skips _call and
+    # _submit — their layers cost as much as the exchange (bench collectives, 8 B: 9.5 us of
+    # 16 us at N=2); non-blocking, GPU and timed calls take the general path. Both number the
+    # call, compute its key and send its messages alike (``_exchange``).
+
+    def _lean(self, buf) -> bool:
+        """Whether a blocking call on ``buf`` may take the lean path."""
+        return (self._lean_ok and type(buf) is np.ndarray and buf.flags.c_contiguous
+                and buf.dtype in p2p.KNOWN and not self.debug and timeline.active() is None)
+
+    def _exchange(self, mpi, ex, fold, call, fields) -> None:
+        """Agree on a short call and fold its payload (``ex``, filled). ``call``: the general
+        path's numbered call; None: a lean call, numbered here, whose key comes from
+        ``fields`` = (kind, length, dtype, op, root) as ``check.Call.key`` would make it."""
+        if call is not None:
+            self._agree(mpi, call, ex, fold)
+            return
+        if self._handles:
+            self._raise_unretrieved()
+        self._seq = seq = self._seq + 1
+        watchdog.note_call(self.label, seq)
+        static = self._static_keys.get(fields)
+        if static is None:
+            kind, length, dtype, op, root = fields
+            static = self._static_keys[fields] = check.static_key(
+                kind, True, FUSED, length, dtype, op, root, -1, True)
+        wait = self._lean_wait
+        wait.seq, wait.kind, wait.nbytes = seq, fields[0], ex.data.nbytes
+        if not ex.run(hash((seq, static)) & check.KEY_MASK, fold, wait):
+            kind, length, dtype, op, root = fields
+            check.mismatch(mpi, check.Call(kind, seq, True, length, dtype, op, root,
+                                           algorithm=FUSED), self.label)
+
+    def _fused(self, call, buf, nbytes: int, limit: int) -> bool:
+        """Whether a general-path call carries its data in the agreement (and says so in
+        its key)."""
+        if (call.problem is None and self.size > 1 and nbytes <= limit
+                and (self._staged(buf) or not backend.is_gpu_array(buf))):
+            call.algorithm = FUSED
+        return call.algorithm == FUSED
+
+    def _result(self, flat, buf, out=None):
+        """A flat result shaped like ``buf`` on ``buf``'s device, in ``out`` when one is given
+        (else a new array: ``flat`` may be a buffer that the next call reuses)."""
+        if out is not None:
+            out.reshape(-1)[...] = self._stage_out(flat, out)
+            return out
+        if self._staged(buf):
+            return self._stage_out(flat, buf).reshape(buf.shape)
+        return flat.reshape(buf.shape).copy()
+
+    # allreduce
     def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
                   wire_dtype=None):
         """Reduce ``buf`` over all ranks; every rank gets the result (a new array unless
@@ -198,6 +282,11 @@ class Communicator:
         ``wire_dtype`` (e.g. "float16") sends that dtype while reducing in ``buf``'s dtype;
         it runs the ring algorithm.
         """
+        if (out is None and wire_dtype is None and algorithm == "auto" and op in _REDUCE
+                and self._lean(buf) and buf.nbytes <= SHORT_ALLREDUCE
+                and self._auto["allreduce"] in ("auto", "recursive_doubling")):
+            self.bytes_sent += allreduce_wire_bytes(FUSED, buf.size, self.size, buf.itemsize)
+            return self._short_allreduce(self.mpi, None, buf, op)
         return self._allreduce(buf, op, algorithm, out, wire_dtype, blocking=True)
 
     def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
@@ -206,18 +295,35 @@ class Communicator:
         Do not touch ``buf`` (or ``out``) until then."""
         return self._allreduce(buf, op, algorithm, out, wire_dtype, blocking=False)
 
+    def _short_allreduce(self, mpi, call, buf, op, out=None):
+        host = self._stage_in(buf)
+        ex = self._exchanges[id(mpi)].get(host.nbytes, host.dtype)
+        ex.data[...] = host
+        self._exchange(mpi, ex, _REDUCE[op], call, ("allreduce", host.size, host.dtype, op, -1))
+        if op == "avg":
+            finish(ex.data, op, self.size)
+        return self._result(ex.data, buf, out)
+
     def _allreduce(self, buf, op, algorithm, out, wire_dtype, blocking):
         check_op(op)
-        name = choose_allreduce(getattr(buf, "nbytes", 0), self.size, algorithm)
+        nbytes = getattr(buf, "nbytes", 0)
+        name = choose_allreduce(nbytes, self.size, self._auto["allreduce"]
+                                if algorithm == "auto" else algorithm, env=False)
         if wire_dtype is not None:
             wire_dtype = np.dtype(wire_dtype)
             name = "ring"
         call = self._call("allreduce", buf, blocking=blocking, op=op, out=out)
+        call.algorithm = name
+        fused = name == "recursive_doubling" and self._fused(call, buf, nbytes, SHORT_ALLREDUCE)
+        name = call.algorithm
         itemsize = 0
         if call.problem is None:
             itemsize = (wire_dtype if wire_dtype is not None else buf.dtype).itemsize
             self.bytes_sent += allreduce_wire_bytes(name, buf.size, self.size, itemsize)
         label = name if wire_dtype is None else f"ring({wire_dtype.name} wire)"
+        if fused:
+            return self._submit(call, lambda mpi: self._short_allreduce(mpi, call, buf, op, out),
+                                nbytes, label, fused=True)
 
         def run(mpi):
             staged = self._staged(buf)
@@ -237,16 +343,16 @@ class Communicator:
                     ALLREDUCE_ALGORITHMS[name](mpi, work, op)
             if not staged:
                 return target
-            result = self._stage_out(work, buf).reshape(buf.shape)
-            if out is None:
-                return result
-            out[...] = result
-            return out
-        return self._submit(call, run, getattr(buf, "size", 0) * itemsize, label)
+            return self._result(work, buf, out)
+        return self._submit(call, run, nbytes, label)
 
+    # reduce-scatter
     def reduce_scatter(self, buf, op: str = "sum", counts=None):
         """This rank's shard of the reduction of ``buf``: the shard layout (layout.py), or
         ``counts[r]`` elements for rank r, in rank order (e.g. whole sequence rows)."""
+        if (counts is None and op in _REDUCE and self._lean(buf)
+                and buf.nbytes <= SHORT_REDUCE_SCATTER):
+            return self._short_reduce_scatter(self.mpi, None, buf, op, None)
         return self._reduce_scatter(buf, op, counts, blocking=True)
 
     def ireduce_scatter(self, buf, op: str = "sum", counts=None) -> Handle:
@@ -260,22 +366,46 @@ class Communicator:
             off += int(c)
         return out
 
+    def _my_bounds(self, length: int, counts) -> tuple[int, int]:
+        if counts is not None:
+            return self._bounds(counts)[self.rank]
+        return shard_bounds(length, self.size, self.rank)
+
+    def _short_reduce_scatter(self, mpi, call, buf, op, counts):
+        """The whole buffer reduced by the agreement's exchange; this rank keeps its shard."""
+        host = self._stage_in(buf)
+        ex = self._exchanges[id(mpi)].get(host.nbytes, host.dtype)
+        ex.data[...] = host
+        self._exchange(mpi, ex, _REDUCE[op], call,
+                       ("reduce_scatter", host.size, host.dtype, op, -1))
+        lo, hi = self._my_bounds(host.size, counts)
+        mine = ex.data[lo:hi]
+        if op == "avg":
+            finish(mine, op, self.size)
+        self.bytes_sent += ex.sent
+        return self._stage_out(mine.copy(), buf)
+
     def _reduce_scatter(self, buf, op, counts, blocking):
         check_op(op)
         call = self._call("reduce_scatter", buf, blocking=blocking, op=op,
                           problem=check.counts_problem(counts, getattr(buf, "size", 0), self.size))
+        nbytes = getattr(buf, "nbytes", 0)
+        if self._fused(call, buf, nbytes, SHORT_REDUCE_SCATTER):
+            return self._submit(
+                call, lambda mpi: self._short_reduce_scatter(mpi, call, buf, op, counts),
+                nbytes, FUSED, fused=True)
 
         def run(mpi):
             work = self._stage_in(buf).copy()
             bounds = self._bounds(counts) if counts is not None else None
-            lo, hi = bounds[self.rank] if bounds else shard_bounds(work.size, self.size,
-                                                                   self.rank)
+            lo, hi = self._my_bounds(work.size, counts)
             if self.size > 1 and work.size:
                 ring.reduce_scatter_inplace(mpi, work, op, bounds=bounds)
                 self.bytes_sent += (work.size - (hi - lo)) * work.dtype.itemsize
             return self._stage_out(work[lo:hi].copy(), buf)
-        return self._submit(call, run, getattr(buf, "nbytes", 0), "ring")
+        return self._submit(call, run, nbytes, "ring")
 
+    # allgather
     def allgather(self, shard, total: int | None = None, counts=None):
         """Concatenation of every rank's 1-D ``shard``.
 
@@ -283,10 +413,38 @@ class Communicator:
         ones may be shorter or empty); with ``counts``, rank r's shard has ``counts[r]``
         elements; with neither, every shard must have the same length.
         """
+        if counts is None and self._lean(shard):
+            n = shard.size
+            length = n if total is None else total
+            if (length * shard.itemsize <= SHORT_ALLGATHER
+                    and (total is None or shard_bounds(total, self.size, self.rank)[1]
+                         - shard_bounds(total, self.size, self.rank)[0] == n)):
+                return self._short_allgather(self.mpi, None, shard, total, None)
         return self._allgather(shard, total, blocking=True, counts=counts)
 
     def iallgather(self, shard, total: int | None = None, counts=None) -> Handle:
         return self._allgather(shard, total, blocking=False, counts=counts)
+
+    def _short_allgather(self, mpi, call, shard, total, counts):
+        """Zeros with this rank's piece in place, OR-folded by the agreement's exchange:
+        OR of zeros with one rank's bytes is exactly those bytes, for any dtype."""
+        host = self._stage_in(shard)
+        P, item = self.size, host.itemsize
+        if counts is not None:
+            lo = sum(counts[:self.rank])
+            length = sum(counts)
+        elif total is not None:
+            lo, length = shard_bounds(total, P, self.rank)[0], total
+        else:
+            lo, length = self.rank * host.size, host.size * P
+        ex = self._exchanges[id(mpi)].get(length * item, np.uint8)
+        ex.data[...] = 0
+        ex.data[lo * item:lo * item + host.nbytes] = host.view(np.uint8)
+        self._exchange(mpi, ex, np.bitwise_or, call,
+                       ("allgather", length if total is not None or counts is not None
+                        else host.size, host.dtype, None, -1))
+        self.bytes_sent += ex.sent
+        return self._stage_out(ex.data.view(host.dtype).copy(), shard)
 
     def _allgather(self, shard, total, blocking, counts=None):
         P, n = self.size, getattr(shard, "size", 0)
@@ -303,15 +461,17 @@ class Communicator:
         call = self._call("allgather", shard, "shard", blocking=blocking,
                           length=total if total is not None else n, problem=problem)
         nbytes = (total if total is not None else n * P) * getattr(shard, "itemsize", 0)
+        if self._fused(call, shard, nbytes, SHORT_ALLGATHER):
+            return self._submit(
+                call, lambda mpi: self._short_allgather(mpi, call, shard, total, counts),
+                nbytes, FUSED, fused=True)
         return self._submit(call, lambda mpi: self._gather_pieces(mpi, shard, counts),
                             nbytes, "ring")
 
     def _gather_pieces(self, mpi, piece, counts):
         """Ring allgather of pieces of the given per-rank sizes into one array."""
-        bounds, off = [], 0
-        for c in counts:
-            bounds.append((off, off + int(c)))
-            off += int(c)
+        bounds = self._bounds(counts)
+        off = bounds[-1][1]
         work = self._stage_in(piece)
         full = backend.array_module(work).empty(off, dtype=work.dtype)
         full[bounds[self.rank][0]:bounds[self.rank][1]] = work
@@ -333,14 +493,25 @@ class Communicator:
             return self._gather_pieces(mpi, buf, counts)
         return self._submit(call, run, 0, "ring", info=True)
 
+    # broadcast
     def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
         """Overwrite ``buf`` on every rank with root's ``buf`` (in place); returns ``buf``."""
-        name = choose_bcast(getattr(buf, "nbytes", 0), self.size, algorithm)
+        if (algorithm == "auto" and self._auto["bcast"] == "auto" and self._lean(buf)
+                and buf.nbytes <= SHORT_BCAST and buf.flags.writeable
+                and type(root) is int and 0 <= root < self.size):
+            return self._short_bcast(self.mpi, None, buf, root)
+        name = choose_bcast(getattr(buf, "nbytes", 0), self.size, self._auto["bcast"]
+                            if algorithm == "auto" else algorithm, env=False)
         call = self._call("bcast", buf, root=root)
-        problem = None if call.problem or getattr(buf, "flags", None) is None \
-            or buf.flags.writeable else "buf is read-only (bcast writes into it)"
-        if problem:
-            call.problem = problem
+        if call.problem is None and getattr(buf, "flags", None) is not None \
+                and not buf.flags.writeable:
+            call.problem = "buf is read-only (bcast writes into it)"
+        call.algorithm = name
+        nbytes = getattr(buf, "nbytes", 0)
+        if algorithm == "auto" and self._auto["bcast"] == "auto" \
+                and self._fused(call, buf, nbytes, SHORT_BCAST):
+            return self._submit(call, lambda mpi: self._short_bcast(mpi, call, buf, root),
+                                nbytes, FUSED, fused=True)
 
         def run(mpi):
             work = self._stage_in(buf)
@@ -349,7 +520,21 @@ class Communicator:
             if self._staged(buf):
                 buf[...] = self._stage_out(work, buf).reshape(buf.shape)
             return buf
-        return self._submit(call, run, getattr(buf, "nbytes", 0), name)
+        return self._submit(call, run, nbytes, name)
+
+    def _short_bcast(self, mpi, call, buf, root):
+        """Root's bytes and everyone else's zeros, OR-folded by the agreement's exchange."""
+        host = self._stage_in(buf)
+        ex = self._exchanges[id(mpi)].get(host.nbytes, np.uint8)
+        if self.rank == root:
+            ex.data[...] = host.view(np.uint8)
+        else:
+            ex.data[...] = 0
+        self._exchange(mpi, ex, np.bitwise_or, call, ("bcast", host.size, host.dtype, None, root))
+        if self.rank != root:
+            buf.reshape(-1)[...] = self._stage_out(ex.data.view(host.dtype), buf)
+        self.bytes_sent += ex.sent
+        return buf
 
     def reduce(self, buf, op: str = "sum", root: int = 0):
         """Binomial-tree reduction to ``root``: the result there, None on other ranks."""
@@ -367,7 +552,13 @@ class Communicator:
         """Wait until every rank has called it. The agreement round is itself the barrier
         (no rank leaves an allreduce before every rank entered it), so a rank that calls
         another collective instead is named rather than matched."""
-        self._submit(self._call("barrier"), lambda mpi: None, 0, "agreement")
+        if self._lean_ok and not self.debug and timeline.active() is None:
+            self._exchange(self.mpi, self._exchanges[id(self.mpi)].get(0, np.uint8), None,
+                           None, ("barrier", 0, None, None, -1))
+            return
+        call = self._call("barrier")
+        call.algorithm = FUSED               # the same key as the lean barrier's
+        self._submit(call, lambda mpi: None, 0, "agreement")
 
     # ---- point to point -----------------------------------------------------------------
     def _check_peer(self, peer: int, name: str, tag: int) -> None:
@@ -473,6 +664,8 @@ class Communicator:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        for exchanges in self._exchanges.values():
+            exchanges.free()
         for name in ("_bg_mpi", "_p2p_mpi"):
             dup = getattr(self, name)
             if dup is not None and dup != MPI.COMM_NULL:

@@ -4,7 +4,8 @@ A message of n bytes costs ``alpha + n * beta`` (latency plus inverse bandwidth;
 arithmetic is left out). Each formula below counts the rounds and the bytes one rank sends in
 our implementation of that algorithm (see ring.py, recursive_doubling.py, rabenseifner.py,
 tree.py, sparse.py), plus the agreement check every collective starts with: one
-recursive-doubling round trip of a small header per doubling step (check.py).
+recursive-doubling round trip of a small header per doubling step (check.py) — except for
+short calls, whose data rides in the agreement's own messages (short.py).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 
 import numpy as np
 
-from .select import choose_allreduce, choose_bcast
+from .select import FUSED, choose_allreduce, choose_bcast, is_short
 
 MiB = 1 << 20
 
@@ -49,7 +50,8 @@ def fit_alpha_beta(mpi, big: int = 16 * MiB, iters: tuple = (200, 5)):
 def predict(kind: str, nbytes: int, P: int, a: float, b: float, algorithm: str = "") -> float:
     """Seconds the alpha-beta model gives for our ``kind`` collective of ``nbytes`` bytes (the
     whole buffer; for allgather the gathered result) on ``P`` ranks. ``algorithm`` defaults to
-    what "auto" picks; the agreement check adds ceil(log2 P) latencies."""
+    what "auto" picks; the agreement check adds ceil(log2 P) latencies (none for a short
+    call: one recursive doubling of the payload, which is the whole buffer)."""
     if P == 1:
         return 0.0
     lg = math.ceil(math.log2(P))
@@ -60,6 +62,8 @@ def predict(kind: str, nbytes: int, P: int, a: float, b: float, algorithm: str =
         return a + nbytes * b
     if kind == "barrier":
         return lg * a
+    if algorithm == FUSED or (not algorithm and is_short(kind, nbytes, P)):
+        return fold + int(math.log2(pof2)) * (a + nbytes * b)
     if kind == "allreduce":
         algorithm = algorithm or choose_allreduce(nbytes, P)
         if algorithm == "recursive_doubling":

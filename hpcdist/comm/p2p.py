@@ -23,6 +23,7 @@ DTYPE_NAMES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64
 
 
 _CODES: dict = {}   # dtype -> code; np.dtype(...).name is slow enough to show per call
+KNOWN = _CODES      # native-order dtypes that can be sent (filled as they are met)
 
 
 def dtype_code(dtype) -> int:
@@ -31,7 +32,9 @@ def dtype_code(dtype) -> int:
         name = np.dtype(dtype).name
         if name not in DTYPE_NAMES:
             raise TypeError(f"dtype {name} cannot be sent: supported are {', '.join(DTYPE_NAMES)}")
-        code = _CODES[dtype] = DTYPE_NAMES.index(name)
+        code = DTYPE_NAMES.index(name)
+        if np.dtype(dtype).isnative:
+            _CODES[dtype] = code
     return code
 
 

@@ -2,6 +2,7 @@
 bytes each algorithm puts on the wire."""
 from __future__ import annotations
 
+import functools
 import os
 
 from . import rabenseifner, recursive_doubling, ring, tree
@@ -19,9 +20,17 @@ from . import rabenseifner, recursive_doubling, ring, tree
 #   512 KiB     867 /  907 /  742          382 /  377 /  412         6255 / 3001 / 3961
 #   2 MiB      1804 / 1600 / 1630          841 /  641 /  736        14089 / 7836 / 3443
 #   8 MiB      3563 / 5532 / 2916         6183 / 3728 / 3502        24732 / 12069 / 8352
-# Recursive doubling wins below 64 KiB everywhere; the ring wins from 2 MiB (clearly at N=8,
+# Recursive doubling wins up to 64 KiB everywhere; the ring wins from 2 MiB (clearly at N=8,
 # by 0-20% at N=2 and 4); Rabenseifner in between (at N=2 it is the ring's schedule).
 ALLREDUCE_SMALL_BYTES = 64 << 10
+# Short calls carry the agreement's header in their own messages (short.py): one recursive
+# doubling, checked. Every recursive-doubling allreduce is short enough; the other kinds
+# send their whole buffer log2(P) times that way, so only up to (payload bytes):
+FUSED = "recursive_doubling+check"
+SHORT_ALLREDUCE = ALLREDUCE_SMALL_BYTES
+SHORT_REDUCE_SCATTER = 16 << 10
+SHORT_ALLGATHER = 16 << 10          # the whole gathered array
+SHORT_BCAST = 16 << 10
 ALLREDUCE_RING_BYTES = 2 << 20
 # bcast, microseconds by algorithm (same sweep), binomial / scatter + ring allgather:
 #   bytes         N=4              N=8
@@ -47,9 +56,11 @@ BCAST_ALGORITHMS = {
 }
 
 
-def _forced(algorithm: str, env: str, table: dict, what: str):
-    """The algorithm forced by argument or by ``env``; None when both say "auto"."""
-    algorithm = os.environ.get(env, "auto") if algorithm == "auto" else algorithm
+def _forced(algorithm: str, env: str | None, table: dict, what: str):
+    """The algorithm forced by argument or by the variable ``env``; None when both say
+    "auto" (``env`` None: the caller looked at the variable already)."""
+    if algorithm == "auto" and env is not None:
+        algorithm = os.environ.get(env, "auto")
     if algorithm == "auto":
         return None
     if algorithm not in table:
@@ -58,25 +69,41 @@ def _forced(algorithm: str, env: str, table: dict, what: str):
     return algorithm
 
 
-def choose_allreduce(nbytes: int, world: int, algorithm: str = "auto") -> str:
-    """The allreduce algorithm for a message size (``HPCDIST_ALLREDUCE`` overrides "auto")."""
-    forced = _forced(algorithm, "HPCDIST_ALLREDUCE", ALLREDUCE_ALGORITHMS, "allreduce")
+def choose_allreduce(nbytes: int, world: int, algorithm: str = "auto", env: bool = True) -> str:
+    """The allreduce algorithm for a message size (``HPCDIST_ALLREDUCE`` overrides "auto"
+    unless ``env`` is False)."""
+    forced = _forced(algorithm, "HPCDIST_ALLREDUCE" if env else None, ALLREDUCE_ALGORITHMS,
+                     "allreduce")
     if forced:
         return forced
-    if nbytes < ALLREDUCE_SMALL_BYTES:
+    if nbytes <= ALLREDUCE_SMALL_BYTES:
         return "recursive_doubling"
     return "rabenseifner" if nbytes < ALLREDUCE_RING_BYTES else "ring"
 
 
-def choose_bcast(nbytes: int, world: int, algorithm: str = "auto") -> str:
-    """The broadcast algorithm for a message size (``HPCDIST_BCAST`` overrides "auto")."""
-    forced = _forced(algorithm, "HPCDIST_BCAST", BCAST_ALGORITHMS, "bcast")
+def choose_bcast(nbytes: int, world: int, algorithm: str = "auto", env: bool = True) -> str:
+    """The broadcast algorithm for a message size (``HPCDIST_BCAST`` overrides "auto" unless
+    ``env`` is False)."""
+    forced = _forced(algorithm, "HPCDIST_BCAST" if env else None, BCAST_ALGORITHMS, "bcast")
     if forced:
         return forced
     small = BCAST_SMALL_BYTES_MANY if world >= BCAST_MANY_RANKS else BCAST_SMALL_BYTES
     return "binomial" if nbytes < small or world <= 2 else "scatter_allgather"
 
 
+def is_short(kind: str, nbytes: int, world: int) -> bool:
+    """Whether "auto" runs a ``kind`` call of ``nbytes`` (payload) as a short call carried by
+    the agreement (short.py)."""
+    if world == 1:
+        return False
+    if kind == "allreduce":
+        return choose_allreduce(nbytes, world) == "recursive_doubling" and nbytes <= SHORT_ALLREDUCE
+    limit = {"reduce_scatter": SHORT_REDUCE_SCATTER, "allgather": SHORT_ALLGATHER,
+             "bcast": SHORT_BCAST, "barrier": 0}.get(kind)
+    return limit is not None and nbytes <= limit
+
+
+@functools.lru_cache(maxsize=256)
 def allreduce_wire_bytes(algorithm: str, n: int, world: int, itemsize: int) -> int:
     """Payload bytes one rank sends in our allreduce of n elements (rank 0's count for the
     folding algorithms; the agreement header is not counted)."""
@@ -89,7 +116,7 @@ def allreduce_wire_bytes(algorithm: str, n: int, world: int, itemsize: int) -> i
     pof2 = 1 << (P.bit_length() - 1)
     fold = n * itemsize if pof2 != P else 0
     rounds = pof2.bit_length() - 1
-    if algorithm == "recursive_doubling":
+    if algorithm in ("recursive_doubling", FUSED):
         return fold + rounds * n * itemsize
     S = -(-n // pof2)
     return fold + 2 * (pof2 - 1) * S * itemsize        # rabenseifner

@@ -7,7 +7,7 @@ import pytest
 
 from hpcdist import timeline
 from hpcdist.comm.model import predict
-from hpcdist.comm.select import choose_allreduce
+from hpcdist.comm.select import FUSED, choose_allreduce, is_short
 from hpcdist.train import train
 
 import helpers
@@ -80,7 +80,9 @@ def test_comm_log_counts_calls_bytes_and_models_them(comm, shared_dir):
         rows = [r for r in doc["rows"] if r["collective"] == "allreduce" and r["bytes"] == nbytes]
         assert len(rows) == 1
         row = rows[0]
-        assert row["calls"] == 6 and row["algorithm"] == choose_allreduce(nbytes, comm.size)
+        want = FUSED if is_short("allreduce", nbytes, comm.size) else choose_allreduce(nbytes,
+                                                                                        comm.size)
+        assert row["calls"] == 6 and row["algorithm"] == want
         assert row["time_us"] > 0 and row["total_s"] > 0
         if comm.size > 1:
             assert row["model_us"] == pytest.approx(

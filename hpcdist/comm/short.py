@@ -1,0 +1,195 @@
+"""Short collectives: the agreement carries the data.
+
+Every collective starts with the ledger's agreement (check.py): a recursive-doubling exchange
+of a 16-byte header [max key, -min key]. For a short buffer the data rides in the same
+messages — header first, payload after — so a short allreduce, broadcast, allgather or
+reduce-scatter costs one recursive doubling in all, checked, instead of a check and then the
+collective. At each step a rank folds its peer's payload into its own only while every key it
+has seen is its own (so the payload it folds always has its length and dtype); the result is
+used only when the exchange agreed, and a disagreement raises as any other mismatch does.
+
+What the payload is, and how two payloads fold:
+
+    allreduce, reduce     the buffer                          op (sum, max, ...)
+    reduce_scatter        the whole buffer; keep my shard     op
+    bcast                 root: the buffer; others: zeros     bitwise OR of the bytes
+    allgather             zeros with my piece in place        bitwise OR of the bytes
+    barrier, long calls   nothing (header only)               -
+
+OR of zeros with one rank's bytes is that rank's bytes exactly, for any dtype (-0.0, NaN
+payloads and all). Recursive doubling sends the whole payload log2(P) times, so only short
+buffers go this way (the limits in select.py are measured).
+
+An ``Exchange`` is one payload size and dtype on one MPI communicator: its send buffer, typed
+views of it and of the receive buffer, and persistent MPI requests for every step, made once
+and started again on every call of that size. Per call that leaves a few microseconds of
+Python; mpi4py's argument parsing for fresh Isend/Irecv, typed views and the
+header's buffers made on every call were more than half of it (``bench collectives``).
+
+The messages of a fused exchange and of a header-only one go between the same ranks, in the
+same order, with the same tags, and every receive takes the longest payload: ranks that took
+different paths (a short and a long call, say) still meet, and see that their keys differ.
+"""
+from __future__ import annotations
+
+import atexit
+import struct
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+from . import watchdog
+from .layout import fold_rank, unfold_rank
+
+HEADER = 16                     # bytes: int64 [max key, -min key]
+MAX_PAYLOAD = 64 << 10          # the longest payload an exchange carries (select.py's limits)
+TAG = 190
+CACHED = 64                     # exchanges kept per communicator (the oldest go)
+
+
+class Exchange:
+    """Recursive doubling of [max key, -min key] + ``nbytes`` of ``dtype`` payload on ``comm``.
+
+    Non-powers of two fold as MPICH does: the first 2*rem ranks pair up, each even one hands
+    its part to its odd neighbour before the doubling and gets the result back after it.
+    """
+
+    def __init__(self, comm, rbuf: np.ndarray, nbytes: int, dtype):
+        P, r = comm.Get_size(), comm.Get_rank()
+        itemsize = np.dtype(dtype).itemsize
+        # A one-element payload travels with a zero beside it: NumPy 2's ufuncs take 1.2 us
+        # on one element and 0.45 us on two (the fold runs log2(P) times a call).
+        padded = itemsize * 2 if nbytes == itemsize else nbytes
+        self.work = np.zeros(HEADER + padded, dtype=np.uint8)
+        self.hdr = self.work[:HEADER].view(np.int64)
+        self.data = self.work[HEADER:HEADER + nbytes].view(dtype)   # payload, then result
+        self.mine = self.work[HEADER:].view(dtype)                   # what folds
+        self.peer = rbuf[HEADER:HEADER + padded].view(dtype)
+        self.rbuf = rbuf
+        self.rhdr = rbuf[:HEADER].view(np.int64)
+        self.hview, self.rview = memoryview(self.work)[:HEADER], memoryview(rbuf)[:HEADER]
+        pof2, new_rank = fold_rank(r, P)
+        self.fold = 0                              # 1: hands its part in, -1: takes it in
+        if r < 2 * (P - pof2):
+            self.fold = 1 if r % 2 == 0 else -1
+        if self.fold == 1:                         # phase 1: the evens send theirs in ...
+            self.fold_in = [comm.Send_init(self.work, r + 1, TAG)]
+            self.fold_out = [comm.Recv_init(rbuf, r + 1, TAG + 1)]   # ... and get the result
+        elif self.fold == -1:
+            self.fold_in = [comm.Recv_init(rbuf, r - 1, TAG)]
+            self.fold_out = [comm.Send_init(self.work, r - 1, TAG + 1)]
+        self.rounds = []                           # phase 2: recursive doubling
+        mask = 1
+        while new_rank >= 0 and mask < pof2:
+            peer = unfold_rank(new_rank ^ mask, P)               # distance doubles every round
+            self.rounds.append([comm.Recv_init(rbuf, peer, TAG), comm.Send_init(self.work, peer, TAG)])
+            mask <<= 1
+        self.sent = nbytes * (len(self.rounds) + (self.fold != 0))   # payload bytes per run
+
+    def run(self, key: int, fold=None, wait=None) -> bool:
+        """Exchange; True when every rank's key equals ``key``. ``fold(mine, peer, out=mine)``
+        (a ufunc) combines payloads; ``self.data`` then holds the result on every rank.
+        ``wait`` (a watchdog.Wait) is registered while a step has to wait."""
+        mine, peer = self.mine, self.peer
+        _pack(self.work, 0, key, -key)
+        agreed = True                              # every header seen so far was [key, -key]
+        if self.fold == 1:
+            _complete(self.fold_in, wait)
+        elif self.fold == -1:
+            _complete(self.fold_in, wait)
+            agreed = self._merge(key, agreed)
+            if agreed and fold is not None:
+                fold(mine, peer, out=mine)
+        for requests in self.rounds:
+            _complete(requests, wait)
+            agreed = self._merge(key, agreed)
+            if agreed and fold is not None:
+                fold(mine, peer, out=mine)
+        if self.fold == -1:
+            _complete(self.fold_out, wait)
+        elif self.fold == 1:
+            _complete(self.fold_out, wait)
+            self.hdr[...] = self.rhdr              # the odd neighbour's header is everyone's
+            agreed = self.rview == _header(key)
+            if agreed:
+                mine[...] = peer
+        return agreed
+
+    def _merge(self, key: int, agreed: bool) -> bool:
+        """Fold the peer's header into ours; True when both saw only ``key`` so far."""
+        if agreed and self.rview == self.hview:  # the same [key, -key] (compares the bytes)
+            return True
+        hdr, rhdr = self.hdr, self.rhdr
+        if rhdr[0] > hdr[0]:
+            hdr[0] = rhdr[0]
+        if rhdr[1] > hdr[1]:
+            hdr[1] = rhdr[1]
+        return False
+
+    def free(self) -> None:
+        for requests in self.rounds + ([self.fold_in, self.fold_out] if self.fold else []):
+            for q in requests:
+                q.Free()
+        self.rounds, self.fold = [], 0
+
+    def __del__(self):                     # mpi4py never frees a request it drops
+        try:
+            if self.rounds or self.fold:
+                if not MPI.Is_finalized():
+                    self.free()
+        except Exception:
+            pass
+
+
+_pack = struct.Struct("=qq").pack_into
+
+
+def _header(key: int) -> bytes:
+    return struct.pack("=qq", key, -key)
+
+
+def _complete(requests, wait) -> None:
+    """Start persistent requests and wait for them (watchdog back-off; ``wait`` registered
+    only when the first test finds them unfinished)."""
+    _startall(requests)
+    if not _testall(requests):
+        watchdog.wait_requests(requests, wait)
+
+
+_startall, _testall = MPI.Prequest.Startall, MPI.Request.Testall
+
+
+class Exchanges:
+    """The exchanges of one MPI communicator, by payload size and dtype (the oldest freed
+    beyond ``CACHED``). Use from one thread: each communicator has its own."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rbuf = np.empty(HEADER + MAX_PAYLOAD + 16, dtype=np.uint8)   # + a padded element
+        self._by_shape: dict = {}
+        _LIVE.add(self)
+
+    def get(self, nbytes: int, dtype) -> Exchange:
+        ex = self._by_shape.get((nbytes, dtype))
+        if ex is None:
+            if len(self._by_shape) >= CACHED:
+                self._by_shape.pop(next(iter(self._by_shape))).free()
+            ex = self._by_shape[(nbytes, dtype)] = Exchange(self.comm, self.rbuf, nbytes, dtype)
+        return ex
+
+    def free(self) -> None:
+        for ex in self._by_shape.values():
+            ex.free()
+        self._by_shape.clear()
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _free_all() -> None:
+    """Free every persistent request before MPI finalizes (MPICH warns of each one left;
+    mpi4py finalizes after Python's exit handlers)."""
+    for exchanges in list(_LIVE):
+        exchanges.free()

@@ -1,8 +1,9 @@
 """Collectives benchmark: ``mpiexec -n N python -m hpcdist.bench collectives``.
 
 For allreduce, reduce-scatter, allgather, broadcast and sendrecv, sizes 8 B .. 64 MiB in 4x
-steps (OSU / nccl-tests style): warm-up, timed iterations between barriers, time averaged over
-iterations, then the mean and the max over ranks. Columns: time, algbw = size/time, busbw =
+steps (OSU / nccl-tests style): warm-up, then ours and the MPI built-in alternate for 5 rounds
+of timed iterations, each round between barriers; a rank's time is its median round (mean per
+call), then the mean and the max over ranks. Columns: time, algbw = size/time, busbw =
 algbw x the nccl-tests factor (allreduce 2(n-1)/n, reduce-scatter and allgather (n-1)/n,
 bcast and sendrecv 1), the same MPI built-in on the same buffers in the same run, the time
 ratio ours/MPI, and the alpha-beta model's prediction from a measured ping-pong.
@@ -36,24 +37,51 @@ def sizes(lo: int, hi: int):
     return out + [hi]
 
 
+ROUNDS = 5      # ours and MPI's alternate this many times; each reports its median round
+
+
 def iterations(nbytes: int) -> int:
+    """Calls per round: short calls take microseconds, and one preemption of a rank on a
+    shared node is ~100 us, so they need many calls per round to average it away."""
     if nbytes <= 64 << 10:
-        return 50
+        return 200
     if nbytes <= MiB:
         return 20
     return 5 if nbytes <= 16 * MiB else 3
+
+
+def _round(mpi, fn, iters: int) -> float:
+    """This rank's mean seconds per call over one round that starts at a barrier."""
+    mpi.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def _over_ranks(mpi, t: float):
+    return mpi.allreduce(t, op=MPI.SUM) / mpi.Get_size(), mpi.allreduce(t, op=MPI.MAX)
 
 
 def timed(mpi, fn, iters: int, warmup: int = 2):
     """Mean seconds per call on this rank, then (mean over ranks, max over ranks)."""
     for _ in range(warmup):
         fn()
-    mpi.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
+    return _over_ranks(mpi, _round(mpi, fn, iters))
+
+
+def timed_pair(mpi, fn, ref, iters: int, rounds: int = ROUNDS, warmup: int = 2):
+    """``fn`` and ``ref`` side by side: ``rounds`` alternating rounds of ``iters`` calls each;
+    per rank the median round of each, then (mean over ranks, max over ranks) of each. The
+    alternation puts both under the same drift of a shared machine."""
+    for _ in range(warmup):
         fn()
-    t = (time.perf_counter() - t0) / iters
-    return mpi.allreduce(t, op=MPI.SUM) / mpi.Get_size(), mpi.allreduce(t, op=MPI.MAX)
+        ref()
+    mine, theirs = [], []
+    for _ in range(rounds):
+        mine.append(_round(mpi, fn, iters))
+        theirs.append(_round(mpi, ref, iters))
+    return _over_ranks(mpi, float(np.median(mine))), _over_ranks(mpi, float(np.median(theirs)))
 
 
 def bench_one(comm, kind: str, nbytes: int):
@@ -85,7 +113,7 @@ def bench_one(comm, kind: str, nbytes: int):
         right, left = (r + 1) % P, (r - 1) % P
         ours = lambda: comm.sendrecv(x, dest=right, source=left)      # noqa: E731
         ref = lambda: mpi.Sendrecv(x, right, 9, out, left, 9)          # noqa: E731
-    return timed(mpi, ours, iters), timed(mpi, ref, iters)
+    return timed_pair(mpi, ours, ref, iters)
 
 
 def overlap(comm, nbytes: int = 16 * MiB):

@@ -282,11 +282,14 @@ class Communicator:
         ``wire_dtype`` (e.g. "float16") sends that dtype while reducing in ``buf``'s dtype;
         it runs the ring algorithm.
         """
-        if (out is None and wire_dtype is None and algorithm == "auto" and op in _REDUCE
+        if (wire_dtype is None and algorithm == "auto" and op in _REDUCE
                 and self._lean(buf) and buf.nbytes <= SHORT_ALLREDUCE
-                and self._auto["allreduce"] in ("auto", "recursive_doubling")):
+                and self._auto["allreduce"] in ("auto", "recursive_doubling")
+                and (out is None or (type(out) is np.ndarray and out.shape == buf.shape
+                                     and out.dtype == buf.dtype and out.flags.c_contiguous
+                                     and out.flags.writeable))):
             self.bytes_sent += allreduce_wire_bytes(FUSED, buf.size, self.size, buf.itemsize)
-            return self._short_allreduce(self.mpi, None, buf, op)
+            return self._short_allreduce(self.mpi, None, buf, op, out)
         return self._allreduce(buf, op, algorithm, out, wire_dtype, blocking=True)
 
     def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import ring
 from .layout import OPS
+from .select import FUSED
 from . import p2p
 from .p2p import DTYPE_NAMES, dtype_code
 
@@ -84,7 +85,7 @@ class Call:
             s += f" root {self.root}"
         if self.k >= 0:
             s += f" k {self.k:,}"
-        if self.algorithm:
+        if self.algorithm and self.algorithm != FUSED:     # the usual path goes unsaid
             s += f" via {self.algorithm}"
         if self.where is not None:
             s += f" at {self.where}"

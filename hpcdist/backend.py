@@ -198,21 +198,43 @@ def set_default_float(dt) -> None:
 def matmul(a, b):
     """``a @ b``. On NumPy, 2-byte floats (fp16, bf16) multiply in fp32 and round back: NumPy
     has no BLAS for them (fp16 measured 190x slower than fp32 here) — and fp32 accumulation is
-    what tensor cores do. On CuPy fp16 runs natively."""
+    what tensor cores do. On CuPy fp16 runs natively.
+
+    (..., n, k) @ (k, m) with a contiguous left side is one (N, k) @ (k, m) GEMM: NumPy would
+    call BLAS once per leading index (64 GEMMs of 11 x 64 x 192 for the default GPT's
+    attention input: 248 us against 135 us folded)."""
     if a.dtype.itemsize == 2 and a.dtype.kind in "fV" and not is_gpu_array(a):
-        return (a.astype(np.float32) @ b.astype(np.float32)).astype(a.dtype)
+        return matmul(a.astype(np.float32), b.astype(np.float32)).astype(a.dtype)
+    if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
+        return (a.reshape(-1, a.shape[-1]) @ b).reshape(a.shape[:-1] + b.shape[-1:])
     return a @ b
 
 
 # ---- scatter-add and random numbers --------------------------------------------------------
 
 def scatter_add(target, idx, values) -> None:
-    """``target[idx] += values`` with repeated indices accumulating (embedding backward)."""
+    """``target[idx] += values`` with repeated indices accumulating (embedding backward).
+
+    On NumPy, rows are summed per index after a sort (``add.reduceat``): ``np.add.at`` took
+    290-680 us for the default GPT's 704 x 64 token gradients, this ~60 us."""
     if is_gpu_array(target):
         import cupyx
         cupyx.scatter_add(target, idx, values)
-    else:
-        np.add.at(target, idx, values)
+        return
+    if isinstance(idx, tuple) or not hasattr(idx, "dtype") or idx.dtype.kind not in "iu" \
+            or np.ndim(values) != idx.ndim + target.ndim - 1:
+        np.add.at(target, idx, values)         # slices, several index arrays, broadcasting
+        return
+    idx = idx.reshape(-1)
+    if idx.size == 0:
+        return
+    if idx.min() < 0:                          # -1 and n-1 are one row: make them one index
+        idx = np.where(idx < 0, idx + target.shape[0], idx)
+    values = values.reshape((idx.size,) + target.shape[1:])
+    order = np.argsort(idx, kind="stable")
+    sidx = idx[order]
+    starts = np.flatnonzero(np.concatenate(([True], sidx[1:] != sidx[:-1])))
+    target[sidx[starts]] += np.add.reduceat(values[order], starts, axis=0)
 
 
 _rng = None          # the generator behind dropout

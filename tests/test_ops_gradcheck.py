@@ -124,3 +124,16 @@ def test_gradcheck_catches_a_wrong_backward(float64):
         return Tensor._make(a.data * a.data, (a,), lambda g: (3 * g * a.data,))
     with pytest.raises(AssertionError):
         gradcheck(bad_square, sym(3))
+
+
+def test_scatter_add_matches_numpy_add_at_with_repeats_and_negative_indices():
+    from hpcdist import backend
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        V, C = int(rng.integers(1, 8)), int(rng.integers(1, 4))
+        idx = rng.integers(-V, V, size=int(rng.integers(0, 30)))
+        vals = rng.standard_normal((idx.size, C))
+        want, got = np.zeros((V, C)), np.zeros((V, C))
+        np.add.at(want, idx, vals)
+        backend.scatter_add(got, idx, vals)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

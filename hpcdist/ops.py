@@ -174,6 +174,33 @@ def gelu(a: Tensor) -> Tensor:
 
 # ---- matmul ----------------------------------------------------------------------------------
 
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """``x @ w + b`` as one node: the bias is added into the product in place and its
+    gradient is one row sum (as ``matmul`` then ``add`` it costs a temporary, a graph node
+    and a sum over two axes)."""
+    if x.ndim < 2:
+        y = matmul(x, w)
+        return y if b is None else add(y, b)
+    mm = backend.matmul
+    out = mm(x.data, w.data)
+    if b is not None:
+        out += b.data
+    k, m = w.shape
+
+    def backward(g):
+        gx = gw = gb = None
+        if x.requires_grad:
+            gx = mm(g, w.data.T)
+        if w.requires_grad or (b is not None and b.requires_grad):
+            g2 = g.reshape(-1, m)
+            if w.requires_grad:
+                gw = mm(x.data.reshape(-1, k).T, g2)
+            if b is not None and b.requires_grad:
+                gb = g2.sum(axis=0)
+        return (gx, gw) if b is None else (gx, gw, gb)
+    return Tensor._make(out, (x, w) if b is None else (x, w, b), backward)
+
+
 def matmul(a, b) -> Tensor:
     """Batched matmul with numpy's broadcasting rules; 1-D operands are promoted as numpy does."""
     a = _lift(a, b if isinstance(b, Tensor) else None)

@@ -120,8 +120,14 @@ def torch_gpt(torch, sd: dict, cfg):
     return GPT()
 
 
+ROUNDS = 2        # --train: each contender trains this many times, taking turns
+
+
 def train_worker(args) -> int:
-    """hpcdist's DDP step, then PyTorch DDP's, on the same model, data and optimizer."""
+    """hpcdist's DDP training and PyTorch DDP's on the same model, data and optimizer, taking
+    turns ``ROUNDS`` times (a process's first run pays warm-ups, and a shared machine
+    drifts); each contender's time is its fastest run's median step. At 1 rank also what
+    hpcdist's overlap path costs (``overlap_cost``)."""
     import tempfile
     import torch
     import torch.distributed as dist
@@ -130,13 +136,16 @@ def train_worker(args) -> int:
     from hpcdist.checkpoint_tools import nanogpt_names
     from hpcdist.comm import Communicator
     from hpcdist.config import TrainConfig
+    from hpcdist.parallel.ddp import plan_buckets
     from hpcdist.train import train
     comm = Communicator()
+    cap = args.bucket_mb                        # None: both libraries' defaults
+    buckets = {} if cap is None else {"bucket_mb": cap, "first_bucket_mb": cap}
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch, log_every=10 ** 9,
-                      out_dir=comm.mpi.bcast(tempfile.mkdtemp() if comm.rank == 0 else "", 0))
-    ours = train(cfg, comm, log=lambda *a: None)
+                      out_dir=comm.mpi.bcast(tempfile.mkdtemp() if comm.rank == 0 else "", 0),
+                      **buckets)
     train_set, _ = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits)
-    nn.manual_seed(cfg.seed)                                   # our initial weights, again
+    nn.manual_seed(cfg.seed)                                   # train()'s initial weights
     model = nn.GPT(nn.GPTConfig(block_size=train_set.block_size, vocab_size=train_set.vocab_size,
                                 n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd))
     sd = nanogpt_names({n: p.data.astype("float32") for n, p in model.named_parameters()})
@@ -144,37 +153,77 @@ def train_worker(args) -> int:
     port = comm.mpi.bcast(29500 + os.getpid() % 2000 if comm.rank == 0 else None, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
                             world_size=comm.size)
-    tm = torch_gpt(torch, sd, cfg)
-    ddp = torch.nn.parallel.DistributedDataParallel(tm)
-    decay = [p for p in tm.parameters() if p.ndim >= 2]
-    rest = [p for p in tm.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr,
-                            betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-    sampler = data.DistributedSampler(len(train_set), cfg.batch_size, comm.rank, comm.size,
-                                      seed=cfg.seed)
-    times, loss = [], None
-    for step in range(1, cfg.steps + 1):
+
+    def torch_run():
+        tm = torch_gpt(torch, sd, cfg)
+        # bucket_cap_mb given: PyTorch caps its first bucket the same (as hpcdist's is here)
+        ddp = torch.nn.parallel.DistributedDataParallel(tm, bucket_cap_mb=cap)
+        decay = [p for p in tm.parameters() if p.ndim >= 2]
+        rest = [p for p in tm.parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                 {"params": rest, "weight_decay": 0.0}], lr=cfg.lr,
+                                betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+        sampler = data.DistributedSampler(len(train_set), cfg.batch_size, comm.rank,
+                                          comm.size, seed=cfg.seed)
+        times, loss = [], None
+        for step in range(1, cfg.steps + 1):
+            x, y = train_set.batch(sampler.next_batch())
+            lr = optim.lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=False)
+            logits = ddp(torch.from_numpy(x))
+            loss = torch.nn.functional.cross_entropy(
+                logits.view(-1, logits.shape[-1]), torch.from_numpy(y).view(-1),
+                ignore_index=-100)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(tm.parameters(), cfg.grad_clip)
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        final = torch.tensor([loss.item()])
+        dist.all_reduce(final)
+        return float(np.median(times[len(times) // 5:])) * 1e3, float(final[0]) / comm.size
+
+    def ours_run():
+        r = train(cfg, comm, log=lambda *a: None)
+        return r["step_ms_median"], r["train_loss"]
+
+    def overlap_cost(steps=200):
+        """Nothing to overlap at 1 rank: forward + backward + sync_gradients with overlap on
+        and off, step by step in turns on one model (so drift cancels), median of each."""
+        from hpcdist.parallel.ddp import DistributedDataParallel
+        nn.manual_seed(cfg.seed)
+        m = nn.GPT(nn.GPTConfig(block_size=train_set.block_size,
+                                vocab_size=train_set.vocab_size, n_layer=cfg.n_layer,
+                                n_head=cfg.n_head, n_embd=cfg.n_embd))
+        ddp = DistributedDataParallel(m, comm, bucket_mb=cfg.bucket_mb,
+                                      first_bucket_mb=cfg.first_bucket_mb)
+        sampler = data.DistributedSampler(len(train_set), cfg.batch_size, 0, 1, seed=cfg.seed)
         x, y = train_set.batch(sampler.next_batch())
-        lr = optim.lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        logits = ddp(torch.from_numpy(x))
-        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
-                                                 torch.from_numpy(y).view(-1), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(tm.parameters(), cfg.grad_clip)
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    final = torch.tensor([loss.item()])
-    dist.all_reduce(final)
+        t = {True: [], False: []}
+        for i in range(2 * steps):
+            ddp.overlap = i % 2 == 0
+            t0 = time.perf_counter()
+            ddp.flat.grad[...] = 0
+            ddp(x, y)[1].backward()
+            ddp.sync_gradients()
+            t[ddp.overlap].append(time.perf_counter() - t0)
+        return float(np.median(t[True])) * 1e3, float(np.median(t[False])) * 1e3
+
+    ours, theirs = [], []
+    for _ in range(ROUNDS):
+        ours.append(ours_run())
+        theirs.append(torch_run())
+    on_off = overlap_cost() if comm.size == 1 else (None, None)
     dist.destroy_process_group()
+    n_buckets = len(plan_buckets([p.size for p in model.parameters()], 4, cfg.bucket_mb,
+                                 cfg.first_bucket_mb))
     if comm.rank == 0:
-        emit({"ranks": comm.size, "ours_ms": ours["step_ms_median"],
-              "torch_ms": float(np.median(times[len(times) // 5:])) * 1e3,
-              "ours_loss": ours["train_loss"], "torch_loss": float(final[0]) / comm.size})
+        emit({"ranks": comm.size, "buckets": n_buckets,
+              "ours_ms": min(t for t, _ in ours), "torch_ms": min(t for t, _ in theirs),
+              "overlap_ms": on_off[0], "no_overlap_ms": on_off[1],
+              "ours_loss": ours[-1][1], "torch_loss": theirs[-1][1]})
     return 0
 
 
@@ -188,6 +237,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="1,2,4,8", help="--train: world sizes")
     ap.add_argument("--steps", type=int, default=100, help="--train: steps")
     ap.add_argument("--batch", type=int, default=64, help="--train: batch per rank")
+    ap.add_argument("--many-mb", type=float, default=0.0005,
+                    help="--train: the bucket cap (MB) of the many-bucket runs (0: skip them)")
+    ap.add_argument("--bucket-mb", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -235,20 +287,37 @@ def main(argv=None) -> int:
 
 
 def main_train(args) -> int:
-    rows = []
-    for n in (int(x) for x in args.ranks.split(",")):
-        rows += relaunch("peers", n, ["--train", "--steps", str(args.steps), "--batch",
-                                      str(args.batch)])
-    for r in rows:
-        r["ratio"] = r["ours_ms"] / r["torch_ms"]
-        r["loss_diff"] = abs(r["ours_loss"] - r["torch_loss"])
-    print(f"DDP step, default GPT and task, AdamW, batch {args.batch} per rank, {args.steps} "
-          "steps: hpcdist vs PyTorch DDP over gloo (median ms/step after the first fifth)")
-    print(table(rows, [("ranks", "ranks", "d"), ("hpcdist ms", "ours_ms", ".1f"),
-                       ("PyTorch ms", "torch_ms", ".1f"), ("x PyTorch", "ratio", ".2f"),
-                       ("hpcdist loss", "ours_loss", ".4f"), ("PyTorch loss", "torch_loss", ".4f"),
-                       ("|diff|", "loss_diff", ".1e")]))
+    """The DDP step table: both libraries' default buckets, then many small buckets (the
+    same cap for both, first bucket included) — where per-bucket overheads show."""
+    runs = [("default buckets (hpcdist 25 MB / first 1 MB; PyTorch the same)", None)]
+    if args.many_mb > 0:
+        runs.append((f"many buckets ({args.many_mb:g} MB each, both libraries)", args.many_mb))
+    doc = {}
+    for title, cap in runs:
+        rows = []
+        for n in (int(x) for x in args.ranks.split(",")):
+            extra = [] if cap is None else ["--bucket-mb", str(cap)]
+            rows += relaunch("peers", n, ["--train", "--steps", str(args.steps), "--batch",
+                                          str(args.batch), *extra])
+        for r in rows:
+            r["ratio"] = r["ours_ms"] / r["torch_ms"]
+            r["loss_diff"] = abs(r["ours_loss"] - r["torch_loss"])
+            if r.get("no_overlap_ms"):
+                r["overlap_cost"] = r["overlap_ms"] / r["no_overlap_ms"]
+        print(f"\nDDP step, default GPT and task, {title}, AdamW, batch {args.batch} per rank, "
+              f"{args.steps} steps: hpcdist vs PyTorch DDP over gloo (median ms/step after the "
+              f"first fifth; {ROUNDS} runs each, taking turns, the faster); at 1 rank also "
+              "hpcdist's forward + backward + sync with overlap on and off, step by step in "
+              "turns")
+        print(table(rows, [("ranks", "ranks", "d"), ("buckets", "buckets", "d"),
+                           ("hpcdist ms", "ours_ms", ".1f"), ("PyTorch ms", "torch_ms", ".1f"),
+                           ("x PyTorch", "ratio", ".2f"), ("fwd+bwd overlap", "overlap_ms", ".2f"),
+                           ("no overlap", "no_overlap_ms", ".2f"),
+                           ("overlap/none", "overlap_cost", ".2f"),
+                           ("hpcdist loss", "ours_loss", ".4f"),
+                           ("PyTorch loss", "torch_loss", ".4f"), ("|diff|", "loss_diff", ".1e")]))
+        doc["default" if cap is None else "many"] = rows
     out = os.path.splitext(args.out)[0] + "_train.json"
-    write_json(out, {"rows": rows})
+    write_json(out, doc)
     print(f"wrote {out}")
     return 0

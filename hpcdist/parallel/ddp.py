@@ -78,6 +78,9 @@ class DistributedDataParallel:
         self.compute = compute if compute is not None else self.flat
         self.overlap = overlap
         self.compression = compression or NoCompression()
+        # The average over one rank is the gradient itself: nothing to start or wait for (a
+        # non-blocking call per bucket cost ~15 us of bookkeeping each, 18 buckets a step).
+        self._identity = comm.size == 1 and type(self.compression) is NoCompression
         self.require_sync = True
         comm.bcast(self.flat.data, root=0)     # every rank starts from rank 0's weights
         if self.compute is not self.flat:
@@ -124,7 +127,8 @@ class DistributedDataParallel:
                 self._probe = {}
             self._probe[bucket.index] = self.comm.allreduce(grad, op="avg")
             self.comm.bytes_sent = sent
-        bucket.handle = self.compression.start(self.comm, grad, bucket.index)
+        if not self._identity:
+            bucket.handle = self.compression.start(self.comm, grad, bucket.index)
         self._next = bucket.index + 1
 
     # ---- after backward ------------------------------------------------------------------
@@ -133,8 +137,9 @@ class DistributedDataParallel:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])   # unused params, or overlap off
         for b in self.buckets:
-            b.handle.wait()
-            b.handle = None
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
             b.pending = len(b.params)
         self._next = 0
         if self._probe:

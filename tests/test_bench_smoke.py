@@ -136,9 +136,14 @@ def test_peers_bench(tmp_path):
 
 def test_peers_train_bench(tmp_path):
     pytest.importorskip("torch")
-    out = bench("peers", "--train", "--ranks", "2", "--steps", "5", "--batch", "8", "--out",
+    out = bench("peers", "--train", "--ranks", "1,2", "--steps", "5", "--batch", "8", "--out",
                 str(tmp_path / "peers.json"))
-    rows = json.loads((tmp_path / "peers_train.json").read_text())["rows"]
-    assert rows[0]["ranks"] == 2 and "x PyTorch" in out
-    # the same model, data and optimizer: the losses agree to float32 round-off
-    assert abs(rows[0]["ours_loss"] - rows[0]["torch_loss"]) < 1e-4
+    doc = json.loads((tmp_path / "peers_train.json").read_text())
+    assert "x PyTorch" in out and "many buckets" in out
+    for rows in (doc["default"], doc["many"]):
+        assert [r["ranks"] for r in rows] == [1, 2]
+        # the same model, data and optimizer: the losses agree to float32 round-off
+        assert all(abs(r["ours_loss"] - r["torch_loss"]) < 1e-4 for r in rows)
+        assert rows[0]["overlap_ms"] > 0 and rows[0]["no_overlap_ms"] > 0   # 1 rank only
+        assert rows[1]["overlap_ms"] is None
+    assert doc["many"][0]["buckets"] > doc["default"][0]["buckets"] == 1

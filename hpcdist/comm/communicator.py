@@ -152,6 +152,11 @@ class Communicator:
             return Handle(_Done(lambda: run(self._bg_mpi)), self, call)   # (13% of a DDP
         return Handle(self._run(run), self, call)                       # step at 1 rank)
 
+    def agree_only(self, kind: str, buf, op=None, root=None) -> None:
+        """The ledger's agreement on a collective whose data moves elsewhere (the NCCL
+        backend): numbered, checked and agreed like ours, then nothing is exchanged."""
+        self._agree(self.mpi, self._call(kind, buf, op=op, root=root))
+
     def _agree(self, mpi, call, payload=None, fold=None) -> None:
         """The ledger's agreement on ``call`` (check.agree), carrying ``payload`` (a filled
         short.Exchange, folded with the ufunc ``fold``) for short collectives."""

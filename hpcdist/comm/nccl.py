@@ -75,8 +75,7 @@ class NcclCommunicator:
         return backend.xp().cuda.get_current_stream().ptr
 
     def _agree(self, kind, buf, op=None, root=None):
-        self.host._agree(self.host.mpi, kind, backend.to_numpy(buf.reshape(-1)[:0]), "buf", op,
-                         root, length=buf.size)
+        self.host.agree_only(kind, buf, op=op, root=root)
 
     # ---- collectives -----------------------------------------------------------------------
     def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None):

@@ -108,3 +108,13 @@ def test_many_sizes_evict_and_stay_correct(comm):
         got = comm.allreduce(np.full(n, comm.rank, dtype=np.int64))
         assert (got == comm.size * (comm.size - 1) // 2).all()
     assert len(comm._exchanges[id(comm.mpi)]._by_shape) <= short.CACHED
+
+
+def test_agree_only_checks_calls_whose_data_moves_elsewhere(comm):
+    """What the NCCL backend runs before each NCCL collective (no GPU needed to test it)."""
+    comm.agree_only("allreduce", np.ones(4, dtype=np.float32), op="sum")
+    comm.agree_only("bcast", np.ones(2), root=0)
+    if comm.size > 1:
+        with pytest.raises(CollectiveMismatchError, match="allreduce"):
+            comm.agree_only("allreduce", np.ones(4 + (comm.rank == 0)), op="sum")
+    assert comm.allreduce(np.ones(1))[0] == comm.size       # numbering still in step

@@ -432,10 +432,16 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
     """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``.
     (Means as sums times 1/C, and in-place ops: NumPy's ``mean`` costs a Python layer per
-    call, and each temporary is a pass over the activations.)"""
+    call, and each temporary is a pass over the activations. 2-byte floats are normalized
+    in float32 and rounded back.)"""
     xp = _xp(x)
+    dt = x.data.dtype
+    low = dt.itemsize < 4 and dt.kind in "fV"
+    f32 = (lambda a: a.astype(xp.float32)) if low else (lambda a: a)
+    w = f32(weight.data) if weight is not None else None
     inv_c = 1.0 / x.shape[-1]
-    xc = x.data - x.data.sum(axis=-1, keepdims=True) * inv_c
+    xd = f32(x.data)
+    xc = xd - xd.sum(axis=-1, keepdims=True) * inv_c
     var = xp.einsum("...c,...c->...", xc, xc)[..., None] if xc.ndim <= 3 else \
         (xc * xc).sum(axis=-1, keepdims=True)
     var *= inv_c
@@ -444,14 +450,17 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     xp.reciprocal(rstd, out=rstd)
     xhat = xc
     xhat *= rstd                                # xc is not needed again: normalize in place
-    out = xhat * weight.data if weight is not None else xhat.copy()
+    out = xhat * w if w is not None else xhat.copy()
     if bias is not None:
-        out += bias.data
+        out += f32(bias.data)
+    if low:
+        out = out.astype(dt)
 
     affine = tuple(t for t in (weight, bias) if t is not None)
 
     def backward(g):
-        gxhat = g * weight.data if weight is not None else g.copy()
+        g = f32(g)
+        gxhat = g * w if w is not None else g.copy()
         # d xhat / d x, folded: rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat))
         m1 = gxhat.sum(axis=-1, keepdims=True)
         m1 *= inv_c
@@ -462,13 +471,15 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
         gx -= m1
         gx -= xhat * m2
         gx *= rstd
-        grads = [gx]
+        grads = [gx.astype(dt) if low else gx]
         flat_g = g.reshape(-1, g.shape[-1])
         if weight is not None:
             grads.append(xp.einsum("nc,nc->c", flat_g, xhat.reshape(-1, g.shape[-1]))
+                         .astype(weight.data.dtype, copy=False)
                          if weight.requires_grad else None)
         if bias is not None:
-            grads.append(flat_g.sum(axis=0) if bias.requires_grad else None)
+            grads.append(flat_g.sum(axis=0).astype(bias.data.dtype, copy=False)
+                         if bias.requires_grad else None)
         return tuple(grads)
     return Tensor._make(out, (x,) + affine, backward)
 

@@ -423,10 +423,9 @@ class Communicator:
         """
         if counts is None and self._lean(shard):
             n = shard.size
-            length = n if total is None else total
-            if (length * shard.itemsize <= SHORT_ALLGATHER
-                    and (total is None or shard_bounds(total, self.size, self.rank)[1]
-                         - shard_bounds(total, self.size, self.rank)[0] == n)):
+            gathered = n * self.size if total is None else total     # as _allgather decides
+            lo, hi = (0, n) if total is None else shard_bounds(total, self.size, self.rank)
+            if gathered * shard.itemsize <= SHORT_ALLGATHER and hi - lo == n:
                 return self._short_allgather(self.mpi, None, shard, total, None)
         return self._allgather(shard, total, blocking=True, counts=counts)
 

@@ -1,5 +1,6 @@
 """Every benchmark command runs end to end on small settings and writes sane results."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -25,6 +26,13 @@ def mpiexec():
 def test_autograd_bench():
     out = bench("autograd", "--steps", "3", "--warmup", "1")
     assert "MLP 784-128-10" in out and "Tensor overhead" in out
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return
+    # the PyTorch twin is the same model: float64 losses agree over 30 AdamW steps
+    m = re.search(r"GPT twin check: .* max \|loss difference\| = ([0-9.e+-]+)", out)
+    assert m and float(m.group(1)) < 1e-9, out[-500:]
 
 
 def test_collectives_bench(tmp_path):

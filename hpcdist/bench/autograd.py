@@ -1,9 +1,10 @@
 """Autograd step time against PyTorch CPU eager (same threads) and a hand-written NumPy floor.
 
-Each contender starts from the same weights and sees the same batches; the table prints the
-median step time (forward + backward + update), the ratio to PyTorch, and the loss after the
-same number of steps (they must agree). A last line measures Tensor overhead per op: an
-hpcdist op on a tiny array minus the same NumPy call.
+Each contender starts from the same weights and sees the same batches; they take turns in
+rounds, and the table prints the median step time (forward + backward + update), the ratio
+to PyTorch, and the loss after the same number of steps. The GPT's PyTorch twin is checked to
+be the same model in float64 (``twin_agreement``). A last line measures Tensor overhead per
+op: an hpcdist op on a tiny array minus the same NumPy call.
 """
 from __future__ import annotations
 
@@ -15,17 +16,6 @@ import numpy as np
 
 import hpcdist as hd
 from hpcdist import backend, nn, ops, optim
-
-
-def _median_step(step, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 # ---- MLP 784-128-10 ------------------------------------------------------------------------

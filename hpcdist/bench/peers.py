@@ -9,7 +9,9 @@ gloo; and a PNG. PyTorch is optional: without it the gloo column is skipped, say
 ``--train``: the training step beside PyTorch DDP over gloo — the same GPT (PyTorch's copy
 starts from our initial weights, nanoGPT's layout), the same batches from the same sampler, AdamW
 with the same hyperparameters, schedule and clipping, the same BLAS threads per rank — at 1, 2,
-4 and 8 ranks: median step time and the loss after the last step of each.
+4 and 8 ranks, with both libraries' default buckets and then with many small ones
+(``--many-mb``): median step time (each library trains twice, taking turns; the faster run
+counts) and the loss after the last step; at 1 rank also what hpcdist's overlap path costs.
 """
 from __future__ import annotations
 

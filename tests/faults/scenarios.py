@@ -31,6 +31,10 @@ def extra_call_same_size(comm):
         comm.allreduce(np.full(4, 100.0))
     comm.allreduce(x)
     print(f"rank {comm.rank} finished its calls", flush=True)
+    # Stay alive until the waiting rank's deadline ends the job: had these ranks exited,
+    # MPICH's launcher sometimes SIGKILLs the job as they exit (exit code 9, 1 run in 30,
+    # with and without short calls), before the watchdog can name the rank left waiting.
+    time.sleep(10 * float(os.environ.get("HPCDIST_TIMEOUT", "3")))
 
 
 def skipped_call(comm):

@@ -15,13 +15,11 @@ from mpi4py import MPI
 from .. import backend, threads, timeline
 from . import abort, check, p2p, ring, short, sparse, tree, watchdog
 from .handle import Handle, _Done
-from .layout import check_op, finish, shard_bounds, shard_counts
+from .layout import OPS, check_op, finish, reduce_ufunc, shard_bounds, shard_counts
 from .select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, FUSED, SHORT_ALLGATHER,  # noqa: F401
                      SHORT_ALLREDUCE, SHORT_BCAST, SHORT_REDUCE_SCATTER, allreduce_wire_bytes,
                      choose_allreduce, choose_bcast)
 
-# op -> the elementwise reduction (avg sums; finish() divides), as layout.reduce_into
-_REDUCE = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 
 def cuda_aware() -> bool:
     """Whether MPI can read GPU buffers directly (HPCDIST_CUDA_AWARE=0|1 overrides)."""
@@ -77,7 +75,6 @@ class Communicator:
         self._auto = {"allreduce": os.environ.get("HPCDIST_ALLREDUCE", "auto"),
                       "bcast": os.environ.get("HPCDIST_BCAST", "auto")}
         # Blocking short calls may take the lean path (see "collectives").
-        self._lean_ok = self.size > 1
         self._static_keys: dict = {}     # a lean call's fields -> check.static_key
         self._lean_wait = watchdog.Wait(self.label, 0, "", 0, self._peers)
         self.cuda_aware = cuda_aware()
@@ -141,12 +138,6 @@ class Communicator:
             finally:
                 watchdog.leave(wait)
         if call.blocking:
-            if fused and timeline.active() is None:      # the short path, lean: no closures
-                wait = watchdog.enter(label, call.seq, call.kind, nbytes, self._peers)
-                try:
-                    return fn(self.mpi)
-                finally:
-                    watchdog.leave(wait)
             return run(self.mpi)
         if self.size == 1:        # nothing to wait for: done now, no progress-thread handoff
             return Handle(_Done(lambda: run(self._bg_mpi)), self, call)   # (13% of a DDP
@@ -234,7 +225,7 @@ class Communicator:
 
     def _lean(self, buf) -> bool:
         """Whether a blocking call on ``buf`` may take the lean path."""
-        return (self._lean_ok and type(buf) is np.ndarray and buf.flags.c_contiguous
+        return (self.size > 1 and type(buf) is np.ndarray and buf.flags.c_contiguous
                 and buf.dtype in p2p.KNOWN and not self.debug and timeline.active() is None)
 
     def _exchange(self, mpi, ex, fold, call, fields) -> None:
@@ -287,7 +278,7 @@ class Communicator:
         ``wire_dtype`` (e.g. "float16") sends that dtype while reducing in ``buf``'s dtype;
         it runs the ring algorithm.
         """
-        if (wire_dtype is None and algorithm == "auto" and op in _REDUCE
+        if (wire_dtype is None and algorithm == "auto" and op in OPS
                 and self._lean(buf) and buf.nbytes <= SHORT_ALLREDUCE
                 and self._auto["allreduce"] in ("auto", "recursive_doubling")
                 and (out is None or (type(out) is np.ndarray and out.shape == buf.shape
@@ -307,7 +298,7 @@ class Communicator:
         host = self._stage_in(buf)
         ex = self._exchanges[id(mpi)].get(host.nbytes, host.dtype)
         ex.data[...] = host
-        self._exchange(mpi, ex, _REDUCE[op], call, ("allreduce", host.size, host.dtype, op, -1))
+        self._exchange(mpi, ex, reduce_ufunc(op), call, ("allreduce", host.size, host.dtype, op, -1))
         if op == "avg":
             finish(ex.data, op, self.size)
         return self._result(ex.data, buf, out)
@@ -358,7 +349,7 @@ class Communicator:
     def reduce_scatter(self, buf, op: str = "sum", counts=None):
         """This rank's shard of the reduction of ``buf``: the shard layout (layout.py), or
         ``counts[r]`` elements for rank r, in rank order (e.g. whole sequence rows)."""
-        if (counts is None and op in _REDUCE and self._lean(buf)
+        if (counts is None and op in OPS and self._lean(buf)
                 and buf.nbytes <= SHORT_REDUCE_SCATTER):
             return self._short_reduce_scatter(self.mpi, None, buf, op, None)
         return self._reduce_scatter(buf, op, counts, blocking=True)
@@ -384,7 +375,7 @@ class Communicator:
         host = self._stage_in(buf)
         ex = self._exchanges[id(mpi)].get(host.nbytes, host.dtype)
         ex.data[...] = host
-        self._exchange(mpi, ex, _REDUCE[op], call,
+        self._exchange(mpi, ex, reduce_ufunc(op), call,
                        ("reduce_scatter", host.size, host.dtype, op, -1))
         lo, hi = self._my_bounds(host.size, counts)
         mine = ex.data[lo:hi]
@@ -559,7 +550,7 @@ class Communicator:
         """Wait until every rank has called it. The agreement round is itself the barrier
         (no rank leaves an allreduce before every rank entered it), so a rank that calls
         another collective instead is named rather than matched."""
-        if self._lean_ok and not self.debug and timeline.active() is None:
+        if self.size > 1 and not self.debug and timeline.active() is None:
             self._exchange(self.mpi, self._exchanges[id(self.mpi)].get(0, np.uint8), None,
                            None, ("barrier", 0, None, None, -1))
             return

@@ -42,15 +42,18 @@ def check_op(op: str) -> str:
     return op
 
 
+_UFUNCS = {"sum": "add", "avg": "add", "max": "maximum", "min": "minimum"}
+_NUMPY_UFUNCS = {op: getattr(np, name) for op, name in _UFUNCS.items()}   # the hot case
+
+
+def reduce_ufunc(op: str, xp=np):
+    """The elementwise ufunc of an op in module ``xp`` ("avg" sums; ``finish`` divides)."""
+    return _NUMPY_UFUNCS[op] if xp is np else getattr(xp, _UFUNCS[op])
+
+
 def reduce_into(acc, incoming, op: str) -> None:
     """acc <- acc (op) incoming, elementwise in place. "avg" sums; ``finish`` divides."""
-    xp = backend.array_module(acc)
-    if op in ("sum", "avg"):
-        xp.add(acc, incoming, out=acc)
-    elif op == "max":
-        xp.maximum(acc, incoming, out=acc)
-    else:
-        xp.minimum(acc, incoming, out=acc)
+    reduce_ufunc(op, backend.array_module(acc))(acc, incoming, out=acc)
 
 
 def finish(buf, op: str, world: int) -> None:

@@ -35,6 +35,7 @@ import time
 import traceback
 
 import numpy as np
+from mpi4py import MPI
 
 DEFAULT_TIMEOUT_S = 300.0
 EXIT_TIMEOUT = 124                  # as timeout(1): the job ended on a missed deadline
@@ -153,7 +154,7 @@ def wait_requests(requests, wait: Wait | None = None) -> None:
 
     ``wait``: registered (``enter``) only if the requests are not complete at once — hot
     paths pass one instead of registering every call."""
-    testall = _testall
+    testall = MPI.Request.Testall
     if testall(requests):
         return
     if wait is not None:
@@ -173,13 +174,6 @@ def wait_requests(requests, wait: Wait | None = None) -> None:
     finally:
         if wait is not None:
             leave(wait)
-
-
-def _testall(requests) -> bool:
-    global _testall
-    from mpi4py import MPI
-    _testall = MPI.Request.Testall                 # looked up once (imports cost per call)
-    return _testall(requests)
 
 
 def wait_future(future):
@@ -306,7 +300,6 @@ class Watchdog(threading.Thread):
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:
-        from mpi4py import MPI
         request = np.zeros(2, dtype=np.int64)
         recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
         while not self.stopping.wait(0.05):
@@ -336,7 +329,6 @@ class Watchdog(threading.Thread):
         self.mpi.Isend(body.copy(), source, TAG_REPLY)   # small; completes eagerly or at Abort
 
     def _report(self, overdue: Wait, recv, request) -> None:
-        from mpi4py import MPI
         me = status(self.rank)
         statuses = {self.rank: me}
         ask = np.array([self.rank, 1], dtype=np.int64)
@@ -374,7 +366,6 @@ def _note_signal(signum, frame):
 def start(world) -> None:
     """Start the watchdog over ``world`` once per process (collective over ``world``)."""
     global _thread
-    from mpi4py import MPI
     if _thread is not None or os.environ.get("HPCDIST_WATCHDOG", "1") == "0":
         return
     if MPI.Query_thread() != MPI.THREAD_MULTIPLE:

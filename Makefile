@@ -19,7 +19,8 @@ STAMP  := $(VENV)/.installed
 # BLAS/OpenMP threads per rank: hpcdist itself divides the node's cores among its ranks
 # (hpcdist/threads.py), so `make train` and `mpirun -n 8 python -m hpcdist.train` run alike.
 
-.PHONY: venv train test test-unit test-mpi test-faults test-slurm soak slurm-up slurm-down bench clean
+.PHONY: venv train test test-unit test-mpi test-double test-faults test-slurm test-gpu soak \
+        slurm-up slurm-down bench clean
 
 venv: $(STAMP)
 
@@ -29,6 +30,13 @@ $(STAMP): pyproject.toml Makefile
 	if ! command -v mpiexec >/dev/null 2>&1; then \
 	  echo "no system mpiexec found: installing the MPICH wheel into $(VENV)"; extras=$$extras,mpich; \
 	fi; \
+	cuda=$$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1); \
+	case "$$cuda" in \
+	  "") ;; \
+	  12|13) echo "NVIDIA driver for CUDA $$cuda: installing CuPy (cupy-cuda$${cuda}x)"; \
+	         extras=$$extras,gpu-cuda$$cuda ;; \
+	  *) echo "NVIDIA driver for CUDA $$cuda: no CuPy extra for it; pip install the matching cupy-cuda*x by hand" ;; \
+	esac; \
 	$(BIN)/python -m pip install -q -e ".[$$extras]"
 	@touch $@
 
@@ -45,7 +53,7 @@ train: venv
 MPI_SIZES ?= 1 2 3 4 5 8
 MPI_TIMEOUT ?= 600
 
-test: test-unit test-mpi test-faults test-slurm
+test: test-unit test-mpi test-double test-faults test-slurm
 
 test-unit: venv
 	$(BIN)/python -m pytest -q tests --ignore=tests/mpi --ignore=tests/slurm --ignore=tests/faults
@@ -55,6 +63,43 @@ test-mpi: venv
 	  echo "== mpiexec -n $$n pytest --with-mpi tests/mpi"; \
 	  timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest --with-mpi -q \
 	    -p no:cacheprovider tests/mpi || exit 1; \
+	done
+
+# The GPU path without a GPU: the training and device tests once more with every array a
+# device double (hpcdist/device_double.py) that MPI refuses to read, so a buffer that reaches
+# MPI without staging fails here instead of crashing a GPU job.
+DOUBLE_SIZES ?= 2 3
+DOUBLE_TESTS = tests/mpi/test_device.py tests/mpi/test_modes.py tests/mpi/test_zero.py \
+               tests/mpi/test_ddp.py tests/mpi/test_pipeline.py tests/mpi/test_tensor_parallel.py
+
+test-double: venv
+	HPCDIST_DEVICE=double $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+	  tests/test_ops_gradcheck.py tests/test_torch_oracle.py
+	@for n in $(DOUBLE_SIZES); do \
+	  echo "== HPCDIST_DEVICE=double mpiexec -n $$n pytest --with-mpi (training and device tests)"; \
+	  HPCDIST_DEVICE=double timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
+	    --with-mpi -q -p no:cacheprovider $(DOUBLE_TESTS) || exit 1; \
+	done
+
+# On a machine with a GPU: the op gradchecks and PyTorch oracles on the GPU, then the MPI
+# suite with GPU arrays at GPU_SIZES ranks (ranks share the GPU through host staging) and
+# NCCL wherever there is a GPU per rank. Without a GPU it says so and exits 0.
+GPU_SIZES ?= 1 2 4
+GPU_TESTS = tests/mpi/test_device.py tests/mpi/test_nccl.py tests/mpi/test_modes.py \
+            tests/mpi/test_zero.py tests/mpi/test_ddp.py tests/mpi/test_pipeline.py \
+            tests/mpi/test_tensor_parallel.py tests/mpi/test_reshard.py
+
+test-gpu: venv
+	@$(BIN)/python -c "from hpcdist import backend; import sys; n = backend.gpu_count(); \
+	  print(f'make test-gpu: {n} GPU(s) visible' if n else 'make test-gpu: no GPU visible (no CuPy, no driver or no device): nothing to run'); \
+	  sys.exit(0 if n else 3)" || exit 0; \
+	set -e; \
+	HPCDIST_DEVICE=gpu $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+	  tests/test_ops_gradcheck.py tests/test_torch_oracle.py; \
+	for n in $(GPU_SIZES); do \
+	  echo "== HPCDIST_DEVICE=gpu mpiexec -n $$n pytest --with-mpi"; \
+	  HPCDIST_DEVICE=gpu timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
+	    --with-mpi -q -p no:cacheprovider $(GPU_TESTS); \
 	done
 
 # The fault matrix: faults injected into real mpiexec jobs (stalls, kills, mismatches, full

@@ -3,6 +3,10 @@
 Everything above this layer asks for ``xp()`` and writes array math against it, so the same
 code runs on both devices. The device is decided once per process, at the entry point, by
 ``init(device, local_rank)``; ``HPCDIST_DEVICE=cpu|gpu|auto`` sets the default.
+
+``double`` is a third device for machines without a GPU: arrays that behave as device arrays
+(``is_gpu_array`` is true, math works) but that MPI refuses to read (device_double.py). Every
+GPU code path runs on it, and any buffer that reaches MPI without staging fails loudly.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import os
 
 import numpy as np
 
-DEVICES = ("cpu", "gpu", "auto")
+DEVICES = ("cpu", "gpu", "auto", "double")
 
 def _tune_malloc() -> bool:
     """Keep freed large NumPy temporaries in the heap instead of returning them to the OS.
@@ -53,8 +57,9 @@ def _import_cupy():
             import cupy
         except ImportError as e:
             raise DeviceError(
-                "device 'gpu' needs CuPy: pip install 'hpcdist[gpu]' (cupy-cuda12x), "
-                f"or run with --device cpu ({e})") from None
+                "device 'gpu' needs CuPy: pip install 'hpcdist[gpu-cuda12]' or "
+                f"'hpcdist[gpu-cuda13]' (match the driver's CUDA), or run with --device cpu ({e})"
+            ) from None
         _cupy = cupy
     return _cupy
 
@@ -94,6 +99,12 @@ def init(device: str | None = None, local_rank: int | None = None) -> str:
         raise ValueError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
     if device == "auto":
         device = "gpu" if gpu_count() > 0 else "cpu"
+    if device == "double":
+        global _cupy
+        from . import device_double
+        _cupy = device_double
+        _xp, _device = device_double, "gpu"
+        return "double"
     if device == "gpu":
         cupy = _import_cupy()
         n = gpu_count()
@@ -128,6 +139,65 @@ def is_gpu_array(arr) -> bool:
     return _cupy is not None and isinstance(arr, _cupy.ndarray)
 
 
+def writeable(arr) -> bool:
+    """Whether ``arr`` may be written. CuPy's flags have no ``writeable`` (its arrays always
+    are, broadcast views included); NumPy's do."""
+    return getattr(getattr(arr, "flags", None), "writeable", True)
+
+
+_pinned: dict = {}   # (thread id, purpose) -> reused page-locked host buffer
+
+
+def host_buffer(nbytes: int, key=0) -> np.ndarray:
+    """A reused uint8 host buffer of at least ``nbytes`` for staging device arrays: pinned
+    (page-locked) memory on a real GPU, so copies run at full PCIe/NVLink-C2C speed and need
+    no pageable bounce; plain memory otherwise. One per (calling thread, ``key``): the caller
+    owns it until its next call with the same key on the same thread."""
+    import threading
+    slot = (threading.get_ident(), key)
+    buf = _pinned.get(slot)
+    if buf is None or buf.nbytes < nbytes:
+        size = max(nbytes, 2 * (buf.nbytes if buf is not None else 0), 4096)
+        if _device == "gpu" and hasattr(_cupy.cuda, "alloc_pinned_memory"):
+            mem = _cupy.cuda.alloc_pinned_memory(size)
+            buf = np.frombuffer(mem, dtype=np.uint8, count=size)
+        else:
+            buf = np.empty(size, dtype=np.uint8)
+        _pinned[slot] = buf
+    return buf[:nbytes]
+
+
+def to_host(arr, key=0) -> np.ndarray:
+    """A flat host array with ``arr``'s values: ``arr`` itself on the host; for a device
+    array, a view of a reused pinned buffer (valid until the next ``to_host`` with ``key`` on
+    this thread). The producing stream is synchronised first."""
+    if not is_gpu_array(arr):
+        return arr.reshape(-1)
+    host = host_buffer(arr.nbytes, key).view(arr.dtype)
+    if not arr.flags.c_contiguous:
+        arr = _cupy.ascontiguousarray(arr)
+    _cupy_get(arr, host)
+    return host
+
+
+def _cupy_get(arr, host) -> None:
+    """Copy device ``arr`` into the host array ``host`` (same size); returns when done."""
+    arr.get(out=host.reshape(arr.shape))      # blocking: ordered after arr's producers
+
+
+def from_host(host, like, out=None):
+    """``host``'s values on ``like``'s device: into ``out`` when given, else a new array."""
+    if not is_gpu_array(like):
+        if out is None:
+            return host
+        out.reshape(-1)[...] = host.reshape(-1)
+        return out
+    if out is None:
+        return _cupy.asarray(host)
+    out.set(host.reshape(out.shape))
+    return out
+
+
 def to_numpy(arr) -> np.ndarray:
     """A host copy (or the array itself when it already lives on the host)."""
     if is_gpu_array(arr):
@@ -152,12 +222,67 @@ def synchronize(arr=None) -> None:
 # ---- dtypes ---------------------------------------------------------------------------------
 
 def bfloat16():
-    """The bfloat16 dtype: ml_dtypes' on NumPy (CuPy has none; compute in fp32 there)."""
+    """The bfloat16 dtype: ml_dtypes' (NumPy, and CuPy releases that accept it)."""
     try:
         import ml_dtypes
     except ImportError:
-        raise DeviceError("bf16 on NumPy needs ml_dtypes: pip install 'hpcdist[bf16]'") from None
+        raise DeviceError("bf16 needs ml_dtypes: pip install 'hpcdist[bf16]'") from None
     return np.dtype(ml_dtypes.bfloat16)
+
+
+_native_bf16 = None     # does the active CuPy compute in bfloat16? (probed once)
+_bf16_operands = False  # round matmul operands to bf16 (bf16 emulated in fp32 storage)
+
+
+def native_bf16() -> bool:
+    """Whether the active array module computes in bfloat16: NumPy with ml_dtypes does; CuPy
+    does from the release that accepts ``ml_dtypes.bfloat16`` (v15; 14.x does not)."""
+    global _native_bf16
+    if _device == "cpu":
+        return True
+    if _native_bf16 is None:
+        try:
+            a = _xp.ones((2, 2), dtype=bfloat16())
+            _native_bf16 = bool(float((a @ a).astype(np.float32)[0, 0]) == 2.0)
+        except Exception:
+            _native_bf16 = False
+    return _native_bf16
+
+
+def compute_dtype(precision: str) -> np.dtype:
+    """The dtype that forward and backward run in for ``precision`` ("fp16", "bf16", ...).
+
+    bf16 on a CuPy without bfloat16 is emulated with bf16's numbers: arrays stay float32 and
+    every matmul rounds its operands to bf16 (round to nearest even) and accumulates in fp32,
+    which is what tensor cores do with bf16 inputs. ``bf16_emulated()`` says when."""
+    global _bf16_operands
+    if isinstance(precision, str) and precision.lower() in ("bf16", "bfloat16") \
+            and not native_bf16():
+        _bf16_operands = True
+        return np.dtype(np.float32)
+    return dtype(precision)
+
+
+def bf16_emulated() -> bool:
+    return _bf16_operands
+
+
+def reset_precision() -> None:
+    """Forget an earlier run's bf16 emulation (each run decides its own precision)."""
+    global _bf16_operands
+    _bf16_operands = False
+
+
+def round_to_bf16(x):
+    """float32 ``x`` rounded to the nearest bfloat16 value (ties to even), still float32.
+    NaN and inf pass through (the rounding adds at most 0x7FFF + 1 to a NaN's payload, and
+    an inf's low half is zero)."""
+    mod = array_module(x)
+    bits = mod.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) \
+        & np.uint32(0xFFFF0000)
+    out = bits.view(np.float32)
+    return mod.where(mod.isnan(x), x, out) if out.size else out
 
 
 _DTYPE_NAMES = {
@@ -205,6 +330,8 @@ def matmul(a, b):
     attention input: 248 us against 135 us folded)."""
     if a.dtype.itemsize == 2 and a.dtype.kind in "fV" and not is_gpu_array(a):
         return matmul(a.astype(np.float32), b.astype(np.float32)).astype(a.dtype)
+    if _bf16_operands and a.dtype == np.float32:
+        a, b = round_to_bf16(a), round_to_bf16(b)
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and a.shape[-1]:
         return (a.reshape(-1, a.shape[-1]) @ b).reshape(a.shape[:-1] + b.shape[-1:])
     return a @ b
@@ -218,8 +345,11 @@ def scatter_add(target, idx, values) -> None:
     On NumPy, rows are summed per index after a sort (``add.reduceat``): ``np.add.at`` took
     290-680 us for the default GPT's 704 x 64 token gradients, this ~60 us."""
     if is_gpu_array(target):
-        import cupyx
-        cupyx.scatter_add(target, idx, values)
+        scatter = getattr(_cupy, "scatter_add", None)     # the device double has its own
+        if scatter is None:
+            import cupyx
+            scatter = cupyx.scatter_add
+        scatter(target, idx, values)
         return
     if isinstance(idx, tuple) or not hasattr(idx, "dtype") or idx.dtype.kind not in "iu" \
             or np.ndim(values) != idx.ndim + target.ndim - 1:

@@ -411,7 +411,7 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
     xp = _xp(logits)
     V = logits.shape[-1]
     z = logits.data.reshape(-1, V)
-    t = targets.reshape(-1)
+    t = xp.asarray(targets).reshape(-1)          # host targets go to the logits' device
     valid = t != ignore_index
     count = builtins.max(int(valid.sum()), 1)
     safe_t = xp.where(valid, t, 0)
@@ -502,6 +502,7 @@ def where(cond, a, b) -> Tensor:
     a = _lift(a, b if isinstance(b, Tensor) else None)
     b = _lift(b, a)
     xp = _xp(a)
+    cond = xp.asarray(cond)                  # a host condition goes to the data's device
     out = xp.where(cond, a.data, b.data)
 
     def backward(g):
@@ -516,6 +517,7 @@ def masked_fill(a: Tensor, mask, value: float) -> Tensor:
     if isinstance(mask, Tensor):
         mask = mask.data
     xp = _xp(a)
+    mask = xp.asarray(mask)                  # a host mask goes to the data's device
     out = xp.where(mask, xp.asarray(value, dtype=a.data.dtype), a.data)
     zero = xp.zeros((), dtype=a.data.dtype)
     return Tensor._make(out, (a,), lambda g: (_unbroadcast(xp.where(mask, zero, g), a.shape),))

@@ -113,7 +113,9 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
         f"{cfg_parameters(model, cfg):,} parameters | task {cfg.task} "
         f"({len(train_set):,} train / {len(test_set):,} held-out) | device {device} | "
         f"world size {world} on {hosts}: {layout} | BLAS threads {threads.choice} | "
-        f"{cfg.precision} | " + (f"ZeRO stage {cfg.zero} | " if cfg.zero else
+        f"{cfg.precision}" + (" (emulated: matmul operands rounded to bf16, fp32 storage; "
+                              "this CuPy has no bfloat16)" if backend.bf16_emulated() else "")
+        + " | " + (f"ZeRO stage {cfg.zero} | " if cfg.zero else
                                  f"compress {cfg.compress} | ")
         + f"{cfg.steps} steps x batch {cfg.batch_size} x {data_comm.size} replicas"
         + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))

@@ -8,6 +8,30 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import hpcdist as hd  # noqa: E402
 from hpcdist import backend  # noqa: E402
 
+# The unit tests run on the device $HPCDIST_DEVICE names (cpu unless set): make test-gpu runs
+# the op gradchecks and the PyTorch oracles with HPCDIST_DEVICE=gpu, and HPCDIST_DEVICE=double
+# runs them on the device double without a GPU. Comparisons take device arrays: the
+# np.testing assertions below copy them to the host first (a CuPy array refuses implicit
+# conversion).
+backend.init(os.environ.get("HPCDIST_DEVICE", "cpu"))
+
+
+def _on_host(fn):
+    def compare(actual, desired, *args, **kwargs):
+        return fn(_host(actual), _host(desired), *args, **kwargs)
+    compare.__name__ = fn.__name__
+    return compare
+
+
+def _host(x):
+    if isinstance(x, hd.Tensor):
+        x = x.data
+    return backend.to_numpy(x) if backend.is_gpu_array(x) else x
+
+
+for _name in ("assert_allclose", "assert_array_equal", "assert_array_less"):
+    setattr(np.testing, _name, _on_host(getattr(np.testing, _name)))
+
 
 @pytest.fixture
 def float64():
@@ -30,9 +54,9 @@ def numerical_grad(f, arrays, i, weights, eps=1e-6):
     for idx in np.ndindex(a.shape):
         old = a[idx]
         a[idx] = old + eps
-        plus = float((f(*[hd.tensor(x) for x in arrays]).data * weights).sum())
+        plus = float((_host(f(*[hd.tensor(x) for x in arrays])) * weights).sum())
         a[idx] = old - eps
-        minus = float((f(*[hd.tensor(x) for x in arrays]).data * weights).sum())
+        minus = float((_host(f(*[hd.tensor(x) for x in arrays])) * weights).sum())
         a[idx] = old
         grad[idx] = (plus - minus) / (2 * eps)
     return grad

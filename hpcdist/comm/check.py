@@ -26,6 +26,7 @@ import zlib
 
 import numpy as np
 
+from .. import backend
 from . import ring
 from .layout import OPS
 from .select import FUSED
@@ -207,7 +208,7 @@ def out_problem(out, buf) -> str | None:
     """What is wrong with ``out=`` for a result shaped like ``buf``."""
     if not hasattr(out, "dtype") or not hasattr(out, "flags"):
         return f"out must be a NumPy or CuPy array, got {type(out).__name__}"
-    if not out.flags.writeable:
+    if not backend.writeable(out):
         return "out is read-only"
     if tuple(out.shape) != tuple(buf.shape) or out.dtype != buf.dtype:
         return (f"out is {out.dtype}{list(out.shape)}, the result is "

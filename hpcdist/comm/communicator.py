@@ -7,6 +7,7 @@ raw bytes (any dtype, fp16 and bf16 included); reductions run in the array's own
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 
 import numpy as np
@@ -14,6 +15,7 @@ from mpi4py import MPI
 
 from .. import backend, threads, timeline
 from . import abort, check, p2p, ring, short, sparse, tree, watchdog
+from .wire import Wire
 from .handle import Handle, _Done
 from .layout import OPS, check_op, finish, reduce_ufunc, shard_bounds, shard_counts
 from .select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, FUSED, SHORT_ALLGATHER,  # noqa: F401
@@ -31,6 +33,13 @@ def cuda_aware() -> bool:
         return bool(query()) if query is not None else False
     except Exception:
         return False
+
+
+class _Shape:
+    """What ``check.out_problem`` needs of a result it is not given: shape and dtype."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
 
 
 class Communicator:
@@ -62,11 +71,16 @@ class Communicator:
         # Non-blocking collectives run on their own duplicate, in a progress thread, so their
         # messages can never match a blocking call's.
         self._bg_mpi = self.mpi.Dup()
-        # The agreement's exchanges (short.py), one set per MPI communicator: the caller's
-        # thread uses self.mpi's, the progress thread _bg_mpi's.
-        self._exchanges = {id(c): short.Exchanges(c) for c in (self.mpi, self._bg_mpi)}
         # Point-to-point has its own duplicate too: user tags never meet collective traffic.
         self._p2p_mpi = self.mpi.Dup()
+        # Every byte reaches MPI through a wire (wire.py): it refuses unstaged device arrays
+        # and counts what is sent. One per MPI communicator: the caller's thread uses
+        # _wire, the progress thread _bg_wire, point-to-point _p2p_wire.
+        self.cuda_aware = cuda_aware()
+        self._wire, self._bg_wire, self._p2p_wire = (
+            Wire(c, self.cuda_aware) for c in (self.mpi, self._bg_mpi, self._p2p_mpi))
+        # The agreement's exchanges (short.py), one set per wire.
+        self._exchanges = {id(w): short.Exchanges(w) for w in (self._wire, self._bg_wire)}
         self._send_seq: dict = {}            # dest -> messages sent (payload tags)
         self._executor = None
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
@@ -77,9 +91,23 @@ class Communicator:
         # Blocking short calls may take the lean path (see "collectives").
         self._static_keys: dict = {}     # a lean call's fields -> check.static_key
         self._lean_wait = watchdog.Wait(self.label, 0, "", 0, self._peers)
-        self.cuda_aware = cuda_aware()
         self.sparse_stats = sparse.SparseStats()
-        self.bytes_sent = 0          # payload bytes this rank's allreduces sent (analytic)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank has handed to MPI to send, counted at the wires
+        (collectives, their short exchanges' data and point-to-point; not the agreement's
+        16-byte keys)."""
+        return self._wire.sent + self._bg_wire.sent + self._p2p_wire.sent
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Blocking calls inside are left out of ``bytes_sent`` (a benchmark's probe)."""
+        sent = self._wire.sent
+        try:
+            yield
+        finally:
+            self._wire.sent = sent
 
     def __repr__(self):
         return f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank})"
@@ -138,15 +166,15 @@ class Communicator:
             finally:
                 watchdog.leave(wait)
         if call.blocking:
-            return run(self.mpi)
+            return run(self._wire)
         if self.size == 1:        # nothing to wait for: done now, no progress-thread handoff
-            return Handle(_Done(lambda: run(self._bg_mpi)), self, call)   # (13% of a DDP
+            return Handle(_Done(lambda: run(self._bg_wire)), self, call)   # (13% of a DDP
         return Handle(self._run(run), self, call)                       # step at 1 rank)
 
     def agree_only(self, kind: str, buf, op=None, root=None) -> None:
         """The ledger's agreement on a collective whose data moves elsewhere (the NCCL
         backend): numbered, checked and agreed like ours, then nothing is exchanged."""
-        self._agree(self.mpi, self._call(kind, buf, op=op, root=root))
+        self._agree(self._wire, self._call(kind, buf, op=op, root=root))
 
     def _agree(self, mpi, call, payload=None, fold=None) -> None:
         """The ledger's agreement on ``call`` (check.agree), carrying ``payload`` (a filled
@@ -168,53 +196,36 @@ class Communicator:
                               f"failed and was not waited for: {e}") from e
         self._handles = [h for h in self._handles if not h._future.done()]
 
-    def _stage_in(self, buf):
-        """A flat buffer MPI may read: a host copy of a GPU array unless MPI is CUDA-aware,
-        else a view of ``buf`` itself."""
-        if backend.is_gpu_array(buf):
-            backend.synchronize(buf)          # the producing stream must be done
-            if not self.cuda_aware:
-                return backend.to_numpy(buf).reshape(-1)
+    def _stage_in(self, buf, key: int = 0):
+        """A flat buffer MPI may read: a device array's values in a reused pinned host
+        buffer (``key`` tells two staged at once apart; valid until the next staging with
+        the same key on this thread) unless MPI is CUDA-aware, else a view of ``buf``."""
+        if backend.is_gpu_array(buf) and not self.cuda_aware:
+            return backend.to_host(buf, key)  # synchronizes the producing stream
         return buf.reshape(-1)
 
     def _staged(self, buf) -> bool:
         """True when ``_stage_in(buf)`` is a host copy rather than a view of ``buf``."""
         return backend.is_gpu_array(buf) and not self.cuda_aware
 
-    def _stage_out(self, host, like):
+    def _stage_out(self, host, like, out=None):
+        """A staged result back on ``like``'s device (a new array, or into ``out``)."""
         if backend.is_gpu_array(like) and not backend.is_gpu_array(host):
-            return backend.array_module(like).asarray(host)
+            return backend.from_host(host, like, out)
+        if out is not None:
+            out.reshape(-1)[...] = host.reshape(-1)
+            return out
         return host
 
     def _run(self, fn):
         """A future of ``fn(bg_mpi)`` in the progress thread (or run now without threads)."""
         if not self.threaded:
             # No MPI_THREAD_MULTIPLE: run now (correct, no overlap), in call order.
-            return _Done(lambda: fn(self._bg_mpi))
+            return _Done(lambda: fn(self._bg_wire))
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=f"hpcdist-comm-{self.rank}")
-        return self._executor.submit(fn, self._bg_mpi)
-
-    def run_async(self, fn, label: tuple | None = None) -> Handle:
-        """Run ``fn(mpi_comm)`` in the progress thread, in order with the other non-blocking
-        calls (ZeRO's gathers and reduce-scatters of flat ranges use it). ``label`` =
-        (collective, algorithm, bytes) records the call on the timeline. No agreement: the
-        caller guarantees every rank makes the same call (its waits still have deadlines)."""
-        return Handle(self._run(self._timed(*(label or ("range call", "", 0)), fn)))
-
-    def run_sync(self, fn, label: tuple):
-        """``fn(mpi_comm)`` now, on this thread: the blocking twin of ``run_async``."""
-        return self._timed(*label, fn)(self.mpi)
-
-    def _timed(self, kind: str, algorithm: str, nbytes: int, fn):
-        """``fn(mpi)`` registered with the watchdog, and recorded as one ``kind`` call when a
-        timeline recorder is active."""
-        def run(mpi):
-            with watchdog.waiting(self.label, 0, f"{kind} of flat ranges", nbytes, self._peers), \
-                    timeline.collective(kind, algorithm, nbytes, self.size):
-                return fn(mpi)
-        return run
+        return self._executor.submit(fn, self._bg_wire)
 
     # ---- collectives --------------------------------------------------------------------
     # Short calls carry their data in the agreement (short.py): one recursive doubling in all.
@@ -232,6 +243,7 @@ class Communicator:
         """Agree on a short call and fold its payload (``ex``, filled). ``call``: the general
         path's numbered call; None: a lean call, numbered here, whose key comes from
         ``fields`` = (kind, length, dtype, op, root) as ``check.Call.key`` would make it."""
+        mpi.sent += ex.sent                    # the payload travels in the agreement
         if call is not None:
             self._agree(mpi, call, ex, fold)
             return
@@ -263,8 +275,7 @@ class Communicator:
         """A flat result shaped like ``buf`` on ``buf``'s device, in ``out`` when one is given
         (else a new array: ``flat`` may be a buffer that the next call reuses)."""
         if out is not None:
-            out.reshape(-1)[...] = self._stage_out(flat, out)
-            return out
+            return self._stage_out(flat, out, out)
         if self._staged(buf):
             return self._stage_out(flat, buf).reshape(buf.shape)
         return flat.reshape(buf.shape).copy()
@@ -283,9 +294,8 @@ class Communicator:
                 and self._auto["allreduce"] in ("auto", "recursive_doubling")
                 and (out is None or (type(out) is np.ndarray and out.shape == buf.shape
                                      and out.dtype == buf.dtype and out.flags.c_contiguous
-                                     and out.flags.writeable))):
-            self.bytes_sent += allreduce_wire_bytes(FUSED, buf.size, self.size, buf.itemsize)
-            return self._short_allreduce(self.mpi, None, buf, op, out)
+                                     and backend.writeable(out)))):
+            return self._short_allreduce(self._wire, None, buf, op, out)
         return self._allreduce(buf, op, algorithm, out, wire_dtype, blocking=True)
 
     def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
@@ -318,7 +328,6 @@ class Communicator:
         itemsize = 0
         if call.problem is None:
             itemsize = (wire_dtype if wire_dtype is not None else buf.dtype).itemsize
-            self.bytes_sent += allreduce_wire_bytes(name, buf.size, self.size, itemsize)
         label = name if wire_dtype is None else f"ring({wire_dtype.name} wire)"
         if fused:
             return self._submit(call, lambda mpi: self._short_allreduce(mpi, call, buf, op, out),
@@ -351,7 +360,7 @@ class Communicator:
         ``counts[r]`` elements for rank r, in rank order (e.g. whole sequence rows)."""
         if (counts is None and op in OPS and self._lean(buf)
                 and buf.nbytes <= SHORT_REDUCE_SCATTER):
-            return self._short_reduce_scatter(self.mpi, None, buf, op, None)
+            return self._short_reduce_scatter(self._wire, None, buf, op, None)
         return self._reduce_scatter(buf, op, counts, blocking=True)
 
     def ireduce_scatter(self, buf, op: str = "sum", counts=None) -> Handle:
@@ -381,7 +390,6 @@ class Communicator:
         mine = ex.data[lo:hi]
         if op == "avg":
             finish(mine, op, self.size)
-        self.bytes_sent += ex.sent
         return self._stage_out(mine.copy(), buf)
 
     def _reduce_scatter(self, buf, op, counts, blocking):
@@ -400,30 +408,30 @@ class Communicator:
             lo, hi = self._my_bounds(work.size, counts)
             if self.size > 1 and work.size:
                 ring.reduce_scatter_inplace(mpi, work, op, bounds=bounds)
-                self.bytes_sent += (work.size - (hi - lo)) * work.dtype.itemsize
             return self._stage_out(work[lo:hi].copy(), buf)
         return self._submit(call, run, nbytes, "ring")
 
     # allgather
-    def allgather(self, shard, total: int | None = None, counts=None):
+    def allgather(self, shard, total: int | None = None, counts=None, out=None):
         """Concatenation of every rank's 1-D ``shard``.
 
         With ``total``, shards follow the shard layout of a length-``total`` array (the last
         ones may be shorter or empty); with ``counts``, rank r's shard has ``counts[r]``
-        elements; with neither, every shard must have the same length.
+        elements; with neither, every shard must have the same length. ``out``: a 1-D array
+        of the gathered length to gather into (``shard`` may be a view of its own part).
         """
-        if counts is None and self._lean(shard):
+        if counts is None and out is None and self._lean(shard):
             n = shard.size
             gathered = n * self.size if total is None else total     # as _allgather decides
             lo, hi = (0, n) if total is None else shard_bounds(total, self.size, self.rank)
             if gathered * shard.itemsize <= SHORT_ALLGATHER and hi - lo == n:
-                return self._short_allgather(self.mpi, None, shard, total, None)
-        return self._allgather(shard, total, blocking=True, counts=counts)
+                return self._short_allgather(self._wire, None, shard, total, None)
+        return self._allgather(shard, total, blocking=True, counts=counts, out=out)
 
-    def iallgather(self, shard, total: int | None = None, counts=None) -> Handle:
-        return self._allgather(shard, total, blocking=False, counts=counts)
+    def iallgather(self, shard, total: int | None = None, counts=None, out=None) -> Handle:
+        return self._allgather(shard, total, blocking=False, counts=counts, out=out)
 
-    def _short_allgather(self, mpi, call, shard, total, counts):
+    def _short_allgather(self, mpi, call, shard, total, counts, out=None):
         """Zeros with this rank's piece in place, OR-folded by the agreement's exchange:
         OR of zeros with one rank's bytes is exactly those bytes, for any dtype."""
         host = self._stage_in(shard)
@@ -441,10 +449,11 @@ class Communicator:
         self._exchange(mpi, ex, np.bitwise_or, call,
                        ("allgather", length if total is not None or counts is not None
                         else host.size, host.dtype, None, -1))
-        self.bytes_sent += ex.sent
+        if out is not None:
+            return self._stage_out(ex.data.view(host.dtype), shard, out)
         return self._stage_out(ex.data.view(host.dtype).copy(), shard)
 
-    def _allgather(self, shard, total, blocking, counts=None):
+    def _allgather(self, shard, total, blocking, counts=None, out=None):
         P, n = self.size, getattr(shard, "size", 0)
         problem = None
         if counts is not None:
@@ -456,27 +465,33 @@ class Communicator:
         if problem is None and total is not None and counts[self.rank] != n:
             problem = (f"shard has {n} elements, but rank {self.rank}'s shard of a "
                        f"length-{total} array over {P} ranks has {counts[self.rank]}")
+        length = sum(counts)
+        if problem is None and out is not None:
+            problem = check.out_problem(out, _Shape((length,), shard.dtype))
         call = self._call("allgather", shard, "shard", blocking=blocking,
                           length=total if total is not None else n, problem=problem)
-        nbytes = (total if total is not None else n * P) * getattr(shard, "itemsize", 0)
+        nbytes = length * getattr(shard, "itemsize", 0)
         if self._fused(call, shard, nbytes, SHORT_ALLGATHER):
             return self._submit(
-                call, lambda mpi: self._short_allgather(mpi, call, shard, total, counts),
+                call, lambda mpi: self._short_allgather(mpi, call, shard, total, counts, out),
                 nbytes, FUSED, fused=True)
-        return self._submit(call, lambda mpi: self._gather_pieces(mpi, shard, counts),
+        return self._submit(call, lambda mpi: self._gather_pieces(mpi, shard, counts, out),
                             nbytes, "ring")
 
-    def _gather_pieces(self, mpi, piece, counts):
-        """Ring allgather of pieces of the given per-rank sizes into one array."""
+    def _gather_pieces(self, mpi, piece, counts, out=None):
+        """Ring allgather of pieces of the given per-rank sizes into one array (``out``)."""
         bounds = self._bounds(counts)
         off = bounds[-1][1]
         work = self._stage_in(piece)
-        full = backend.array_module(work).empty(off, dtype=work.dtype)
+        in_place = out is not None and not self._staged(out)
+        full = out.reshape(-1) if in_place else \
+            backend.array_module(work).empty(off, dtype=work.dtype)
         full[bounds[self.rank][0]:bounds[self.rank][1]] = work
         if self.size > 1 and off:
             ring.allgather_inplace(mpi, full, bounds)
-            self.bytes_sent += (off - piece.size) * work.dtype.itemsize   # all but my piece
-        return self._stage_out(full, piece)
+        if in_place:
+            return out
+        return self._stage_out(full, piece, out)
 
     def allgatherv(self, buf):
         """Concatenation of every rank's 1-D ``buf``, lengths free to differ."""
@@ -495,14 +510,14 @@ class Communicator:
     def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
         """Overwrite ``buf`` on every rank with root's ``buf`` (in place); returns ``buf``."""
         if (algorithm == "auto" and self._auto["bcast"] == "auto" and self._lean(buf)
-                and buf.nbytes <= SHORT_BCAST and buf.flags.writeable
+                and buf.nbytes <= SHORT_BCAST and backend.writeable(buf)
                 and type(root) is int and 0 <= root < self.size):
-            return self._short_bcast(self.mpi, None, buf, root)
+            return self._short_bcast(self._wire, None, buf, root)
         name = choose_bcast(getattr(buf, "nbytes", 0), self.size, self._auto["bcast"]
                             if algorithm == "auto" else algorithm, env=False)
         call = self._call("bcast", buf, root=root)
         if call.problem is None and getattr(buf, "flags", None) is not None \
-                and not buf.flags.writeable:
+                and not backend.writeable(buf):
             call.problem = "buf is read-only (bcast writes into it)"
         call.algorithm = name
         nbytes = getattr(buf, "nbytes", 0)
@@ -531,7 +546,6 @@ class Communicator:
         self._exchange(mpi, ex, np.bitwise_or, call, ("bcast", host.size, host.dtype, None, root))
         if self.rank != root:
             buf.reshape(-1)[...] = self._stage_out(ex.data.view(host.dtype), buf)
-        self.bytes_sent += ex.sent
         return buf
 
     def reduce(self, buf, op: str = "sum", root: int = 0):
@@ -551,7 +565,7 @@ class Communicator:
         (no rank leaves an allreduce before every rank entered it), so a rank that calls
         another collective instead is named rather than matched."""
         if self.size > 1 and not self.debug and timeline.active() is None:
-            self._exchange(self.mpi, self._exchanges[id(self.mpi)].get(0, np.uint8), None,
+            self._exchange(self._wire, self._exchanges[id(self._wire)].get(0, np.uint8), None,
                            None, ("barrier", 0, None, None, -1))
             return
         call = self._call("barrier")
@@ -584,7 +598,7 @@ class Communicator:
         with timeline.collective("send", "p2p", work.nbytes, self.size), \
                 watchdog.waiting(self.label, 0, f"send to rank {dest} (tag {tag})", work.nbytes,
                                  f"rank {dest}"):
-            p2p.send(self._p2p_mpi, work, dest, tag, ptag)
+            p2p.send(self._p2p_wire, work, dest, tag, ptag)
 
     def recv(self, source: int, tag: int = 0):
         """Receive an array sent with ``send``/``isend``, on the active device."""
@@ -593,7 +607,7 @@ class Communicator:
         with timeline.collective("recv", "p2p", 0, self.size) as info, \
                 watchdog.waiting(self.label, 0, f"receive from rank {source} (tag {tag})", 0,
                                  f"rank {source}"):
-            out = p2p.recv(self._p2p_mpi, source, tag, np if host else backend.xp())
+            out = p2p.recv(self._p2p_wire, source, tag, np if host else backend.xp())
             if info is not None:
                 info["bytes"] = out.nbytes
         return backend.to_device(out) if host else out
@@ -601,13 +615,13 @@ class Communicator:
     def isend(self, arr, dest: int, tag: int = 0) -> p2p.SendHandle:
         """Non-blocking send; ``wait()`` before reusing ``arr``."""
         work, ptag = self._outgoing(arr, dest, tag)
-        return p2p.isend(self._p2p_mpi, work, dest, tag, ptag)
+        return p2p.isend(self._p2p_wire, work, dest, tag, ptag)
 
     def irecv(self, source: int, tag: int = 0) -> p2p.RecvHandle:
         """Non-blocking receive; ``wait()`` returns the array."""
         self._check_peer(source, "source", tag)
         host = self._recv_on_host()
-        return p2p.RecvHandle(self._p2p_mpi, source, tag, np if host else backend.xp(),
+        return p2p.RecvHandle(self._p2p_wire, source, tag, np if host else backend.xp(),
                               finish=backend.to_device if host else None)
 
     def sendrecv(self, arr, dest: int, source: int, sendtag: int = 0, recvtag: int | None = None):
@@ -647,13 +661,12 @@ class Communicator:
         pairs = getattr(idx, "nbytes", 0) + getattr(vals, "nbytes", 0)
         call = self._call("sparse_allreduce", vals, "vals", op=op, length=n, k=idx.size)
         out = self._submit(call, lambda mpi: self._stage_out(sparse.exchange(
-            mpi, self._stage_in(idx), self._stage_in(vals), n), vals),
+            mpi, self._stage_in(idx, 1), self._stage_in(vals, 2), n), vals),
             pairs * self.size, "topk-allgatherv")
         if op == "avg":
             out /= self.size
         sparse_b, dense_b = sparse.wire_bytes(n, idx.size, vals.dtype.itemsize, self.size)
         self.sparse_stats = sparse.SparseStats(n, idx.size, sparse_b, dense_b, sparse_b, False)
-        self.bytes_sent += sparse_b
         return out
 
     # ---- teardown -------------------------------------------------------------------------

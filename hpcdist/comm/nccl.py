@@ -19,6 +19,32 @@ _NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64":
 _NCCL_OPS = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN"}
 
 
+UID_BYTES = 128      # sizeof(ncclUniqueId)
+
+
+def pack_unique_id(uid) -> np.ndarray:
+    """NCCL's unique id as 129 bytes: the id, then 1 if CuPy gave it as ``bytes`` (CuPy 14)
+    or 0 if as a tuple of 128 signed chars (earlier releases); ``unpack_unique_id`` hands
+    it back to ``NcclCommunicator`` in the same spelling."""
+    out = np.zeros(UID_BYTES + 1, dtype=np.uint8)
+    if isinstance(uid, (bytes, bytearray, memoryview)):
+        raw = np.frombuffer(bytes(uid), dtype=np.uint8)
+        out[UID_BYTES] = 1
+    else:
+        raw = np.asarray(uid, dtype=np.int64).astype(np.int8).view(np.uint8)
+    if raw.size != UID_BYTES:
+        raise ValueError(f"NCCL unique id of {raw.size} bytes, expected {UID_BYTES}")
+    out[:UID_BYTES] = raw
+    return out
+
+
+def unpack_unique_id(packed: np.ndarray):
+    raw = np.asarray(packed[:UID_BYTES], dtype=np.uint8)
+    if packed[UID_BYTES]:
+        return raw.tobytes()
+    return tuple(int(b) for b in raw.view(np.int8))
+
+
 class _StreamHandle:
     """A collective queued on the CUDA stream: done once the stream reaches it."""
 
@@ -42,11 +68,11 @@ class NcclCommunicator:
         self.rank, self.size = self.host.rank, self.host.size
         self.local_rank = self.host.local_rank
         self.nccl = backend.nccl_module()              # a clear error without CuPy/NCCL
-        uid = np.zeros(128, dtype=np.int8)
+        uid = np.zeros(UID_BYTES + 1, dtype=np.uint8)  # the id, then how CuPy spells it
         if self.rank == 0:
-            uid[:] = np.asarray(self.nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
+            uid[:] = pack_unique_id(self.nccl.get_unique_id())
         self.host.bcast(uid, root=0)
-        self.comm = self.nccl.NcclCommunicator(self.size, tuple(int(b) for b in uid), self.rank)
+        self.comm = self.nccl.NcclCommunicator(self.size, unpack_unique_id(uid), self.rank)
         self.bytes_sent = 0                            # ring-equivalent payload bytes
 
     def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,

@@ -122,11 +122,10 @@ class DistributedDataParallel:
         if self.compute is not self.flat:          # mixed precision: average in fp32
             grad[...] = self.compute.grad[bucket.lo:bucket.hi]
         if self.probe_cosine:
-            sent = self.comm.bytes_sent
             if self._probe is None:
                 self._probe = {}
-            self._probe[bucket.index] = self.comm.allreduce(grad, op="avg")
-            self.comm.bytes_sent = sent
+            with self.comm.uncounted():
+                self._probe[bucket.index] = self.comm.allreduce(grad, op="avg")
         if not self._identity:
             bucket.handle = self.compression.start(self.comm, grad, bucket.index)
         self._next = bucket.index + 1

@@ -89,11 +89,11 @@ class MixedPrecision:
             raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
         self.precision = precision
         params = list(params)
-        if precision == "fp32":
+        low = backend.compute_dtype(precision)   # bf16 without CuPy bf16: float32, emulated
+        if low == np.float32:
             self.compute = self.master = FlatParams(params)
             self.scaler = LossScaler(enabled=False)
             return
-        low = backend.dtype(precision)
         master_values = [p.data.astype(np.float32) for p in params]
         for p in params:                           # the model now computes in ``low``
             p.data = p.data.astype(low)

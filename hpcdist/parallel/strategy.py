@@ -162,6 +162,7 @@ def build_strategy(cfg, comm, train_set):
     """The model and the training step for this rank (collective over ``comm``)."""
     from .zero import Zero
     backend.set_default_float("float64" if cfg.dtype == "fp64" else "float32")
+    backend.reset_precision()
     model_parallel = cfg.tp > 1 or cfg.pp > 1
     mesh = ProcessMesh(comm, dp=comm.size // (cfg.tp * cfg.pp), tp=cfg.tp, pp=cfg.pp) \
         if model_parallel else None
@@ -214,7 +215,7 @@ def build_strategy(cfg, comm, train_set):
     scaler = LossScaler(init_scale=cfg.loss_scale, enabled=cfg.precision == "fp16")
     make_optimizer = make_optimizer_factory(cfg)
     if cfg.zero:
-        low = None if cfg.precision == "fp32" else backend.dtype(cfg.precision)
+        low = None if cfg.precision == "fp32" else backend.compute_dtype(cfg.precision)
         step = Zero(model, dp_comm, cfg.zero, make_optimizer, compute_dtype=low, scaler=scaler,
                     bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
                     norm=norm, grad_sum=grad_sum)

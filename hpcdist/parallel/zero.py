@@ -30,8 +30,7 @@ import contextlib
 import numpy as np
 
 from .. import backend
-from ..comm import ring
-from ..comm.layout import padded_length, shard_bounds
+from ..comm.layout import padded_length, shard_bounds, shard_counts
 from ..optim import FlatParams, decay_ranges_in
 from .ddp import plan_buckets
 from .shards import Group, ShardParams, identity_hook, pieces_of_range
@@ -157,47 +156,26 @@ class Zero:
                 ranges.append((a, b))
         return Group(index, ranges, [self.params[i] for i in idx])
 
-    def _gather_fn(self, group):
-        """A function of the MPI communicator that gathers the group's full values."""
-        P, xp = self.comm.size, backend.array_module(self.compute_shard)
-
-        def run(mpi):
-            out = []
-            for a, b in group.ranges:
-                buf = xp.empty(b - a, dtype=self.compute_dtype)
-                s, e = max(a, self.lo), min(b, self.hi)
-                pieces = pieces_of_range(a, b, P, self.L)
-                if s < e:
-                    buf[s - a:e - a] = self.compute_shard[s - self.lo:e - self.lo]
-                if P > 1:
-                    ring.allgather_inplace(mpi, buf, pieces)
-                out.append(buf)
-            return out
-        return run
+    def _counts(self, a: int, b: int) -> list:
+        """How many elements of the flat range [a, b) each rank's shard holds."""
+        return [e - s for s, e in pieces_of_range(a, b, self.comm.size, self.L)]
 
     def _prefetch(self, group) -> None:
+        """Start gathering the group's full ranges (non-blocking allgathers of the pieces
+        every rank holds)."""
         if group is not None and group.buffers is None and group.handle is None:
-            group.handle = self.comm.run_async(self._gather_fn(group),
-                                               label=("allgather", "ring", self._bytes(group)))
-            self.comm.bytes_sent += self._range_bytes(group)
-
-    def _bytes(self, group) -> int:
-        """Bytes of the group's full ranges (what a gather returns, a reduce-scatter takes)."""
-        return sum(b - a for a, b in group.ranges) * self.compute_dtype.itemsize
-
-    def _range_bytes(self, group) -> int:
-        """Bytes this rank sends to gather or reduce-scatter the group: all but its part."""
-        total = 0
-        for a, b in group.ranges:
-            mine = max(0, min(b, self.hi) - max(a, self.lo))
-            total += (b - a - mine) * self.compute_dtype.itemsize
-        return total
+            handles = []
+            for a, b in group.ranges:
+                s, e = max(a, self.lo), min(b, self.hi)
+                mine = self.compute_shard[max(s - self.lo, 0):max(e - self.lo, 0)]
+                handles.append(self.comm.iallgather(mine, counts=self._counts(a, b)))
+            group.handle = handles
 
     def _materialize(self, group) -> None:
         """Make the group's parameters usable (wait for a prefetch, or gather now)."""
         if group.buffers is None:
             self._prefetch(group)
-            group.buffers = group.handle.wait()
+            group.buffers = [h.wait() for h in group.handle]
             group.handle = None
         for p in group.params:
             o = self._offset[id(p)]
@@ -253,7 +231,7 @@ class Zero:
         """Pack the group's gradients, drop them, and reduce-scatter onto the shards."""
         if group.launched:
             return
-        P, xp = self.comm.size, backend.array_module(self.grad_shard)
+        xp = backend.array_module(self.grad_shard)
         packed = []
         for a, b in group.ranges:
             buf = xp.zeros(b - a, dtype=self.compute_dtype)
@@ -265,20 +243,12 @@ class Zero:
         self._track()
         for p in group.params:
             p.grad = None
-        lo, hi = self.lo, self.hi
-
-        def run(mpi):
-            parts = []
-            for (a, b), buf in zip(group.ranges, packed):
-                pieces = pieces_of_range(a, b, P, self.L)
-                if P > 1:
-                    ring.reduce_scatter_inplace(mpi, buf, "avg", bounds=pieces)
-                s, e = max(a, lo), min(b, hi)
-                parts.append((s, e, buf[s - a:e - a].copy() if s < e else None))
-            return parts
-        group.handle = self.comm.run_async(run, label=("reduce_scatter", "ring", self._bytes(group)))
+        group.handle = []
+        for (a, b), buf in zip(group.ranges, packed):   # this rank's part of each, averaged
+            s, e = max(a, self.lo), min(b, self.hi)
+            group.handle.append((s, e, self.comm.ireduce_scatter(buf, "avg",
+                                                                 counts=self._counts(a, b))))
         group.launched = True
-        self.comm.bytes_sent += self._range_bytes(group)
 
     # ---- the step interface (the same as the DDP path's in train.py) -------------------------
     def zero_grad(self) -> None:
@@ -318,13 +288,9 @@ class Zero:
 
     def sync(self) -> None:
         """After backward: every rank's gradient shard holds the averaged gradient."""
-        if self.stage == 1:                   # in place: afterwards only the shard is meaningful
+        if self.stage == 1:                   # afterwards only the shard is meaningful
             if self.comm.size > 1:
-                self.comm.run_sync(
-                    lambda mpi: ring.reduce_scatter_inplace(mpi, self.compute.grad, "avg",
-                                                            bounds=self._shard_bounds()),
-                    ("reduce_scatter", "ring", self.compute.grad.nbytes))
-                self.comm.bytes_sent += self._others_bytes(self.L)
+                self.grad_shard[...] = self.comm.reduce_scatter(self.compute.grad, "avg")
             self._track()
         else:
             self._flush()
@@ -339,8 +305,9 @@ class Zero:
                 self._launch(g)
         for g in self.groups:
             if g.handle is not None:
-                for s, e, part in g.handle.wait():
-                    if part is not None:
+                for s, e, handle in g.handle:
+                    part = handle.wait()
+                    if s < e:
                         self.grad_shard[s - self.lo:e - self.lo] += part
                 g.handle = None
             g.pending, g.launched = len(g.params), False
@@ -375,21 +342,12 @@ class Zero:
         if self.stage < 3:
             if self.mixed:
                 self.compute.data[self.lo:self.hi] = self.master.astype(self.compute_dtype)
-            if self.comm.size > 1:
-                self.comm.run_sync(
-                    lambda mpi: ring.allgather_inplace(mpi, self.compute.data,
-                                                       self._shard_bounds()),
-                    ("allgather", "ring", self.compute.data.nbytes))
-                self.comm.bytes_sent += self._others_bytes(self.L)
+            if self.comm.size > 1:                        # in place, into the full params
+                self.comm.allgather(self.compute.data[self.lo:self.hi],
+                                    counts=shard_counts(self.L, self.comm.size),
+                                    out=self.compute.data)
         elif self.mixed:
             self.compute_shard[...] = self.master.astype(self.compute_dtype)
-
-    def _shard_bounds(self):
-        return [shard_bounds(self.L, self.comm.size, c) for c in range(self.comm.size)]
-
-    def _others_bytes(self, n: int) -> int:
-        """Bytes a ring sends of an n-element flat range: all but this rank's own part."""
-        return (n - (self.hi - self.lo)) * self.compute_dtype.itemsize
 
     def _end_step(self) -> None:
         self._track()

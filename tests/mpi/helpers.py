@@ -1,10 +1,13 @@
 """What the MPI tests share: a tiny, fast, exact (fp64) training configuration."""
+import os
+
 from hpcdist.train import TrainConfig
 
 
 def small(**kw) -> TrainConfig:
-    """A 1-layer GPT on 4-digit sorting, 4 steps of batch 3 per rank, fp64; ``kw`` overrides."""
-    base = dict(task="sort", length=4, num_digits=4, n_layer=1, n_head=2, n_embd=16,
+    """A 1-layer GPT on 4-digit sorting, 4 steps of batch 3 per rank, fp64; ``kw`` overrides.
+    The device is $HPCDIST_DEVICE (cpu unless set: make test-gpu sets gpu)."""
+    base = dict(device=os.environ.get("HPCDIST_DEVICE", "cpu"), task="sort", length=4, num_digits=4, n_layer=1, n_head=2, n_embd=16,
                 steps=4, batch_size=3, lr=3e-2, warmup=0, min_lr=3e-2, dtype="fp64",
                 log_every=1000, eval_batch=64, seed=7, grad_clip=0.0)
     base.update(kw)

@@ -8,10 +8,9 @@ which the job scripts requeue.
 """
 from __future__ import annotations
 
-import signal
-import threading
-
 import numpy as np
+
+from . import signals
 
 # Exit code of a run that stopped on a signal after saving a checkpoint: the job scripts in
 # jobs/ requeue on it (75 is EX_TEMPFAIL, "try again later").
@@ -20,28 +19,25 @@ EXIT_PREEMPTED = 75
 
 class StopRequest:
     """SIGUSR1 or SIGTERM ask a run with a checkpoint folder to save and stop: SLURM sends them
-    before a time limit (``--signal``), on preemption and on ``scancel``. Ranks see a signal
-    at different moments, so they agree: at the end of every step each rank starts a
-    non-blocking 8-byte MAX allreduce of "signal seen" and reads the previous step's result,
-    which is the same on every rank. A signal during step k stops every rank after step k+1;
-    the exchange runs in the progress thread and costs the step nothing it would notice."""
-
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+    before a time limit (``--signal``), on preemption and on ``scancel``. What the signals
+    mean is decided once, at the entry point (``signals.checkpoint_on_signal``); this object
+    only reads the request. Ranks see a signal at different moments, so they agree: at the
+    end of every step each rank starts a non-blocking 8-byte MAX allreduce of "signal seen"
+    and reads the previous step's result, which is the same on every rank. A signal during
+    step k stops every rank after step k+1; the exchange runs in the progress thread and
+    costs the step nothing it would notice."""
 
     def __init__(self):
-        self.signum = 0
-        self._previous = {}
         self._pending = None
 
-    def install(self) -> bool:
-        if threading.current_thread() is not threading.main_thread():
-            return False                      # Python delivers signals to the main thread only
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return True
+    @property
+    def signum(self) -> int:
+        return signals.requested()
 
-    def _handle(self, signum, frame):
-        self.signum = signum
+    def before_first_step(self, comm) -> int:
+        """The stop signal any rank has received before the first step (0: none), agreed
+        with one blocking allreduce. Collective."""
+        return int(comm.allreduce(np.array([float(self.signum)]), op="max")[0])
 
     def poll(self, comm, more: bool = True) -> int:
         """The signal any rank had seen by the previous poll (0: none); then, if ``more``
@@ -53,8 +49,3 @@ class StopRequest:
         if more and not agreed:
             self._pending = comm.iallreduce(np.array([float(self.signum)]), op="max")
         return agreed
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()

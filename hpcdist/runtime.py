@@ -44,7 +44,9 @@ def open_metrics(out_dir: str, resumed: bool, say):
 
 def test_hooks(rank: int, step: int) -> None:
     """Test hooks: HPCDIST_FAIL_AT=RANK:STEP raises on that rank at that step;
-    HPCDIST_SIGNAL_AT=RANK:STEP[:SIGNAL] sends that rank SIGNAL (default SIGUSR1) there;
+    HPCDIST_SIGNAL_AT=RANK:STEP[:SIGNAL] sends that rank SIGNAL (default SIGUSR1) there —
+    STEP a step number or a moment: prepare (data preparation), start (before the first
+    step), save (as a checkpoint save begins), end (after the last step);
     HPCDIST_FSIZE_AT=RANK:STEP:BYTES limits that rank's file size (a full disk) from there."""
     spec = os.environ.get("HPCDIST_FAIL_AT")
     if spec and spec == f"{rank}:{step}":

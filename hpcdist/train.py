@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from . import backend, checkpoint, data, optim, runtime, threads, timeline
+from . import backend, checkpoint, data, optim, runtime, signals, threads, timeline
 from .comm import Communicator, abort, watchdog
 from .comm.model import fit_alpha_beta
 from .config import ConfigError, TrainConfig, checkpoint_meta, parse_config, validate_world
@@ -71,12 +71,17 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False,
         if cfg.comm_log:
             alpha_beta = fit_alpha_beta(comm.mpi, big=4 << 20)
         timeline.activate(recorder)
-    stop = StopRequest()
-    watching = bool(cfg.save_dir) and stop.install()
+    # main() decided what signals mean before anything could be signalled; a library caller
+    # gets checkpoint-on-signal for the duration of this call.
+    ours = bool(cfg.save_dir) and signals.mode() == signals.EXIT \
+        and signals.checkpoint_on_signal()
+    watching = bool(cfg.save_dir) and signals.mode() == signals.STOP
     try:
-        final = _run(cfg, comm, log, probe_cosine, prepared, stop if watching else None)
+        final = _run(cfg, comm, log, probe_cosine, prepared,
+                     StopRequest() if watching else None)
     finally:
-        stop.restore()
+        if ours:
+            signals.exit_on_signal()
         timeline.deactivate()
     if recorder is not None:
         runtime.report_timeline(cfg, comm, recorder, clocks, alpha_beta, log)
@@ -103,6 +108,7 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
             note += f" at step {start}" + (f" ({extra})" if extra else "")
         say(note)
     hosts = runtime.record_ranks(comm, cfg.out_dir)
+    runtime.test_hooks(rank, "start")
     metrics = runtime.open_metrics(cfg.out_dir, resumed=start > 0, say=say) if is_main else None
     layout = f"DP {data_comm.size} x TP {cfg.tp} x PP {cfg.pp}" + (
         " (sequence parallel)" if cfg.sequence_parallel else "") + (
@@ -140,7 +146,12 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
     loss_value = float("nan")
     stopped = 0                                     # the signal that stopped the run early
     step = start
-    for step in range(start + 1, cfg.steps + 1):
+    stopped = stop.before_first_step(comm) if stop is not None and start < cfg.steps else 0
+    if stopped:                                     # nothing new to save: exit to be requeued
+        say(f"asked to stop ({signal.Signals(stopped).name}) before step {start + 1}: "
+            "nothing new to save" + (f"; the checkpoint of step {start} stays the latest"
+                                     if start else ""))
+    for step in range(start + 1, (cfg.steps if not stopped else start) + 1):
         t0 = time.perf_counter()
         bytes0 = step_fn.comm.bytes_sent
         runtime.test_hooks(rank, step)
@@ -182,6 +193,7 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
             stopped = stop.poll(comm, more=step < cfg.steps - 1)
         if cfg.save_dir and (stopped or (cfg.save_every and step % cfg.save_every == 0)
                              or step == cfg.steps):
+            runtime.test_hooks(rank, "save")
             with span("checkpoint", step=step):
                 folder = state.save_checkpoint(cfg, step, comm, step_fn, sampler)
             say(f"saved {folder}")
@@ -190,12 +202,14 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
 
     if stopped:
         name = signal.Signals(stopped).name
-        say(f"stopped after step {step} of {cfg.steps} on {name}: the checkpoint above "
-            f"holds the run; exit code {EXIT_PREEMPTED} (the job script requeues, --resume "
-            f"continues)")
+        if step > start:
+            say(f"stopped after step {step} of {cfg.steps} on {name}: the checkpoint above "
+                f"holds the run; exit code {EXIT_PREEMPTED} (the job script requeues, --resume "
+                f"continues)")
         final = {"event": "preempted", "step": step, "signal": name, "steps": cfg.steps,
                  "world": world, "seconds": time.perf_counter() - t_start}
     else:
+        runtime.test_hooks(rank, "end")
         train_bytes = step_fn.comm.bytes_sent - bytes_start    # before evaluation's gathers
         with step_fn.eval_context(), span("evaluate"):
             accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, data_comm)
@@ -243,17 +257,26 @@ def _agree_on_error(comm, message: str | None) -> str | None:
 
 
 def main(argv=None) -> int:
+    errors = (ConfigError, backend.DeviceError, checkpoint.CheckpointError, OSError, ValueError)
+    message, cfg = None, None
+    try:
+        cfg = parse_config(argv)
+    except errors as e:
+        message = str(e)
+    # What a signal means is decided here, once, before anything can be signalled (ranks.json
+    # comes later): with a checkpoint folder, SIGTERM/SIGUSR1 request a stop until exit.
+    if cfg is not None and cfg.save_dir:
+        signals.checkpoint_on_signal()
     comm = Communicator()                              # collective: every rank, always
     abort.install()
-    message = None
-    try:                                               # every check that needs no collective
-        cfg = parse_config(argv)
-        watchdog.set_timeout(cfg.timeout or None)
-        backend.init(cfg.device, comm.local_rank)
-        prepared = prepare(cfg, comm)
-    except (ConfigError, backend.DeviceError, checkpoint.CheckpointError, OSError,
-            ValueError) as e:
-        message = str(e)
+    if message is None:
+        try:                                           # every check that needs no collective
+            watchdog.set_timeout(cfg.timeout or None)
+            runtime.test_hooks(comm.rank, "prepare")
+            backend.init(cfg.device, comm.local_rank)
+            prepared = prepare(cfg, comm)
+        except errors as e:
+            message = str(e)
     message = _agree_on_error(comm, message)
     if message is not None:
         if message:

@@ -37,6 +37,8 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
+from .. import signals
+
 DEFAULT_TIMEOUT_S = 300.0
 EXIT_TIMEOUT = 124                  # as timeout(1): the job ended on a missed deadline
 YIELD_S = 10e-3                     # poll (yielding the core) this long, then sleep between polls
@@ -267,7 +269,7 @@ class Watchdog(threading.Thread):
             os.close(r), os.close(w)
             return
         self._wake_r = r
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        if signals.mode() == signals.EXIT and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _note_signal)
 
     def _read_signals(self) -> None:
@@ -281,6 +283,10 @@ class Watchdog(threading.Thread):
 
     def _on_signal(self, signum: int) -> None:
         if signum not in (signal.SIGTERM, signal.SIGINT):
+            return
+        if signals.mode() == signals.STOP and signum == signal.SIGTERM:
+            signals.note(signum)               # decided at the entry point, not now
+            self.urgent = True
             return
         handler = signal.getsignal(signum)
         if handler is _note_signal:            # nobody else handles it: say where, then end
@@ -361,6 +367,12 @@ class Watchdog(threading.Thread):
 
 def _note_signal(signum, frame):
     """Python-level SIGTERM handler: the watchdog thread acts on the wakeup fd."""
+
+
+def signal_handler():
+    """The SIGTERM handler that leaves the decision to the watchdog thread (SIG_DFL where no
+    watchdog runs)."""
+    return _note_signal if _thread is not None else signal.SIG_DFL
 
 
 def start(world) -> None:

@@ -386,3 +386,37 @@ def test_sigterm_during_saves_stops_cleanly_with_a_verified_latest(tmp_path):
     assert "'latest'" in note
     checkpoint.Reader(folder).verify()
     assert not _no_temporaries(save)
+
+
+# ---- SIGTERM at every moment of a checkpointing run: the meaning is decided at the entry -----
+
+@pytest.mark.parametrize("moment, rc_expected", [("prepare", 75), ("start", 75), ("save", 75),
+                                                  (5, 75), ("end", 0)])
+def test_sigterm_at_any_moment_of_a_checkpointing_run(tmp_path, moment, rc_expected):
+    """A run with --save-dir treats SIGTERM as a stop request from process start to exit:
+    during data preparation or before the first step it exits to be requeued with the
+    earlier checkpoint still the latest; during a save or a step it saves and exits 75;
+    after the last step it finishes (0). Never 143. The signal is sent by the rank to itself
+    at that moment (HPCDIST_SIGNAL_AT), so each window is hit every time, not by luck."""
+    from hpcdist import checkpoint
+    save = tmp_path / "ck"
+    rc, out, err, _ = run(train_args(tmp_path, "--save-dir", str(save), "--save-every", "2",
+                                     steps=4), n=2)
+    assert rc == 0, err[-3000:]                                # step 4: the earlier latest
+    rc, out, err, _ = run(train_args(tmp_path, "--save-dir", str(save), "--save-every", "2",
+                                     "--resume", steps=12), n=2,
+                          HPCDIST_SIGNAL_AT=f"1:{moment}:SIGTERM")
+    assert rc == rc_expected, (out[-2000:], err[-3000:])
+    assert "ended by SIGTERM" not in err
+    folder, note = checkpoint.find_resume(str(save))
+    assert "'latest'" in note
+    checkpoint.Reader(folder).verify()
+    latest = (save / "latest").read_text()
+    if moment in ("prepare", "start"):
+        assert "nothing new to save" in out and latest == "step_00000004"
+    elif moment == "end":
+        assert latest == "step_00000012" and "held-out accuracy" in out
+    else:       # signalled in step 5 or the save of step 6: agreed one step later, saved, 75
+        assert "stopped after step" in out
+        assert latest == {"save": "step_00000008", 5: "step_00000006"}[moment]
+    assert not _no_temporaries(save)

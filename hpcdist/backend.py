@@ -67,7 +67,7 @@ def _import_cupy():
 def gpu_count() -> int:
     """Number of visible CUDA devices (0 when CuPy or a driver is missing)."""
     try:
-        cupy = _import_cupy()
+        import cupy                            # the real one, whatever device is active
         return cupy.cuda.runtime.getDeviceCount()
     except Exception:
         return 0
@@ -93,19 +93,21 @@ def init(device: str | None = None, local_rank: int | None = None) -> str:
         device: "cpu", "gpu" or "auto" (GPU when one is visible); default $HPCDIST_DEVICE or "cpu".
         local_rank: node-local rank; on the GPU the process binds to GPU ``local_rank % count``.
     """
-    global _xp, _device
+    global _xp, _device, _cupy, _native_bf16
     device = (device or os.environ.get("HPCDIST_DEVICE") or "cpu").lower()
+    _native_bf16 = None                       # probed again for the module chosen now
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
     if device == "auto":
         device = "gpu" if gpu_count() > 0 else "cpu"
     if device == "double":
-        global _cupy
         from . import device_double
         _cupy = device_double
         _xp, _device = device_double, "gpu"
         return "double"
     if device == "gpu":
+        if _cupy is not None and _cupy.__name__ == "hpcdist.device_double":
+            _cupy = None
         cupy = _import_cupy()
         n = gpu_count()
         if n == 0:
@@ -115,6 +117,8 @@ def init(device: str | None = None, local_rank: int | None = None) -> str:
         cupy.cuda.Device(lr % n).use()
         _xp, _device = cupy, "gpu"
     else:
+        if _cupy is not None and _cupy.__name__ == "hpcdist.device_double":
+            _cupy = None                      # the double is not a GPU for later questions
         _xp, _device = np, "cpu"
     return _device
 

@@ -232,7 +232,7 @@ def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()
     final["history"] = history                    # every step's record (tests compare them)
-    final["params"] = step_fn.full_parameters()   # final master weights (tests compare them)
+    final["params"] = backend.to_numpy(step_fn.full_parameters())   # on the host (tests compare)
     return final
 
 

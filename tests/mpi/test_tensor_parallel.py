@@ -91,7 +91,7 @@ def _run_mapping(fn, x, g):
     t = hd.tensor(x.copy(), requires_grad=True)
     out = fn(t)
     (out * hd.tensor(g)).sum().backward()
-    return out.data, t.grad
+    return backend.to_numpy(out.data), backend.to_numpy(t.grad)
 
 
 def test_mappings_forward_and_backward(comm):
@@ -177,7 +177,7 @@ def test_shards_are_slices_of_the_one_model(comm):
     try:
         nn.manual_seed(3)
         full = nn.GPT(nn.GPTConfig(vocab_size=7, block_size=8, **TP_MODEL))
-        ref = {n: p.data.copy() for n, p in full.named_parameters()}
+        ref = {n: backend.to_numpy(p.data).copy() for n, p in full.named_parameters()}
         model = tp.TensorParallelGPT(full, comm)
         C = TP_MODEL["n_embd"]
         for name, p, spec in model.named_specs():
@@ -189,7 +189,7 @@ def test_shards_are_slices_of_the_one_model(comm):
             if name == "wte.weight":
                 whole = np.concatenate([whole, np.zeros((tp.padded_vocab(7, comm.size) - 7, C))])
             gathered = np.empty((comm.size,) + p.shape)
-            comm.mpi.Allgather(np.ascontiguousarray(p.data), gathered)
+            comm.mpi.Allgather(np.ascontiguousarray(backend.to_numpy(p.data)), gathered)
             blocks = [np.split(g, pieces, axis=axis) for g in gathered]   # per rank, per piece
             rebuilt = np.concatenate([np.concatenate([b[j] for b in blocks], axis=axis)
                                       for j in range(pieces)], axis=axis)

@@ -123,7 +123,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, comm, lo: int, vocab_s
     if pad:
         z = z.copy()
         z[:, Vt - pad:] = -xp.inf
-    t = targets.reshape(-1)
+    t = xp.asarray(targets).reshape(-1)               # host targets go to the logits' device
     valid = t != ignore_index
     count = max(int(valid.sum()), 1)
     mine = valid & (t >= lo) & (t < lo + Vt)

@@ -180,13 +180,8 @@ def to_host(arr, key=0) -> np.ndarray:
     host = host_buffer(arr.nbytes, key).view(arr.dtype)
     if not arr.flags.c_contiguous:
         arr = _cupy.ascontiguousarray(arr)
-    _cupy_get(arr, host)
-    return host
-
-
-def _cupy_get(arr, host) -> None:
-    """Copy device ``arr`` into the host array ``host`` (same size); returns when done."""
     arr.get(out=host.reshape(arr.shape))      # blocking: ordered after arr's producers
+    return host
 
 
 def from_host(host, like, out=None):

@@ -325,9 +325,6 @@ class Communicator:
         call.algorithm = name
         fused = name == "recursive_doubling" and self._fused(call, buf, nbytes, SHORT_ALLREDUCE)
         name = call.algorithm
-        itemsize = 0
-        if call.problem is None:
-            itemsize = (wire_dtype if wire_dtype is not None else buf.dtype).itemsize
         label = name if wire_dtype is None else f"ring({wire_dtype.name} wire)"
         if fused:
             return self._submit(call, lambda mpi: self._short_allreduce(mpi, call, buf, op, out),

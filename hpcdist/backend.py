@@ -11,6 +11,7 @@ GPU code path runs on it, and any buffer that reaches MPI without staging fails 
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -157,7 +158,6 @@ def host_buffer(nbytes: int, key=0) -> np.ndarray:
     (page-locked) memory on a real GPU, so copies run at full PCIe/NVLink-C2C speed and need
     no pageable bounce; plain memory otherwise. One per (calling thread, ``key``): the caller
     owns it until its next call with the same key on the same thread."""
-    import threading
     slot = (threading.get_ident(), key)
     buf = _pinned.get(slot)
     if buf is None or buf.nbytes < nbytes:

@@ -133,6 +133,12 @@ def device() -> str:
     return _device
 
 
+def device_label() -> str:
+    """What the run's header calls the device: "cpu", "gpu", or "double" (device_double)."""
+    return "double" if _cupy is not None and _xp is _cupy and \
+        _cupy.__name__ == "hpcdist.device_double" else _device
+
+
 def array_module(arr):
     """The module an array belongs to (numpy for NumPy arrays, cupy for CuPy arrays)."""
     if _cupy is not None and isinstance(arr, _cupy.ndarray):

@@ -379,13 +379,3 @@ def parse_config(argv=None) -> TrainConfig:
             raise ConfigError(f"{e} ({where})", e.field) from None
         raise
     return cfg
-
-
-def checkpoint_meta(cfg: TrainConfig) -> dict:
-    """What a checkpoint must share with the run that resumes it (checked on --resume); the
-    layout (world size, DP, TP, PP, ZeRO stage) may differ."""
-    return {"task": cfg.task, "length": cfg.length, "num_digits": cfg.num_digits,
-            "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-            "n_embd": cfg.n_embd, "bias": cfg.bias, "tie_weights": cfg.tie_weights,
-            "dtype": cfg.dtype, "precision": cfg.precision, "optimizer": cfg.optimizer,
-            "compress": cfg.compress}

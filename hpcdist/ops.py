@@ -10,7 +10,7 @@ import builtins
 import math
 
 from . import backend
-from .tensor import Tensor
+from .tensor import Tensor, needs_grad
 
 
 def _lift(x, like: Tensor | None = None) -> Tensor:
@@ -61,8 +61,8 @@ def mul(a, b) -> Tensor:
     b = _lift(b, a)
 
     def backward(g):
-        return (_unbroadcast(g * b.data, a.shape) if a.requires_grad else None,
-                _unbroadcast(g * a.data, b.shape) if b.requires_grad else None)
+        return (_unbroadcast(g * b.data, a.shape) if needs_grad(a) else None,
+                _unbroadcast(g * a.data, b.shape) if needs_grad(b) else None)
     return Tensor._make(a.data * b.data, (a, b), backward)
 
 
@@ -71,8 +71,8 @@ def div(a, b) -> Tensor:
     b = _lift(b, a)
 
     def backward(g):
-        ga = _unbroadcast(g / b.data, a.shape) if a.requires_grad else None
-        gb = _unbroadcast(-g * a.data / (b.data * b.data), b.shape) if b.requires_grad else None
+        ga = _unbroadcast(g / b.data, a.shape) if needs_grad(a) else None
+        gb = _unbroadcast(-g * a.data / (b.data * b.data), b.shape) if needs_grad(b) else None
         return ga, gb
     return Tensor._make(a.data / b.data, (a, b), backward)
 
@@ -95,8 +95,8 @@ def pow(a, b) -> Tensor:
     out = a.data ** b.data
 
     def backward(g):
-        ga = _unbroadcast(g * b.data * a.data ** (b.data - 1), a.shape) if a.requires_grad else None
-        gb = _unbroadcast(g * out * xp.log(a.data), b.shape) if b.requires_grad else None
+        ga = _unbroadcast(g * b.data * a.data ** (b.data - 1), a.shape) if needs_grad(a) else None
+        gb = _unbroadcast(g * out * xp.log(a.data), b.shape) if needs_grad(b) else None
         return ga, gb
     return Tensor._make(out, (a, b), backward)
 
@@ -189,13 +189,13 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
 
     def backward(g):
         gx = gw = gb = None
-        if x.requires_grad:
+        if needs_grad(x):
             gx = mm(g, w.data.T)
-        if w.requires_grad or (b is not None and b.requires_grad):
+        if needs_grad(w) or (b is not None and needs_grad(b)):
             g2 = g.reshape(-1, m)
-            if w.requires_grad:
+            if needs_grad(w):
                 gw = mm(x.data.reshape(-1, k).T, g2)
-            if b is not None and b.requires_grad:
+            if b is not None and needs_grad(b):
                 gb = g2.sum(axis=0)
         return (gx, gw) if b is None else (gx, gw, gb)
     return Tensor._make(out, (x, w) if b is None else (x, w, b), backward)
@@ -214,9 +214,9 @@ def matmul(a, b) -> Tensor:
 
     def backward(g):
         ga = gb = None
-        if a.requires_grad:
+        if needs_grad(a):
             ga = _unbroadcast(mm(g, xp.swapaxes(b.data, -1, -2)), a.shape)
-        if b.requires_grad:
+        if needs_grad(b):
             if b.ndim == 2 and a.ndim > 2:
                 # (..., n, k) @ (k, m): fold the batch into one GEMM instead of summing after.
                 k, m = b.shape
@@ -476,10 +476,10 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
         if weight is not None:
             grads.append(xp.einsum("nc,nc->c", flat_g, xhat.reshape(-1, g.shape[-1]))
                          .astype(weight.data.dtype, copy=False)
-                         if weight.requires_grad else None)
+                         if needs_grad(weight) else None)
         if bias is not None:
             grads.append(flat_g.sum(axis=0).astype(bias.data.dtype, copy=False)
-                         if bias.requires_grad else None)
+                         if needs_grad(bias) else None)
         return tuple(grads)
     return Tensor._make(out, (x,) + affine, backward)
 
@@ -507,8 +507,8 @@ def where(cond, a, b) -> Tensor:
 
     def backward(g):
         zero = xp.zeros((), dtype=g.dtype)
-        return (_unbroadcast(xp.where(cond, g, zero), a.shape) if a.requires_grad else None,
-                _unbroadcast(xp.where(cond, zero, g), b.shape) if b.requires_grad else None)
+        return (_unbroadcast(xp.where(cond, g, zero), a.shape) if needs_grad(a) else None,
+                _unbroadcast(xp.where(cond, zero, g), b.shape) if needs_grad(b) else None)
     return Tensor._make(out, (a, b), backward)
 
 

@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from . import backend, checkpoint, data
-from .config import ConfigError, checkpoint_meta, parse_config, validate_world
+from .config import ConfigError, parse_config, validate_world
 
 
 def check(train_args: list, world: int, tasks_per_node: int | None = None,
@@ -61,7 +61,7 @@ def check(train_args: list, world: int, tasks_per_node: int | None = None,
         try:
             folder, _ = checkpoint.find_resume(cfg.save_dir)
             if folder is not None:
-                checkpoint.check_meta(checkpoint.read_manifest(folder), checkpoint_meta(cfg),
+                checkpoint.check_meta(checkpoint.read_manifest(folder), checkpoint.checkpoint_meta(cfg),
                                       folder)
         except checkpoint.CheckpointError as e:
             raise ConfigError(str(e)) from None

@@ -50,9 +50,18 @@ def exit_on_signal() -> None:
     if _mode != STOP or threading.current_thread() is not threading.main_thread():
         return
     _mode, _requested = EXIT, 0
-    from .comm import watchdog
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, watchdog.signal_handler())
+    signal.signal(signal.SIGTERM, _exit_handler)
+
+
+_exit_handler = signal.SIG_DFL     # SIGTERM in EXIT mode; the watchdog sets its own (see there)
+
+
+def set_exit_handler(handler) -> None:
+    """The SIGTERM handler of ``EXIT`` mode from now on (the watchdog's, once it runs:
+    it leaves the decision to its thread, which reads the wakeup fd)."""
+    global _exit_handler
+    _exit_handler = handler
 
 
 def note(signum: int) -> None:

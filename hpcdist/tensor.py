@@ -14,6 +14,7 @@ import contextlib
 from . import backend
 
 _grad_enabled = True
+_pass = None            # the zero-bubble split's pass: None (whole backward), "I" or "W"
 
 
 @contextlib.contextmanager
@@ -25,6 +26,42 @@ def no_grad():
         yield
     finally:
         _grad_enabled = prev
+
+
+def needs_grad(t) -> bool:
+    """Whether an op's backward computes ``t``'s gradient now: ``t`` requires one, and the
+    engine's pass is for its kind — the zero-bubble I pass computes every gradient but the
+    weights' (leaf parameters), the W pass only theirs (``split_backward``)."""
+    if _pass is None:
+        return t.requires_grad
+    weight = t.is_weight and t._backward is None
+    return t.requires_grad and weight == (_pass == "W")
+
+
+@contextlib.contextmanager
+def _engine_pass(name):
+    global _pass
+    prev, _pass = _pass, name
+    try:
+        yield
+    finally:
+        _pass = prev
+
+
+_split: list | None = None      # where split_backward collects the W pass's work
+
+
+@contextlib.contextmanager
+def split_backward(deferred: list):
+    """``backward()`` inside computes only the gradients of non-leaf inputs (the zero-bubble
+    I pass) and appends to ``deferred`` what the weights' gradients need; pass that list to
+    ``weight_gradients`` later (the W pass)."""
+    global _split
+    prev, _split = _split, deferred
+    try:
+        yield
+    finally:
+        _split = prev
 
 
 def is_grad_enabled() -> bool:
@@ -143,14 +180,18 @@ class Tensor:
         return _Handle()
 
     # ---- the engine ------------------------------------------------------------------------
-    def backward(self, grad=None, retain_graph: bool = False,
-                 defer_weights: list | None = None) -> None:
-        """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` that requires it.
+    def backward(self, grad=None, retain_graph: bool = False) -> None:
+        """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` that requires it (inside
+        ``split_backward``: the zero-bubble I pass only)."""
+        global _split
+        defer_weights, _split = _split, None       # a backward nested in an op's runs whole
+        try:
+            with _engine_pass(None):
+                self._run_backward(grad, retain_graph, defer_weights)
+        finally:
+            _split = defer_weights
 
-        ``defer_weights`` (a list): compute only the gradients of non-leaf inputs now (the
-        zero-bubble I pass) and append to the list what the leaves' gradients need; pass that
-        list to ``weight_gradients`` later (the W pass).
-        """
+    def _run_backward(self, grad, retain_graph: bool, defer_weights) -> None:
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad")
         xp = backend.array_module(self.data)
@@ -201,8 +242,8 @@ class Tensor:
 
 
 def _input_gradients(node: Tensor, g, deferred: list):
-    """The I pass: ``node``'s backward with its leaf inputs (parameters) switched off, so
-    ops skip their weight gradients; what the W pass needs is appended to ``deferred``."""
+    """The I pass: ``node``'s backward in the engine's I pass, so ops skip their weight
+    gradients (``needs_grad``); what the W pass needs is appended to ``deferred``."""
     leaves = [p for p in node._parents if p.requires_grad and p._backward is None
               and p.is_weight]
     if not leaves:
@@ -210,13 +251,8 @@ def _input_gradients(node: Tensor, g, deferred: list):
     deferred.append((node._backward, node._parents, g))
     if len(leaves) == len(node._parents):        # nothing but weights: all of it is W
         return (None,) * len(node._parents)
-    for p in leaves:
-        p.requires_grad = False
-    try:
+    with _engine_pass("I"):
         grads = node._backward(g)
-    finally:
-        for p in leaves:
-            p.requires_grad = True
     # ops may return a weight's gradient anyway (it is cheap for some): the W pass owns it
     return tuple(None if any(p is q for q in leaves) else pg
                  for p, pg in zip(node._parents, grads))
@@ -225,14 +261,8 @@ def _input_gradients(node: Tensor, g, deferred: list):
 def weight_gradients(deferred: list) -> None:
     """The W pass: the leaf (weight) gradients the I pass left in ``deferred``."""
     for fn, parents, g in deferred:
-        others = [p for p in parents if p.requires_grad and not p.is_weight]
-        for p in others:
-            p.requires_grad = False
-        try:
+        with _engine_pass("W"):
             grads = fn(g)
-        finally:
-            for p in others:
-                p.requires_grad = True
         for p, pg in zip(parents, grads):
             if pg is not None and p.requires_grad and p.is_weight:
                 _finalize_leaf(p, pg)

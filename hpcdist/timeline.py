@@ -25,7 +25,6 @@ import time
 
 import numpy as np
 
-from .comm import model
 
 _active = None          # the Recorder hooks write to (None: recording is off)
 _NULL = contextlib.nullcontext()
@@ -239,56 +238,3 @@ def write_chrome_trace(path: str, recorder: Recorder, clocks: ClockSync, mpi,
         json.dump(out, f)
     os.replace(tmp, path)
     return path
-
-
-# ---- communication log ------------------------------------------------------------------------------
-
-def comm_log(recorder: Recorder, mpi, alpha: float, beta: float) -> list | None:
-    """Rows of the communication log on rank 0 (None elsewhere): per collective, algorithm and
-    size, the calls and seconds summed on rank 0, the mean time per call averaged over the
-    ranks, algbw and busbw from that mean, and the alpha-beta prediction. Collective."""
-    mine = [[k, a, n, p, c, s] for (k, a, n, p), (c, s) in recorder.calls.items()]
-    everyone = gather_json(mpi, mine)
-    if everyone is None:
-        return None
-    per_call = {}                                    # key -> [mean seconds per call on each rank]
-    calls = {}
-    for rank, rows in enumerate(everyone):
-        for k, a, n, p, c, s in rows:
-            key = (k, a, n, p)
-            per_call.setdefault(key, []).append(s / c)
-            if rank == 0:
-                calls[key] = (c, s)
-    rows = []
-    for key in sorted(per_call, key=lambda k: (k[0], k[1], k[2])):
-        kind, algorithm, nbytes, P = key
-        c, total = calls.get(key, (0, 0.0))
-        t = float(np.mean(per_call[key]))
-        try:
-            predicted = model.predict(kind, nbytes, P, alpha, beta,
-                                      "" if algorithm in ("auto", "-") else algorithm)
-        except ValueError:
-            predicted = None
-        rows.append({"collective": kind, "algorithm": algorithm, "bytes": nbytes, "ranks": P,
-                     "calls": c, "total_s": total, "time_us": t * 1e6,
-                     "algbw_GBs": nbytes / t / 1e9 if t > 0 else 0.0,
-                     "busbw_GBs": nbytes / t / 1e9 * model.busbw_factor(kind, P) if t > 0 else 0.0,
-                     "model_us": predicted * 1e6 if predicted is not None else None})
-    return rows
-
-
-def format_comm_log(rows: list, alpha: float, beta: float) -> str:
-    bw = f"{1 / beta / 1e9:.2f} GB/s" if beta else "inf"
-    lines = [f"communication log (rank 0's calls and total; time per call averaged over ranks; "
-             f"model: alpha {alpha * 1e6:.1f} us, 1/beta {bw} from a ping-pong)",
-             f"{'collective':<17s}{'algorithm':<20s}{'bytes':>11s}{'calls':>8s}{'total ms':>10s}"
-             f"{'us/call':>10s}{'algbw GB/s':>11s}{'busbw GB/s':>11s}{'model us':>10s}"
-             f"{'meas/model':>11s}"]
-    for r in rows:
-        m = r["model_us"]
-        ratio = f"{r['time_us'] / m:11.2f}" if m else f"{'-':>11s}"
-        lines.append(f"{r['collective']:<17s}{r['algorithm']:<20s}{r['bytes']:>11d}{r['calls']:>8d}"
-                     f"{r['total_s'] * 1e3:10.1f}{r['time_us']:10.1f}{r['algbw_GBs']:11.3f}"
-                     f"{r['busbw_GBs']:11.3f}{(f'{m:10.1f}' if m is not None else f'{chr(45):>10s}')}"
-                     f"{ratio}")
-    return "\n".join(lines)

@@ -19,9 +19,9 @@ import time
 import numpy as np
 
 from . import backend, checkpoint, data, optim, runtime, signals, threads, timeline
-from .comm import Communicator, abort, watchdog
+from .comm import Communicator, watchdog
 from .comm.model import fit_alpha_beta
-from .config import ConfigError, TrainConfig, checkpoint_meta, parse_config, validate_world
+from .config import ConfigError, TrainConfig, parse_config, validate_world
 from .evaluate import evaluate
 from .parallel import state
 from .parallel.strategy import DataParallelStep, build_strategy
@@ -32,9 +32,10 @@ __all__ = ["TrainConfig", "ConfigError", "parse_config", "train", "main", "evalu
 
 
 def prepare(cfg: TrainConfig, comm):
-    """Everything a run needs from disk, checked before any work: the (train, test) datasets
-    (validated against the world size) and the verified checkpoint to resume from, if any.
-    Raises ConfigError, CheckpointError or OSError on this rank only."""
+    """Everything a run needs before any work, checked: this rank's device, the (train, test)
+    datasets (validated against the world size) and the verified checkpoint to resume from,
+    if any. Raises ConfigError, DeviceError, CheckpointError or OSError on this rank only."""
+    backend.init(cfg.device, comm.local_rank)
     datasets = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
                               data=cfg.data or None, block_size=cfg.block_size,
                               encoding=cfg.data_encoding)
@@ -45,7 +46,7 @@ def prepare(cfg: TrainConfig, comm):
     if folder is None:
         return datasets, (None, note, None)
     reader = checkpoint.Reader(folder)
-    checkpoint.check_meta(reader.manifest, checkpoint_meta(cfg), folder)
+    checkpoint.check_meta(reader.manifest, checkpoint.checkpoint_meta(cfg), folder)
     return datasets, (folder, note, reader)
 
 
@@ -54,14 +55,13 @@ def build(cfg: TrainConfig, comm, datasets):
     return build_strategy(cfg, comm, datasets[0])
 
 
-def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False,
-          prepared=None) -> dict:
+def train(cfg: TrainConfig, comm=None, log=print, prepared=None, on_build=None) -> dict:
     """Train on every rank of ``comm``; return the final metrics (the same on every rank).
 
     ``prepared``: what ``prepare`` returned (main checks it before any work); made here if
-    not given. ``probe_cosine`` (benchmarks): also measure each step's cosine similarity
-    between the averaged gradient and the dense average. With ``cfg.save_dir``, SIGUSR1/SIGTERM
-    save a checkpoint and stop the run early: the result then has ``"event": "preempted"``.
+    not given. ``on_build(step)``: called with the strategy once it is built (benchmarks
+    attach their probes there). With ``cfg.save_dir``, SIGUSR1/SIGTERM save a checkpoint and
+    stop the run early: the result then has ``"event": "preempted"``.
     """
     comm = comm or Communicator()
     recorder = clocks = alpha_beta = None
@@ -77,8 +77,8 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False,
         and signals.checkpoint_on_signal()
     watching = bool(cfg.save_dir) and signals.mode() == signals.STOP
     try:
-        final = _run(cfg, comm, log, probe_cosine, prepared,
-                     StopRequest() if watching else None)
+        final = _run(cfg, comm, log, prepared or prepare(cfg, comm),
+                     StopRequest() if watching else None, on_build)
     finally:
         if ours:
             signals.exit_on_signal()
@@ -88,151 +88,175 @@ def train(cfg: TrainConfig, comm=None, log=print, probe_cosine: bool = False,
     return final
 
 
-def _run(cfg, comm, log, probe_cosine, prepared, stop) -> dict:
-    rank, world = comm.rank, comm.size
-    device = backend.init(cfg.device, comm.local_rank)
-    (train_set, test_set), resume = prepared if prepared is not None else prepare(cfg, comm)
+def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
+    (train_set, test_set), resume = prepared
     model, step_fn = build_strategy(cfg, comm, train_set)
+    if on_build is not None:
+        on_build(step_fn)
     data_comm = step_fn.data_comm                  # tensor-parallel ranks read the same batch
     sampler = data.DistributedSampler(len(train_set), cfg.batch_size, data_comm.rank,
                                       data_comm.size, seed=cfg.seed)
-    xp = backend.xp()
-    is_main = rank == 0
-    say = log if is_main else (lambda *a, **k: None)
-    start = 0
-    if resume is not None:
-        folder, note, reader = resume
-        if folder is not None:
-            extra = state.restore_checkpoint(reader, cfg, comm, step_fn, sampler)
-            start = reader.step
-            note += f" at step {start}" + (f" ({extra})" if extra else "")
-        say(note)
+    say = log if comm.rank == 0 else (lambda *a, **k: None)
+    start = _resume(cfg, comm, step_fn, sampler, resume, say)
     hosts = runtime.record_ranks(comm, cfg.out_dir)
-    runtime.test_hooks(rank, "start")
-    metrics = runtime.open_metrics(cfg.out_dir, resumed=start > 0, say=say) if is_main else None
-    layout = f"DP {data_comm.size} x TP {cfg.tp} x PP {cfg.pp}" + (
-        " (sequence parallel)" if cfg.sequence_parallel else "") + (
-        f" | {cfg.schedule}, {step_fn.m} micro-batches" + (
-            f", {cfg.virtual_stages} virtual stages" if cfg.virtual_stages > 1 else "")
-        if cfg.pp > 1 else "")
-    say(f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), "
-        f"{cfg_parameters(model, cfg):,} parameters | task {cfg.task} "
-        f"({len(train_set):,} train / {len(test_set):,} held-out) | device {device} | "
-        f"world size {world} on {hosts}: {layout} | BLAS threads {threads.choice} | "
-        f"{cfg.precision}" + (" (emulated: matmul operands rounded to bf16, fp32 storage; "
-                              "this CuPy has no bfloat16)" if backend.bf16_emulated() else "")
-        + " | " + (f"ZeRO stage {cfg.zero} | " if cfg.zero else
-                                 f"compress {cfg.compress} | ")
-        + f"{cfg.steps} steps x batch {cfg.batch_size} x {data_comm.size} replicas"
-        + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
-    if cfg.zero:
-        say(f"ZeRO stage {cfg.zero}: rank 0 holds elements [{step_fn.lo}, {step_fn.hi}) of "
-            f"{step_fn.L:,}; padding to equal shards would add {step_fn.padding} "
-            f"(the last shards are shorter instead)")
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * train_set.block_size * data_comm.size
+    runtime.test_hooks(comm.rank, "start")
+    metrics = runtime.open_metrics(cfg.out_dir, resumed=start > 0, say=say) \
+        if comm.rank == 0 else None
+    for line in header(cfg, model, step_fn, comm.size, hosts, train_set, test_set):
+        say(line)
     lr_scale = data_comm.size if cfg.scale_lr else 1
-
-    def overflow_ok():  # fp16 overflows are expected (the scaler skips the step): no warnings
-        return (np.errstate(over="ignore", invalid="ignore") if step_fn.scaler.enabled
-                else contextlib.nullcontext())  # a new one each time: NumPy 2 refuses re-entry
-
-    ddp = getattr(step_fn, "ddp", None)
-    if ddp is not None:
-        ddp.probe_cosine = probe_cosine
-    span = timeline.span
     t_start = time.perf_counter()
     bytes_start = step_fn.comm.bytes_sent           # the gradient communicator's count
-    step_times, history = [], []
-    loss_value = float("nan")
-    stopped = 0                                     # the signal that stopped the run early
-    step = start
+    history, step = [], start
     stopped = stop.before_first_step(comm) if stop is not None and start < cfg.steps else 0
     if stopped:                                     # nothing new to save: exit to be requeued
         say(f"asked to stop ({signal.Signals(stopped).name}) before step {start + 1}: "
             "nothing new to save" + (f"; the checkpoint of step {start} stays the latest"
                                      if start else ""))
     for step in range(start + 1, (cfg.steps if not stopped else start) + 1):
-        t0 = time.perf_counter()
-        bytes0 = step_fn.comm.bytes_sent
-        runtime.test_hooks(rank, step)
+        runtime.test_hooks(comm.rank, step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
-        with span("step", step=step):
-            step_fn.zero_grad()
-            loss_sum = 0.0
-            for micro in range(cfg.grad_accum):
-                x, y = train_set.batch(sampler.next_batch())
-                last = micro == cfg.grad_accum - 1           # communicate on the last only
-                with step_fn.micro_context(last), overflow_ok():
-                    loss_sum += step_fn.forward_backward(xp.asarray(x), xp.asarray(y),
-                                                         1.0 / cfg.grad_accum)
-            with span("gradient sync"):
-                step_fn.sync()
-            with span("optimizer step"):
-                _, norm = step_fn.apply(lr, cfg.grad_clip)
-        dt = time.perf_counter() - t0
-        step_times.append(dt)
-        loss_value = float(data_comm.allreduce(np.array([loss_sum / cfg.grad_accum]),
-                                               op="avg")[0])          # the global mean loss
-        rec = {"step": step, "loss": loss_value, "lr": lr, "step_ms": dt * 1e3,
-               "tokens_per_s": tokens_per_step / dt, "grad_norm": norm,
-               "bytes_sent": step_fn.comm.bytes_sent - bytes0,
-               "loss_scale": step_fn.scaler.scale, "skipped_steps": step_fn.scaler.skipped}
+        rec = train_step(cfg, step_fn, train_set, sampler, step, lr)
         history.append(rec)
-        if is_main:
+        if metrics is not None:
             metrics.write(json.dumps(rec) + "\n")
         if step % cfg.log_every == 0 or step == cfg.steps:
             eta = (time.perf_counter() - t_start) / (step - start) * (cfg.steps - step)
-            say(f"step {step:5d}/{cfg.steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
-                f"{rec['tokens_per_s']:,.0f} tok/s | {dt * 1e3:.1f} ms/step | "
-                f"{rec['bytes_sent'] / 1024:,.0f} KiB sent | ETA {eta:.0f} s")
-            if is_main:
+            say(progress_line(rec, cfg.steps, eta))
+            if metrics is not None:
                 metrics.flush()
-        if not np.isfinite(loss_value):
-            raise FloatingPointError(f"loss became {loss_value} at step {step}; lower --lr")
+        if not np.isfinite(rec["loss"]):
+            raise FloatingPointError(f"loss became {rec['loss']} at step {step}; lower --lr")
         if stop is not None:
             stopped = stop.poll(comm, more=step < cfg.steps - 1)
         if cfg.save_dir and (stopped or (cfg.save_every and step % cfg.save_every == 0)
                              or step == cfg.steps):
-            runtime.test_hooks(rank, "save")
-            with span("checkpoint", step=step):
-                folder = state.save_checkpoint(cfg, step, comm, step_fn, sampler)
-            say(f"saved {folder}")
+            runtime.test_hooks(comm.rank, "save")
+            with timeline.span("checkpoint", step=step):
+                say(f"saved {state.save_checkpoint(cfg, step, comm, step_fn, sampler)}")
         if stopped:
             break
-
     if stopped:
-        name = signal.Signals(stopped).name
-        if step > start:
-            say(f"stopped after step {step} of {cfg.steps} on {name}: the checkpoint above "
-                f"holds the run; exit code {EXIT_PREEMPTED} (the job script requeues, --resume "
-                f"continues)")
-        final = {"event": "preempted", "step": step, "signal": name, "steps": cfg.steps,
-                 "world": world, "seconds": time.perf_counter() - t_start}
+        final = stopped_report(cfg, stopped, step, start, comm.size, t_start, say)
     else:
-        runtime.test_hooks(rank, "end")
+        runtime.test_hooks(comm.rank, "end")
         train_bytes = step_fn.comm.bytes_sent - bytes_start    # before evaluation's gathers
-        with step_fn.eval_context(), span("evaluate"):
-            accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, data_comm)
-        ran = max(cfg.steps - start, 1)
-        final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
-                 "train_loss": loss_value, "steps": cfg.steps, "world": world,
-                 "seconds": time.perf_counter() - t_start,
-                 "skipped_steps": step_fn.scaler.skipped, "bytes_per_step": train_bytes / ran,
-                 "step_ms_median": float(np.median(step_times)) * 1e3 if step_times else 0.0}
-        if ddp is not None and ddp.cosines:
-            final["cosine_mean"] = float(np.mean(ddp.cosines))
-        final["memory_peak"] = step_fn.peak_memory()  # the largest within any step
-        final["memory_state"] = step_fn.memory()      # between steps
-        say("model state per rank, MiB (peak within a step): "
-            + ", ".join(f"{k} {v / 2 ** 20:.3f}" for k, v in final["memory_peak"].items()))
-        what = "exact-match" if cfg.task != "text" else "next-char"
-        say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss "
-            f"{test_loss:.4f} | {final['seconds']:.1f} s")
-    if is_main:
+        final = final_report(cfg, model, step_fn, test_set, history, start, comm.size,
+                             t_start, train_bytes, say)
+    if metrics is not None:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()
     final["history"] = history                    # every step's record (tests compare them)
     final["params"] = backend.to_numpy(step_fn.full_parameters())   # on the host (tests compare)
+    return final
+
+
+def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float) -> dict:
+    """One optimizer step over ``cfg.grad_accum`` micro-batches; its metrics record."""
+    xp = backend.xp()
+    t0 = time.perf_counter()
+    bytes0 = step_fn.comm.bytes_sent
+    with timeline.span("step", step=step):
+        step_fn.zero_grad()
+        loss_sum = 0.0
+        for micro in range(cfg.grad_accum):
+            x, y = train_set.batch(sampler.next_batch())
+            last = micro == cfg.grad_accum - 1           # communicate on the last only
+            with step_fn.micro_context(last), _overflow_ok(step_fn):
+                loss_sum += step_fn.forward_backward(xp.asarray(x), xp.asarray(y),
+                                                     1.0 / cfg.grad_accum)
+        with timeline.span("gradient sync"):
+            step_fn.sync()
+        with timeline.span("optimizer step"):
+            _, norm = step_fn.apply(lr, cfg.grad_clip)
+    dt = time.perf_counter() - t0
+    loss = float(step_fn.data_comm.allreduce(np.array([loss_sum / cfg.grad_accum]),
+                                             op="avg")[0])          # the global mean loss
+    tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * step_fn.data_comm.size
+    return {"step": step, "loss": loss, "lr": lr, "step_ms": dt * 1e3,
+            "tokens_per_s": tokens / dt, "grad_norm": norm,
+            "bytes_sent": step_fn.comm.bytes_sent - bytes0,
+            "loss_scale": step_fn.scaler.scale, "skipped_steps": step_fn.scaler.skipped}
+
+
+def _overflow_ok(step_fn):
+    """fp16 overflows are expected (the scaler skips the step): no warnings for them."""
+    return (np.errstate(over="ignore", invalid="ignore") if step_fn.scaler.enabled
+            else contextlib.nullcontext())  # a new one each time: NumPy 2 refuses re-entry
+
+
+def _resume(cfg, comm, step_fn, sampler, resume, say) -> int:
+    """Load the checkpoint ``prepare`` found (any layout); the step it holds (0: none)."""
+    if resume is None:
+        return 0
+    folder, note, reader = resume
+    start = 0
+    if folder is not None:
+        extra = state.restore_checkpoint(reader, cfg, comm, step_fn, sampler)
+        start = reader.step
+        note += f" at step {start}" + (f" ({extra})" if extra else "")
+    say(note)
+    return start
+
+
+def header(cfg, model, step_fn, world, hosts, train_set, test_set) -> list[str]:
+    """The run's header: model, task, device, world and layout, precision, the strategy's
+    own lines (``describe``), steps."""
+    data_size = step_fn.data_comm.size
+    strategy = step_fn.describe()
+    layout = f"DP {data_size} x TP {cfg.tp} x PP {cfg.pp}" + (
+        " (sequence parallel)" if cfg.sequence_parallel else "")
+    first, _, pipeline = strategy[0].partition(" | ") if strategy else ("", "", "")
+    if pipeline:
+        layout += f" | {pipeline}"
+    emulated = (" (emulated: matmul operands rounded to bf16, fp32 storage; this CuPy has no "
+                "bfloat16)") if backend.bf16_emulated() else ""
+    line = (f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), "
+            f"{cfg_parameters(model, cfg):,} parameters | task {cfg.task} "
+            f"({len(train_set):,} train / {len(test_set):,} held-out) | device "
+            f"{backend.device_label()} | world size {world} on {hosts}: {layout} | BLAS threads "
+            f"{threads.choice} | {cfg.precision}{emulated} | {first} | {cfg.steps} steps x batch "
+            f"{cfg.batch_size} x {data_size} replicas"
+            + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
+    return [line] + strategy[1:]
+
+
+def progress_line(rec: dict, steps: int, eta: float) -> str:
+    return (f"step {rec['step']:5d}/{steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+            f"{rec['tokens_per_s']:,.0f} tok/s | {rec['step_ms']:.1f} ms/step | "
+            f"{rec['bytes_sent'] / 1024:,.0f} KiB sent | ETA {eta:.0f} s")
+
+
+def stopped_report(cfg, stopped: int, step: int, start: int, world: int, t_start: float,
+                   say) -> dict:
+    name = signal.Signals(stopped).name
+    if step > start:
+        say(f"stopped after step {step} of {cfg.steps} on {name}: the checkpoint above "
+            f"holds the run; exit code {EXIT_PREEMPTED} (the job script requeues, --resume "
+            f"continues)")
+    return {"event": "preempted", "step": step, "signal": name, "steps": cfg.steps,
+            "world": world, "seconds": time.perf_counter() - t_start}
+
+
+def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, train_bytes,
+                 say) -> dict:
+    """Held-out accuracy and loss, memory, the run's totals (collective: evaluation)."""
+    with step_fn.eval_context(), timeline.span("evaluate"):
+        accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, step_fn.data_comm)
+    ran = max(cfg.steps - start, 1)
+    step_ms = [r["step_ms"] for r in history]
+    final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
+             "train_loss": history[-1]["loss"] if history else float("nan"),
+             "steps": cfg.steps, "world": world, "seconds": time.perf_counter() - t_start,
+             "skipped_steps": step_fn.scaler.skipped, "bytes_per_step": train_bytes / ran,
+             "step_ms_median": float(np.median(step_ms)) if step_ms else 0.0,
+             "memory_peak": step_fn.peak_memory(),    # the largest within any step
+             "memory_state": step_fn.memory()}        # between steps
+    say("model state per rank, MiB (peak within a step): "
+        + ", ".join(f"{k} {v / 2 ** 20:.3f}" for k, v in final["memory_peak"].items()))
+    what = "exact-match" if cfg.task != "text" else "next-char"
+    say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss "
+        f"{test_loss:.4f} | {final['seconds']:.1f} s")
     return final
 
 
@@ -267,13 +291,11 @@ def main(argv=None) -> int:
     # comes later): with a checkpoint folder, SIGTERM/SIGUSR1 request a stop until exit.
     if cfg is not None and cfg.save_dir:
         signals.checkpoint_on_signal()
-    comm = Communicator()                              # collective: every rank, always
-    abort.install()
+    comm = Communicator(abort_on_error=True)           # collective: every rank, always
     if message is None:
         try:                                           # every check that needs no collective
             watchdog.set_timeout(cfg.timeout or None)
             runtime.test_hooks(comm.rank, "prepare")
-            backend.init(cfg.device, comm.local_rank)
             prepared = prepare(cfg, comm)
         except errors as e:
             message = str(e)

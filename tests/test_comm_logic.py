@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpcdist.comm import layout, sparse
-from hpcdist.comm.communicator import choose_allreduce, choose_bcast
+from hpcdist.comm.select import choose_allreduce, choose_bcast
 from hpcdist.comm.mesh import MeshCoord, mesh_coords, mesh_rank, validate_mesh
 
 

@@ -4,7 +4,7 @@ import threading
 import numpy as np
 import pytest
 
-from hpcdist import timeline
+from hpcdist import runtime, timeline
 from hpcdist.comm import model
 
 
@@ -93,7 +93,7 @@ def test_comm_log_table_formats_rows():
             {"collective": "barrier", "algorithm": "dissemination", "bytes": 0, "ranks": 2,
              "calls": 1, "total_s": 0.0, "time_us": 3.0, "algbw_GBs": 0.0, "busbw_GBs": 0.0,
              "model_us": None}]
-    text = timeline.format_comm_log(rows, 2e-6, 1e-9)
+    text = runtime.format_comm_log(rows, 2e-6, 1e-9)
     lines = text.splitlines()
     assert "alpha 2.0 us" in lines[0] and "1/beta 1.00 GB/s" in lines[0]
     assert lines[2].split() == ["allreduce", "ring", "4096", "3", "3.0", "1000.0", "0.004",

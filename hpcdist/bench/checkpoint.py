@@ -50,7 +50,7 @@ def worker(args) -> int:
     for zero, other in ((0, 1), (1, 0)):
         cfg, step, sampler = build(zero)
         ocfg, ostep, osampler = build(other)
-        lo, hi, arrays, _ = state.flat_state(step)
+        lo, hi, arrays, _ = step.flat_state()
         plain = os.path.join(root, f"plain{zero}")
         os.makedirs(plain, exist_ok=True)
         mine = os.path.join(plain, f"rank_{comm.rank:05d}.npz")

@@ -206,8 +206,9 @@ def main(argv=None) -> int:
                 f.write(",".join(str(r[k]) for k in keys) + "\n")
         png = None
         try:
-            from hpcdist.bench.plot import _pyplot, plot_collectives
-            plot_collectives(_pyplot(), [{"ranks": P, "rows": main_rows}], base + ".png")
+            from hpcdist.bench.common import pyplot
+            from hpcdist.bench.plot import plot_collectives
+            plot_collectives(pyplot(), [{"ranks": P, "rows": main_rows}], base + ".png")
             png = base + ".png"
         except SystemExit:                     # no matplotlib: the CSV and JSON are written
             pass

@@ -52,3 +52,14 @@ def write_json(path: str, payload) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only), or a clear exit without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plots need matplotlib: pip install -e '.[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt

@@ -84,7 +84,7 @@ def worker(args) -> int:
 
 def torch_gpt(torch, sd: dict, cfg):
     """A nanoGPT-shaped PyTorch module over the nanoGPT-named arrays ``sd`` (our initial
-    weights, from checkpoint_tools.nanogpt_names)."""
+    weights, from checkpoint.tools.nanogpt_names)."""
     F = torch.nn.functional
     C, nh = cfg.n_embd, cfg.n_head
 
@@ -135,7 +135,7 @@ def train_worker(args) -> int:
     import torch.distributed as dist
 
     from hpcdist import data, nn, optim, threads
-    from hpcdist.checkpoint_tools import nanogpt_names
+    from hpcdist.checkpoint.tools import nanogpt_names
     from hpcdist.comm import Communicator
     from hpcdist.config import TrainConfig
     from hpcdist.parallel.ddp import plan_buckets
@@ -266,8 +266,8 @@ def main(argv=None) -> int:
                        ("x gloo", "x_gloo", ".2f")]))
     write_json(args.out, {"rows": rows})
     try:
-        from hpcdist.bench.plot import _pyplot
-        plt = _pyplot()
+        from hpcdist.bench.common import pyplot
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(7, 4))
         for n in sorted({r["ranks"] for r in rows}):
             mine = [r for r in rows if r["ranks"] == n]

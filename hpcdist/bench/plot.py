@@ -23,15 +23,7 @@ import json
 import os
 import sys
 
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("plots need matplotlib: pip install -e '.[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+from hpcdist.bench.common import pyplot
 
 
 def read(path: str):
@@ -212,7 +204,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"{path}: no such file")
         kind, content = read(path)
         groups.setdefault(kind, []).append((path, content))
-    plt = _pyplot()
+    plt = pyplot()
     os.makedirs(args.out, exist_ok=True)
     written = []
 

@@ -80,7 +80,7 @@ def parse_costs(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from hpcdist.bench.plot import _pyplot
+    from hpcdist.bench.common import pyplot
     from hpcdist.parallel import schedules as S
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench schedule",
                                  description=__doc__.split("\n\n")[0])
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     title = (f"{args.schedule}, {P} stages, {m} micro-batches" + (f", {v} chunks" if v > 1 else "")
              + f" (simulated: bubble {verdict.bubble * 100:.1f}%, peak stash "
              f"{max(verdict.peak_stash)})")
-    draw(_pyplot(), verdict.events, args.out, title)
+    draw(pyplot(), verdict.events, args.out, title)
     print(f"{title}\nwrote {args.out}")
     return 0
 

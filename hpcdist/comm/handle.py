@@ -7,54 +7,56 @@ from . import abort, watchdog
 class Handle:
     """A non-blocking collective in flight: ``wait()`` returns its result, ``test()`` polls.
 
-    An error that nobody retrieves is not lost: the next call on the communicator raises it,
-    and a handle dropped unwaited with an error ends the job (``abort.fatal``)."""
+    An error that nobody retrieves is not lost: the ledger raises it at the next call on the
+    communicator, and a handle dropped unwaited with an error ends the job (``abort.fatal``)."""
 
-    def __init__(self, future, owner=None, call=None):
-        self._future, self._owner, self._call = future, owner, call
-        self._waited = False
-        if owner is not None:
-            owner._handles.append(self)
+    def __init__(self, future, ledger=None, call=None):
+        self.future, self.ledger, self.call = future, ledger, call
+        self.waited = False
+        if ledger is not None:
+            ledger.track(self)
 
     def test(self) -> bool:
-        return self._future.done()
+        return self.future.done()
 
     def wait(self):
-        self._waited = True
-        if self._owner is not None and self._owner._handles:
-            self._owner._forget(self)
-        if self._future.done():
-            return self._future.result()
-        call = self._call
-        with watchdog.waiting(self._owner.label if self._owner else "?",
+        self.waited = True
+        if self.ledger is not None:
+            self.ledger.release(self)
+        if self.future.done():
+            return self.future.result()
+        call = self.call
+        with watchdog.waiting(self.ledger.label if self.ledger else "?",
                               call.seq if call else 0,
                               f"wait for {call.kind if call else 'a non-blocking call'}",
                               0, "all ranks"):
-            return watchdog.wait_future(self._future)
+            return watchdog.wait_future(self.future)
 
-    def _unretrieved_error(self):
-        if self._waited or not self._future.done():
+    def unretrieved_error(self):
+        """The error of a finished call that nobody waited for (None otherwise)."""
+        if self.waited or not self.future.done():
             return None
-        return self._future.exception()
+        return self.future.exception()
 
     def __del__(self):
         try:
-            e = self._unretrieved_error()
+            e = self.unretrieved_error()
         except Exception:
             return
         if e is not None:
-            what = f"call #{self._call.seq} {self._call.kind}" if self._call else "a call"
+            what = f"call #{self.call.seq} {self.call.kind}" if self.call else "a call"
             abort.fatal(f"non-blocking {what} failed and its handle was dropped without "
                         f"wait(): {type(e).__name__}: {e}")
 
 
-class _Done:
-    """A future that already holds its result (used when no progress thread is available)."""
+class Done:
+    """A future that already holds its result (no progress thread, or nothing to wait for).
+    ``Handle(Done(fn))`` is a handle of work done now; ``Done()`` one with nothing to do."""
 
-    def __init__(self, fn):
+    def __init__(self, fn=None):
         self._value, self._error = None, None
         try:
-            self._value = fn()
+            self._value = fn() if fn is not None else None
         except BaseException as e:  # re-raised by result(), as a real future would
             self._error = e
 
@@ -68,3 +70,7 @@ class _Done:
 
     def exception(self):
         return self._error
+
+    # a handle's interface too, for callers that hand it back as one (compression)
+    test = done
+    wait = result

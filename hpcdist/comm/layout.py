@@ -31,6 +31,15 @@ def shard_counts(length: int, world: int) -> list[int]:
     return [hi - lo for lo, hi in (shard_bounds(length, world, r) for r in range(world))]
 
 
+def bounds_of(counts) -> list[tuple[int, int]]:
+    """[lo, hi) of consecutive pieces of the given sizes: [(0, c0), (c0, c0 + c1), ...]."""
+    out, off = [], 0
+    for c in counts:
+        out.append((off, off + int(c)))
+        off += int(c)
+    return out
+
+
 def padded_length(length: int, world: int) -> int:
     """L rounded up to a multiple of P: the flat size ZeRO stores, padding included."""
     return shard_size(length, world) * world

@@ -97,16 +97,38 @@ def choose_bcast(nbytes: int, world: int, algorithm: str = "auto", env: bool = T
     return "binomial" if nbytes < small or world <= 2 else "scatter_allgather"
 
 
+SHORT_LIMITS = {"allreduce": SHORT_ALLREDUCE, "reduce_scatter": SHORT_REDUCE_SCATTER,
+                "allgather": SHORT_ALLGATHER, "bcast": SHORT_BCAST, "barrier": 0}
+FIXED = {"reduce_scatter": "ring", "allgather": "ring", "allgatherv": "ring",
+         "reduce": "binomial", "sparse_allreduce": "topk-allgatherv", "barrier": FUSED}
+
+
+def choose(kind: str, nbytes: int, world: int, algorithm: str = "auto", forced: str = "auto",
+           short: bool = True) -> str:
+    """The algorithm a ``kind`` call of ``nbytes`` (payload) runs. FUSED — the data carried
+    by the ledger's agreement (short.py) — is one more algorithm, chosen for short calls of
+    the kinds that have it where ``short`` (the buffer is on the host or staged there).
+    ``algorithm``: the caller's choice; ``forced``: what "auto" means (HPCDIST_ALLREDUCE /
+    HPCDIST_BCAST, read once by the caller)."""
+    if kind == "allreduce":
+        name = choose_allreduce(nbytes, world, forced if algorithm == "auto" else algorithm,
+                                env=False)
+        fusable = name == "recursive_doubling"
+    elif kind == "bcast":
+        name = choose_bcast(nbytes, world, forced if algorithm == "auto" else algorithm,
+                            env=False)
+        fusable = algorithm == "auto" and forced == "auto"
+    else:
+        name, fusable = FIXED[kind], kind in SHORT_LIMITS
+    if fusable and short and world > 1 and nbytes <= SHORT_LIMITS[kind]:
+        return FUSED
+    return name
+
+
 def is_short(kind: str, nbytes: int, world: int) -> bool:
     """Whether "auto" runs a ``kind`` call of ``nbytes`` (payload) as a short call carried by
     the agreement (short.py)."""
-    if world == 1:
-        return False
-    if kind == "allreduce":
-        return choose_allreduce(nbytes, world) == "recursive_doubling" and nbytes <= SHORT_ALLREDUCE
-    limit = {"reduce_scatter": SHORT_REDUCE_SCATTER, "allgather": SHORT_ALLGATHER,
-             "bcast": SHORT_BCAST, "barrier": 0}.get(kind)
-    return limit is not None and nbytes <= limit
+    return kind in SHORT_LIMITS and world > 1 and choose(kind, nbytes, world) == FUSED
 
 
 @functools.lru_cache(maxsize=256)

@@ -55,7 +55,8 @@ class Exchange:
     its part to its odd neighbour before the doubling and gets the result back after it.
     """
 
-    def __init__(self, comm, rbuf: np.ndarray, nbytes: int, dtype):
+    def __init__(self, wire, rbuf: np.ndarray, nbytes: int, dtype):
+        comm = self.wire = wire
         P, r = comm.Get_size(), comm.Get_rank()
         itemsize = np.dtype(dtype).itemsize
         # A one-element payload travels with a zero beside it: NumPy 2's ufuncs take 1.2 us
@@ -85,31 +86,31 @@ class Exchange:
             peer = unfold_rank(new_rank ^ mask, P)               # distance doubles every round
             self.rounds.append([comm.Recv_init(rbuf, peer, TAG), comm.Send_init(self.work, peer, TAG)])
             mask <<= 1
-        self.sent = nbytes * (len(self.rounds) + (self.fold != 0))   # payload bytes per run
+        self.nbytes = nbytes                       # payload bytes per send
 
     def run(self, key: int, fold=None, wait=None) -> bool:
         """Exchange; True when every rank's key equals ``key``. ``fold(mine, peer, out=mine)``
         (a ufunc) combines payloads; ``self.data`` then holds the result on every rank.
         ``wait`` (a watchdog.Wait) is registered while a step has to wait."""
-        mine, peer = self.mine, self.peer
+        mine, peer, wire, n = self.mine, self.peer, self.wire, self.nbytes
         _pack(self.work, 0, key, -key)
         agreed = True                              # every header seen so far was [key, -key]
         if self.fold == 1:
-            _complete(self.fold_in, wait)
+            _complete(wire, self.fold_in, wait, n)
         elif self.fold == -1:
-            _complete(self.fold_in, wait)
+            _complete(wire, self.fold_in, wait, 0)
             agreed = self._merge(key, agreed)
             if agreed and fold is not None:
                 fold(mine, peer, out=mine)
         for requests in self.rounds:
-            _complete(requests, wait)
+            _complete(wire, requests, wait, n)
             agreed = self._merge(key, agreed)
             if agreed and fold is not None:
                 fold(mine, peer, out=mine)
         if self.fold == -1:
-            _complete(self.fold_out, wait)
+            _complete(wire, self.fold_out, wait, n)
         elif self.fold == 1:
-            _complete(self.fold_out, wait)
+            _complete(wire, self.fold_out, wait, 0)
             self.hdr[...] = self.rhdr              # the odd neighbour's header is everyone's
             agreed = self.rview == _header(key)
             if agreed:
@@ -149,23 +150,24 @@ def _header(key: int) -> bytes:
     return struct.pack("=qq", key, -key)
 
 
-def _complete(requests, wait) -> None:
-    """Start persistent requests and wait for them (watchdog back-off; ``wait`` registered
-    only when the first test finds them unfinished)."""
-    _startall(requests)
+def _complete(wire, requests, wait, nbytes) -> None:
+    """Start persistent requests (``nbytes`` of payload sent, counted by the wire) and wait
+    for them (watchdog back-off; ``wait`` registered only when the first test finds them
+    unfinished)."""
+    wire.Startall(requests, nbytes)
     if not _testall(requests):
         watchdog.wait_requests(requests, wait)
 
 
-_startall, _testall = MPI.Prequest.Startall, MPI.Request.Testall
+_testall = MPI.Request.Testall
 
 
 class Exchanges:
-    """The exchanges of one MPI communicator, by payload size and dtype (the oldest freed
-    beyond ``CACHED``). Use from one thread: each communicator has its own."""
+    """The exchanges of one wire, by payload size and dtype (the oldest freed beyond
+    ``CACHED``). Use from one thread: each wire has its own."""
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, wire):
+        self.comm = wire
         self.rbuf = np.empty(HEADER + MAX_PAYLOAD + 16, dtype=np.uint8)   # + a padded element
         self._by_shape: dict = {}
         _LIVE.add(self)

@@ -269,6 +269,7 @@ class Watchdog(threading.Thread):
             os.close(r), os.close(w)
             return
         self._wake_r = r
+        signals.set_exit_handler(_note_signal)   # what SIGTERM does in EXIT mode from now on
         if signals.mode() == signals.EXIT and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _note_signal)
 
@@ -367,12 +368,6 @@ class Watchdog(threading.Thread):
 
 def _note_signal(signum, frame):
     """Python-level SIGTERM handler: the watchdog thread acts on the wakeup fd."""
-
-
-def signal_handler():
-    """The SIGTERM handler that leaves the decision to the watchdog thread (SIG_DFL where no
-    watchdog runs)."""
-    return _note_signal if _thread is not None else signal.SIG_DFL
 
 
 def start(world) -> None:

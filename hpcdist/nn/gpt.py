@@ -108,7 +108,9 @@ class GPT(Module):
         recompute = self.config.checkpoint_activations and self.training
         return checkpoint(block, x) if recompute else block(x)
 
-    def head(self, x: Tensor, targets=None, ignore_index: int = -100):
+    def head(self, x: Tensor, targets=None, ignore_index: int = -100, T: int | None = None):
+        """(logits, loss) of the final norm and the LM head (``T``: the sequence length, which
+        a sequence-parallel model needs; unused here)."""
         x = self.ln_f(x)
         if self.lm_head is None:
             logits = x @ self.wte.weight.T                          # (B, T, vocab)

@@ -67,6 +67,11 @@ class Module:
         visit(self, prefix)
         return out
 
+
+    def named_specs(self):
+        """(name, Parameter, spec) in parameter order: ``spec`` says how a tensor-parallel
+        model cuts the parameter (None: whole, as here)."""
+        return [(n, p, None) for n, p in self.named_parameters()]
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 

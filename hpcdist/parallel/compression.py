@@ -1,8 +1,8 @@
 """Gradient compression for data parallelism: how a bucket of gradients is averaged.
 
-Each scheme has Horovod's two-method shape — ``compress`` returns what travels plus a context,
-``decompress`` undoes it — and ``start(comm, grad, key)``, which averages ``grad`` in place
-over the ranks and returns a handle whose ``wait()`` completes it. ``key`` names the bucket
+Each scheme has ``start(comm, grad, key)``, which averages ``grad`` in place over the ranks and
+returns a handle whose ``wait()`` completes it; the dense ones say how in one collective call,
+Top-K also has Horovod's ``compress``/``decompress`` pair for what travels. ``key`` names the bucket
 (schemes with per-bucket state, such as Top-K residuals, keep it under that key).
 
 - ``none``: the dense average, non-blocking (overlaps backward).
@@ -19,26 +19,13 @@ import numpy as np
 
 from .. import backend
 from ..comm import sparse
+from ..comm.handle import Done
 
 SCHEMES = ("none", "fp16", "topk")
 
 
-class _Done:
-    def wait(self):
-        return None
-
-    def test(self):
-        return True
-
-
 class NoCompression:
     name = "none"
-
-    def compress(self, grad):
-        return grad, None
-
-    def decompress(self, payload, ctx):
-        return payload
 
     def start(self, comm, grad, key):
         return comm.iallreduce(grad, op="avg", out=grad)
@@ -53,12 +40,6 @@ class NoCompression:
 class FP16Compression(NoCompression):
     """Half the bytes: float16 travels, each hop's sum is taken in the gradient's dtype."""
     name = "fp16"
-
-    def compress(self, grad):
-        return grad.astype(np.float16), grad.dtype
-
-    def decompress(self, payload, ctx):
-        return payload.astype(ctx)
 
     def start(self, comm, grad, key):
         return comm.iallreduce(grad, op="avg", out=grad, wire_dtype=np.float16)
@@ -85,7 +66,6 @@ class TopKCompression(NoCompression):
         self.warmup_steps = warmup_steps
         self.step = 0               # advanced by the DDP wrapper once per synchronized step
         self.state: dict = {}       # key -> {"u": array, "v": array}
-        self.last_cosine = None
 
     def current_density(self) -> float:
         """DGC's warm-up: density falls exponentially from 25% to the target over the
@@ -129,7 +109,7 @@ class TopKCompression(NoCompression):
         grad[...] = comm.sparse_exchange(idx, vals, n, op="avg")
         v[idx] = 0                    # sent: the residual keeps only what stayed behind
         u[idx] = 0                    # momentum factor masking
-        return _Done()
+        return Done()
 
     def state_dict(self) -> dict:
         out = {"step": np.array(self.step)}

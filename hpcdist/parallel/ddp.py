@@ -92,11 +92,10 @@ class DistributedDataParallel:
                         for i, (lo, hi, members) in enumerate(plan)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0                            # next bucket to launch, in order
-        # Benchmark probe: cosine similarity of the averaged (compressed) gradient to the
-        # dense average, via an extra dense allreduce whose bytes are not counted.
-        self.probe_cosine = False
-        self.cosines: list = []
-        self._probe = None
+        # Observers (benchmarks' probes): called with (bucket, its gradient) as a bucket is
+        # handed to the communicator, and with (the DDP) once every bucket is averaged.
+        self.on_launch: list = []
+        self.on_synced: list = []
         for p in params:
             p.register_grad_hook(self._grad_ready)
 
@@ -121,11 +120,8 @@ class DistributedDataParallel:
         grad = self.flat.grad[bucket.lo:bucket.hi]
         if self.compute is not self.flat:          # mixed precision: average in fp32
             grad[...] = self.compute.grad[bucket.lo:bucket.hi]
-        if self.probe_cosine:
-            if self._probe is None:
-                self._probe = {}
-            with self.comm.uncounted():
-                self._probe[bucket.index] = self.comm.allreduce(grad, op="avg")
+        for observe in self.on_launch:
+            observe(bucket, grad)
         if not self._identity:
             bucket.handle = self.compression.start(self.comm, grad, bucket.index)
         self._next = bucket.index + 1
@@ -141,15 +137,8 @@ class DistributedDataParallel:
                 b.handle = None
             b.pending = len(b.params)
         self._next = 0
-        if self._probe:
-            dot = n1 = n2 = 0.0
-            for b in self.buckets:
-                got, ref = self.flat.grad[b.lo:b.hi], self._probe[b.index]
-                dot += float((got * ref).sum())
-                n1 += float((got * got).sum())
-                n2 += float((ref * ref).sum())
-            self.cosines.append(dot / max((n1 * n2) ** 0.5, 1e-30))
-            self._probe = None
+        for observe in self.on_synced:
+            observe(self)
         if hasattr(self.compression, "step"):
             self.compression.step += 1
 

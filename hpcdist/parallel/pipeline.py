@@ -27,10 +27,12 @@ import time
 import numpy as np
 
 from .. import backend, timeline
+from ..comm.layout import bounds_of
 from ..comm.p2p import MAX_TAG
 from ..nn.module import Module
-from ..tensor import Tensor, weight_gradients
+from ..tensor import Tensor, split_backward, weight_gradients
 from . import schedules as S
+from .base import Strategy
 
 
 def partition(n_layer: int, parts: int, split: list | None = None) -> list[tuple[int, int]]:
@@ -53,11 +55,7 @@ def partition(n_layer: int, parts: int, split: list | None = None) -> list[tuple
         sizes = [0] + [1] * (parts - 2) + [0]
         for i in range(n_layer - (parts - 2)):      # what is left: the first, then the last
             sizes[0 if i == 0 else -1] += 1
-    bounds, lo = [], 0
-    for n in sizes:
-        bounds.append((lo, lo + n))
-        lo += n
-    return bounds
+    return bounds_of(sizes)
 
 
 class _Blocks(Module):
@@ -96,8 +94,7 @@ class PipelineChunk(Module):
         for block in self.blocks:
             x = model.run_block(block, x, T)
         if self.last:                          # (logits, loss)
-            return model.head(x, targets, T=T) if hasattr(model, "comm") else \
-                model.head(x, targets)
+            return model.head(x, targets, T=T)
         return x
 
 
@@ -130,8 +127,7 @@ class PipelineModel(Module):
         return self
 
     def named_specs(self):
-        specs = {id(p): spec for _, p, spec in self.full.named_specs()} \
-            if hasattr(self.full, "named_specs") else {}
+        specs = {id(p): spec for _, p, spec in self.full.named_specs()}
         return [(n, p, specs.get(id(p))) for n, p in self.named_parameters()]
 
 
@@ -148,9 +144,11 @@ class _Batch:
         self.loss = 0.0
 
 
-class PipelineStep:
+class PipelineStep(Strategy):
     """The pipeline strategy: an inner DataParallelStep or Zero (stage 1) over this rank's
-    parameters, plus the schedule executor. Same interface as every strategy."""
+    parameters, plus the schedule executor. Same interface as every strategy: the step's
+    forward and backward are the schedule's, the gradient sync adds the tied embedding's,
+    everything else is the inner strategy's."""
 
     def __init__(self, inner, pmodel: PipelineModel, mesh, name: str, m: int, v: int,
                  embed_comm=None):
@@ -162,17 +160,57 @@ class PipelineStep:
         if 2 * self.P * v * m > MAX_TAG:
             raise ValueError(f"pp x virtual stages x micro-batches = {self.P * v * m} is too "
                              f"many messages to tag (at most {MAX_TAG // 2})")
+        self.recipe = S.get(name)      # the registry's record: generator, stash bound, replan
         self.schedule = S.make(name, self.P, m, v)
         self.peak_stash = 0
         pmodel.step = self
-        # ZB-H1 is planned with F = I = W until two steps have been measured, then replanned
-        # with the measured times, agreed over the pipeline (so every stage gets one plan)
+        # A schedule that replans (ZB-H1) is planned with equal op times until
+        # ``recipe.replan_after`` steps were measured, then again from the measured times,
+        # agreed over the pipeline (so every stage gets one plan)
         self.steps_done, self.times = 0, {"F": [], "I": [], "W": [], "B": []}
         self._verified = {}            # (micro-batch sizes, T) -> this schedule, verified
 
     # -- the strategy interface: the inner strategy's, but for sync and forward_backward -----
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+    def micro_context(self, last: bool):
+        return self.inner.micro_context(last)
+
+    def scale_loss(self, loss):
+        return self.inner.scale_loss(loss)
+
+    def apply(self, lr: float, grad_clip: float = 0.0):
+        return self.inner.apply(lr, grad_clip)
+
+    def eval_context(self):
+        return self.inner.eval_context()
+
+    def memory(self) -> dict:
+        return self.inner.memory()
+
+    def peak_memory(self) -> dict:
+        return self.inner.peak_memory()
+
+    def full_parameters(self):
+        return self.inner.full_parameters()
+
+    def flat_state(self):
+        return self.inner.flat_state()
+
+    def optimizer(self):
+        return self.inner.optimizer()
+
+    def loaded(self, step_count: int) -> None:
+        self.inner.loaded(step_count)
+
+    def compression(self):
+        return self.inner.compression()
+
+    def describe(self) -> list[str]:
+        inner = self.inner.describe()
+        virtual = f", {self.v} virtual stages" if self.v > 1 else ""
+        return [f"{inner[0]} | {self.name}, {self.m} micro-batches{virtual}"] + inner[1:]
 
     def sync(self):
         if self.embed_comm is not None and self.embed_comm.size > 1:   # tied embedding
@@ -206,7 +244,7 @@ class PipelineStep:
             S.Op(o.kind, o.what, o.mb, o.chunk, o.peer, shapes[o.mb]) for o in a.ops))
             for a in stage] for stage in self.schedule]
         S.verify(sched, self.P, self.m, self.v,
-                 stash_limit=S.promised_stash(self.name, self.P, self.m, self.v))
+                 stash_limit=self.recipe.stash(self.P, self.m, self.v))
         return sched
 
     def _tag(self, op: S.Op) -> int:
@@ -230,7 +268,7 @@ class PipelineStep:
                                ops=[str(o) for o in a.ops] if a.ops else None):
                 if a.kind == "COMM":
                     self._communicate(a, batch)
-                elif self.name == "zb-h1" and self.steps_done < 2:     # measuring for _replan
+                elif self.recipe.replan and self.steps_done < self.recipe.replan_after:
                     t0 = time.perf_counter()
                     self._compute(a, batch)
                     self.times[a.kind].append(time.perf_counter() - t0)
@@ -245,12 +283,13 @@ class PipelineStep:
         loss = float(self.pp.allreduce(np.array([batch.loss if self.pp.rank == last
                                                  else 0.0]))[0])
         self.steps_done += 1
-        if self.name == "zb-h1" and self.steps_done == 2:
+        if self.recipe.replan and self.steps_done == self.recipe.replan_after:
             self._replan()
         return loss
 
     def _replan(self) -> None:
-        """ZB-H1 from the op times measured in the first steps (mean over the stages)."""
+        """The schedule again from the op times measured in the first steps (mean over the
+        stages)."""
         med = np.array([np.median(self.times[k]) if self.times[k] else 0.0
                         for k in ("F", "I", "W")])
         med = self.pp.allreduce(med, op="avg")       # bitwise the same on every stage
@@ -301,9 +340,12 @@ class PipelineStep:
         elif a.kind in ("B", "I"):
             inp, out = batch.stash[key]
             seed = None if k == K - 1 else batch.received.pop(("GRAD",) + key)
-            if a.kind == "I":
+            if a.kind == "I":                           # weight gradients wait for W
                 batch.deferred[key] = []
-            out.backward(seed, defer_weights=batch.deferred.get(key))
+                with split_backward(batch.deferred[key]):
+                    out.backward(seed)
+            else:
+                out.backward(seed)
             if k == 0:                                  # nothing to send back
                 del batch.stash[key]
             else:

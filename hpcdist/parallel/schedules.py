@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 class ScheduleError(ValueError):
@@ -192,29 +191,70 @@ def zb_h1(P: int, m: int, costs: dict | None = None) -> list[list[Action]]:
     return order
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule as the registry keeps it: the executor calls these and never its name.
+
+    ``generate(P, m, v, costs)``: the compute order per stage (communication is added by
+    ``make``); ``stash(P, m, v)``: the most micro-batch chunks each stage may hold, which the
+    verifier enforces; ``replan``: whether the plan depends on measured op times (the
+    executor measures F, I and W for ``replan_after`` steps, agrees on their means over the
+    pipeline, and generates again); ``virtual``: needs (True) or refuses (False) v > 1."""
+    name: str
+    generate: object
+    stash: object
+    virtual: bool = False
+    replan: bool = False
+    replan_after: int = 2
+    about: str = ""
+
+
+REGISTRY: dict = {}
+
+
+def register(schedule: Schedule) -> Schedule:
+    """Add a schedule (a new one is a generator and a stash bound, no executor change)."""
+    REGISTRY[schedule.name] = schedule
+    return schedule
+
+
+register(Schedule("gpipe", lambda P, m, v, costs: gpipe(P, m), lambda P, m, v: [m * v] * P,
+                  about="all forwards, then all backwards (Huang et al.)"))
+register(Schedule("1f1b", lambda P, m, v, costs: one_f_one_b(P, m),
+                  lambda P, m, v: [min(P - s, m) for s in range(P)],
+                  about="one forward, one backward after warm-up (PipeDream-Flush)"))
+register(Schedule("interleaved", lambda P, m, v, costs: interleaved(P, m, v),
+                  lambda P, m, v: [min((P - s - 1) * 2 + (v - 1) * P + 1, m * v)
+                                   for s in range(P)],
+                  virtual=True, about="1F1B over v chunks per rank (Megatron-LM)"))
+register(Schedule("zb-h1", lambda P, m, v, costs: zb_h1(P, m, costs),
+                  # 1F1B's peak on every stage (inputs are kept until W)
+                  lambda P, m, v: [min(P, m)] * P, replan=True,
+                  about="zero bubble: B split into I and W, W fills the bubble (Qi et al.)"))
+SCHEDULES = tuple(REGISTRY)
+
+
+def get(name: str) -> Schedule:
+    if name not in REGISTRY:
+        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
 def make(name: str, P: int, m: int, v: int = 1, costs: dict | None = None) -> list[list[Action]]:
-    """Compute order for ``name`` (one of SCHEDULES), with communication added. ``costs``:
-    op times ZB-H1's list scheduling plans with (the others do not depend on them)."""
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
-    if v > 1 and name != "interleaved":
-        raise ScheduleError(f"--virtual-stages {v} needs --schedule interleaved")
-    if name == "interleaved" and v == 1:
-        raise ScheduleError("--schedule interleaved needs --virtual-stages >= 2")
-    order = {"gpipe": lambda: gpipe(P, m), "1f1b": lambda: one_f_one_b(P, m),
-             "interleaved": lambda: interleaved(P, m, v), "zb-h1": lambda: zb_h1(P, m, costs)}[name]()
-    return add_communication(order, P, v)
+    """Compute order for the registered schedule ``name``, with communication added.
+    ``costs``: op times a replanning schedule plans with (the others do not depend on them)."""
+    schedule = get(name)
+    if v > 1 and not schedule.virtual:
+        virtual = [n for n, r in REGISTRY.items() if r.virtual]
+        raise ScheduleError(f"--virtual-stages {v} needs --schedule {' or '.join(virtual)}")
+    if schedule.virtual and v == 1:
+        raise ScheduleError(f"--schedule {name} needs --virtual-stages >= 2")
+    return add_communication(schedule.generate(P, m, v, costs), P, v)
 
 
 def promised_stash(name: str, P: int, m: int, v: int = 1) -> list[int]:
     """Most micro-batch chunks each stage holds activations for (F done, W or B not yet)."""
-    if name == "gpipe":
-        return [m * v] * P
-    if name == "interleaved":
-        return [min((P - s - 1) * 2 + (v - 1) * P + 1, m * v) for s in range(P)]
-    if name == "zb-h1":     # 1F1B's peak on every stage (inputs are kept until W)
-        return [min(P, m)] * P
-    return [min(P - s, m) for s in range(P)]
+    return get(name).stash(P, m, v)
 
 
 # ---- communication --------------------------------------------------------------------------

@@ -12,7 +12,7 @@ nothing.
 from __future__ import annotations
 
 from .. import backend, checkpoint, reshard
-from ..config import checkpoint_meta
+from ..comm.layout import bounds_of
 
 
 def tensor_layout(model, mesh) -> list:
@@ -20,10 +20,8 @@ def tensor_layout(model, mesh) -> list:
     tp = mesh.tp_comm if mesh is not None else None
     full = getattr(model, "full", model)
     logical = getattr(full, "logical_shapes", {})
-    specs = model.named_specs() if hasattr(model, "named_specs") else \
-        [(n, p, None) for n, p in model.named_parameters()]
     out = []
-    for name, p, spec in specs:
+    for name, p, spec in model.named_specs():
         if spec is None or tp is None or tp.size == 1:
             out.append((name, p.size, None, tuple(p.shape), spec))
         else:
@@ -31,36 +29,18 @@ def tensor_layout(model, mesh) -> list:
     return out
 
 
-def flat_state(step):
-    """(lo, hi, {kind: flat array over [lo, hi)}, optimizer step count) of a strategy."""
-    inner = getattr(step, "inner", step)                 # a pipeline wraps DDP or ZeRO
-    opt = inner.opt
-    if hasattr(inner, "mp"):                             # DataParallelStep: everything
-        arrays = {"param": inner.mp.master.data}
-        lo, hi = 0, inner.mp.master.data.size
-    else:                                                # Zero: the shard
-        arrays = {"param": inner.master}
-        lo, hi = inner.lo, inner.hi
-    arrays.update({f"opt.{k}": v for k, v in opt.state.items()})
-    return lo, hi, arrays, opt.step_count
-
-
 def pieces_to_save(step, cfg) -> list:
     """[(name, cut, logical shape, (a, b), host array)] this rank writes."""
-    mesh = getattr(step, "mesh", None)
+    mesh = step.mesh
     coord = mesh.coord if mesh is not None else None
     if coord is not None and not cfg.zero and coord.dp > 0:
         return []                                        # a replica: rank dp 0 writes
     if coord is None and not cfg.zero and step.data_comm.rank > 0:
         return []
     layout = tensor_layout(step.model, mesh)
-    lo, hi, arrays, _ = flat_state(step)
-    entries, off = [], 0
-    for name, size, cut, shape, spec in layout:
-        entries.append((name, off, size, cut, shape, spec))
-        off += size
+    lo, hi, arrays, _ = step.flat_state()
     out = []
-    for name, o, size, cut, shape, spec in entries:
+    for (name, size, cut, shape, spec), (o, _) in zip(layout, bounds_of(l[1] for l in layout)):
         if spec is None and coord is not None and coord.tp > 0:
             continue                                     # replicated: tensor-parallel rank 0
         if cfg.pp > 1 and cfg.tie_weights and name == "wte.weight" and coord.pp == cfg.pp - 1:
@@ -76,16 +56,14 @@ def pieces_to_save(step, cfg) -> list:
 
 def load_pieces(step, reader) -> None:
     """Fill this strategy's flat arrays from a checkpoint written by any layout."""
-    mesh = getattr(step, "mesh", None)
-    lo, hi, arrays, _ = flat_state(step)
-    inner = getattr(step, "inner", step)
+    lo, hi, arrays, _ = step.flat_state()
     kinds = sorted({n.split("/", 1)[0] for n in reader.tensors})
     for kind in kinds:                                   # optimizer state the run has not made yet
         if kind.startswith("opt.") and kind not in arrays:
             arrays[kind] = backend.xp().zeros(hi - lo, dtype=arrays["param"].dtype)
-            inner.opt.state[kind[len("opt."):]] = arrays[kind]
-    off = 0
-    for name, size, cut, shape, spec in tensor_layout(step.model, mesh):
+            step.add_optimizer_state(kind[len("opt."):], arrays[kind])
+    layout = tensor_layout(step.model, step.mesh)
+    for (name, size, cut, shape, spec), (off, _) in zip(layout, bounds_of(l[1] for l in layout)):
         s, e = max(lo, off), min(hi, off + size)
         if s < e:
             for kind, arr in arrays.items():
@@ -95,12 +73,7 @@ def load_pieces(step, reader) -> None:
                                      f"{tuple(full.shape)}, this model's is {tuple(shape)}")
                 local = reshard.cut_local(full, cut).reshape(-1)
                 arr[s - lo:e - lo] = backend.to_device(local[s - off:e - off]).astype(arr.dtype)
-        off += size
-    inner.opt.step_count = int(reader.scalars["opt_step_count"])
-    if hasattr(inner, "mp"):
-        inner.mp.copy_master_to_compute()
-    else:
-        inner._rebuild_parameters()
+    step.loaded(int(reader.scalars["opt_step_count"]))
 
 
 # ---- a run's checkpoint: the tensors above, plus scalars and each rank's own state ----------
@@ -113,16 +86,16 @@ def run_layout(cfg, world: int) -> dict:
 def save_checkpoint(cfg, step, comm, step_fn, sampler) -> str:
     """The layout-free checkpoint of this run at ``step`` (collective)."""
     own = {"rng": checkpoint.json_array(backend.rng_state())}
-    ddp = getattr(step_fn, "ddp", None)
-    if ddp is not None:
-        own.update({f"compress.{k}": v for k, v in ddp.compression.state_dict().items()})
+    compression = step_fn.compression()
+    if compression is not None:
+        own.update({f"compress.{k}": v for k, v in compression.state_dict().items()})
     scalars = {"sampler": {"epoch": sampler.epoch, "position": sampler.position,
                            "global_batch": sampler.batch_size * sampler.world},
                "scaler": {k: float(v) for k, v in step_fn.scaler.state_dict().items()},
-               "opt_step_count": int(flat_state(step_fn)[3]),
+               "opt_step_count": int(step_fn.flat_state()[3]),
                "layout": run_layout(cfg, comm.size)}
     return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(step_fn, cfg), own,
-                           meta=checkpoint_meta(cfg), scalars=scalars)
+                           meta=checkpoint.checkpoint_meta(cfg), scalars=scalars)
 
 
 def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
@@ -140,9 +113,9 @@ def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
     if sc["layout"] == run_layout(cfg, comm.size):       # the same layout: exact, rank by rank
         own = reader.own(comm.rank)
         backend.set_rng_state(checkpoint.from_json_array(own["rng"]))
-        ddp = getattr(step_fn, "ddp", None)
-        if ddp is not None:
-            ddp.compression.load_state_dict({k[len("compress."):]: v for k, v in own.items()
+        compression = step_fn.compression()
+        if compression is not None:
+            compression.load_state_dict({k[len("compress."):]: v for k, v in own.items()
                                              if k.startswith("compress.")})
         return "; ".join(said)
     # Another layout. Dropout streams: each rank derives its own from (seed, step, its rank
@@ -150,8 +123,8 @@ def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
     backend.seed(cfg.seed + 7919 * reader.step + 1000 * comm.rank)
     said.append(f"written by {sc['layout']}, resumed as {run_layout(cfg, comm.size)}: "
                 f"dropout streams reseeded from (seed, step, rank)")
-    ddp = getattr(step_fn, "ddp", None)
-    if ddp is not None and cfg.compress == "topk":
+    compression = step_fn.compression()
+    if compression is not None and cfg.compress == "topk":
         if (cfg.tp, cfg.pp) != (sc["layout"]["tp"], sc["layout"]["pp"]):
             said.append("Top-K residuals dropped (another model-parallel layout)")
         else:
@@ -159,7 +132,7 @@ def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
             for r in range(reader.world):
                 res = {k: v for k, v in reader.own(r).items() if k.startswith("compress.")}
                 total = res if total is None else {k: total[k] + res[k] for k in total}
-            ddp.compression.load_state_dict({k[len("compress."):]: v / step_fn.data_comm.size
+            compression.load_state_dict({k[len("compress."):]: v / step_fn.data_comm.size
                                              for k, v in (total or {}).items()})
             said.append("Top-K residuals summed over the old ranks and split evenly")
     return "; ".join(said)

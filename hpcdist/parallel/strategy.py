@@ -1,22 +1,12 @@
-"""The training-strategy interface, and the strategies built behind it from a configuration.
-
-``train.py`` drives every strategy through the same few calls, once per step:
-
-    step.zero_grad()
-    with step.micro_context(last): loss = model(x, y); step.scale_loss(loss).backward()
-    step.sync()                         # gradients averaged (DDP buckets, ZeRO reduce-scatter)
-    applied, grad_norm = step.apply(lr, grad_clip)
-    step.memory(); step.full_parameters()     # checkpoints: parallel/state.py
-
-and reads ``step.model``, ``step.data_comm`` (the ranks that split the data: each reads other
-samples), ``step.comm`` (the gradient communicator, for byte counts) and ``step.scaler``.
+"""The strategies built from a configuration: ``build_strategy`` makes this rank's mesh,
+model and training step (the interface is parallel/base.py), one concern per function.
 
 Strategies: ``DataParallelStep`` (DDP + mixed precision, ``--zero 0``), ``parallel.zero.Zero``
 (stages 1-3), and tensor parallelism, which is either of the first two over the data-parallel
 group of a DP x TP mesh with a tensor-parallel GPT inside, plus two duties of its own:
 ``Norm`` (count each parameter once in the global gradient norm: shards summed over the
 tensor-parallel group, replicated parameters once) and the sum of sequence-parallel gradients
-over that group.
+over that group (``GradSum``); pipelines wrap either in ``pipeline.PipelineStep``.
 """
 from __future__ import annotations
 
@@ -25,81 +15,32 @@ import math
 
 import numpy as np
 
-from .. import backend, nn, optim, timeline
+from .. import backend, nn, optim
 from ..comm.mesh import ProcessMesh
+from ..comm.nccl import make_communicator
+from .base import GradSum, Norm, Strategy
 from .compression import make_compression
 from .ddp import DistributedDataParallel
 from .mixed_precision import LossScaler, MixedPrecision
+from .pipeline import PipelineModel, PipelineStep, partition
+from .tp import TensorParallelGPT
+from .zero import Zero
+
+__all__ = ["Strategy", "DataParallelStep", "Norm", "GradSum", "build_strategy"]
 
 
-class Norm:
-    """The global gradient norm of a flat gradient (or of its shard [lo, hi)), counting each
-    parameter of the one logical model once. ``count``: a bool mask over the flat elements —
-    False for replicated parameters on all but one tensor-parallel rank; ``comms``: where the
-    partial sums of squares are added up."""
-
-    def __init__(self, comms=(), count=None):
-        self.comms, self.count = [c for c in comms if c is not None and c.size > 1], count
-
-    def sum_sq(self, grad, lo: int = 0) -> float:
-        g = grad if self.count is None else grad[self.count[lo:lo + grad.size]]
-        return optim.grad_norm_sq(g)
-
-    def reduce(self, sums: np.ndarray) -> np.ndarray:
-        for comm in self.comms:
-            sums = comm.allreduce(sums)
-        return sums
-
-
-class GradSum:
-    """Sum the gradients of the given flat ranges over ``comm`` (sequence-parallel LayerNorms
-    and biases: each tensor-parallel rank holds a partial gradient)."""
-
-    def __init__(self, comm, ranges):
-        self.comm, self.ranges = comm, ranges
-
-    def __call__(self, grad, lo: int = 0) -> None:
-        """``grad`` holds the flat elements [lo, lo + grad.size)."""
-        if self.comm is None or self.comm.size == 1 or not self.ranges:
-            return
-        xp = backend.array_module(grad)
-        hi = lo + grad.size
-        parts = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in self.ranges if a < hi and b > lo]
-        if not parts:
-            buf = xp.zeros(0, dtype=grad.dtype)
-        else:
-            buf = xp.concatenate([grad[a:b] for a, b in parts])
-        buf = self.comm.allreduce(buf)             # every tp rank has the same ranges
-        o = 0
-        for a, b in parts:
-            grad[a:b] = buf[o:o + b - a]
-            o += b - a
-
-
-def forward_backward(step, x, y, scale: float = 1.0) -> float:
-    """The whole model on this rank: forward, loss (times ``scale``), backward; the loss."""
-    with timeline.span("forward"):
-        _, loss = step.model(x, y)
-    with timeline.span("backward"):
-        step.scale_loss(loss * scale).backward()
-    return float(loss.data)
-
-
-class DataParallelStep:
+class DataParallelStep(Strategy):
     """The plain data-parallel path (``--zero 0``): DDP + mixed precision + a full optimizer."""
 
-    def __init__(self, model, ddp, opt, mp, data_comm, norm=None, grad_sum=None):
+    def __init__(self, model, ddp, opt, mp, data_comm, norm=None, grad_sum=None, mesh=None):
         self.model, self.ddp, self.opt, self.mp = model, ddp, opt, mp
-        self.data_comm = data_comm
+        self.data_comm, self.mesh = data_comm, mesh
         self.comm = ddp.comm                       # the gradient communicator (bytes count)
         self.scaler = mp.scaler
         self.norm, self.grad_sum = norm or Norm(), grad_sum
 
     def zero_grad(self):
         self.mp.zero_grad()
-
-    def forward_backward(self, x, y, scale: float = 1.0) -> float:
-        return forward_backward(self, x, y, scale)
 
     def micro_context(self, last: bool):
         return contextlib.nullcontext() if last else self.ddp.no_sync()
@@ -125,9 +66,6 @@ class DataParallelStep:
         self.mp.copy_master_to_compute()
         return True, norm
 
-    def eval_context(self):
-        return contextlib.nullcontext()
-
     def memory(self) -> dict:
         """Bytes alive in parameters, gradients and optimizer state (compute + master)."""
         mp = self.mp
@@ -140,10 +78,26 @@ class DataParallelStep:
         return {"params": params, "grads": grads, "optimizer": state,
                 "total": params + grads + state}
 
-    peak_memory = memory                            # nothing here changes size in a step
-
     def full_parameters(self):
         return self.mp.master.data
+
+    def flat_state(self):
+        arrays = {"param": self.mp.master.data}
+        arrays.update({f"opt.{k}": v for k, v in self.opt.state.items()})
+        return 0, self.mp.master.data.size, arrays, self.opt.step_count
+
+    def optimizer(self):
+        return self.opt
+
+    def loaded(self, step_count: int) -> None:
+        self.opt.step_count = step_count
+        self.mp.copy_master_to_compute()
+
+    def describe(self) -> list[str]:
+        return [f"compress {self.ddp.compression.name}"]
+
+    def compression(self):
+        return self.ddp.compression
 
 
 def make_optimizer_factory(cfg):
@@ -158,18 +112,20 @@ def make_optimizer_factory(cfg):
     return make_optimizer
 
 
-def build_strategy(cfg, comm, train_set):
-    """The model and the training step for this rank (collective over ``comm``)."""
-    from .zero import Zero
+def make_mesh(cfg, comm):
+    """The DP x TP x PP process mesh (None for plain data parallelism)."""
+    if cfg.tp == 1 and cfg.pp == 1:
+        return None
+    return ProcessMesh(comm, dp=comm.size // (cfg.tp * cfg.pp), tp=cfg.tp, pp=cfg.pp)
+
+
+def make_model(cfg, comm, mesh, train_set):
+    """The one logical model, seeded alike on every rank, cut for tensor parallelism; the
+    dropout stream per data-parallel replica and stage (the ranks of one tensor-parallel
+    group draw the same masks for the activations they all hold)."""
     backend.set_default_float("float64" if cfg.dtype == "fp64" else "float32")
     backend.reset_precision()
-    model_parallel = cfg.tp > 1 or cfg.pp > 1
-    mesh = ProcessMesh(comm, dp=comm.size // (cfg.tp * cfg.pp), tp=cfg.tp, pp=cfg.pp) \
-        if model_parallel else None
-    dp_comm = mesh.dp_comm if mesh else comm
-    nn.manual_seed(cfg.seed)                         # the same model on every rank
-    # Dropout streams per data-parallel replica and stage: the ranks of one tensor-parallel
-    # group draw the same masks for the activations they all hold.
+    nn.manual_seed(cfg.seed)
     backend.seed(cfg.seed + 1000 * (mesh.coord.dp * cfg.pp + mesh.coord.pp if mesh
                                     else comm.rank))
     model = nn.GPT(nn.GPTConfig(
@@ -177,67 +133,78 @@ def build_strategy(cfg, comm, train_set):
         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
         tie_weights=cfg.tie_weights, checkpoint_activations=cfg.checkpoint_activations))
     if cfg.tp > 1:
-        from .tp import TensorParallelGPT
         model = TensorParallelGPT(model, mesh.tp_comm, cfg.sequence_parallel)
-    full, embed_comm = model, None
+    return model
+
+
+def make_stage(cfg, mesh, full):
+    """This rank's pipeline stage of ``full``, and the communicator over the first and last
+    stages that share a tied embedding (None where this rank holds no copy)."""
+    split = [int(n) for n in cfg.pp_split.split(",")] if cfg.pp_split else None
+    bounds = partition(cfg.n_layer, cfg.pp * cfg.virtual_stages, split)
+    model = PipelineModel(full, mesh.coord.pp, cfg.pp, cfg.virtual_stages, bounds)
+    embed_comm = None
+    if cfg.tie_weights:                              # the first and the last stage share wte
+        ends = mesh.coord.pp in (0, cfg.pp - 1)
+        embed_comm = mesh.pp_comm.split(color=0 if ends else 1)   # collective over pp
+        if not ends:                                   # the middle stages hold no table
+            embed_comm.close()
+            embed_comm = None
+    return model, embed_comm
+
+
+def norm_and_grad_sum(cfg, mesh, full, model, dp_comm):
+    """How the global gradient norm counts each parameter of the one model once, and which
+    gradients are summed over the tensor-parallel group (sequence parallelism)."""
+    if mesh is None:
+        return Norm([dp_comm] if cfg.zero else []), None
+    count, ranges, off = [], [], 0
+    partial = {id(p) for p in full.sequence_parallel_params()} if cfg.tp > 1 else set()
+    head_copy = cfg.pp > 1 and cfg.tie_weights and mesh.coord.pp == cfg.pp - 1
+    for name, p, spec in model.named_specs():
+        # replicated parameters count on tensor-parallel rank 0, the tied table on stage 0
+        once = (spec is not None or mesh.coord.tp == 0) and not (
+            head_copy and name == "wte.weight")
+        count.append(np.full(p.size, once))
+        if id(p) in partial:
+            ranges.append((off, off + p.size))
+        off += p.size
+    norm = Norm([dp_comm if cfg.zero else None, mesh.tp_comm, mesh.pp_comm],
+                np.concatenate(count))
+    return norm, GradSum(mesh.tp_comm, ranges) if ranges else None
+
+
+def build_strategy(cfg, comm, train_set):
+    """The model and the training step for this rank (collective over ``comm``)."""
+    mesh = make_mesh(cfg, comm)
+    dp_comm = mesh.dp_comm if mesh else comm
+    full = model = make_model(cfg, comm, mesh, train_set)
+    embed_comm = None
     if cfg.pp > 1:
-        from .pipeline import PipelineModel, partition
-        split = [int(n) for n in cfg.pp_split.split(",")] if cfg.pp_split else None
-        bounds = partition(cfg.n_layer, cfg.pp * cfg.virtual_stages, split)
-        model = PipelineModel(full, mesh.coord.pp, cfg.pp, cfg.virtual_stages, bounds)
-        if cfg.tie_weights:                          # the first and the last stage share wte
-            ends = mesh.coord.pp in (0, cfg.pp - 1)
-            embed_comm = mesh.pp_comm.split(color=0 if ends else 1)   # collective over pp
-            if not ends:                               # the middle stages hold no table
-                embed_comm.close()
-                embed_comm = None
-    norm, grad_sum = Norm(), None
-    if mesh is not None:
-        count, ranges, off = [], [], 0
-        partial = {id(p) for p in full.sequence_parallel_params()} if cfg.tp > 1 else set()
-        head_copy = cfg.pp > 1 and cfg.tie_weights and mesh.coord.pp == cfg.pp - 1
-        specs = model.named_specs() if hasattr(model, "named_specs") else \
-            [(n, p, None) for n, p in model.named_parameters()]
-        for name, p, spec in specs:
-            # count each parameter of the one model once: replicated ones on tensor-parallel
-            # rank 0, the tied table on the first stage
-            once = (spec is not None or mesh.coord.tp == 0) and not (
-                head_copy and name == "wte.weight")
-            count.append(np.full(p.size, once))
-            if id(p) in partial:
-                ranges.append((off, off + p.size))
-            off += p.size
-        norm = Norm([dp_comm if cfg.zero else None, mesh.tp_comm, mesh.pp_comm],
-                    np.concatenate(count))
-        grad_sum = GradSum(mesh.tp_comm, ranges) if ranges else None
-    elif cfg.zero:
-        norm = Norm([dp_comm])
+        model, embed_comm = make_stage(cfg, mesh, full)
+    norm, grad_sum = norm_and_grad_sum(cfg, mesh, full, model, dp_comm)
     scaler = LossScaler(init_scale=cfg.loss_scale, enabled=cfg.precision == "fp16")
     make_optimizer = make_optimizer_factory(cfg)
     if cfg.zero:
         low = None if cfg.precision == "fp32" else backend.compute_dtype(cfg.precision)
         step = Zero(model, dp_comm, cfg.zero, make_optimizer, compute_dtype=low, scaler=scaler,
                     bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
-                    norm=norm, grad_sum=grad_sum)
-        step.model, step.data_comm, step.mesh = model, dp_comm, mesh
+                    norm=norm, grad_sum=grad_sum, mesh=mesh)
     else:
         mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
         compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
                                        cfg.compress_clip, cfg.density_warmup)
-        grad_comm = dp_comm
-        if cfg.backend == "nccl":                  # gradients over NCCL, the rest over MPI
-            from ..comm.nccl import NcclCommunicator
-            grad_comm = NcclCommunicator(dp_comm.mpi)
+        # gradients over NCCL with --backend nccl, everything else over MPI
+        grad_comm = make_communicator(cfg.backend, dp_comm.mpi) if cfg.backend == "nccl" \
+            else dp_comm
         ddp = DistributedDataParallel(model, grad_comm, flat=mp.master, compute=mp.compute,
                                       bucket_mb=cfg.bucket_mb,
                                       first_bucket_mb=cfg.first_bucket_mb,
                                       overlap=cfg.overlap and cfg.pp == 1,
                                       compression=compression)
         step = DataParallelStep(model, ddp, make_optimizer(mp.master), mp, dp_comm, norm,
-                                grad_sum)
-        step.mesh = mesh
+                                grad_sum, mesh)
     if cfg.pp > 1:
-        from .pipeline import PipelineStep
         step = PipelineStep(step, model, mesh, cfg.schedule, cfg.micro_batches or 2 * cfg.pp,
                             cfg.virtual_stages, embed_comm)
     return model, step

@@ -32,11 +32,13 @@ import numpy as np
 from .. import backend
 from ..comm.layout import padded_length, shard_bounds, shard_counts
 from ..optim import FlatParams, decay_ranges_in
+from .base import Norm, Strategy
 from .ddp import plan_buckets
+from .mixed_precision import LossScaler
 from .shards import Group, ShardParams, identity_hook, pieces_of_range
 
 
-class Zero:
+class Zero(Strategy):
     """ZeRO stage 1, 2 or 3 for ``model`` over ``comm``: the optimizer and the gradient sync.
 
     Args:
@@ -52,15 +54,13 @@ class Zero:
 
     def __init__(self, model, comm, stage: int, make_optimizer, compute_dtype=None,
                  scaler=None, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 norm=None, grad_sum=None):
-        """``norm`` (strategy.Norm): how the global gradient norm is summed (default: over
+                 norm=None, grad_sum=None, mesh=None):
+        """``norm`` (base.Norm): how the global gradient norm is summed (default: over
         ``comm``); ``grad_sum``: gradients summed over another group after the average
-        (sequence parallelism)."""
+        (sequence parallelism); ``mesh``: the process mesh of a model-parallel layout."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        from .mixed_precision import LossScaler
-        from .strategy import Norm
-        self.model, self.comm, self.stage = model, comm, stage
+        self.model, self.comm, self.stage, self.mesh = model, comm, stage, mesh
         self.norm, self.grad_sum = norm or Norm([comm]), grad_sum
         self.data_comm = comm
         self.scaler = scaler or LossScaler(enabled=False)
@@ -279,13 +279,6 @@ class Zero:
             if gathered:
                 self._release(self.persistent)
 
-    def scale_loss(self, loss):
-        return loss * self.scaler.scale if self.scaler.enabled else loss
-
-    def forward_backward(self, x, y, scale: float = 1.0) -> float:
-        from .strategy import forward_backward
-        return forward_backward(self, x, y, scale)
-
     def sync(self) -> None:
         """After backward: every rank's gradient shard holds the averaged gradient."""
         if self.stage == 1:                   # afterwards only the shard is meaningful
@@ -386,3 +379,21 @@ class Zero:
         """The full master weights, gathered (tests and checkpoints compare them)."""
         return self.comm.allgather(self.master, total=self.L)
 
+
+    def flat_state(self):
+        arrays = {"param": self.master}
+        arrays.update({f"opt.{k}": v for k, v in self.opt.state.items()})
+        return self.lo, self.hi, arrays, self.opt.step_count
+
+    def optimizer(self):
+        return self.opt
+
+    def loaded(self, step_count: int) -> None:
+        self.opt.step_count = step_count
+        self._rebuild_parameters()
+
+    def describe(self) -> list[str]:
+        return [f"ZeRO stage {self.stage}",
+                f"ZeRO stage {self.stage}: rank {self.comm.rank} holds elements [{self.lo}, "
+                f"{self.hi}) of {self.L:,}; padding to equal shards would add {self.padding} "
+                "(the last shards are shorter instead)"]

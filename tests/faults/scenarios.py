@@ -84,12 +84,12 @@ def exception_main(comm):
 
 
 def _break_ring(comm):
-    from hpcdist.comm import communicator
+    from hpcdist.comm import select
 
     def broken(mpi, buf, op):
         raise MemoryError(f"injected failure inside the ring on rank {comm.rank}")
     if comm.rank == BAD:
-        communicator.ALLREDUCE_ALGORITHMS["ring"] = broken
+        select.ALLREDUCE_ALGORITHMS["ring"] = broken
 
 
 def exception_progress_waited(comm):

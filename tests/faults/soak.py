@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcdist.comm import Communicator, shard_bounds
-from hpcdist.comm.communicator import ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS
+from hpcdist.comm.select import ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS
 
 KINDS = ("allreduce", "iallreduce", "reduce_scatter", "allgather", "iallgather", "bcast",
          "reduce", "barrier")

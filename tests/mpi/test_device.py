@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from hpcdist import backend
 from hpcdist.comm import Communicator, shard_bounds
-from hpcdist.comm.communicator import ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS
+from hpcdist.comm.select import ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS
 from hpcdist.comm.wire import WireError
 from hpcdist.train import train
 

@@ -107,7 +107,7 @@ def test_many_sizes_evict_and_stay_correct(comm):
     for n in range(1, short.CACHED + 20):
         got = comm.allreduce(np.full(n, comm.rank, dtype=np.int64))
         assert (got == comm.size * (comm.size - 1) // 2).all()
-    assert len(comm._exchanges[id(comm._wire)]._by_shape) <= short.CACHED
+    assert len(comm._wire.exchanges._by_shape) <= short.CACHED
 
 
 def test_agree_only_checks_calls_whose_data_moves_elsewhere(comm):

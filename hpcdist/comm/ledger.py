@@ -1,4 +1,5 @@
-"""The collective ledger: cross-rank agreement on every call, before any result is used.
+"""The collective ledger: every call numbered, checked and agreed on by all ranks before any
+result is used; errors of non-blocking calls never lost.
 
 Every collective (barrier and the non-blocking ones included) describes itself as a *key*: a
 62-bit hash of what is called, its call number on this communicator, blocking or not, length,
@@ -17,6 +18,10 @@ costs no extra round trip.
 What the always-on check cannot see: two calls that match in every field (one rank's extra
 ``allreduce`` of the same size and dtype pairs with the others' next one). ``HPCDIST_DEBUG=1``
 adds the caller's file and line and the array shape to the key, which catches that too.
+
+``Ledger`` is one communicator's book: the call numbers, the handles of non-blocking calls not
+yet waited (an error nobody retrieved is raised by the next call), and the keys of repeated
+short calls, cached so that their agreement costs one hash per call.
 """
 from __future__ import annotations
 
@@ -27,10 +32,9 @@ import zlib
 import numpy as np
 
 from .. import backend
-from . import ring
 from .layout import OPS
 from .select import FUSED
-from . import p2p
+from . import p2p, ring, watchdog
 from .p2p import DTYPE_NAMES, dtype_code
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "bcast", "reduce",
@@ -246,3 +250,80 @@ def communicator_label(mpi) -> str:
         base = "world ranks " + ", ".join(str(r) for r in members)
     _LABELS[base] = n = _LABELS.get(base, 0) + 1
     return base if n == 1 else f"{base} (#{n})"
+
+
+# ---- one communicator's book --------------------------------------------------------------
+
+class Ledger:
+    """Numbering, agreement and unretrieved errors of one communicator (``label``, whose
+    members are ``peers`` in reports; ``size`` ranks; ``debug`` adds call sites to keys)."""
+
+    def __init__(self, label: str, peers: str, size: int, debug: bool):
+        self.label, self.peers, self.size, self.debug = label, peers, size, debug
+        self.seq = 0                    # calls made on this communicator
+        self._open: list = []           # handles of non-blocking calls not yet waited
+        self._static: dict = {}         # a cached plan's fields -> static_key
+        self._lean_wait = watchdog.Wait(label, 0, "", 0, peers)
+
+    def open(self, kind, buf=None, name="buf", blocking=True, op=None, root=None,
+             length=None, k=-1, problem=None, out=None) -> Call:
+        """This rank's side of the next call (in the caller's thread, so blocking and
+        non-blocking calls share one numbering). Raises here an error of an earlier
+        non-blocking call that nobody waited for."""
+        self.raise_unretrieved()
+        self.seq += 1
+        watchdog.note_call(self.label, self.seq)
+        if kind != "barrier":
+            problem = argument_problem(buf, name, root, self.size) or problem
+            if problem is None and out is not None and out is not buf:
+                problem = out_problem(out, buf)
+        ok = problem is None and buf is not None
+        return Call(kind, self.seq, blocking,
+                    length=(length if length is not None else buf.size) if ok else 0,
+                    dtype=buf.dtype if ok else None, op=op, root=-1 if root is None else root,
+                    k=k, problem=problem, shape=buf.shape if ok else None,
+                    where=caller() if self.debug else None)
+
+    def agree(self, exchanges, call: Call, payload=None, fold=None) -> None:
+        """``agree`` on this communicator (see there)."""
+        agree(exchanges, call, self.label, payload, fold)
+
+    def agree_cached(self, exchanges, ex, fold, fields) -> None:
+        """The agreement of a blocking short call taken by a cached plan: numbered here, its
+        key built from ``fields`` = (kind, length, dtype, op, root) as ``Call.key`` would."""
+        if self._open:
+            self.raise_unretrieved()
+        self.seq = seq = self.seq + 1
+        watchdog.note_call(self.label, seq)
+        static = self._static.get(fields)
+        if static is None:
+            kind, length, dtype, op, root = fields
+            static = self._static[fields] = static_key(kind, True, FUSED, length, dtype, op,
+                                                       root, -1, True)
+        wait = self._lean_wait
+        wait.seq, wait.kind, wait.nbytes = seq, fields[0], ex.data.nbytes
+        if not ex.run(hash((seq, static)) & KEY_MASK, fold, wait):
+            kind, length, dtype, op, root = fields
+            mismatch(exchanges.comm, Call(kind, seq, True, length, dtype, op, root,
+                                          algorithm=FUSED), self.label)
+
+    # handles of non-blocking calls
+    def track(self, handle) -> None:
+        self._open.append(handle)
+
+    def release(self, handle) -> None:
+        """``handle`` was waited: no longer this ledger's to raise."""
+        if self._open:
+            self._open = [h for h in self._open if h is not handle and not h.waited]
+
+    def raise_unretrieved(self) -> None:
+        if not self._open:
+            return
+        for h in list(self._open):
+            e = h.unretrieved_error()
+            if e is not None:
+                h.waited = True
+                self.release(h)
+                raise type(e)(f"an earlier non-blocking call #{h.call.seq} {h.call.kind} "
+                              f"failed and was not waited for: {e}") from e
+        self._open = [h for h in self._open if not h.test()]

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from .checkpoint import LATEST, CheckpointError, Reader, find_resume
+from . import LATEST, CheckpointError, Reader, find_resume
 
 
 def _folder(path: str) -> str:

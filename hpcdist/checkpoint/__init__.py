@@ -34,6 +34,8 @@ import shutil
 
 import numpy as np
 
+from .. import reshard
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "hpcdist-checkpoint-2"
@@ -324,7 +326,6 @@ class Reader:
 
     def tensor(self, name: str) -> np.ndarray:
         """The logical tensor ``name`` (e.g. "param/wte.weight"), assembled from its pieces."""
-        from . import reshard
         t = self.tensors.get(name)
         if t is None:
             raise CheckpointError(f"{self.folder}: no tensor {name!r} (this run's model or "
@@ -346,6 +347,16 @@ class Reader:
             self._file(name)
 
 
+def checkpoint_meta(cfg) -> dict:
+    """What a checkpoint must share with the run that resumes it (checked on --resume); the
+    layout (world size, DP, TP, PP, ZeRO stage) may differ."""
+    return {"task": cfg.task, "length": cfg.length, "num_digits": cfg.num_digits,
+            "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_embd": cfg.n_embd, "bias": cfg.bias, "tie_weights": cfg.tie_weights,
+            "dtype": cfg.dtype, "precision": cfg.precision, "optimizer": cfg.optimizer,
+            "compress": cfg.compress}
+
+
 def check_meta(manifest: dict, meta: dict, folder: str) -> None:
     """Refuse, in one line, a checkpoint written by a run that differs from this one."""
     saved = manifest.get("meta") or {}
@@ -354,10 +365,3 @@ def check_meta(manifest: dict, meta: dict, folder: str) -> None:
     if diffs:
         raise CheckpointError(f"{folder} was written by a different run: " + "; ".join(diffs)
                               + ". Resume with the same settings, or use another --save-dir")
-
-
-if __name__ == "__main__":      # python -m hpcdist.checkpoint inspect|verify|export
-    import sys
-
-    from .checkpoint_tools import main
-    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The strategy interface every training layout implements, and what they share.
+
+``train.py`` drives every strategy through the same few calls, once per step:
+
+    step.zero_grad()
+    with step.micro_context(last): loss = step.forward_backward(x, y, 1 / accum)
+    step.sync()                         # gradients averaged (DDP buckets, ZeRO reduce-scatter)
+    applied, grad_norm = step.apply(lr, grad_clip)
+
+and reads ``step.model``, ``step.data_comm`` (the ranks that split the data: each reads other
+samples), ``step.comm`` (the gradient communicator, for byte counts), ``step.scaler`` and
+``step.mesh``. Checkpoints see a strategy through ``flat_state``/``loaded`` (parallel/state.py
+turns those into the layout-free form); the run's header through ``describe``.
+
+Implementations: ``strategy.DataParallelStep`` (DDP + mixed precision, ``--zero 0``),
+``zero.Zero`` (stages 1-3) and ``pipeline.PipelineStep`` (the schedule executor around
+either). Tensor parallelism is a model (parallel/tp) inside the first two, plus ``Norm`` and
+``GradSum`` below.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from .. import backend, optim, timeline
+
+
+class Strategy:
+    """A training layout: what ``train.py`` and the checkpoints call. Subclasses set
+    ``model``, ``data_comm``, ``comm``, ``scaler`` and ``mesh`` (None without model
+    parallelism) in their constructors."""
+
+    model = data_comm = comm = scaler = mesh = None
+
+    # ---- a step ----------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def micro_context(self, last: bool):
+        """Around one micro-batch's forward and backward (``last``: the step's last one)."""
+        return contextlib.nullcontext()
+
+    def scale_loss(self, loss):
+        return loss * self.scaler.scale if self.scaler.enabled else loss
+
+    def forward_backward(self, x, y, scale: float = 1.0) -> float:
+        """The whole model on this rank: forward, loss (times ``scale``), backward; the loss."""
+        with timeline.span("forward"):
+            _, loss = self.model(x, y)
+        with timeline.span("backward"):
+            self.scale_loss(loss * scale).backward()
+        return float(loss.data)
+
+    def sync(self) -> None:
+        """After the last micro-batch's backward: gradients averaged over ``data_comm``."""
+        raise NotImplementedError
+
+    def apply(self, lr: float, grad_clip: float = 0.0):
+        """The optimizer step: (applied, global gradient norm), (False, None) when the loss
+        scaler skips it."""
+        raise NotImplementedError
+
+    def eval_context(self):
+        """Around a forward outside a step (evaluation)."""
+        return contextlib.nullcontext()
+
+    # ---- what it holds ---------------------------------------------------------------------
+    def memory(self) -> dict:
+        """Bytes alive between steps: params, grads, optimizer (and total)."""
+        raise NotImplementedError
+
+    def peak_memory(self) -> dict:
+        """The most bytes alive within a step."""
+        return self.memory()
+
+    def full_parameters(self):
+        """Every parameter of this rank's model, flat, as the optimizer holds them."""
+        raise NotImplementedError
+
+    def flat_state(self):
+        """(lo, hi, {kind: flat array over this rank's flat elements [lo, hi)}, optimizer
+        step count): ``param`` and ``opt.<state>``, in the order of ``model.parameters()``."""
+        raise NotImplementedError
+
+    def add_optimizer_state(self, name: str, array) -> None:
+        """Optimizer state a checkpoint brings that this run has not made yet."""
+        self.optimizer().state[name] = array
+
+    def loaded(self, step_count: int) -> None:
+        """After ``flat_state``'s arrays were filled from a checkpoint: the optimizer's step
+        count, and the parameters the model computes with rebuilt from them."""
+        raise NotImplementedError
+
+    def optimizer(self):
+        raise NotImplementedError
+
+    def describe(self) -> list[str]:
+        """What the run's header says of this layout: its part of the header line first,
+        then whole lines."""
+        return []
+
+    def compression(self):
+        """The gradient compressor with per-rank state to checkpoint (None: none)."""
+        return None
+
+
+class Norm:
+    """The global gradient norm of a flat gradient (or of its shard [lo, hi)), counting each
+    parameter of the one logical model once. ``count``: a bool mask over the flat elements —
+    False for replicated parameters on all but one tensor-parallel rank; ``comms``: where the
+    partial sums of squares are added up."""
+
+    def __init__(self, comms=(), count=None):
+        self.comms, self.count = [c for c in comms if c is not None and c.size > 1], count
+
+    def sum_sq(self, grad, lo: int = 0) -> float:
+        g = grad if self.count is None else grad[self.count[lo:lo + grad.size]]
+        return optim.grad_norm_sq(g)
+
+    def reduce(self, sums: np.ndarray) -> np.ndarray:
+        for comm in self.comms:
+            sums = comm.allreduce(sums)
+        return sums
+
+
+class GradSum:
+    """Sum the gradients of the given flat ranges over ``comm`` (sequence-parallel LayerNorms
+    and biases: each tensor-parallel rank holds a partial gradient)."""
+
+    def __init__(self, comm, ranges):
+        self.comm, self.ranges = comm, ranges
+
+    def __call__(self, grad, lo: int = 0) -> None:
+        """``grad`` holds the flat elements [lo, lo + grad.size)."""
+        if self.comm is None or self.comm.size == 1 or not self.ranges:
+            return
+        xp = backend.array_module(grad)
+        hi = lo + grad.size
+        parts = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in self.ranges if a < hi and b > lo]
+        if not parts:
+            buf = xp.zeros(0, dtype=grad.dtype)
+        else:
+            buf = xp.concatenate([grad[a:b] for a, b in parts])
+        buf = self.comm.allreduce(buf)             # every tp rank has the same ranges
+        o = 0
+        for a, b in parts:
+            grad[a:b] = buf[o:o + b - a]
+            o += b - a

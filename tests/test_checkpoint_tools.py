@@ -94,3 +94,38 @@ def test_nanogpt_names_cover_the_model():
     names = nanogpt_names({n: p.data for n, p in model.named_parameters()})
     assert names["transformer.h.1.mlp.c_fc.weight"].shape == (32, 8)
     assert names["lm_head.weight"] is names["transformer.wte.weight"]      # tied
+
+
+def test_export_safetensors_loads_in_transformers_as_gpt2(run):
+    """``export --format safetensors``: read back by the safetensors library (where installed)
+    and run by transformers' GPT2LMHeadModel, whose logits match ours on the same tokens."""
+    tmp, cfg, _ = run
+    out = tmp / "hf"
+    r = tool("export", str(tmp / "ck"), str(out), "--format", "safetensors")
+    assert r.returncode == 0, r.stderr
+    from hpcdist import nn
+    model = nn.GPT(nn.GPTConfig(vocab_size=10, block_size=11, n_layer=cfg.n_layer,
+                                n_head=cfg.n_head, n_embd=cfg.n_embd,
+                                tie_weights=cfg.tie_weights))
+    reader = checkpoint.Reader(checkpoint.find_resume(str(tmp / "ck"))[0])
+    model.load_state_dict({n: reader.tensor(f"param/{n}") for n, _ in model.named_parameters()})
+    model.eval()
+    # the file by hand: header length, JSON header, data — the format's definition
+    raw = (out / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = __import__("json").loads(raw[8:8 + n])
+    a, b = header["transformer.h.0.mlp.c_fc.weight"]["data_offsets"]
+    c_fc = np.frombuffer(raw[8 + n + a:8 + n + b], dtype="<f4").reshape(cfg.n_embd, 4 * cfg.n_embd)
+    np.testing.assert_array_equal(c_fc, model.blocks[0].mlp.layers[0].weight.data.astype(np.float32))
+    assert ("lm_head.weight" in header) != cfg.tie_weights
+    st = pytest.importorskip("safetensors.numpy")
+    loaded = st.load_file(str(out / "model.safetensors"))
+    np.testing.assert_array_equal(loaded["transformer.wpe.weight"],
+                                  model.wpe.weight.data.astype(np.float32))
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    idx = np.random.default_rng(1).integers(0, 10, size=(2, 11))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(idx)).logits.numpy()
+    np.testing.assert_allclose(theirs, model(idx).data, rtol=1e-4, atol=1e-4)

@@ -5,15 +5,20 @@
     verify DIR         every file's SHA-256 and every tensor assembled; exit 1 on a problem
     export DIR OUT     the whole model as one .npz of named arrays (NumPy alone loads it);
                        ``--names nanogpt`` uses nanoGPT's names and (out, in) linear weights,
-                       so ``GPT.load_state_dict`` of a nanoGPT model of the same shape takes it
+                       so ``GPT.load_state_dict`` of a nanoGPT model of the same shape takes it;
+                       ``--format safetensors`` makes OUT a Hugging Face model folder
+                       (model.safetensors with GPT-2's names + config.json):
+                       ``transformers.GPT2LMHeadModel.from_pretrained(OUT)`` loads it
 
 DIR is a checkpoint folder (``runs/ck/step_00000600``) or a save directory (its ``latest``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import struct
 import sys
 
 import numpy as np
@@ -63,6 +68,85 @@ def nanogpt_names(params: dict) -> dict:
     return out
 
 
+def hf_gpt2_names(params: dict, meta: dict) -> dict:
+    """Our parameters under Hugging Face GPT-2's names (its Conv1D stores (in, out), as we do;
+    its untied ``lm_head`` is a torch Linear, (out, in)), in float32; biases a ``--no-bias`` model lacks are zeros (GPT-2 always has them); a tied
+    head is left out (``tie_word_embeddings`` ties it on load)."""
+    out = {}
+    for name, value in params.items():
+        for pattern, target, _ in _NANOGPT:
+            if re.fullmatch(pattern, name):
+                value = value.T if name == "lm_head.weight" else value
+                out[re.sub(pattern, target, name)] = np.ascontiguousarray(value, np.float32)
+                break
+        else:
+            raise ValueError(f"no GPT-2 name for {name!r}")
+    C = out["transformer.wte.weight"].shape[1]
+    widths = {"ln_1": C, "ln_2": C, "attn.c_attn": 3 * C, "attn.c_proj": C,
+              "mlp.c_fc": 4 * C, "mlp.c_proj": C}
+    for i in range(int(meta["n_layer"])):
+        for part, width in widths.items():
+            out.setdefault(f"transformer.h.{i}.{part}.bias", np.zeros(width, np.float32))
+    out.setdefault("transformer.ln_f.bias", np.zeros(C, np.float32))
+    return out
+
+
+def hf_gpt2_config(params: dict, meta: dict) -> dict:
+    """config.json of the same model for ``transformers.GPT2Config`` (GPT-2's tanh GELU,
+    LayerNorm eps 1e-5, no dropout at inference)."""
+    vocab, C = params["wte.weight"].shape
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": int(vocab), "n_positions": int(params["wpe.weight"].shape[0]),
+            "n_embd": int(C), "n_layer": int(meta["n_layer"]), "n_head": int(meta["n_head"]),
+            "n_inner": 4 * int(C), "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0, "tie_word_embeddings": bool(meta.get("tie_weights", True)),
+            "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32"}
+
+
+_SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",
+                       "int32": "I32", "bfloat16": "BF16"}
+
+
+def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> None:
+    """The safetensors format: an 8-byte little-endian header length, a JSON header (name ->
+    dtype, shape, [begin, end) in the data), then the tensors' little-endian bytes, C order;
+    written atomically."""
+    header, offset = {}, 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.dtype.name not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: no safetensors dtype for {t.dtype}")
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype.name], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)                 # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in sorted(tensors):
+            f.write(np.ascontiguousarray(tensors[name]).astype(
+                tensors[name].dtype.newbyteorder("<"), copy=False).tobytes())
+    os.replace(tmp, path)
+
+
+def export_hf(out: str, params: dict, meta: dict) -> dict:
+    """``out``/model.safetensors and ``out``/config.json: a GPT2LMHeadModel folder."""
+    tensors = hf_gpt2_names(params, meta)
+    config = hf_gpt2_config(params, meta)
+    if config["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight", None)
+    os.makedirs(out, exist_ok=True)
+    write_safetensors(os.path.join(out, "model.safetensors"), tensors, {"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return tensors
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcdist.checkpoint",
                                  description=__doc__.split("\n\n")[0],
@@ -74,7 +158,9 @@ def main(argv=None) -> int:
     ex = sub.add_parser("export")
     ex.add_argument("dir")
     ex.add_argument("out")
-    ex.add_argument("--names", choices=("hpcdist", "nanogpt"), default="hpcdist")
+    ex.add_argument("--names", choices=("hpcdist", "nanogpt"), default="hpcdist",
+                    help=".npz names (safetensors always uses Hugging Face GPT-2's)")
+    ex.add_argument("--format", choices=("npz", "safetensors"), default="npz")
     args = ap.parse_args(argv)
     try:
         folder = _folder(args.dir)
@@ -90,6 +176,12 @@ def main(argv=None) -> int:
             return 0
         params = {n[len("param/"):]: reader.tensor(n) for n in sorted(reader.tensors)
                   if n.startswith("param/")}
+        if args.format == "safetensors":
+            tensors = export_hf(args.out, params, reader.manifest.get("meta") or {})
+            print(f"wrote {args.out}/model.safetensors and config.json: {len(tensors)} tensors "
+                  f"(Hugging Face GPT-2 names; transformers.GPT2LMHeadModel.from_pretrained "
+                  f"loads the folder)")
+            return 0
         if args.names == "nanogpt":
             params = nanogpt_names(params)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -4,7 +4,7 @@ A message of n bytes costs ``alpha + n * beta`` (latency plus inverse bandwidth;
 arithmetic is left out). Each formula below counts the rounds and the bytes one rank sends in
 our implementation of that algorithm (see ring.py, recursive_doubling.py, rabenseifner.py,
 tree.py, sparse.py), plus the agreement check every collective starts with: one
-recursive-doubling round trip of a small header per doubling step (check.py) — except for
+recursive-doubling round trip of a small header per doubling step (ledger.py) — except for
 short calls, whose data rides in the agreement's own messages (short.py).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Short collectives: the agreement carries the data.
 
-Every collective starts with the ledger's agreement (check.py): a recursive-doubling exchange
+Every collective starts with the ledger's agreement (ledger.py): a recursive-doubling exchange
 of a 16-byte header [max key, -min key]. For a short buffer the data rides in the same
 messages — header first, payload after — so a short allreduce, broadcast, allgather or
 reduce-scatter costs one recursive doubling in all, checked, instead of a check and then the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ..comm.layout import bounds_of
 from ..optim import FlatParams
 from .compression import NoCompression
 
@@ -37,10 +38,8 @@ def plan_buckets(sizes, itemsize: int, bucket_mb: float, first_bucket_mb: float)
     (the first bucket's cap is ``first_bucket_mb``). Returns a list of (lo, hi, [param
     indices]) in launch order. Pure logic: tested without MPI.
     """
-    offsets, off = [], 0
-    for n in sizes:
-        offsets.append(off)
-        off += n
+    spans = bounds_of(sizes)
+    offsets, off = [lo for lo, _ in spans], spans[-1][1] if spans else 0
     buckets, members, hi, cap = [], [], off, first_bucket_mb * MB
     for i in reversed(range(len(sizes))):
         members.append(i)

@@ -99,10 +99,8 @@ class MixedPrecision:
             p.data = p.data.astype(low)
         self.compute = FlatParams(params)
         self.master = MasterParams(self.compute)
-        off = 0
-        for v in master_values:                    # exact fp32 values, not rounded ones
-            self.master.data[off:off + v.size] = v.reshape(-1)
-            off += v.size
+        for off, v in zip(self.compute.offsets, master_values):   # exact fp32 values,
+            self.master.data[off:off + v.size] = v.reshape(-1)         # not rounded ones
         self.scaler = scaler or LossScaler(enabled=(precision == "fp16"))
 
     @property

@@ -30,7 +30,7 @@ import contextlib
 import numpy as np
 
 from .. import backend
-from ..comm.layout import padded_length, shard_bounds, shard_counts
+from ..comm.layout import bounds_of, padded_length, shard_bounds, shard_counts
 from ..optim import FlatParams, decay_ranges_in
 from .base import Norm, Strategy
 from .ddp import plan_buckets
@@ -68,13 +68,11 @@ class Zero(Strategy):
         xp = backend.array_module(params[0].data)
         master_dtype = params[0].data.dtype
         self.compute_dtype = np.dtype(compute_dtype) if compute_dtype is not None else master_dtype
-        self.offsets, off = [], 0
-        for p in params:
-            self.offsets.append(off)
-            off += p.size
+        spans = bounds_of(p.size for p in params)       # each parameter's flat [lo, hi)
+        self.offsets = [lo for lo, _ in spans]
         self._offset = {id(p): o for p, o in zip(params, self.offsets)}
         self._shape = {id(p): p.shape for p in params}
-        self.L, P, r = off, comm.size, comm.rank
+        self.L, P, r = (spans[-1][1] if spans else 0), comm.size, comm.rank
         self.lo, self.hi = shard_bounds(self.L, P, r)
         self.padding = padded_length(self.L, P) - self.L
 
@@ -82,11 +80,7 @@ class Zero(Strategy):
         for p, o in zip(params, self.offsets):
             full[o:o + p.size] = p.data.reshape(-1)
         comm.bcast(full, root=0)
-        decay, o = [], 0
-        for p in params:
-            if p.ndim >= 2:
-                decay.append((o, o + p.size))
-            o += p.size
+        decay = [span for p, span in zip(params, spans) if p.ndim >= 2]
         # Without mixed precision the master shard *is* this rank's part of the parameters
         # (a view), so nothing is stored twice; with it, a separate fp32 copy.
         self.mixed = self.compute_dtype != master_dtype

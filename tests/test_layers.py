@@ -1,0 +1,79 @@
+"""The layers of README's Layout section, checked: every import points down (or stays in its
+layer), and no two modules import each other (ops <-> tensor, micrograd's way of attaching
+operators to Tensor, is the one exception)."""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hpcdist")
+
+# bottom to top; a module belongs to the first entry that is its name or a package above it
+LAYERS = [
+    ["backend", "device_double", "threads", "signals", "timeline"],   # process-wide services
+    ["tensor", "ops"],                                                 # autograd
+    ["nn", "optim", "recompute", "data", "reshard", "checkpoint", "evaluate"],
+    ["comm"],                                                          # raw arrays, MPI
+    ["parallel"],                                                      # Tensors meet comms
+    ["config", "preflight", "runtime", "preemption"],                  # a run's plumbing
+    ["train", "bench"],                                                # entry points
+]
+MUTUAL_OK = {frozenset({"hpcdist.ops", "hpcdist.tensor"})}
+
+
+def _modules():
+    mods = {}
+    for folder, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                mods[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return mods
+
+
+def _imports(mods):
+    """module -> the hpcdist modules it imports (at any depth of the file)."""
+    edges = {}
+    for name, path in mods.items():
+        package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                           for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            found.update(t for t in targets if t in mods and t != name)
+        edges[name] = found
+    return edges
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")[1:]
+    for i, names in enumerate(LAYERS):
+        if parts and parts[0] in names:
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_layers.py: add it where it "
+                         "belongs (and to README's Layout section)")
+
+
+MODS = _modules()
+EDGES = _imports(MODS)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODS if m != "hpcdist"))
+def test_imports_point_down(module):
+    mine = _layer(module)
+    up = sorted(t for t in EDGES[module] if t != "hpcdist" and _layer(t) > mine)
+    assert not up, f"{module} (layer {mine}) imports from a layer above it: {up}"
+
+
+def test_no_two_modules_import_each_other():
+    pairs = {frozenset({a, b}) for a in EDGES for b in EDGES[a] if a in EDGES.get(b, ())}
+    assert pairs <= MUTUAL_OK, sorted(tuple(sorted(p)) for p in pairs - MUTUAL_OK)

@@ -106,7 +106,6 @@ POSITIVE = ("length", "num_digits", "block_size", "n_layer", "n_head", "n_embd",
 CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
            "compress": ("none", "fp16", "topk"), "precision": ("fp32", "fp16", "bf16"),
-           "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1"),
            "backend": ("mpi", "nccl")}
 
 
@@ -118,7 +117,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in POSITIVE:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}", name)
-    for name, choices in CHOICES.items():
+    from .parallel.schedules import SCHEDULES     # the registry (pure: no MPI)
+    for name, choices in list(CHOICES.items()) + [("schedule", SCHEDULES)]:
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"unknown {name} {getattr(cfg, name)!r}: choose one of "
                               f"{', '.join(choices)}", name)
@@ -198,7 +198,7 @@ def validate(cfg: TrainConfig) -> None:
                               "it must be at least that", "micro_batches")
         try:
             schedules.make(cfg.schedule, cfg.pp, m, cfg.virtual_stages)
-            from .parallel.pipeline import partition
+            partition = schedules.partition
             split = [int(n) for n in cfg.pp_split.split(",")] if cfg.pp_split else None
             partition(cfg.n_layer, cfg.pp * cfg.virtual_stages, split)
         except ValueError as e:

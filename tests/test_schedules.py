@@ -2,7 +2,7 @@
 import pytest
 
 from hpcdist.parallel import schedules as S
-from hpcdist.parallel.pipeline import partition
+from hpcdist.parallel.schedules import partition
 
 
 def _all_cases():

@@ -27,35 +27,11 @@ import time
 import numpy as np
 
 from .. import backend, timeline
-from ..comm.layout import bounds_of
 from ..comm.p2p import MAX_TAG
 from ..nn.module import Module
 from ..tensor import Tensor, split_backward, weight_gradients
 from . import schedules as S
 from .base import Strategy
-
-
-def partition(n_layer: int, parts: int, split: list | None = None) -> list[tuple[int, int]]:
-    """[lo, hi) of the blocks in each of ``parts`` virtual stages: as even as possible (the
-    first stages take one more), or the sizes ``split`` gives. With fewer blocks than stages
-    the first and the last stage may hold none: they still embed and hold the head."""
-    if split:
-        if len(split) != parts or any(n < 0 for n in split) or sum(split) != n_layer:
-            raise ValueError(f"--pp-split {','.join(map(str, split))} must give {parts} "
-                             f"sizes (>= 0) adding up to n_layer ({n_layer})")
-        sizes = list(split)
-    elif n_layer >= parts:
-        sizes = [n_layer // parts + (i < n_layer % parts) for i in range(parts)]
-    else:   # fewer blocks than stages: the middle ones get a block each, the first (which
-        # embeds) and the last (which holds the head) may hold none
-        if n_layer < parts - 2:
-            raise ValueError(f"n_layer ({n_layer}) is too small for pp x virtual stages "
-                             f"({parts}): every stage but the first and the last needs a "
-                             f"block; use at most {n_layer + 2} stages")
-        sizes = [0] + [1] * (parts - 2) + [0]
-        for i in range(n_layer - (parts - 2)):      # what is left: the first, then the last
-            sizes[0 if i == 0 else -1] += 1
-    return bounds_of(sizes)
 
 
 class _Blocks(Module):

@@ -257,6 +257,34 @@ def promised_stash(name: str, P: int, m: int, v: int = 1) -> list[int]:
     return get(name).stash(P, m, v)
 
 
+def partition(n_layer: int, parts: int, split: list | None = None) -> list[tuple[int, int]]:
+    """[lo, hi) of the blocks in each of ``parts`` virtual stages: as even as possible (the
+    first stages take one more), or the sizes ``split`` gives. With fewer blocks than stages
+    the first and the last stage may hold none: they still embed and hold the head."""
+    if split:
+        if len(split) != parts or any(n < 0 for n in split) or sum(split) != n_layer:
+            raise ValueError(f"--pp-split {','.join(map(str, split))} must give {parts} "
+                             f"sizes (>= 0) adding up to n_layer ({n_layer})")
+        sizes = list(split)
+    elif n_layer >= parts:
+        sizes = [n_layer // parts + (i < n_layer % parts) for i in range(parts)]
+    else:   # fewer blocks than stages: the middle ones get a block each, the first (which
+        # embeds) and the last (which holds the head) may hold none
+        if n_layer < parts - 2:
+            raise ValueError(f"n_layer ({n_layer}) is too small for pp x virtual stages "
+                             f"({parts}): every stage but the first and the last needs a "
+                             f"block; use at most {n_layer + 2} stages")
+        sizes = [0] + [1] * (parts - 2) + [0]
+        for i in range(n_layer - (parts - 2)):      # what is left: the first, then the last
+            sizes[0 if i == 0 else -1] += 1
+    bounds, lo = [], 0                       # [lo, hi) of each stage's blocks
+    for n in sizes:
+        bounds.append((lo, lo + n))
+        lo += n
+    return bounds
+
+
+
 # ---- communication --------------------------------------------------------------------------
 
 def add_communication(order: list[list[Action]], P: int, v: int = 1) -> list[list[Action]]:

@@ -22,7 +22,8 @@ from .base import GradSum, Norm, Strategy
 from .compression import make_compression
 from .ddp import DistributedDataParallel
 from .mixed_precision import LossScaler, MixedPrecision
-from .pipeline import PipelineModel, PipelineStep, partition
+from .pipeline import PipelineModel, PipelineStep
+from .schedules import partition
 from .tp import TensorParallelGPT
 from .zero import Zero
 

@@ -10,7 +10,7 @@ import socket
 import numpy as np
 
 from . import checkpoint, timeline
-from .comm import model
+from .comm import model, select
 
 
 def record_ranks(comm, out_dir: str) -> str:
@@ -61,8 +61,9 @@ def test_hooks(rank: int, step: int) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(spec[2]), int(spec[2])))
 
 
-def report_timeline(cfg, comm, recorder, clocks, alpha_beta, log) -> None:
-    """Write the Chrome trace and print the communication log (collective)."""
+def report_timeline(cfg, comm, recorder, clocks, links, log) -> None:
+    """Write the Chrome trace and print the communication log (collective). ``links``: the
+    per-level alpha-beta fits (comm.model.fit_links)."""
     clocks.measure(comm.mpi)
     if cfg.trace:
         path = timeline.write_chrome_trace(cfg.trace, recorder, clocks, comm.mpi,
@@ -70,44 +71,55 @@ def report_timeline(cfg, comm, recorder, clocks, alpha_beta, log) -> None:
         if path:
             log(f"wrote Chrome trace {path} ({comm.size} ranks; open in ui.perfetto.dev)")
     if cfg.comm_log:
-        rows = comm_log(recorder, comm.mpi, *alpha_beta)
+        rows = comm_log(recorder, comm.mpi, links, comm.topology)
         if rows is not None:
-            log(format_comm_log(rows, *alpha_beta))
+            alpha, beta = links.get("intra", next(iter(links.values())))
+            log(format_comm_log(rows, alpha, beta, links.get("inter")))
             os.makedirs(cfg.out_dir, exist_ok=True)
             with open(os.path.join(cfg.out_dir, "comm_log.json"), "w") as f:
-                json.dump({"alpha_s": alpha_beta[0], "beta_s_per_byte": alpha_beta[1],
+                json.dump({"alpha_s": alpha, "beta_s_per_byte": beta,
+                           "links": {k: {"alpha_s": a, "beta_s_per_byte": b}
+                                     for k, (a, b) in links.items()},
                            "rows": rows}, f, indent=1)
 
 
 # ---- communication log ------------------------------------------------------------------------------
 
-def comm_log(recorder: Recorder, mpi, alpha: float, beta: float) -> list | None:
-    """Rows of the communication log on rank 0 (None elsewhere): per collective, algorithm and
-    size, the calls and seconds summed on rank 0, the mean time per call averaged over the
-    ranks, algbw and busbw from that mean, and the alpha-beta prediction. Collective."""
-    mine = [[k, a, n, p, c, s] for (k, a, n, p), (c, s) in recorder.calls.items()]
+def comm_log(recorder: Recorder, mpi, links: dict, topology=None) -> list | None:
+    """Rows of the communication log on rank 0 (None elsewhere): per collective, algorithm,
+    size and link, the calls and seconds summed on rank 0, the mean time per call averaged
+    over the ranks, algbw and busbw from that mean, and the prediction of the alpha-beta
+    model of the link it used (``links``: level -> (alpha, beta)). Collective."""
+    mine = [[*key, c, s] for key, (c, s) in recorder.calls.items()]
     everyone = timeline.gather_json(mpi, mine)
     if everyone is None:
         return None
     per_call = {}                                    # key -> [mean seconds per call on each rank]
     calls = {}
     for rank, rows in enumerate(everyone):
-        for k, a, n, p, c, s in rows:
-            key = (k, a, n, p)
+        for k, a, n, p, link, c, s in rows:
+            key = (k, a, n, p, link)
             per_call.setdefault(key, []).append(s / c)
             if rank == 0:
                 calls[key] = (c, s)
     rows = []
     for key in sorted(per_call, key=lambda k: (k[0], k[1], k[2])):
-        kind, algorithm, nbytes, P = key
+        kind, algorithm, nbytes, P, link = key
         c, total = calls.get(key, (0, 0.0))
         t = float(np.mean(per_call[key]))
+        predicted = None
         try:
-            predicted = model.predict(kind, nbytes, P, alpha, beta,
-                                      "" if algorithm in ("auto", "-") else algorithm)
-        except ValueError:
+            if link == "2-level" and topology is not None and "inter" in links:
+                predicted = select.two_level_times(kind, nbytes, select.Topology(
+                    topology.nodes, topology.per_node, {**select.DEFAULT_LINKS, **links}))[1]
+            elif link in links or "intra" in links:
+                alpha, beta = links.get(link, links.get("intra"))
+                predicted = model.predict(kind, nbytes, P, alpha, beta,
+                                          "" if algorithm in ("auto", "-") else algorithm)
+        except (ValueError, KeyError):
             predicted = None
-        rows.append({"collective": kind, "algorithm": algorithm, "bytes": nbytes, "ranks": P,
+        rows.append({"collective": kind, "algorithm": algorithm, "link": link,
+                     "bytes": nbytes, "ranks": P,
                      "calls": c, "total_s": total, "time_us": t * 1e6,
                      "algbw_GBs": nbytes / t / 1e9 if t > 0 else 0.0,
                      "busbw_GBs": nbytes / t / 1e9 * model.busbw_factor(kind, P) if t > 0 else 0.0,
@@ -115,17 +127,20 @@ def comm_log(recorder: Recorder, mpi, alpha: float, beta: float) -> list | None:
     return rows
 
 
-def format_comm_log(rows: list, alpha: float, beta: float) -> str:
-    bw = f"{1 / beta / 1e9:.2f} GB/s" if beta else "inf"
+def format_comm_log(rows: list, alpha: float, beta: float, inter=None) -> str:
+    def link(a, b):
+        return f"alpha {a * 1e6:.1f} us, 1/beta {f'{1 / b / 1e9:.2f} GB/s' if b else 'inf'}"
+    models = f"model: {link(alpha, beta)}" + (f"; across nodes {link(*inter)}" if inter else "")
     lines = [f"communication log (rank 0's calls and total; time per call averaged over ranks; "
-             f"model: alpha {alpha * 1e6:.1f} us, 1/beta {bw} from a ping-pong)",
-             f"{'collective':<17s}{'algorithm':<20s}{'bytes':>11s}{'calls':>8s}{'total ms':>10s}"
+             f"{models} from a ping-pong)",
+             f"{'collective':<17s}{'algorithm':<20s}{'link':<8s}{'bytes':>11s}{'calls':>8s}{'total ms':>10s}"
              f"{'us/call':>10s}{'algbw GB/s':>11s}{'busbw GB/s':>11s}{'model us':>10s}"
              f"{'meas/model':>11s}"]
     for r in rows:
         m = r["model_us"]
         ratio = f"{r['time_us'] / m:11.2f}" if m else f"{'-':>11s}"
-        lines.append(f"{r['collective']:<17s}{r['algorithm']:<20s}{r['bytes']:>11d}{r['calls']:>8d}"
+        lines.append(f"{r['collective']:<17s}{r['algorithm']:<20s}{r.get('link', 'intra'):<8s}"
+                     f"{r['bytes']:>11d}{r['calls']:>8d}"
                      f"{r['total_s'] * 1e3:10.1f}{r['time_us']:10.1f}{r['algbw_GBs']:11.3f}"
                      f"{r['busbw_GBs']:11.3f}{(f'{m:10.1f}' if m is not None else f'{chr(45):>10s}')}"
                      f"{ratio}")

@@ -49,11 +49,13 @@ def span(name: str, cat: str = "compute", **args):
     return _NULL if rec is None else rec.span(name, cat, **args)
 
 
-def collective(kind: str, algorithm: str, nbytes: int, world: int):
+def collective(kind: str, algorithm: str, nbytes: int, world: int, link: str = "intra"):
     """A context manager timing one collective call on the active recorder; it yields a dict
-    whose "bytes" may be set inside (None when no recorder is active: nothing is recorded)."""
+    whose "bytes" may be set inside (None when no recorder is active: nothing is recorded).
+    ``link``: the slowest link the call used — "intra" (inside a node), "inter" (across
+    nodes) or "2-level" (a hierarchical algorithm: both, inter only for its middle phase)."""
     rec = _active
-    return _NULL if rec is None else rec.collective(kind, algorithm, nbytes, world)
+    return _NULL if rec is None else rec.collective(kind, algorithm, nbytes, world, link)
 
 
 class Recorder:
@@ -65,7 +67,7 @@ class Recorder:
         self.max_events = max_events
         self.events = []            # (name, cat, thread, t0_ns, t1_ns, args)
         self.dropped = 0
-        self.calls = {}             # (kind, algorithm, nbytes, world) -> [calls, seconds]
+        self.calls = {}             # (kind, algorithm, nbytes, world, link) -> [calls, s]
         self.threads = {}           # thread ident -> (index, name)
         self._lock = threading.Lock()
         self._thread()              # the creating (main) thread is track 0
@@ -94,7 +96,8 @@ class Recorder:
             self.add(name, cat, t0, time.perf_counter_ns(), args)
 
     @contextlib.contextmanager
-    def collective(self, kind: str, algorithm: str, nbytes: int, world: int):
+    def collective(self, kind: str, algorithm: str, nbytes: int, world: int,
+                   link: str = "intra"):
         """Times the body; yields a dict whose "bytes" the body may set once it knows them."""
         info = {"bytes": int(nbytes)}
         t0 = time.perf_counter_ns()
@@ -104,8 +107,8 @@ class Recorder:
             t1 = time.perf_counter_ns()
             nbytes = int(info["bytes"])
             self.add(kind, "comm", t0, t1, {"bytes": nbytes, "algorithm": algorithm,
-                                            "ranks": world})
-            key = (kind, algorithm, nbytes, world)
+                                            "ranks": world, "link": link})
+            key = (kind, algorithm, nbytes, world, link)
             with self._lock:
                 entry = self.calls.setdefault(key, [0, 0.0])
                 entry[0] += 1

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import backend, checkpoint, data, optim, runtime, signals, threads, timeline
 from .comm import Communicator, watchdog
-from .comm.model import fit_alpha_beta
+from .comm.model import fit_links
 from .config import ConfigError, TrainConfig, parse_config, validate_world
 from .evaluate import evaluate
 from .parallel import state
@@ -64,12 +64,12 @@ def train(cfg: TrainConfig, comm=None, log=print, prepared=None, on_build=None) 
     stop the run early: the result then has ``"event": "preempted"``.
     """
     comm = comm or Communicator()
-    recorder = clocks = alpha_beta = None
+    recorder = clocks = links = None
     if cfg.trace or cfg.comm_log:
         recorder, clocks = timeline.Recorder(comm.rank), timeline.ClockSync()
         clocks.measure(comm.mpi)
         if cfg.comm_log:
-            alpha_beta = fit_alpha_beta(comm.mpi, big=4 << 20)
+            links = fit_links(comm, big=4 << 20)
         timeline.activate(recorder)
     # main() decided what signals mean before anything could be signalled; a library caller
     # gets checkpoint-on-signal for the duration of this call.
@@ -84,7 +84,7 @@ def train(cfg: TrainConfig, comm=None, log=print, prepared=None, on_build=None) 
             signals.exit_on_signal()
         timeline.deactivate()
     if recorder is not None:
-        runtime.report_timeline(cfg, comm, recorder, clocks, alpha_beta, log)
+        runtime.report_timeline(cfg, comm, recorder, clocks, links, log)
     return final
 
 
@@ -206,6 +206,9 @@ def header(cfg, model, step_fn, world, hosts, train_set, test_set) -> list[str]:
     strategy = step_fn.describe()
     layout = f"DP {data_size} x TP {cfg.tp} x PP {cfg.pp}" + (
         " (sequence parallel)" if cfg.sequence_parallel else "")
+    if step_fn.mesh is not None and not step_fn.mesh.tp_within_node:
+        layout += (" (TP spans nodes: its collectives cross the slow links; place TP groups "
+                   "inside a node: --tp dividing the ranks per node)")
     first, _, pipeline = strategy[0].partition(" | ") if strategy else ("", "", "")
     if pipeline:
         layout += f" | {pipeline}"

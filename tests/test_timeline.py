@@ -38,9 +38,9 @@ def test_recorder_spans_threads_and_collective_totals():
     assert names == ["forward", "allreduce", "allreduce", "recv"]
     assert rec.events[0][2] == 0 and rec.events[-1][2] == 1          # main, then worker
     assert rec.events[0][5] == {"micro": 0}
-    assert rec.events[1][5] == {"bytes": 1024, "algorithm": "ring", "ranks": 4}
-    assert rec.calls[("allreduce", "ring", 1024, 4)][0] == 2
-    assert rec.calls[("recv", "p2p", 64, 4)][0] == 1
+    assert rec.events[1][5] == {"bytes": 1024, "algorithm": "ring", "ranks": 4, "link": "intra"}
+    assert rec.calls[("allreduce", "ring", 1024, 4, "intra")][0] == 2
+    assert rec.calls[("recv", "p2p", 64, 4, "intra")][0] == 1
     assert all(e[4] >= e[3] for e in rec.events)
 
 
@@ -96,6 +96,6 @@ def test_comm_log_table_formats_rows():
     text = runtime.format_comm_log(rows, 2e-6, 1e-9)
     lines = text.splitlines()
     assert "alpha 2.0 us" in lines[0] and "1/beta 1.00 GB/s" in lines[0]
-    assert lines[2].split() == ["allreduce", "ring", "4096", "3", "3.0", "1000.0", "0.004",
-                                "0.004", "500.0", "2.00"]
+    assert lines[2].split() == ["allreduce", "ring", "intra", "4096", "3", "3.0", "1000.0",
+                                "0.004", "0.004", "500.0", "2.00"]
     assert lines[3].split()[-2:] == ["-", "-"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from . import ledger, ring, sparse, tree
+from . import hierarchical, ledger, ring, sparse, tree
 from .layout import bounds_of, check_op, finish, reduce_ufunc, shard_bounds, shard_counts
 from .select import ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, choose_allreduce, choose_bcast
 
@@ -132,8 +132,11 @@ class ReduceScatter(Kind):
         work = wire.stage_in(buf).copy()
         lo, hi = self._mine(c, work.size, a)
         if c.size > 1 and work.size:
-            bounds = bounds_of(a.counts) if a.counts is not None else None
-            ring.reduce_scatter_inplace(wire, work, a.op, bounds=bounds)
+            if a.algorithm == "hierarchical":
+                hierarchical.reduce_scatter_inplace(wire, work, a.op)
+            else:
+                bounds = bounds_of(a.counts) if a.counts is not None else None
+                ring.reduce_scatter_inplace(wire, work, a.op, bounds=bounds)
         return wire.stage_out(work[lo:hi].copy(), buf)
 
 
@@ -184,11 +187,12 @@ class Allgather(Kind):
         return wire.stage_out(gathered.copy(), shard)
 
     def run(self, c, wire, shard, a, record):
-        return gather_pieces(c, wire, shard, a.extra, a.out)
+        return gather_pieces(c, wire, shard, a.extra, a.out, a.algorithm == "hierarchical")
 
 
-def gather_pieces(c, wire, piece, counts, out=None):
-    """Ring allgather of pieces of the given per-rank sizes into one array (``out``)."""
+def gather_pieces(c, wire, piece, counts, out=None, two_level: bool = False):
+    """Ring allgather of pieces of the given per-rank sizes into one array (``out``);
+    ``two_level``: the pieces are the shard layout's, gathered node by node."""
     bounds = bounds_of(counts)
     length = bounds[-1][1]
     work = wire.stage_in(piece)
@@ -197,7 +201,10 @@ def gather_pieces(c, wire, piece, counts, out=None):
         backend.array_module(work).empty(length, dtype=work.dtype)
     full[bounds[c.rank][0]:bounds[c.rank][1]] = work
     if c.size > 1 and length:
-        ring.allgather_inplace(wire, full, bounds)
+        if two_level:
+            hierarchical.allgather_inplace(wire, full)
+        else:
+            ring.allgather_inplace(wire, full, bounds)
     if in_place:
         return out
     return wire.stage_out(full, piece, out)

@@ -43,6 +43,7 @@ class Communicator:
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
         node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        self.node_of, self.topology = _topology(self.mpi, node)
         node.Free()
         if mpi_comm is None:                 # the world: this node's ranks share its cores
             threads.configure(self.local_size)
@@ -67,9 +68,10 @@ class Communicator:
         # and counts what is sent. One per MPI communicator: the caller's thread uses
         # _wire, the progress thread _bg_wire, point-to-point _p2p_wire.
         self.cuda_aware = cuda_aware()
-        self._wire = Wire(self.mpi, self.cuda_aware)
-        self._bg_wire = Wire(self._bg_mpi, self.cuda_aware)
-        self._p2p_wire = Wire(self._p2p_mpi, self.cuda_aware, agreement=False)
+        self._wire = Wire(self.mpi, self.cuda_aware, node_of=self.node_of)
+        self._bg_wire = Wire(self._bg_mpi, self.cuda_aware, node_of=self.node_of)
+        self._p2p_wire = Wire(self._p2p_mpi, self.cuda_aware, agreement=False,
+                              node_of=self.node_of)
         self._send_seq: dict = {}            # dest -> messages sent (payload tags)
         self._executor = None
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
@@ -84,7 +86,18 @@ class Communicator:
         """Payload bytes this rank has handed to MPI to send, counted at the wires
         (collectives, their short exchanges' data and point-to-point; not the agreement's
         16-byte keys)."""
-        return self._wire.sent + self._bg_wire.sent + self._p2p_wire.sent
+        return sum(w.total()[0] for w in (self._wire, self._bg_wire, self._p2p_wire))
+
+    @property
+    def bytes_inter_node(self) -> int:
+        """Of ``bytes_sent``, what went to ranks on other nodes (over the slow links; the
+        short exchanges' payloads are not split by node)."""
+        return sum(w.total()[1] for w in (self._wire, self._bg_wire, self._p2p_wire))
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes this communicator's ranks are on."""
+        return self.topology.nodes
 
     @property
     def debug(self) -> bool:
@@ -127,26 +140,35 @@ class Communicator:
         Do not touch ``buf`` (or ``out``) until then."""
         return self._collective(ALLREDUCE, False, buf, Args(op, None, algorithm, out, wire_dtype))
 
-    def reduce_scatter(self, buf, op: str = "sum", counts=None):
+    def reduce_scatter(self, buf, op: str = "sum", counts=None, algorithm: str = "auto"):
         """This rank's shard of the reduction of ``buf``: the shard layout (layout.py), or
-        ``counts[r]`` elements for rank r, in rank order (e.g. whole sequence rows)."""
-        return self._collective(REDUCE_SCATTER, True, buf, Args(op, counts=counts))
+        ``counts[r]`` elements for rank r, in rank order (e.g. whole sequence rows).
+        ``algorithm``: auto, ring or hierarchical (two levels, across nodes)."""
+        return self._collective(REDUCE_SCATTER, True, buf, Args(op, None, algorithm,
+                                                                counts=counts))
 
-    def ireduce_scatter(self, buf, op: str = "sum", counts=None) -> Handle:
-        return self._collective(REDUCE_SCATTER, False, buf, Args(op, counts=counts))
+    def ireduce_scatter(self, buf, op: str = "sum", counts=None,
+                        algorithm: str = "auto") -> Handle:
+        return self._collective(REDUCE_SCATTER, False, buf, Args(op, None, algorithm,
+                                                                 counts=counts))
 
-    def allgather(self, shard, total: int | None = None, counts=None, out=None):
+    def allgather(self, shard, total: int | None = None, counts=None, out=None,
+                  algorithm: str = "auto"):
         """Concatenation of every rank's 1-D ``shard``.
 
         With ``total``, shards follow the shard layout of a length-``total`` array (the last
         ones may be shorter or empty); with ``counts``, rank r's shard has ``counts[r]``
         elements; with neither, every shard must have the same length. ``out``: a 1-D array
         of the gathered length to gather into (``shard`` may be a view of its own part).
+        ``algorithm``: auto, ring or hierarchical (two levels, across nodes).
         """
-        return self._collective(ALLGATHER, True, shard, Args(out=out, total=total, counts=counts))
+        return self._collective(ALLGATHER, True, shard, Args(algorithm=algorithm, out=out,
+                                                             total=total, counts=counts))
 
-    def iallgather(self, shard, total: int | None = None, counts=None, out=None) -> Handle:
-        return self._collective(ALLGATHER, False, shard, Args(out=out, total=total, counts=counts))
+    def iallgather(self, shard, total: int | None = None, counts=None, out=None,
+                   algorithm: str = "auto") -> Handle:
+        return self._collective(ALLGATHER, False, shard, Args(algorithm=algorithm, out=out,
+                                                              total=total, counts=counts))
 
     def allgatherv(self, buf):
         """Concatenation of every rank's 1-D ``buf``, lengths free to differ."""
@@ -194,7 +216,8 @@ class Communicator:
         short = call.problem is None and (type(buf) is np.ndarray or buf is None
                                           or self._wire.staged(buf))
         call.algorithm = select.choose(kind.name, nbytes, self.size, a.algorithm,
-                                       self._auto.get(kind.name, "auto"), short)
+                                       self._auto.get(kind.name, "auto"), short,
+                                       self.topology if a.counts is None else None)
         if call.algorithm != select.FUSED:
             a.algorithm = call.algorithm
             return self._submit(call, lambda wire, record: kind.run(self, wire, buf, a, record),
@@ -228,7 +251,10 @@ class Communicator:
             kind = call.kind if call.blocking else f"{call.kind} (non-blocking)"
             wait = watchdog.enter(label, call.seq, kind, nbytes, self._peers)
             try:
-                with timeline.collective(call.kind, algorithm, nbytes, self.size) as record:
+                link = "intra" if self.topology.nodes == 1 else (
+                    "2-level" if algorithm == "hierarchical" else "inter")
+                with timeline.collective(call.kind, algorithm, nbytes, self.size,
+                                         link) as record:
                     if fused:                # agrees first, then only local work is left
                         return fn(wire, record)
                     led.agree(wire.exchanges, call)   # a mismatch raises alike on every rank
@@ -274,13 +300,16 @@ class Communicator:
         self._send_seq[dest] = seq + 1
         return self._p2p_wire.stage_in(arr).reshape(arr.shape), p2p.payload_tag(seq)
 
+    def _link(self, peer: int) -> str:
+        return "intra" if self.node_of[peer] == self.node_of[self.rank] else "inter"
+
     def _recv_on_host(self) -> bool:
         return backend.device() == "gpu" and not self.cuda_aware
 
     def send(self, arr, dest: int, tag: int = 0) -> None:
         """Send an array; its shape and dtype travel with it."""
         work, ptag = self._outgoing(arr, dest, tag)
-        with timeline.collective("send", "p2p", work.nbytes, self.size), \
+        with timeline.collective("send", "p2p", work.nbytes, self.size, self._link(dest)), \
                 watchdog.waiting(self.label, 0, f"send to rank {dest} (tag {tag})", work.nbytes,
                                  f"rank {dest}"):
             p2p.send(self._p2p_wire, work, dest, tag, ptag)
@@ -289,7 +318,7 @@ class Communicator:
         """Receive an array sent with ``send``/``isend``, on the active device."""
         self._check_peer(source, "source", tag)
         host = self._recv_on_host()
-        with timeline.collective("recv", "p2p", 0, self.size) as info, \
+        with timeline.collective("recv", "p2p", 0, self.size, self._link(source)) as info, \
                 watchdog.waiting(self.label, 0, f"receive from rank {source} (tag {tag})", 0,
                                  f"rank {source}"):
             out = p2p.recv(self._p2p_wire, source, tag, np if host else backend.xp())
@@ -356,11 +385,26 @@ class Communicator:
             self._executor = None
         for wire in (self._wire, self._bg_wire):
             wire.exchanges.free()
+            wire.free_levels()
         for name in ("_bg_mpi", "_p2p_mpi"):
             dup = getattr(self, name)
             if dup is not None and dup != MPI.COMM_NULL:
                 dup.Free()
                 setattr(self, name, None)
+
+
+def _topology(mpi, node):
+    """(node of each rank, select.Topology) of ``mpi``: a node is named by its lowest rank
+    (setup calls, like Split: not a data path)."""
+    leader = np.array([mpi.Get_rank()], dtype=np.int64)
+    node.Bcast(leader, root=0)
+    node_of = np.empty(mpi.Get_size(), dtype=np.int64)
+    mpi.Allgather(leader, node_of)
+    node_of = [int(n) for n in node_of]
+    counts = {n: node_of.count(n) for n in set(node_of)}
+    even = len(set(counts.values())) == 1
+    return node_of, select.Topology(len(counts), next(iter(counts.values())) if even else 0,
+                                    select.parse_links(os.environ.get("HPCDIST_LINKS")))
 
 
 class _Plan:

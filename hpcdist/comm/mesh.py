@@ -2,11 +2,17 @@
 
 Rank layout (Megatron's order): tensor-parallel index fastest, then data-parallel, then
 pipeline stage — ``rank = (pp * DP + dp) * TP + tp`` — so a tensor-parallel group is made of
-neighbouring ranks, which on a cluster share a node and its fast links.
+neighbouring ranks, which on a cluster share a node and its fast links: with the launchers'
+block placement (a node's ranks consecutive) and TP dividing the ranks per node, every
+tensor-parallel group stays inside a node and the data-parallel and pipeline groups span the
+nodes ("TP within a node, PP across nodes"). Another layout is allowed; ``tp_within_node``
+says whether it holds, and the run's header says so when it does not.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,9 @@ class ProcessMesh:
         self.dp_comm = comm.split(color=c.pp * tp + c.tp, key=c.dp)
         self.tp_comm = comm.split(color=c.pp * dp + c.dp, key=c.tp)
         self.pp_comm = comm.split(color=c.dp * tp + c.tp, key=c.pp)
+        # every tensor-parallel group on one node? (agreed: each rank sees only its group)
+        spans = comm.allreduce(np.array([self.tp_comm.nodes], dtype=np.int64), op="max")
+        self.tp_within_node = int(spans[0]) == 1
 
     def __repr__(self):
         return (f"ProcessMesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, "

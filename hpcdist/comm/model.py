@@ -47,6 +47,22 @@ def fit_alpha_beta(mpi, big: int = 16 * MiB, iters: tuple = (200, 5)):
     return a, b
 
 
+def fit_links(comm, big: int = 4 * MiB) -> dict:
+    """{"intra": (alpha, beta), "inter": (alpha, beta)}: ``fit_alpha_beta`` between rank 0
+    and a rank on its node, and between rank 0 and the first rank on another node (a level
+    with no such pair is left out). Collective over ``comm`` (a Communicator)."""
+    links = {}
+    node0 = comm.node_of[0]
+    pairs = {"intra": next((r for r in range(1, comm.size) if comm.node_of[r] == node0), None),
+             "inter": next((r for r in range(1, comm.size) if comm.node_of[r] != node0), None)}
+    for level, peer in pairs.items():
+        if peer is not None:
+            a = pingpong(comm.mpi, 8, 200, 0, peer)
+            b = max(pingpong(comm.mpi, big, 5, 0, peer) - a, 0.0) / big
+            links[level] = (a, b)
+    return links or {"intra": (0.0, 0.0)}
+
+
 def predict(kind: str, nbytes: int, P: int, a: float, b: float, algorithm: str = "") -> float:
     """Seconds the alpha-beta model gives for our ``kind`` collective of ``nbytes`` bytes (the
     whole buffer; for allgather the gathered result) on ``P`` ranks. ``algorithm`` defaults to

@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import os
 
-from . import rabenseifner, recursive_doubling, ring, tree
+from dataclasses import dataclass, field
+
+from . import hierarchical, rabenseifner, recursive_doubling, ring, tree
 
 # Thresholds measured on the 2-core development machine with
 #   mpiexec -n N python -m hpcdist.bench collectives      (N = 2, 4, 8; see README)
@@ -55,6 +57,7 @@ ALLREDUCE_ALGORITHMS = {
     "ring": ring.allreduce_inplace,
     "recursive_doubling": recursive_doubling.allreduce_inplace,
     "rabenseifner": rabenseifner.allreduce_inplace,
+    "hierarchical": hierarchical.allreduce_inplace,
 }
 BCAST_ALGORITHMS = {
     "binomial": tree.bcast_binomial,
@@ -99,17 +102,73 @@ def choose_bcast(nbytes: int, world: int, algorithm: str = "auto", env: bool = T
 
 SHORT_LIMITS = {"allreduce": SHORT_ALLREDUCE, "reduce_scatter": SHORT_REDUCE_SCATTER,
                 "allgather": SHORT_ALLGATHER, "bcast": SHORT_BCAST, "barrier": 0}
+TWO_LEVEL = ("allreduce", "reduce_scatter", "allgather")
 FIXED = {"reduce_scatter": "ring", "allgather": "ring", "allgatherv": "ring",
          "reduce": "binomial", "sparse_allreduce": "topk-allgatherv", "barrier": FUSED}
 
 
+# ---- two levels: nodes -----------------------------------------------------------------------
+# Per-level links (alpha seconds, beta seconds per byte) for the choice between flat and
+# hierarchical algorithms. The defaults are a shared-memory node and a 10 Gbit/s network;
+# HPCDIST_LINKS="intra=ALPHA_US:GBPS,inter=ALPHA_US:GBPS" gives measured ones
+# (``python -m hpcdist.bench collectives --hierarchical`` measures both on the machine).
+DEFAULT_LINKS = {"intra": (2e-6, 1 / 5e9), "inter": (30e-6, 1 / 1.25e9)}
+
+
+def parse_links(text: str | None) -> dict:
+    links = dict(DEFAULT_LINKS)
+    for part in filter(None, (text or "").split(",")):
+        try:
+            level, spec = part.split("=")
+            alpha_us, gbps = spec.split(":")
+            links[level.strip()] = (float(alpha_us) * 1e-6, 1 / (float(gbps) * 1e9))
+        except ValueError:
+            raise ValueError(f"HPCDIST_LINKS: cannot read {part!r}; say e.g. "
+                             "intra=2:5,inter=30:1.25 (alpha in us, GB/s)") from None
+    return links
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How a communicator's ranks sit on nodes: ``nodes``, ``per_node`` (0 when uneven) and
+    the per-level ``links``."""
+    nodes: int = 1
+    per_node: int = 0
+    links: dict = field(default_factory=lambda: dict(DEFAULT_LINKS))
+
+    @property
+    def two_level(self) -> bool:
+        return self.nodes > 1 and self.per_node > 1
+
+
+def two_level_times(kind: str, nbytes: int, topo: Topology) -> tuple[float, float]:
+    """(flat ring, hierarchical) seconds the per-level alpha-beta model gives. A flat ring
+    over block-placed ranks crosses a node link at every one of its steps, so the slow link
+    sets each step's time; the hierarchical one crosses it only in its inter-node phase,
+    where the node's L ranks share the link (S/N bytes per step on it)."""
+    N, L = topo.nodes, topo.per_node
+    P = N * L
+    (ai, bi), (ae, be) = topo.links["intra"], topo.links["inter"]
+    phases = 2 if kind == "allreduce" else 1
+    flat = phases * (P - 1) * (ae + nbytes / P * be)
+    hier = phases * ((L - 1) * (ai + nbytes / L * bi) + (N - 1) * (ae + nbytes / N * be))
+    return flat, hier
+
+
 def choose(kind: str, nbytes: int, world: int, algorithm: str = "auto", forced: str = "auto",
-           short: bool = True) -> str:
+           short: bool = True, topology: Topology | None = None) -> str:
     """The algorithm a ``kind`` call of ``nbytes`` (payload) runs. FUSED — the data carried
     by the ledger's agreement (short.py) — is one more algorithm, chosen for short calls of
-    the kinds that have it where ``short`` (the buffer is on the host or staged there).
+    the kinds that have it where ``short`` (the buffer is on the host or staged there);
+    "hierarchical" where the ranks span nodes and the per-level model says it is faster.
     ``algorithm``: the caller's choice; ``forced``: what "auto" means (HPCDIST_ALLREDUCE /
     HPCDIST_BCAST, read once by the caller)."""
+    auto = algorithm == "auto" and forced == "auto"
+    if (auto and topology is not None and topology.two_level and kind in TWO_LEVEL
+            and not (short and nbytes <= SHORT_LIMITS[kind])):
+        flat, hier = two_level_times(kind, nbytes, topology)
+        if hier < flat:
+            return "hierarchical"
     if kind == "allreduce":
         name = choose_allreduce(nbytes, world, forced if algorithm == "auto" else algorithm,
                                 env=False)
@@ -120,6 +179,11 @@ def choose(kind: str, nbytes: int, world: int, algorithm: str = "auto", forced: 
         fusable = algorithm == "auto" and forced == "auto"
     else:
         name, fusable = FIXED[kind], kind in SHORT_LIMITS
+        if algorithm == "hierarchical" and kind in TWO_LEVEL:
+            name, fusable = algorithm, False
+        elif algorithm not in ("auto", name):
+            raise ValueError(f"unknown {kind} algorithm {algorithm!r}: choose auto, {name}"
+                             + (", hierarchical" if kind in TWO_LEVEL else ""))
     if fusable and short and world > 1 and nbytes <= SHORT_LIMITS[kind]:
         return FUSED
     return name

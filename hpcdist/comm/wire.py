@@ -33,14 +33,61 @@ class WireError(TypeError):
 class Wire:
     """An MPI communicator seen through the wire's checks and byte count."""
 
-    __slots__ = ("mpi", "device_ok", "sent", "exchanges")
+    __slots__ = ("mpi", "device_ok", "sent", "exchanges", "node_of", "sent_inter", "_levels")
 
-    def __init__(self, mpi, device_ok: bool, agreement: bool = True):
+    def __init__(self, mpi, device_ok: bool, agreement: bool = True, node_of=None):
         self.mpi = mpi                  # the mpi4py communicator underneath
         self.device_ok = device_ok      # the MPI library reads device memory (CUDA-aware)
         self.sent = 0                   # payload bytes handed to MPI to send
         # the ledger's agreement runs on persistent exchanges made per wire (short.py)
         self.exchanges = Exchanges(self) if agreement else None
+        # node_of[rank]: the node of each rank of ``mpi`` (None: one node). Sends to another
+        # node are counted again in ``sent_inter``: the bytes that cross the slow link.
+        self.node_of = node_of if node_of is not None and len(set(node_of)) > 1 else None
+        self.sent_inter = 0
+        self._levels = None
+
+    def total(self) -> tuple[int, int]:
+        """(bytes sent, bytes sent to other nodes), the two-level wires' included."""
+        sent, inter = self.sent, self.sent_inter
+        for level in self._levels or ():
+            if isinstance(level, Wire):
+                sent, inter = sent + level.sent, inter + level.sent_inter
+        return sent, inter
+
+    def levels(self):
+        """(node wire, cross wire, table) for two-level algorithms (hierarchical.py): the
+        ranks of this wire on this node; the ranks on the other nodes with the same local
+        index; table[n * L + l] = the rank that is local rank l on node n. None when the
+        ranks are not spread evenly over several nodes. Made once, collectively, by the
+        first two-level call on this wire (every rank is in that call)."""
+        if self._levels is None:
+            import numpy as np
+            if self.node_of is None:
+                self._levels = ()
+                return None
+            counts = {n: self.node_of.count(n) for n in set(self.node_of)}
+            if len(set(counts.values())) != 1:
+                self._levels = ()
+                return None
+            rank = self.mpi.Get_rank()
+            me = self.node_of[rank]
+            node_mpi = self.mpi.Split(me, rank)
+            local = node_mpi.Get_rank()
+            cross_mpi = self.mpi.Split(local, rank)
+            nodes = cross_mpi.Get_size()
+            node = Wire(node_mpi, self.device_ok, agreement=False)
+            cross = Wire(cross_mpi, self.device_ok, agreement=False,
+                         node_of=list(range(nodes)))      # every cross peer is another node
+            L = node_mpi.Get_size()
+            code = np.array([cross_mpi.Get_rank() * L + local], dtype=np.int64)
+            codes = np.empty(self.mpi.Get_size(), dtype=np.int64)
+            self.mpi.Allgather(code, codes)     # setup, like Split: not a data path
+            table = [0] * len(codes)
+            for r, c in enumerate(codes):
+                table[int(c)] = r
+            self._levels = (node, cross, table)
+        return self._levels or None
 
     # staging
     def staged(self, buf) -> bool:
@@ -76,12 +123,14 @@ class Wire:
 
     @contextlib.contextmanager
     def uncounted(self):
-        """Sends inside are left out of ``sent`` (a benchmark's probe)."""
-        sent = self.sent
+        """Sends inside are left out of the counts (a benchmark's probe)."""
+        wires = [self] + [w for w in self._levels or () if isinstance(w, Wire)]
+        saved = [(w.sent, w.sent_inter) for w in wires]
         try:
             yield
         finally:
-            self.sent = sent
+            for w, (sent, inter) in zip(wires, saved):
+                w.sent, w.sent_inter = sent, inter
 
     def _buf(self, buf, what: str):
         if backend.is_gpu_array(buf):
@@ -93,25 +142,27 @@ class Wire:
             backend.synchronize(buf)
         return buf
 
-    def _out(self, buf, what: str):
+    def _out(self, buf, what: str, dest: int):
         self._buf(buf, what)
         self.sent += buf.nbytes
+        if self.node_of is not None and self.node_of[dest] != self.node_of[self.mpi.Get_rank()]:
+            self.sent_inter += buf.nbytes
         return buf
 
     # blocking
     def Send(self, buf, dest, tag=0):
-        self.mpi.Send(self._out(buf, "Send"), dest, tag)
+        self.mpi.Send(self._out(buf, "Send", dest), dest, tag)
 
     def Recv(self, buf, source, tag=0, status=None):
         self.mpi.Recv(self._buf(buf, "Recv"), source, tag, status)
 
     def Sendrecv(self, sendbuf, dest, sendtag, recvbuf, source, recvtag, status=None):
-        self.mpi.Sendrecv(self._out(sendbuf, "Sendrecv"), dest, sendtag,
+        self.mpi.Sendrecv(self._out(sendbuf, "Sendrecv", dest), dest, sendtag,
                           self._buf(recvbuf, "Sendrecv"), source, recvtag, status)
 
     # non-blocking
     def Isend(self, buf, dest, tag=0):
-        return self.mpi.Isend(self._out(buf, "Isend"), dest, tag)
+        return self.mpi.Isend(self._out(buf, "Isend", dest), dest, tag)
 
     def Irecv(self, buf, source, tag=0):
         return self.mpi.Irecv(self._buf(buf, "Irecv"), source, tag)
@@ -127,6 +178,12 @@ class Wire:
         """Start persistent requests that send ``nbytes`` of payload in all."""
         self.sent += nbytes
         _startall(requests)
+
+    def free_levels(self) -> None:
+        for w in self._levels or ():
+            if isinstance(w, Wire):
+                w.mpi.Free()
+        self._levels = None
 
     def __getattr__(self, name):
         # Collectives and one-sided calls would move buffers past the checks: not here.

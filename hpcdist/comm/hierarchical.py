@@ -1,0 +1,100 @@
+"""Two-level collectives for ranks spread evenly over N nodes of L ranks each.
+
+Inside a node ranks share memory; between nodes they share one slow link per node. A flat
+ring crosses that link 2(P-1) times per allreduce (P = N x L); these algorithms cross it
+2(N-1) times, in L concurrent flows of 1/L of the data each (Horovod's hierarchical
+allreduce, NCCL's trees and rings per node, ChainerMN's two-dimensional allreduce):
+
+    allreduce       1. node-local ring reduce-scatter: local rank l holds chunk l (S / L)
+                    2. ring allreduce of chunk l among the ranks with local index l, one
+                       per node (the inter-node step: 2 (N-1)/N x S/L bytes per rank)
+                    3. node-local ring allgather of the chunks
+    reduce-scatter  the shards reordered so that each local index's shards are contiguous
+                    (one local copy), a node-local reduce-scatter of those blocks, then the
+                    inter-node reduce-scatter inside each block: rank r ends with its own
+                    shard of the flat layout, (N-1)/N x S/L bytes across nodes per rank
+    allgather       the reverse: inter-node allgather inside each block, node-local
+                    allgather of the blocks, the shards put back in rank order
+
+``avg`` works level by level: each ring finishes its piece by its own size (L, then N).
+The node and cross communicators come from ``Wire.levels()``; where the ranks are not spread
+evenly over several nodes, these fall back to the flat ring (same result, same bytes).
+"""
+from __future__ import annotations
+
+from .. import backend
+from . import ring
+from .layout import bounds_of, shard_bounds
+
+
+def allreduce_inplace(wire, buf, op: str) -> None:
+    levels = wire.levels()
+    if levels is None:
+        return ring.allreduce_inplace(wire, buf, op)
+    node, cross, _ = levels
+    L = node.Get_size()
+    lo, hi = ring.reduce_scatter_inplace(node, buf, op)          # 1. inside the node
+    if cross.Get_size() > 1 and hi > lo:
+        ring.allreduce_inplace(cross, buf[lo:hi], op)             # 2. across the nodes
+    ring.allgather_inplace(node, buf, [shard_bounds(buf.size, L, c) for c in range(L)])  # 3.
+
+
+def _blocks(levels, length: int):
+    """The l-major order of the P shards of a length-``length`` array: (order of ranks,
+    [lo, hi) of each local index's block in that order, [lo, hi) of each node's shard
+    inside its block)."""
+    node, cross, table = levels
+    N, L = cross.Get_size(), node.Get_size()
+    P = N * L
+    order = [table[n * L + l] for l in range(L) for n in range(N)]
+    sizes = [shard_bounds(length, P, r)[1] - shard_bounds(length, P, r)[0] for r in order]
+    blocks = bounds_of(sum(sizes[l * N:(l + 1) * N]) for l in range(L))
+    inner = [bounds_of(sizes[l * N:(l + 1) * N]) for l in range(L)]
+    return order, blocks, inner
+
+
+def _permuted(buf, order, P):
+    xp = backend.array_module(buf)
+    parts = [buf[slice(*shard_bounds(buf.size, P, r))] for r in order]
+    return xp.concatenate(parts) if parts else buf.copy()
+
+
+def reduce_scatter_inplace(wire, buf, op: str) -> tuple[int, int]:
+    """As ``ring.reduce_scatter_inplace`` with the shard layout: afterwards ``buf[lo:hi]``
+    (returned) is this rank's reduced shard, the rest scratch."""
+    levels = wire.levels()
+    if levels is None:
+        return ring.reduce_scatter_inplace(wire, buf, op)
+    node, cross, _ = levels
+    P, rank = wire.Get_size(), wire.Get_rank()
+    order, blocks, inner = _blocks(levels, buf.size)
+    work = _permuted(buf, order, P)
+    b_lo, b_hi = ring.reduce_scatter_inplace(node, work, op, bounds=blocks)
+    block = work[b_lo:b_hi]
+    i_lo, i_hi = ring.reduce_scatter_inplace(cross, block, op, bounds=inner[node.Get_rank()])
+    lo, hi = shard_bounds(buf.size, P, rank)
+    buf[lo:hi] = block[i_lo:i_hi]
+    return lo, hi
+
+
+def allgather_inplace(wire, buf) -> None:
+    """Fill every shard of ``buf`` (the shard layout) from its owner."""
+    levels = wire.levels()
+    P = wire.Get_size()
+    if levels is None:
+        return ring.allgather_inplace(wire, buf, [shard_bounds(buf.size, P, c) for c in range(P)])
+    node, cross, _ = levels
+    order, blocks, inner = _blocks(levels, buf.size)
+    l = node.Get_rank()
+    work = backend.array_module(buf).empty_like(buf)
+    b_lo, b_hi = blocks[l]
+    i_lo, i_hi = inner[l][cross.Get_rank()]
+    lo, hi = shard_bounds(buf.size, P, wire.Get_rank())
+    work[b_lo + i_lo:b_lo + i_hi] = buf[lo:hi]
+    ring.allgather_inplace(cross, work[b_lo:b_hi], inner[l])       # across the nodes
+    ring.allgather_inplace(node, work, blocks)                       # inside the node
+    off = 0
+    for r in order:                                                  # back in rank order
+        s_lo, s_hi = shard_bounds(buf.size, P, r)
+        buf[s_lo:s_hi] = work[off:off + s_hi - s_lo]
+        off += s_hi - s_lo

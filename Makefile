@@ -3,8 +3,9 @@
 #   make venv        create/refresh .venv (reinstalls only when pyproject.toml changed)
 #   make train       train the default task on 8 MPI ranks (NP=4 make train; ARGS="--steps 100")
 #   make test        every test: unit tests, the MPI tests at 1, 2, 3, 4, 5 and 8 ranks, the
-#                    fault matrix (test-faults), then the job templates on a real local SLURM
-#                    (test-slurm; skips without root)
+#                    fault matrix (test-faults), multi-node behaviour on a cluster in a box
+#                    (test-cluster: network namespaces; skips without root), then the job
+#                    templates on a real local SLURM (test-slurm; skips without root)
 #   make soak        random collectives against MPI's built-ins for a long while
 #   make bench       the autograd benchmark
 #
@@ -19,7 +20,8 @@ STAMP  := $(VENV)/.installed
 # BLAS/OpenMP threads per rank: hpcdist itself divides the node's cores among its ranks
 # (hpcdist/threads.py), so `make train` and `mpirun -n 8 python -m hpcdist.train` run alike.
 
-.PHONY: venv train test test-unit test-mpi test-double test-faults test-slurm test-gpu soak \
+.PHONY: venv train test test-unit test-mpi test-double test-faults test-cluster cluster-test \
+        test-slurm test-gpu soak \
         slurm-up slurm-down bench clean
 
 venv: $(STAMP)
@@ -53,10 +55,11 @@ train: venv
 MPI_SIZES ?= 1 2 3 4 5 8
 MPI_TIMEOUT ?= 600
 
-test: test-unit test-mpi test-double test-faults test-slurm
+test: test-unit test-mpi test-double test-faults test-cluster test-slurm
 
 test-unit: venv
-	$(BIN)/python -m pytest -q tests --ignore=tests/mpi --ignore=tests/slurm --ignore=tests/faults
+	$(BIN)/python -m pytest -q tests --ignore=tests/mpi --ignore=tests/slurm --ignore=tests/faults \
+	  --ignore=tests/cluster
 
 test-mpi: venv
 	@for n in $(MPI_SIZES); do \
@@ -108,6 +111,16 @@ FAULTS_TIMEOUT ?= 600
 
 test-faults: venv
 	timeout -k 10 $(FAULTS_TIMEOUT) $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults
+
+# Multi-node on one machine: network namespaces as nodes, shaped veth links, MPICH's launcher
+# entering each (hpcdist/cluster.py); two-level collectives, placement, node faults. Skips
+# where namespaces cannot be made.
+CLUSTER_TIMEOUT ?= 900
+
+test-cluster: venv
+	timeout -k 10 $(CLUSTER_TIMEOUT) $(BIN)/python -m pytest -q -p no:cacheprovider tests/cluster
+
+cluster-test: test-cluster
 
 # A long soak: random collectives against MPI's built-ins (SOAK_CALLS, SOAK_NP).
 SOAK_CALLS ?= 50000

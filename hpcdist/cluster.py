@@ -135,6 +135,13 @@ class Cluster:
                     pass
         for ns in mine:
             _run("ip", "netns", "del", ns, check=False)
+        # the veth pairs by their host ends: a namespace outlives ``netns del`` while a killed
+        # process still holds it, and its veth with it
+        links = _run("ip", "-o", "link", "show", check=False).stdout.splitlines()
+        for line in links:
+            name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+            if name.startswith(f"{self.prefix}-v"):
+                _run("ip", "link", "del", name, check=False)
         _run("ip", "link", "del", self.bridge, check=False)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
@@ -190,7 +197,10 @@ exec ip netns exec {self.prefix}-n$node unshare --uts sh -c "hostname node$node;
         _run("ip", "link", "set", self._veth(node), "up" if up else "down")
 
     def kill_node(self, node: int, sig: int = signal.SIGKILL) -> list:
-        """Send ``sig`` to every process in the node's namespace (a node that dies)."""
+        """A node that crashes: its link goes silent (no FIN, no RST reaches anyone, as when
+        power is lost), then ``sig`` goes to every process in its namespace, the launcher's
+        proxy included."""
+        self.set_link(node, up=False)
         pids = [int(p) for p in _run("ip", "netns", "pids", self.netns(node),
                                      check=False).stdout.split()]
         for pid in pids:

@@ -132,25 +132,27 @@ class Communicator:
         ``wire_dtype`` (e.g. "float16") sends that dtype while reducing in ``buf``'s dtype;
         it runs the ring algorithm.
         """
-        return self._collective(ALLREDUCE, True, buf, Args(op, None, algorithm, out, wire_dtype))
+        return self._collective(ALLREDUCE, True, buf, op=op, algorithm=algorithm, out=out,
+                                wire_dtype=wire_dtype)
 
     def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
                    wire_dtype=None) -> Handle:
         """Non-blocking allreduce: progresses in a background thread; ``wait()`` -> result.
         Do not touch ``buf`` (or ``out``) until then."""
-        return self._collective(ALLREDUCE, False, buf, Args(op, None, algorithm, out, wire_dtype))
+        return self._collective(ALLREDUCE, False, buf, op=op, algorithm=algorithm, out=out,
+                                wire_dtype=wire_dtype)
 
     def reduce_scatter(self, buf, op: str = "sum", counts=None, algorithm: str = "auto"):
         """This rank's shard of the reduction of ``buf``: the shard layout (layout.py), or
         ``counts[r]`` elements for rank r, in rank order (e.g. whole sequence rows).
         ``algorithm``: auto, ring or hierarchical (two levels, across nodes)."""
-        return self._collective(REDUCE_SCATTER, True, buf, Args(op, None, algorithm,
-                                                                counts=counts))
+        return self._collective(REDUCE_SCATTER, True, buf, op=op, algorithm=algorithm,
+                                counts=counts)
 
     def ireduce_scatter(self, buf, op: str = "sum", counts=None,
                         algorithm: str = "auto") -> Handle:
-        return self._collective(REDUCE_SCATTER, False, buf, Args(op, None, algorithm,
-                                                                 counts=counts))
+        return self._collective(REDUCE_SCATTER, False, buf, op=op, algorithm=algorithm,
+                                counts=counts)
 
     def allgather(self, shard, total: int | None = None, counts=None, out=None,
                   algorithm: str = "auto"):
@@ -162,29 +164,29 @@ class Communicator:
         of the gathered length to gather into (``shard`` may be a view of its own part).
         ``algorithm``: auto, ring or hierarchical (two levels, across nodes).
         """
-        return self._collective(ALLGATHER, True, shard, Args(algorithm=algorithm, out=out,
-                                                             total=total, counts=counts))
+        return self._collective(ALLGATHER, True, shard, algorithm=algorithm, out=out,
+                                total=total, counts=counts)
 
     def iallgather(self, shard, total: int | None = None, counts=None, out=None,
                    algorithm: str = "auto") -> Handle:
-        return self._collective(ALLGATHER, False, shard, Args(algorithm=algorithm, out=out,
-                                                              total=total, counts=counts))
+        return self._collective(ALLGATHER, False, shard, algorithm=algorithm, out=out,
+                                total=total, counts=counts)
 
     def allgatherv(self, buf):
         """Concatenation of every rank's 1-D ``buf``, lengths free to differ."""
-        return self._collective(ALLGATHERV, True, buf, Args())
+        return self._collective(ALLGATHERV, True, buf)
 
     def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
         """Overwrite ``buf`` on every rank with root's ``buf`` (in place); returns ``buf``."""
-        return self._collective(BCAST, True, buf, Args(root=root, algorithm=algorithm))
+        return self._collective(BCAST, True, buf, root=root, algorithm=algorithm)
 
     def reduce(self, buf, op: str = "sum", root: int = 0):
         """Binomial-tree reduction to ``root``: the result there, None on other ranks."""
-        return self._collective(REDUCE, True, buf, Args(op, root))
+        return self._collective(REDUCE, True, buf, op=op, root=root)
 
     def barrier(self) -> None:
         """Wait until every rank has called it (the agreement round is the barrier)."""
-        self._collective(BARRIER, True, None, Args())
+        self._collective(BARRIER, True, None)
 
     def agree_only(self, kind: str, buf, op=None, root=None) -> None:
         """The ledger's agreement on a collective whose data moves elsewhere (the NCCL
@@ -193,24 +195,26 @@ class Communicator:
                            self._ledger.open(kind, buf, op=op, root=root))
 
     # ---- the one dispatch ------------------------------------------------------------------
-    def _collective(self, kind, blocking: bool, buf, a: Args):
-        """Every collective: ``kind`` (collectives.py) on ``buf`` with arguments ``a``.
+    def _collective(self, kind, blocking: bool, buf, op=None, root=None, algorithm="auto",
+                    out=None, wire_dtype=None, total=None, counts=None, extra=None):
+        """Every collective: ``kind`` (collectives.py) on ``buf`` with its arguments.
 
         A blocking short call on a host array made before with the same kind, size, dtype and
         arguments runs its cached plan: numbered and agreed with its cached key, its data in
         the agreement — the layers below cost as much as the exchange itself for an 8-byte
         allreduce. Every other call: the ledger opens it, ``select`` chooses the algorithm,
         and it runs now or in the progress thread (``_submit``)."""
-        if blocking and a.counts is None and a.wire_dtype is None:
+        if blocking and counts is None and wire_dtype is None:
             if type(buf) is np.ndarray:
-                plan = self._plans.get((kind, buf.size, buf.dtype, a.op, a.root, a.algorithm,
-                                        a.total, a.out is None))
-                if plan is not None and plan.fits(buf, a):
-                    return plan.run(self, buf, a)
+                plan = self._plans.get((kind, buf.size, buf.dtype, op, root, algorithm, total,
+                                        out is None))
+                if plan is not None and plan.fits(buf, out):
+                    return plan.run(self, buf, out)
             elif buf is None:
                 plan = self._plans.get(kind)
-                if plan is not None and timeline.active() is None:
-                    return plan.run(self, None, a)
+                if plan is not None and timeline._active is None:
+                    return plan.run(self, None, None)
+        a = Args(op, root, algorithm, out, wire_dtype, total, counts, extra)
         call = kind.open(self, self._ledger, buf, blocking, a)
         nbytes = kind.nbytes(self, buf, a)
         short = call.problem is None and (type(buf) is np.ndarray or buf is None
@@ -372,7 +376,7 @@ class Communicator:
             raise ValueError(f"sparse_allreduce supports op sum or avg, got {op!r}")
         if n >= 2 ** 31:
             raise ValueError("sparse exchange indexes with int32: arrays must be < 2**31")
-        out = self._collective(SPARSE, True, vals, Args(op, extra=(idx, n)))
+        out = self._collective(SPARSE, True, vals, op=op, extra=(idx, n))
         sparse_b, dense_b = sparse.wire_bytes(n, idx.size, vals.dtype.itemsize, self.size)
         self.sparse_stats = sparse.SparseStats(n, idx.size, sparse_b, dense_b, sparse_b, False)
         return out
@@ -408,28 +412,41 @@ def _topology(mpi, node):
 
 
 class _Plan:
-    """A blocking short call as made before: its exchange's shape, fold and key fields, so the
-    next call of the same kind, size, dtype and arguments goes straight to the exchange."""
+    """A blocking short call as made before: its exchange's shape, fold and key, so the next
+    call of the same kind, size, dtype and arguments goes straight to the exchange."""
 
-    __slots__ = ("kind", "payload", "fold", "fields", "extra")
+    __slots__ = ("kind", "args", "payload", "fold", "fields", "static", "check_out", "writes",
+                 "args_out")
 
     def __init__(self, kind, buf, a):
         host = None if buf is None else buf.reshape(-1)
-        self.kind, self.extra = kind, a.extra
+        self.kind, self.writes = kind, kind.writes_buf
+        # the call's arguments but ``out`` (which the key leaves out): the same for every
+        # call this plan takes
+        self.args = Args(a.op, a.root, a.algorithm, None, None, a.total, None, a.extra)
+        self.args_out = Args(a.op, a.root, a.algorithm, None, None, a.total, None, a.extra)
         self.payload = kind.payload(None, host, a)
         self.fold, self.fields = kind.fold(a), kind.fields(host, a)
+        self.static = ledger.static_key(self.fields[0], True, select.FUSED, *self.fields[1:],
+                                        -1, True)
+        self.check_out = a.out is not None
 
-    def fits(self, buf, a) -> bool:
+    def fits(self, buf, out) -> bool:
         """Whether this call may take the plan: what the key leaves out still holds."""
-        return (buf.flags.c_contiguous and timeline.active() is None
-                and (a.out is None or a.out is buf or (type(a.out) is np.ndarray
-                                                       and ledger.out_problem(a.out, buf) is None))
-                and (not self.kind.writes_buf or buf.flags.writeable))
+        if not buf.flags.c_contiguous or timeline._active is not None:
+            return False
+        if self.check_out and out is not buf and not (
+                type(out) is np.ndarray and out.shape == buf.shape and out.dtype == buf.dtype
+                and out.flags.c_contiguous and out.flags.writeable):
+            return False
+        return not self.writes or buf.flags.writeable
 
-    def run(self, c, buf, a):
-        wire, kind = c._wire, self.kind
-        a.extra = self.extra
+    def run(self, c, buf, out):
+        wire, kind, a = c._wire, self.kind, self.args
+        if out is not None:                  # (blocking calls: one at a time)
+            a = self.args_out
+            a.out = out
         ex = wire.exchanges.get(*self.payload)
         kind.fill(c, ex, None if buf is None else buf.reshape(-1), a)
-        c._ledger.agree_cached(wire.exchanges, ex, self.fold, self.fields)
+        c._ledger.agree_static(wire.exchanges, ex, self.fold, self.static, self.fields)
         return kind.extract(c, wire, ex, buf, a)

@@ -19,9 +19,9 @@ What the always-on check cannot see: two calls that match in every field (one ra
 ``allreduce`` of the same size and dtype pairs with the others' next one). ``HPCDIST_DEBUG=1``
 adds the caller's file and line and the array shape to the key, which catches that too.
 
-``Ledger`` is one communicator's book: the call numbers, the handles of non-blocking calls not
-yet waited (an error nobody retrieved is raised by the next call), and the keys of repeated
-short calls, cached so that their agreement costs one hash per call.
+``Ledger`` is one communicator's book: the call numbers and the handles of non-blocking calls
+not yet waited (an error nobody retrieved is raised by the next call); a repeated short call
+brings its key's static part (the Communicator's cached plan), so its agreement costs one hash.
 """
 from __future__ import annotations
 
@@ -262,7 +262,6 @@ class Ledger:
         self.label, self.peers, self.size, self.debug = label, peers, size, debug
         self.seq = 0                    # calls made on this communicator
         self._open: list = []           # handles of non-blocking calls not yet waited
-        self._static: dict = {}         # a cached plan's fields -> static_key
         self._lean_wait = watchdog.Wait(label, 0, "", 0, peers)
 
     def open(self, kind, buf=None, name="buf", blocking=True, op=None, root=None,
@@ -288,18 +287,15 @@ class Ledger:
         """``agree`` on this communicator (see there)."""
         agree(exchanges, call, self.label, payload, fold)
 
-    def agree_cached(self, exchanges, ex, fold, fields) -> None:
+    def agree_static(self, exchanges, ex, fold, static: int, fields) -> None:
         """The agreement of a blocking short call taken by a cached plan: numbered here, its
-        key built from ``fields`` = (kind, length, dtype, op, root) as ``Call.key`` would."""
+        key ``hash((seq, static))`` as ``Call.key`` would make it (``static``: its
+        ``static_key``; ``fields`` = (kind, length, dtype, op, root) describe it on a
+        mismatch)."""
         if self._open:
             self.raise_unretrieved()
         self.seq = seq = self.seq + 1
         watchdog.note_call(self.label, seq)
-        static = self._static.get(fields)
-        if static is None:
-            kind, length, dtype, op, root = fields
-            static = self._static[fields] = static_key(kind, True, FUSED, length, dtype, op,
-                                                       root, -1, True)
         wait = self._lean_wait
         wait.seq, wait.kind, wait.nbytes = seq, fields[0], ex.data.nbytes
         if not ex.run(hash((seq, static)) & KEY_MASK, fold, wait):

@@ -41,6 +41,8 @@ from .. import signals
 
 DEFAULT_TIMEOUT_S = 300.0
 EXIT_TIMEOUT = 124                  # as timeout(1): the job ended on a missed deadline
+EXIT_DEAD = 137                     # as a shell reports SIGKILL: a rank on this host died
+LIVENESS_S = 0.05                   # how often the watchdog checks its host's other ranks
 YIELD_S = 10e-3                     # poll (yielding the core) this long, then sleep between polls
 MAX_SLEEP_S = 2e-3                  # longest sleep between polls of a long wait
 TAG_REQUEST, TAG_REPLY = 1, 2
@@ -212,9 +214,23 @@ def _ranks(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
+def silent_by_node(silent: list, hosts: list | None) -> str:
+    """The unresponsive ranks grouped by host, saying where a whole node went quiet."""
+    if not hosts or len(set(hosts)) == 1:
+        return _ranks(silent)
+    parts = []
+    for host in dict.fromkeys(hosts[r] for r in sorted(silent)):
+        mine = [r for r in silent if hosts[r] == host]
+        whole = len(mine) == hosts.count(host)
+        parts.append(f"{_ranks(mine)} on {host}" + (
+            f" (every rank of {host}: the node or its link is down)" if whole else ""))
+    return "; ".join(parts)
+
+
 def format_report(me: dict, overdue: Wait, statuses: dict, silent: list, deadline: float,
-                  why: str) -> str:
-    """One readable report: this rank's wait, every rank's state, who did not arrive."""
+                  why: str, hosts: list | None = None) -> str:
+    """One readable report: this rank's wait, every rank's state, who did not arrive
+    (``hosts[r]``: rank r's host, to name the nodes that went quiet)."""
     lines = [f"[hpcdist watchdog] rank {me['rank']} (host {me['host']}, pid {me['pid']}) "
              f"{why} {overdue.describe()} (deadline {deadline:g} s, HPCDIST_TIMEOUT / --timeout); "
              "ending the job."]
@@ -222,8 +238,8 @@ def format_report(me: dict, overdue: Wait, statuses: dict, silent: list, deadlin
                     if not any(w["comm"] == overdue.comm and w["seq"] == overdue.seq
                                for w in s["waits"]))
     if silent:
-        lines.append(f"  unresponsive: {_ranks(silent)} — no heartbeat answer within "
-                     f"{grace():g} s (stopped, wedged, dead, or already exited)")
+        lines.append(f"  unresponsive: {silent_by_node(silent, hosts)} — no heartbeat answer "
+                     f"within {grace():g} s (stopped, wedged, dead, or already exited)")
     if behind:
         lines.append(f"  not in {overdue.comm} call #{overdue.seq}: {_ranks(behind)}")
     for r in sorted(statuses):
@@ -247,6 +263,22 @@ class Watchdog(threading.Thread):
         super().__init__(name="hpcdist-watchdog", daemon=True)
         self.mpi = world.Dup()                 # its own messages never meet anyone else's
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
+        # every rank's host, once (setup, like Dup): reports name the node that went quiet
+        me = np.zeros(64, dtype=np.uint8)
+        name = socket.gethostname().encode()[:64]
+        me[:len(name)] = np.frombuffer(name, dtype=np.uint8)
+        table = np.empty(64 * self.size, dtype=np.uint8)
+        self.mpi.Allgather(me, table)
+        self.hosts = [bytes(table[64 * r:64 * (r + 1)]).rstrip(b"\0").decode(errors="replace")
+                      for r in range(self.size)]
+        pids = np.empty(self.size, dtype=np.int64)
+        self.mpi.Allgather(np.array([os.getpid()], dtype=np.int64), pids)
+        here = socket.gethostname()
+        # the other ranks on this host, by process id: a rank that dies (SIGKILL, the OOM
+        # killer) is named by its neighbours at once instead of by the launcher's PID
+        self.neighbours = {r: int(pids[r]) for r in range(self.size)
+                           if self.hosts[r] == here and r != self.rank}
+        self._next_liveness = 0.0
         self.urgent = False                    # a SIGTERM arrived and someone else handles it
         self.stand_down_until = 0.0            # a lower rank is reporting
         self._wake_r = None
@@ -317,8 +349,34 @@ class Watchdog(threading.Thread):
             overdue = self._overdue()
             if overdue is not None and time.monotonic() >= self.stand_down_until:
                 self._report(overdue, recv, request)
+            if self.neighbours and time.monotonic() >= self._next_liveness:
+                self._next_liveness = time.monotonic() + LIVENESS_S
+                self._check_neighbours()
         recv.Cancel()                           # before MPI_Finalize (see stop())
         recv.Wait()
+
+    def _check_neighbours(self) -> None:
+        """End the job naming a rank on this host whose process is gone (the lowest live
+        rank of the host reports; the others stand by for it)."""
+        dead = sorted(r for r, pid in self.neighbours.items() if not _alive(pid))
+        if not dead:
+            return
+        live = [r for r in self.neighbours if r not in dead] + [self.rank]
+        if self.rank != min(live):
+            self.neighbours = {r: p for r, p in self.neighbours.items() if r not in dead}
+            return
+        now = time.monotonic()
+        waits = [w.as_dict(now) for stack in list(_waits.values()) for w in list(stack)]
+        where = "; ".join(f"waiting {w['waited_s']:.1f} s in {w['what']}" for w in waits) \
+            or "not waiting on another rank"
+        names = ", ".join(f"rank {r} (host {self.hosts[r]}, pid {self.neighbours[r]})"
+                          for r in dead)
+        sys.stderr.write(f"[hpcdist watchdog] {names} died: its process is gone (killed by a "
+                         f"signal such as SIGKILL, the OOM killer, or a crash outside Python); "
+                         f"rank {self.rank} was {where}; ending the job.\n")
+        sys.stderr.flush()
+        from . import abort
+        abort.end_job(EXIT_DEAD)
 
     def _overdue(self):
         limit = grace() if self.urgent else timeout()
@@ -360,10 +418,26 @@ class Watchdog(threading.Thread):
         why = ("was asked to stop (SIGTERM) while waiting" if self.urgent
                else "waited past its deadline in")
         deadline = grace() if self.urgent else timeout()
-        sys.stderr.write(format_report(me, overdue, statuses, silent, deadline, why))
+        sys.stderr.write(format_report(me, overdue, statuses, silent, deadline, why,
+                                       self.hosts))
         sys.stderr.flush()
         from . import abort
         abort.end_job(EXIT_TIMEOUT)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _note_signal(signum, frame):

@@ -16,7 +16,7 @@ LAYERS = [
     ["comm"],                                                          # raw arrays, MPI
     ["parallel"],                                                      # Tensors meet comms
     ["config", "preflight", "runtime", "preemption"],                  # a run's plumbing
-    ["train", "bench"],                                                # entry points
+    ["train", "bench", "cluster"],                                     # entry points
 ]
 MUTUAL_OK = {frozenset({"hpcdist.ops", "hpcdist.tensor"})}
 

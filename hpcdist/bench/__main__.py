@@ -13,6 +13,7 @@ BENCHMARKS = {
     "plot": "hpcdist.bench.plot",
     "schedule": "hpcdist.bench.schedule",
     "tp": "hpcdist.bench.tp",
+    "twolevel": "hpcdist.bench.twolevel",
     "zero": "hpcdist.bench.zero",
 }
 

@@ -164,9 +164,11 @@ def choose(kind: str, nbytes: int, world: int, algorithm: str = "auto", forced: 
     ``algorithm``: the caller's choice; ``forced``: what "auto" means (HPCDIST_ALLREDUCE /
     HPCDIST_BCAST, read once by the caller)."""
     auto = algorithm == "auto" and forced == "auto"
-    if (auto and topology is not None and topology.two_level and kind in TWO_LEVEL
-            and not (short and nbytes <= SHORT_LIMITS[kind])):
+    if auto and topology is not None and topology.two_level and kind in TWO_LEVEL:
         flat, hier = two_level_times(kind, nbytes, topology)
+        if short and nbytes <= SHORT_LIMITS[kind]:     # the short call: log2(P) whole-buffer
+            ae, be = topology.links["inter"]           # rounds, across nodes
+            flat = min(flat, (world - 1).bit_length() * (ae + nbytes * be))
         if hier < flat:
             return "hierarchical"
     if kind == "allreduce":

@@ -172,4 +172,5 @@ def test_a_link_slowed_100x_slows_the_run_without_a_false_alarm(tmp_path):
              if '"step"' in line and '"loss"' in line]
     before = sorted(s["step_ms"] for s in steps[2:12])
     after = sorted(s["step_ms"] for s in steps[-10:])
+    print(f"step ms median before {before[len(before) // 2]:.1f}, after {after[len(after) // 2]:.1f}")
     assert after[len(after) // 2] > 2 * before[len(before) // 2], (before, after)

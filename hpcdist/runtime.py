@@ -133,13 +133,13 @@ def format_comm_log(rows: list, alpha: float, beta: float, inter=None) -> str:
     models = f"model: {link(alpha, beta)}" + (f"; across nodes {link(*inter)}" if inter else "")
     lines = [f"communication log (rank 0's calls and total; time per call averaged over ranks; "
              f"{models} from a ping-pong)",
-             f"{'collective':<17s}{'algorithm':<20s}{'link':<8s}{'bytes':>11s}{'calls':>8s}{'total ms':>10s}"
+             f"{'collective':<17s}{'algorithm':<26s}{'link':<8s}{'bytes':>11s}{'calls':>8s}{'total ms':>10s}"
              f"{'us/call':>10s}{'algbw GB/s':>11s}{'busbw GB/s':>11s}{'model us':>10s}"
              f"{'meas/model':>11s}"]
     for r in rows:
         m = r["model_us"]
         ratio = f"{r['time_us'] / m:11.2f}" if m else f"{'-':>11s}"
-        lines.append(f"{r['collective']:<17s}{r['algorithm']:<20s}{r.get('link', 'intra'):<8s}"
+        lines.append(f"{r['collective']:<17s}{r['algorithm']:<26s}{r.get('link', 'intra'):<8s}"
                      f"{r['bytes']:>11d}{r['calls']:>8d}"
                      f"{r['total_s'] * 1e3:10.1f}{r['time_us']:10.1f}{r['algbw_GBs']:11.3f}"
                      f"{r['busbw_GBs']:11.3f}{(f'{m:10.1f}' if m is not None else f'{chr(45):>10s}')}"

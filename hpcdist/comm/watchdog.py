@@ -279,6 +279,14 @@ class Watchdog(threading.Thread):
         self.neighbours = {r: int(pids[r]) for r in range(self.size)
                            if self.hosts[r] == here and r != self.rank}
         self._next_liveness = 0.0
+        # Linux tells at once when a process exits (a pidfd turns readable): the neighbours'
+        # deaths wake this thread instead of waiting for the next check
+        self._pidfds = {}
+        for r, pid in self.neighbours.items():
+            try:
+                self._pidfds[r] = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                pass
         self.urgent = False                    # a SIGTERM arrived and someone else handles it
         self.stand_down_until = 0.0            # a lower rank is reporting
         self._wake_r = None
@@ -341,7 +349,14 @@ class Watchdog(threading.Thread):
     def run(self) -> None:
         request = np.zeros(2, dtype=np.int64)
         recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
-        while not self.stopping.wait(0.05):
+        import select
+        while not self.stopping.is_set():
+            if self._pidfds:
+                died = select.select(list(self._pidfds.values()), [], [], 0.05)[0]
+                if died:
+                    self._next_liveness = 0.0          # check now
+            elif self.stopping.wait(0.05):
+                break
             self._read_signals()
             while recv.Test():                 # another rank asks for our status
                 self._answer(int(request[0]), int(request[1]))
@@ -354,6 +369,8 @@ class Watchdog(threading.Thread):
                 self._check_neighbours()
         recv.Cancel()                           # before MPI_Finalize (see stop())
         recv.Wait()
+        for fd in self._pidfds.values():
+            os.close(fd)
 
     def _check_neighbours(self) -> None:
         """End the job naming a rank on this host whose process is gone (the lowest live
@@ -361,6 +378,10 @@ class Watchdog(threading.Thread):
         dead = sorted(r for r, pid in self.neighbours.items() if not _alive(pid))
         if not dead:
             return
+        for r in dead:                      # a dead pidfd stays readable: stop watching it
+            fd = self._pidfds.pop(r, None)
+            if fd is not None:
+                os.close(fd)
         live = [r for r in self.neighbours if r not in dead] + [self.rank]
         if self.rank != min(live):
             self.neighbours = {r: p for r, p in self.neighbours.items() if r not in dead}

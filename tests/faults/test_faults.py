@@ -194,10 +194,10 @@ def test_sigkill_mid_training_ends_the_job_and_the_pid_maps_to_the_rank(tmp_path
 
 @pytest.mark.parametrize("rank", [1, 3])
 def test_sigkill_is_named_by_its_neighbours_when_the_launcher_lets_them(tmp_path, rank):
-    """With hydra's -disable-auto-cleanup the other ranks usually outlive a SIGKILLed one
-    long enough for hpcdist to name it (the watchdog checks its host's ranks' processes every
-    50 ms; MPICH itself ends the job when a rank talks to the dead one first: 5 of 6 runs
-    were named here). What is named is always the right rank and process."""
+    """With hydra's -disable-auto-cleanup the other ranks often outlive a SIGKILLed one long
+    enough for hpcdist to name it (the watchdog wakes on the neighbour's pidfd; MPICH itself
+    ends the job when a rank talks to the dead one first: 10 of 14 runs were named here).
+    What is named is always the right rank and process."""
     proc = launch(train_args(tmp_path, steps=100000), launcher=("-disable-auto-cleanup",))
     table = ranks_json(tmp_path)
     time.sleep(1.0)

@@ -190,7 +190,7 @@ def test_training_job_reaches_accuracy_and_writes_trace_and_comm_log(cluster, jo
     trace = json.loads((cluster.tmp / "trace.json").read_text())
     pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert pids == {0, 1}
-    assert re.search(r"^allreduce +rabenseifner +405760 +300 ", log, re.M), log
+    assert re.search(r"^allreduce +rabenseifner +intra +405760 +300 ", log, re.M), log
     assert (cluster.tmp / "train" / "comm_log.json").exists()
 
 

@@ -1,0 +1,462 @@
+"""``python -m hpcdist.plan``: the layout to run a GPT on a cluster, with memory, step time and
+bubble for every layout considered.
+
+    python -m hpcdist.plan --layers 80 --hidden 8192 --heads 64 --seq 2048 --vocab 32000 \\
+        --global-batch 1536 --gpus 512 --gpus-per-node 8 --gpu a100-80g
+
+Search: every DP x TP x PP that divides the GPUs (TP inside a node and dividing the heads,
+PP dividing the layers), ZeRO stage 0-3 (2 and 3 only without a pipeline, as hpcdist and
+DeepSpeed require), micro-batch size 1-8, schedule (1F1B, GPipe, interleaved with v = 2 or 4,
+ZB-H1), activation recompute (none / full) and sequence parallelism. Each layout gets:
+
+- **memory per GPU**: parameters, gradients and optimizer state by ZeRO's formulas for mixed
+  precision Adam (bf16 parameters, K = 12 bytes of fp32 master weights and moments), with
+  gradients accumulated and reduced in fp32 as Megatron-LM and hpcdist's DDP do (4 bytes;
+  ``Settings.grad_bytes`` = 2 gives ZeRO's 2 + 2 + 12), activations by Korthikanti et al.
+  2022, Table 2 (per layer: sbh(10 + 24/t + 5as/(ht)) bytes, sbh(34/t + 5as/(ht)) with
+  sequence parallelism, 2sbh with full recompute) times the micro-batch chunks the schedule
+  keeps in flight on the first stage (``schedules.REGISTRY``'s stash bound), the logits on
+  the last, and fixed buffers; a layout that does not fit is refused, saying by how much;
+- **step time**: each stage's forward and backward from FLOPs at an achievable fraction of the
+  card's peak, tensor-parallel collectives per layer (ring over NVLink, or the network when
+  TP leaves the node), the stage-to-stage sends, the pipeline's makespan from hpcdist's own
+  schedule simulator (closed forms past its size), and the data-parallel gradient reduction
+  (ZeRO-3: 1.5x) over the network, not overlapped (as Megatron-LM ran it);
+- TFLOP/s per GPU counted as Narayanan et al. 2021 count it (96Bslh^2(1 + s/6h + V/16lh)
+  with recompute, 72... without), MFU against the peak, the bubble and the comm share.
+
+Hardware: ``HARDWARE`` (vendors' published peaks and links; ``--gpu custom`` with flags).
+Calibration: ``--calibrate FILE`` (JSON: efficiency, link alpha/beta) from our benchmarks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field, replace
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A card and its links: dense peak FLOP/s per dtype, memory, NVLink per direction and
+    the network per GPU (bytes/s), and each link's latency."""
+    name: str
+    flops: dict
+    memory: float
+    nvlink: float
+    network: float
+    nvlink_alpha: float = 5e-6
+    network_alpha: float = 10e-6
+
+
+# Vendors' datasheets: A100 (SXM) 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 156 tf32; NVLink 3
+# 600 GB/s per GPU (300 each way); HDR InfiniBand 200 Gb/s per GPU in a DGX A100. H100 SXM
+# 989 TFLOP/s bf16 dense, 67 fp32, 80 GB; NVLink 4 900 GB/s (450 each way); NDR 400 Gb/s per
+# GPU in a DGX H100. H200: H100's compute, 141 GB.
+HARDWARE = {
+    "a100-40g": GPU("A100 40GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+                    40 * GB, 300 * GB, 25 * GB),
+    "a100-80g": GPU("A100 80GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+                    80 * GB, 300 * GB, 25 * GB),
+    "h100": GPU("H100 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+                80 * GB, 450 * GB, 50 * GB),
+    "h200": GPU("H200 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+                141 * GB, 450 * GB, 50 * GB),
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+
+    @property
+    def parameters(self) -> float:
+        """12lh^2(1 + 13/12h) + (V + s)h: blocks, embeddings (the head tied)."""
+        l, h = self.layers, self.hidden
+        return 12 * l * h * h * (1 + 13 / (12 * h)) + (self.vocab + self.seq) * h
+
+    def flops(self, batch: int, recompute: bool) -> float:
+        """FLOPs of one iteration on ``batch`` sequences (Narayanan et al. 2021, eq. 3: the
+        backward twice the forward; full recompute one more forward of the blocks)."""
+        B, s, l, h, V = batch, self.seq, self.layers, self.hidden, self.vocab
+        blocks = 24 * B * s * l * h * h * (1 + s / (6 * h))
+        logits = 2 * B * s * h * V
+        return (4 if recompute else 3) * blocks + 3 * logits
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    micro_batch: int
+    micro_batches: int
+    schedule: str
+    virtual: int
+    recompute: bool
+    sp: bool
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict = field(default_factory=dict)     # bytes per GPU by kind (first/last max)
+    step_s: float = 0.0
+    parts: dict = field(default_factory=dict)      # seconds: compute, tp, pp, dp, bubble...
+    bubble: float = 0.0
+    tflops_per_gpu: float = 0.0
+    mfu: float = 0.0
+    fits: bool = True
+    why: str = ""
+
+    def row(self) -> dict:
+        L = self.layout
+        return {"tp": L.tp, "pp": L.pp, "dp": L.dp, "zero": L.zero,
+                "micro_batch": L.micro_batch, "micro_batches": L.micro_batches,
+                "schedule": L.schedule + (f" v{L.virtual}" if L.virtual > 1 else ""),
+                "recompute": "full" if L.recompute else "none", "sp": L.sp,
+                "memory_gb": self.memory.get("total", 0.0) / GB, "step_s": self.step_s,
+                "tflops_per_gpu": self.tflops_per_gpu / 1e12, "mfu": self.mfu,
+                "bubble": self.bubble,
+                "comm_share": (self.parts.get("tp", 0) + self.parts.get("pp", 0)
+                               + self.parts.get("dp", 0)) / self.step_s if self.step_s else 0.0}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the estimate assumes beyond the card: the fraction of the peak a transformer
+    layer's matmuls reach (Narayanan et al. measured 44-52% end to end on A100; a GEMM alone
+    reaches more), bytes per parameter of mixed-precision Adam, fixed buffers."""
+    efficiency: float = 0.62
+    dtype: str = "bf16"
+    buffers: float = 2 * GB           # CUDA context, communication buckets, workspace
+    grad_bytes: int = 4               # fp32 gradient accumulation and reduction
+    memory_headroom: float = 0.95     # of the card usable for the above
+    tp_across_nodes: bool = False
+
+
+# ---- the search ---------------------------------------------------------------------------
+
+def candidates(model: Model, gpus: int, per_node: int, batch: int,
+               settings: Settings = Settings()):
+    """Every layout considered, and every one refused with its reason: ([Layout], [(dict,
+    why)])."""
+    from .parallel import schedules as S
+    ok, refused = [], []
+    for tp in _divisors(gpus):
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            base = {"tp": tp, "pp": pp, "dp": dp}
+            why = _mesh_problem(model, tp, pp, dp, per_node, batch, settings)
+            if why:
+                refused.append((base, why))
+                continue
+            per_replica = batch // dp
+            for b in (1, 2, 4, 8):
+                if per_replica % b:
+                    refused.append(({**base, "micro_batch": b},
+                                    f"{per_replica} sequences per replica do not split into "
+                                    f"micro-batches of {b}"))
+                    continue
+                m = per_replica // b
+                for name, v in _schedules(pp):
+                    if pp > 1:
+                        try:
+                            S.make(name, pp, m, v) if pp * m <= 512 else S.get(name)
+                        except ValueError as e:
+                            refused.append(({**base, "schedule": name}, str(e)))
+                            continue
+                        if v > 1 and ((model.layers // pp) % v or m % pp):
+                            refused.append(({**base, "schedule": f"{name} v{v}"},
+                                            f"interleaving needs layers per stage ({model.layers // pp}) "
+                                            f"divisible by v = {v} and micro-batches ({m}) by pp"))
+                            continue
+                    for zero in (0, 1, 2, 3):
+                        if pp > 1 and zero > 1:
+                            refused.append(({**base, "zero": zero}, f"ZeRO-{zero} shards "
+                                            "gradients during backward: with a pipeline use "
+                                            "ZeRO 0 or 1"))
+                            continue
+                        for recompute in (False, True):
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                ok.append(Layout(tp, pp, dp, zero, b, m, name, v, recompute, sp))
+    return ok, refused
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _mesh_problem(model, tp, pp, dp, per_node, batch, settings) -> str | None:
+    if tp > per_node and not settings.tp_across_nodes:
+        return f"TP {tp} leaves the node ({per_node} GPUs): its collectives per layer would " \
+               "cross the network (--tp-across-nodes to consider it)"
+    if per_node % tp and tp < per_node:
+        return f"TP {tp} does not divide the {per_node} GPUs of a node"
+    if model.heads % tp or model.hidden % tp:
+        return f"TP {tp} does not divide the heads ({model.heads}) and hidden ({model.hidden})"
+    if model.layers % pp:
+        return f"PP {pp} does not divide the {model.layers} layers"
+    if batch % dp:
+        return f"the global batch {batch} does not split over DP {dp}"
+    return None
+
+
+def _schedules(pp: int):
+    if pp == 1:
+        return [("none", 1)]
+    return [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4)]
+
+
+# ---- one layout ---------------------------------------------------------------------------
+
+def memory(model: Model, L: Layout, settings: Settings = Settings()) -> dict:
+    """Bytes per GPU on the fuller of the first and the last stage."""
+    from .parallel import schedules as S
+    s, h, a, V, t = model.seq, model.hidden, model.heads, model.vocab, L.tp
+    b = L.micro_batch
+    block = 12 * h * h * (1 + 13 / (12 * h))
+    layers = model.layers // L.pp
+    stage_params = layers * block / t
+    first = stage_params + V * h / t + s * h              # embeddings on the first stage
+    last = stage_params + (V * h / t if L.pp > 1 else 0)  # the tied head's copy
+    d = L.dp
+
+    gb = settings.grad_bytes
+
+    def state(psi):                       # (2 + gb + 12) bytes per parameter, ZeRO's sharding
+        if L.zero == 0:
+            return 2 * psi, gb * psi, 12 * psi
+        if L.zero == 1:
+            return 2 * psi, gb * psi, 12 * psi / d
+        if L.zero == 2:
+            return 2 * psi, gb * psi / d, 12 * psi / d
+        return 2 * psi / d, gb * psi / d, 12 * psi / d
+    if L.recompute:
+        layer_act = 2 * s * b * h / (t if L.sp else 1)         # each layer's input
+        full_layer = s * b * h * ((34 / t) if L.sp else (10 + 24 / t)) \
+            + 5 * a * s * s * b / t                                # one layer, live in backward
+    else:
+        layer_act = s * b * h * ((34 / t) if L.sp else (10 + 24 / t)) + 5 * a * s * s * b / t
+        full_layer = 0.0
+    if L.pp > 1:
+        inflight = S.promised_stash(L.schedule, L.pp, L.micro_batches, L.virtual)
+    else:
+        inflight = [1]
+    chunk_layers = layers / L.virtual
+    act_first = inflight[0] * chunk_layers * layer_act + full_layer
+    act_last = inflight[-1] * chunk_layers * layer_act + full_layer \
+        + 4 * s * b * V / t * 2                                     # fp32 logits and their grad
+    out = {}
+    for name, psi, act in (("first", first, act_first), ("last", last, act_last)):
+        p, g, o = state(psi)
+        out[name] = {"params": p, "grads": g, "optimizer": o, "activations": act,
+                     "buffers": settings.buffers, "total": p + g + o + act + settings.buffers}
+    return max(out.values(), key=lambda x: x["total"])
+
+
+_SIM: dict = {}
+
+
+def pipeline_makespan(name: str, P: int, m: int, v: int, f: float, b: float) -> tuple:
+    """(makespan, bubble) of one step's pipeline with per-chunk forward ``f`` and backward
+    ``b`` seconds: hpcdist's schedule simulator (schedules.verify) where the list is small
+    enough, closed forms beyond (checked against the simulator in tests)."""
+    from .parallel import schedules as S
+    if P == 1:
+        return m * (f + b), 0.0
+    ratio = round(b / f, 2) if f else 2.0
+    key = (name, P, m, v, ratio)
+    if key not in _SIM:
+        if P * m * v <= 4096:
+            costs = {"F": 1.0, "B": ratio, "I": ratio / 2, "W": ratio / 2}
+            sched = S.make(name, P, m, v, {"F": 1.0, "I": ratio / 2, "W": ratio / 2}
+                           if S.get(name).replan else None)
+            r = S.verify(sched, P, m, v, costs=costs)
+            _SIM[key] = (r.makespan, r.bubble)
+        else:
+            _SIM[key] = closed_form(name, P, m, v, 1.0, ratio)
+    unit, bubble = _SIM[key]
+    return unit * f, bubble
+
+
+def closed_form(name: str, P: int, m: int, v: int, f: float, b: float) -> tuple:
+    """Makespan and bubble for uniform op costs: GPipe and 1F1B (m + P - 1)(f + b);
+    interleaved (mv + P - 1)(f + b) with per-chunk costs; ZB-H1 m(f + b) + (P - 1) f
+    (Qi et al.: the bubble (P - 1)(T_F + T_I - T_W), with I = W = b/2)."""
+    if name == "zb-h1":
+        total = m * (f + b) + (P - 1) * f
+        busy = m * (f + b)
+    else:
+        total = (m * v + P - 1) * (f + b)
+        busy = m * v * (f + b)
+    return total, 1 - busy / total
+
+
+def _allreduce(nbytes: float, n: int, bw: float, alpha: float) -> float:
+    return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
+
+
+def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch: int,
+             settings: Settings = Settings()) -> Estimate:
+    e = Estimate(L)
+    e.memory = memory(model, L, settings)
+    usable = gpu.memory * settings.memory_headroom
+    if e.memory["total"] > usable:
+        e.fits = False
+        e.why = (f"needs {e.memory['total'] / GB:.1f} GB per GPU, {usable / GB:.1f} GB usable "
+                 f"({(e.memory['total'] - usable) / GB:.1f} GB over)")
+    s, h, V, t, b = model.seq, model.hidden, model.vocab, L.tp, L.micro_batch
+    peak = gpu.flops[settings.dtype] * settings.efficiency
+    layers = model.layers // L.pp
+    layer_fwd = 24 * b * s * h * h * (1 + s / (6 * h)) / t
+    tp_bw, tp_alpha = (gpu.nvlink, gpu.nvlink_alpha) if t <= per_node else \
+        (gpu.network, gpu.network_alpha)
+    act_bytes = 2 * b * s * h
+    tp_fwd = 2 * _allreduce(act_bytes, t, tp_bw, tp_alpha)       # 2 per layer forward
+    f = layers * (layer_fwd / peak + tp_fwd)
+    bwd = layers * (2 * layer_fwd / peak + tp_fwd)
+    if L.recompute:
+        bwd += layers * (layer_fwd / peak + tp_fwd)
+    logits = 2 * b * s * h * V / t / peak                          # on the last stage
+    f_last, b_last = f + logits, bwd + 2 * logits
+    # rank = (pp * DP + dp) * TP + tp, a node's ranks consecutive: neighbouring stages are
+    # TP x DP ranks apart, a data-parallel group's ranks TP apart
+    pp_send = 0.0
+    if L.pp > 1:                        # scatter/gather over TP: each rank sends 1/t
+        across = t * L.dp >= per_node
+        pp_send = act_bytes / t / (gpu.network if across else gpu.nvlink) \
+            + (gpu.network_alpha if across else gpu.nvlink_alpha)
+    fc = (max(f, f_last) + pp_send) / L.virtual
+    bc = (max(bwd, b_last) + pp_send) / L.virtual
+    schedule = L.schedule if L.pp > 1 else "1f1b"
+    pipe, bubble = pipeline_makespan(schedule, L.pp, L.micro_batches, L.virtual, fc, bc)
+    psi = (layers * 12 * h * h * (1 + 13 / (12 * h)) + V * h + s * h) / t
+    grad_bytes = settings.grad_bytes * psi
+    inside = t * L.dp <= per_node
+    dp = _allreduce(grad_bytes, L.dp, gpu.nvlink if inside else gpu.network,
+                    gpu.nvlink_alpha if inside else gpu.network_alpha) \
+        * (1.5 if L.zero == 3 else 1)
+    optimizer = 16 * psi / (L.dp if L.zero else 1) / 2e12     # a memory-bound pass over state
+    e.step_s = pipe + dp + optimizer
+    tp_total = L.micro_batches * layers * tp_fwd * (3 if L.recompute else 2)
+    e.parts = {"pipeline": pipe, "tp": tp_total, "pp": 2 * L.micro_batches * pp_send,
+               "dp": dp, "optimizer": optimizer}
+    e.bubble = bubble
+    executed = model.flops(batch, L.recompute)
+    e.tflops_per_gpu = executed / e.step_s / gpus
+    e.mfu = model.flops(batch, False) / e.step_s / gpus / gpu.flops[settings.dtype]
+    return e
+
+
+def plan(model: Model, gpu: GPU, gpus: int, per_node: int, batch: int,
+         settings: Settings = Settings()):
+    """(fitting estimates fastest first, refused [(layout dict, why)])."""
+    layouts, refused = candidates(model, gpus, per_node, batch, settings)
+    fits = []
+    for L in layouts:
+        e = estimate(model, L, gpu, gpus, per_node, batch, settings)
+        if e.fits:
+            fits.append(e)
+        else:
+            refused.append((asdict(L), e.why))
+    fits.sort(key=lambda e: e.step_s)
+    return fits, refused
+
+
+def calibrated(gpu: GPU, settings: Settings, path: str) -> tuple:
+    """The card and settings with what our benchmarks measured (JSON: ``efficiency``,
+    ``nvlink``/``network`` as [alpha s, bytes/s])."""
+    doc = json.load(open(path))
+    if "efficiency" in doc:
+        settings = replace(settings, efficiency=float(doc["efficiency"]))
+    for level in ("nvlink", "network"):
+        if level in doc:
+            alpha, bw = doc[level]
+            gpu = replace(gpu, **{level: float(bw), f"{level}_alpha": float(alpha)})
+    return gpu, settings
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpcdist.plan",
+                                 description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--model", default="gpt", choices=("gpt",))
+    ap.add_argument("--layers", type=int, required=True)
+    ap.add_argument("--hidden", type=int, required=True)
+    ap.add_argument("--heads", type=int, required=True)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=51200)
+    ap.add_argument("--global-batch", type=int, required=True)
+    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu", default="a100-80g", choices=sorted(HARDWARE) + ["custom"])
+    ap.add_argument("--peak-tflops", type=float, help="custom: dense TFLOP/s of --dtype")
+    ap.add_argument("--memory-gb", type=float, help="custom: memory per GPU")
+    ap.add_argument("--nvlink-gbs", type=float, help="custom: NVLink GB/s each way")
+    ap.add_argument("--network-gbs", type=float, help="custom: network GB/s per GPU")
+    ap.add_argument("--efficiency", type=float, default=Settings.efficiency,
+                    help="fraction of the peak the layers' matmuls reach")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--tp-across-nodes", action="store_true")
+    ap.add_argument("--calibrate", help="JSON of measured efficiency and links")
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--json", action="store_true", help="the ranked list as JSON")
+    args = ap.parse_args(argv)
+    if args.gpu == "custom":
+        if not (args.peak_tflops and args.memory_gb and args.nvlink_gbs and args.network_gbs):
+            ap.error("--gpu custom needs --peak-tflops, --memory-gb, --nvlink-gbs, --network-gbs")
+        gpu = GPU("custom", {args.dtype: args.peak_tflops * 1e12}, args.memory_gb * GB,
+                  args.nvlink_gbs * GB, args.network_gbs * GB)
+    else:
+        gpu = HARDWARE[args.gpu]
+    if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
+        ap.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
+    settings = Settings(efficiency=args.efficiency, dtype=args.dtype,
+                        tp_across_nodes=args.tp_across_nodes)
+    if args.calibrate:
+        gpu, settings = calibrated(gpu, settings, args.calibrate)
+    model = Model(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+    fits, refused = plan(model, gpu, args.gpus, args.gpus_per_node, args.global_batch,
+                         settings)
+    if args.json:
+        print(json.dumps([e.row() for e in fits[:args.top]], indent=1))
+        return 0 if fits else 1
+    print(f"GPT {model.layers} layers x {model.hidden} hidden ({model.heads} heads), "
+          f"{model.parameters / 1e9:.1f} B parameters, seq {model.seq}, global batch "
+          f"{args.global_batch} on {args.gpus} x {gpu.name} ({args.gpus_per_node} per node); "
+          f"{len(fits)} layouts fit, {len(refused)} refused")
+    if not fits:
+        reasons = {}
+        for _, why in refused:
+            reasons[why.split(" (")[0]] = why
+        print("nothing fits; e.g. " + "; ".join(list(reasons.values())[:3]))
+        return 1
+    cols = ["tp", "pp", "dp", "zero", "micro_batch", "micro_batches", "schedule", "recompute",
+            "sp", "memory_gb", "step_s", "tflops_per_gpu", "mfu", "bubble", "comm_share"]
+    print(" ".join(f"{c:>14s}" for c in cols))
+    for e in fits[:args.top]:
+        r = e.row()
+        print(" ".join(f"{r[c]:>14.3f}" if isinstance(r[c], float) else f"{str(r[c]):>14s}"
+                       for c in cols))
+    best = fits[0]
+    p = best.parts
+    print(f"best: TP {best.layout.tp} x PP {best.layout.pp} x DP {best.layout.dp}: "
+          f"{best.step_s:.2f} s per step = pipeline {p['pipeline']:.2f} s (bubble "
+          f"{best.bubble * 100:.1f}%, TP collectives {p['tp']:.2f} s inside it) + DP gradient "
+          f"reduction {p['dp']:.2f} s + optimizer {p['optimizer']:.3f} s; "
+          f"{best.memory['total'] / GB:.1f} GB per GPU")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The layout planner (hpcdist/plan.py): a complete search, the pipeline model against our own
+simulator, memory against ZeRO's formulas, and Narayanan et al.'s published runs."""
+import itertools
+
+import pytest
+
+from hpcdist import plan as P
+from hpcdist.parallel import schedules as S
+
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM", SC21, Table 1 (weak scaling on A100 80GB; seq 2048, vocab 51200): parameters
+# (billions), heads, hidden, layers, TP, PP, GPUs, global batch, achieved TFLOP/s per GPU.
+NARAYANAN_TABLE_1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+
+
+@pytest.mark.parametrize("row", NARAYANAN_TABLE_1, ids=lambda r: f"{r[0]}B")
+def test_published_layouts_predicted_within_25_percent(row):
+    billions, heads, hidden, layers, tp, pp, gpus, batch, tflops = row
+    model = P.Model(layers, hidden, heads, 2048, 51200)
+    assert model.parameters / 1e9 == pytest.approx(billions, rel=0.03)
+    # the paper's runs: micro-batch 1, full recompute, the interleaved schedule where it fits
+    best = None
+    for schedule, v in P._schedules(pp):
+        m = batch // (gpus // (tp * pp))
+        if v > 1 and ((layers // pp) % v or m % pp):
+            continue
+        L = P.Layout(tp, pp, gpus // (tp * pp), 1, 1, m, schedule, v, True, False)
+        e = P.estimate(model, L, P.HARDWARE["a100-80g"], gpus, 8, batch)
+        if e.fits and (best is None or e.step_s < best.step_s):
+            best = e
+    assert best is not None, "the published layout does not fit in the planner's memory model"
+    assert best.tflops_per_gpu / 1e12 == pytest.approx(tflops, rel=0.25)
+
+
+def test_the_search_considers_every_layout_or_says_why_not():
+    model = P.Model(8, 512, 8, 256, 1000)
+    gpus, per_node, batch = 16, 4, 32
+    layouts, refused = P.candidates(model, gpus, per_node, batch)
+    seen = {(L.tp, L.pp, L.dp) for L in layouts} | {(r["tp"], r["pp"], r["dp"])
+                                                    for r, _ in refused}
+    assert seen == {(t, p, gpus // (t * p)) for t in P._divisors(gpus)
+                    for p in P._divisors(gpus // t)}
+    assert all(why for _, why in refused)
+    assert any("leaves the node" in why for _, why in refused)         # TP 8, 16 > 4 per node
+    assert any("ZeRO-2 shards" in why for _, why in refused)
+    for L in layouts:
+        assert L.tp <= per_node and model.layers % L.pp == 0 and batch % L.dp == 0
+        assert L.micro_batch * L.micro_batches * L.dp == batch
+        assert not (L.pp > 1 and L.zero > 1)
+    # every combination of the axes for one valid mesh is there
+    mesh = [L for L in layouts if (L.tp, L.pp) == (2, 2)]
+    assert {(L.zero, L.recompute, L.sp) for L in mesh} == set(itertools.product(
+        (0, 1), (False, True), (False, True)))
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_closed_forms_match_the_simulator(name, v):
+    for P_, m in ((2, 4), (4, 8), (4, 12)):
+        sim = S.verify(S.make(name, P_, m, v), P_, m, v, costs={"F": 1.0, "B": 2.0})
+        total, bubble = P.closed_form(name, P_, m, v, 1.0, 2.0)
+        assert total == pytest.approx(sim.makespan) and bubble == pytest.approx(sim.bubble)
+
+
+def test_zb_h1_closed_form_is_near_the_simulator():
+    for P_, m in ((4, 8), (8, 16)):
+        sched = S.make("zb-h1", P_, m, 1, {"F": 1.0, "I": 1.0, "W": 1.0})
+        sim = S.verify(sched, P_, m, 1, costs={"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0})
+        total, _ = P.closed_form("zb-h1", P_, m, 1, 1.0, 2.0)
+        # our ZB-H1 list leaves P + 1 idle op slots per stage, the paper's bound P - 1
+        assert total == pytest.approx(sim.makespan, rel=0.1), (P_, m, total, sim.makespan)
+
+
+def test_model_state_memory_is_zero_s_formula():
+    model = P.Model(4, 256, 4, 128, 1000)
+    for zero, (p, g, o) in {0: (2, 4, 12), 1: (2, 4, 12 / 8), 2: (2, 4 / 8, 12 / 8),
+                            3: (2 / 8, 4 / 8, 12 / 8)}.items():
+        L = P.Layout(1, 1, 8, zero, 1, 4, "none", 1, False, False)
+        mem = P.memory(model, L)
+        psi = mem["params"] / p
+        assert mem["grads"] == pytest.approx(g * psi) and mem["optimizer"] == pytest.approx(o * psi)
+
+
+def test_a_layout_that_does_not_fit_is_refused_by_how_much():
+    model = P.Model(80, 8192, 64, 2048, 32000)
+    L = P.Layout(1, 1, 8, 0, 1, 8, "none", 1, False, False)
+    e = P.estimate(model, L, P.HARDWARE["a100-80g"], 8, 8, 64)
+    assert not e.fits and "GB over" in e.why
+
+
+def test_command_line_json(capsys):
+    rc = P.main(["--layers", "8", "--hidden", "512", "--heads", "8", "--seq", "256",
+                 "--vocab", "1000", "--global-batch", "32", "--gpus", "8",
+                 "--gpus-per-node", "4", "--json", "--top", "3"])
+    assert rc == 0
+    import json
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 3 and rows[0]["step_s"] <= rows[1]["step_s"] <= rows[2]["step_s"]
+    assert {"tp", "pp", "dp", "zero", "micro_batches", "schedule", "recompute", "memory_gb",
+            "step_s", "tflops_per_gpu", "bubble"} <= set(rows[0])

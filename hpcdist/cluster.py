@@ -27,7 +27,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 SUBNET = "10.77.0"          # node i (1-based) is SUBNET.i; the bridge SUBNET.254
 

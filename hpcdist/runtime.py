@@ -85,7 +85,7 @@ def report_timeline(cfg, comm, recorder, clocks, links, log) -> None:
 
 # ---- communication log ------------------------------------------------------------------------------
 
-def comm_log(recorder: Recorder, mpi, links: dict, topology=None) -> list | None:
+def comm_log(recorder: "timeline.Recorder", mpi, links: dict, topology=None) -> list | None:
     """Rows of the communication log on rank 0 (None elsewhere): per collective, algorithm,
     size and link, the calls and seconds summed on rank 0, the mean time per call averaged
     over the ranks, algbw and busbw from that mean, and the prediction of the alpha-beta

@@ -23,7 +23,6 @@ def worker(args) -> int:
     from hpcdist import checkpoint, data
     from hpcdist.comm import Communicator
     from hpcdist.config import TrainConfig
-    from hpcdist.parallel import state
     from hpcdist.parallel.strategy import build_strategy
     from hpcdist.parallel.state import restore_checkpoint, save_checkpoint
     comm = Communicator()

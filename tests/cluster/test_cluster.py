@@ -9,10 +9,10 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
+from procs import finish
 
 from hpcdist import cluster as box
 
@@ -100,17 +100,6 @@ def _start_and_wait_for_checkpoint(c, tmp_path, min_step=10):
     return proc, save
 
 
-def _finish(proc, limit):
-    t0 = time.time()
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"no exit within {limit} s (hung):\n{err[-3000:]}")
-    return proc.returncode, out, err, time.time() - t0
-
-
 def _verify(save):
     r = subprocess.run([sys.executable, "-m", "hpcdist.checkpoint", "verify", str(save)],
                        capture_output=True, text=True, cwd=ROOT,
@@ -132,7 +121,7 @@ def test_a_lost_node_is_named_and_the_run_resumes_on_the_others(tmp_path, fault)
             c.set_link(2, up=False)
         else:
             c.kill_node(2)
-        rc, out, err, _ = _finish(proc, 60)
+        rc, out, err, _ = finish(proc, 60)
         took = time.time() - t0
     assert rc != 0
     assert re.search(r"unresponsive: ranks 2, 3 on node2 \(every rank of node2: the node or "
@@ -165,7 +154,7 @@ def test_a_link_slowed_100x_slows_the_run_without_a_false_alarm(tmp_path):
                 and time.time() - t0 < 90 and proc.poll() is None:
             time.sleep(0.1)
         c.shape(2, "10mbit")
-        rc, out, err, _ = _finish(proc, 180)
+        rc, out, err, _ = finish(proc, 180)
     assert rc == 0, err[-3000:]
     assert "watchdog" not in err
     steps = [json.loads(line) for line in metrics.read_text().splitlines()

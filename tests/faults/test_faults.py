@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from procs import finish
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -37,17 +38,6 @@ def launch(args, n=4, launcher=(), **env):
         [sys.executable] + args
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full, cwd=ROOT)
-
-
-def finish(proc, limit=90):
-    t0 = time.time()
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"no exit within {limit} s (hung):\n{err[-3000:]}")
-    return proc.returncode, out, err, time.time() - t0
 
 
 def run(args, n=4, limit=90, **env):
@@ -178,9 +168,10 @@ def test_sigstop_mid_training_names_the_stopped_rank(tmp_path, rank):
     assert took < START_S + DEADLINE + 3
 
 
-@pytest.mark.parametrize("rank", [0, 2])
-def test_sigkill_mid_training_ends_the_job_and_the_pid_maps_to_the_rank(tmp_path, rank):
-    proc = launch(train_args(tmp_path, steps=100000))
+def sigkill_one_rank(tmp_path, rank, launcher=()):
+    """Train, SIGKILL ``rank`` mid-run; (rank table, the victim's pid, stderr) once the job
+    ended, which it must within 5 s and with a failure code."""
+    proc = launch(train_args(tmp_path, steps=100000), launcher=launcher)
     table = ranks_json(tmp_path)
     time.sleep(1.0)
     victim = table[rank]["pid"]
@@ -189,6 +180,12 @@ def test_sigkill_mid_training_ends_the_job_and_the_pid_maps_to_the_rank(tmp_path
     rc, out, err, _ = finish(proc)
     assert rc != 0
     assert time.time() - t0 < 5
+    return table, victim, err
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_sigkill_mid_training_ends_the_job_and_the_pid_maps_to_the_rank(tmp_path, rank):
+    table, victim, _ = sigkill_one_rank(tmp_path, rank)
     assert {row["pid"]: row["rank"] for row in table}[victim] == rank
 
 
@@ -198,15 +195,7 @@ def test_sigkill_is_named_by_its_neighbours_when_the_launcher_lets_them(tmp_path
     enough for hpcdist to name it (the watchdog wakes on the neighbour's pidfd; MPICH itself
     ends the job when a rank talks to the dead one first: 10 of 14 runs were named here).
     What is named is always the right rank and process."""
-    proc = launch(train_args(tmp_path, steps=100000), launcher=("-disable-auto-cleanup",))
-    table = ranks_json(tmp_path)
-    time.sleep(1.0)
-    victim = table[rank]["pid"]
-    t0 = time.time()
-    os.kill(victim, signal.SIGKILL)
-    rc, out, err, _ = finish(proc)
-    assert rc != 0
-    assert time.time() - t0 < 5
+    _, victim, err = sigkill_one_rank(tmp_path, rank, launcher=("-disable-auto-cleanup",))
     named = re.findall(r"\[hpcdist watchdog\] rank (\d+) \(host \S+, pid (\d+)\) died", err)
     assert all((int(r), int(p)) == (rank, victim) for r, p in named), err[-3000:]
 

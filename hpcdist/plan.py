@@ -140,6 +140,7 @@ class Settings:
     grad_bytes: int = 4               # fp32 gradient accumulation and reduction
     memory_headroom: float = 0.95     # of the card usable for the above
     tp_across_nodes: bool = False
+    sequence_parallel: bool = True    # consider SP (False: a framework without it)
 
 
 # ---- the search ---------------------------------------------------------------------------
@@ -185,7 +186,9 @@ def candidates(model: Model, gpus: int, per_node: int, batch: int,
                                             "ZeRO 0 or 1"))
                             continue
                         for recompute in (False, True):
-                            for sp in ((False, True) if tp > 1 else (False,)):
+                            sps = (False, True) if tp > 1 and settings.sequence_parallel \
+                                else (False,)
+                            for sp in sps:
                                 ok.append(Layout(tp, pp, dp, zero, b, m, name, v, recompute, sp))
     return ok, refused
 
@@ -371,6 +374,17 @@ def plan(model: Model, gpu: GPU, gpus: int, per_node: int, batch: int,
     return fits, refused
 
 
+def best_per_mesh(fits: list) -> list:
+    """The fastest estimate of each DP x TP x PP, fastest first (``fits`` sorted)."""
+    seen, out = set(), []
+    for e in fits:
+        key = (e.layout.tp, e.layout.pp, e.layout.dp)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
 def calibrated(gpu: GPU, settings: Settings, path: str) -> tuple:
     """The card and settings with what our benchmarks measured (JSON: ``efficiency``,
     ``nvlink``/``network`` as [alpha s, bytes/s])."""
@@ -407,6 +421,8 @@ def main(argv=None) -> int:
                     help="fraction of the peak the layers' matmuls reach")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--tp-across-nodes", action="store_true")
+    ap.add_argument("--no-sequence-parallel", action="store_true",
+                    help="leave sequence parallelism out (a framework without it)")
     ap.add_argument("--calibrate", help="JSON of measured efficiency and links")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="the ranked list as JSON")
@@ -421,7 +437,8 @@ def main(argv=None) -> int:
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         ap.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
     settings = Settings(efficiency=args.efficiency, dtype=args.dtype,
-                        tp_across_nodes=args.tp_across_nodes)
+                        tp_across_nodes=args.tp_across_nodes,
+                        sequence_parallel=not args.no_sequence_parallel)
     if args.calibrate:
         gpu, settings = calibrated(gpu, settings, args.calibrate)
     model = Model(args.layers, args.hidden, args.heads, args.seq, args.vocab)
@@ -442,8 +459,11 @@ def main(argv=None) -> int:
         return 1
     cols = ["tp", "pp", "dp", "zero", "micro_batch", "micro_batches", "schedule", "recompute",
             "sp", "memory_gb", "step_s", "tflops_per_gpu", "mfu", "bubble", "comm_share"]
+    meshes = best_per_mesh(fits)
+    print(f"the {min(args.top, len(meshes))} fastest meshes (DP x TP x PP), each with its best "
+          f"settings (--json: every layout, ranked):")
     print(" ".join(f"{c:>14s}" for c in cols))
-    for e in fits[:args.top]:
+    for e in meshes[:args.top]:
         r = e.row()
         print(" ".join(f"{r[c]:>14.3f}" if isinstance(r[c], float) else f"{str(r[c]):>14s}"
                        for c in cols))

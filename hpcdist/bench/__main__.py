@@ -10,6 +10,7 @@ BENCHMARKS = {
     "ddp": "hpcdist.bench.ddp",
     "peers": "hpcdist.bench.peers",
     "pipeline": "hpcdist.bench.pipeline",
+    "plan": "hpcdist.bench.plan",
     "plot": "hpcdist.bench.plot",
     "schedule": "hpcdist.bench.schedule",
     "tp": "hpcdist.bench.tp",

@@ -1,0 +1,122 @@
+"""The planner against our own runs: ``python -m hpcdist.bench plan``.
+
+Calibrates the planner (hpcdist/plan.py) on this machine — the FLOP/s a 1-rank training step
+reaches, shared by the ranks that share the cores, and the links from a ping-pong — then runs
+each layout at ``--ranks`` ranks (the same GPT and global batch) and prints the planner's
+step time beside the measured median, and the rank agreement of the two orders (Spearman).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from hpcdist.bench.common import mpiexec, table, write_json
+
+# (label, train flags, planner Layout fields) at 8 ranks; global batch fixed
+LAYOUTS = [
+    ("DP 8", dict(), dict(tp=1, pp=1, zero=0)),
+    ("DP 8 ZeRO-1", dict(zero=1), dict(tp=1, pp=1, zero=1)),
+    ("DP 8 ZeRO-2", dict(zero=2), dict(tp=1, pp=1, zero=2)),
+    ("DP 8 ZeRO-3", dict(zero=3), dict(tp=1, pp=1, zero=3)),
+    ("DP 4 x TP 2", dict(tp=2), dict(tp=2, pp=1, zero=0)),
+    ("DP 2 x PP 4 1F1B", dict(pp=4, schedule="1f1b"), dict(tp=1, pp=4, zero=0, schedule="1f1b")),
+    ("DP 2 x PP 4 GPipe", dict(pp=4, schedule="gpipe"), dict(tp=1, pp=4, zero=0, schedule="gpipe")),
+    ("DP 2 x PP 4 ZB-H1", dict(pp=4, schedule="zb-h1"), dict(tp=1, pp=4, zero=0, schedule="zb-h1")),
+    ("DP 2 x PP 4 interleaved v2", dict(pp=4, schedule="interleaved", virtual_stages=2),
+     dict(tp=1, pp=4, zero=0, schedule="interleaved", virtual=2)),
+    ("DP 2 x TP 2 x PP 2", dict(tp=2, pp=2), dict(tp=2, pp=2, zero=0, schedule="1f1b")),
+]
+
+
+def _train(n: int, flags: dict, base: dict, out: str) -> float:
+    """Median step ms of a run (its first 3 steps left out)."""
+    args = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcdist.train", "--out-dir", out]
+    for k, v in {**base, **flags}.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{r.stderr[-2000:]}")
+    steps = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))
+             if '"loss"' in line and '"step"' in line]
+    return float(np.median([s["step_ms"] for s in steps[3:]]))
+
+
+def _links(n: int) -> tuple:
+    """(alpha s, bytes/s) between two ranks on this machine (ping-pong, n ranks running)."""
+    code = ("from hpcdist.comm import Communicator; from hpcdist.comm.model import fit_links; "
+            "import json; c = Communicator(); l = fit_links(c, big=4 << 20); "
+            "print(json.dumps(l['intra'])) if c.rank == 0 else None")
+    r = subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=300)
+    alpha, beta = json.loads(r.stdout.strip().splitlines()[-1])
+    return alpha, 1.0 / beta if beta else 1e12
+
+
+def main(argv=None) -> int:
+    from hpcdist import plan as P
+    from hpcdist.config import TrainConfig
+    from hpcdist.data import make_task
+    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench plan", description=__doc__)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--n-layer", type=int, default=8)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--global-batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--out", default="runs/bench")
+    args = ap.parse_args(argv)
+    n, B = args.ranks, args.global_batch
+    cfg = TrainConfig()
+    train_set = make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
+                          block_size=cfg.block_size)[0]
+    model = P.Model(args.n_layer, args.n_embd, args.n_head, train_set.block_size,
+                    train_set.vocab_size)
+    base = dict(steps=args.steps, n_layer=args.n_layer, n_embd=args.n_embd,
+                n_head=args.n_head, log_every=10 ** 6)
+    tmp = tempfile.mkdtemp()
+    # calibration: one rank alone, the whole global batch; its FLOP/s, split over the ranks
+    # that will share the cores
+    t1 = _train(1, dict(batch_size=B), base, os.path.join(tmp, "one")) / 1e3
+    cores = len(os.sched_getaffinity(0))
+    per_rank = model.flops(B, False) / t1 * min(1.0, cores / n)
+    alpha, bw = _links(n)
+    gpu = P.GPU("this machine (a rank)", {"fp32": per_rank}, 24e9, bw, bw, alpha, alpha)
+    settings = P.Settings(efficiency=1.0, dtype="fp32", buffers=0.0, grad_bytes=4)
+    calibration = {"efficiency": 1.0, "peak_flops_per_rank": per_rank,
+                   "nvlink": [alpha, bw], "network": [alpha, bw]}
+    rows = []
+    for label, flags, fields in LAYOUTS:
+        tp, pp = fields["tp"], fields["pp"]
+        dp = n // (tp * pp)
+        v = fields.get("virtual", 1)
+        m = 2 * pp if pp > 1 else 1                      # train's default micro-batches
+        L = P.Layout(tp, pp, dp, fields["zero"], B // dp // m, m,
+                     fields.get("schedule", "none"), v, False, False)
+        est = P.estimate(model, L, gpu, n, n, B, settings)
+        measured = _train(n, dict(flags, batch_size=B // dp), base,
+                          os.path.join(tmp, label.replace(" ", "_")))
+        rows.append({"layout": label, "predicted_ms": est.step_s * 1e3,
+                     "measured_ms": measured, "ratio": measured / (est.step_s * 1e3)})
+    pred = np.argsort(np.argsort([r["predicted_ms"] for r in rows]))
+    meas = np.argsort(np.argsort([r["measured_ms"] for r in rows]))
+    k = len(rows)
+    spearman = 1 - 6 * float(((pred - meas) ** 2).sum()) / (k * (k * k - 1))
+    print(f"calibration: 1 rank {t1 * 1e3:.1f} ms per step of {B} sequences -> "
+          f"{per_rank / 1e9:.2f} GFLOP/s per rank at {n} ranks on {cores} cores; link alpha "
+          f"{alpha * 1e6:.1f} us, {bw / 1e9:.2f} GB/s")
+    print(table(rows, [("layout", "layout", "s"), ("predicted ms", "predicted_ms", ".1f"),
+                       ("measured ms", "measured_ms", ".1f"), ("meas/pred", "ratio", ".2f")]))
+    print(f"rank agreement (Spearman) of predicted and measured order: {spearman:.2f}")
+    write_json(os.path.join(args.out, "bench_plan.json"),
+               {"calibration": calibration, "rows": rows, "spearman": spearman})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -67,6 +67,46 @@ HARDWARE = {
 }
 
 
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM", SC21, Table 1 (weak scaling on A100 80GB; seq 2048, vocab 51200): parameters
+# (billions), heads, hidden, layers, TP, PP, GPUs, global batch, achieved TFLOP/s per GPU.
+NARAYANAN_TABLE_1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+
+
+def published_comparison(gpu_name: str = "a100-80g") -> list:
+    """Narayanan et al.'s Table 1 beside the planner: per row the published layout's estimate
+    (micro-batch 1, full recompute, its best schedule), that mesh's rank among the planner's
+    meshes, and the planner's best mesh."""
+    gpu, rows = HARDWARE[gpu_name], []
+    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in NARAYANAN_TABLE_1:
+        model = Model(layers, hidden, heads, 2048, 51200)
+        meshes = best_per_mesh(plan(model, gpu, gpus, 8, batch)[0])
+        keys = [(e.layout.tp, e.layout.pp) for e in meshes]
+        mine = None
+        m = batch // (gpus // (tp * pp))
+        for schedule, v in _schedules(pp):
+            if v > 1 and ((layers // pp) % v or m % pp):
+                continue
+            e = estimate(model, Layout(tp, pp, gpus // (tp * pp), 1, 1, m, schedule, v, True,
+                                       False), gpu, gpus, 8, batch)
+            if e.fits and (mine is None or e.step_s < mine.step_s):
+                mine = e
+        rows.append({"model": f"{billions}B", "published": f"TP {tp} x PP {pp}, {gpus} GPUs",
+                     "published_tflops": tflops,
+                     "estimate_tflops": mine.tflops_per_gpu / 1e12 if mine else None,
+                     "rank": keys.index((tp, pp)) + 1 if (tp, pp) in keys else None,
+                     "best": f"TP {meshes[0].layout.tp} x PP {meshes[0].layout.pp}",
+                     "best_tflops": meshes[0].tflops_per_gpu / 1e12})
+    return rows
+
+
 @dataclass(frozen=True)
 class Model:
     layers: int

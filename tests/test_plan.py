@@ -7,17 +7,7 @@ import pytest
 from hpcdist import plan as P
 from hpcdist.parallel import schedules as S
 
-# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-# Megatron-LM", SC21, Table 1 (weak scaling on A100 80GB; seq 2048, vocab 51200): parameters
-# (billions), heads, hidden, layers, TP, PP, GPUs, global batch, achieved TFLOP/s per GPU.
-NARAYANAN_TABLE_1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+NARAYANAN_TABLE_1 = P.NARAYANAN_TABLE_1
 
 
 @pytest.mark.parametrize("row", NARAYANAN_TABLE_1, ids=lambda r: f"{r[0]}B")

@@ -70,7 +70,17 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--published", action="store_true",
+                    help="only the comparison with Narayanan et al.'s Table 1 (no runs)")
     args = ap.parse_args(argv)
+    if args.published:
+        rows = P.published_comparison()
+        print(table(rows, [("model", "model", "s"), ("published", "published", "s"),
+                           ("TFLOP/s", "published_tflops", "d"),
+                           ("planner's estimate", "estimate_tflops", ".0f"),
+                           ("its mesh rank", "rank", "d"), ("planner's best", "best", "s"),
+                           ("best TFLOP/s", "best_tflops", ".0f")]))
+        return 0
     n, B = args.ranks, args.global_batch
     cfg = TrainConfig()
     train_set = make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,

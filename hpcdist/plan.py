@@ -178,6 +178,8 @@ class Settings:
     dtype: str = "bf16"
     buffers: float = 2 * GB           # CUDA context, communication buckets, workspace
     grad_bytes: int = 4               # fp32 gradient accumulation and reduction
+    param_bytes: int = 2              # bf16 parameters (4: an fp32 run)
+    optimizer_bytes: int = 12         # fp32 master + Adam's two moments (8: an fp32 run)
     memory_headroom: float = 0.95     # of the card usable for the above
     tp_across_nodes: bool = False
     sequence_parallel: bool = True    # consider SP (False: a framework without it)
@@ -260,28 +262,35 @@ def _schedules(pp: int):
 
 # ---- one layout ---------------------------------------------------------------------------
 
-def memory(model: Model, L: Layout, settings: Settings = Settings()) -> dict:
-    """Bytes per GPU on the fuller of the first and the last stage."""
+def memory(model: Model, L: Layout, settings: Settings = Settings(),
+           stage: str | None = None) -> dict:
+    """Bytes per GPU on the ``stage`` "first" or "last" (None: the fuller of the two).
+
+    Parameters counted as a GPT-2 block holds them under tensor parallelism: 12h^2 + 7h split
+    over the TP ranks (QKV, the projections, the MLP and their column-parallel biases), 6h
+    on every rank (the row-parallel biases and two LayerNorms); the vocabulary-parallel table
+    padded to a multiple of TP and the position table on the first stage; the final
+    LayerNorm and the tied head's copy on the last."""
     from .parallel import schedules as S
     s, h, a, V, t = model.seq, model.hidden, model.heads, model.vocab, L.tp
     b = L.micro_batch
-    block = 12 * h * h * (1 + 13 / (12 * h))
+    block = (12 * h * h + 7 * h) / t + 6 * h
     layers = model.layers // L.pp
-    stage_params = layers * block / t
-    first = stage_params + V * h / t + s * h              # embeddings on the first stage
-    last = stage_params + (V * h / t if L.pp > 1 else 0)  # the tied head's copy
+    table = -(-V // t) * h
+    first = layers * block + table + s * h + (2 * h if L.pp == 1 else 0)
+    last = layers * block + 2 * h + (table if L.pp > 1 else 0)
     d = L.dp
+    pb, gb, ob = settings.param_bytes, settings.grad_bytes, settings.optimizer_bytes
 
-    gb = settings.grad_bytes
-
-    def state(psi):                       # (2 + gb + 12) bytes per parameter, ZeRO's sharding
+    def state(psi):                       # bytes per parameter, ZeRO's sharding (rank 0's
+        shard = -(-int(psi) // d)         # shard: the layout's first, ceil(psi / d))
         if L.zero == 0:
-            return 2 * psi, gb * psi, 12 * psi
+            return pb * psi, gb * psi, ob * psi
         if L.zero == 1:
-            return 2 * psi, gb * psi, 12 * psi / d
+            return pb * psi, gb * psi, ob * shard
         if L.zero == 2:
-            return 2 * psi, gb * psi / d, 12 * psi / d
-        return 2 * psi / d, gb * psi / d, 12 * psi / d
+            return pb * psi, gb * shard, ob * shard
+        return pb * shard, gb * shard, ob * shard
     if L.recompute:
         layer_act = 2 * s * b * h / (t if L.sp else 1)         # each layer's input
         full_layer = s * b * h * ((34 / t) if L.sp else (10 + 24 / t)) \
@@ -302,7 +311,7 @@ def memory(model: Model, L: Layout, settings: Settings = Settings()) -> dict:
         p, g, o = state(psi)
         out[name] = {"params": p, "grads": g, "optimizer": o, "activations": act,
                      "buffers": settings.buffers, "total": p + g + o + act + settings.buffers}
-    return max(out.values(), key=lambda x: x["total"])
+    return out[stage] if stage else max(out.values(), key=lambda x: x["total"])
 
 
 _SIM: dict = {}

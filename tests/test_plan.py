@@ -94,3 +94,20 @@ def test_command_line_json(capsys):
     assert len(rows) == 3 and rows[0]["step_s"] <= rows[1]["step_s"] <= rows[2]["step_s"]
     assert {"tp", "pp", "dp", "zero", "micro_batches", "schedule", "recompute", "memory_gb",
             "step_s", "tflops_per_gpu", "bubble"} <= set(rows[0])
+
+
+def test_model_state_per_rank_is_what_training_runs_hold(tmp_path):
+    """``bench plan --memory``: 4-rank runs (DP, ZeRO 1-3, TP 2, PP 2, PP 2 + ZeRO-1) report
+    the parameter, gradient and optimizer bytes the planner predicts for rank 0, exactly."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "hpcdist.bench", "plan", "--memory", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.load(open(tmp_path / "bench_plan_memory.json"))
+    assert len(rows) == 21
+    assert all(row["planner"] == row["run"] for row in rows), rows

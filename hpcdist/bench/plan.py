@@ -17,6 +17,8 @@ import tempfile
 import numpy as np
 
 from hpcdist.bench.common import mpiexec, table, write_json
+from hpcdist.config import TrainConfig
+from hpcdist.data import make_task
 
 # (label, train flags, planner Layout fields) at 8 ranks; global batch fixed
 LAYOUTS = [
@@ -44,7 +46,43 @@ def _train(n: int, flags: dict, base: dict, out: str) -> float:
         raise RuntimeError(f"{' '.join(args)} failed:\n{r.stderr[-2000:]}")
     steps = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))
              if '"loss"' in line and '"step"' in line]
-    return float(np.median([s["step_ms"] for s in steps[3:]]))
+    times = [s["step_ms"] for s in steps]
+    return float(np.median(times[3:] if len(times) > 3 else times))
+
+
+MEMORY_LAYOUTS = [("DP 4", dict(), dict(tp=1, pp=1, zero=0)),
+                  ("DP 4 ZeRO-1", dict(zero=1), dict(tp=1, pp=1, zero=1)),
+                  ("DP 4 ZeRO-2", dict(zero=2), dict(tp=1, pp=1, zero=2)),
+                  ("DP 4 ZeRO-3", dict(zero=3), dict(tp=1, pp=1, zero=3)),
+                  ("DP 2 x TP 2", dict(tp=2), dict(tp=2, pp=1, zero=0)),
+                  ("DP 2 x PP 2", dict(pp=2), dict(tp=1, pp=2, zero=0)),
+                  ("DP 2 x PP 2 ZeRO-1", dict(pp=2, zero=1), dict(tp=1, pp=2, zero=1))]
+
+
+def _state(n: int, flags: dict, base: dict, out: str) -> dict:
+    """Rank 0's model state between steps, as the run's final record says."""
+    _train(n, flags, base, out)
+    final = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))
+             if '"event": "final"' in line][-1]
+    return final["memory_state"]
+
+
+def memory_rows(model, base: dict, tmp: str, n: int = 4) -> list:
+    """The planner's state per rank (fp32 run: 4 + 4 + 8 bytes per parameter, rank 0 = the
+    first stage) beside what the training run reports."""
+    from hpcdist import plan as P
+    settings = P.Settings(param_bytes=4, grad_bytes=4, optimizer_bytes=8, buffers=0.0)
+    rows = []
+    for label, flags, fields in MEMORY_LAYOUTS:
+        tp, pp = fields["tp"], fields["pp"]
+        L = P.Layout(tp, pp, n // (tp * pp), fields["zero"], 1, 2 * pp if pp > 1 else 1,
+                     "1f1b" if pp > 1 else "none", 1, False, False)
+        want = P.memory(model, L, settings, stage="first")
+        got = _state(n, flags, dict(base, steps=2), os.path.join(tmp, "mem_" + label.replace(" ", "_")))
+        for kind in ("params", "grads", "optimizer"):
+            rows.append({"layout": label, "kind": kind, "planner": int(want[kind]),
+                         "run": int(got[kind]), "ratio": got[kind] / want[kind]})
+    return rows
 
 
 def _links(n: int) -> tuple:
@@ -60,8 +98,6 @@ def _links(n: int) -> tuple:
 
 def main(argv=None) -> int:
     from hpcdist import plan as P
-    from hpcdist.config import TrainConfig
-    from hpcdist.data import make_task
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench plan", description=__doc__)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--n-layer", type=int, default=8)
@@ -70,9 +106,25 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--memory", action="store_true",
+                    help="only the model state per rank, planner vs training runs (4 ranks)")
     ap.add_argument("--published", action="store_true",
                     help="only the comparison with Narayanan et al.'s Table 1 (no runs)")
     args = ap.parse_args(argv)
+    if args.memory:
+        cfg = TrainConfig()
+        train_set = make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
+                              block_size=cfg.block_size)[0]
+        model = P.Model(args.n_layer, args.n_embd, args.n_head, train_set.block_size,
+                        train_set.vocab_size)
+        base = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                    log_every=10 ** 6, batch_size=16)
+        rows = memory_rows(model, base, tempfile.mkdtemp())
+        print(table(rows, [("layout", "layout", "s"), ("state", "kind", "s"),
+                           ("planner B", "planner", "d"), ("run B", "run", "d"),
+                           ("run/planner", "ratio", ".4f")]))
+        write_json(os.path.join(args.out, "bench_plan_memory.json"), rows)
+        return 0
     if args.published:
         rows = P.published_comparison()
         print(table(rows, [("model", "model", "s"), ("published", "published", "s"),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
@@ -180,6 +181,11 @@ class Settings:
     grad_bytes: int = 4               # fp32 gradient accumulation and reduction
     param_bytes: int = 2              # bf16 parameters (4: an fp32 run)
     optimizer_bytes: int = 12         # fp32 master + Adam's two moments (8: an fp32 run)
+    # Fixed costs a FLOP count misses (0 for a GPU's fused kernels at scale; calibrated for a
+    # CPU run by ``bench plan``): seconds per layer per forward (a backward costs two), and
+    # per collective call beyond the link's alpha
+    layer_overhead: float = 0.0
+    call_overhead: float = 0.0
     memory_headroom: float = 0.95     # of the card usable for the above
     tp_across_nodes: bool = False
     sequence_parallel: bool = True    # consider SP (False: a framework without it)
@@ -371,12 +377,14 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
     layer_fwd = 24 * b * s * h * h * (1 + s / (6 * h)) / t
     tp_bw, tp_alpha = (gpu.nvlink, gpu.nvlink_alpha) if t <= per_node else \
         (gpu.network, gpu.network_alpha)
-    act_bytes = 2 * b * s * h
-    tp_fwd = 2 * _allreduce(act_bytes, t, tp_bw, tp_alpha)       # 2 per layer forward
-    f = layers * (layer_fwd / peak + tp_fwd)
-    bwd = layers * (2 * layer_fwd / peak + tp_fwd)
+    act_bytes = settings.param_bytes * b * s * h
+    call = settings.call_overhead
+    tp_fwd = 2 * (_allreduce(act_bytes, t, tp_bw, tp_alpha) + call) if t > 1 else 0.0
+    over = settings.layer_overhead
+    f = layers * (layer_fwd / peak + tp_fwd + over)
+    bwd = layers * (2 * layer_fwd / peak + tp_fwd + 2 * over)
     if L.recompute:
-        bwd += layers * (layer_fwd / peak + tp_fwd)
+        bwd += layers * (layer_fwd / peak + tp_fwd + over)
     logits = 2 * b * s * h * V / t / peak                          # on the last stage
     f_last, b_last = f + logits, bwd + 2 * logits
     # rank = (pp * DP + dp) * TP + tp, a node's ranks consecutive: neighbouring stages are
@@ -385,7 +393,7 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
     if L.pp > 1:                        # scatter/gather over TP: each rank sends 1/t
         across = t * L.dp >= per_node
         pp_send = act_bytes / t / (gpu.network if across else gpu.nvlink) \
-            + (gpu.network_alpha if across else gpu.nvlink_alpha)
+            + (gpu.network_alpha if across else gpu.nvlink_alpha) + call
     fc = (max(f, f_last) + pp_send) / L.virtual
     bc = (max(bwd, b_last) + pp_send) / L.virtual
     schedule = L.schedule if L.pp > 1 else "1f1b"
@@ -396,6 +404,9 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
     dp = _allreduce(grad_bytes, L.dp, gpu.nvlink if inside else gpu.network,
                     gpu.nvlink_alpha if inside else gpu.network_alpha) \
         * (1.5 if L.zero == 3 else 1)
+    if L.dp > 1:                   # a call per 25 MB bucket; ZeRO-3 gathers every block twice
+        calls = max(1, math.ceil(grad_bytes / 25e6)) + (3 * layers if L.zero == 3 else 0)
+        dp += calls * call
     optimizer = 16 * psi / (L.dp if L.zero else 1) / 2e12     # a memory-bound pass over state
     e.step_s = pipe + dp + optimizer
     tp_total = L.micro_batches * layers * tp_fwd * (3 if L.recompute else 2)

@@ -86,14 +86,22 @@ def memory_rows(model, base: dict, tmp: str, n: int = 4) -> list:
 
 
 def _links(n: int) -> tuple:
-    """(alpha s, bytes/s) between two ranks on this machine (ping-pong, n ranks running)."""
-    code = ("from hpcdist.comm import Communicator; from hpcdist.comm.model import fit_links; "
-            "import json; c = Communicator(); l = fit_links(c, big=4 << 20); "
-            "print(json.dumps(l['intra'])) if c.rank == 0 else None")
+    """(alpha s, bytes/s, seconds per small collective call) with ``n`` ranks running:
+    a ping-pong between two of them, and the median of 200 1-KiB allreduces over all."""
+    code = ("import json, time, numpy as np; from hpcdist.comm import Communicator; "
+            "from hpcdist.comm.model import fit_links; c = Communicator(); "
+            "l = fit_links(c, big=4 << 20); x = np.ones(256, np.float32); ts = []\n"
+            "for _ in range(200):\n"
+            "    c.barrier(); t = time.perf_counter(); c.allreduce(x); "
+            "ts.append(time.perf_counter() - t)\n"
+            "print(json.dumps(list(l['intra']) + [float(np.median(ts))])) if c.rank == 0 "
+            "else None")
     r = subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-c", code],
                        capture_output=True, text=True, timeout=300)
-    alpha, beta = json.loads(r.stdout.strip().splitlines()[-1])
-    return alpha, 1.0 / beta if beta else 1e12
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    alpha, beta, call = json.loads(r.stdout.strip().splitlines()[-1])
+    return alpha, 1.0 / beta if beta else 1e12, call
 
 
 def main(argv=None) -> int:
@@ -142,15 +150,27 @@ def main(argv=None) -> int:
     base = dict(steps=args.steps, n_layer=args.n_layer, n_embd=args.n_embd,
                 n_head=args.n_head, log_every=10 ** 6)
     tmp = tempfile.mkdtemp()
-    # calibration: one rank alone, the whole global batch; its FLOP/s, split over the ranks
-    # that will share the cores
-    t1 = _train(1, dict(batch_size=B), base, os.path.join(tmp, "one")) / 1e3
+    # calibration: one rank alone at two batch sizes gives its FLOP/s and its fixed cost per
+    # step (Python and per-op work a FLOP count misses), both shared out over the ranks that
+    # will share the cores; a ping-pong and a short allreduce give the links and the cost of
+    # one collective call
+    small = max(B // n, 1)
+    t_big = _train(1, dict(batch_size=B), base, os.path.join(tmp, "one_big")) / 1e3
+    t_small = _train(1, dict(batch_size=small), base, os.path.join(tmp, "one_small")) / 1e3
+    f_big, f_small = model.flops(B, False), model.flops(small, False)
+    rate = (f_big - f_small) / max(t_big - t_small, 1e-9)
+    fixed = max(t_big - f_big / rate, 0.0)
     cores = len(os.sched_getaffinity(0))
-    per_rank = model.flops(B, False) / t1 * min(1.0, cores / n)
-    alpha, bw = _links(n)
+    share = max(1.0, n / cores)                  # ranks per core
+    per_rank = rate / share
+    alpha, bw, call = _links(n)
     gpu = P.GPU("this machine (a rank)", {"fp32": per_rank}, 24e9, bw, bw, alpha, alpha)
-    settings = P.Settings(efficiency=1.0, dtype="fp32", buffers=0.0, grad_bytes=4)
+    settings = P.Settings(efficiency=1.0, dtype="fp32", buffers=0.0, grad_bytes=4,
+                          param_bytes=4, optimizer_bytes=8,
+                          layer_overhead=fixed / (3 * args.n_layer) * share,
+                          call_overhead=call)
     calibration = {"efficiency": 1.0, "peak_flops_per_rank": per_rank,
+                   "layer_overhead_s": settings.layer_overhead, "call_overhead_s": call,
                    "nvlink": [alpha, bw], "network": [alpha, bw]}
     rows = []
     for label, flags, fields in LAYOUTS:
@@ -169,9 +189,11 @@ def main(argv=None) -> int:
     meas = np.argsort(np.argsort([r["measured_ms"] for r in rows]))
     k = len(rows)
     spearman = 1 - 6 * float(((pred - meas) ** 2).sum()) / (k * (k * k - 1))
-    print(f"calibration: 1 rank {t1 * 1e3:.1f} ms per step of {B} sequences -> "
-          f"{per_rank / 1e9:.2f} GFLOP/s per rank at {n} ranks on {cores} cores; link alpha "
-          f"{alpha * 1e6:.1f} us, {bw / 1e9:.2f} GB/s")
+    print(f"calibration: 1 rank {t_big * 1e3:.1f} ms per step of {B} sequences, "
+          f"{t_small * 1e3:.1f} ms of {small} -> {rate / 1e9:.2f} GFLOP/s and {fixed * 1e3:.1f} ms "
+          f"fixed per step; at {n} ranks on {cores} cores {per_rank / 1e9:.2f} GFLOP/s and "
+          f"{settings.layer_overhead * 1e3:.2f} ms per layer pass per rank; link alpha "
+          f"{alpha * 1e6:.1f} us, {bw / 1e9:.2f} GB/s; a short allreduce {call * 1e6:.0f} us")
     print(table(rows, [("layout", "layout", "s"), ("predicted ms", "predicted_ms", ".1f"),
                        ("measured ms", "measured_ms", ".1f"), ("meas/pred", "ratio", ".2f")]))
     print(f"rank agreement (Spearman) of predicted and measured order: {spearman:.2f}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import backend
@@ -62,7 +63,6 @@ class Wire:
         ranks are not spread evenly over several nodes. Made once, collectively, by the
         first two-level call on this wire (every rank is in that call)."""
         if self._levels is None:
-            import numpy as np
             if self.node_of is None:
                 self._levels = ()
                 return None
@@ -115,7 +115,7 @@ class Wire:
     def result(self, flat, buf, out=None):
         """A flat result shaped like ``buf`` on ``buf``'s device, in ``out`` when one is given
         (else a new array: ``flat`` may be a buffer that the next call reuses)."""
-        if out is None and type(buf) is _ndarray:          # the hot case: a host array
+        if out is None and type(buf) is np.ndarray:          # the hot case: a host array
             return flat.reshape(buf.shape).copy()
         if out is not None:
             return self.stage_out(flat, out, out)
@@ -196,7 +196,6 @@ class Wire:
 
 
 _startall = MPI.Prequest.Startall
-_ndarray = __import__("numpy").ndarray
 
 _BUFFER_CALLS = {"Allreduce", "Reduce", "Bcast", "Allgather", "Allgatherv", "Alltoall",
                  "Alltoallv", "Gather", "Gatherv", "Scatter", "Scatterv", "Reduce_scatter",

@@ -111,3 +111,15 @@ def test_model_state_per_rank_is_what_training_runs_hold(tmp_path):
     rows = json.load(open(tmp_path / "bench_plan_memory.json"))
     assert len(rows) == 21
     assert all(row["planner"] == row["run"] for row in rows), rows
+
+
+def test_planning_never_starts_mpi():
+    """The planner runs on a login node: importing and running it must not initialise MPI."""
+    import subprocess
+    import sys
+    code = ("import sys, hpcdist.plan as P; P.main(['--layers', '8', '--hidden', '512', "
+            "'--heads', '8', '--seq', '256', '--vocab', '1000', '--global-batch', '32', "
+            "'--gpus', '8', '--gpus-per-node', '4', '--json']); "
+            "print('MPI' if 'mpi4py.MPI' in sys.modules else 'no MPI')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("no MPI"), r.stderr

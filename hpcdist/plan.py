@@ -81,33 +81,6 @@ NARAYANAN_TABLE_1 = [
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
 
 
-def published_comparison(gpu_name: str = "a100-80g") -> list:
-    """Narayanan et al.'s Table 1 beside the planner: per row the published layout's estimate
-    (micro-batch 1, full recompute, its best schedule), that mesh's rank among the planner's
-    meshes, and the planner's best mesh."""
-    gpu, rows = HARDWARE[gpu_name], []
-    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in NARAYANAN_TABLE_1:
-        model = Model(layers, hidden, heads, 2048, 51200)
-        meshes = best_per_mesh(plan(model, gpu, gpus, 8, batch)[0])
-        keys = [(e.layout.tp, e.layout.pp) for e in meshes]
-        mine = None
-        m = batch // (gpus // (tp * pp))
-        for schedule, v in _schedules(pp):
-            if v > 1 and ((layers // pp) % v or m % pp):
-                continue
-            e = estimate(model, Layout(tp, pp, gpus // (tp * pp), 1, 1, m, schedule, v, True,
-                                       False), gpu, gpus, 8, batch)
-            if e.fits and (mine is None or e.step_s < mine.step_s):
-                mine = e
-        rows.append({"model": f"{billions}B", "published": f"TP {tp} x PP {pp}, {gpus} GPUs",
-                     "published_tflops": tflops,
-                     "estimate_tflops": mine.tflops_per_gpu / 1e12 if mine else None,
-                     "rank": keys.index((tp, pp)) + 1 if (tp, pp) in keys else None,
-                     "best": f"TP {meshes[0].layout.tp} x PP {meshes[0].layout.pp}",
-                     "best_tflops": meshes[0].tflops_per_gpu / 1e12})
-    return rows
-
-
 @dataclass(frozen=True)
 class Model:
     layers: int
@@ -218,7 +191,7 @@ def candidates(model: Model, gpus: int, per_node: int, batch: int,
                 for name, v in _schedules(pp):
                     if pp > 1:
                         try:
-                            S.make(name, pp, m, v) if pp * m <= 512 else S.get(name)
+                            S.check(name, v)
                         except ValueError as e:
                             refused.append(({**base, "schedule": name}, str(e)))
                             continue

@@ -85,6 +85,34 @@ def memory_rows(model, base: dict, tmp: str, n: int = 4) -> list:
     return rows
 
 
+def published_comparison(gpu_name: str = "a100-80g") -> list:
+    """Narayanan et al.'s Table 1 beside the planner: per row the published layout's estimate
+    (micro-batch 1, full recompute, its best schedule), that mesh's rank among the planner's
+    meshes, and the planner's best mesh."""
+    from hpcdist import plan as P
+    gpu, rows = P.HARDWARE[gpu_name], []
+    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in P.NARAYANAN_TABLE_1:
+        model = P.Model(layers, hidden, heads, 2048, 51200)
+        meshes = P.best_per_mesh(P.plan(model, gpu, gpus, 8, batch)[0])
+        keys = [(e.layout.tp, e.layout.pp) for e in meshes]
+        mine = None
+        m = batch // (gpus // (tp * pp))
+        for schedule, v in P._schedules(pp):
+            if v > 1 and ((layers // pp) % v or m % pp):
+                continue
+            e = P.estimate(model, P.Layout(tp, pp, gpus // (tp * pp), 1, 1, m, schedule, v, True,
+                                       False), gpu, gpus, 8, batch)
+            if e.fits and (mine is None or e.step_s < mine.step_s):
+                mine = e
+        rows.append({"model": f"{billions}B", "published": f"TP {tp} x PP {pp}, {gpus} GPUs",
+                     "published_tflops": tflops,
+                     "estimate_tflops": mine.tflops_per_gpu / 1e12 if mine else None,
+                     "rank": keys.index((tp, pp)) + 1 if (tp, pp) in keys else None,
+                     "best": f"TP {meshes[0].layout.tp} x PP {meshes[0].layout.pp}",
+                     "best_tflops": meshes[0].tflops_per_gpu / 1e12})
+    return rows
+
+
 def _links(n: int) -> tuple:
     """(alpha s, bytes/s, seconds per small collective call) with ``n`` ranks running:
     a ping-pong between two of them, and the median of 200 1-KiB allreduces over all."""
@@ -104,6 +132,16 @@ def _links(n: int) -> tuple:
     return alpha, 1.0 / beta if beta else 1e12, call
 
 
+def _model(args):
+    """The planner's view of the GPT these runs train (the default task's sequences)."""
+    from hpcdist import plan as P
+    cfg = TrainConfig()
+    train_set = make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
+                          block_size=cfg.block_size)[0]
+    return P.Model(args.n_layer, args.n_embd, args.n_head, train_set.block_size,
+                   train_set.vocab_size)
+
+
 def main(argv=None) -> int:
     from hpcdist import plan as P
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench plan", description=__doc__)
@@ -120,11 +158,7 @@ def main(argv=None) -> int:
                     help="only the comparison with Narayanan et al.'s Table 1 (no runs)")
     args = ap.parse_args(argv)
     if args.memory:
-        cfg = TrainConfig()
-        train_set = make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
-                              block_size=cfg.block_size)[0]
-        model = P.Model(args.n_layer, args.n_embd, args.n_head, train_set.block_size,
-                        train_set.vocab_size)
+        model = _model(args)
         base = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                     log_every=10 ** 6, batch_size=16)
         rows = memory_rows(model, base, tempfile.mkdtemp())
@@ -134,7 +168,7 @@ def main(argv=None) -> int:
         write_json(os.path.join(args.out, "bench_plan_memory.json"), rows)
         return 0
     if args.published:
-        rows = P.published_comparison()
+        rows = published_comparison()
         print(table(rows, [("model", "model", "s"), ("published", "published", "s"),
                            ("TFLOP/s", "published_tflops", "d"),
                            ("planner's estimate", "estimate_tflops", ".0f"),
@@ -142,11 +176,7 @@ def main(argv=None) -> int:
                            ("best TFLOP/s", "best_tflops", ".0f")]))
         return 0
     n, B = args.ranks, args.global_batch
-    cfg = TrainConfig()
-    train_set = make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
-                          block_size=cfg.block_size)[0]
-    model = P.Model(args.n_layer, args.n_embd, args.n_head, train_set.block_size,
-                    train_set.vocab_size)
+    model = _model(args)
     base = dict(steps=args.steps, n_layer=args.n_layer, n_embd=args.n_embd,
                 n_head=args.n_head, log_every=10 ** 6)
     tmp = tempfile.mkdtemp()

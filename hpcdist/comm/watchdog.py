@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -314,7 +315,6 @@ class Watchdog(threading.Thread):
             signal.signal(signal.SIGTERM, _note_signal)
 
     def _read_signals(self) -> None:
-        import select
         if self._wake_r is None:
             return
         while select.select([self._wake_r], [], [], 0)[0]:
@@ -349,22 +349,22 @@ class Watchdog(threading.Thread):
     def run(self) -> None:
         request = np.zeros(2, dtype=np.int64)
         recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
-        import select
         while not self.stopping.is_set():
+            died = False                       # a neighbour's pidfd turned readable
             if self._pidfds:
-                died = select.select(list(self._pidfds.values()), [], [], 0.05)[0]
-                if died:
-                    self._next_liveness = 0.0          # check now
+                died = bool(select.select(list(self._pidfds.values()), [], [], 0.05)[0])
             elif self.stopping.wait(0.05):
                 break
-            self._read_signals()
+            self._read_signals()               # our own SIGTERM first: it may explain theirs
             while recv.Test():                 # another rank asks for our status
                 self._answer(int(request[0]), int(request[1]))
                 recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
             overdue = self._overdue()
             if overdue is not None and time.monotonic() >= self.stand_down_until:
                 self._report(overdue, recv, request)
-            if self.neighbours and time.monotonic() >= self._next_liveness:
+            poll = len(self.neighbours) > len(self._pidfds) and \
+                time.monotonic() >= self._next_liveness        # some have no pidfd
+            if died or poll:
                 self._next_liveness = time.monotonic() + LIVENESS_S
                 self._check_neighbours()
         recv.Cancel()                           # before MPI_Finalize (see stop())

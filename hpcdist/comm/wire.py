@@ -34,7 +34,8 @@ class WireError(TypeError):
 class Wire:
     """An MPI communicator seen through the wire's checks and byte count."""
 
-    __slots__ = ("mpi", "device_ok", "sent", "exchanges", "node_of", "sent_inter", "_levels")
+    __slots__ = ("mpi", "device_ok", "sent", "exchanges", "node_of", "node", "sent_inter",
+                 "_levels")
 
     def __init__(self, mpi, device_ok: bool, agreement: bool = True, node_of=None):
         self.mpi = mpi                  # the mpi4py communicator underneath
@@ -45,6 +46,7 @@ class Wire:
         # node_of[rank]: the node of each rank of ``mpi`` (None: one node). Sends to another
         # node are counted again in ``sent_inter``: the bytes that cross the slow link.
         self.node_of = node_of if node_of is not None and len(set(node_of)) > 1 else None
+        self.node = self.node_of[mpi.Get_rank()] if self.node_of is not None else None
         self.sent_inter = 0
         self._levels = None
 
@@ -147,7 +149,7 @@ class Wire:
     def _out(self, buf, what: str, dest: int):
         self._buf(buf, what)
         self.sent += buf.nbytes
-        if self.node_of is not None and self.node_of[dest] != self.node_of[self.mpi.Get_rank()]:
+        if self.node_of is not None and self.node_of[dest] != self.node:
             self.sent_inter += buf.nbytes
         return buf
 

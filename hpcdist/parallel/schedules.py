@@ -240,15 +240,21 @@ def get(name: str) -> Schedule:
     return REGISTRY[name]
 
 
-def make(name: str, P: int, m: int, v: int = 1, costs: dict | None = None) -> list[list[Action]]:
-    """Compute order for the registered schedule ``name``, with communication added.
-    ``costs``: op times a replanning schedule plans with (the others do not depend on them)."""
+def check(name: str, v: int = 1) -> Schedule:
+    """The registered schedule ``name``, refused (ScheduleError) where ``v`` does not suit it."""
     schedule = get(name)
     if v > 1 and not schedule.virtual:
         virtual = [n for n, r in REGISTRY.items() if r.virtual]
         raise ScheduleError(f"--virtual-stages {v} needs --schedule {' or '.join(virtual)}")
     if schedule.virtual and v == 1:
         raise ScheduleError(f"--schedule {name} needs --virtual-stages >= 2")
+    return schedule
+
+
+def make(name: str, P: int, m: int, v: int = 1, costs: dict | None = None) -> list[list[Action]]:
+    """Compute order for the registered schedule ``name``, with communication added.
+    ``costs``: op times a replanning schedule plans with (the others do not depend on them)."""
+    schedule = check(name, v)
     return add_communication(schedule.generate(P, m, v, costs), P, v)
 
 

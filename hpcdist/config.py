@@ -55,12 +55,14 @@ class TrainConfig:
     bucket_mb: float = 25.0       # gradient bucket size
     first_bucket_mb: float = 1.0  # the first bucket (last layers) is smaller: starts earlier
     overlap: bool = True          # average buckets during backward
-    compress: str = "none"        # none | fp16 | topk
+    compress: str = "none"        # none | fp16 | topk | powersgd
     density: float = 0.01         # topk: fraction of each bucket sent
     compress_momentum: float = 0.9  # topk: DGC momentum correction (the optimizer then runs
                                   # without momentum of its own)
     compress_clip: float = 0.0    # topk: local gradient clipping norm (0 disables)
     density_warmup: int = 0       # topk: steps of DGC's exponential density warm-up
+    rank: int = 1                 # powersgd: rank of each matrix's approximation
+    powersgd_start: int = 0       # powersgd: dense steps first (PyTorch's start_powerSGD_iter)
     precision: str = "fp32"       # fp32 | fp16 | bf16 compute (fp32 master weights)
     loss_scale: float = 65536.0   # fp16: initial dynamic loss scale
     backend: str = "mpi"          # mpi | nccl (nccl: GPU only)
@@ -105,7 +107,8 @@ POSITIVE = ("length", "num_digits", "block_size", "n_layer", "n_head", "n_embd",
             "loss_scale")
 CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
-           "compress": ("none", "fp16", "topk"), "precision": ("fp32", "fp16", "bf16"),
+           "compress": ("none", "fp16", "topk", "powersgd"),
+           "precision": ("fp32", "fp16", "bf16"),
            "backend": ("mpi", "nccl")}
 
 
@@ -150,9 +153,13 @@ def validate(cfg: TrainConfig) -> None:
     if not 0.0 <= cfg.compress_momentum < 1.0:
         raise ConfigError(f"compress_momentum must be in [0, 1), got {cfg.compress_momentum}",
                           "compress_momentum")
-    if cfg.save_every < 0 or cfg.density_warmup < 0 or cfg.compress_clip < 0:
-        raise ConfigError("save_every, density_warmup and compress_clip must be non-negative",
-                          "save_every")
+    if cfg.save_every < 0 or cfg.density_warmup < 0 or cfg.compress_clip < 0 \
+            or cfg.powersgd_start < 0:
+        raise ConfigError("save_every, density_warmup, compress_clip and powersgd_start must "
+                          "be non-negative", "save_every")
+    if cfg.rank < 1:
+        raise ConfigError(f"--rank (PowerSGD's approximation rank) must be >= 1, got {cfg.rank}",
+                          "rank")
     if (cfg.save_every or cfg.resume) and not cfg.save_dir:
         raise ConfigError("--save-every and --resume need --save-dir", "save_every")
     if cfg.precision != "fp32" and cfg.dtype == "fp64":
@@ -226,8 +233,8 @@ def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:
         raise ConfigError(f"the training set has {train_len} examples, fewer than one global "
                           f"step needs ({cfg.batch_size} per replica x {replicas} replicas x "
                           f"{cfg.grad_accum} micro-batches); lower --batch-size")
-    if cfg.compress == "topk" and replicas == 1:
-        raise ConfigError("--compress topk on a single rank compresses nothing; "
+    if cfg.compress in ("topk", "powersgd") and replicas == 1:
+        raise ConfigError(f"--compress {cfg.compress} on a single rank compresses nothing; "
                           "run with mpirun -n N (N > 1) or drop --compress")
 
 
@@ -315,11 +322,14 @@ HELP = {
         "bucket_mb": "gradient bucket size in MB", "first_bucket_mb": "the first (last "
                                                                      "layers') bucket, smaller",
         "overlap": "average buckets during backward", "backend": "mpi | nccl (GPU gradients)",
-        "compress": "gradient compression: none | fp16 | topk (DGC)",
+        "compress": "gradient compression: none | fp16 | topk (DGC) | powersgd",
         "density": "topk: fraction of each bucket sent",
         "compress_momentum": "topk: DGC momentum correction (the optimizer runs without)",
         "compress_clip": "topk: local gradient clipping norm (0 disables)",
         "density_warmup": "topk: steps of DGC's exponential density warm-up",
+        "rank": "powersgd: rank r of each gradient matrix's approximation (sends r(n+m) "
+                "values for n x m)",
+        "powersgd_start": "powersgd: average densely for this many steps first",
         "timeout": "seconds any rank may wait on another before the job ends with a report "
                    "naming who did not arrive (0: $HPCDIST_TIMEOUT, else 300)",
     },

@@ -10,6 +10,13 @@ Top-K also has Horovod's ``compress``/``decompress`` pair for what travels. ``ke
 - ``topk``: Deep Gradient Compression (Lin et al., 2018): momentum correction, error feedback
   (what was not sent stays in the residual and is added next step), local gradient clipping,
   momentum factor masking and density warm-up, over ``comm.sparse_allreduce``.
+- ``powersgd``: PowerSGD (Vogels et al., 2019): each matrix-shaped gradient of a bucket is sent
+  as rank-r factors P and Q (one power iteration, warm-started from last step's Q), with
+  error feedback; vectors (biases, norms) and matrices that rank r would not shrink travel
+  dense inside P's allreduce. Two allreduces per bucket.
+
+Schemes that need the shapes inside a bucket get them once through ``bind`` (the DDP wrapper
+calls it with ``{bucket index: [(offset in the bucket, shape), ...]}``).
 """
 from __future__ import annotations
 
@@ -21,11 +28,14 @@ from .. import backend
 from ..comm import sparse
 from ..comm.handle import Done
 
-SCHEMES = ("none", "fp16", "topk")
+SCHEMES = ("none", "fp16", "topk", "powersgd")
 
 
 class NoCompression:
     name = "none"
+
+    def bind(self, layout: dict) -> None:
+        """``{bucket index: [(offset in the bucket, shape) of each parameter]}``."""
 
     def start(self, comm, grad, key):
         return comm.iallreduce(grad, op="avg", out=grad)
@@ -45,7 +55,31 @@ class FP16Compression(NoCompression):
         return comm.iallreduce(grad, op="avg", out=grad, wire_dtype=np.float16)
 
 
-class TopKCompression(NoCompression):
+class _KeyedState(NoCompression):
+    """Per-rank state kept as ``self.state[bucket][name] = array`` plus a step counter; saved
+    and loaded under ``"<bucket>.<name>"``."""
+
+    step = 0
+    state: dict
+
+    def state_dict(self) -> dict:
+        out = {"step": np.array(self.step)}
+        for key, st in self.state.items():
+            for name, arr in st.items():
+                out[f"{key}.{name}"] = backend.to_numpy(arr).copy()
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = int(sd.get("step", 0))
+        self.state = {}
+        for full, arr in sd.items():
+            if full == "step":
+                continue
+            key, name = full.rsplit(".", 1)
+            self.state.setdefault(int(key), {})[name] = backend.to_device(arr)
+
+
+class TopKCompression(_KeyedState):
     """DGC. Per bucket: u (momentum) and v (accumulated velocity: the error-feedback residual).
 
     Each step, with g the local gradient (clipped to ``clip / sqrt(P)`` of norm when ``clip``):
@@ -111,29 +145,123 @@ class TopKCompression(NoCompression):
         u[idx] = 0                    # momentum factor masking
         return Done()
 
-    def state_dict(self) -> dict:
-        out = {"step": np.array(self.step)}
-        for key, st in self.state.items():
-            for name, arr in st.items():
-                out[f"{key}.{name}"] = backend.to_numpy(arr).copy()
-        return out
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.step = int(sd.get("step", 0))
-        self.state = {}
-        for full, arr in sd.items():
-            if full == "step":
-                continue
-            key, name = full.rsplit(".", 1)
-            self.state.setdefault(int(key), {})[name] = backend.to_device(arr)
+class PowerSGDCompression(_KeyedState):
+    """PowerSGD (Vogels et al., 2019, Algorithm 1 with error feedback), per bucket.
+
+    For each gradient matrix G (a parameter of shape (n, ...) viewed as n x m) and rank
+    r = min(rank, n, m), with E the error this rank kept last step and Q (m x r) last step's
+    averaged Q (seeded alike on every rank at the first step):
+        M = G + E;   P = avg(M Q);   P = orthonormal basis of P (QR)
+        Q = avg(M^T P);   G~ = P Q^T;   E = M - G~           (this rank's error feedback)
+    All P's of a bucket, and its dense pieces, travel in one allreduce; all Q's in a second.
+    A matrix is compressed only where its n m values are at least ``min_rate`` times the
+    r (n + m) it would send (PyTorch's ``min_compression_rate``); the rest travel dense.
+    The first ``start_step`` steps average densely (PyTorch's ``start_powerSGD_iter``).
+    At r = min(n, m) the approximation is exact: P spans the averaged M's columns.
+    """
+    name = "powersgd"
+
+    def __init__(self, rank: int = 1, start_step: int = 0, min_rate: float = 2.0,
+                 seed: int = 0):
+        if rank < 1:
+            raise ValueError(f"powersgd rank must be at least 1, got {rank}")
+        self.rank, self.start_step, self.min_rate, self.seed = rank, start_step, min_rate, seed
+        self.step = 0
+        self.state: dict = {}        # bucket -> {"q<i>": Q, "e<i>": error} per compressed matrix
+        self.layout: dict = {}       # bucket -> ([(offset, n, m, r)], [(offset, size)])
+
+    def bind(self, layout: dict) -> None:
+        self.layout = {}
+        for key, params in layout.items():
+            mats, dense = [], []
+            for off, shape in params:
+                size = int(np.prod(shape))
+                if len(shape) >= 2:
+                    n, m = int(shape[0]), size // int(shape[0])
+                    r = min(self.rank, n, m)
+                    if n * m >= self.min_rate * r * (n + m):
+                        mats.append((off, n, m, r))
+                        continue
+                dense.append((off, size))
+            self.layout[key] = (sorted(mats), sorted(dense))
+
+    def elements(self, key) -> tuple[int, int]:
+        """Values bucket ``key`` sends per step: (P's allreduce, Q's allreduce)."""
+        mats, dense = self.layout[key]
+        return (sum(n * r for _, n, _, r in mats) + sum(s for _, s in dense),
+                sum(m * r for _, _, m, r in mats))
+
+    def start(self, comm, grad, key):
+        mats, dense = self.layout.get(key, ((), ()))
+        if self.step < self.start_step or not mats:
+            return comm.iallreduce(grad, op="avg", out=grad)
+        xp = backend.array_module(grad)
+        st = self.state.setdefault(key, {})
+        parts = []
+        for i, (off, n, m, r) in enumerate(mats):
+            M = grad[off:off + n * m].reshape(n, m)
+            if f"e{i}" in st:
+                M += st[f"e{i}"]                       # error feedback
+            if f"q{i}" not in st:                      # the same start on every rank
+                rng = np.random.default_rng([self.seed, int(key), i])
+                st[f"q{i}"] = backend.to_device(rng.standard_normal((m, r))).astype(grad.dtype)
+            parts.append((M @ st[f"q{i}"]).reshape(-1))
+        parts += [grad[off:off + size] for off, size in dense]
+        buf = xp.concatenate(parts)
+        handle = comm.iallreduce(buf, op="avg", out=buf)
+        return _Then(lambda: self._finish(comm, grad, key, buf, handle))
+
+    def _finish(self, comm, grad, key, buf, handle) -> None:
+        xp = backend.array_module(grad)
+        handle.wait()
+        mats, dense = self.layout[key]
+        st = self.state[key]
+        o, ps = 0, []
+        for off, n, m, r in mats:
+            ps.append(xp.linalg.qr(buf[o:o + n * r].reshape(n, r))[0])
+            o += n * r
+        for off, size in dense:
+            grad[off:off + size] = buf[o:o + size]
+            o += size
+        qs = xp.concatenate([(grad[off:off + n * m].reshape(n, m).T @ p).reshape(-1)
+                             for (off, n, m, _), p in zip(mats, ps)])
+        comm.allreduce(qs, op="avg", out=qs)
+        o = 0
+        for i, ((off, n, m, r), p) in enumerate(zip(mats, ps)):
+            q = qs[o:o + m * r].reshape(m, r)
+            o += m * r
+            M = grad[off:off + n * m].reshape(n, m)
+            approx = p @ q.T
+            st[f"e{i}"] = M - approx
+            M[...] = approx
+            st[f"q{i}"] = q.copy()                     # warm start for the next step
+
+
+class _Then:
+    """A handle whose ``wait()`` runs the rest of the exchange once."""
+
+    def __init__(self, fn):
+        self._fn, self._done = fn, False
+
+    def test(self) -> bool:
+        return self._done
+
+    def wait(self):
+        if not self._done:
+            self._done = True
+            self._fn()
 
 
 def make_compression(name: str, density: float = 0.01, momentum: float = 0.9,
-                     clip: float = 0.0, warmup_steps: int = 0):
+                     clip: float = 0.0, warmup_steps: int = 0, rank: int = 1,
+                     start_step: int = 0):
     if name == "none":
         return NoCompression()
     if name == "fp16":
         return FP16Compression()
     if name == "topk":
         return TopKCompression(density, momentum, clip, warmup_steps)
+    if name == "powersgd":
+        return PowerSGDCompression(rank, start_step)
     raise ValueError(f"unknown compression {name!r}: choose one of {', '.join(SCHEMES)}")

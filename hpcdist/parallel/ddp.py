@@ -90,6 +90,11 @@ class DistributedDataParallel:
         self.buckets = [Bucket(i, lo, hi, [params[j] for j in members])
                         for i, (lo, hi, members) in enumerate(plan)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        offset = {id(p): lo for p, (lo, _) in zip(params, bounds_of([p.size for p in params]))}
+        # {bucket: [(offset in the bucket, shape)]}: what a scheme that needs shapes binds to
+        self.bucket_layout = {b.index: [(offset[id(p)] - b.lo, tuple(p.shape)) for p in b.params]
+                              for b in self.buckets}
+        self.compression.bind(self.bucket_layout)
         self._next = 0                            # next bucket to launch, in order
         # Observers (benchmarks' probes): called with (bucket, its gradient) as a bucket is
         # handed to the communicator, and with (the DDP) once every bucket is averaged.

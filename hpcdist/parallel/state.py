@@ -135,4 +135,7 @@ def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
             compression.load_state_dict({k[len("compress."):]: v / step_fn.data_comm.size
                                              for k, v in (total or {}).items()})
             said.append("Top-K residuals summed over the old ranks and split evenly")
+    elif compression is not None and cfg.compress == "powersgd":
+        compression.step = reader.step       # error feedback and warm start begin afresh
+        said.append("PowerSGD errors and warm-start factors start afresh")
     return "; ".join(said)

@@ -95,7 +95,8 @@ class DataParallelStep(Strategy):
         self.mp.copy_master_to_compute()
 
     def describe(self) -> list[str]:
-        return [f"compress {self.ddp.compression.name}"]
+        c = self.ddp.compression
+        return [f"compress {c.name}" + (f" rank {c.rank}" if c.name == "powersgd" else "")]
 
     def compression(self):
         return self.ddp.compression
@@ -194,7 +195,8 @@ def build_strategy(cfg, comm, train_set):
     else:
         mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
         compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
-                                       cfg.compress_clip, cfg.density_warmup)
+                                       cfg.compress_clip, cfg.density_warmup, cfg.rank,
+                                       cfg.powersgd_start)
         # gradients over NCCL with --backend nccl, everything else over MPI
         grad_comm = make_communicator(cfg.backend, dp_comm.mpi) if cfg.backend == "nccl" \
             else dp_comm

@@ -67,6 +67,10 @@ class TrainConfig:
     loss_scale: float = 65536.0   # fp16: initial dynamic loss scale
     backend: str = "mpi"          # mpi | nccl (nccl: GPU only)
     zero: int = 0                 # ZeRO stage: 0 (plain DDP), 1, 2 or 3
+    strategy: str = "collective"  # collective (DDP/ZeRO/TP/PP) | ps (parameter servers)
+    servers: int = 1              # ps: server ranks (the last ones)
+    max_staleness: int = -1       # ps: a worker waits when s clocks ahead of the slowest
+                                  # (0: synchronous, = DDP; -1: never waits)
     # model parallelism
     tp: int = 1                   # tensor-parallel size (data-parallel size = world / tp)
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence
@@ -91,6 +95,8 @@ class TrainConfig:
     # observability
     trace: str = ""               # write a Chrome trace of every rank to this file
     comm_log: bool = False        # print per-collective timings next to the alpha-beta model
+    straggler: str = ""           # "RANK:MS": that rank sleeps MS ms in every step (a slow
+                                  # worker, for benchmarks)
 
 
 class ConfigError(ValueError):
@@ -109,7 +115,7 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
            "compress": ("none", "fp16", "topk", "powersgd"),
            "precision": ("fp32", "fp16", "bf16"),
-           "backend": ("mpi", "nccl")}
+           "backend": ("mpi", "nccl"), "strategy": ("collective", "ps")}
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -219,6 +225,28 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.backend == "nccl" and cfg.compress != "none":
         raise ConfigError(f"--compress {cfg.compress} runs on the MPI backend; with "
                           "--backend nccl use --compress none", "backend")
+    if cfg.straggler:
+        try:
+            r, ms = cfg.straggler.split(":")
+            if int(r) < 0 or float(ms) < 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"--straggler takes RANK:MS (e.g. 3:50), got {cfg.straggler!r}",
+                              "straggler") from None
+    if cfg.strategy == "ps":
+        for bad, why in ((cfg.zero, "--zero"), (cfg.tp > 1, "--tp"), (cfg.pp > 1, "--pp"),
+                         (cfg.compress != "none", "--compress"),
+                         (cfg.precision != "fp32", f"--precision {cfg.precision}"),
+                         (cfg.backend != "mpi", f"--backend {cfg.backend}")):
+            if bad:
+                raise ConfigError(f"--strategy ps (parameter servers) runs plain data "
+                                  f"parallelism in fp32/fp64 over MPI: drop {why}", "strategy")
+        if cfg.servers < 1 or cfg.max_staleness < -1:
+            raise ConfigError(f"--servers must be >= 1 and --max-staleness >= -1 (-1: "
+                              f"unbounded), got {cfg.servers} and {cfg.max_staleness}",
+                              "servers")
+    elif cfg.servers != 1 or cfg.max_staleness != -1:
+        raise ConfigError("--servers and --max-staleness are for --strategy ps", "servers")
 
 
 def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:
@@ -228,6 +256,14 @@ def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:
                           f"{cfg.pp}: the data-parallel size is world / (tp x pp); run a "
                           f"multiple of {cfg.tp * cfg.pp} ranks")
     replicas = world // (cfg.tp * cfg.pp)
+    if cfg.strategy == "ps":
+        replicas = world - cfg.servers
+        if replicas < 1:
+            raise ConfigError(f"--strategy ps with --servers {cfg.servers} needs more ranks "
+                              f"than servers (world size {world}): at least one worker")
+    if cfg.straggler and int(cfg.straggler.split(":")[0]) >= world:
+        raise ConfigError(f"--straggler rank {cfg.straggler.split(':')[0]} is not a rank of "
+                          f"a world of {world}")
     global_batch = cfg.batch_size * replicas
     if train_len < global_batch * cfg.grad_accum:
         raise ConfigError(f"the training set has {train_len} examples, fewer than one global "
@@ -319,6 +355,11 @@ HELP = {
         "pp_split": "blocks per stage, e.g. 2,2,1 (default: as even as possible)",
         "zero": "ZeRO stage 0 (plain DDP) | 1 (optimizer state) | 2 (+ gradients) | 3 (+ "
                 "parameters), sharded over the data-parallel group",
+        "strategy": "collective (DDP, ZeRO, TP, PP) | ps: asynchronous parameter servers",
+        "servers": "ps: how many of the last ranks are servers (each holds a shard of the "
+                   "parameters and optimizer)",
+        "max_staleness": "ps: a worker waits while it is this many clocks ahead of the "
+                         "slowest (0: synchronous, equals DDP; -1: never)",
         "bucket_mb": "gradient bucket size in MB", "first_bucket_mb": "the first (last "
                                                                      "layers') bucket, smaller",
         "overlap": "average buckets during backward", "backend": "mpi | nccl (GPU gradients)",
@@ -344,6 +385,7 @@ HELP = {
                                                           "comm_log.json go here",
         "trace": "write a Chrome trace of every rank to this file (ui.perfetto.dev)",
         "comm_log": "print per-collective timings beside the alpha-beta model",
+        "straggler": "RANK:MS: that rank sleeps MS milliseconds in every step (a slow worker)",
     },
 }
 _helped = [name for group in HELP.values() for name in group]

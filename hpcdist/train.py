@@ -104,19 +104,26 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
         if comm.rank == 0 else None
     for line in header(cfg, model, step_fn, comm.size, hosts, train_set, test_set):
         say(line)
-    lr_scale = data_comm.size if cfg.scale_lr else 1
-    t_start = time.perf_counter()
-    bytes_start = step_fn.comm.bytes_sent           # the gradient communicator's count
-    history, step = [], start
     stopped = stop.before_first_step(comm) if stop is not None and start < cfg.steps else 0
     if stopped:                                     # nothing new to save: exit to be requeued
         say(f"asked to stop ({signal.Signals(stopped).name}) before step {start + 1}: "
             "nothing new to save" + (f"; the checkpoint of step {start} stays the latest"
                                      if start else ""))
-    for step in range(start + 1, (cfg.steps if not stopped else start) + 1):
+    save = lambda at: say(f"saved {state.save_checkpoint(cfg, at, comm, step_fn, sampler)}")
+    if hasattr(step_fn, "serve"):                   # a parameter server: answers the workers
+        return _serve(cfg, comm, step_fn, stop, save, stopped, start)
+    if start < cfg.steps and not stopped:
+        step_fn.begin(stop)
+    lr_scale = data_comm.size if cfg.scale_lr else 1
+    delay = straggler_delay(cfg, comm.rank)
+    t_start = time.perf_counter()
+    bytes_start = step_fn.comm.bytes_sent           # the gradient communicator's count
+    history, step, more = [], start, start < cfg.steps and not stopped
+    while more:
+        step += 1
         runtime.test_hooks(comm.rank, step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
-        rec = train_step(cfg, step_fn, train_set, sampler, step, lr)
+        rec = train_step(cfg, step_fn, train_set, sampler, step, lr, delay)
         history.append(rec)
         if metrics is not None:
             metrics.write(json.dumps(rec) + "\n")
@@ -127,22 +134,23 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
                 metrics.flush()
         if not np.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss became {rec['loss']} at step {step}; lower --lr")
-        if stop is not None:
-            stopped = stop.poll(comm, more=step < cfg.steps - 1)
-        if cfg.save_dir and (stopped or (cfg.save_every and step % cfg.save_every == 0)
-                             or step == cfg.steps):
+        stopped, save_at, more = step_fn.control(step, cfg, stop, comm)
+        if save_at is not None:
             runtime.test_hooks(comm.rank, "save")
-            with timeline.span("checkpoint", step=step):
-                say(f"saved {state.save_checkpoint(cfg, step, comm, step_fn, sampler)}")
-        if stopped:
-            break
+            with timeline.span("checkpoint", step=save_at):
+                save(save_at)
     if stopped:
         final = stopped_report(cfg, stopped, step, start, comm.size, t_start, say)
+        final.update(step_fn.summary())
     else:
         runtime.test_hooks(comm.rank, "end")
         train_bytes = step_fn.comm.bytes_sent - bytes_start    # before evaluation's gathers
+        extra = step_fn.summary()
         final = final_report(cfg, model, step_fn, test_set, history, start, comm.size,
                              t_start, train_bytes, say)
+        final.update(extra)
+        if extra:
+            say(summary_line(extra))
     if metrics is not None:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()
@@ -151,12 +159,52 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     return final
 
 
-def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float) -> dict:
-    """One optimizer step over ``cfg.grad_accum`` micro-batches; its metrics record."""
+def _serve(cfg, comm, server, stop, save, stopped: int, start: int) -> dict:
+    """A parameter server's part of the run (parallel/ps.py): answer the workers until the
+    run ends or stops, then the collective summary."""
+    t_start = time.perf_counter()
+    ended = None
+    if start < cfg.steps and not stopped:
+        ended, stopped = server.serve(stop, save)
+    final = {"event": "preempted" if stopped else "final", "role": "server",
+             "steps": server.version, "world": comm.size,
+             "seconds": time.perf_counter() - t_start, "memory_state": server.memory()}
+    if stopped:
+        final["signal"] = signal.Signals(stopped).name
+    final.update(server.summary())
+    final["history"] = []
+    final["params"] = backend.to_numpy(server.full_parameters())
+    return final
+
+
+def straggler_delay(cfg, rank: int) -> float:
+    """Seconds this rank sleeps in every step (``--straggler RANK:MS``)."""
+    if not cfg.straggler:
+        return 0.0
+    r, ms = cfg.straggler.split(":")
+    return float(ms) / 1e3 if int(r) == rank else 0.0
+
+
+def summary_line(extra: dict) -> str:
+    """The parameter servers' staleness report."""
+    hist = extra["staleness_hist"]
+    n = sum(hist) or 1
+    shares = ", ".join(f"{k}: {c / n * 100:.1f}%" for k, c in enumerate(hist) if c)
+    return (f"staleness of applied gradients (steps): mean {extra['staleness_mean']:.2f}, max "
+            f"{extra['staleness_max']} ({shares}) | largest clock gap answered "
+            f"{extra['clock_gap_max']}")
+
+
+def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float,
+               delay: float = 0.0) -> dict:
+    """One optimizer step over ``cfg.grad_accum`` micro-batches; its metrics record.
+    ``delay``: seconds this rank sleeps in the step (a straggler)."""
     xp = backend.xp()
     t0 = time.perf_counter()
     bytes0 = step_fn.comm.bytes_sent
     with timeline.span("step", step=step):
+        if delay:
+            time.sleep(delay)
         step_fn.zero_grad()
         loss_sum = 0.0
         for micro in range(cfg.grad_accum):
@@ -170,8 +218,7 @@ def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float) -> dict:
         with timeline.span("optimizer step"):
             _, norm = step_fn.apply(lr, cfg.grad_clip)
     dt = time.perf_counter() - t0
-    loss = float(step_fn.data_comm.allreduce(np.array([loss_sum / cfg.grad_accum]),
-                                             op="avg")[0])          # the global mean loss
+    loss = step_fn.mean_loss(loss_sum / cfg.grad_accum)     # the mean over the replicas
     tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * step_fn.data_comm.size
     return {"step": step, "loss": loss, "lr": lr, "step_ms": dt * 1e3,
             "tokens_per_s": tokens / dt, "grad_norm": norm,

@@ -113,6 +113,12 @@ class RecvHandle:
         self._step(block=True)
         return self._result
 
+    def cancel(self) -> None:
+        """Withdraw a receive whose message will never come (before its header arrived)."""
+        if self._payload is None and not self._req.Test():
+            self._req.Cancel()
+            self._req.Wait()
+
 
 def isend(comm, arr, dest: int, tag: int, ptag: int) -> SendHandle:
     h = make_header(arr, ptag)

@@ -65,6 +65,26 @@ class Strategy:
         """Around a forward outside a step (evaluation)."""
         return contextlib.nullcontext()
 
+    def begin(self, stop) -> None:
+        """After a resume, before the first step (``stop``: the run's StopRequest or None)."""
+
+    def mean_loss(self, loss: float) -> float:
+        """The loss the run reports for a step: the mean over the data-parallel ranks."""
+        return float(self.data_comm.allreduce(np.array([loss]), op="avg")[0])
+
+    def control(self, step: int, cfg, stop, comm):
+        """After step ``step``: (the signal that stops the run, 0: none; the step to save a
+        checkpoint under, None: no save now; whether another step follows). Collective:
+        the stop request is agreed over ``comm`` every step."""
+        stopped = stop.poll(comm, more=step < cfg.steps - 1) if stop is not None else 0
+        save = bool(cfg.save_dir) and bool(stopped or step == cfg.steps or (
+            cfg.save_every and step % cfg.save_every == 0))
+        return stopped, step if save else None, step < cfg.steps and not stopped
+
+    def summary(self) -> dict:
+        """What the strategy adds to the final report (collective where it gathers)."""
+        return {}
+
     # ---- what it holds ---------------------------------------------------------------------
     def memory(self) -> dict:
         """Bytes alive between steps: params, grads, optimizer (and total)."""
@@ -82,6 +102,22 @@ class Strategy:
         """(lo, hi, {kind: flat array over this rank's flat elements [lo, hi)}, optimizer
         step count): ``param`` and ``opt.<state>``, in the order of ``model.parameters()``."""
         raise NotImplementedError
+
+    def holds_state(self) -> bool:
+        """Whether this rank writes its ``flat_state`` into a checkpoint (a data-parallel
+        replica without ZeRO does not: rank 0 of its group writes the copy)."""
+        return True
+
+    def own_state(self) -> dict:
+        """This rank's own arrays for a checkpoint (restored only into the same layout)."""
+        c = self.compression()
+        return {} if c is None else {f"compress.{k}": v for k, v in c.state_dict().items()}
+
+    def load_own_state(self, own: dict) -> None:
+        c = self.compression()
+        if c is not None:
+            c.load_state_dict({k[len("compress."):]: v for k, v in own.items()
+                               if k.startswith("compress.")})
 
     def add_optimizer_state(self, name: str, array) -> None:
         """Optimizer state a checkpoint brings that this run has not made yet."""

@@ -183,6 +183,9 @@ class PipelineStep(Strategy):
     def compression(self):
         return self.inner.compression()
 
+    def holds_state(self) -> bool:
+        return self.inner.holds_state()
+
     def describe(self) -> list[str]:
         inner = self.inner.describe()
         virtual = f", {self.v} virtual stages" if self.v > 1 else ""

@@ -33,10 +33,8 @@ def pieces_to_save(step, cfg) -> list:
     """[(name, cut, logical shape, (a, b), host array)] this rank writes."""
     mesh = step.mesh
     coord = mesh.coord if mesh is not None else None
-    if coord is not None and not cfg.zero and coord.dp > 0:
+    if not step.holds_state():
         return []                                        # a replica: rank dp 0 writes
-    if coord is None and not cfg.zero and step.data_comm.rank > 0:
-        return []
     layout = tensor_layout(step.model, mesh)
     lo, hi, arrays, _ = step.flat_state()
     out = []
@@ -79,6 +77,8 @@ def load_pieces(step, reader) -> None:
 # ---- a run's checkpoint: the tensors above, plus scalars and each rank's own state ----------
 
 def run_layout(cfg, world: int) -> dict:
+    if cfg.strategy == "ps":
+        return {"world": world, "strategy": "ps", "servers": cfg.servers}
     return {"world": world, "tp": cfg.tp, "pp": cfg.pp, "dp": world // (cfg.tp * cfg.pp),
             "zero": cfg.zero, "virtual_stages": cfg.virtual_stages}
 
@@ -86,9 +86,7 @@ def run_layout(cfg, world: int) -> dict:
 def save_checkpoint(cfg, step, comm, step_fn, sampler) -> str:
     """The layout-free checkpoint of this run at ``step`` (collective)."""
     own = {"rng": checkpoint.json_array(backend.rng_state())}
-    compression = step_fn.compression()
-    if compression is not None:
-        own.update({f"compress.{k}": v for k, v in compression.state_dict().items()})
+    own.update(step_fn.own_state())
     scalars = {"sampler": {"epoch": sampler.epoch, "position": sampler.position,
                            "global_batch": sampler.batch_size * sampler.world},
                "scaler": {k: float(v) for k, v in step_fn.scaler.state_dict().items()},
@@ -113,10 +111,7 @@ def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
     if sc["layout"] == run_layout(cfg, comm.size):       # the same layout: exact, rank by rank
         own = reader.own(comm.rank)
         backend.set_rng_state(checkpoint.from_json_array(own["rng"]))
-        compression = step_fn.compression()
-        if compression is not None:
-            compression.load_state_dict({k[len("compress."):]: v for k, v in own.items()
-                                             if k.startswith("compress.")})
+        step_fn.load_own_state(own)
         return "; ".join(said)
     # Another layout. Dropout streams: each rank derives its own from (seed, step, its rank
     # in the new layout). Top-K residuals: summed over the old ranks, split evenly.
@@ -125,7 +120,7 @@ def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
                 f"dropout streams reseeded from (seed, step, rank)")
     compression = step_fn.compression()
     if compression is not None and cfg.compress == "topk":
-        if (cfg.tp, cfg.pp) != (sc["layout"]["tp"], sc["layout"]["pp"]):
+        if (cfg.tp, cfg.pp) != (sc["layout"].get("tp", 1), sc["layout"].get("pp", 1)):
             said.append("Top-K residuals dropped (another model-parallel layout)")
         else:
             total = None

@@ -101,6 +101,9 @@ class DataParallelStep(Strategy):
     def compression(self):
         return self.ddp.compression
 
+    def holds_state(self) -> bool:
+        return self.data_comm.rank == 0        # replicas: rank 0 of the group writes
+
 
 def make_optimizer_factory(cfg):
     # With DGC the momentum lives in the compressor; the optimizer must not add its own.
@@ -176,8 +179,22 @@ def norm_and_grad_sum(cfg, mesh, full, model, dp_comm):
     return norm, GradSum(mesh.tp_comm, ranges) if ranges else None
 
 
+def build_parameter_server(cfg, comm, train_set):
+    """``--strategy ps``: workers [0, W), servers [W, world) (parallel/ps.py)."""
+    from .ps import PSServer, PSWorker, roles
+    worker = comm.rank < roles(comm.size, cfg.servers)
+    model = make_model(cfg, comm, None, train_set)
+    sub = comm.split(color=0 if worker else 1)       # the workers; the servers
+    if worker:
+        return model, PSWorker(model, comm, sub, cfg.servers)
+    return model, PSServer(model, comm, sub, make_optimizer_factory(cfg), cfg.servers,
+                           cfg.max_staleness, cfg)
+
+
 def build_strategy(cfg, comm, train_set):
     """The model and the training step for this rank (collective over ``comm``)."""
+    if cfg.strategy == "ps":
+        return build_parameter_server(cfg, comm, train_set)
     mesh = make_mesh(cfg, comm)
     dp_comm = mesh.dp_comm if mesh else comm
     full = model = make_model(cfg, comm, mesh, train_set)

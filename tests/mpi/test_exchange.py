@@ -107,3 +107,25 @@ def test_powersgd_bytes_per_step_are_two_allreduces_of_the_factors(comm, tmp_pat
         if b:
             comm.allreduce(np.zeros(b), op="avg")
     assert probe.bytes == [comm.bytes_sent - before] * len(probe.bytes)
+
+
+# ---- the parameter server -----------------------------------------------------------------
+
+@several
+@pytest.mark.parametrize("servers", [1, 2])
+def test_ps_at_staleness_zero_equals_ddp(comm, tmp_path, servers):
+    """--max-staleness 0 with W workers is DDP over W ranks (fp64): the same steps, the same
+    losses, the same final parameters; no gradient is ever stale."""
+    if comm.size <= servers:
+        pytest.skip("needs a worker beside the servers")
+    W = comm.size - servers
+    ps = train(small(strategy="ps", servers=servers, max_staleness=0, grad_clip=1.0,
+                     out_dir=str(tmp_path / "ps")), comm, log=quiet)
+    sub = comm.split(color=0 if comm.rank < W else 1)
+    if comm.rank < W:
+        ddp = train(small(grad_clip=1.0, out_dir=str(tmp_path / "ddp")), sub, log=quiet)
+        np.testing.assert_allclose(ps["params"], ddp["params"], rtol=1e-10, atol=1e-10)
+        assert len(ps["history"]) == len(ddp["history"]) == 4
+    sub.close()
+    assert ps["staleness_max"] == 0 and ps["clock_gap_max"] == 0
+    assert sum(ps["staleness_hist"]) == 4 * W * servers

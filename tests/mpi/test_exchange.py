@@ -129,3 +129,47 @@ def test_ps_at_staleness_zero_equals_ddp(comm, tmp_path, servers):
     sub.close()
     assert ps["staleness_max"] == 0 and ps["clock_gap_max"] == 0
     assert sum(ps["staleness_hist"]) == 4 * W * servers
+
+
+@several
+def test_ps_checkpoints_load_into_ddp_and_back(comm, shared_dir):
+    """A PS run (s = 0) saves every 2 steps; DDP resumes it at step 4 and a PS run resumes a
+    DDP checkpoint: both end where 6 steps of DDP end (fp64)."""
+    if comm.size < 3:
+        pytest.skip("needs two workers and a server")
+    W = comm.size - 1
+    sub = comm.split(color=0 if comm.rank < W else 1)
+    kw = dict(out_dir=shared_dir + "/o")
+    ps_dir, ddp_dir = shared_dir + "/ps", shared_dir + "/ddp"
+    train(small(strategy="ps", max_staleness=0, steps=4, save_dir=ps_dir, save_every=2, **kw),
+          comm, log=quiet)
+    if comm.rank < W:
+        ref = train(small(steps=6, **kw), sub, log=quiet)["params"]
+        got = train(small(steps=6, save_dir=ps_dir, resume=True, **kw), sub, log=quiet)
+        np.testing.assert_allclose(got["params"], ref, rtol=1e-10, atol=1e-10)
+        train(small(steps=3, save_dir=ddp_dir, **kw), sub, log=quiet)
+    comm.barrier()
+    back = train(small(strategy="ps", max_staleness=0, steps=6, save_dir=ddp_dir, resume=True,
+                       **kw), comm, log=quiet)
+    if comm.rank < W:
+        np.testing.assert_allclose(back["params"], ref, rtol=1e-10, atol=1e-10)
+        assert len(back["history"]) == 3
+    sub.close()
+
+
+@several
+@pytest.mark.parametrize("s", [1, 3])
+def test_ps_staleness_bound_holds_with_a_straggler(comm, tmp_path, s):
+    """Worker 0 sleeps every step: the others run ahead, never more than s clocks, and no
+    applied gradient is more than 2s steps stale."""
+    if comm.size < 3:
+        pytest.skip("needs two workers and a server")
+    out = train(small(strategy="ps", max_staleness=s, steps=12, straggler="0:20",
+                      out_dir=str(tmp_path)), comm, log=quiet)
+    assert out["clock_gap_max"] <= s
+    if s == 1:
+        assert out["clock_gap_max"] == 1         # the bound was reached, and held
+    assert out["staleness_max"] <= 2 * s
+    assert sum(out["staleness_hist"]) == 12 * (comm.size - 1)     # every step's W pushes
+    local = comm.mpi.allgather(len(out["history"]))[:comm.size - 1]
+    assert local[0] <= 12 <= max(local)       # the straggler ran no more steps than the rest

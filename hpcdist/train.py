@@ -169,6 +169,7 @@ def _serve(cfg, comm, server, stop, save, stopped: int, start: int) -> dict:
     final = {"event": "preempted" if stopped else "final", "role": "server",
              "steps": server.version, "world": comm.size,
              "seconds": time.perf_counter() - t_start, "memory_state": server.memory()}
+    final["train_seconds"] = final["seconds"]
     if stopped:
         final["signal"] = signal.Signals(stopped).name
     final.update(server.summary())
@@ -291,6 +292,7 @@ def stopped_report(cfg, stopped: int, step: int, start: int, world: int, t_start
 def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, train_bytes,
                  say) -> dict:
     """Held-out accuracy and loss, memory, the run's totals (collective: evaluation)."""
+    trained = time.perf_counter() - t_start
     with step_fn.eval_context(), timeline.span("evaluate"):
         accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, step_fn.data_comm)
     ran = max(cfg.steps - start, 1)
@@ -298,7 +300,7 @@ def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, 
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
              "train_loss": history[-1]["loss"] if history else float("nan"),
              "steps": cfg.steps, "world": world, "seconds": time.perf_counter() - t_start,
-             "skipped_steps": step_fn.scaler.skipped, "bytes_per_step": train_bytes / ran,
+             "train_seconds": trained, "skipped_steps": step_fn.scaler.skipped, "bytes_per_step": train_bytes / ran,
              "step_ms_median": float(np.median(step_ms)) if step_ms else 0.0,
              "memory_peak": step_fn.peak_memory(),    # the largest within any step
              "memory_state": step_fn.memory()}        # between steps

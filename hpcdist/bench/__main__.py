@@ -8,6 +8,7 @@ BENCHMARKS = {
     "collectives": "hpcdist.bench.collectives",
     "compression": "hpcdist.bench.compression",
     "ddp": "hpcdist.bench.ddp",
+    "exchange": "hpcdist.bench.exchange",
     "peers": "hpcdist.bench.peers",
     "pipeline": "hpcdist.bench.pipeline",
     "plan": "hpcdist.bench.plan",

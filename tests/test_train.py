@@ -58,6 +58,14 @@ BAD = [
     (["--zero", "4"], "--zero must be 0, 1, 2 or 3"),
     (["--zero", "2", "--compress", "fp16"], "compression runs with --zero 0 only"),
     (["--zero", "3", "--checkpoint-activations"], "not supported yet"),
+    (["--compress", "powersgd"], "compresses nothing"),
+    (["--compress", "powersgd", "--rank", "0"], "--rank (PowerSGD's approximation rank)"),
+    (["--strategy", "ps"], "needs more ranks than servers"),
+    (["--strategy", "ps", "--zero", "1"], "drop --zero"),
+    (["--strategy", "ps", "--max-staleness", "-2"], "--max-staleness >= -1"),
+    (["--max-staleness", "2"], "are for --strategy ps"),
+    (["--straggler", "slow"], "--straggler takes RANK:MS"),
+    (["--straggler", "3:10"], "is not a rank of a world of 1"),
 ]
 
 

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     for kind in args.collectives.split(","):
         if kind not in KINDS:
             raise SystemExit(f"unknown collective {kind!r}: choose from {', '.join(KINDS)}")
-        say(f"\n{kind}" + (f" (auto algorithm per size)" if kind == "allreduce" else ""))
+        say(f"\n{kind}" + (" (auto algorithm per size)" if kind == "allreduce" else ""))
         say(f"{'bytes':>10s} {'time us':>10s} {'max us':>10s} {'algbw GB/s':>11s} {'busbw GB/s':>11s}"
             f" {'MPI us':>10s} {'MPI busbw':>10s} {'ours/MPI':>9s} {'model us':>10s}")
         for nbytes in sizes(args.min_bytes, args.max_bytes):

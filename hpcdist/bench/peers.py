@@ -122,6 +122,15 @@ def torch_gpt(torch, sd: dict, cfg):
     return GPT()
 
 
+def torch_adamw(torch, tm, cfg):
+    """PyTorch's AdamW set up as ours: decay on matrices only, the run's betas."""
+    decay = [p for p in tm.parameters() if p.ndim >= 2]
+    rest = [p for p in tm.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+
 ROUNDS = 2        # --train: each contender trains this many times, taking turns
 
 
@@ -160,11 +169,7 @@ def train_worker(args) -> int:
         tm = torch_gpt(torch, sd, cfg)
         # bucket_cap_mb given: PyTorch caps its first bucket the same (as hpcdist's is here)
         ddp = torch.nn.parallel.DistributedDataParallel(tm, bucket_cap_mb=cap)
-        decay = [p for p in tm.parameters() if p.ndim >= 2]
-        rest = [p for p in tm.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                 {"params": rest, "weight_decay": 0.0}], lr=cfg.lr,
-                                betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+        opt = torch_adamw(torch, tm, cfg)
         sampler = data.DistributedSampler(len(train_set), cfg.batch_size, comm.rank,
                                           comm.size, seed=cfg.seed)
         times, loss = [], None

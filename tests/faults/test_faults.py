@@ -429,3 +429,35 @@ def test_sigterm_at_any_moment_of_a_checkpointing_run(tmp_path, moment, rc_expec
         assert "stopped after step" in out
         assert latest == {"save": "step_00000008", 5: "step_00000006"}[moment]
     assert not _no_temporaries(save)
+
+
+# ---- the parameter server: failures, stalls and signals end it like any other run ---------
+
+def test_parameter_server_worker_failure_and_stall_end_the_job(tmp_path):
+    """A worker that raises ends every rank with its traceback; a worker that stalls is
+    named by the watchdog of the server waiting for its push."""
+    ps = ["--strategy", "ps", "--max-staleness", "1"]
+    rc, out, err, took = run(train_args(tmp_path, *ps), n=3, HPCDIST_FAIL_AT="1:3")
+    assert rc != 0 and took < START_S + 20, err[-3000:]
+    assert re.search(r"rank 1 of 3 .* failed.*injected failure on rank 1", err, re.S), err[-3000:]
+    rc, out, err, took = run(train_args(tmp_path, *ps, "--straggler", "0:60000"), n=3)
+    assert rc != 0 and took < START_S + DEADLINE + 30, err[-3000:]
+    assert "parameter server: waiting for pushes" in err or "rank 0" in err, err[-3000:]
+
+
+def test_parameter_server_sigterm_saves_and_resumes(tmp_path):
+    """SIGTERM on a worker mid-run: the first server cuts, every rank saves, exit 75; the
+    resumed run finishes at --steps with a verified checkpoint."""
+    from hpcdist import checkpoint
+    save = tmp_path / "ck"
+    args = train_args(tmp_path, "--strategy", "ps", "--max-staleness", "2", "--save-dir",
+                      str(save), steps=30)
+    rc, out, err, _ = run(args, n=3, HPCDIST_SIGNAL_AT="1:5:SIGTERM")
+    assert rc == 75, (out[-2000:], err[-3000:])
+    folder, _ = checkpoint.find_resume(str(save))
+    checkpoint.Reader(folder).verify()
+    stopped_at = checkpoint.Reader(folder).step
+    assert 1 <= stopped_at < 30        # the servers' version at the cut (async: may trail 5)
+    rc, out, err, _ = run(args + ["--resume"], n=3)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    assert (save / "latest").read_text() == "step_00000030" and "held-out accuracy" in out

@@ -163,9 +163,8 @@ def _serve(cfg, comm, server, stop, save, stopped: int, start: int) -> dict:
     """A parameter server's part of the run (parallel/ps.py): answer the workers until the
     run ends or stops, then the collective summary."""
     t_start = time.perf_counter()
-    ended = None
     if start < cfg.steps and not stopped:
-        ended, stopped = server.serve(stop, save)
+        _, stopped = server.serve(stop, save)
     final = {"event": "preempted" if stopped else "final", "role": "server",
              "steps": server.version, "world": comm.size,
              "seconds": time.perf_counter() - t_start, "memory_state": server.memory()}
@@ -295,12 +294,13 @@ def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, 
     trained = time.perf_counter() - t_start
     with step_fn.eval_context(), timeline.span("evaluate"):
         accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, step_fn.data_comm)
-    ran = max(cfg.steps - start, 1)
+    ran = max(len(history), 1)          # this rank's steps (a PS worker's own count)
     step_ms = [r["step_ms"] for r in history]
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
              "train_loss": history[-1]["loss"] if history else float("nan"),
              "steps": cfg.steps, "world": world, "seconds": time.perf_counter() - t_start,
-             "train_seconds": trained, "skipped_steps": step_fn.scaler.skipped, "bytes_per_step": train_bytes / ran,
+             "train_seconds": trained, "skipped_steps": step_fn.scaler.skipped,
+             "bytes_per_step": train_bytes / ran,
              "step_ms_median": float(np.median(step_ms)) if step_ms else 0.0,
              "memory_peak": step_fn.peak_memory(),    # the largest within any step
              "memory_state": step_fn.memory()}        # between steps

@@ -327,6 +327,7 @@ class PSServer(Strategy):
 
     def loaded(self, step_count: int) -> None:
         self.version = self.opt.step_count = step_count
+        self._saved = step_count                     # the checkpoint just loaded
 
     def own_state(self) -> dict:
         return {"ps.acc": backend.to_numpy(self.acc).copy(), "ps.count": np.array(self.count)}

@@ -111,7 +111,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
                                      if start else ""))
     save = lambda at: say(f"saved {state.save_checkpoint(cfg, at, comm, step_fn, sampler)}")
     if hasattr(step_fn, "serve"):                   # a parameter server: answers the workers
-        return _serve(cfg, comm, step_fn, stop, save, stopped, start)
+        return step_fn.run(stop, save, stopped, start)
     if start < cfg.steps and not stopped:
         step_fn.begin(stop)
     lr_scale = data_comm.size if cfg.scale_lr else 1
@@ -139,41 +139,23 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
             runtime.test_hooks(comm.rank, "save")
             with timeline.span("checkpoint", step=save_at):
                 save(save_at)
+    train_bytes = step_fn.comm.bytes_sent - bytes_start    # before evaluation's gathers
+    extra = step_fn.summary()                      # collective where the strategy gathers
+    line = extra.pop("line", None)
     if stopped:
         final = stopped_report(cfg, stopped, step, start, comm.size, t_start, say)
-        final.update(step_fn.summary())
     else:
         runtime.test_hooks(comm.rank, "end")
-        train_bytes = step_fn.comm.bytes_sent - bytes_start    # before evaluation's gathers
-        extra = step_fn.summary()
         final = final_report(cfg, model, step_fn, test_set, history, start, comm.size,
                              t_start, train_bytes, say)
-        final.update(extra)
-        if extra:
-            say(summary_line(extra))
+        if line:
+            say(line)
+    final.update(extra)
     if metrics is not None:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()
     final["history"] = history                    # every step's record (tests compare them)
     final["params"] = backend.to_numpy(step_fn.full_parameters())   # on the host (tests compare)
-    return final
-
-
-def _serve(cfg, comm, server, stop, save, stopped: int, start: int) -> dict:
-    """A parameter server's part of the run (parallel/ps.py): answer the workers until the
-    run ends or stops, then the collective summary."""
-    t_start = time.perf_counter()
-    if start < cfg.steps and not stopped:
-        _, stopped = server.serve(stop, save)
-    final = {"event": "preempted" if stopped else "final", "role": "server",
-             "steps": server.version, "world": comm.size,
-             "seconds": time.perf_counter() - t_start, "memory_state": server.memory()}
-    final["train_seconds"] = final["seconds"]
-    if stopped:
-        final["signal"] = signal.Signals(stopped).name
-    final.update(server.summary())
-    final["history"] = []
-    final["params"] = backend.to_numpy(server.full_parameters())
     return final
 
 
@@ -183,16 +165,6 @@ def straggler_delay(cfg, rank: int) -> float:
         return 0.0
     r, ms = cfg.straggler.split(":")
     return float(ms) / 1e3 if int(r) == rank else 0.0
-
-
-def summary_line(extra: dict) -> str:
-    """The parameter servers' staleness report."""
-    hist = extra["staleness_hist"]
-    n = sum(hist) or 1
-    shares = ", ".join(f"{k}: {c / n * 100:.1f}%" for k, c in enumerate(hist) if c)
-    return (f"staleness of applied gradients (steps): mean {extra['staleness_mean']:.2f}, max "
-            f"{extra['staleness_max']} ({shares}) | largest clock gap answered "
-            f"{extra['clock_gap_max']}")
 
 
 def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float,

@@ -29,6 +29,7 @@ dropped; a worker has then run as many local steps as its speed allowed (a strag
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -43,7 +44,6 @@ from .shards import ShardParams
 
 PUSH, REPLY, CUT = 101, 102, 103          # point-to-point tags
 GO, SAVE, STOP, END = 0, 1, 2, 3          # what the first server's answer tells a worker
-ACTIONS = {SAVE: "save", STOP: "stop", END: "end"}
 HIST = 64                                 # staleness histogram bins (the last: >= 63)
 
 
@@ -60,10 +60,16 @@ def staleness_summary(comm, hist, max_gap: int) -> dict:
     gap = comm.allreduce(np.array([float(max_gap)]), op="max")
     h = total[:HIST].astype(np.int64)
     n = int(h.sum())
-    return {"staleness_hist": [int(x) for x in np.trim_zeros(h, "b")],
-            "staleness_mean": float((h * np.arange(HIST)).sum() / n) if n else 0.0,
-            "staleness_max": int(np.nonzero(h)[0].max()) if n else 0,
-            "clock_gap_max": int(gap[0])}
+    out = {"staleness_hist": [int(x) for x in np.trim_zeros(h, "b")],
+           "staleness_mean": float((h * np.arange(HIST)).sum() / n) if n else 0.0,
+           "staleness_max": int(np.nonzero(h)[0].max()) if n else 0,
+           "clock_gap_max": int(gap[0])}
+    shares = ", ".join(f"{k}: {c / max(n, 1) * 100:.1f}%"
+                       for k, c in enumerate(out["staleness_hist"]) if c)
+    out["line"] = (f"staleness of applied gradients (steps): mean {out['staleness_mean']:.2f}, "
+                   f"max {out['staleness_max']} ({shares}) | largest clock gap answered "
+                   f"{out['clock_gap_max']}")
+    return out
 
 
 class PSWorker(Strategy):
@@ -193,6 +199,24 @@ class PSServer(Strategy):
                                   cfg.min_lr * self.lr_scale))
 
     # ---- serving ---------------------------------------------------------------------------
+    def run(self, stop, save, stopped: int, start: int) -> dict:
+        """This server's part of a run (train.py calls it in place of the step loop): serve
+        until the run ends or stops, then the collective summary; the final record."""
+        t_start = time.perf_counter()
+        if start < self.cfg.steps and not stopped:
+            _, stopped = self.serve(stop, save)
+        seconds = time.perf_counter() - t_start
+        final = {"event": "preempted" if stopped else "final", "role": "server",
+                 "steps": self.version, "world": self.comm.size, "seconds": seconds,
+                 "train_seconds": seconds, "memory_state": self.memory()}
+        if stopped:
+            final["signal"] = signal.Signals(stopped).name
+        final.update(self.summary())
+        final.pop("line")
+        final["history"] = []
+        final["params"] = backend.to_numpy(self.full_parameters())
+        return final
+
     def serve(self, stop, save) -> tuple[int, int]:
         """Answer the workers until the run ends or stops; ``save(version)`` writes a
         checkpoint (collective over every rank). Returns (END or STOP, the stop signal)."""

@@ -95,6 +95,7 @@ class TrainConfig:
     # observability
     trace: str = ""               # write a Chrome trace of every rank to this file
     comm_log: bool = False        # print per-collective timings next to the alpha-beta model
+    trace_memory: bool = False    # measure activation memory per step (memtrace; slower)
     straggler: str = ""           # "RANK:MS": that rank sleeps MS ms in every step (a slow
                                   # worker, for benchmarks)
 
@@ -385,6 +386,8 @@ HELP = {
                                                           "comm_log.json go here",
         "trace": "write a Chrome trace of every rank to this file (ui.perfetto.dev)",
         "comm_log": "print per-collective timings beside the alpha-beta model",
+        "trace_memory": "measure each step's activation memory and peak above the model "
+                        "state (CPU: tracemalloc, slower)",
         "straggler": "RANK:MS: that rank sleeps MS milliseconds in every step (a slow worker)",
     },
 }

@@ -460,6 +460,9 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 
     def backward(g):
         g = f32(g)
+        # the weight read again, not kept: under ZeRO-3 it is a view of its block's gathered
+        # parameters, which the forward has released (and the backward gathers anew)
+        w = f32(weight.data) if weight is not None else None
         gxhat = g * w if w is not None else g.copy()
         # d xhat / d x, folded: rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat))
         m1 = gxhat.sum(axis=-1, keepdims=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import backend
+from . import backend, memtrace
 
 _grad_enabled = True
 _pass = None            # the zero-bubble split's pass: None (whole backward), "I" or "W"
@@ -185,6 +185,7 @@ class Tensor:
         ``split_backward``: the zero-bubble I pass only)."""
         global _split
         defer_weights, _split = _split, None       # a backward nested in an op's runs whole
+        memtrace.sample()                          # the graph is whole: what it holds
         try:
             with _engine_pass(None):
                 self._run_backward(grad, retain_graph, defer_weights)

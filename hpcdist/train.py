@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from . import backend, checkpoint, data, optim, runtime, signals, threads, timeline
+from . import (backend, checkpoint, data, memtrace, optim, runtime, signals, threads,
+               timeline)
 from .comm import Communicator, watchdog
 from .comm.model import fit_links
 from .config import ConfigError, TrainConfig, parse_config, validate_world
@@ -93,6 +94,8 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     model, step_fn = build_strategy(cfg, comm, train_set)
     if on_build is not None:
         on_build(step_fn)
+    if cfg.trace_memory:
+        memtrace.enable()
     data_comm = step_fn.data_comm                  # tensor-parallel ranks read the same batch
     sampler = data.DistributedSampler(len(train_set), cfg.batch_size, data_comm.rank,
                                       data_comm.size, seed=cfg.seed)
@@ -174,6 +177,7 @@ def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float,
     xp = backend.xp()
     t0 = time.perf_counter()
     bytes0 = step_fn.comm.bytes_sent
+    memtrace.start()
     with timeline.span("step", step=step):
         if delay:
             time.sleep(delay)
@@ -190,12 +194,15 @@ def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float,
         with timeline.span("optimizer step"):
             _, norm = step_fn.apply(lr, cfg.grad_clip)
     dt = time.perf_counter() - t0
+    held = memtrace.finish()
     loss = step_fn.mean_loss(loss_sum / cfg.grad_accum)     # the mean over the replicas
     tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * step_fn.data_comm.size
     return {"step": step, "loss": loss, "lr": lr, "step_ms": dt * 1e3,
             "tokens_per_s": tokens / dt, "grad_norm": norm,
             "bytes_sent": step_fn.comm.bytes_sent - bytes0,
-            "loss_scale": step_fn.scaler.scale, "skipped_steps": step_fn.scaler.skipped}
+            "loss_scale": step_fn.scaler.scale, "skipped_steps": step_fn.scaler.skipped,
+            **({"memory_activations": held["activations"], "memory_step_peak": held["peak"]}
+               if held else {})}
 
 
 def _overflow_ok(step_fn):
@@ -278,6 +285,12 @@ def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, 
              "memory_state": step_fn.memory()}        # between steps
     say("model state per rank, MiB (peak within a step): "
         + ", ".join(f"{k} {v / 2 ** 20:.3f}" for k, v in final["memory_peak"].items()))
+    held = memtrace.most()
+    if held:
+        final["memory_activations"] = held
+        say(f"activations per rank, MiB (the most in any step, --trace-memory): held by the "
+            f"graph {held['activations'] / 2 ** 20:.3f}, everything above the model state "
+            f"{held['peak'] / 2 ** 20:.3f}")
     what = "exact-match" if cfg.task != "text" else "next-char"
     say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss "
         f"{test_loss:.4f} | {final['seconds']:.1f} s")

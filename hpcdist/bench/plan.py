@@ -40,7 +40,8 @@ def _train(n: int, flags: dict, base: dict, out: str) -> float:
     """Median step ms of a run (its first 3 steps left out)."""
     args = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcdist.train", "--out-dir", out]
     for k, v in {**base, **flags}.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
+        flag = f"--{k.replace('_', '-')}"
+        args += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]
     r = subprocess.run(args, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{r.stderr[-2000:]}")
@@ -50,36 +51,56 @@ def _train(n: int, flags: dict, base: dict, out: str) -> float:
     return float(np.median(times[3:] if len(times) > 3 else times))
 
 
-MEMORY_LAYOUTS = [("DP 4", dict(), dict(tp=1, pp=1, zero=0)),
-                  ("DP 4 ZeRO-1", dict(zero=1), dict(tp=1, pp=1, zero=1)),
-                  ("DP 4 ZeRO-2", dict(zero=2), dict(tp=1, pp=1, zero=2)),
-                  ("DP 4 ZeRO-3", dict(zero=3), dict(tp=1, pp=1, zero=3)),
-                  ("DP 2 x TP 2", dict(tp=2), dict(tp=2, pp=1, zero=0)),
-                  ("DP 2 x PP 2", dict(pp=2), dict(tp=1, pp=2, zero=0)),
-                  ("DP 2 x PP 2 ZeRO-1", dict(pp=2, zero=1), dict(tp=1, pp=2, zero=1))]
+# (label, train flags, planner Layout fields) at 4 ranks: model state and activations
+MEMORY_LAYOUTS = [
+    ("DP 4", dict(), dict(tp=1, pp=1, zero=0)),
+    ("DP 4 ZeRO-1", dict(zero=1), dict(tp=1, pp=1, zero=1)),
+    ("DP 4 ZeRO-2", dict(zero=2), dict(tp=1, pp=1, zero=2)),
+    ("DP 4 ZeRO-3", dict(zero=3), dict(tp=1, pp=1, zero=3)),
+    ("DP 4 recompute", dict(checkpoint_activations=True), dict(tp=1, pp=1, zero=0, recompute=True)),
+    ("DP 2 x TP 2", dict(tp=2), dict(tp=2, pp=1, zero=0)),
+    ("DP 2 x TP 2 SP", dict(tp=2, sequence_parallel=True), dict(tp=2, pp=1, zero=0, sp=True)),
+    ("DP 2 x TP 2 SP recompute", dict(tp=2, sequence_parallel=True, checkpoint_activations=True),
+     dict(tp=2, pp=1, zero=0, sp=True, recompute=True)),
+    ("DP 2 x PP 2", dict(pp=2), dict(tp=1, pp=2, zero=0)),
+    ("DP 2 x PP 2 ZeRO-1", dict(pp=2, zero=1), dict(tp=1, pp=2, zero=1)),
+    ("DP 2 x PP 2 recompute", dict(pp=2, checkpoint_activations=True),
+     dict(tp=1, pp=2, zero=0, recompute=True)),
+    ("DP 2 x PP 2 interleaved v2", dict(pp=2, schedule="interleaved", virtual_stages=2),
+     dict(tp=1, pp=2, zero=0, schedule="interleaved", virtual=2)),
+    ("PP 4 GPipe", dict(pp=4, schedule="gpipe"), dict(tp=1, pp=4, zero=0, schedule="gpipe")),
+    ("TP 2 x PP 2 SP recompute", dict(tp=2, pp=2, sequence_parallel=True,
+                                       checkpoint_activations=True),
+     dict(tp=2, pp=2, zero=0, sp=True, recompute=True)),
+]
 
 
-def _state(n: int, flags: dict, base: dict, out: str) -> dict:
-    """Rank 0's model state between steps, as the run's final record says."""
+def _final(n: int, flags: dict, base: dict, out: str) -> dict:
+    """The run's final record (rank 0's model state and measured activations)."""
     _train(n, flags, base, out)
-    final = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))
-             if '"event": "final"' in line][-1]
-    return final["memory_state"]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))
+            if '"event": "final"' in line][-1]
 
 
 def memory_rows(model, base: dict, tmp: str, n: int = 4) -> list:
-    """The planner's state per rank (fp32 run: 4 + 4 + 8 bytes per parameter, rank 0 = the
-    first stage) beside what the training run reports."""
+    """The planner's memory per rank beside a ``--trace-memory`` training run's, rank 0 (the
+    first stage): parameters, gradients and optimizer state (fp32 run: 4 + 4 + 8 bytes per
+    parameter) and activations at their most (hpcdist's layers)."""
     from hpcdist import plan as P
-    settings = P.Settings(param_bytes=4, grad_bytes=4, optimizer_bytes=8, buffers=0.0)
+    settings = P.Settings(param_bytes=4, grad_bytes=4, optimizer_bytes=8, buffers=0.0,
+                          activations="hpcdist")
     rows = []
-    for label, flags, fields in MEMORY_LAYOUTS:
-        tp, pp = fields["tp"], fields["pp"]
-        L = P.Layout(tp, pp, n // (tp * pp), fields["zero"], 1, 2 * pp if pp > 1 else 1,
-                     "1f1b" if pp > 1 else "none", 1, False, False)
+    for label, flags, f in MEMORY_LAYOUTS:
+        tp, pp = f["tp"], f["pp"]
+        m = 2 * pp if pp > 1 else 1                      # train's default micro-batches
+        L = P.Layout(tp, pp, n // (tp * pp), f["zero"], base["batch_size"] // m, m,
+                     f.get("schedule", "1f1b" if pp > 1 else "none"), f.get("virtual", 1),
+                     f.get("recompute", False), f.get("sp", False))
         want = P.memory(model, L, settings, stage="first")
-        got = _state(n, flags, dict(base, steps=2), os.path.join(tmp, "mem_" + label.replace(" ", "_")))
-        for kind in ("params", "grads", "optimizer"):
+        final = _final(n, dict(flags, trace_memory=True), dict(base, steps=3),
+                       os.path.join(tmp, "mem_" + label.replace(" ", "_")))
+        got = dict(final["memory_state"], activations=final["memory_activations"]["activations"])
+        for kind in ("params", "grads", "optimizer", "activations"):
             rows.append({"layout": label, "kind": kind, "planner": int(want[kind]),
                          "run": int(got[kind]), "ratio": got[kind] / want[kind]})
     return rows
@@ -153,18 +174,23 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--memory", action="store_true",
-                    help="only the model state per rank, planner vs training runs (4 ranks)")
+                    help="only the memory per rank (model state, activations), planner vs "
+                         "--trace-memory training runs (4 ranks, 4 layers)")
+    ap.add_argument("--memory-embd", type=int, default=256, help="--memory: n_embd")
     ap.add_argument("--published", action="store_true",
                     help="only the comparison with Narayanan et al.'s Table 1 (no runs)")
     args = ap.parse_args(argv)
     if args.memory:
+        # wider and shorter than the timing runs: activations dominate the Python objects
+        # of the graph (a few hundred bytes per op) as they do at any real size
+        args.n_embd, args.n_layer = args.memory_embd, 4
         model = _model(args)
         base = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                    log_every=10 ** 6, batch_size=16)
+                    log_every=10 ** 6, batch_size=32)
         rows = memory_rows(model, base, tempfile.mkdtemp())
         print(table(rows, [("layout", "layout", "s"), ("state", "kind", "s"),
                            ("planner B", "planner", "d"), ("run B", "run", "d"),
-                           ("run/planner", "ratio", ".4f")]))
+                           ("run/planner", "ratio", ".3f")]))
         write_json(os.path.join(args.out, "bench_plan_memory.json"), rows)
         return 0
     if args.published:

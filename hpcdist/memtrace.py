@@ -1,0 +1,90 @@
+"""Activation memory of a training step, measured (``--trace-memory``).
+
+Two numbers per step, both above what the rank held when the step began (the model state,
+its buffers):
+
+- ``activations``: the most bytes the autograd graphs held, sampled where a graph is whole —
+  the engine calls ``sample()`` as every backward begins. That moment sees each micro-batch's
+  activations, a pipeline stage's whole stash (it only shrinks through backwards), and, with
+  activation checkpointing, the stash plus the one block recomputed inside backward (its
+  nested backward samples too). This is what Korthikanti et al.'s formula counts and what
+  the planner predicts (``hpcdist.plan``).
+- ``peak``: the most bytes held at any moment of the step, temporaries of forward and
+  backward and communication buffers included (CPU only: Python's ``tracemalloc``, to which
+  NumPy reports every array; on a GPU the CuPy pool's bytes in use are sampled, so ``peak``
+  is the largest sample).
+
+Off by default: tracemalloc slows every allocation. Not thread-aware: the counts are the
+process's.
+"""
+from __future__ import annotations
+
+import tracemalloc
+
+from . import backend
+
+_on = False
+_base = 0
+_held = 0
+_first: dict = {}           # the run's first step (it also makes lazily built buffers)
+_most: dict = {}            # the largest of the steps after it
+
+
+def enable() -> None:
+    """Start measuring (the run's ``--trace-memory``)."""
+    global _on
+    _on = True
+    if not _gpu() and not tracemalloc.is_tracing():
+        tracemalloc.start()
+
+
+def enabled() -> bool:
+    return _on
+
+
+def _gpu() -> bool:
+    return backend.device_label() == "gpu"       # the CPU double's arrays are NumPy's
+
+
+def _current() -> int:
+    if _gpu():
+        return int(backend.xp().get_default_memory_pool().used_bytes())
+    return tracemalloc.get_traced_memory()[0]
+
+
+def start() -> None:
+    """A step begins: what is held now is the baseline."""
+    global _base, _held
+    if not _on:
+        return
+    _held = 0
+    _base = _current()
+    if tracemalloc.is_tracing():
+        tracemalloc.reset_peak()
+
+
+def sample() -> None:
+    """A graph is whole (a backward begins): note what it holds."""
+    global _held
+    if _on:
+        _held = max(_held, _current() - _base)
+
+
+def finish() -> dict:
+    """The step's {"activations", "peak"} in bytes."""
+    if not _on:
+        return {}
+    peak = tracemalloc.get_traced_memory()[1] - _base if tracemalloc.is_tracing() else _held
+    step = {"activations": _held, "peak": max(peak, _held)}
+    if not _first:
+        _first.update(step)
+    else:
+        for k, v in step.items():
+            _most[k] = max(_most.get(k, 0), v)
+    return step
+
+
+def most() -> dict:
+    """The largest of the steps after the run's first (whose numbers include the buffers
+    made once, on first use), or the first when it was the only one; {} when off."""
+    return dict(_most or _first) if _on else {}

@@ -479,8 +479,8 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
         across = t * L.dp >= per_node
         pp_send = act_bytes / t / (gpu.network if across else gpu.nvlink) \
             + (gpu.network_alpha if across else gpu.nvlink_alpha) + call
-    fc = (max(f, f_last) + pp_send) / L.virtual
-    bc = (max(bwd, b_last) + pp_send) / L.virtual
+    fc = max(f, f_last) / L.virtual + pp_send       # each chunk sends its own activations
+    bc = max(bwd, b_last) / L.virtual + pp_send
     schedule = L.schedule if L.pp > 1 else "1f1b"
     pipe, bubble = pipeline_makespan(schedule, L.pp, L.micro_batches, L.virtual, fc, bc)
     psi = (layers * 12 * h * h * (1 + 13 / (12 * h)) + V * h + s * h) / t
@@ -495,7 +495,8 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
     optimizer = 16 * psi / (L.dp if L.zero else 1) / 2e12     # a memory-bound pass over state
     e.step_s = pipe + dp + optimizer
     tp_total = L.micro_batches * layers * tp_fwd * (3 if L.recompute else 2)
-    e.parts = {"pipeline": pipe, "tp": tp_total, "pp": 2 * L.micro_batches * pp_send,
+    e.parts = {"pipeline": pipe, "tp": tp_total,
+               "pp": 2 * L.micro_batches * L.virtual * pp_send,
                "dp": dp, "optimizer": optimizer}
     e.bubble = bubble
     executed = model.flops(batch, L.recompute)

@@ -153,6 +153,40 @@ def _links(n: int) -> tuple:
     return alpha, 1.0 / beta if beta else 1e12, call
 
 
+_SYNC = """
+import json, time, numpy as np
+from hpcdist.comm import Communicator
+c = Communicator(); pair = c.split(c.rank // 2)
+a = np.random.default_rng(c.rank).standard_normal((160, 160)).astype(np.float32)
+x = np.ones(256, np.float32)
+def run(sync, n=60):
+    c.barrier(); t = time.perf_counter()
+    for _ in range(n):
+        for _ in range(4):
+            a @ a
+        if sync:
+            pair.allreduce(x)
+    return (time.perf_counter() - t) / n
+run(True, 10)
+times = {s: min(run(s) for _ in range(3)) for s in (False, True, False, True)}
+cost = c.allreduce(np.array([times[True] - times[False]]), op="avg")[0]
+print(json.dumps(max(float(cost), 0.0))) if c.rank == 0 else None
+"""
+
+
+def _sync_cost(n: int) -> float:
+    """Seconds one blocking exchange costs a rank while the other ranks compute: ``n`` ranks
+    in pairs, each loop a little compute and (or not) a short allreduce with its partner.
+    With more ranks than cores the partner is often descheduled: this, not the link's
+    alpha, is what each tensor-parallel collective, ZeRO-3 gather and pipeline send costs
+    on an oversubscribed machine."""
+    r = subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-c", _SYNC],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def _model(args):
     """The planner's view of the GPT these runs train (the default task's sequences)."""
     from hpcdist import plan as P

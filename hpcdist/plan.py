@@ -154,11 +154,18 @@ class Settings:
     grad_bytes: int = 4               # fp32 gradient accumulation and reduction
     param_bytes: int = 2              # bf16 parameters (4: an fp32 run)
     optimizer_bytes: int = 12         # fp32 master + Adam's two moments (8: an fp32 run)
-    # Fixed costs a FLOP count misses (0 for a GPU's fused kernels at scale; calibrated for a
-    # CPU run by ``bench plan``): seconds per layer per forward (a backward costs two), and
-    # per collective call beyond the link's alpha
+    # Costs a FLOP count misses (0 for a GPU's fused kernels at scale; calibrated for a CPU
+    # run by ``bench plan``): seconds per layer per forward (a backward costs two), seconds
+    # per byte of activations a layer writes in forward (memory-bound elementwise work:
+    # LayerNorms, GELU, residuals, softmax; hpcdist's layers, a backward twice), and per
+    # collective call inside the step beyond the link's alpha
     layer_overhead: float = 0.0
+    byte_cost: float = 0.0
     call_overhead: float = 0.0
+    # more ranks than cores (an oversubscribed CPU run): a rank idle in the pipeline's bubble
+    # leaves its core to another, so a step takes at least the busy time, at most the
+    # critical path at a whole core's speed
+    ranks_per_core: float = 1.0
     memory_headroom: float = 0.95     # of the card usable for the above
     activations: str = "megatron"     # whose layers: "megatron" (Korthikanti) | "hpcdist"
     tp_across_nodes: bool = False
@@ -251,9 +258,7 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
     on every rank (the row-parallel biases and two LayerNorms); the vocabulary-parallel table
     padded to a multiple of TP and the position table on the first stage; the final
     LayerNorm and the tied head's copy on the last."""
-    from .parallel import schedules as S
-    s, h, a, V, t = model.seq, model.hidden, model.heads, model.vocab, L.tp
-    b = L.micro_batch
+    s, h, V, t = model.seq, model.hidden, model.vocab, L.tp
     block = (12 * h * h + 7 * h) / t + 6 * h
     layers = model.layers // L.pp
     table = -(-V // t) * h
@@ -466,6 +471,9 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
     call = settings.call_overhead
     tp_fwd = 2 * (_allreduce(act_bytes, t, tp_bw, tp_alpha) + call) if t > 1 else 0.0
     over = settings.layer_overhead
+    if settings.byte_cost:
+        written = hpcdist_layer(model, replace(L, recompute=False), settings, "first")[0]
+        over += settings.byte_cost * written
     f = layers * (layer_fwd / peak + tp_fwd + over)
     bwd = layers * (2 * layer_fwd / peak + tp_fwd + 2 * over)
     if L.recompute:
@@ -483,6 +491,10 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
     bc = max(bwd, b_last) / L.virtual + pp_send
     schedule = L.schedule if L.pp > 1 else "1f1b"
     pipe, bubble = pipeline_makespan(schedule, L.pp, L.micro_batches, L.virtual, fc, bc)
+    if settings.ranks_per_core > 1 and L.pp > 1:
+        busy = L.micro_batches * L.virtual * (fc + bc)
+        pipe = max(busy, pipe / settings.ranks_per_core)
+        bubble = 1 - busy / pipe
     psi = (layers * 12 * h * h * (1 + 13 / (12 * h)) + V * h + s * h) / t
     grad_bytes = settings.grad_bytes * psi
     inside = t * L.dp <= per_node
@@ -532,15 +544,24 @@ def best_per_mesh(fits: list) -> list:
 
 
 def calibrated(gpu: GPU, settings: Settings, path: str) -> tuple:
-    """The card and settings with what our benchmarks measured (JSON: ``efficiency``,
-    ``nvlink``/``network`` as [alpha s, bytes/s])."""
+    """The card and settings with what our benchmarks measured: a JSON object (or the
+    ``calibration`` inside ``bench plan``'s ``bench_plan.json``) with any of ``efficiency``,
+    ``nvlink`` / ``network`` as [alpha s, bytes/s], ``layer_overhead_s``, ``byte_cost_s``,
+    ``call_overhead_s``, ``ranks_per_core`` (a byte cost counts hpcdist's own layers)."""
     doc = json.load(open(path))
+    doc = doc.get("calibration", doc)
     if "efficiency" in doc:
         settings = replace(settings, efficiency=float(doc["efficiency"]))
     for level in ("nvlink", "network"):
         if level in doc:
             alpha, bw = doc[level]
             gpu = replace(gpu, **{level: float(bw), f"{level}_alpha": float(alpha)})
+    for key, name in (("layer_overhead_s", "layer_overhead"), ("byte_cost_s", "byte_cost"),
+                      ("call_overhead_s", "call_overhead"), ("ranks_per_core", "ranks_per_core")):
+        if key in doc:
+            settings = replace(settings, **{name: float(doc[key])})
+    if settings.byte_cost:
+        settings = replace(settings, activations="hpcdist")
     return gpu, settings
 
 

@@ -143,3 +143,36 @@ def test_the_stash_walked_reaches_the_registry_bound(name, v):
             held, edge = P.stash_at_peak(name, P_, m, v, stage)
             assert held == bound[rank], (name, P_, m, stage)
             assert (edge == held) if v == 1 else (0 < edge < held)
+
+
+def test_shared_cores_hide_the_bubble_but_not_the_critical_path():
+    """More ranks than cores: an idle stage's core goes to another rank, so a pipeline takes
+    its busy time — unless the critical path at a whole core's speed is longer."""
+    model = P.Model(8, 256, 4, 64, 100)
+    L = P.Layout(1, 4, 2, 0, 4, 8, "1f1b", 1, False, False)
+    gpu = P.GPU("cpu", {"fp32": 1e10}, 1e10, 1e9, 1e9, 1e-5, 1e-5)
+    alone = P.estimate(model, L, gpu, 8, 8, 64, P.Settings(dtype="fp32", efficiency=1.0))
+    shared = P.estimate(model, L, gpu, 8, 8, 64, P.Settings(dtype="fp32", efficiency=1.0,
+                                                            ranks_per_core=4))
+    assert alone.bubble == pytest.approx(3 / 11, rel=0.05)            # (P - 1) / (m + P - 1)
+    assert shared.bubble == pytest.approx(0.0, abs=1e-9)
+    assert shared.parts["pipeline"] == pytest.approx(alone.parts["pipeline"] * 8 / 11, rel=0.05)
+    few = P.Layout(1, 4, 2, 0, 16, 2, "gpipe", 1, False, False)        # m = 2: path-bound
+    e = P.estimate(model, few, gpu, 8, 8, 64, P.Settings(dtype="fp32", efficiency=1.0,
+                                                        ranks_per_core=1.5))
+    a = P.estimate(model, few, gpu, 8, 8, 64, P.Settings(dtype="fp32", efficiency=1.0))
+    assert e.parts["pipeline"] == pytest.approx(a.parts["pipeline"] / 1.5)
+
+
+def test_calibration_reads_what_bench_plan_writes(tmp_path):
+    import json
+    doc = {"calibration": {"efficiency": 1.0, "layer_overhead_s": 1e-3, "byte_cost_s": 2e-10,
+                           "call_overhead_s": 3e-4, "ranks_per_core": 4.0,
+                           "nvlink": [2e-5, 1e9], "network": [3e-5, 5e8]}, "rows": []}
+    path = tmp_path / "bench_plan.json"
+    path.write_text(json.dumps(doc))
+    gpu, s = P.calibrated(P.HARDWARE["h100"], P.Settings(), str(path))
+    assert (gpu.nvlink, gpu.nvlink_alpha, gpu.network, gpu.network_alpha) == (1e9, 2e-5, 5e8, 3e-5)
+    assert (s.efficiency, s.layer_overhead, s.byte_cost, s.call_overhead, s.ranks_per_core) == \
+        (1.0, 1e-3, 2e-10, 3e-4, 4.0)
+    assert s.activations == "hpcdist"

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 
 import numpy as np
 
@@ -174,6 +175,32 @@ print(json.dumps(max(float(cost), 0.0))) if c.rank == 0 else None
 """
 
 
+def _loaded(n: int, flags: dict, tmp: str) -> float:
+    """Median step ms of ``n`` one-rank runs started together (each its own job)."""
+    procs, outs = [], []
+    cores = len(os.sched_getaffinity(0))
+    # the threads each rank of an n-rank job would get, not a lone run's whole machine
+    env = dict(os.environ, HPCDIST_THREADS=str(max(1, cores // n)))
+    for i in range(n):
+        out = os.path.join(tmp, f"loaded{i}")
+        args = [mpiexec(), "-n", "1", sys.executable, "-m", "hpcdist.train", "--out-dir", out]
+        for k, v in flags.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True, env=env))
+        outs.append(out)
+    for p in procs:
+        _, err = p.communicate(timeout=900)
+        if p.returncode != 0:
+            raise RuntimeError(f"a loaded calibration run failed:\n{err[-2000:]}")
+    times = []
+    for out in outs:
+        steps = [json.loads(line)["step_ms"] for line in open(os.path.join(out, "metrics.jsonl"))
+                 if '"loss"' in line and '"step"' in line]
+        times.append(float(np.median(steps[3:] if len(steps) > 3 else steps)))
+    return float(np.median(times))
+
+
 def _sync_cost(n: int) -> float:
     """Seconds one blocking exchange costs a rank while the other ranks compute: ``n`` ranks
     in pairs, each loop a little compute and (or not) a short allreduce with its partner.
@@ -206,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--global-batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each layout (the fastest "
+                    "median counts)")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--memory", action="store_true",
                     help="only the memory per rank (model state, activations), planner vs "
@@ -240,28 +269,45 @@ def main(argv=None) -> int:
     base = dict(steps=args.steps, n_layer=args.n_layer, n_embd=args.n_embd,
                 n_head=args.n_head, log_every=10 ** 6)
     tmp = tempfile.mkdtemp()
-    # calibration: one rank alone at two batch sizes gives its FLOP/s and its fixed cost per
-    # step (Python and per-op work a FLOP count misses), both shared out over the ranks that
-    # will share the cores; a ping-pong and a short allreduce give the links and the cost of
-    # one collective call
-    small = max(B // n, 1)
-    t_big = _train(1, dict(batch_size=B), base, os.path.join(tmp, "one_big")) / 1e3
-    t_small = _train(1, dict(batch_size=small), base, os.path.join(tmp, "one_small")) / 1e3
-    f_big, f_small = model.flops(B, False), model.flops(small, False)
-    rate = (f_big - f_small) / max(t_big - t_small, 1e-9)
-    fixed = max(t_big - f_big / rate, 0.0)
-    cores = len(os.sched_getaffinity(0))
-    share = max(1.0, n / cores)                  # ranks per core
-    per_rank = rate / share
-    alpha, bw, call = _links(n)
-    gpu = P.GPU("this machine (a rank)", {"fp32": per_rank}, 24e9, bw, bw, alpha, alpha)
     settings = P.Settings(efficiency=1.0, dtype="fp32", buffers=0.0, grad_bytes=4,
-                          param_bytes=4, optimizer_bytes=8,
-                          layer_overhead=fixed / (3 * args.n_layer) * share,
-                          call_overhead=call)
+                          param_bytes=4, optimizer_bytes=8, activations="hpcdist")
+    # calibration: one rank alone, three runs (the batch, an eighth of it, the batch at half
+    # the width) give its FLOP/s, the cost of each byte its layers write (elementwise work,
+    # FLOP-free) and its fixed cost per step (Python, per-op work): three unknowns, three
+    # equations. Shared out over the ranks that will share the cores. A ping-pong, a short
+    # allreduce, and a short exchange while the other ranks compute give the links and
+    # the cost of a collective call inside a step
+    small = max(B // n, 1)
+    half = P.Model(model.layers, model.hidden // 2, model.heads, model.seq, model.vocab)
+    one = [(model, B, {}), (model, small, {}), (half, B, {"n_embd": args.n_embd // 2})]
+    A, t = [], []
+    for i, (mdl, batch, extra) in enumerate(one):
+        t.append(_train(1, dict(extra, batch_size=batch), base, os.path.join(tmp, f"one{i}")) / 1e3)
+        L1 = P.Layout(1, 1, 1, 0, batch, 1, "none", 1, False, False)
+        written = mdl.layers * P.hpcdist_layer(mdl, L1, settings, "first")[0]
+        A.append([mdl.flops(batch, False), 3 * written, 1.0])       # backward writes 2x
+    inv_rate, byte_cost, fixed = np.linalg.solve(np.array(A), np.array(t))
+    if min(inv_rate, byte_cost, fixed) <= 0:     # noise: fall back to FLOPs + fixed cost
+        (inv_rate, fixed), byte_cost = np.linalg.lstsq(np.array(A)[:2, [0, 2]],
+                                                     np.array(t[:2]), rcond=None)[0], 0.0
+    rate = 1.0 / inv_rate
+    cores = len(os.sched_getaffinity(0))
+    # what sharing the cores costs: the eighth-batch step again, with n copies running at
+    # once (more than n / cores when they also fight over caches and memory bandwidth)
+    share = max(1.0, n / cores)                  # ranks per core
+    loaded = _loaded(n, dict(base, batch_size=small), tmp) / 1e3
+    slowdown = max(loaded / t[1], 1.0)
+    per_rank = rate / slowdown
+    alpha, bw, call = _links(n)
+    sync = _sync_cost(n)
+    gpu = P.GPU("this machine (a rank)", {"fp32": per_rank}, 24e9, bw, bw, alpha, alpha)
+    settings = replace(settings, layer_overhead=fixed / (3 * args.n_layer) * slowdown,
+                       byte_cost=byte_cost * slowdown, call_overhead=max(call, sync),
+                       ranks_per_core=share)
     calibration = {"efficiency": 1.0, "peak_flops_per_rank": per_rank,
-                   "layer_overhead_s": settings.layer_overhead, "call_overhead_s": call,
-                   "nvlink": [alpha, bw], "network": [alpha, bw]}
+                   "layer_overhead_s": settings.layer_overhead,
+                   "byte_cost_s": settings.byte_cost, "call_overhead_s": settings.call_overhead,
+                   "ranks_per_core": share, "slowdown": slowdown, "nvlink": [alpha, bw], "network": [alpha, bw]}
     rows = []
     for label, flags, fields in LAYOUTS:
         tp, pp = fields["tp"], fields["pp"]
@@ -271,19 +317,29 @@ def main(argv=None) -> int:
         L = P.Layout(tp, pp, dp, fields["zero"], B // dp // m, m,
                      fields.get("schedule", "none"), v, False, False)
         est = P.estimate(model, L, gpu, n, n, B, settings)
-        measured = _train(n, dict(flags, batch_size=B // dp), base,
-                          os.path.join(tmp, label.replace(" ", "_")))
-        rows.append({"layout": label, "predicted_ms": est.step_s * 1e3,
-                     "measured_ms": measured, "ratio": measured / (est.step_s * 1e3)})
+        rows.append({"layout": label, "predicted_ms": est.step_s * 1e3, "flags": flags,
+                     "runs": []})
+    # each layout twice, in two passes (a slow spell of the shared machine hits one pass)
+    for rep in range(args.repeats):
+        for row in rows:
+            row["runs"].append(_train(n, dict(row["flags"], batch_size=B // (n // (
+                row["flags"].get("tp", 1) * row["flags"].get("pp", 1)))), base,
+                os.path.join(tmp, f"{row['layout'].replace(' ', '_')}_{rep}")))
+    for row in rows:
+        row.pop("flags")
+        row["measured_ms"] = min(row["runs"])
+        row["ratio"] = row["measured_ms"] / row["predicted_ms"]
     pred = np.argsort(np.argsort([r["predicted_ms"] for r in rows]))
     meas = np.argsort(np.argsort([r["measured_ms"] for r in rows]))
     k = len(rows)
     spearman = 1 - 6 * float(((pred - meas) ** 2).sum()) / (k * (k * k - 1))
-    print(f"calibration: 1 rank {t_big * 1e3:.1f} ms per step of {B} sequences, "
-          f"{t_small * 1e3:.1f} ms of {small} -> {rate / 1e9:.2f} GFLOP/s and {fixed * 1e3:.1f} ms "
-          f"fixed per step; at {n} ranks on {cores} cores {per_rank / 1e9:.2f} GFLOP/s and "
-          f"{settings.layer_overhead * 1e3:.2f} ms per layer pass per rank; link alpha "
-          f"{alpha * 1e6:.1f} us, {bw / 1e9:.2f} GB/s; a short allreduce {call * 1e6:.0f} us")
+    print(f"calibration: 1 rank {t[0] * 1e3:.1f} ms per step of {B} sequences, "
+          f"{t[1] * 1e3:.1f} ms of {small}, {t[2] * 1e3:.1f} ms of {B} at half the width -> "
+          f"{rate / 1e9:.2f} GFLOP/s, {byte_cost * 1e9:.3f} ns per byte written, "
+          f"{fixed * 1e3:.1f} ms fixed per step; {n} copies at once on {cores} cores "
+          f"{loaded * 1e3:.1f} ms ({slowdown:.1f}x) -> {per_rank / 1e9:.2f} GFLOP/s per rank, {settings.layer_overhead * 1e3:.2f} ms per layer "
+          f"pass; link alpha {alpha * 1e6:.1f} us, {bw / 1e9:.2f} GB/s; a short allreduce "
+          f"{call * 1e6:.0f} us, {sync * 1e6:.0f} us while the others compute")
     print(table(rows, [("layout", "layout", "s"), ("predicted ms", "predicted_ms", ".1f"),
                        ("measured ms", "measured_ms", ".1f"), ("meas/pred", "ratio", ".2f")]))
     print(f"rank agreement (Spearman) of predicted and measured order: {spearman:.2f}")

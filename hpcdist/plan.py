@@ -26,7 +26,11 @@ ZB-H1), activation recompute (none / full) and sequence parallelism. Each layout
   with recompute, 72... without), MFU against the peak, the bubble and the comm share.
 
 Hardware: ``HARDWARE`` (vendors' published peaks and links; ``--gpu custom`` with flags).
-Calibration: ``--calibrate FILE`` (JSON: efficiency, link alpha/beta) from our benchmarks.
+Features: ``--features megatron-2021`` searches only what Megatron-LM offered in 2021 (the
+published runs' framework). Calibration: ``--calibrate FILE`` (efficiency, link alpha/beta,
+CPU overheads; ``bench plan`` writes it). Activations: Korthikanti et al.'s formula for
+Megatron-LM's layers, or hpcdist's own layers counted tensor by tensor
+(``Settings(activations="hpcdist")``, what ``bench plan --memory`` checks against runs).
 """
 from __future__ import annotations
 
@@ -169,7 +173,20 @@ class Settings:
     memory_headroom: float = 0.95     # of the card usable for the above
     activations: str = "megatron"     # whose layers: "megatron" (Korthikanti) | "hpcdist"
     tp_across_nodes: bool = False
-    sequence_parallel: bool = True    # consider SP (False: a framework without it)
+    # what the framework offers (``FEATURES``): SP, ZeRO stages, pipeline schedules
+    sequence_parallel: bool = True
+    zero_stages: tuple = (0, 1, 2, 3)
+    schedules: tuple = ("1f1b", "gpipe", "zb-h1", "interleaved")
+
+
+# The search restricted to what a framework offered: "megatron-2021" is Megatron-LM as
+# Narayanan et al. ran it (SC21): no distributed optimizer (ZeRO), no sequence parallelism
+# (Korthikanti et al. 2022), 1F1B and their interleaved schedule (ZB-H1 is 2023's).
+FEATURES = {
+    "all": {},
+    "megatron-2021": {"sequence_parallel": False, "zero_stages": (0,),
+                      "schedules": ("1f1b", "interleaved")},
+}
 
 
 # ---- the search ---------------------------------------------------------------------------
@@ -196,7 +213,7 @@ def candidates(model: Model, gpus: int, per_node: int, batch: int,
                                     f"micro-batches of {b}"))
                     continue
                 m = per_replica // b
-                for name, v in _schedules(pp):
+                for name, v in _schedules(pp, settings.schedules):
                     if pp > 1:
                         try:
                             S.check(name, v)
@@ -208,7 +225,7 @@ def candidates(model: Model, gpus: int, per_node: int, batch: int,
                                             f"interleaving needs layers per stage ({model.layers // pp}) "
                                             f"divisible by v = {v} and micro-batches ({m}) by pp"))
                             continue
-                    for zero in (0, 1, 2, 3):
+                    for zero in settings.zero_stages:
                         if pp > 1 and zero > 1:
                             refused.append(({**base, "zero": zero}, f"ZeRO-{zero} shards "
                                             "gradients during backward: with a pipeline use "
@@ -241,10 +258,11 @@ def _mesh_problem(model, tp, pp, dp, per_node, batch, settings) -> str | None:
     return None
 
 
-def _schedules(pp: int):
+def _schedules(pp: int, allowed=None):
     if pp == 1:
         return [("none", 1)]
-    return [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4)]
+    return [(n, v) for n, v in (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2),
+                                ("interleaved", 4)) if allowed is None or n in allowed]
 
 
 # ---- one layout ---------------------------------------------------------------------------
@@ -590,6 +608,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tp-across-nodes", action="store_true")
     ap.add_argument("--no-sequence-parallel", action="store_true",
                     help="leave sequence parallelism out (a framework without it)")
+    ap.add_argument("--features", default="all", choices=sorted(FEATURES),
+                    help="what the framework offers: all of hpcdist's, or megatron-2021 (no "
+                         "ZeRO, no sequence parallelism, 1F1B and interleaved only)")
     ap.add_argument("--calibrate", help="JSON of measured efficiency and links")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="the ranked list as JSON")
@@ -605,7 +626,9 @@ def main(argv=None) -> int:
         ap.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
     settings = Settings(efficiency=args.efficiency, dtype=args.dtype,
                         tp_across_nodes=args.tp_across_nodes,
-                        sequence_parallel=not args.no_sequence_parallel)
+                        **FEATURES[args.features])
+    if args.no_sequence_parallel:
+        settings = replace(settings, sequence_parallel=False)
     if args.calibrate:
         gpu, settings = calibrated(gpu, settings, args.calibrate)
     model = Model(args.layers, args.hidden, args.heads, args.seq, args.vocab)

@@ -15,13 +15,13 @@ def test_published_layouts_predicted_within_25_percent(row):
     billions, heads, hidden, layers, tp, pp, gpus, batch, tflops = row
     model = P.Model(layers, hidden, heads, 2048, 51200)
     assert model.parameters / 1e9 == pytest.approx(billions, rel=0.03)
-    # the paper's runs: micro-batch 1, full recompute, the interleaved schedule where it fits
+    # the paper's runs: micro-batch 1, full recompute, no ZeRO, 1F1B or interleaved
     best = None
-    for schedule, v in P._schedules(pp):
+    for schedule, v in P._schedules(pp, P.FEATURES["megatron-2021"]["schedules"]):
         m = batch // (gpus // (tp * pp))
         if v > 1 and ((layers // pp) % v or m % pp):
             continue
-        L = P.Layout(tp, pp, gpus // (tp * pp), 1, 1, m, schedule, v, True, False)
+        L = P.Layout(tp, pp, gpus // (tp * pp), 0, 1, m, schedule, v, True, False)
         e = P.estimate(model, L, P.HARDWARE["a100-80g"], gpus, 8, batch)
         if e.fits and (best is None or e.step_s < best.step_s):
             best = e
@@ -176,3 +176,31 @@ def test_calibration_reads_what_bench_plan_writes(tmp_path):
     assert (s.efficiency, s.layer_overhead, s.byte_cost, s.call_overhead, s.ranks_per_core) == \
         (1.0, 1e-3, 2e-10, 3e-4, 4.0)
     assert s.activations == "hpcdist"
+
+
+def _mesh_rank(model, gpu, gpus, batch, tp, pp, settings):
+    meshes = P.best_per_mesh(P.plan(model, gpu, gpus, 8, batch, settings)[0])
+    return [(e.layout.tp, e.layout.pp) for e in meshes].index((tp, pp)) + 1
+
+
+def test_the_seed_70b_layout_with_the_features_of_its_time():
+    """The seed's answer for a 70B on 512 A100s — TP 8, PP 4, DP 16 — is among the planner's
+    top three meshes when it searches what Megatron-LM offered then (no ZeRO, no sequence
+    parallelism, 1F1B and interleaved); with all of hpcdist's features it is 4th."""
+    model = P.Model(80, 8192, 64, 2048, 32000)
+    gpu = P.HARDWARE["a100-80g"]
+    then = P.Settings(**P.FEATURES["megatron-2021"])
+    assert _mesh_rank(model, gpu, 512, 1536, 8, 4, then) <= 3
+    assert _mesh_rank(model, gpu, 512, 1536, 8, 4, P.Settings()) == 4
+
+
+@pytest.mark.parametrize("row", [r for r in NARAYANAN_TABLE_1 if r[0] >= 39],
+                         ids=lambda r: f"{r[0]}B")
+def test_published_meshes_of_the_large_models_are_in_the_top_three(row):
+    """From 39.1B up (pipelines across nodes), the published TP x PP is among the planner's
+    top three meshes given Megatron-LM's 2021 features; below it the planner prefers a
+    smaller TP (README: "Planning a layout")."""
+    billions, heads, hidden, layers, tp, pp, gpus, batch, tflops = row
+    model = P.Model(layers, hidden, heads, 2048, 51200)
+    then = P.Settings(**P.FEATURES["megatron-2021"])
+    assert _mesh_rank(model, P.HARDWARE["a100-80g"], gpus, batch, tp, pp, then) <= 3

@@ -28,14 +28,21 @@ _base = 0
 _held = 0
 _first: dict = {}           # the run's first step (it also makes lazily built buffers)
 _most: dict = {}            # the largest of the steps after it
+_started = False            # tracemalloc is ours to stop
 
 
-def enable() -> None:
-    """Start measuring (the run's ``--trace-memory``)."""
-    global _on
-    _on = True
-    if not _gpu() and not tracemalloc.is_tracing():
+def enable(on: bool = True) -> None:
+    """Measure this run's steps (its ``--trace-memory``), from nothing; ``False``: stop."""
+    global _on, _started
+    _on = on
+    _first.clear()
+    _most.clear()
+    if on and not _gpu() and not tracemalloc.is_tracing():
         tracemalloc.start()
+        _started = True
+    elif not on and _started:
+        tracemalloc.stop()
+        _started = False
 
 
 def enabled() -> bool:

@@ -307,7 +307,7 @@ def activations(model: Model, L: Layout, settings: Settings = Settings(),
                 stage: str = "first") -> float:
     """Bytes of activations a GPU holds at its most on the ``stage`` "first" or "last": one
     layer's stored tensors times the layers of a chunk times the micro-batch chunks the
-    schedule keeps in flight there (``schedules.REGISTRY``'s stash bound), plus the embedding
+    schedule keeps in flight there (``stash_at_peak``), plus the embedding
     (first) or the logits and loss (last) of each micro-batch in flight and, with full
     recompute, the one layer rebuilt in backward. ``settings.activations`` picks the layer:
 
@@ -611,7 +611,8 @@ def main(argv=None) -> int:
     ap.add_argument("--features", default="all", choices=sorted(FEATURES),
                     help="what the framework offers: all of hpcdist's, or megatron-2021 (no "
                          "ZeRO, no sequence parallelism, 1F1B and interleaved only)")
-    ap.add_argument("--calibrate", help="JSON of measured efficiency and links")
+    ap.add_argument("--calibrate", help="JSON of measured efficiency, links and overheads "
+                    "(bench plan's runs/bench/bench_plan.json)")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="the ranked list as JSON")
     args = ap.parse_args(argv)

@@ -94,8 +94,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     model, step_fn = build_strategy(cfg, comm, train_set)
     if on_build is not None:
         on_build(step_fn)
-    if cfg.trace_memory:
-        memtrace.enable()
+    memtrace.enable(cfg.trace_memory)
     data_comm = step_fn.data_comm                  # tensor-parallel ranks read the same batch
     sampler = data.DistributedSampler(len(train_set), cfg.batch_size, data_comm.rank,
                                       data_comm.size, seed=cfg.seed)

@@ -90,16 +90,33 @@ def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, beta2=0.999
     if weight_decay:
         for a, b in (decay_ranges if decay_ranges is not None else [(0, p.size)]):
             p[a:b] *= 1.0 - lr * weight_decay
-    m *= beta1
-    m += (1.0 - beta1) * g
-    v *= beta2
-    v += (1.0 - beta2) * (g * g)
     bias1 = 1.0 - beta1 ** step
     bias2 = 1.0 - beta2 ** step
-    denom = xp.sqrt(v)
-    denom /= math.sqrt(bias2)
-    denom += eps
-    p -= (lr / bias1) * (m / denom)
+    if g.dtype != p.dtype:               # a gradient of another dtype: NumPy's promotions
+        m *= beta1
+        m += (1.0 - beta1) * g
+        v *= beta2
+        v += (1.0 - beta2) * (g * g)
+        denom = xp.sqrt(v)
+        denom /= math.sqrt(bias2)
+        denom += eps
+        p -= (lr / bias1) * (m / denom)
+        return
+    # the same operations in the same order through one scratch array (the textbook
+    # expressions make three flat temporaries: a step's peak memory, and time)
+    tmp = g * g
+    tmp *= 1.0 - beta2
+    v *= beta2
+    v += tmp
+    xp.multiply(g, 1.0 - beta1, out=tmp)
+    m *= beta1
+    m += tmp
+    xp.sqrt(v, out=tmp)
+    tmp /= math.sqrt(bias2)
+    tmp += eps
+    xp.divide(m, tmp, out=tmp)
+    tmp *= lr / bias1
+    p -= tmp
 
 
 # ---- optimizers ----------------------------------------------------------------------------------

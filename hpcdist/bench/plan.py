@@ -37,19 +37,28 @@ LAYOUTS = [
 ]
 
 
-def _train(n: int, flags: dict, base: dict, out: str) -> float:
-    """Median step ms of a run (its first 3 steps left out)."""
+def _command(n: int, flags: dict, out: str) -> list:
     args = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcdist.train", "--out-dir", out]
-    for k, v in {**base, **flags}.items():
+    for k, v in flags.items():
         flag = f"--{k.replace('_', '-')}"
         args += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]
+    return args
+
+
+def _median_step(out: str) -> float:
+    """Median step ms of a finished run (its first 3 steps left out)."""
+    times = [json.loads(line)["step_ms"] for line in open(os.path.join(out, "metrics.jsonl"))
+             if '"loss"' in line and '"step"' in line]
+    return float(np.median(times[3:] if len(times) > 3 else times))
+
+
+def _train(n: int, flags: dict, base: dict, out: str) -> float:
+    """Median step ms of a run."""
+    args = _command(n, {**base, **flags}, out)
     r = subprocess.run(args, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{r.stderr[-2000:]}")
-    steps = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))
-             if '"loss"' in line and '"step"' in line]
-    times = [s["step_ms"] for s in steps]
-    return float(np.median(times[3:] if len(times) > 3 else times))
+    return _median_step(out)
 
 
 # (label, train flags, planner Layout fields) at 4 ranks: model state and activations
@@ -188,23 +197,14 @@ def _loaded(n: int, flags: dict, tmp: str) -> float:
     # the threads each rank of an n-rank job would get, not a lone run's whole machine
     env = dict(os.environ, HPCDIST_THREADS=str(max(1, cores // n)))
     for i in range(n):
-        out = os.path.join(tmp, f"loaded{i}")
-        args = [mpiexec(), "-n", "1", sys.executable, "-m", "hpcdist.train", "--out-dir", out]
-        for k, v in flags.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
-        procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True, env=env))
-        outs.append(out)
+        outs.append(os.path.join(tmp, f"loaded{i}"))
+        procs.append(subprocess.Popen(_command(1, flags, outs[-1]), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True, env=env))
     for p in procs:
         _, err = p.communicate(timeout=900)
         if p.returncode != 0:
             raise RuntimeError(f"a loaded calibration run failed:\n{err[-2000:]}")
-    times = []
-    for out in outs:
-        steps = [json.loads(line)["step_ms"] for line in open(os.path.join(out, "metrics.jsonl"))
-                 if '"loss"' in line and '"step"' in line]
-        times.append(float(np.median(steps[3:] if len(steps) > 3 else steps)))
-    return float(np.median(times))
+    return float(np.median([_median_step(out) for out in outs]))
 
 
 def _sync_cost(n: int) -> float:
@@ -290,14 +290,16 @@ def main(argv=None) -> int:
     one = [(model, B, {}), (model, small, {}), (half, B, {"n_embd": args.n_embd // 2})]
     A, t = [], []
     for i, (mdl, batch, extra) in enumerate(one):
-        t.append(_train(1, dict(extra, batch_size=batch), base, os.path.join(tmp, f"one{i}")) / 1e3)
+        t.append(_train(1, dict(extra, batch_size=batch), base,
+                        os.path.join(tmp, f"one{i}")) / 1e3)
         L1 = P.Layout(1, 1, 1, 0, batch, 1, "none", 1, False, False)
         written = mdl.layers * P.hpcdist_layer(mdl, L1, settings, "first")[0]
         A.append([mdl.flops(batch, False), 3 * written, 1.0])       # backward writes 2x
     inv_rate, byte_cost, fixed = np.linalg.solve(np.array(A), np.array(t))
     if min(inv_rate, byte_cost, fixed) <= 0:     # noise: fall back to FLOPs + fixed cost
-        (inv_rate, fixed), byte_cost = np.linalg.lstsq(np.array(A)[:2, [0, 2]],
-                                                     np.array(t[:2]), rcond=None)[0], 0.0
+        (inv_rate, fixed), byte_cost = np.linalg.solve(np.array(A)[:2, [0, 2]],
+                                                      np.array(t[:2])), 0.0
+        fixed = max(fixed, 0.0)
     rate = 1.0 / inv_rate
     cores = len(os.sched_getaffinity(0))
     # what sharing the cores costs: the eighth-batch step again, with n copies running at
@@ -315,7 +317,8 @@ def main(argv=None) -> int:
     calibration = {"efficiency": 1.0, "peak_flops_per_rank": per_rank,
                    "layer_overhead_s": settings.layer_overhead,
                    "byte_cost_s": settings.byte_cost, "call_overhead_s": settings.call_overhead,
-                   "ranks_per_core": share, "slowdown": slowdown, "nvlink": [alpha, bw], "network": [alpha, bw]}
+                   "ranks_per_core": share, "slowdown": slowdown, "nvlink": [alpha, bw],
+                   "network": [alpha, bw]}
     rows = []
     for label, flags, fields in LAYOUTS:
         tp, pp = fields["tp"], fields["pp"]
@@ -325,14 +328,13 @@ def main(argv=None) -> int:
         L = P.Layout(tp, pp, dp, fields["zero"], B // dp // m, m,
                      fields.get("schedule", "none"), v, False, False)
         est = P.estimate(model, L, gpu, n, n, B, settings)
-        rows.append({"layout": label, "predicted_ms": est.step_s * 1e3, "flags": flags,
-                     "runs": []})
+        rows.append({"layout": label, "predicted_ms": est.step_s * 1e3, "runs": [],
+                     "flags": dict(flags, batch_size=B // dp)})
     # each layout twice, in two passes (a slow spell of the shared machine hits one pass)
     for rep in range(args.repeats):
         for row in rows:
-            row["runs"].append(_train(n, dict(row["flags"], batch_size=B // (n // (
-                row["flags"].get("tp", 1) * row["flags"].get("pp", 1)))), base,
-                os.path.join(tmp, f"{row['layout'].replace(' ', '_')}_{rep}")))
+            row["runs"].append(_train(n, row["flags"], base, os.path.join(
+                tmp, f"{row['layout'].replace(' ', '_')}_{rep}")))
     for row in rows:
         row.pop("flags")
         row["measured_ms"] = min(row["runs"])
@@ -345,9 +347,10 @@ def main(argv=None) -> int:
           f"{t[1] * 1e3:.1f} ms of {small}, {t[2] * 1e3:.1f} ms of {B} at half the width -> "
           f"{rate / 1e9:.2f} GFLOP/s, {byte_cost * 1e9:.3f} ns per byte written, "
           f"{fixed * 1e3:.1f} ms fixed per step; {n} copies at once on {cores} cores "
-          f"{loaded * 1e3:.1f} ms ({slowdown:.1f}x) -> {per_rank / 1e9:.2f} GFLOP/s per rank, {settings.layer_overhead * 1e3:.2f} ms per layer "
-          f"pass; link alpha {alpha * 1e6:.1f} us, {bw / 1e9:.2f} GB/s; a short allreduce "
-          f"{call * 1e6:.0f} us, {sync * 1e6:.0f} us while the others compute")
+          f"{loaded * 1e3:.1f} ms ({slowdown:.1f}x) -> {per_rank / 1e9:.2f} GFLOP/s per rank, "
+          f"{settings.layer_overhead * 1e3:.2f} ms per layer pass; link alpha "
+          f"{alpha * 1e6:.1f} us, {bw / 1e9:.2f} GB/s; a short allreduce {call * 1e6:.0f} us, "
+          f"{sync * 1e6:.0f} us while the others compute")
     print(table(rows, [("layout", "layout", "s"), ("predicted ms", "predicted_ms", ".1f"),
                        ("measured ms", "measured_ms", ".1f"), ("meas/pred", "ratio", ".2f")]))
     print(f"rank agreement (Spearman) of predicted and measured order: {spearman:.2f}")

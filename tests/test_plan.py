@@ -204,3 +204,34 @@ def test_published_meshes_of_the_large_models_are_in_the_top_three(row):
     model = P.Model(layers, hidden, heads, 2048, 51200)
     then = P.Settings(**P.FEATURES["megatron-2021"])
     assert _mesh_rank(model, P.HARDWARE["a100-80g"], gpus, batch, tp, pp, then) <= 3
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_step_holds_the_activations_the_planner_counts(recompute):
+    """In process, one rank: memtrace's graph bytes over a forward and backward of a GPT are
+    hpcdist's layer count from the planner (the second step: the first also builds buffers)."""
+    import numpy as np
+    from hpcdist import backend, memtrace, nn
+    prev = backend.default_float()
+    backend.set_default_float("float32")
+    cfg = nn.GPTConfig(block_size=16, vocab_size=12, n_layer=3, n_head=4, n_embd=192,
+                       checkpoint_activations=recompute)
+    model = nn.GPT(cfg)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 12, (24, 16)), rng.integers(0, 12, (24, 16))
+    memtrace.enable()
+    try:
+        for _ in range(2):
+            memtrace.start()
+            model(x, y)[1].backward()
+            held = memtrace.finish()["activations"]
+    finally:
+        memtrace.enable(False)
+        backend.set_default_float(prev)
+    L = P.Layout(1, 1, 1, 0, 24, 1, "none", 1, recompute, False)
+    want = P.activations(P.Model(3, 192, 4, 16, 12), L,
+                         P.Settings(param_bytes=4, activations="hpcdist"))
+    # without recompute within 2%; with it the planner adds the head's logits to the block
+    # rebuilt in backward, though by then they are freed: 6% over, the bound holds
+    assert held == pytest.approx(want, rel=0.02 if not recompute else 0.1)
+    assert held <= want * 1.02

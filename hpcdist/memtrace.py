@@ -45,10 +45,6 @@ def enable(on: bool = True) -> None:
         _started = False
 
 
-def enabled() -> bool:
-    return _on
-
-
 def _gpu() -> bool:
     return backend.device_label() == "gpu"       # the CPU double's arrays are NumPy's
 

@@ -287,9 +287,9 @@ def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, 
     held = memtrace.most()
     if held:
         final["memory_activations"] = held
-        say(f"activations per rank, MiB (the most in any step, --trace-memory): held by the "
-            f"graph {held['activations'] / 2 ** 20:.3f}, everything above the model state "
-            f"{held['peak'] / 2 ** 20:.3f}")
+        say(f"activations per rank, MiB (--trace-memory; the most in a step after the first): "
+            f"held by the graph {held['activations'] / 2 ** 20:.3f}, everything above the "
+            f"model state {held['peak'] / 2 ** 20:.3f}")
     what = "exact-match" if cfg.task != "text" else "next-char"
     say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss "
         f"{test_loss:.4f} | {final['seconds']:.1f} s")

@@ -1,4 +1,4 @@
-"""The layout planner (hpcdist/plan.py): a complete search, the pipeline model against our own
+"""The layout planner (hpcdist/plan/): a complete search, the pipeline model against our own
 simulator, memory against ZeRO's formulas, and Narayanan et al.'s published runs."""
 import itertools
 

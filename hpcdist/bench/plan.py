@@ -1,6 +1,6 @@
 """The planner against our own runs: ``python -m hpcdist.bench plan``.
 
-Calibrates the planner (hpcdist/plan.py) on this machine — the FLOP/s a 1-rank training step
+Calibrates the planner (hpcdist/plan/) on this machine — the FLOP/s a 1-rank training step
 reaches, shared by the ranks that share the cores, and the links from a ping-pong — then runs
 each layout at ``--ranks`` ranks (the same GPT and global batch) and prints the planner's
 step time beside the measured median, and the rank agreement of the two orders (Spearman).

@@ -1,0 +1,6 @@
+"""``python -m hpcdist.plan``."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,167 @@
+"""Memory per GPU of a layout: ZeRO's state formulas and the activations a stage holds at
+its most (Korthikanti et al.'s layers or hpcdist's own, the stash walked along our
+schedules)."""
+from __future__ import annotations
+
+from .model import Layout, Model, Settings
+
+
+def memory(model: Model, L: Layout, settings: Settings = Settings(),
+           stage: str | None = None) -> dict:
+    """Bytes per GPU on the ``stage`` "first" or "last" (None: the fuller of the two).
+
+    Parameters counted as a GPT-2 block holds them under tensor parallelism: 12h^2 + 7h split
+    over the TP ranks (QKV, the projections, the MLP and their column-parallel biases), 6h
+    on every rank (the row-parallel biases and two LayerNorms); the vocabulary-parallel table
+    padded to a multiple of TP and the position table on the first stage; the final
+    LayerNorm and the tied head's copy on the last."""
+    s, h, V, t = model.seq, model.hidden, model.vocab, L.tp
+    block = (12 * h * h + 7 * h) / t + 6 * h
+    layers = model.layers // L.pp
+    table = -(-V // t) * h
+    first = layers * block + table + s * h + (2 * h if L.pp == 1 else 0)
+    last = layers * block + 2 * h + (table if L.pp > 1 else 0)
+    d = L.dp
+    pb, gb, ob = settings.param_bytes, settings.grad_bytes, settings.optimizer_bytes
+
+    def state(psi):                       # bytes per parameter, ZeRO's sharding (rank 0's
+        shard = -(-int(psi) // d)         # shard: the layout's first, ceil(psi / d))
+        if L.zero == 0:
+            return pb * psi, gb * psi, ob * psi
+        if L.zero == 1:
+            return pb * psi, gb * psi, ob * shard
+        if L.zero == 2:
+            return pb * psi, gb * shard, ob * shard
+        return pb * shard, gb * shard, ob * shard
+    act_first, act_last = (activations(model, L, settings, st) for st in ("first", "last"))
+    out = {}
+    for name, psi, act in (("first", first, act_first), ("last", last, act_last)):
+        p, g, o = state(psi)
+        out[name] = {"params": p, "grads": g, "optimizer": o, "activations": act,
+                     "buffers": settings.buffers, "total": p + g + o + act + settings.buffers}
+    return out[stage] if stage else max(out.values(), key=lambda x: x["total"])
+
+
+def activations(model: Model, L: Layout, settings: Settings = Settings(),
+                stage: str = "first") -> float:
+    """Bytes of activations a GPU holds at its most on the ``stage`` "first" or "last": one
+    layer's stored tensors times the layers of a chunk times the micro-batch chunks the
+    schedule keeps in flight there (``stash_at_peak``), plus the embedding
+    (first) or the logits and loss (last) of each micro-batch in flight and, with full
+    recompute, the one layer rebuilt in backward. ``settings.activations`` picks the layer:
+
+    - "megatron": Korthikanti et al. 2022, Table 2, for Megatron-LM's layers in 16-bit
+      (sbh(10 + 24/t + 5as/(ht)) bytes, sbh(34/t + 5as/(ht)) with sequence parallelism,
+      2sbh, the layer's input, with full recompute); the fp32 logits and their gradient;
+    - "hpcdist": hpcdist's own GPT (nn/gpt.py, parallel/tp/) counted tensor by tensor in
+      ``hpcdist_layer``; checked against ``--trace-memory`` runs by ``bench plan --memory``.
+    """
+    layers = model.layers // L.pp
+    held, edge = stash_at_peak(L.schedule, L.pp, L.micro_batches, L.virtual, stage)
+    per = hpcdist_layer if settings.activations == "hpcdist" else megatron_layer
+    stored, rebuilt, ends = per(model, L, settings, stage)
+    if L.pp == 1:                                   # one stage: both ends
+        ends += per(model, L, settings, "last" if stage == "first" else "first")[2]
+    # each chunk in flight holds its layers; the embedding or the head comes with the
+    # micro-batches in flight through the chunk that has it
+    return held * layers / L.virtual * stored + edge * ends + rebuilt
+
+
+_STASH: dict = {}
+
+
+def stash_at_peak(name: str, P: int, m: int, v: int, stage: str) -> tuple:
+    """(micro-batch chunks the ``stage`` ("first" or "last") holds activations for at its
+    most, how many of them are through its edge chunk: the first stage's chunk 0 embeds, the
+    last stage's chunk v - 1 holds the head). Walked along our schedule's own action list
+    (F adds a chunk, B or W frees it) where it is small enough; past that the registry's
+    bound, with the edge chunks an even share."""
+    from ..parallel import schedules as S
+    if P == 1:
+        return 1, 1
+    key = (name, P, m, v, stage)
+    if key not in _STASH:
+        rank = 0 if stage == "first" else P - 1
+        if P * m * v > 4096:
+            held = S.promised_stash(name, P, m, v)[rank]
+            _STASH[key] = (held, held / v)
+        else:
+            costs = {"F": 1.0, "I": 1.0, "W": 1.0} if S.get(name).replan else None
+            edge_chunk = 0 if stage == "first" else v - 1
+            live, best = set(), (0, 0)
+            for a in S.make(name, P, m, v, costs)[rank]:
+                if a.kind == "F":
+                    live.add((a.mb, a.chunk))
+                    best = max(best, (len(live), sum(c == edge_chunk for _, c in live)))
+                elif a.kind in ("B", "W"):
+                    live.discard((a.mb, a.chunk))
+            _STASH[key] = best
+    return _STASH[key]
+
+
+def megatron_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tuple:
+    """(bytes stored per layer, the layer rebuilt in backward, embedding / head per
+    micro-batch): Korthikanti et al.'s Table 2 for Megatron-LM's 16-bit layers."""
+    s, h, a, V, t, b = model.seq, model.hidden, model.heads, model.vocab, L.tp, L.micro_batch
+    full = s * b * h * ((34 / t) if L.sp else (10 + 24 / t)) + 5 * a * s * s * b / t
+    if L.recompute:
+        stored, rebuilt = 2 * s * b * h / (t if L.sp else 1), full
+    else:
+        stored, rebuilt = full, 0.0
+    ends = 4 * s * b * V / t * 2 if stage == "last" else 0.0     # fp32 logits and their grad
+    return stored, rebuilt, ends
+
+
+def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tuple:
+    """The same three for hpcdist's GPT, tensor by tensor. Every op's output stays with the
+    graph until backward, and some ops keep more (LayerNorm its normalised input and 1/std,
+    GELU its tanh). Per layer, in elements (n = b s tokens of the micro-batch):
+
+    - no TP: LN 2nh + n, fused QKV 3nh, scores, scaled, masked and softmax 4bas^2, attention
+      output and its reshaped copy 2nh, projection nh, residual nh, LN 2nh + n, fc 4nh, GELU
+      and its tanh 8nh, projection nh, residual nh: 25nh + 4bas^2 + 2n;
+    - TP t: the linears' matmul and bias add are two ops, the row-parallel outputs are full
+      (partial sums, the allreduced result, the bias add): 12nh + 24nh/t + 4bas^2/t + 2n;
+    - and sequence parallel: the two allgathered inputs and the two row-parallel partial sums
+      are full, the rest split: 4nh + 34nh/t + 4bas^2/t + 2n/t.
+
+    Full recompute keeps each block's output (nh, or nh/t with SP) and rebuilds one layer.
+    First stage: the token and position embeddings and their sum (TP: the masked rows and
+    the reduced sum; SP: reduce-scattered). Last stage: the final LayerNorm, the logits and
+    the cross-entropy's shifted logits (TP: and their exponentials), its per-token vectors."""
+    s, h, a, V, t, b = model.seq, model.hidden, model.heads, model.vocab, L.tp, L.micro_batch
+    n, ab = b * s, settings.param_bytes
+    lnb = max(ab, 4)                       # LayerNorm keeps its normalised input in fp32
+    scores = 4 * b * a * s * s / t
+    if t == 1:
+        full = 21 * n * h + scores
+        split = 1
+    elif not L.sp:
+        full = 8 * n * h + 24 * n * h / t + scores
+        split = 1
+    else:
+        full = 4 * n * h + 30 * n * h / t + scores
+        split = t
+    full = full * ab + 2 * (n * h / split) * (lnb + ab) + 2 * n / split * 4
+    act = n * h / split * ab                    # one activation between layers
+    # full recompute: the block's output kept, and in backward the rebuilt block beside the
+    # gradient arriving at it
+    stored, rebuilt = (act, full + act) if L.recompute else (full, 0.0)
+    if L.pp > 1:                                # the gradient received, the output being sent
+        rebuilt += 2 * act
+    Vt = -(-V // t)
+    if stage == "first":
+        if t == 1:
+            ends = (2 * n * h + s * h) * ab
+        elif not L.sp:
+            ends = (4 * n * h + n + s * h) * ab
+        else:
+            ends = (2 * n * h + n + (2 * n * h + s * h) / t) * ab
+        ends += 2 * n * 8                                  # the batch's tokens and targets
+    else:
+        norm = (n * h / split) * (lnb + ab) + n / split * 4
+        logits = n * Vt * (2 if t == 1 else 3) * ab + (n * h * ab if L.sp else 0)
+        ends = norm + logits + n * (4 + 1 + 8 + 8)         # lse, valid, target, row index
+        if L.pp > 1:
+            ends += act                                    # the input received from before
+    return stored, rebuilt, ends

@@ -1,0 +1,154 @@
+"""The planner's vocabulary: cards and their links (vendors' datasheets), the published runs
+it is checked against, a model, a layout, an estimate, the assumptions (``Settings``) and
+what a framework offers (``FEATURES``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A card and its links: dense peak FLOP/s per dtype, memory, NVLink per direction and
+    the network per GPU (bytes/s), and each link's latency."""
+    name: str
+    flops: dict
+    memory: float
+    nvlink: float
+    network: float
+    nvlink_alpha: float = 5e-6
+    network_alpha: float = 10e-6
+
+
+# Vendors' datasheets: A100 (SXM) 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 156 tf32; NVLink 3
+# 600 GB/s per GPU (300 each way); HDR InfiniBand 200 Gb/s per GPU in a DGX A100. H100 SXM
+# 989 TFLOP/s bf16 dense, 67 fp32, 80 GB; NVLink 4 900 GB/s (450 each way); NDR 400 Gb/s per
+# GPU in a DGX H100. H200: H100's compute, 141 GB.
+HARDWARE = {
+    "a100-40g": GPU("A100 40GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+                    40 * GB, 300 * GB, 25 * GB),
+    "a100-80g": GPU("A100 80GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+                    80 * GB, 300 * GB, 25 * GB),
+    "h100": GPU("H100 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+                80 * GB, 450 * GB, 50 * GB),
+    "h200": GPU("H200 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+                141 * GB, 450 * GB, 50 * GB),
+}
+
+
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM", SC21, Table 1 (weak scaling on A100 80GB; seq 2048, vocab 51200): parameters
+# (billions), heads, hidden, layers, TP, PP, GPUs, global batch, achieved TFLOP/s per GPU.
+NARAYANAN_TABLE_1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+
+    @property
+    def parameters(self) -> float:
+        """12lh^2(1 + 13/12h) + (V + s)h: blocks, embeddings (the head tied)."""
+        l, h = self.layers, self.hidden
+        return 12 * l * h * h * (1 + 13 / (12 * h)) + (self.vocab + self.seq) * h
+
+    def flops(self, batch: int, recompute: bool) -> float:
+        """FLOPs of one iteration on ``batch`` sequences (Narayanan et al. 2021, eq. 3: the
+        backward twice the forward; full recompute one more forward of the blocks)."""
+        B, s, l, h, V = batch, self.seq, self.layers, self.hidden, self.vocab
+        blocks = 24 * B * s * l * h * h * (1 + s / (6 * h))
+        logits = 2 * B * s * h * V
+        return (4 if recompute else 3) * blocks + 3 * logits
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    micro_batch: int
+    micro_batches: int
+    schedule: str
+    virtual: int
+    recompute: bool
+    sp: bool
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict = field(default_factory=dict)     # bytes per GPU by kind (first/last max)
+    step_s: float = 0.0
+    parts: dict = field(default_factory=dict)      # seconds: compute, tp, pp, dp, bubble...
+    bubble: float = 0.0
+    tflops_per_gpu: float = 0.0
+    mfu: float = 0.0
+    fits: bool = True
+    why: str = ""
+
+    def row(self) -> dict:
+        L = self.layout
+        return {"tp": L.tp, "pp": L.pp, "dp": L.dp, "zero": L.zero,
+                "micro_batch": L.micro_batch, "micro_batches": L.micro_batches,
+                "schedule": L.schedule + (f" v{L.virtual}" if L.virtual > 1 else ""),
+                "recompute": "full" if L.recompute else "none", "sp": L.sp,
+                "memory_gb": self.memory.get("total", 0.0) / GB, "step_s": self.step_s,
+                "tflops_per_gpu": self.tflops_per_gpu / 1e12, "mfu": self.mfu,
+                "bubble": self.bubble,
+                "comm_share": (self.parts.get("tp", 0) + self.parts.get("pp", 0)
+                               + self.parts.get("dp", 0)) / self.step_s if self.step_s else 0.0}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the estimate assumes beyond the card: the fraction of the peak a transformer
+    layer's matmuls reach (Narayanan et al. measured 44-52% end to end on A100; a GEMM alone
+    reaches more), bytes per parameter of mixed-precision Adam, fixed buffers."""
+    efficiency: float = 0.62
+    dtype: str = "bf16"
+    buffers: float = 2 * GB           # CUDA context, communication buckets, workspace
+    grad_bytes: int = 4               # fp32 gradient accumulation and reduction
+    param_bytes: int = 2              # bf16 parameters (4: an fp32 run)
+    optimizer_bytes: int = 12         # fp32 master + Adam's two moments (8: an fp32 run)
+    # Costs a FLOP count misses (0 for a GPU's fused kernels at scale; calibrated for a CPU
+    # run by ``bench plan``): seconds per layer per forward (a backward costs two), seconds
+    # per byte of activations a layer writes in forward (memory-bound elementwise work:
+    # LayerNorms, GELU, residuals, softmax; hpcdist's layers, a backward twice), and per
+    # collective call inside the step beyond the link's alpha
+    layer_overhead: float = 0.0
+    byte_cost: float = 0.0
+    call_overhead: float = 0.0
+    # more ranks than cores (an oversubscribed CPU run): a rank idle in the pipeline's bubble
+    # leaves its core to another, so a step takes at least the busy time, at most the
+    # critical path at a whole core's speed
+    ranks_per_core: float = 1.0
+    memory_headroom: float = 0.95     # of the card usable for the above
+    activations: str = "megatron"     # whose layers: "megatron" (Korthikanti) | "hpcdist"
+    tp_across_nodes: bool = False
+    # what the framework offers (``FEATURES``): SP, ZeRO stages, pipeline schedules
+    sequence_parallel: bool = True
+    zero_stages: tuple = (0, 1, 2, 3)
+    schedules: tuple = ("1f1b", "gpipe", "zb-h1", "interleaved")
+
+
+# The search restricted to what a framework offered: "megatron-2021" is Megatron-LM as
+# Narayanan et al. ran it (SC21): no distributed optimizer (ZeRO), no sequence parallelism
+# (Korthikanti et al. 2022), 1F1B and their interleaved schedule (ZB-H1 is 2023's).
+FEATURES = {
+    "all": {},
+    "megatron-2021": {"sequence_parallel": False, "zero_stages": (0,),
+                      "schedules": ("1f1b", "interleaved")},
+}

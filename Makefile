@@ -2,6 +2,7 @@
 #
 #   make venv        create/refresh .venv (reinstalls only when pyproject.toml changed)
 #   make train       train the default task on 8 MPI ranks (NP=4 make train; ARGS="--steps 100")
+#   make test-cupy   install CuPy's wheel (no GPU needed) and check the GPU code against it
 #   make test        every test: unit tests, the MPI tests at 1, 2, 3, 4, 5 and 8 ranks, the
 #                    fault matrix (test-faults), multi-node behaviour on a cluster in a box
 #                    (test-cluster: network namespaces; skips without root), then the job
@@ -20,8 +21,8 @@ STAMP  := $(VENV)/.installed
 # BLAS/OpenMP threads per rank: hpcdist itself divides the node's cores among its ranks
 # (hpcdist/threads.py), so `make train` and `mpirun -n 8 python -m hpcdist.train` run alike.
 
-.PHONY: venv train test test-unit test-mpi test-double test-faults test-cluster cluster-test \
-        test-slurm test-gpu soak \
+.PHONY: venv train test test-unit test-mpi test-double test-cupy test-cupy-if-installed \
+        test-faults test-cluster cluster-test test-slurm test-gpu soak \
         slurm-up slurm-down bench clean
 
 venv: $(STAMP)
@@ -55,11 +56,11 @@ train: venv
 MPI_SIZES ?= 1 2 3 4 5 8
 MPI_TIMEOUT ?= 600
 
-test: test-unit test-mpi test-double test-faults test-cluster test-slurm
+test: test-unit test-cupy-if-installed test-mpi test-double test-faults test-cluster test-slurm
 
 test-unit: venv
 	$(BIN)/python -m pytest -q tests --ignore=tests/mpi --ignore=tests/slurm --ignore=tests/faults \
-	  --ignore=tests/cluster
+	  --ignore=tests/cluster --ignore=tests/cupy
 
 test-mpi: venv
 	@for n in $(MPI_SIZES); do \
@@ -83,6 +84,30 @@ test-double: venv
 	  HPCDIST_DEVICE=double timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
 	    --with-mpi -q -p no:cacheprovider $(DOUBLE_TESTS) || exit 1; \
 	done
+
+# The GPU code held to the real CuPy, without a GPU: CuPy's wheel (with NCCL's and NVRTC's)
+# installs and imports on any machine. test-cupy installs them into .venv when missing (CI
+# does this), then checks every name the device double offers against CuPy (kind and
+# arguments), and NCCL's real unique id through hpcdist's bootstrap at 2 ranks into the
+# constructor call as CuPy declares it. Plain `make test` runs these only where CuPy is
+# installed, and says so in one line where it is not.
+CUPY_WHEELS ?= cupy-cuda12x==14.2.* nvidia-nccl-cu12 nvidia-cuda-nvrtc-cu12
+
+test-cupy: venv
+	@$(BIN)/python -c "import cupy" 2>/dev/null || { \
+	  echo "test-cupy: installing $(CUPY_WHEELS) into $(VENV) (no GPU needed)"; \
+	  $(BIN)/python -m pip install -q $(CUPY_WHEELS); }
+	@$(MAKE) --no-print-directory test-cupy-if-installed
+
+test-cupy-if-installed: venv
+	@if ! $(BIN)/python -c "import cupy" 2>/dev/null; then \
+	  echo "test-cupy: skipped, CuPy is not installed here (make test-cupy installs it and checks the GPU code against it)"; \
+	  exit 0; fi; \
+	echo "== the device double and the GPU code against the real CuPy (tests/cupy)"; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cupy && \
+	echo "== mpiexec -n 2: NCCL's real id through hpcdist's bootstrap" && \
+	timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python -m pytest --with-mpi -q \
+	  -p no:cacheprovider tests/mpi/test_nccl.py
 
 # On a machine with a GPU: the op gradchecks and PyTorch oracles on the GPU, then the MPI
 # suite with GPU arrays at GPU_SIZES ranks (ranks share the GPU through host staging) and

@@ -1,32 +1,190 @@
-"""A stand-in for CuPy on machines without a GPU: device arrays that MPI cannot read.
+"""A stand-in for CuPy on machines without a GPU: device arrays that MPI cannot read, and only
+the CuPy that hpcdist may call.
 
 ``backend.init("double")`` (``--device double``, ``HPCDIST_DEVICE=double``) makes this module
 the array module. Its arrays are NumPy arrays underneath, so every op computes exactly as on
-the CPU, but they behave as device arrays do towards hpcdist and MPI:
+the CPU, but they behave as CuPy's do towards hpcdist and MPI:
 
-- ``backend.is_gpu_array`` is true for them, so every GPU code path (staging, the NCCL
-  checks, pinned buffers, bf16 emulation) runs;
-- they export no host buffer: no buffer protocol, no DLPack, no CUDA array interface. Handed
-  to mpi4py they raise ``TypeError`` at once. A real CuPy array handed to an MPI that is not
-  CUDA-aware is read as a host pointer and crashes the process (``process_vm_readv``, or a
-  segmentation fault with no traceback); here the same mistake is a traceback that names the
-  call site. CI has no GPU: this is what keeps a path that skips staging out of main.
+- ``backend.is_gpu_array`` is true for them, so every GPU code path runs;
+- they export no host buffer (no buffer protocol, DLPack or CUDA array interface): handed to
+  mpi4py they raise ``TypeError`` at once, where a real CuPy array would crash the process;
+- **the double offers exactly the surface below** (``MODULE``, ``NDARRAY``, ``FLAGS``,
+  ``CUDA``, ``CUPYX``, ``RANDOM``, ``NCCL``): each name with its kind and CuPy 14's
+  signature. Every call binds its arguments to that signature; a name that is not listed is
+  an ``AttributeError`` here, on the CPU, instead of on the first GPU it meets.
+  ``tests/cupy/test_conformance.py`` (``make test-cupy``) checks every entry against the
+  real CuPy wheel, which imports without a GPU: the name exists, it is the same kind, and
+  the listed parameters bind to CuPy's. To use a new CuPy name, add it here; that test then
+  says whether CuPy has it.
+- its generator models CuPy's: ``bit_generator.state`` is a method returning a device
+  pointer, not NumPy's dict (hpcdist keeps its own dropout state, backend.DropoutRNG).
 
-Host copies go through ``asnumpy``/``ndarray.get`` and back through ``asarray``/``ndarray.set``,
-as with CuPy. What the double does not model: streams (work is done when a call returns) and
-CuPy's refusal of implicit conversion (``np.asarray(device_array)`` works here).
+What it does not model: streams (work is done when a call returns), and CuPy's refusal of
+``np.asarray(device_array)``.
 """
 from __future__ import annotations
 
 import ctypes
+import inspect
 import sys
 import types
 
 import numpy as _np
 
+# ---- the surface: name -> (kind, signature as CuPy 14 writes it) -----------------------------
+# kinds: "function", "ufunc" (signature: the inputs), "class", "dtype", "method", "property".
+MODULE = {
+    "arange": ("function", "(start, stop=None, step=1, dtype=None)"),
+    "array": ("function", "(obj, dtype=None, copy=True, order='K', subok=False, ndmin=0, *, "
+                          "blocking=False)"),
+    "asarray": ("function", "(a, dtype=None, order=None, *, copy=None, blocking=False)"),
+    "asnumpy": ("function", "(a, stream=None, order='C', out=None, *, blocking=True)"),
+    "ascontiguousarray": ("function", "(a, dtype=None)"),
+    "argpartition": ("function", "(a, kth, axis=-1)"),
+    "broadcast_to": ("function", "(array, shape)"),
+    "concatenate": ("function", "(tup, axis=0, out=None, *, dtype=None, casting='same_kind')"),
+    "einsum": ("function", "(*operands, **kwargs)"),
+    "empty": ("function", "(shape, dtype=float, order='C')"),
+    "empty_like": ("function", "(prototype, dtype=None, order='K', subok=None, shape=None)"),
+    "get_array_module": ("function", "(*args)"),
+    "get_default_memory_pool": ("function", "()"),
+    "linalg.qr": ("function", "(a, mode='reduced')"),
+    "ones": ("function", "(shape, dtype=float, order='C')"),
+    "ones_like": ("function", "(a, dtype=None, order='K', subok=None, shape=None)"),
+    "stack": ("function", "(tup, axis=0, out=None, *, dtype=None, casting='same_kind')"),
+    "swapaxes": ("function", "(a, axis1, axis2)"),
+    "triu": ("function", "(m, k=0)"),
+    "where": ("function", "(condition, x=None, y=None)"),
+    "zeros": ("function", "(shape, dtype=float, order='C')"),
+    "zeros_like": ("function", "(a, dtype=None, order='K', subok=None, shape=None)"),
+    "abs": ("ufunc", "(x)"), "add": ("ufunc", "(x1, x2)"),
+    "bitwise_or": ("ufunc", "(x1, x2)"), "divide": ("ufunc", "(x1, x2)"),
+    "exp": ("ufunc", "(x)"), "isfinite": ("ufunc", "(x)"), "isnan": ("ufunc", "(x)"),
+    "log": ("ufunc", "(x)"), "maximum": ("ufunc", "(x1, x2)"),
+    "minimum": ("ufunc", "(x1, x2)"), "multiply": ("ufunc", "(x1, x2)"),
+    "reciprocal": ("ufunc", "(x)"), "sqrt": ("ufunc", "(x)"),
+    "subtract": ("ufunc", "(x1, x2)"), "tanh": ("ufunc", "(x)"),
+    "ndarray": ("class", None), "inf": ("constant", None), "pi": ("constant", None),
+    "bool_": ("dtype", None), "float16": ("dtype", None), "float32": ("dtype", None),
+    "float64": ("dtype", None), "int32": ("dtype", None), "int64": ("dtype", None),
+    "uint8": ("dtype", None), "uint32": ("dtype", None), "uint64": ("dtype", None),
+}
+NDARRAY = {
+    "T": ("property", None), "data": ("property", None), "dtype": ("property", None),
+    "flags": ("property", None), "itemsize": ("property", None),
+    "nbytes": ("property", None), "ndim": ("property", None), "shape": ("property", None),
+    "size": ("property", None), "strides": ("property", None),
+    "all": ("method", "(self, axis=None, out=None, keepdims=False)"),
+    "any": ("method", "(self, axis=None, out=None, keepdims=False)"),
+    "argmax": ("method", "(self, axis=None, out=None, dtype=None, keepdims=False)"),
+    "astype": ("method", "(self, dtype, order='K', casting=None, subok=None, copy=True)"),
+    "copy": ("method", "(self, order='C')"),
+    "fill": ("method", "(self, value)"),
+    "get": ("method", "(self, stream=None, order='C', out=None, blocking=True)"),
+    "item": ("method", "(self)"),
+    "max": ("method", "(self, axis=None, out=None, keepdims=False)"),
+    "mean": ("method", "(self, axis=None, dtype=None, out=None, keepdims=False)"),
+    "min": ("method", "(self, axis=None, out=None, keepdims=False)"),
+    "ravel": ("method", "(self, order='C')"),
+    "reshape": ("method", "(self, *shape, order='C', copy=None)"),
+    "set": ("method", "(self, arr, stream=None)"),
+    "sum": ("method", "(self, axis=None, dtype=None, out=None, keepdims=False)"),
+    "transpose": ("method", "(self, *axes)"),
+    "view": ("method", "(self, dtype=None, type=None)"),
+}
+FLAGS = ("c_contiguous", "f_contiguous", "owndata")      # no ``writeable`` in CuPy
+CUDA = {
+    "Device": ("class", "(device=None)"), "Device.use": ("method", "(self)"),
+    "MemoryPool.used_bytes": ("method", "(self)"),
+    "Stream.synchronize": ("method", "(self)"),
+    "alloc_pinned_memory": ("function", "(size)"),
+    "get_current_stream": ("function", "(device_id=-1)"),
+    "runtime.getDeviceCount": ("function", "()"),
+}
+CUPYX = {"scatter_add": ("function", "(a, slices, value)")}
+RANDOM = {
+    "default_rng": ("function", "(seed=None)"),
+    "Generator.random": ("method", "(self, size=None, dtype=float64, out=None)"),
+    "Generator.standard_normal": ("method", "(self, size=None, dtype=float64, out=None)"),
+    "XORWOW.state": ("method", "(self)"),
+}
+# cupy.cuda.nccl: typed, as NCCL's wrappers declare them (the conformance test checks the
+# types of the values hpcdist passes, not only the names)
+NCCL = {
+    "get_unique_id": ("function", "() -> bytes"),
+    "groupStart": ("function", "()"), "groupEnd": ("function", "()"),
+    "NcclCommunicator": ("class", "(int ndev, bytes commId, int rank)"),
+    "NcclCommunicator.allReduce": ("method", "(self, intptr_t sendbuf, intptr_t recvbuf, "
+                                   "size_t count, int datatype, int op, intptr_t stream)"),
+    "NcclCommunicator.reduceScatter": ("method", "(self, intptr_t sendbuf, intptr_t recvbuf, "
+                                       "size_t recvcount, int datatype, int op, "
+                                       "intptr_t stream)"),
+    "NcclCommunicator.allGather": ("method", "(self, intptr_t sendbuf, intptr_t recvbuf, "
+                                   "size_t count, int datatype, intptr_t stream)"),
+    "NcclCommunicator.bcast": ("method", "(self, intptr_t buff, size_t count, int datatype, "
+                               "int root, intptr_t stream)"),
+    "NcclCommunicator.send": ("method", "(self, intptr_t sendbuf, size_t count, "
+                              "int datatype, int peer, intptr_t stream)"),
+    "NcclCommunicator.recv": ("method", "(self, intptr_t recvbuf, size_t count, "
+                              "int datatype, int peer, intptr_t stream)"),
+    "NcclCommunicator.destroy": ("method", "(self)"),
+    **{f"NCCL_{n}": ("constant", None) for n in (
+        "FLOAT16", "FLOAT32", "FLOAT64", "INT32", "INT64", "UINT8", "INT8", "SUM", "MAX",
+        "MIN")},
+}
+UFUNC_KWARGS = {"out", "dtype", "casting"}           # what CuPy's ufuncs take by keyword
+
+_C_TYPES = {"int": "", "bytes": "", "intptr_t": "", "size_t": "", "NcclConfig": ""}
+
+
+def signature(text: str) -> inspect.Signature:
+    """``text`` — "(a, dtype=None, *, copy=None)", C types allowed ("(int ndev, bytes id)")
+    and an optional "-> type" — as an ``inspect.Signature`` (defaults are not evaluated:
+    only names, order and kinds count)."""
+    text = text.split("->")[0].strip()
+    params = []
+    for part in filter(None, (p.strip() for p in text[1:-1].split(","))):
+        words = part.split("=")[0].split()
+        name = words[-1]
+        params.append(f"{name}=None" if "=" in part else name)
+    ns: dict = {}
+    exec(f"def f({', '.join(params)}): pass", ns)          # noqa: S102 (our own table)
+    return inspect.signature(ns["f"])
+
+
+def typed_parameters(text: str) -> list[tuple[str, str]]:
+    """[(C type, name)] of a typed signature ("(int ndev, bytes commId)"), self left out."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split("->")[0].strip()[1:-1].split(","))):
+        words = part.split("=")[0].split()
+        if len(words) == 2:
+            out.append((words[0], words[1]))
+    return out
+
+
+# ---- arrays ---------------------------------------------------------------------------------
+
+class _Flags:
+    """CuPy's ``ndarray.flags``: c_contiguous, f_contiguous, owndata (no ``writeable``)."""
+
+    __slots__ = FLAGS
+
+    def __init__(self, flags):
+        self.c_contiguous, self.f_contiguous = flags.c_contiguous, flags.f_contiguous
+        self.owndata = flags.owndata
+
+
+class _Pointer:
+    """``ndarray.data``: a memory pointer with ``ptr`` (here: the host address)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
 
 class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
-    """A device array: NumPy math, no host buffer export."""
+    """A device array: NumPy math, no host buffer export, only CuPy's attributes."""
 
     def __dlpack__(self, *args, **kwargs):
         raise TypeError("a device array (hpcdist device double) has no host memory to export: "
@@ -39,19 +197,13 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
         def __buffer__(self, flags):
             raise TypeError("a device array (hpcdist device double) exports no host buffer")
 
-    def get(self, stream=None, out=None, blocking=True):
-        """A host copy (into ``out`` when given), as ``cupy.ndarray.get``."""
-        host = _np.array(self.view(_np.ndarray), copy=True)
-        if out is None:
-            return host
-        out[...] = host
-        return out
+    @property
+    def flags(self):
+        return _Flags(_np.ndarray.flags.__get__(self))
 
-    def set(self, arr, stream=None):
-        """Copy host ``arr`` in, as ``cupy.ndarray.set``."""
-        if isinstance(arr, ndarray):
-            raise TypeError("set() takes a host array")
-        self.view(_np.ndarray)[...] = arr
+    @property
+    def data(self):
+        return _Pointer(self.__array_interface__["data"][0])
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         # CuPy refuses host arrays in device math (TypeError); so does the double, so that
@@ -60,12 +212,79 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
             if type(x) is _np.ndarray and x.ndim > 0:
                 raise TypeError(f"{ufunc.__name__}: a host (NumPy) array mixed with device "
                                 "arrays; move it with xp.asarray first")
+        if method == "__call__" and not UFUNC_KWARGS.issuperset(kwargs):
+            raise TypeError(f"{ufunc.__name__}() got {sorted(set(kwargs) - UFUNC_KWARGS)}: "
+                            f"CuPy's ufuncs take only {sorted(UFUNC_KWARGS)} by keyword")
         if "out" in kwargs:
             kwargs["out"] = tuple(_host(o) for o in kwargs["out"])
         result = getattr(ufunc, method)(*_host(inputs), **kwargs)
         if method == "at":
             return None
         return _device(result)
+
+
+def _get(self, stream=None, order="C", out=None, blocking=True):
+    """A host copy (into ``out`` when given), as ``cupy.ndarray.get``."""
+    host = _np.array(_np.ndarray.view(self, _np.ndarray), copy=True)
+    if out is None:
+        return host
+    out[...] = host
+    return out
+
+
+def _set(self, arr, stream=None):
+    """Copy host ``arr`` in, as ``cupy.ndarray.set``."""
+    if isinstance(arr, ndarray):
+        raise TypeError("set() takes a host array")
+    _np.ndarray.view(self, _np.ndarray)[...] = arr
+
+
+def _item(self):
+    return _np.ndarray.view(self, _np.ndarray).item()
+
+
+def _bind_method(name: str, text: str, impl=None):
+    """ndarray.<name>: binds to CuPy's signature, then runs NumPy's (or ``impl``, whose
+    result is returned as it is: host copies stay on the host)."""
+    sig = signature(text)
+    base = impl or _np.ndarray.__dict__[name]
+
+    def method(self, *args, **kwargs):
+        try:
+            sig.bind(self, *args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"cupy.ndarray.{name}{text[5:] if text.startswith('(self') else text}"
+                            f": {e}") from None
+        if impl is not None:
+            return impl(self, *args, **kwargs)
+        # NumPy's method on a host view: its internal ufunc calls are NumPy's business
+        return _device(base(_np.ndarray.view(self, _np.ndarray), *_host(args),
+                            **{k: _host(v) for k, v in kwargs.items()}))
+    method.__name__ = name
+    return method
+
+
+class _NotInCuPy:
+    """An attribute NumPy arrays have and the double withholds (CuPy lacks it, or hpcdist
+    has not listed it in NDARRAY)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __get__(self, obj, cls=None):
+        raise AttributeError(
+            f"'cupy.ndarray' (hpcdist device double) has no attribute {self.name!r} in the "
+            "surface hpcdist may use: list it in device_double.NDARRAY (make test-cupy "
+            "checks it against CuPy) or use another call")
+
+
+_IMPLS = {"get": _get, "set": _set, "item": _item}
+for _name, (_kind, _text) in NDARRAY.items():
+    if _kind == "method":
+        setattr(ndarray, _name, _bind_method(_name, _text, _IMPLS.get(_name)))
+for _name in dir(_np.ndarray):
+    if not _name.startswith("_") and _name not in NDARRAY:
+        setattr(ndarray, _name, _NotInCuPy(_name))
 
 
 def _close_buffer_protocol(cls) -> bool:
@@ -109,7 +328,7 @@ def _host(x):
     """Arguments for NumPy: device arrays as plain views (NumPy functions then return
     ndarrays, re-wrapped by ``_device``)."""
     if isinstance(x, ndarray):
-        return x.view(_np.ndarray)
+        return _np.ndarray.view(x, _np.ndarray)
     if isinstance(x, (list, tuple)):
         return type(x)(_host(v) for v in x)
     return x
@@ -125,40 +344,90 @@ def _refuse_host_arrays(name, args):
             _refuse_host_arrays(name, x)
 
 
-def _wrap(fn):
+def _function(name: str, text: str, impl=None, where: str = "cupy"):
+    """cupy.<name>: binds to CuPy's signature, refuses host arrays, runs NumPy's (or
+    ``impl``) and returns device arrays."""
+    sig = signature(text)
+    fn = impl or vars(_np)[name]
+
     def call(*args, **kwargs):
-        _refuse_host_arrays(getattr(fn, "__name__", "function"), args + tuple(kwargs.values()))
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{where}.{name}{text}: {e}") from None
+        if impl is not None:
+            return impl(*args, **kwargs)
+        _refuse_host_arrays(name, args + tuple(kwargs.values()))
         return _device(fn(*_host(args), **{k: _host(v) for k, v in kwargs.items()}))
-    call.__name__ = getattr(fn, "__name__", "fn")
+    call.__name__ = name
     return call
 
 
-def asarray(a, dtype=None, order=None):
+def _asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
     return _np.array(a, dtype=dtype, copy=True).view(ndarray)
 
 
-array = asarray
+def _array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocking=False):
+    return _np.array(_host(obj), dtype=dtype, copy=True).view(ndarray)
 
 
-def asnumpy(a, stream=None, out=None):
+def _asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     if isinstance(a, ndarray):
         return a.get(out=out)
     return _np.asarray(a)
 
 
-def ascontiguousarray(a, dtype=None):
-    return _device(_np.ascontiguousarray(_host(a), dtype=dtype))
-
-
-def get_array_module(*args):
+def _get_array_module(*args):
     return sys.modules[__name__]
 
 
-def scatter_add(target, idx, values) -> None:
-    """``cupyx.scatter_add``: target[idx] += values, repeated indices accumulating."""
-    _np.add.at(target.view(_np.ndarray), _host(idx), _host(values))
+class _MemoryPool:
+    """CuPy's memory pool as memtrace reads it: bytes of device arrays alive (here NumPy's
+    allocations as tracemalloc sees them, which memtrace starts)."""
+
+    def used_bytes(self):
+        import tracemalloc
+        return tracemalloc.get_traced_memory()[0]
+
+
+_POOL = _MemoryPool()
+
+
+_SPECIAL = {"asarray": _asarray, "array": _array, "asnumpy": _asnumpy,
+            "get_array_module": _get_array_module, "get_default_memory_pool": lambda: _POOL}
+linalg = types.SimpleNamespace()
+for _name, (_kind, _text) in MODULE.items():
+    if "." in _name:                                   # a submodule's function
+        _sub, _fn = _name.split(".")
+        setattr(globals()[_sub], _fn, _function(
+            _fn, _text, lambda *a, _f=vars(_np)[_sub].__dict__[_fn], **k: _device(
+                _f(*_host(a), **{kk: _host(v) for kk, v in k.items()})), f"cupy.{_sub}"))
+    elif _kind == "function":
+        globals()[_name] = _function(_name, _text, _SPECIAL.get(_name))
+    elif _kind == "ufunc":
+        globals()[_name] = vars(_np)["absolute" if _name == "abs" else _name]
+    elif _kind in ("dtype", "constant"):
+        globals()[_name] = vars(_np)[_name]
+
+
+def __getattr__(name):
+    raise AttributeError(
+        f"module 'cupy' (hpcdist device double) has no attribute {name!r} in the surface "
+        "hpcdist may use: list it in device_double.MODULE (make test-cupy checks it against "
+        "CuPy) or use another call")
+
+
+# ---- cupyx, cuda, random, nccl --------------------------------------------------------------
+
+def _scatter_add(a, slices, value):
+    """``cupyx.scatter_add``: a[slices] += value, repeated indices accumulating."""
+    _np.add.at(_np.ndarray.view(a, _np.ndarray), _host(slices), _host(value))
+
+
+cupyx = types.SimpleNamespace(
+    scatter_add=_function("scatter_add", CUPYX["scatter_add"][1], _scatter_add, "cupyx"))
 
 
 class _Stream:
@@ -169,42 +438,54 @@ class _Stream:
 
 
 class _Device:
-    def __init__(self, index=0):
-        self.id = index
+    def __init__(self, device=None):
+        self.id = 0 if device is None else device
 
     def use(self):
-        return self
+        return None
 
 
 _STREAM = _Stream()
+
+
+def _alloc_pinned_memory(size):
+    """Page-locked host memory in CuPy; a plain host buffer here (np.frombuffer reads both)."""
+    return bytearray(size)
+
+
 cuda = types.SimpleNamespace(
-    get_current_stream=lambda: _STREAM, Device=_Device,
+    get_current_stream=_function("get_current_stream", CUDA["get_current_stream"][1],
+                                 lambda device_id=-1: _STREAM, "cupy.cuda"),
+    Device=_Device,
+    alloc_pinned_memory=_function("alloc_pinned_memory", CUDA["alloc_pinned_memory"][1],
+                                  _alloc_pinned_memory, "cupy.cuda"),
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
 
 
-class _Random:
-    """``cupy.random``: NumPy's generators, returning device arrays."""
+class _XORWOW:
+    """CuPy's default bit generator as hpcdist sees it: ``state`` is a *method* that returns
+    the address of the cuRAND states on the device, not NumPy's dict property."""
 
-    @staticmethod
-    def default_rng(seed=None):
-        return _Generator(_np.random.default_rng(seed))
+    def __init__(self, gen):
+        self._gen = gen
+
+    def state(self):
+        return id(self._gen)               # an opaque pointer: nothing to save or restore
 
 
 class _Generator:
+    """``cupy.random.Generator``: NumPy's draws, as device arrays."""
+
     def __init__(self, gen):
         self._gen = gen
-        self.bit_generator = gen.bit_generator
+        self.bit_generator = _XORWOW(gen)
 
-    def __getattr__(self, name):
-        return _wrap(getattr(self._gen, name))
+    def random(self, size=None, dtype=_np.float64, out=None):
+        return _device(self._gen.random(size, dtype=dtype))
+
+    def standard_normal(self, size=None, dtype=_np.float64, out=None):
+        return _device(self._gen.standard_normal(size, dtype=dtype))
 
 
-random = _Random()
-
-
-def __getattr__(name):
-    """Every other NumPy name: functions return device arrays, the rest is NumPy's."""
-    value = getattr(_np, name)
-    if callable(value) and not isinstance(value, (type, _np.ufunc)):
-        return _wrap(value)
-    return value
+random = types.SimpleNamespace(default_rng=lambda seed=None: _Generator(
+    _np.random.default_rng(seed)))

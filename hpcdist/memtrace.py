@@ -37,7 +37,7 @@ def enable(on: bool = True) -> None:
     _on = on
     _first.clear()
     _most.clear()
-    if on and not _gpu() and not tracemalloc.is_tracing():
+    if on and backend.device_label() != "gpu" and not tracemalloc.is_tracing():
         tracemalloc.start()
         _started = True
     elif not on and _started:
@@ -46,7 +46,8 @@ def enable(on: bool = True) -> None:
 
 
 def _gpu() -> bool:
-    return backend.device_label() == "gpu"       # the CPU double's arrays are NumPy's
+    """Device arrays: the pool's bytes in use (the double's pool reads tracemalloc)."""
+    return backend.device() == "gpu"
 
 
 def _current() -> int:

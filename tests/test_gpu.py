@@ -4,6 +4,7 @@ GPU ($HPCDIST_DEVICE=gpu)."""
 import numpy as np
 import pytest
 
+import hpcdist as hd
 from hpcdist import backend
 
 
@@ -62,3 +63,64 @@ def test_the_device_double_refuses_host_arrays_and_mpi():
     with pytest.raises(TypeError, match="host"):
         dd.where(np.ones(4, bool), d, d)
     np.testing.assert_array_equal(dd.asnumpy(d * 2 + 1), np.full(4, 3.0))
+
+
+def test_the_double_offers_only_the_listed_cupy_surface():
+    from hpcdist import device_double as dd
+    d = dd.asarray(np.ones((2, 3)))
+    with pytest.raises(AttributeError, match="'writeable'"):
+        d.flags.writeable                                # CuPy's flags have none
+    assert d.flags.c_contiguous and d.flags.owndata in (True, False)
+    with pytest.raises(AttributeError, match="'cumprod'"):
+        d.cumprod()                                      # NumPy's, not listed
+    with pytest.raises(AttributeError, match="'nanmean'"):
+        dd.nanmean(d)                                    # no fallback to NumPy
+    with pytest.raises(TypeError, match=r"cupy\.asarray"):
+        dd.asarray(d, device="cuda")                     # CuPy 14 takes no device=
+    with pytest.raises(TypeError, match="subok"):
+        dd.exp(d, subok=False)                           # ufunc keywords: out, dtype, casting
+    with pytest.raises(TypeError, match=r"cupy\.ndarray\.sum"):
+        d.sum(0, None, None, False, 7)                   # one argument too many
+    assert isinstance(dd.cupyx.scatter_add, object) and not hasattr(dd, "scatter_add")
+
+
+def test_the_doubles_generator_is_cupys_kind():
+    """CuPy's bit_generator.state is a method returning a device pointer; hpcdist's dropout
+    state must never be taken from it."""
+    from hpcdist import device_double as dd
+    gen = dd.random.default_rng(0)
+    assert callable(gen.bit_generator.state) and isinstance(gen.bit_generator.state(), int)
+
+
+def test_dropout_state_saves_restores_and_matches_across_devices():
+    """hpcdist's dropout stream: JSON-able state, exact restore, the same masks on the CPU and
+    on the device (so recomputation and resumes replay the forward's masks anywhere)."""
+    import json
+    from hpcdist import ops, device_double as dd
+    backend.seed(5)
+    state = json.loads(json.dumps(backend.rng_state()))       # what a checkpoint stores
+    x = hd.tensor(np.ones((7, 33)))
+    first = backend.to_numpy(ops.dropout(x, 0.25).data)
+    backend.set_rng_state(state)
+    again = backend.to_numpy(ops.dropout(x, 0.25).data)
+    np.testing.assert_array_equal(first, again)
+    assert 0.6 < (first != 0).mean() < 0.9
+    host = backend.DropoutRNG(5)
+    np.testing.assert_array_equal(host.keep_mask((7, 33), 0.25), first != 0)
+
+
+def test_recomputed_dropout_equals_the_forward_on_this_device(float64):
+    from hpcdist import nn
+    cfg = dict(block_size=6, vocab_size=7, n_layer=2, n_head=2, n_embd=8, dropout=0.3)
+    rng = np.random.default_rng(0)
+    idx = backend.to_device(rng.integers(0, 7, (4, 6)))
+    grads = []
+    for recompute in (False, True):
+        nn.manual_seed(3)
+        m = nn.GPT(nn.GPTConfig(**cfg, checkpoint_activations=recompute))
+        backend.seed(11)
+        _, loss = m(idx, idx)
+        loss.backward()
+        grads.append({n: backend.to_numpy(p.grad) for n, p in m.named_parameters()})
+    for name in grads[0]:
+        np.testing.assert_array_equal(grads[0][name], grads[1][name], err_msg=name)

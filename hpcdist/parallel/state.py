@@ -110,7 +110,13 @@ def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
                     f"{samples // g_new * g_new} of the epoch instead of {samples}")
     if sc["layout"] == run_layout(cfg, comm.size):       # the same layout: exact, rank by rank
         own = reader.own(comm.rank)
-        backend.set_rng_state(checkpoint.from_json_array(own["rng"]))
+        rng = checkpoint.from_json_array(own["rng"])
+        if rng.get("kind") == backend.rng_state()["kind"]:
+            backend.set_rng_state(rng)
+        else:                     # a checkpoint from before hpcdist owned its dropout stream
+            backend.seed(cfg.seed + 7919 * reader.step + 1000 * comm.rank)
+            said.append("dropout streams reseeded from (seed, step, rank): the checkpoint "
+                        "holds an older generator's state")
         step_fn.load_own_state(own)
         return "; ".join(said)
     # Another layout. Dropout streams: each rank derives its own from (seed, step, its rank

@@ -71,3 +71,65 @@ def test_nccl_training_follows_the_cpu_run(comm, tmp_path, nccl):
                 log=lambda *a: None)
     h = lambda f: np.array([[s["loss"], s["grad_norm"]] for s in f["history"]])  # noqa: E731
     np.testing.assert_allclose(h(got), h(ref), rtol=1e-9)
+
+
+# ---- the real library's id through hpcdist's bootstrap (no GPU needed: make test-cupy) -----
+
+_PY_TYPES = {"int": int, "size_t": int, "intptr_t": int, "bytes": bytes}
+
+
+def _call_problems(typed_text: str, args) -> list:
+    """Which of ``args`` do not have the C type ``typed_text`` gives their parameter."""
+    from hpcdist.device_double import typed_parameters
+    out = []
+    for (ctype, name), value in zip(typed_parameters(typed_text), args):
+        want = _PY_TYPES.get(ctype)
+        if want is not None and type(value) is not want:
+            out.append(f"{name}: {ctype} wanted, got {type(value).__name__} {value!r:.40}")
+    return out
+
+
+def _bootstrap(comm, monkeypatch, real):
+    """hpcdist's NcclCommunicator built over ``comm`` with the real NCCL module, except for
+    the communicator class, which records the call hpcdist makes (creating a real one needs
+    a GPU)."""
+    import types
+    import hpcdist.comm.nccl as hn
+    calls = []
+
+    class Recorder:
+        def __init__(self, *args):
+            calls.append(args)
+
+        def destroy(self):
+            pass
+
+    fake = types.SimpleNamespace(get_unique_id=real.get_unique_id, NcclCommunicator=Recorder,
+                                 groupStart=real.groupStart, groupEnd=real.groupEnd)
+    monkeypatch.setattr(backend, "nccl_module", lambda: fake)
+    nc = hn.NcclCommunicator(comm.mpi)
+    nc.close()
+    return calls[0]
+
+
+def test_the_real_nccl_id_reaches_the_constructor_as_cupy_declares_it(comm, monkeypatch):
+    pytest.importorskip("cupy", reason="CuPy is not installed: make test-cupy installs it")
+    from cupy.cuda import nccl as real
+    import sys
+    sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/cupy")
+    import surface
+    declared = surface.real_signature_text(real.NcclCommunicator)   # CuPy's own, typed
+    args = _bootstrap(comm, monkeypatch, real)
+    assert _call_problems(declared, args) == []
+    assert args[0] == comm.size and args[2] == comm.rank
+    ids = np.empty((comm.size, 128), dtype=np.uint8)            # MPI's Allgather: the oracle
+    comm.mpi.Allgather(np.frombuffer(args[1], dtype=np.uint8), ids)
+    assert (ids == ids[0]).all(), "every rank must get rank 0's id"
+
+    # planted: the id handed over in CuPy 13's spelling (a tuple of chars) is caught
+    import hpcdist.comm.nccl as hn
+    monkeypatch.setattr(hn, "unpack_unique_id",
+                        lambda packed: tuple(int(b) for b in packed[:128].view(np.int8)))
+    bad = _bootstrap(comm, monkeypatch, real)
+    problems = _call_problems(declared, bad)
+    assert problems and problems[0].startswith("commId: bytes wanted, got tuple"), problems

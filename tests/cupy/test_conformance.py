@@ -1,0 +1,59 @@
+"""The device double offers only what CuPy 14 offers (make test-cupy: needs the CuPy wheel,
+which installs and imports without a GPU). Each planted mismatch below is one that reached a
+GPU before this test existed."""
+import pytest
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed: make test-cupy installs it")
+
+import surface  # noqa: E402  (tests/cupy/surface.py)
+from hpcdist import device_double as dd  # noqa: E402
+
+
+def tables(**changes):
+    out = {name: dict(getattr(dd, name)) if name != "FLAGS" else tuple(dd.FLAGS)
+           for name in ("MODULE", "NDARRAY", "CUDA", "CUPYX", "RANDOM", "NCCL", "FLAGS")}
+    for table, value in changes.items():
+        out[table] = value
+    return out
+
+
+def test_every_name_the_double_offers_is_cupys_with_its_kind_and_arguments():
+    found = surface.problems()
+    assert not found, f"{len(found)} mismatches, the first: {found[0]}"
+
+
+def test_a_planted_flags_writeable_is_caught():
+    found = surface.problems(tables(FLAGS=dd.FLAGS + ("writeable",)))
+    assert found and "writeable" in found[0], found
+
+
+def test_a_planted_nccl_id_of_another_type_is_caught():
+    nccl = dict(dd.NCCL, get_unique_id=("function", "() -> tuple"))
+    found = surface.problems(tables(NCCL=nccl))
+    assert found == ["cupy.cuda.nccl.get_unique_id: returns bytes in CuPy, tuple in the double"]
+    ctor = dict(dd.NCCL, NcclCommunicator=("class", "(int ndev, tuple commId, int rank)"))
+    found = surface.problems(tables(NCCL=ctor))
+    assert found and "commId" in found[0] and "bytes" in found[0], found
+
+
+def test_a_planted_bit_generator_state_property_is_caught():
+    rnd = dict(dd.RANDOM, **{"XORWOW.state": ("property", None)})
+    found = surface.problems(tables(RANDOM=rnd))
+    assert found == ["cupy.random.XORWOW.state: a property in the double, a method in CuPy"]
+
+
+def test_planted_names_kinds_and_arguments_are_caught():
+    cases = {
+        "scatter_add": ("function", "(a, idx, values)"),          # cupy has it in cupyx only
+        "exp": ("function", "(x)"),                               # a ufunc, not a function
+        "maximum": ("ufunc", "(x)"),                              # two inputs
+        "asarray": ("function", "(a, dtype=None, device=None)"),  # no such keyword
+        "triu": ("function", "(k, m)"),                           # positions swapped
+    }
+    for name, entry in cases.items():
+        found = surface.problems(tables(MODULE={name: entry}, NDARRAY={}, CUDA={}, CUPYX={},
+                                        RANDOM={}, NCCL={}, FLAGS=()))
+        assert found and found[0].startswith(f"cupy.{name}"), (name, found)
+    found = surface.problems(tables(NDARRAY={"shape": ("method", "(self)")}, MODULE={},
+                                    CUDA={}, CUPYX={}, RANDOM={}, NCCL={}, FLAGS=()))
+    assert found == ["cupy.ndarray.shape: a method in the double, a property in CuPy"]

@@ -30,6 +30,44 @@ def record_ranks(comm, out_dir: str) -> str:
         (", ..." if len(hosts) > 3 else "") + ")"
 
 
+# What a launcher tells the processes it starts about the world it made: the variable, who
+# sets it. The first that is set wins (each launcher sets its own; SLURM's step variables
+# only mean this launch when srun started it: sbatch's batch shell has no step).
+LAUNCHER_SIZES = (("PMI_SIZE", "the MPICH/Hydra or srun --mpi=pmi2 launcher"),
+                  ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+                  ("PMIX_SIZE", "a PMIx launcher"),
+                  ("SLURM_STEP_NUM_TASKS", "srun"),
+                  ("SLURM_NTASKS", "sbatch or salloc"))
+
+
+def launch_problem(world: int, allowed: bool = False) -> str | None:
+    """Why this 1-rank world is not what the launcher meant (None: it is, or ``allowed``).
+
+    A launcher/MPI mismatch — srun without ``--mpi=pmi2`` for an MPI that speaks PMI-2,
+    mpi4py built against another MPI than the mpirun used — starts every task as its own
+    1-rank world: N copies of the run, writing the same files."""
+    if world != 1 or allowed:
+        return None
+    import os
+    for var, who in LAUNCHER_SIZES:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            if int(value) <= 1:
+                return None
+            if var == "SLURM_NTASKS":
+                return (f"the job has {value} tasks (SLURM_NTASKS) but this process is a world "
+                        "of 1 rank that no launcher started: start the ranks with srun "
+                        "--mpi=pmi2 (or mpiexec) inside the job. --allow-singletons runs "
+                        "one rank anyway")
+            return (f"the launcher promised {value} tasks ({var}, set by {who}) but MPI "
+                    "started a world of 1 rank: every task is running alone. Likely causes: "
+                    "srun without --mpi=pmi2 (or the --mpi your MPI speaks: srun --mpi=list), "
+                    "or mpi4py built against another MPI than the launcher's (python -c "
+                    "'from mpi4py import MPI; print(MPI.Get_library_version())'). "
+                    "--allow-singletons runs anyway")
+    return None
+
+
 def open_metrics(out_dir: str, resumed: bool, say):
     """``out_dir/metrics.jsonl`` for appending. A resumed run continues the file; a new run
     moves an earlier run's file aside (metrics.jsonl.1, .2, ...) rather than truncating it."""

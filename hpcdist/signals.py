@@ -4,11 +4,13 @@ Two meanings, never switched back and forth during a run:
 
 - ``EXIT`` (the default, library use): a SIGTERM ends the rank at once; the watchdog says
   where it was and exits with 143 (comm/watchdog.py). SIGUSR1 keeps its default.
-- ``STOP`` (a run that checkpoints, chosen by ``python -m hpcdist.train --save-dir``): from
-  the moment it is chosen until the process exits, SIGTERM and SIGUSR1 only record a stop
-  request. The training loop polls it (preemption.StopRequest), saves and exits with the
-  requeue code; before the first step it exits with that code at once (nothing new to save),
-  after the last step the run simply finishes.
+- ``STOP`` (chosen once by ``python -m hpcdist.train``): from that moment until the process
+  exits the stop signals only record a stop request. The training loop polls it
+  (preemption.StopRequest) and stops every rank after the same step: with ``--save-dir`` it
+  saves first. SIGINT (Ctrl-C: mpiexec forwards it to every rank) is always a stop signal
+  there; SIGTERM and SIGUSR1 are with ``--save-dir`` (without one they end the rank as in
+  ``EXIT``). Before the first step the run exits at once (nothing new to save), after the
+  last step it simply finishes.
 
 The meaning used to be read off whichever handler was installed when the watchdog thread got
 round to a signal, and ``train`` installed its handler late and put the old one back early: a
@@ -21,9 +23,11 @@ import signal
 import threading
 
 EXIT, STOP = "exit", "stop"
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+EXIT_INTERRUPTED = 130      # the shell's code for Ctrl-C (128 + SIGINT)
 
 _mode = EXIT
+_stopping: tuple = ()   # the signals that request a stop in STOP mode
 _requested = 0          # the first stop signal received (0: none)
 
 
@@ -31,27 +35,35 @@ def mode() -> str:
     return _mode
 
 
-def checkpoint_on_signal() -> bool:
-    """From now on SIGTERM/SIGUSR1 request a stop (``STOP``). Main thread only (Python
-    delivers signals there); returns False elsewhere, and nothing changes."""
-    global _mode
+def checkpoint_on_signal(checkpoint: bool = True) -> bool:
+    """From now on SIGINT — and with ``checkpoint`` SIGTERM and SIGUSR1 — request a stop
+    (``STOP``). Main thread only (Python delivers signals there); returns False elsewhere,
+    and nothing changes."""
+    global _mode, _stopping
     if threading.current_thread() is not threading.main_thread():
         return False
-    for sig in STOP_SIGNALS:
+    _stopping = STOP_SIGNALS if checkpoint else (signal.SIGINT,)
+    for sig in _stopping:
         signal.signal(sig, _handler)
     _mode = STOP
     return True
 
 
+def stops(signum: int) -> bool:
+    """Whether ``signum`` requests a stop now."""
+    return _mode == STOP and signum in _stopping
+
+
 def exit_on_signal() -> None:
     """Back to ``EXIT`` (a library caller's ``train`` ends): default SIGUSR1, and SIGTERM
     handled by the watchdog again."""
-    global _mode, _requested
+    global _mode, _requested, _stopping
     if _mode != STOP or threading.current_thread() is not threading.main_thread():
         return
-    _mode, _requested = EXIT, 0
+    _mode, _requested, _stopping = EXIT, 0, ()
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, _exit_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 _exit_handler = signal.SIG_DFL     # SIGTERM in EXIT mode; the watchdog sets its own (see there)
@@ -68,7 +80,7 @@ def note(signum: int) -> None:
     """Record a stop request (from the handler, or from the watchdog thread, which sees the
     signal through the wakeup fd even while the main thread is inside an MPI call)."""
     global _requested
-    if _mode == STOP and not _requested and signum in STOP_SIGNALS:
+    if not _requested and stops(signum):
         _requested = signum
 
 

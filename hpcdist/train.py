@@ -10,23 +10,27 @@ the watchdog (comm.watchdog).
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import signal
-import sys
-import time
+if __name__ == "__main__":      # before MPI starts (the imports below start it): a supervisor
+    from hpcdist import supervisor      # process names this rank if it is killed
+    supervisor.start()
 
-import numpy as np
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
 
-from . import (backend, checkpoint, data, memtrace, optim, runtime, signals, threads,
-               timeline)
-from .comm import Communicator, watchdog
-from .comm.model import fit_links
-from .config import ConfigError, TrainConfig, parse_config, validate_world
-from .evaluate import evaluate
-from .parallel import state
-from .parallel.strategy import DataParallelStep, build_strategy
-from .preemption import EXIT_PREEMPTED, StopRequest
+import numpy as np  # noqa: E402
+
+from . import (backend, checkpoint, data, memtrace, optim, runtime, savedir,  # noqa: E402
+               signals, supervisor, threads, timeline)
+from .comm import Communicator, watchdog  # noqa: E402
+from .comm.model import fit_links  # noqa: E402
+from .config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
+from .evaluate import evaluate  # noqa: E402
+from .parallel import state  # noqa: E402
+from .parallel.strategy import DataParallelStep, build_strategy  # noqa: E402
+from .preemption import EXIT_PREEMPTED, StopRequest  # noqa: E402
 
 __all__ = ["TrainConfig", "ConfigError", "parse_config", "train", "main", "evaluate",
            "EXIT_PREEMPTED", "DataParallelStep"]
@@ -76,7 +80,7 @@ def train(cfg: TrainConfig, comm=None, log=print, prepared=None, on_build=None) 
     # gets checkpoint-on-signal for the duration of this call.
     ours = bool(cfg.save_dir) and signals.mode() == signals.EXIT \
         and signals.checkpoint_on_signal()
-    watching = bool(cfg.save_dir) and signals.mode() == signals.STOP
+    watching = signals.mode() == signals.STOP       # SIGINT stops without --save-dir too
     try:
         final = _run(cfg, comm, log, prepared or prepare(cfg, comm),
                      StopRequest() if watching else None, on_build)
@@ -258,12 +262,23 @@ def progress_line(rec: dict, steps: int, eta: float) -> str:
 def stopped_report(cfg, stopped: int, step: int, start: int, world: int, t_start: float,
                    say) -> dict:
     name = signal.Signals(stopped).name
-    if step > start:
+    code = exit_code(stopped)
+    if step > start and cfg.save_dir:
         say(f"stopped after step {step} of {cfg.steps} on {name}: the checkpoint above "
-            f"holds the run; exit code {EXIT_PREEMPTED} (the job script requeues, --resume "
-            f"continues)")
+            f"holds the run; exit code {code} (" + ("the job script requeues, " if code ==
+                                                     EXIT_PREEMPTED else "")
+            + "--resume continues)")
+    elif step > start:
+        say(f"stopped after step {step} of {cfg.steps} on {name}; nothing saved (no "
+            f"--save-dir); exit code {code}")
     return {"event": "preempted", "step": step, "signal": name, "steps": cfg.steps,
             "world": world, "seconds": time.perf_counter() - t_start}
+
+
+def exit_code(signum: int) -> int:
+    """A stopped run's exit code: 130 after Ctrl-C, as a shell reports it; 75 (requeue)
+    after the scheduler's SIGTERM or SIGUSR1."""
+    return signals.EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
 
 
 def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, train_bytes,
@@ -317,36 +332,69 @@ def _agree_on_error(comm, message: str | None) -> str | None:
 
 
 def main(argv=None) -> int:
-    errors = (ConfigError, backend.DeviceError, checkpoint.CheckpointError, OSError, ValueError)
-    message, cfg = None, None
+    errors = (ConfigError, backend.DeviceError, checkpoint.CheckpointError, OSError, ValueError,
+              savedir.SaveDirError)
+    message, cfg, said = None, None, []
     try:
-        cfg = parse_config(argv)
+        cfg = _parse_once(argv)
     except errors as e:
         message = str(e)
     # What a signal means is decided here, once, before anything can be signalled (ranks.json
-    # comes later): with a checkpoint folder, SIGTERM/SIGUSR1 request a stop until exit.
-    if cfg is not None and cfg.save_dir:
-        signals.checkpoint_on_signal()
+    # comes later): SIGINT stops the run after a step; with a checkpoint folder SIGTERM and
+    # SIGUSR1 too, and it saves first.
+    if cfg is not None:
+        signals.checkpoint_on_signal(checkpoint=bool(cfg.save_dir))
     comm = Communicator(abort_on_error=True)           # collective: every rank, always
+    supervisor.tell(comm.rank, comm.size)
     if message is None:
-        try:                                           # every check that needs no collective
-            watchdog.set_timeout(cfg.timeout or None)
-            runtime.test_hooks(comm.rank, "prepare")
-            prepared = prepare(cfg, comm)
+        message = runtime.launch_problem(comm.size, cfg.allow_singletons)
+    if message is None and cfg.save_dir and comm.rank == 0:
+        try:                                           # whose folder it is (rank 0 decides)
+            said = savedir.claim(cfg.save_dir, cfg.resume, cfg.overwrite)
         except errors as e:
             message = str(e)
     message = _agree_on_error(comm, message)
+    if message is None:
+        for line in said:
+            print(line)
+        try:                                           # every check that needs no collective
+            watchdog.set_timeout(cfg.timeout or None)
+            runtime.test_hooks(comm.rank, "prepare")
+            message = savedir.writable_problems(cfg, comm.rank)
+            if message is None:
+                prepared = prepare(cfg, comm)
+        except errors as e:
+            message = str(e)
+        message = _agree_on_error(comm, message)
     if message is not None:
         if message:
             print(f"hpcdist.train: error: {message}", file=sys.stderr)
         return 2
+    resume = prepared[1]
+    if resume is not None and resume[2] is not None and resume[2].step >= cfg.steps:
+        if comm.rank == 0:                             # nothing left to do: say so
+            print(f"nothing to do: {resume[0]} is at step {resume[2].step} and --steps is "
+                  f"{cfg.steps}; raise --steps to train further")
+        return 0
     try:
         final = train(cfg, comm, prepared=prepared)
     except checkpoint.CheckpointError as e:       # raised alike on every rank (agreed)
         if comm.rank == 0:
             print(f"hpcdist.train: error: {e}", file=sys.stderr)
         return 1
-    return EXIT_PREEMPTED if final.get("event") == "preempted" else 0
+    if final.get("event") == "preempted":
+        return exit_code(signal.Signals[final["signal"]])
+    return 0
+
+
+def _parse_once(argv):
+    """The configuration; ``--help`` is printed by rank 0 only (every rank parses)."""
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        return parse_config(argv)
+    import io
+    with contextlib.redirect_stdout(io.StringIO()):
+        return parse_config(argv)
 
 
 if __name__ == "__main__":

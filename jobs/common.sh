@@ -11,8 +11,9 @@
 #   HPCDIST_DIR      the hpcdist checkout (default: the directory sbatch ran in)
 #   PYTHON           a Python with hpcdist installed (default: $HPCDIST_DIR/.venv/bin/python)
 #   HPCDIST_RUN_DIR  outputs and checkpoints (default: $HPCDIST_DIR/runs/<job name>-<job id>)
-#   LAUNCHER         srun (default: srun --mpi=pmi2) or mpirun (mpirun -n $SLURM_NTASKS
-#                    inside the allocation)
+#   LAUNCHER         srun (default) or mpirun (mpirun -n $SLURM_NTASKS inside the allocation)
+#   SRUN_MPI         srun's --mpi plugin: pmi2 (default: what the MPICH wheel and most MPIs
+#                    speak) or pmix (Open MPI 5, recent Intel MPI): jobs/README.md, "Launching"
 #   SRUN_ARGS        extra srun options (e.g. "--cpu-bind=cores")
 #
 # Requeue: the templates ask SLURM for `--signal=B:USR1@SECONDS` (USR1 to this batch shell
@@ -75,6 +76,20 @@ hpcdist_gpus_per_node() {
     fi
 }
 
+hpcdist_cupy() {
+    # CuPy in PYTHON, as `make venv` picks it: the wheel for the driver's CUDA major version
+    "$PYTHON" -c "import cupy" 2>/dev/null && return 0
+    local cuda
+    cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1)
+    case $cuda in
+        12|13) echo "hpcdist: no CuPy in $PYTHON; installing cupy-cuda${cuda}x (CUDA $cuda driver)"
+               "$PYTHON" -m pip install -q -e "$HPCDIST_DIR[gpu-cuda$cuda]" \
+                   || hpcdist_die "installing CuPy failed (no network on the node?): run 'make venv' on a GPU node, or pip install -e '.[gpu-cuda$cuda]'" ;;
+        "") echo "hpcdist: no CuPy in $PYTHON and no nvidia-smi here: nothing installed" ;;
+        *) hpcdist_die "CUDA $cuda: no CuPy extra for it; pip install the matching cupy-cuda*x into $PYTHON" ;;
+    esac
+}
+
 hpcdist_preflight() {
     # hpcdist_preflight [preflight options] -- [training options]
     "$PYTHON" -m hpcdist.preflight --world "${SLURM_NTASKS:-1}" \
@@ -85,10 +100,10 @@ hpcdist_preflight() {
 hpcdist_launch() {
     local -a launch
     if [[ $LAUNCHER == srun ]]; then
-        # --mpi=pmi2: the MPICH wheel speaks PMI-2; without it (MpiDefault=none on many
-        # clusters) srun starts N separate rank-0 processes. --kill-on-bad-exit: one failed
-        # rank ends the step.
-        launch=(srun --mpi=pmi2 --kill-on-bad-exit=1 ${SRUN_ARGS:-})
+        # --mpi=pmi2 (SRUN_MPI): the MPICH wheel speaks PMI-2; without it (MpiDefault=none
+        # on many clusters) srun starts N separate 1-rank worlds, which hpcdist refuses.
+        # --kill-on-bad-exit: one failed rank ends the step.
+        launch=(srun --mpi="${SRUN_MPI:-pmi2}" --kill-on-bad-exit=1 ${SRUN_ARGS:-})
     else
         # the MPI library's mpirun: on PATH (module load ...), else the one beside PYTHON
         local mpirun=mpirun

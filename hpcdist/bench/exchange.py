@@ -23,8 +23,8 @@ METHODS = [  # label, TrainConfig settings
     ("dense", {}),
     ("fp16", {"compress": "fp16"}),
     ("topk 0.01", {"compress": "topk", "density": 0.01, "compress_momentum": 0.0}),
-    ("powersgd r1", {"compress": "powersgd", "rank": 1}),
-    ("powersgd r4", {"compress": "powersgd", "rank": 4}),
+    ("powersgd r1", {"compress": "powersgd", "powersgd_rank": 1}),
+    ("powersgd r4", {"compress": "powersgd", "powersgd_rank": 4}),
     ("ps s=0", {"strategy": "ps", "max_staleness": 0}),
     ("ps s=4", {"strategy": "ps", "max_staleness": 4}),
     ("ps s=inf", {"strategy": "ps", "max_staleness": -1}),
@@ -100,7 +100,7 @@ def torch_worker(args) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
                             world_size=comm.size)
     for r in args.ranks:
-        cfg = TrainConfig(steps=args.steps, compress="powersgd", rank=r,
+        cfg = TrainConfig(steps=args.steps, compress="powersgd", powersgd_rank=r,
                           powersgd_start=args.powersgd_start, log_every=10 ** 9,
                           out_dir=os.path.join(out, f"r{r}"))
         ours = train(cfg, comm, log=lambda *a: None)

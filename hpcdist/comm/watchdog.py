@@ -311,7 +311,8 @@ class Watchdog(threading.Thread):
             return
         self._wake_r = r
         signals.set_exit_handler(_note_signal)   # what SIGTERM does in EXIT mode from now on
-        if signals.mode() == signals.EXIT and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        if not signals.stops(signal.SIGTERM) and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _note_signal)
 
     def _read_signals(self) -> None:
@@ -325,7 +326,7 @@ class Watchdog(threading.Thread):
     def _on_signal(self, signum: int) -> None:
         if signum not in (signal.SIGTERM, signal.SIGINT):
             return
-        if signals.mode() == signals.STOP and signum == signal.SIGTERM:
+        if signals.stops(signum):
             signals.note(signum)               # decided at the entry point, not now
             self.urgent = True
             return

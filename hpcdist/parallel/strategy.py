@@ -212,7 +212,7 @@ def build_strategy(cfg, comm, train_set):
     else:
         mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
         compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
-                                       cfg.compress_clip, cfg.density_warmup, cfg.rank,
+                                       cfg.compress_clip, cfg.density_warmup, cfg.powersgd_rank,
                                        cfg.powersgd_start)
         # gradients over NCCL with --backend nccl, everything else over MPI
         grad_comm = make_communicator(cfg.backend, dp_comm.mpi) if cfg.backend == "nccl" \

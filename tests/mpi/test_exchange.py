@@ -66,7 +66,7 @@ def test_powersgd_error_feedback_loses_nothing(comm, tmp_path, rank):
     """For each compressed matrix, on every rank: what was applied over the steps plus the
     error kept back equals the sum of this rank's own gradients (error feedback)."""
     probe = Probe()
-    train(small(compress="powersgd", rank=rank, n_embd=32, bucket_mb=0.004,
+    train(small(compress="powersgd", powersgd_rank=rank, n_embd=32, bucket_mb=0.004,
                 first_bucket_mb=0.004, out_dir=str(tmp_path)), comm, log=quiet,
           on_build=probe.attach)
     c = probe.ddp.compression
@@ -85,7 +85,7 @@ def test_powersgd_error_feedback_loses_nothing(comm, tmp_path, rank):
 def test_powersgd_bytes_per_step_are_two_allreduces_of_the_factors(comm, tmp_path):
     probe = Probe()
     r = 2
-    train(small(compress="powersgd", rank=r, n_embd=32, out_dir=str(tmp_path)), comm,
+    train(small(compress="powersgd", powersgd_rank=r, n_embd=32, out_dir=str(tmp_path)), comm,
           log=quiet, on_build=probe.attach)
     c, ddp = probe.ddp.compression, probe.ddp
     # the formula, from the model's shapes alone: r (n + m) per compressed n x m matrix

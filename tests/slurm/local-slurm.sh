@@ -115,7 +115,7 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 JobRequeue=1
 # slurmctld starts clean (-c) each time; fresh job ids keep the templates' appended logs
-# (jobs/logs/<name>-<id>.out) from meeting those of an earlier cluster
+# (<name>-<id>.out) from meeting those of an earlier cluster
 FirstJobId=$FIRST_JOB_ID
 MinJobAge=600
 KillWait=10

@@ -99,8 +99,8 @@ def cluster(tmp_path_factory):
     env = dict(os.environ, SLURM_CONF=f"{SLURM_DIR}/slurm.conf")
     c = Cluster(env, tmp_path_factory.mktemp("slurm"))
     yield c
-    for path in c.logs:                          # the templates' logs land in jobs/logs/
-        if path.exists() and path.parent == REPO / "jobs" / "logs":
+    for path in c.logs:                          # the templates' logs land where sbatch ran
+        if path.exists() and path.parent == REPO and path.name.startswith("hpcdist-"):
             path.unlink()
     if not was_up:
         subprocess.run([str(SCRIPT), "down"], capture_output=True, timeout=120)

@@ -1,0 +1,258 @@
+"""A save folder belongs to one run, and one job at a time: checked before any work.
+
+What a run is about to write is checked on every rank that writes it, before step 1
+(``check_writable``): a folder inside a regular file, a read-only place or a full quota is
+one line and exit code 2 at start-up, not a traceback after the last step.
+
+``--save-dir`` holds two small files beside the checkpoints:
+
+    run.json   the run's identity: an id, when and where it started, its command line.
+               A fresh run (no ``--resume``) into a folder that holds another run's
+               checkpoints is refused: ``--resume`` continues that run, ``--overwrite`` moves
+               it aside (``<folder>.old-1``, ``.old-2``, ...) and starts a new one. Nothing
+               is ever deleted.
+    .lock      the job that uses the folder now (host, pid, start time, SLURM job id), held
+               for the job's life and refreshed every ``HEARTBEAT_S``. A second job on the
+               same folder is refused, naming the holder. A lock whose holder is gone (its
+               process, on the same host; its heartbeat older than ``STALE_S`` elsewhere) is
+               taken over, with a line saying whose it was.
+
+Rank 0 does all of this (``claim``); the ranks agree on its verdict as on any setup error.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+
+RUN = "run.json"
+LOCK = ".lock"
+HEARTBEAT_S = 10.0
+STALE_S = 60.0
+
+
+class SaveDirError(RuntimeError):
+    """The save folder cannot be used by this run; the message says what to do."""
+
+
+# ---- every path a run writes -------------------------------------------------------------
+
+def check_writable(path: str, what: str, folder: bool = True) -> str | None:
+    """Why ``path`` (a folder, or a file when ``folder`` is False) cannot be written by this
+    process (None: it can). Creates a missing folder, as the run would; writes and removes
+    a probe file in it."""
+    if not path:
+        return None
+    target = path if folder else (os.path.dirname(path) or ".")
+    if not folder and os.path.isdir(path):
+        return f"{what} {path!r} is a folder; give a file name"
+    probe = os.path.join(target, f".hpcdist-probe-{socket.gethostname()}-{os.getpid()}")
+    try:
+        os.makedirs(target, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"0")
+        os.remove(probe)
+    except OSError as e:
+        blocker = _file_in_the_way(target)
+        reason = f"{blocker!r} is a file, not a folder" if blocker else (e.strerror or str(e))
+        return f"{what} {path!r} cannot be written: {reason}"
+    return None
+
+
+def _file_in_the_way(folder: str) -> str | None:
+    """The first part of ``folder``'s path that exists and is not a folder (None: none)."""
+    parts = os.path.abspath(folder).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        head = os.sep.join(parts[:i])
+        if os.path.exists(head) and not os.path.isdir(head):
+            return os.path.relpath(head) if not os.path.isabs(folder) else head
+        if not os.path.exists(head):
+            return None
+    return None
+
+
+def writable_problems(cfg, rank: int) -> str | None:
+    """The first path of the run this rank would fail to write: rank 0 writes the out
+    folder, the trace and the communication log; every rank writes its checkpoint files."""
+    checks = [(cfg.save_dir, "--save-dir", True)]
+    if rank == 0:
+        checks += [(cfg.out_dir, "--out-dir", True), (cfg.trace, "--trace", False)]
+    for path, what, folder in checks:
+        problem = check_writable(path, what, folder)
+        if problem:
+            return problem
+    return None
+
+
+# ---- whose folder it is --------------------------------------------------------------------
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: str, value) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def has_checkpoints(folder: str) -> int | None:
+    """The newest step a folder's checkpoints name (0 when only 'latest' is there), None when
+    it holds none."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    steps = [int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit()]
+    if steps:
+        return max(steps)
+    return 0 if "latest" in names else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def holder(folder: str):
+    """(the lock's contents, whether its job still runs), or (None, False) when unlocked."""
+    path = os.path.join(folder, LOCK)
+    lock = _read_json(path)
+    if lock is None:
+        if os.path.exists(path):               # being written this instant, or damaged
+            try:
+                age = time.time() - os.path.getmtime(path)
+            except OSError:
+                return None, False
+            return {"host": "?", "pid": 0, "started": "?"}, age < STALE_S
+        return None, False
+    if lock.get("host") == socket.gethostname():
+        return lock, _alive(int(lock.get("pid", 0)))
+    try:
+        age = time.time() - os.path.getmtime(path)
+    except OSError:
+        return None, False
+    return lock, age < STALE_S
+
+
+def describe(lock: dict) -> str:
+    job = f", SLURM job {lock['job']}" if lock.get("job") else ""
+    return f"host {lock.get('host')}, pid {lock.get('pid')}, started {lock.get('started')}{job}"
+
+
+def _moved_aside(folder: str) -> str:
+    n = 1
+    while os.path.exists(f"{folder}.old-{n}"):
+        n += 1
+    os.rename(folder, f"{folder}.old-{n}")
+    return f"{folder}.old-{n}"
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, path):
+        super().__init__(name="hpcdist-savedir-lock", daemon=True)
+        self.path, self.stopping = path, threading.Event()
+
+    def run(self):
+        while not self.stopping.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return
+
+
+_held: dict = {}
+
+
+def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
+    """Make ``save_dir`` this run's, for this job (rank 0 only). Returns the lines to print;
+    raises SaveDirError when the folder belongs to a running job or to another run."""
+    said = []
+    problem = check_writable(save_dir, "--save-dir")
+    if problem:
+        raise SaveDirError(problem)
+    lock, alive = holder(save_dir)
+    if lock is not None and alive:
+        raise SaveDirError(f"--save-dir {save_dir!r} is in use by another job ({describe(lock)})"
+                           ": wait for it to end, or use another --save-dir")
+    step = has_checkpoints(save_dir)
+    run = _read_json(os.path.join(save_dir, RUN)) or {}
+    if not resume and step is not None:
+        who = f"run {run['id']} (started {run.get('started', '?')})" if run.get("id") else \
+            "another run"
+        if not overwrite:
+            raise SaveDirError(
+                f"--save-dir {save_dir!r} holds the checkpoints of {who}, up to step {step}: "
+                "add --resume to continue it, or --overwrite to move it aside and start afresh")
+        aside = _moved_aside(save_dir)
+        said.append(f"--overwrite: moved {who} from {save_dir} to {aside} (nothing deleted)")
+        run = {}
+    os.makedirs(save_dir, exist_ok=True)
+    if lock is not None:                        # its job is gone: take the lock over
+        said.append(f"took over the lock of {save_dir}, left by a job that is gone "
+                    f"({describe(lock)})")
+        try:
+            os.remove(os.path.join(save_dir, LOCK))
+        except FileNotFoundError:
+            pass
+    _take_lock(save_dir)
+    if not resume or not run.get("id"):
+        _write_json(os.path.join(save_dir, RUN), {
+            "id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "host": socket.gethostname(), "command": " ".join(["python -m hpcdist.train"] + list(
+                argv if argv is not None else sys.argv[1:]))})
+    return said
+
+
+def _take_lock(save_dir: str) -> None:
+    path = os.path.join(save_dir, LOCK)
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+          "job": os.environ.get("SLURM_JOB_ID", "")}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:                     # another job took it a moment ago
+        other, _ = holder(save_dir)
+        raise SaveDirError(f"--save-dir {save_dir!r} is in use by another job "
+                           f"({describe(other or {})}): wait for it to end, or use another "
+                           "--save-dir") from None
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    beat = _Heartbeat(path)
+    beat.start()
+    _held[path] = (me, beat)
+
+
+@atexit.register
+def release() -> None:
+    """Give back the locks this process holds (at exit; a killed job's lock goes stale)."""
+    for path, (me, beat) in list(_held.items()):
+        beat.stopping.set()
+        lock = _read_json(path)
+        if lock is not None and lock.get("pid") == me["pid"] and lock.get("host") == me["host"]:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        del _held[path]

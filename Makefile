@@ -46,7 +46,8 @@ $(STAMP): pyproject.toml Makefile
 # The main job: data-parallel training of the default task on NP ranks (8 share 2 cores
 # fine here: one BLAS thread each, chosen by hpcdist/threads.py).
 NP ?= 8
-MPIEXEC = $$(test -x $(BIN)/mpiexec && echo $(BIN)/mpiexec || echo mpiexec)
+# (expanded as each recipe runs, after .venv exists: the echoed command shows the real one)
+MPIEXEC = $(shell test -x $(BIN)/mpiexec && echo $(BIN)/mpiexec || echo mpiexec)
 
 train: venv
 	$(MPIEXEC) -n $(NP) $(BIN)/python -m hpcdist.train $(ARGS)

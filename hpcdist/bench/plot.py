@@ -198,12 +198,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/plots", help="folder for the PNGs")
     ap.add_argument("--steps", type=int, default=3, help="steps shown in timeline.png")
     args = ap.parse_args(argv)
-    groups = {}
-    for path in args.files:
+    groups, skipped = {}, []
+    for path in args.files:              # a missing or unknown file costs its plot only
         if not os.path.isfile(path):
-            raise SystemExit(f"{path}: no such file")
-        kind, content = read(path)
+            skipped.append(f"{path}: no such file")
+            continue
+        try:
+            kind, content = read(path)
+        except SystemExit as e:
+            skipped.append(str(e))
+            continue
         groups.setdefault(kind, []).append((path, content))
+    for why in skipped:
+        print(f"skipped {why}", file=sys.stderr)
+    if not groups:
+        raise SystemExit("nothing to plot: " + "; ".join(skipped))
     plt = pyplot()
     os.makedirs(args.out, exist_ok=True)
     written = []

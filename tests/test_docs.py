@@ -1,0 +1,195 @@
+"""Every console command README.md and jobs/README.md show, run as typed (shortened to a few
+steps where a full run would take minutes), in a fresh folder with the venv active, and the
+sample outputs checked against what the program prints now.
+
+Each command must have an entry in ``HOW``: the command as shown (its first words) -> a
+shortened command to run here, or ``SKIP`` with the reason (a cluster, a GPU, a benchmark
+that tests/test_bench_smoke.py runs small). A command added to the docs without an entry
+fails the test, so nothing shown goes unchecked by accident.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", REPO / "jobs" / "README.md"]
+VENV_BIN = Path(sys.executable).parent
+SKIP = "skip"
+SHORT = "--steps 12 --log-every 6"
+
+# command as shown (prefix, whitespace-normalised) -> (how to run it here | SKIP, reason)
+HOW = {
+    "make train": ("make -C {repo} train NP=4 ARGS='--steps 30 --log-every 10 --out-dir {tmp}/mt'",
+                   "shortened: 30 steps on 4 ranks"),
+    "make test ": (SKIP, "the whole suite: this test is part of it"),
+    "make test-gpu": ("make -C {repo} test-gpu", "exits 0 saying no GPU is visible"),
+    "module load": (SKIP, "a cluster's environment modules"),
+    "python3 -m venv .venv": (SKIP, "what make venv does (this test runs inside that venv)"),
+    "pip install --no-binary=mpi4py": (SKIP, "builds mpi4py against a cluster's MPI"),
+    "pip install -e '.[test]'": (SKIP, "what make venv does"),
+    "nvidia-smi": (SKIP, "needs an NVIDIA driver"),
+    "pip install -e '.[gpu-cuda12]'": (SKIP, "make test-cupy installs CuPy's wheel"),
+    "python -c 'from mpi4py import MPI": (None, "as shown"),
+    "sbatch": (SKIP, "tests/slurm submits every template to a local SLURM"),
+    "export SLURM_CONF": (SKIP, "tests/slurm starts the local SLURM"),
+    "mpirun -n 4 python -m hpcdist.train --trace runs/trace.json --comm-log":
+        ("mpirun -n 4 python -m hpcdist.train --trace runs/trace.json --comm-log " + SHORT,
+         "shortened"),
+    "python -m hpcdist.bench plot runs/metrics.jsonl": (None, "as shown (a missing input "
+                                                              "costs its plot only)"),
+    ".venv/bin/mpiexec -n 4 .venv/bin/python -m hpcdist.train --help":
+        ("{venv}/mpiexec -n 4 {venv}/python -m hpcdist.train --help", "the venv's path"),
+    "mpirun -n 8 python -m hpcdist.train --task reverse": ("mpirun -n 8 python -m "
+                                                           "hpcdist.train --task reverse "
+                                                           + SHORT, "shortened"),
+    "mpirun -n 4 python -m hpcdist.train --task text": (None, "+ " + SHORT),
+    "mpirun -n 4 python -m hpcdist.train --config run.toml": (None, "+ " + SHORT),
+    "NP=4 ARGS=\"--steps 200\" make train": ("make -C {repo} train NP=4 ARGS='--steps 12 "
+                                             "--out-dir {tmp}/np4'", "shortened"),
+    "mpirun -n 8 python -m hpcdist.train --tp 2 --pp 2": (None, "+ " + SHORT),
+    "mpirun -n 8 python -m hpcdist.train --tp": (None, "+ " + SHORT),
+    "mpirun -n 8 python -m hpcdist.train --pp 4": (None, "+ " + SHORT),
+    "mpirun -n 4 python -m hpcdist.train --pp 2": (None, "+ " + SHORT),
+    ".venv/bin/python -m hpcdist.bench": (SKIP, "a benchmark: tests/test_bench_smoke.py "
+                                                "runs each small"),
+    ".venv/bin/python -m hpcdist.bench zero --analytic": ("{venv}/python -m hpcdist.bench "
+                                                         "zero --analytic 7e9 --world 8",
+                                                         "instant: formulas only"),
+    ".venv/bin/mpiexec -n 4 .venv/bin/python -m hpcdist.bench": (SKIP, "a benchmark: "
+                                                                 "tests/test_bench_smoke.py"),
+    "OMP_NUM_THREADS=1 .venv/bin/python -m hpcdist.bench": (SKIP, "a benchmark: "
+                                                            "tests/test_bench_smoke.py"),
+    "python -m hpcdist.bench schedule": (None, "as shown"),
+    "python -m hpcdist.bench pipeline": (SKIP, "a benchmark: tests/test_bench_smoke.py"),
+    "python -m hpcdist.bench plot runs/trace.json": (None, "as shown"),
+    "mpirun -n 2 python -m hpcdist.train --steps 300 --save-dir runs/ck":
+        ("mpirun -n 2 python -m hpcdist.train --steps 20 --save-dir runs/ck --save-every 10",
+         "shortened"),
+    "mpirun -n 8 python -m hpcdist.train --steps 600 --save-dir runs/ck --resume":
+        ("mpirun -n 8 python -m hpcdist.train --steps 30 --save-dir runs/ck --resume --tp 2 "
+         "--pp 2 --batch-size 8", "shortened"),
+    "python -m hpcdist.train --steps 600 --save-dir runs/ck --resume":
+        ("python -m hpcdist.train --steps 34 --save-dir runs/ck --resume --batch-size 128",
+         "shortened"),
+    "python -m hpcdist.checkpoint": (None, "as shown"),
+    "python -c \"import transformers": (None, "as shown (skipped without transformers)"),
+    "python -m hpcdist.plan": (None, "as shown"),
+}
+
+SETUP = {       # files a command reads, made in the fresh folder first
+    "input.txt": "to be or not to be, that is the question. " * 400,
+    "run.toml": "n_layer = 1\nn_embd = 32\nbatch_size = 16\n",
+}
+
+
+def commands(path: Path):
+    """(command, [sample output lines]) of every console block, continuation lines joined."""
+    out, block, cmd, sample = [], False, None, []
+    for line in path.read_text().splitlines():
+        if line.startswith("```console"):
+            block = True
+            continue
+        if block and line.startswith("```"):
+            if cmd:
+                out.append((cmd, sample))
+            block, cmd, sample = False, None, []
+            continue
+        if not block:
+            continue
+        if line.startswith("$ "):
+            if cmd:
+                out.append((cmd, sample))
+            cmd, sample = line[2:], []
+        elif cmd is not None and cmd.rstrip().endswith("\\"):
+            cmd = cmd.rstrip()[:-1] + " " + line.strip()
+        elif cmd is not None:
+            sample.append(line)
+    return [(" ".join(strip_comment(c).split()), s) for c, s in out]
+
+
+def strip_comment(cmd: str) -> str:
+    """The command without its trailing '# ...' (outside quotes)."""
+    quote = None
+    for i, ch in enumerate(cmd):
+        if ch in "'\"":
+            quote = None if quote == ch else (quote or ch)
+        elif ch == "#" and quote is None and (i == 0 or cmd[i - 1] == " "):
+            return cmd[:i]
+    return cmd
+
+
+def how(cmd: str):
+    best = max((k for k in HOW if (cmd + " ").startswith(k) or cmd.startswith(k.strip())),
+               key=len, default=None)
+    return best
+
+
+def skeleton(line: str) -> str:
+    """A line with its numbers, host names and times masked (what must not change is the rest)."""
+    line = re.sub(r"\(\w[\w.-]*\)", "(HOST)", line)
+    return " ".join(re.sub(r"[-+]?\d[\d,.]*(e[-+]?\d+)?", "N", line).split())
+
+
+ALL = [(p.name, c, s) for p in DOCS for c, s in commands(p)]
+
+
+def test_every_command_shown_has_a_way_to_run_here():
+    missing = [c for _, c, _ in ALL if how(c) is None]
+    assert not missing, f"commands in the docs without an entry in HOW: {missing}"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A fresh folder with the venv first on PATH, as `. .venv/bin/activate` makes it."""
+    tmp = tmp_path_factory.mktemp("docs")
+    for name, text in SETUP.items():
+        (tmp / name).write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCDIST_", "PYTEST"))
+           and k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update(PATH=f"{VENV_BIN}:{env.get('PATH', '')}", VIRTUAL_ENV=str(VENV_BIN.parent))
+    return tmp, env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_commands_run_as_typed_and_print_what_the_docs_show(folder):
+    tmp, env = folder
+    if shutil.which("mpirun", path=env["PATH"]) is None:
+        pytest.skip("no mpirun in the venv or on PATH")
+    failures = []
+    for doc, cmd, sample in ALL:
+        key = how(cmd)
+        run, why = HOW[key]
+        if run == SKIP:
+            continue
+        if "transformers" in cmd and subprocess.run(
+                [sys.executable, "-c", "import transformers"], capture_output=True).returncode:
+            continue
+        line = cmd if run is None else run
+        if run is None and why.startswith("+ "):
+            line = f"{cmd} {why[2:]}"
+        line = line.format(repo=REPO, tmp=tmp, venv=VENV_BIN)
+        r = subprocess.run(line, shell=True, cwd=tmp, env=env, capture_output=True, text=True,
+                           timeout=600, executable="/bin/bash")
+        if r.returncode != 0:
+            failures.append(f"{doc}: `{cmd}` (ran `{line}`) exited {r.returncode}:\n"
+                            f"{(r.stdout + r.stderr)[-1500:]}")
+            continue
+        printed = {skeleton(x) for x in r.stdout.splitlines()}
+        for want in sample:
+            if want.strip() in ("", "...") or want.lstrip().startswith("#"):
+                continue
+            if want.startswith(".venv/bin/"):               # make echoes its command
+                if not any(skeleton(x).startswith(skeleton(want)) for x in
+                           r.stdout.splitlines()):
+                    failures.append(f"{doc}: `{cmd}` did not print `{want}`")
+                continue
+            if skeleton(want) not in printed:
+                failures.append(f"{doc}: `{cmd}` printed no line like `{want}`; it printed:\n"
+                                + r.stdout[-1500:])
+    assert not failures, "\n\n".join(failures)

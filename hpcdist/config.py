@@ -29,6 +29,9 @@ class TrainConfig:
     length: int = 6               # digits per sequence (sort/reverse)
     num_digits: int = 10          # digit alphabet size (sort/reverse)
     block_size: int = 64          # context length (text)
+    tokenizer: str = ""           # text: a Hugging Face tokenizer.json (default: characters;
+                                  # token shards: the one beside them)
+    vocab_size: int = 0           # text: raw uint16 shards' vocabulary size
     # model
     n_layer: int = 2
     n_head: int = 4
@@ -37,6 +40,7 @@ class TrainConfig:
     bias: bool = True
     tie_weights: bool = True
     checkpoint_activations: bool = False  # recompute each block's activations in backward
+    init_from: str = ""           # a Hugging Face GPT-2 folder: its shape and weights
     # optimization
     steps: int = 600
     batch_size: int = 64          # per rank
@@ -157,6 +161,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("warmup, grad_clip and weight_decay must be non-negative", "warmup")
     if cfg.task == "text" and not cfg.data:
         raise ConfigError("task 'text' needs a data file: --data PATH", "task")
+    if cfg.vocab_size < 0:
+        raise ConfigError(f"--vocab-size must be >= 0, got {cfg.vocab_size}", "vocab_size")
+    if (cfg.tokenizer or cfg.vocab_size) and cfg.task != "text":
+        raise ConfigError("--tokenizer and --vocab-size are for --task text", "tokenizer")
     if cfg.data and cfg.task != "text":
         raise ConfigError(f"--data is for task 'text'; task {cfg.task!r} is generated, "
                           "drop --data or pass --task text", "data")
@@ -325,11 +333,16 @@ HELP = {
     "data": {
         "task": "what to learn: sort | reverse (generated digit tasks, exact-match accuracy) "
                 "| text (next character of --data)",
-        "data": "text file for --task text",
+        "data": "--task text: a text file, or token shards: a folder from python -m "
+                "hpcdist.data prepare, a glob of llm.c shards, a raw uint16 .bin",
         "data_encoding": "its encoding; decoded strictly (bad bytes are an error)",
         "length": "digits per sequence (sort, reverse)",
         "num_digits": "digit alphabet size (sort, reverse)",
-        "block_size": "context length in characters (text)",
+        "block_size": "context length in tokens (text)",
+        "tokenizer": "text: a Hugging Face tokenizer.json (python -m hpcdist.data prepare "
+                     "writes one); default: characters, or the one beside token shards",
+        "vocab_size": "text: the vocabulary size of raw uint16 .bin shards (0: from the "
+                      "tokenizer)",
     },
     "model": {
         "n_layer": "transformer blocks", "n_head": "attention heads per block",
@@ -338,6 +351,9 @@ HELP = {
         "tie_weights": "the output head reuses the token embedding",
         "checkpoint_activations": "recompute each block's activations in backward (less "
                                   "memory, one more forward)",
+        "init_from": "start from a Hugging Face GPT-2 folder (config.json + "
+                     "model.safetensors): its shape and weights, in any layout; the data must "
+                     "use its tokenizer",
         "dtype": "master precision: fp32 | fp64 (fp64 for exactness tests)",
         "device": "cpu | gpu | auto (gpu: one GPU per rank, by node-local rank)",
     },

@@ -53,15 +53,14 @@ def check(train_args: list, world: int, tasks_per_node: int | None = None,
                 raise ConfigError(f"--device gpu on this node: {e}") from None
     elif gpus_per_node:
         warnings.append(f"{gpus_per_node} GPUs allocated per node, but --device {cfg.device}")
-    train_set, _ = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
-                                  data=cfg.data or None, block_size=cfg.block_size,
-                              encoding=cfg.data_encoding)
+    train_set, _ = data.datasets_of(cfg)
     validate_world(cfg, world, len(train_set))
     if cfg.resume:
         try:
             folder, _ = checkpoint.find_resume(cfg.save_dir)
             if folder is not None:
-                checkpoint.check_meta(checkpoint.read_manifest(folder), checkpoint.checkpoint_meta(cfg),
+                checkpoint.check_meta(checkpoint.read_manifest(folder),
+                                      checkpoint.checkpoint_meta(cfg, train_set.vocabulary),
                                       folder)
         except checkpoint.CheckpointError as e:
             raise ConfigError(str(e)) from None

@@ -41,9 +41,9 @@ def prepare(cfg: TrainConfig, comm):
     datasets (validated against the world size) and the verified checkpoint to resume from,
     if any. Raises ConfigError, DeviceError, CheckpointError or OSError on this rank only."""
     backend.init(cfg.device, comm.local_rank)
-    datasets = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
-                              data=cfg.data or None, block_size=cfg.block_size,
-                              encoding=cfg.data_encoding)
+    datasets = data.datasets_of(cfg)
+    if cfg.init_from:
+        init_from_shape(cfg, datasets[0])
     validate_world(cfg, comm.size, len(datasets[0]))
     if not cfg.resume:
         return datasets, None
@@ -51,8 +51,27 @@ def prepare(cfg: TrainConfig, comm):
     if folder is None:
         return datasets, (None, note, None)
     reader = checkpoint.Reader(folder)
-    checkpoint.check_meta(reader.manifest, checkpoint.checkpoint_meta(cfg), folder)
+    checkpoint.check_meta(reader.manifest,
+                          checkpoint.checkpoint_meta(cfg, datasets[0].vocabulary), folder)
     return datasets, (folder, note, reader)
+
+
+def init_from_shape(cfg, train_set) -> None:
+    """--init-from: the model's shape is the folder's; the data must speak its vocabulary."""
+    from .checkpoint import hf
+    from .config import validate
+    shape = hf.gpt2_shape(cfg.init_from)
+    if shape["vocab_size"] != train_set.vocab_size:
+        raise ConfigError(f"--init-from {cfg.init_from} has a vocabulary of "
+                          f"{shape['vocab_size']:,}, the data {train_set.vocab_size:,}: "
+                          "tokenize the data with the model's tokenizer (python -m "
+                          f"hpcdist.data prepare ... --tokenizer {cfg.init_from}/tokenizer.json)")
+    if train_set.block_size > shape["block_size"]:
+        raise ConfigError(f"--block-size {train_set.block_size} exceeds the {shape['block_size']}"
+                          f" positions of --init-from {cfg.init_from}")
+    cfg.n_layer, cfg.n_head, cfg.n_embd = shape["n_layer"], shape["n_head"], shape["n_embd"]
+    cfg.bias, cfg.tie_weights = True, shape["tie_weights"]
+    validate(cfg)
 
 
 def build(cfg: TrainConfig, comm, datasets):
@@ -115,7 +134,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
         say(f"asked to stop ({signal.Signals(stopped).name}) before step {start + 1}: "
             "nothing new to save" + (f"; the checkpoint of step {start} stays the latest"
                                      if start else ""))
-    save = lambda at: say(f"saved {state.save_checkpoint(cfg, at, comm, step_fn, sampler)}")
+    save = lambda at: say(f"saved {state.save_checkpoint(cfg, at, comm, step_fn, sampler, train_set.vocabulary)}")  # noqa: E501
     if hasattr(step_fn, "serve"):                   # a parameter server: answers the workers
         return step_fn.run(stop, save, stopped, start)
     if start < cfg.steps and not stopped:
@@ -305,7 +324,8 @@ def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, 
         say(f"activations per rank, MiB (--trace-memory; the most in a step after the first): "
             f"held by the graph {held['activations'] / 2 ** 20:.3f}, everything above the "
             f"model state {held['peak'] / 2 ** 20:.3f}")
-    what = "exact-match" if cfg.task != "text" else "next-char"
+    what = "exact-match" if cfg.task != "text" else "next-char" if \
+        getattr(test_set, "vocabulary", {}).get("kind") == "chars" else "next-token"
     say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss "
         f"{test_loss:.4f} | {final['seconds']:.1f} s")
     return final

@@ -134,17 +134,49 @@ def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) ->
     os.replace(tmp, path)
 
 
-def export_hf(out: str, params: dict, meta: dict) -> dict:
-    """``out``/model.safetensors and ``out``/config.json: a GPT2LMHeadModel folder."""
+def export_hf(out: str, params: dict, meta: dict,
+              vocabulary: dict | None = None) -> dict:
+    """``out``/model.safetensors and ``out``/config.json: a GPT2LMHeadModel folder; with the
+    checkpoint's vocabulary also ``tokenizer.json`` and ``tokenizer_config.json``, so that
+    ``transformers.pipeline('text-generation', model=out)`` encodes, generates and decodes."""
     tensors = hf_gpt2_names(params, meta)
     config = hf_gpt2_config(params, meta)
     if config["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)
     os.makedirs(out, exist_ok=True)
+    tokenizer = hf_tokenizer(vocabulary) if vocabulary else None
+    if tokenizer is not None:
+        eot = tokenizer.token_to_id("<|endoftext|>")
+        if eot is not None:                       # not token 0, which is a real token
+            config["bos_token_id"] = config["eos_token_id"] = eot
+        else:                                     # (absent, transformers assumes 50256)
+            config["bos_token_id"] = config["eos_token_id"] = None
+        tokenizer.save(os.path.join(out, "tokenizer.json"))
+        special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"} \
+            if eot is not None else {}
+        with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
+                       "model_max_length": config["n_positions"], **special}, f, indent=1)
     write_safetensors(os.path.join(out, "model.safetensors"), tensors, {"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return tensors
+
+
+def hf_tokenizer(vocabulary: dict):
+    """A ``tokenizers.Tokenizer`` for a checkpoint's vocabulary: its own tokenizer, or for
+    characters one that maps each character to its id and joins them back (None for
+    vocabularies without text: digits, bare ids)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    if vocabulary.get("kind") == "tokenizer":
+        return Tokenizer.from_str(vocabulary["tokenizer"])
+    if vocabulary.get("kind") != "chars":
+        return None
+    chars = vocabulary["chars"]
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=chars[0]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return tok
 
 
 def main(argv=None) -> int:
@@ -177,8 +209,12 @@ def main(argv=None) -> int:
         params = {n[len("param/"):]: reader.tensor(n) for n in sorted(reader.tensors)
                   if n.startswith("param/")}
         if args.format == "safetensors":
-            tensors = export_hf(args.out, params, reader.manifest.get("meta") or {})
-            print(f"wrote {args.out}/model.safetensors and config.json: {len(tensors)} tensors "
+            vocabulary = reader.scalars.get("vocabulary")
+            tensors = export_hf(args.out, params, reader.manifest.get("meta") or {},
+                                vocabulary)
+            said = " and the tokenizer" if vocabulary and vocabulary.get("kind") in (
+                "chars", "tokenizer") else ""
+            print(f"wrote {args.out}/model.safetensors, config.json{said}: {len(tensors)} tensors "
                   f"(Hugging Face GPT-2 names; transformers.GPT2LMHeadModel.from_pretrained "
                   f"loads the folder)")
             return 0

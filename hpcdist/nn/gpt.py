@@ -45,15 +45,24 @@ class CausalSelfAttention(Module):
         # True above the diagonal: position t may not look at t' > t.
         self.causal_mask = xp.triu(xp.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
+        """``cache`` (inference): this layer's keys and values of the tokens before ``x``,
+        extended with ``x``'s (a KV cache: each new token attends to all before it)."""
         B, T, C = x.shape
         nh, hs = self.n_head, C // self.n_head
         q, k, v = self.c_attn(x).split(3, axis=2)                  # 3 x (B, T, C)
         q = q.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
         k = k.reshape(B, T, nh, hs).transpose(0, 2, 3, 1)          # (B, nh, hs, T)
         v = v.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
-        att = (q @ k) * (1.0 / math.sqrt(hs))                      # (B, nh, T, T)
-        att = att.masked_fill(self.causal_mask[:T, :T], -math.inf).softmax(axis=-1)
+        past = 0
+        if cache is not None:
+            if cache.get("k") is not None:
+                past = cache["k"].shape[-1]
+                k, v = ops.concat([cache["k"], k], axis=3), ops.concat([cache["v"], v], axis=2)
+            cache["k"], cache["v"] = k, v                           # (B, nh, hs, past + T)
+        att = (q @ k) * (1.0 / math.sqrt(hs))                      # (B, nh, T, past + T)
+        mask = self.causal_mask[past:past + T, :past + T]
+        att = att.masked_fill(mask, -math.inf).softmax(axis=-1)
         y = self.attn_drop(att) @ v                                 # (B, nh, T, hs)
         y = y.transpose(0, 2, 1, 3).reshape(B, T, C)                # (B, T, C)
         return self.resid_drop(self.c_proj(y))
@@ -70,8 +79,8 @@ class Block(Module):
                        dropout=cfg.dropout, bias=cfg.bias, std=0.02,
                        proj_std=0.02 / math.sqrt(2 * cfg.n_layer))
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -87,21 +96,30 @@ class GPT(Module):
         self.lm_head = None if cfg.tie_weights else \
             Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02)
 
-    def forward(self, idx, targets=None, ignore_index: int = -100):
-        """idx (B, T) integer tokens -> logits (B, T, vocab), and the loss when targets given."""
+    def forward(self, idx, targets=None, ignore_index: int = -100, cache=None):
+        """idx (B, T) integer tokens -> logits (B, T, vocab), and the loss when targets given.
+        ``cache``: a list of one dict per block (inference with a KV cache: ``idx`` are the
+        tokens after those the cache holds; see hpcdist.sample)."""
         if isinstance(idx, Tensor):
             idx = idx.data
+        if cache is not None:
+            past = cache[0]["k"].shape[-1] if cache[0].get("k") is not None else 0
+            x = self.embed(idx, past)
+            for block, layer_cache in zip(self.blocks, cache):
+                x = block(x, layer_cache)
+            return self.head(x, targets, ignore_index)
         x = self.embed(idx)                                         # (B, T, C)
         for block in self.blocks:
             x = self.run_block(block, x, idx.shape[1])
         return self.head(x, targets, ignore_index)
 
     # The pieces a pipeline stage runs (parallel/pipeline.py): embed, blocks, head.
-    def embed(self, idx) -> Tensor:
+    def embed(self, idx, past: int = 0) -> Tensor:
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = backend.array_module(idx).arange(T)
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence length {past + T} exceeds block_size "
+                             f"{self.config.block_size}")
+        pos = backend.array_module(idx).arange(past, past + T)
         return self.drop(self.wte(idx) + self.wpe(pos))              # (B, T, C)
 
     def run_block(self, block, x: Tensor, T: int) -> Tensor:

@@ -83,8 +83,9 @@ def run_layout(cfg, world: int) -> dict:
             "zero": cfg.zero, "virtual_stages": cfg.virtual_stages}
 
 
-def save_checkpoint(cfg, step, comm, step_fn, sampler) -> str:
-    """The layout-free checkpoint of this run at ``step`` (collective)."""
+def save_checkpoint(cfg, step, comm, step_fn, sampler, vocabulary=None) -> str:
+    """The layout-free checkpoint of this run at ``step`` (collective); ``vocabulary``: the
+    data's (kept whole, for sampling and export, and named in the meta)."""
     own = {"rng": checkpoint.json_array(backend.rng_state())}
     own.update(step_fn.own_state())
     scalars = {"sampler": {"epoch": sampler.epoch, "position": sampler.position,
@@ -92,8 +93,10 @@ def save_checkpoint(cfg, step, comm, step_fn, sampler) -> str:
                "scaler": {k: float(v) for k, v in step_fn.scaler.state_dict().items()},
                "opt_step_count": int(step_fn.flat_state()[3]),
                "layout": run_layout(cfg, comm.size)}
+    if vocabulary is not None:
+        scalars["vocabulary"] = vocabulary
     return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(step_fn, cfg), own,
-                           meta=checkpoint.checkpoint_meta(cfg), scalars=scalars)
+                           meta=checkpoint.checkpoint_meta(cfg, vocabulary), scalars=scalars)
 
 
 def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:

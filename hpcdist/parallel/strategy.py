@@ -133,10 +133,17 @@ def make_model(cfg, comm, mesh, train_set):
     nn.manual_seed(cfg.seed)
     backend.seed(cfg.seed + 1000 * (mesh.coord.dp * cfg.pp + mesh.coord.pp if mesh
                                     else comm.rank))
+    block = train_set.block_size
+    if cfg.init_from:                              # GPT-2's weights: its position table
+        from ..checkpoint import hf
+        block = hf.gpt2_shape(cfg.init_from)["block_size"]
     model = nn.GPT(nn.GPTConfig(
-        block_size=train_set.block_size, vocab_size=train_set.vocab_size, n_layer=cfg.n_layer,
+        block_size=block, vocab_size=train_set.vocab_size, n_layer=cfg.n_layer,
         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
         tie_weights=cfg.tie_weights, checkpoint_activations=cfg.checkpoint_activations))
+    if cfg.init_from:                              # the same on every rank, before any cut
+        model.load_state_dict(hf.gpt2_params(cfg.init_from,
+                                             [n for n, _ in model.named_parameters()]))
     if cfg.tp > 1:
         model = TensorParallelGPT(model, mesh.tp_comm, cfg.sequence_parallel)
     return model

@@ -10,6 +10,8 @@ import os
 
 import numpy as np
 
+from . import vocab
+
 IGNORE = -100  # target value that the loss skips (matches ops.cross_entropy's default)
 
 
@@ -39,6 +41,7 @@ class DigitTask:
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         self.kind, self.length, self.num_digits = kind, length, num_digits
         self.vocab_size = num_digits
+        self.vocabulary = vocab.digits(num_digits)
         self.block_size = 2 * length - 1
         order = np.random.default_rng(seed).permutation(total)
         n_test = max(1, int(round(total * test_fraction)))
@@ -96,6 +99,7 @@ class CharText:
         self.stoi = {c: i for i, c in enumerate(chars)}
         self.itos = chars
         self.vocab_size = len(chars)
+        self.vocabulary = vocab.chars(chars)
         self.block_size = block_size
         codes = np.fromiter((self.stoi[c] for c in text), dtype=np.int64, count=len(text))
         cut = int(len(codes) * (1 - test_fraction))
@@ -146,6 +150,12 @@ class DistributedSampler:
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.position = epoch, 0
 
+    # Up to this many examples an epoch's order is a materialised permutation (8 bytes an
+    # example per rank: 128 MiB at the limit); beyond it (token corpora of billions of
+    # tokens) a Feistel bijection computes each batch's examples alone: O(batch) memory, and
+    # a 1 GB corpus starts in seconds instead of shuffling half a billion indices first.
+    PERMUTE_MAX = 1 << 24
+
     def _epoch_indices(self):
         if self._cache[0] == self.epoch:
             return self._cache[1]
@@ -162,9 +172,13 @@ class DistributedSampler:
         """Indices of this rank's next batch; moves to the next epoch when one ends."""
         if self.position >= self.batches_per_epoch:
             self.set_epoch(self.epoch + 1)
-        mine = self._epoch_indices()
         b = self.position
         self.position += 1
+        if self.n > self.PERMUTE_MAX and self.drop_last:
+            k = b * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+            j = k * self.world + self.rank                 # as order[rank::world] takes them
+            return feistel(j, self.n, (self.seed, self.epoch)) if self.shuffle else j
+        mine = self._epoch_indices()
         return mine[b * self.batch_size:(b + 1) * self.batch_size]
 
     def state_dict(self) -> dict:
@@ -174,15 +188,73 @@ class DistributedSampler:
         self.epoch, self.position = int(sd["epoch"]), int(sd["position"])
 
 
+def feistel(j, n: int, key) -> np.ndarray:
+    """A seeded bijection of [0, n) applied to the indices ``j``: a 4-round Feistel network
+    on the smallest even number of bits that covers n, cycle-walking the values that land
+    past n (fewer than half do, so it ends in a few rounds)."""
+    bits = max(2, (int(n) - 1).bit_length())
+    bits += bits % 2
+    half = np.uint64(bits // 2)
+    mask = np.uint64((1 << (bits // 2)) - 1)
+    keys = [np.uint64(int(k)) for k in np.random.default_rng(key).integers(
+        0, 2 ** 63, size=4)]
+
+    def rounds(x):
+        left, right = x >> half, x & mask
+        for k in keys:
+            z = (right + k) * np.uint64(0x9E3779B97F4A7C15)
+            z ^= z >> np.uint64(31)
+            z *= np.uint64(0xBF58476D1CE4E5B9)
+            z ^= z >> np.uint64(29)
+            left, right = right, left ^ (z & mask)
+        return (left << half) | right
+
+    out = rounds(np.asarray(j, dtype=np.uint64))
+    bad = out >= np.uint64(n)
+    while bad.any():
+        out[bad] = rounds(out[bad])
+        bad = out >= np.uint64(n)
+    return out.astype(np.int64)
+
+
 def make_task(task: str, *, length=6, num_digits=4, data=None, block_size=64, seed=1234,
-              encoding="utf-8"):
-    """(train, test) datasets for a task name: 'sort', 'reverse' or 'text' (needs ``data``)."""
+              encoding="utf-8", tokenizer="", vocab_size=0):
+    """(train, test) datasets for a task name: 'sort', 'reverse' or 'text' (needs ``data``:
+    a text file, or token shards — a folder from ``python -m hpcdist.data prepare``, a glob,
+    a ``.bin``). ``tokenizer``: a tokenizer.json to encode a text file with, or the one the
+    shards were made with (default: the shards' folder's); ``vocab_size``: for raw shards."""
     if task in DigitTask.kinds:
         return (DigitTask(task, length, num_digits, "train", seed=seed),
                 DigitTask(task, length, num_digits, "test", seed=seed))
     if task == "text":
         if not data:
             raise ValueError("task 'text' needs a data file: --data PATH")
+        from . import shards
+        if shards.is_token_data(data):
+            if not tokenizer and os.path.isdir(data) and \
+                    os.path.isfile(os.path.join(data, "tokenizer.json")):
+                tokenizer = os.path.join(data, "tokenizer.json")
+            v = vocab.tokenizer_file(tokenizer) if tokenizer else \
+                vocab.token_ids(vocab_size) if vocab_size else None
+            if v is not None and vocab_size and v["size"] != vocab_size:
+                raise ValueError(f"--vocab-size {vocab_size} but {tokenizer} has {v['size']} "
+                                 "tokens: drop --vocab-size")
+            return shards.token_datasets(data, block_size, v and v["size"], v)
+        if tokenizer:
+            v = vocab.tokenizer_file(tokenizer)
+            ids = np.asarray(vocab.Tokenizer(v).encode(read_text(data, encoding)),
+                             dtype=np.int64)
+            cut = max(block_size + 1, int(len(ids) * 0.9))
+            return (shards.TokenShards([ids], [(0, 0, cut)], block_size, v["size"], v),
+                    shards.TokenShards([ids], [(0, cut, len(ids))], block_size, v["size"], v))
         return (CharText(data, block_size, "train", encoding=encoding),
                 CharText(data, block_size, "test", encoding=encoding))
     raise ValueError(f"unknown task {task!r}: choose one of sort, reverse, text")
+
+
+def datasets_of(cfg):
+    """(train, test) of a run's settings (a TrainConfig, or anything with its fields)."""
+    return make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
+                     data=cfg.data or None, block_size=cfg.block_size,
+                     encoding=cfg.data_encoding, tokenizer=cfg.tokenizer,
+                     vocab_size=cfg.vocab_size)

@@ -1,0 +1,140 @@
+"""Token shards read by memory map: llm.c's format and raw uint16 ``.bin`` files.
+
+llm.c's shard: a header of 256 little-endian int32 — magic 20240520, version 1, the token
+count — then the tokens as uint16. A raw ``.bin`` (nanoGPT's ``train.bin``) is uint16 tokens
+only, and says nothing of its vocabulary: ``--vocab-size`` is then required.
+
+A corpus is one or more shards: a folder written by ``python -m hpcdist.data prepare``
+(``train_*.bin``, ``val_*.bin``, ``tokenizer.json``), a glob, or one file. No rank reads the
+whole corpus: each shard is an ``np.memmap``, and a batch reads only its windows, so memory per
+rank is O(batch). Example i is the window of ``block_size + 1`` tokens starting at
+``i * block_size`` in the concatenation of the shards' windows (windows never cross a shard's
+end); ``DistributedSampler`` walks the examples as for any dataset, so the data position is
+the sampler's, checkpointed in global samples and exact at any world size.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+
+MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+HEADER_BYTES = HEADER_INTS * 4
+
+
+def write_shard(path: str, tokens) -> None:
+    """One llm.c shard (header + uint16 tokens), written atomically."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
+        raise ValueError("llm.c shards hold uint16 tokens: a vocabulary of at most 65,536")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = MAGIC, VERSION, tokens.size
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    os.replace(tmp, path)
+
+
+def open_shard(path: str, vocab_size: int | None = None) -> np.memmap:
+    """The tokens of one shard as a read-only memory map (llm.c's header checked; a raw
+    uint16 file needs ``vocab_size``)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"token shard {path!r} does not exist")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = np.frombuffer(f.read(min(size, HEADER_BYTES)), dtype="<i4")
+    if head.size >= 3 and head[0] == MAGIC:
+        if head[1] != VERSION:
+            raise ValueError(f"{path}: llm.c shard version {head[1]}, expected {VERSION}")
+        count = int(head[2])
+        if size != HEADER_BYTES + 2 * count:
+            raise ValueError(f"{path}: the header says {count:,} tokens, the file holds "
+                             f"{(size - HEADER_BYTES) // 2:,} (truncated or damaged)")
+        return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+    if not path.endswith(".bin"):
+        raise ValueError(f"{path}: not a token shard (no llm.c header, and raw uint16 files "
+                         "are .bin)")
+    if vocab_size is None:
+        raise ValueError(f"{path} is raw uint16 tokens (no llm.c header): say the vocabulary "
+                         "size with --vocab-size")
+    if size % 2:
+        raise ValueError(f"{path}: an odd number of bytes is not uint16 tokens")
+    return np.memmap(path, dtype="<u2", mode="r", shape=(size // 2,))
+
+
+def is_token_data(spec: str) -> bool:
+    """Whether --data names token shards (a prepared folder, a glob of .bin, a .bin)."""
+    if os.path.isdir(spec):
+        return bool(glob.glob(os.path.join(spec, "*.bin")))
+    return spec.endswith(".bin") or any(ch in spec for ch in "*?[")
+
+
+def shard_paths(spec: str) -> tuple[list[str], list[str]]:
+    """(training shards, held-out shards) of --data: a folder's or a glob's ``*val*`` files
+    are held out; without any, the caller holds out the last shard's tail."""
+    paths = sorted(glob.glob(os.path.join(spec, "*.bin"))) if os.path.isdir(spec) else \
+        sorted(glob.glob(spec))
+    if not paths:
+        raise FileNotFoundError(f"--data {spec!r}: no token shards there")
+    val = [p for p in paths if "val" in os.path.basename(p)]
+    return [p for p in paths if p not in val], val
+
+
+class TokenShards:
+    """Windows of ``block_size + 1`` tokens over memory-mapped shards (see the module doc).
+    ``pieces``: (shard index, first token, last token) ranges of the shards this split uses."""
+
+    def __init__(self, maps, pieces, block_size: int, vocab_size: int, vocabulary: dict):
+        self.maps, self.block_size, self.vocab_size = maps, block_size, vocab_size
+        self.vocabulary = vocabulary
+        self.pieces = [(s, lo, hi) for s, lo, hi in pieces if hi - lo > block_size]
+        counts = [(hi - lo - 1) // block_size for _, lo, hi in self.pieces]
+        self.starts = np.cumsum([0] + counts)
+        if self.starts[-1] == 0:
+            raise ValueError(f"the token shards hold no window of block_size + 1 = "
+                             f"{block_size + 1} tokens; lower --block-size")
+
+    def __len__(self):
+        return int(self.starts[-1])
+
+    def batch(self, indices):
+        idx = np.asarray(indices, dtype=np.int64)
+        piece = np.searchsorted(self.starts, idx, side="right") - 1
+        T = self.block_size
+        seq = np.empty((idx.size, T + 1), dtype=np.int64)
+        for p in np.unique(piece):                     # one shard's windows at a time
+            rows = np.flatnonzero(piece == p)
+            s, lo, _ = self.pieces[p]
+            first = lo + (idx[rows] - self.starts[p]) * T
+            seq[rows] = self.maps[s][first[:, None] + np.arange(T + 1)]
+        if seq.size and seq.max() >= self.vocab_size:
+            raise ValueError(f"token {int(seq.max())} in the shards is outside the vocabulary "
+                             f"of {self.vocab_size}: wrong --vocab-size or tokenizer")
+        return seq[:, :-1], seq[:, 1:]
+
+
+def token_datasets(spec: str, block_size: int, vocab_size: int | None, vocabulary: dict,
+                   test_fraction: float = 0.05):
+    """(train, test) TokenShards of --data ``spec``."""
+    train_paths, val_paths = shard_paths(spec)
+    if not train_paths:
+        raise ValueError(f"--data {spec!r}: only held-out (val) shards, nothing to train on")
+    paths = train_paths + val_paths
+    maps = [open_shard(p, vocab_size) for p in paths]
+    if vocab_size is None:
+        raise ValueError("token shards need the vocabulary size: a tokenizer.json beside them "
+                         "(python -m hpcdist.data prepare writes one), --tokenizer, or "
+                         "--vocab-size")
+    n_train = len(train_paths)
+    if val_paths:
+        train = [(i, 0, len(m)) for i, m in enumerate(maps[:n_train])]
+        test = [(i, 0, len(maps[i])) for i in range(n_train, len(maps))]
+    else:                                       # the last shard's tail is held out
+        last = n_train - 1
+        cut = len(maps[last]) - max(block_size + 1, int(len(maps[last]) * test_fraction))
+        train = [(i, 0, len(m)) for i, m in enumerate(maps[:last])] + [(last, 0, cut)]
+        test = [(last, cut, len(maps[last]))]
+    return (TokenShards(maps, train, block_size, vocab_size, vocabulary),
+            TokenShards(maps, test, block_size, vocab_size, vocabulary))

@@ -1,0 +1,143 @@
+"""Generate text from a model: ``python -m hpcdist.sample CKPT_OR_HF_DIR --prompt "..." --tokens N``.
+
+CKPT_OR_HF_DIR is an hpcdist save folder or checkpoint (any layout wrote it: the tensors are
+assembled from its pieces) or a Hugging Face GPT-2 folder (config.json + model.safetensors
+and its tokenizer). The prompt is encoded with the vocabulary the checkpoint kept (its
+characters or its tokenizer), and tokens are drawn one at a time with a KV cache: each new
+token runs through the model alone, attending to the cached keys and values of all before it.
+
+Greedy by default (``--temperature 0``): the argmax, which is what ``transformers``'
+``generate(do_sample=False)`` gives for the same weights. Otherwise logits / temperature,
+then ``--top-k`` (keep the k likeliest) and ``--top-p`` (keep the smallest set whose
+probability reaches p), drawn with ``--seed``. Past the model's context (block_size) the
+oldest tokens are dropped and the cache rebuilt.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from . import backend, checkpoint, nn
+from .data import vocab
+from .tensor import no_grad
+
+
+def load(path: str):
+    """(nn.GPT in eval mode, vocabulary dict or None) of a save folder, a checkpoint or a
+    Hugging Face GPT-2 folder."""
+    if os.path.isfile(os.path.join(path, "config.json")) and \
+            os.path.isfile(os.path.join(path, "model.safetensors")):
+        from .checkpoint import hf
+        model, v = hf.load_gpt2(path)
+        return model.eval(), v
+    from .checkpoint.tools import _folder
+    reader = checkpoint.Reader(_folder(path))
+    meta = reader.manifest.get("meta") or {}
+    params = {n[len("param/"):]: reader.tensor(n) for n in reader.tensors
+              if n.startswith("param/")}
+    vocab_size, _ = params["wte.weight"].shape
+    dtype = "float64" if meta.get("dtype") == "fp64" else "float32"
+    backend.set_default_float(dtype)
+    model = nn.GPT(nn.GPTConfig(
+        block_size=params["wpe.weight"].shape[0], vocab_size=vocab_size,
+        n_layer=int(meta["n_layer"]), n_head=int(meta["n_head"]), n_embd=int(meta["n_embd"]),
+        bias=bool(meta.get("bias", True)), tie_weights=bool(meta.get("tie_weights", True))))
+    model.load_state_dict(params)
+    return model.eval(), reader.scalars.get("vocabulary")
+
+
+def choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng) -> int:
+    """The next token from one row of logits (greedy at temperature 0)."""
+    logits = logits.astype(np.float64)
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    logits = logits / temperature
+    if top_k and top_k < logits.size:
+        kth = np.partition(logits, -top_k)[-top_k]
+        logits = np.where(logits < kth, -np.inf, logits)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    if 0 < top_p < 1:
+        order = np.argsort(-p)
+        keep = np.cumsum(p[order]) - p[order] < top_p     # the smallest set reaching top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+def generate(model, ids, n: int, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, stop=None) -> list:
+    """``ids`` followed by ``n`` new tokens (fewer if ``stop`` is drawn)."""
+    xp, rng = backend.xp(), np.random.default_rng(seed)
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError("an empty prompt: give at least one token")
+    block = model.config.block_size
+    with no_grad():
+        cache, fed = None, 0
+        for _ in range(n):
+            if cache is None or fed >= block:            # (re)build from the last block
+                cache = [{} for _ in model.blocks]
+                window = ids[-(block - 1):] if len(ids) >= block else ids
+                logits = model(xp.asarray(np.array([window])), cache=cache)
+                fed = len(window)
+            else:                                        # one token through the cache
+                logits = model(xp.asarray(np.array([[ids[-1]]])), cache=cache)
+                fed += 1
+            nxt = choose(backend.to_numpy(logits.data[0, -1]), temperature, top_k, top_p, rng)
+            ids.append(nxt)
+            if stop is not None and nxt == stop:
+                break
+    return ids
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpcdist.sample",
+                                 description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("model", help="a save folder, a checkpoint, or a Hugging Face GPT-2 folder")
+    ap.add_argument("--prompt", default="", help="text to continue (default: the end-of-text "
+                                                 "token, or the first token)")
+    ap.add_argument("--ids", default="", help="the prompt as comma-separated token ids")
+    ap.add_argument("--tokens", type=int, default=100, help="tokens to generate (default 100)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    ap.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep probability p")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu | gpu | auto")
+    args = ap.parse_args(argv)
+    try:
+        backend.init(args.device)
+        model, v = load(args.model)
+        tok = vocab.Tokenizer(v) if v is not None and v.get("kind") in ("chars", "tokenizer") \
+            else None
+        if args.ids:
+            ids = [int(x) for x in args.ids.split(",")]
+        elif tok is not None:
+            ids = tok.encode(args.prompt) if args.prompt else [tok.eot or 0]
+        elif args.prompt:
+            raise ValueError(f"{args.model} keeps no vocabulary to encode --prompt with: "
+                             "pass --ids")
+        else:
+            ids = [0]
+        out = generate(model, ids, args.tokens, args.temperature, args.top_k, args.top_p,
+                       args.seed)
+    except (OSError, ValueError, KeyError, checkpoint.CheckpointError,
+            backend.DeviceError) as e:
+        print(f"python -m hpcdist.sample: error: {e}", file=sys.stderr)
+        return 2
+    if tok is not None:
+        print(tok.decode(out))
+    else:
+        print(",".join(str(i) for i in out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

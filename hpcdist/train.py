@@ -22,8 +22,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from . import (backend, checkpoint, data, memtrace, optim, runtime, savedir,  # noqa: E402
-               signals, supervisor, threads, timeline)
+from . import (backend, checkpoint, data, memtrace, mfu, optim, runtime,  # noqa: E402
+               savedir, signals, supervisor, threads, timeline)
 from .comm import Communicator, watchdog  # noqa: E402
 from .comm.model import fit_links  # noqa: E402
 from .config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
@@ -127,8 +127,12 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     runtime.test_hooks(comm.rank, "start")
     metrics = runtime.open_metrics(cfg.out_dir, resumed=start > 0, say=say) \
         if comm.rank == 0 else None
+    meter = mfu.Meter(model, cfg, train_set.block_size, comm.size, comm.nodes,
+                      threads.usable_cores()) if comm.rank == 0 else None
     for line in header(cfg, model, step_fn, comm.size, hosts, train_set, test_set):
         say(line)
+    if meter is not None:
+        say(meter.describe())
     stopped = stop.before_first_step(comm) if stop is not None and start < cfg.steps else 0
     if stopped:                                     # nothing new to save: exit to be requeued
         say(f"asked to stop ({signal.Signals(stopped).name}) before step {start + 1}: "
@@ -149,6 +153,8 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
         runtime.test_hooks(comm.rank, step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
         rec = train_step(cfg, step_fn, train_set, sampler, step, lr, delay)
+        if meter is not None:
+            rec["tflops"], rec["mfu"] = meter.rate(rec["tokens_per_s"])
         history.append(rec)
         if metrics is not None:
             metrics.write(json.dumps(rec) + "\n")
@@ -273,8 +279,10 @@ def header(cfg, model, step_fn, world, hosts, train_set, test_set) -> list[str]:
 
 
 def progress_line(rec: dict, steps: int, eta: float) -> str:
+    flops = f" | {rec['tflops']:.3g} TFLOP/s, MFU {rec['mfu'] * 100:.2f}%" if "mfu" in rec \
+        else ""
     return (f"step {rec['step']:5d}/{steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
-            f"{rec['tokens_per_s']:,.0f} tok/s | {rec['step_ms']:.1f} ms/step | "
+            f"{rec['tokens_per_s']:,.0f} tok/s | {rec['step_ms']:.1f} ms/step{flops} | "
             f"{rec['bytes_sent'] / 1024:,.0f} KiB sent | ETA {eta:.0f} s")
 
 
@@ -324,6 +332,12 @@ def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, 
         say(f"activations per rank, MiB (--trace-memory; the most in a step after the first): "
             f"held by the graph {held['activations'] / 2 ** 20:.3f}, everything above the "
             f"model state {held['peak'] / 2 ** 20:.3f}")
+    rates = [r["mfu"] for r in history if "mfu" in r]
+    if rates:
+        final["mfu_median"] = float(np.median(rates))
+        final["tflops_median"] = float(np.median([r["tflops"] for r in history]))
+        say(f"model FLOP/s (median step): {final['tflops_median']:.3g} TFLOP/s, MFU "
+            f"{final['mfu_median'] * 100:.2f}%")
     what = "exact-match" if cfg.task != "text" else "next-char" if \
         getattr(test_set, "vocabulary", {}).get("kind") == "chars" else "next-token"
     say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss "
@@ -364,6 +378,7 @@ def main(argv=None) -> int:
     # SIGUSR1 too, and it saves first.
     if cfg is not None:
         signals.checkpoint_on_signal(checkpoint=bool(cfg.save_dir))
+    mfu.probe_before_mpi(cfg)                          # the CPU's peak, while nobody spins
     comm = Communicator(abort_on_error=True)           # collective: every rank, always
     supervisor.tell(comm.rank, comm.size)
     if message is None:

@@ -79,11 +79,25 @@ HOW = {
     "python -m hpcdist.checkpoint": (None, "as shown"),
     "python -c \"import transformers": (None, "as shown (skipped without transformers)"),
     "python -m hpcdist.plan": (None, "as shown"),
+    "python -m hpcdist.data prepare": (None, "as shown"),
+    "timeout -s TERM 60 mpirun -n 8 python -m hpcdist.train --task text":
+        ("timeout --preserve-status -s TERM 30 mpirun -n 8 python -m hpcdist.train --task "
+         "text --data runs/tok --block-size 64 --steps 100000 --save-dir runs/lm; test $? = 75",
+         "stopped by SIGTERM sooner, then it must have exited 75"),
+    "mpirun -n 4 python -m hpcdist.train --task text --data runs/tok":
+        ("S=$(sed 's/step_0*//' runs/lm/latest); mpirun -n 4 python -m hpcdist.train --task "
+         "text --data runs/tok --block-size 64 --steps $((S + 5)) --save-dir runs/lm --resume "
+         "--batch-size 128", "five steps past the checkpoint"),
+    "python -m hpcdist.sample": (None, "as shown"),
+    "python -m hpcdist.checkpoint export runs/lm": (None, "as shown"),
+    "python -c \"import transformers; print(transformers.pipeline": (None, "as shown"),
 }
 
 SETUP = {       # files a command reads, made in the fresh folder first
     "input.txt": "to be or not to be, that is the question. " * 400,
     "run.toml": "n_layer = 1\nn_embd = 32\nbatch_size = 16\n",
+    "corpus.txt": "\n".join(f"the {w} of the {v} and a {w}" for w in ("cat", "dog", "bird")
+                             for v in ("tree", "house", "river")) * 1500,
 }
 
 

@@ -15,7 +15,7 @@ LAYERS = [
     ["nn", "optim", "recompute", "data", "reshard", "checkpoint", "evaluate"],
     ["comm"],                                                          # raw arrays, MPI
     ["parallel"],                                                      # Tensors meet comms
-    ["config", "preflight", "runtime", "preemption", "plan", "savedir", "supervisor"],  # a run's plumbing
+    ["config", "preflight", "runtime", "preemption", "plan", "savedir", "supervisor", "mfu"],  # a run's plumbing
     ["train", "bench", "cluster"],                                     # entry points
 ]
 MUTUAL_OK = {frozenset({"hpcdist.ops", "hpcdist.tensor"})}

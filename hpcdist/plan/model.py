@@ -65,12 +65,20 @@ class Model:
         return 12 * l * h * h * (1 + 13 / (12 * h)) + (self.vocab + self.seq) * h
 
     def flops(self, batch: int, recompute: bool) -> float:
-        """FLOPs of one iteration on ``batch`` sequences (Narayanan et al. 2021, eq. 3: the
-        backward twice the forward; full recompute one more forward of the blocks)."""
-        B, s, l, h, V = batch, self.seq, self.layers, self.hidden, self.vocab
-        blocks = 24 * B * s * l * h * h * (1 + s / (6 * h))
-        logits = 2 * B * s * h * V
-        return (4 if recompute else 3) * blocks + 3 * logits
+        """FLOPs of one iteration on ``batch`` sequences: ``flops_per_token`` (the count the
+        training run reports too; Narayanan et al. 2021's eq. 3 up to the biases), plus one
+        more forward of the blocks under full recompute."""
+        B, s, l, h = batch, self.seq, self.layers, self.hidden
+        per_token = flops_per_token(self.parameters - s * h, l, h, s)
+        extra = 24 * l * h * h + 4 * l * h * s if recompute else 0
+        return B * s * (per_token + extra)
+
+
+def flops_per_token(params: float, layers: int, hidden: int, seq: int) -> float:
+    """Training FLOPs per token as the peers count them (PaLM's appendix, nanoGPT, llm.c):
+    6N for every weight's matmuls forward and backward (N without the position table),
+    plus attention's 12 L d T (Q K^T and the weighted sum of V, forward and backward)."""
+    return 6 * params + 12 * layers * hidden * seq
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ and its tokenizer). The prompt is encoded with the vocabulary the checkpoint kep
 characters or its tokenizer), and tokens are drawn one at a time with a KV cache: each new
 token runs through the model alone, attending to the cached keys and values of all before it.
 
-Greedy by default (``--temperature 0``): the argmax, which is what ``transformers``'
+With ``--tp N`` under ``mpirun -n N`` the model is split as in training (heads, MLP width and
+vocabulary), each rank caches its own heads, and the gathered logits are the same on every
+rank, so every rank draws the same token. Greedy by default (``--temperature 0``): the argmax, which is what ``transformers``'
 ``generate(do_sample=False)`` gives for the same weights. Otherwise logits / temperature,
 then ``--top-k`` (keep the k likeliest) and ``--top-p`` (keep the smallest set whose
 probability reaches p), drawn with ``--seed``. Past the model's context (block_size) the
@@ -111,10 +113,13 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep probability p")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu | gpu | auto")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks (run under mpirun -n TP): heads and vocabulary "
+                         "split, as in training")
     args = ap.parse_args(argv)
+    rank = 0
     try:
-        backend.init(args.device)
-        model, v = load(args.model)
+        model, v, rank = build(args)
         tok = vocab.Tokenizer(v) if v is not None and v.get("kind") in ("chars", "tokenizer") \
             else None
         if args.ids:
@@ -132,11 +137,27 @@ def main(argv=None) -> int:
             backend.DeviceError) as e:
         print(f"python -m hpcdist.sample: error: {e}", file=sys.stderr)
         return 2
-    if tok is not None:
-        print(tok.decode(out))
-    else:
-        print(",".join(str(i) for i in out))
+    if rank == 0:                                 # every rank drew the same tokens
+        print(tok.decode(out) if tok is not None else ",".join(str(i) for i in out))
     return 0
+
+
+def build(args):
+    """(model, vocabulary, this rank) for the command line: the whole model, or its
+    tensor-parallel shards over every rank of the job (``--tp``)."""
+    if args.tp == 1:
+        backend.init(args.device)
+        model, v = load(args.model)
+        return model, v, 0
+    from .comm import Communicator
+    from .parallel.tp import TensorParallelGPT
+    comm = Communicator()
+    if comm.size != args.tp:
+        raise ValueError(f"--tp {args.tp} runs on {args.tp} ranks: mpirun -n {args.tp} "
+                         f"(this job has {comm.size})")
+    backend.init(args.device, comm.local_rank)
+    model, v = load(args.model)
+    return TensorParallelGPT(model, comm).eval(), v, comm.rank
 
 
 if __name__ == "__main__":

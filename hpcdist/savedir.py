@@ -30,6 +30,8 @@ import threading
 import time
 import uuid
 
+from .comm.watchdog import _alive      # a process that still runs (a zombie does not)
+
 RUN = "run.json"
 LOCK = ".lock"
 HEARTBEAT_S = 10.0
@@ -119,20 +121,6 @@ def has_checkpoints(folder: str) -> int | None:
     if steps:
         return max(steps)
     return 0 if "latest" in names else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def holder(folder: str):

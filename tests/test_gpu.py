@@ -124,3 +124,18 @@ def test_recomputed_dropout_equals_the_forward_on_this_device(float64):
         grads.append({n: backend.to_numpy(p.grad) for n, p in m.named_parameters()})
     for name in grads[0]:
         np.testing.assert_array_equal(grads[0][name], grads[1][name], err_msg=name)
+
+
+def test_sampling_with_the_kv_cache_runs_on_this_device():
+    """hpcdist.sample on the active device (the double under test-double, a GPU under
+    test-gpu) draws what the whole forward's argmax gives at every step."""
+    from hpcdist import nn, sample
+    nn.manual_seed(2)
+    m = nn.GPT(nn.GPTConfig(block_size=16, vocab_size=29, n_layer=2, n_head=2, n_embd=16))
+    for p in m.parameters():
+        p.data *= 30
+    m.eval()
+    out = sample.generate(m, [4, 2], 12)
+    for t in range(2, len(out)):                       # no cache: the full forward each step
+        logits = m(backend.to_device(np.array([out[:t]]))).data
+        assert out[t] == int(backend.to_numpy(logits[0, -1]).argmax())

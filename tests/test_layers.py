@@ -16,7 +16,7 @@ LAYERS = [
     ["comm"],                                                          # raw arrays, MPI
     ["parallel"],                                                      # Tensors meet comms
     ["config", "preflight", "runtime", "preemption", "plan", "savedir", "supervisor", "mfu"],  # a run's plumbing
-    ["train", "bench", "cluster"],                                     # entry points
+    ["train", "bench", "cluster", "sample"],                                     # entry points
 ]
 MUTUAL_OK = {frozenset({"hpcdist.ops", "hpcdist.tensor"})}
 

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "plan": "hpcdist.bench.plan",
     "plot": "hpcdist.bench.plot",
     "schedule": "hpcdist.bench.schedule",
+    "shards": "hpcdist.bench.shards",
     "tp": "hpcdist.bench.tp",
     "twolevel": "hpcdist.bench.twolevel",
     "zero": "hpcdist.bench.zero",

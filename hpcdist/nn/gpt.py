@@ -33,6 +33,22 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask, drop, cache: dict | None = None):
+    """softmax(q k / sqrt(hs), causal) v for q (B, nh, T, hs), k (B, nh, hs, T), v (B, nh, T,
+    hs) -> (B, nh, T, hs). ``mask``: the (block, block) causal mask; ``cache`` (inference): the
+    keys and values of the tokens before these, extended with theirs (a KV cache: each new
+    token attends to all before it)."""
+    past, T = 0, q.shape[2]
+    if cache is not None:
+        if cache.get("k") is not None:
+            past = cache["k"].shape[-1]
+            k, v = ops.concat([cache["k"], k], axis=3), ops.concat([cache["v"], v], axis=2)
+        cache["k"], cache["v"] = k, v                               # (B, nh, hs, past + T)
+    att = (q @ k) * (1.0 / math.sqrt(q.shape[-1]))                 # (B, nh, T, past + T)
+    att = att.masked_fill(mask[past:past + T, :past + T], -math.inf).softmax(axis=-1)
+    return drop(att) @ v
+
+
 class CausalSelfAttention(Module):
     def __init__(self, cfg: GPTConfig):
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
@@ -46,24 +62,14 @@ class CausalSelfAttention(Module):
         self.causal_mask = xp.triu(xp.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
 
     def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
-        """``cache`` (inference): this layer's keys and values of the tokens before ``x``,
-        extended with ``x``'s (a KV cache: each new token attends to all before it)."""
+        """``cache``: this layer's KV cache (inference; see ``causal_attention``)."""
         B, T, C = x.shape
         nh, hs = self.n_head, C // self.n_head
         q, k, v = self.c_attn(x).split(3, axis=2)                  # 3 x (B, T, C)
         q = q.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
         k = k.reshape(B, T, nh, hs).transpose(0, 2, 3, 1)          # (B, nh, hs, T)
         v = v.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
-        past = 0
-        if cache is not None:
-            if cache.get("k") is not None:
-                past = cache["k"].shape[-1]
-                k, v = ops.concat([cache["k"], k], axis=3), ops.concat([cache["v"], v], axis=2)
-            cache["k"], cache["v"] = k, v                           # (B, nh, hs, past + T)
-        att = (q @ k) * (1.0 / math.sqrt(hs))                      # (B, nh, T, past + T)
-        mask = self.causal_mask[past:past + T, :past + T]
-        att = att.masked_fill(mask, -math.inf).softmax(axis=-1)
-        y = self.attn_drop(att) @ v                                 # (B, nh, T, hs)
+        y = causal_attention(q, k, v, self.causal_mask, self.attn_drop, cache)
         y = y.transpose(0, 2, 1, 3).reshape(B, T, C)                # (B, T, C)
         return self.resid_drop(self.c_proj(y))
 
@@ -103,8 +109,7 @@ class GPT(Module):
         if isinstance(idx, Tensor):
             idx = idx.data
         if cache is not None:
-            past = cache[0]["k"].shape[-1] if cache[0].get("k") is not None else 0
-            x = self.embed(idx, past)
+            x = self.embed(idx, cached_length(cache))
             for block, layer_cache in zip(self.blocks, cache):
                 x = block(x, layer_cache)
             return self.head(x, targets, ignore_index)
@@ -137,3 +142,8 @@ class GPT(Module):
         if targets is None:
             return logits
         return logits, ops.cross_entropy(logits, targets, ignore_index=ignore_index)
+
+
+def cached_length(cache) -> int:
+    """Tokens a KV cache (one dict per block) holds."""
+    return cache[0]["k"].shape[-1] if cache and cache[0].get("k") is not None else 0

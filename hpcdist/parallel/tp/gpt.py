@@ -14,9 +14,8 @@ that scales, but no longer equals the 1-rank run's draw; not needed at our sizes
 """
 from __future__ import annotations
 
-import math
-
 from ... import backend
+from ...nn.gpt import cached_length, causal_attention
 from ...nn.layers import Dropout, LayerNorm
 from ...nn.module import Module, ModuleList, Parameter
 from ...recompute import checkpoint
@@ -58,16 +57,15 @@ class ParallelAttention(Module):
         self.n_head = cfg.n_head // comm.size
         self.causal_mask = attn.causal_mask
 
-    def forward(self, x: Tensor, T: int) -> Tensor:
+    def forward(self, x: Tensor, T: int, cache: dict | None = None) -> Tensor:
         q, k, v = self.c_attn(x, T).split(3, axis=2)               # 3 x (B, T, C/tp)
         B, _, Ct = q.shape
         nh, hs = self.n_head, Ct // self.n_head
         q = q.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
         k = k.reshape(B, T, nh, hs).transpose(0, 2, 3, 1)          # (B, nh, hs, T)
         v = v.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
-        att = (q @ k) * (1.0 / math.sqrt(hs))                      # (B, nh, T, T)
-        att = att.masked_fill(self.causal_mask[:T, :T], -math.inf).softmax(axis=-1)
-        y = (self.attn_drop(att) @ v).transpose(0, 2, 1, 3).reshape(B, T, Ct)
+        y = causal_attention(q, k, v, self.causal_mask, self.attn_drop, cache)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, Ct)
         return self.resid_drop(self.c_proj(y))                     # (B, T or T/tp, C)
 
 
@@ -95,8 +93,8 @@ class ParallelBlock(Module):
         self.mlp = ParallelMLP(block.mlp, comm, sp)
         self.T = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x), self.T)
+    def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), self.T, cache)
         return x + self.mlp(self.ln_2(x), self.T)
 
 
@@ -123,22 +121,33 @@ class TensorParallelGPT(Module):
             _pad_columns(full.lm_head.weight.data, comm.size), None, comm,
             sequence_parallel=sequence_parallel)
 
-    def forward(self, idx, targets=None, ignore_index: int = -100):
+    def forward(self, idx, targets=None, ignore_index: int = -100, cache=None):
+        """As ``nn.GPT``'s; ``cache``: a KV cache per block (inference, without sequence
+        parallelism: each rank caches its own heads' keys and values)."""
         if isinstance(idx, Tensor):
             idx = idx.data
+        if cache is not None:
+            if self.sp:
+                raise ValueError("sampling with a KV cache runs without sequence parallelism")
+            x = self.embed(idx, cached_length(cache))
+            for block, layer_cache in zip(self.blocks, cache):
+                block.T = idx.shape[1]
+                x = block(x, layer_cache)
+            return self.head(x, targets, ignore_index, idx.shape[1])
         x = self.embed(idx)                                          # (B, T or T/tp, C)
         for block in self.blocks:
             x = self.run_block(block, x, idx.shape[1])
         return self.head(x, targets, ignore_index, idx.shape[1])
 
     # The pieces a pipeline stage runs (parallel/pipeline.py): embed, blocks, head.
-    def embed(self, idx) -> Tensor:
+    def embed(self, idx, past: int = 0) -> Tensor:
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence length {past + T} exceeds block_size "
+                             f"{self.config.block_size}")
         xp = backend.array_module(idx)
         lo, hi = sequence_bounds(T, self.comm.size, self.comm.rank) if self.sp else (0, T)
-        return self.drop(self.wte(idx) + self.wpe(xp.arange(lo, hi)))
+        return self.drop(self.wte(idx) + self.wpe(xp.arange(past + lo, past + hi)))
 
     def run_block(self, block, x: Tensor, T: int) -> Tensor:
         block.T = T

@@ -24,6 +24,7 @@ What it does not model: streams (work is done when a call returns), and CuPy's r
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import inspect
 import sys
@@ -162,6 +163,40 @@ def typed_parameters(text: str) -> list[tuple[str, str]]:
     return out
 
 
+# ---- launches: what a GPU would start -------------------------------------------------------
+
+class _Launches:
+    """Device operations counted as a GPU would launch them: every ufunc, every function and
+    method that computes (not views, not allocations, not host transfers), gathers and
+    scatters by index; a fused kernel (fused.py) counts as its own launches, its twin's
+    operations inside it not at all."""
+    count = 0
+    depth = 0
+
+    def add(self, n: int = 1) -> None:
+        if not self.depth:
+            self.count += n
+
+
+LAUNCHES = _Launches()
+
+
+@contextlib.contextmanager
+def one_launch(n: int = 1):
+    """The operations inside count as ``n`` launches (a fused kernel running its twin)."""
+    LAUNCHES.depth += 1
+    try:
+        yield
+    finally:
+        LAUNCHES.depth -= 1
+        LAUNCHES.add(n)
+
+
+NOT_LAUNCHES = {"broadcast_to", "swapaxes", "get_array_module", "asnumpy", "asarray", "array",
+                "empty", "empty_like", "get_default_memory_pool", "reshape", "transpose",
+                "view", "ravel", "get", "set", "item"}
+
+
 # ---- arrays ---------------------------------------------------------------------------------
 
 class _Flags:
@@ -205,6 +240,16 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
     def data(self):
         return _Pointer(self.__array_interface__["data"][0])
 
+    def __getitem__(self, idx):
+        items = idx if isinstance(idx, tuple) else (idx,)
+        if any(isinstance(i, (_np.ndarray, list)) for i in items):
+            LAUNCHES.add()                         # a gather by index
+        return _np.ndarray.__getitem__(self, idx)
+
+    def __setitem__(self, idx, value):
+        LAUNCHES.add()                             # a copy (or scatter) kernel
+        _np.ndarray.__setitem__(self, idx, value)
+
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         # CuPy refuses host arrays in device math (TypeError); so does the double, so that
         # a forgotten to_device fails here and not first on a GPU machine.
@@ -217,6 +262,7 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
                             f"CuPy's ufuncs take only {sorted(UFUNC_KWARGS)} by keyword")
         if "out" in kwargs:
             kwargs["out"] = tuple(_host(o) for o in kwargs["out"])
+        LAUNCHES.add()
         result = getattr(ufunc, method)(*_host(inputs), **kwargs)
         if method == "at":
             return None
@@ -257,6 +303,10 @@ def _bind_method(name: str, text: str, impl=None):
                             f": {e}") from None
         if impl is not None:
             return impl(self, *args, **kwargs)
+        if name not in NOT_LAUNCHES and not (name == "astype" and _np.dtype(
+                args[0] if args else kwargs.get("dtype")) == self.dtype and
+                not kwargs.get("copy", True)):
+            LAUNCHES.add()
         # NumPy's method on a host view: its internal ufunc calls are NumPy's business
         return _device(base(_np.ndarray.view(self, _np.ndarray), *_host(args),
                             **{k: _host(v) for k, v in kwargs.items()}))
@@ -355,6 +405,8 @@ def _function(name: str, text: str, impl=None, where: str = "cupy"):
             sig.bind(*args, **kwargs)
         except TypeError as e:
             raise TypeError(f"{where}.{name}{text}: {e}") from None
+        if name not in NOT_LAUNCHES:
+            LAUNCHES.add()
         if impl is not None:
             return impl(*args, **kwargs)
         _refuse_host_arrays(name, args + tuple(kwargs.values()))

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from . import backend
-from .plan import HARDWARE, flops_per_token
+from .plan import HARDWARE, flops_per_token  # noqa: F401 (bench gpu uses it too)
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hpcdist", "peak.json")
 

@@ -7,10 +7,9 @@ math is used here, so every op runs on NumPy and CuPy alike.
 from __future__ import annotations
 
 import builtins
-import math
 
-from . import backend
-from .tensor import Tensor, needs_grad
+from . import backend, kernels
+from .tensor import ACCUMULATED, Tensor, grad_buffer, needs_grad
 
 
 def _lift(x, like: Tensor | None = None) -> Tensor:
@@ -134,57 +133,30 @@ def sigmoid(a: Tensor) -> Tensor:
     return Tensor._make(out, (a,), lambda g: (g * out * (1 - out),))
 
 
-_GELU_C = math.sqrt(2.0 / math.pi)
-
-
 def gelu(a: Tensor) -> Tensor:
-    """GELU, tanh approximation (GPT-2's; torch's ``gelu(approximate='tanh')``).
-
-    Written with in-place ops: the textbook expression makes ~10 temporaries of the MLP's
-    widest activation, forward and backward; this makes 3 (1.9 -> ~0.9 ms a step on the
-    default GPT)."""
-    xp = _xp(a)
-    x = a.data
-    t = x * x
-    t *= 0.044715
-    t += 1.0
-    t *= x
-    t *= _GELU_C
-    xp.tanh(t, out=t)                          # t = tanh(c (x + 0.044715 x^3))
-    out = t + 1.0
-    out *= x
-    out *= 0.5
-
-    def backward(g):
-        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2)
-        d = x * x
-        d *= 3 * 0.044715 * _GELU_C
-        d += _GELU_C
-        d *= x
-        s = t * t
-        xp.subtract(1.0, s, out=s)
-        s *= d
-        s += t
-        s += 1.0
-        s *= 0.5
-        s *= g
-        return (s,)
-    return Tensor._make(out, (a,), backward)
+    """GELU, tanh approximation (GPT-2's; torch's ``gelu(approximate='tanh')``): one fused
+    kernel each way on a GPU, its twin elsewhere (kernels.GELU_FWD / GELU_BWD, written in
+    place: ~10 temporaries of the MLP's widest activation -> 3)."""
+    out, t = kernels.GELU_FWD(a.data)
+    return Tensor._make(out, (a,), lambda g: (kernels.GELU_BWD(a.data, g, t),))
 
 
 # ---- matmul ----------------------------------------------------------------------------------
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """``x @ w + b`` as one node: the bias is added into the product in place and its
-    gradient is one row sum (as ``matmul`` then ``add`` it costs a temporary, a graph node
-    and a sum over two axes)."""
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
+           residual: Tensor | None = None) -> Tensor:
+    """``x @ w + b (+ residual)`` as one node: the bias (and a residual stream) added into
+    the product in place, one fused pass on a GPU (kernels.BIAS_RESIDUAL); the bias's
+    gradient one row sum, added straight into its buffer where it has one (COLSUM_ADD)."""
     if x.ndim < 2:
         y = matmul(x, w)
-        return y if b is None else add(y, b)
+        y = y if b is None else add(y, b)
+        return y if residual is None else add(y, residual)
     mm = backend.matmul
     out = mm(x.data, w.data)
-    if b is not None:
-        out += b.data
+    if b is not None or residual is not None:
+        kernels.BIAS_RESIDUAL(out, None if b is None else b.data,
+                              None if residual is None else residual.data)
     k, m = w.shape
 
     def backward(g):
@@ -196,9 +168,37 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
             if needs_grad(w):
                 gw = mm(x.data.reshape(-1, k).T, g2)
             if b is not None and needs_grad(b):
-                gb = g2.sum(axis=0)
-        return (gx, gw) if b is None else (gx, gw, gb)
-    return Tensor._make(out, (x, w) if b is None else (x, w, b), backward)
+                gb = _bias_grad(g2, b)
+        grads = (gx, gw) if b is None else (gx, gw, gb)
+        return grads if residual is None else grads + (g,)
+    parents = (x, w) if b is None else (x, w, b)
+    return Tensor._make(out, parents if residual is None else parents + (residual,), backward)
+
+
+def linear_gelu(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    """``gelu(x @ w + b)`` as one node: the bias and the GELU in one pass after the GEMM
+    (kernels.BIAS_GELU), the GELU's backward in one more (GELU_BWD)."""
+    mm, (k, m) = backend.matmul, w.shape
+    h = mm(x.data, w.data)
+    out, t = kernels.BIAS_GELU(h, b.data)                 # h now holds x @ w + b
+
+    def backward(g):
+        gh = kernels.GELU_BWD(h, g, t)
+        gx = mm(gh, w.data.T) if needs_grad(x) else None
+        g2 = gh.reshape(-1, m)
+        gw = mm(x.data.reshape(-1, k).T, g2) if needs_grad(w) else None
+        return gx, gw, _bias_grad(g2, b) if needs_grad(b) else None
+    return Tensor._make(out, (x, w, b), backward)
+
+
+def _bias_grad(g2, b: Tensor):
+    """The row sum of g2 (N, m): added straight into ``b``'s gradient buffer where it has one
+    (one pass, and no addition by the engine), else returned."""
+    into = grad_buffer(b)
+    if into is None:
+        return g2.sum(axis=0)
+    kernels.COLSUM_ADD(g2, into)
+    return ACCUMULATED
 
 
 def matmul(a, b) -> Tensor:
@@ -374,9 +374,10 @@ def embedding(weight: Tensor, idx) -> Tensor:
     out = weight.data[idx]
 
     def backward(g):
-        gw = xp.zeros_like(weight.data)
+        into = grad_buffer(weight)                # added straight into its buffer, if any
+        gw = xp.zeros_like(weight.data) if into is None else into
         backend.scatter_add(gw, idx.reshape(-1), g.reshape(-1, weight.shape[1]))
-        return (gw,)
+        return (gw if into is None else ACCUMULATED,)
     return Tensor._make(out, (weight,), backward)
 
 
@@ -388,6 +389,25 @@ def softmax(a: Tensor, axis: int = -1) -> Tensor:
     def backward(g):
         return (out * (g - (g * out).sum(axis=axis, keepdims=True)),)
     return Tensor._make(out, (a,), backward)
+
+
+def causal_softmax(a: Tensor, scale: float, past: int = 0) -> Tensor:
+    """Attention's ``softmax(scale * a)`` over the last axis, query i (axis -2, after ``past``
+    cached ones) seeing keys 0..past+i: scale, mask and softmax as one fused kernel each way
+    (kernels.SOFTMAX_CAUSAL_FWD / _BWD)."""
+    out = kernels.SOFTMAX_CAUSAL_FWD(a.data, scale, past)
+    return Tensor._make(out, (a,), lambda g: (kernels.SOFTMAX_CAUSAL_BWD(g, out, scale),))
+
+
+def fused_attention(qkv: Tensor, n_head: int) -> Tensor:
+    """Causal self-attention straight from the fused projection qkv (B, T, 3C) -> (B, T, C):
+    scores, mask, softmax and the weighted sum as one kernel on a GPU, the gradient dqkv as
+    one more (kernels.ATTENTION_FWD / _BWD); no dropout on the probabilities, no KV cache
+    (nn.gpt.attention takes the op-by-op path for those)."""
+    scale = 1.0 / (qkv.shape[-1] // 3 // n_head) ** 0.5
+    y, lse, att = kernels.ATTENTION_FWD(qkv.data, n_head, scale)
+    return Tensor._make(y, (qkv,), lambda g: (
+        kernels.ATTENTION_BWD(qkv.data, y, g, lse, n_head, scale, att),))
 
 
 def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
@@ -403,8 +423,9 @@ def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
 def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
     """Mean negative log-likelihood of integer ``targets`` under ``logits`` (..., V).
 
-    Fused and numerically stable (log-sum-exp); positions whose target is ``ignore_index``
-    contribute nothing and are left out of the mean.
+    Fused and numerically stable (log-sum-exp per row, kernels.CROSS_ENTROPY_FWD); positions
+    whose target is ``ignore_index`` contribute nothing and are left out of the mean; the
+    gradient softmax - onehot in one pass (CROSS_ENTROPY_BWD).
     """
     if isinstance(targets, Tensor):
         targets = targets.data
@@ -412,77 +433,49 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
     V = logits.shape[-1]
     z = logits.data.reshape(-1, V)
     t = xp.asarray(targets).reshape(-1)          # host targets go to the logits' device
-    valid = t != ignore_index
-    count = builtins.max(int(valid.sum()), 1)
-    safe_t = xp.where(valid, t, 0)
-    shifted = z - z.max(axis=1, keepdims=True)
-    lse = xp.log(xp.exp(shifted).sum(axis=1))
-    rows = xp.arange(z.shape[0])
-    nll = (lse - shifted[rows, safe_t]) * valid
+    count = builtins.max(int((t != ignore_index).sum()), 1)
+    nll, lse = kernels.CROSS_ENTROPY_FWD(z, t, ignore_index)
     out = nll.sum() / count
 
     def backward(g):
-        p = xp.exp(shifted - lse[:, None])
-        p[rows, safe_t] -= 1
-        p *= (valid * (g / count))[:, None].astype(p.dtype)
-        return (p.reshape(logits.shape),)
+        weight = (g / count).astype(z.dtype)
+        return (kernels.CROSS_ENTROPY_BWD(z, t, lse, ignore_index, weight)
+                .reshape(logits.shape),)
     return Tensor._make(out.astype(z.dtype), (logits,), backward)
 
 
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
-    """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``.
-    (Means as sums times 1/C, and in-place ops: NumPy's ``mean`` costs a Python layer per
-    call, and each temporary is a pass over the activations. 2-byte floats are normalized
-    in float32 and rounded back.)"""
+    """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``: one fused
+    kernel each way (kernels.LAYERNORM_FWD / _BWD; the twin in place, means as sums times
+    1/C: NumPy's ``mean`` costs a Python layer per call). 2-byte floats are normalized in
+    float32 and rounded back."""
     xp = _xp(x)
     dt = x.data.dtype
     low = dt.itemsize < 4 and dt.kind in "fV"
     f32 = (lambda a: a.astype(xp.float32)) if low else (lambda a: a)
-    w = f32(weight.data) if weight is not None else None
-    inv_c = 1.0 / x.shape[-1]
+    C = x.shape[-1]
+    ones = lambda: xp.ones(C, dtype=xp.float32 if low else dt)      # noqa: E731
+    w = f32(weight.data) if weight is not None else ones()
+    b = f32(bias.data) if bias is not None else ones() * 0
     xd = f32(x.data)
-    xc = xd - xd.sum(axis=-1, keepdims=True) * inv_c
-    var = xp.einsum("...c,...c->...", xc, xc)[..., None] if xc.ndim <= 3 else \
-        (xc * xc).sum(axis=-1, keepdims=True)
-    var *= inv_c
-    var += eps
-    rstd = xp.sqrt(var, out=var)
-    xp.reciprocal(rstd, out=rstd)
-    xhat = xc
-    xhat *= rstd                                # xc is not needed again: normalize in place
-    out = xhat * w if w is not None else xhat.copy()
-    if bias is not None:
-        out += f32(bias.data)
+    out, mean, rstd, xhat = kernels.LAYERNORM_FWD(xd, w, b, eps)
     if low:
         out = out.astype(dt)
-
     affine = tuple(t for t in (weight, bias) if t is not None)
 
     def backward(g):
-        g = f32(g)
         # the weight read again, not kept: under ZeRO-3 it is a view of its block's gathered
         # parameters, which the forward has released (and the backward gathers anew)
-        w = f32(weight.data) if weight is not None else None
-        gxhat = g * w if w is not None else g.copy()
-        # d xhat / d x, folded: rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat))
-        m1 = gxhat.sum(axis=-1, keepdims=True)
-        m1 *= inv_c
-        m2 = xp.einsum("...c,...c->...", gxhat, xhat)[..., None] if xhat.ndim <= 3 else \
-            (gxhat * xhat).sum(axis=-1, keepdims=True)
-        m2 *= inv_c
-        gx = gxhat
-        gx -= m1
-        gx -= xhat * m2
-        gx *= rstd
+        w = f32(weight.data) if weight is not None else ones()
+        # the weight's and bias's gradients go straight into their buffers where they can
+        gw_into = grad_buffer(weight) if weight is not None and not low else None
+        gb_into = grad_buffer(bias) if bias is not None and not low else None
+        gx, gw, gb = kernels.LAYERNORM_BWD(f32(g), xd, w, mean, rstd, xhat, gw_into, gb_into)
         grads = [gx.astype(dt) if low else gx]
-        flat_g = g.reshape(-1, g.shape[-1])
-        if weight is not None:
-            grads.append(xp.einsum("nc,nc->c", flat_g, xhat.reshape(-1, g.shape[-1]))
-                         .astype(weight.data.dtype, copy=False)
-                         if needs_grad(weight) else None)
-        if bias is not None:
-            grads.append(flat_g.sum(axis=0).astype(bias.data.dtype, copy=False)
-                         if needs_grad(bias) else None)
+        for t, grad, into in ((weight, gw, gw_into), (bias, gb, gb_into)):
+            if t is not None:
+                grads.append(None if not needs_grad(t) else ACCUMULATED if into is not None
+                             else grad.astype(t.data.dtype, copy=False))
         return tuple(grads)
     return Tensor._make(out, (x,) + affine, backward)
 

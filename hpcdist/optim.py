@@ -87,6 +87,11 @@ def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, beta2=0.999
         state["exp_avg"] = xp.zeros_like(p)
         state["exp_avg_sq"] = xp.zeros_like(p)
     m, v = state["exp_avg"], state["exp_avg_sq"]
+    if backend.is_gpu_array(p) and g.dtype == p.dtype:     # one fused kernel on the device
+        from . import kernels
+        kernels.ADAMW(p, g, m, v, _decay_mask(p.size, decay_ranges), lr, beta1, beta2, eps,
+                      weight_decay, step)
+        return
     if weight_decay:
         for a, b in (decay_ranges if decay_ranges is not None else [(0, p.size)]):
             p[a:b] *= 1.0 - lr * weight_decay
@@ -117,6 +122,23 @@ def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, beta2=0.999
     xp.divide(m, tmp, out=tmp)
     tmp *= lr / bias1
     p -= tmp
+
+
+_MASKS: dict = {}
+
+
+def _decay_mask(n: int, decay_ranges) -> object:
+    """A device uint8 mask of the elements in ``decay_ranges`` (all when None), made once."""
+    key = (n, None if decay_ranges is None else tuple(map(tuple, decay_ranges)),
+           backend.device_label())
+    mask = _MASKS.get(key)
+    if mask is None:
+        import numpy as np
+        host = np.zeros(n, dtype=np.uint8)
+        for a, b in (decay_ranges if decay_ranges is not None else [(0, n)]):
+            host[a:b] = 1
+        mask = _MASKS[key] = backend.to_device(host)
+    return mask
 
 
 # ---- optimizers ----------------------------------------------------------------------------------

@@ -212,6 +212,7 @@ class Tensor:
             return
         pending = _consumer_counts(self)
         grads = {id(self): grad}
+        accumulated = set()                  # leaves an op's backward added into directly
         ready = [self]
         while ready:
             node = ready.pop()
@@ -230,14 +231,16 @@ class Tensor:
                 if not p.requires_grad:
                     continue
                 key = id(p)
-                if pg is not None:
+                if pg is ACCUMULATED:                 # the op added it into p.grad itself
+                    accumulated.add(key)
+                elif pg is not None:
                     prev = grads.get(key)
                     grads[key] = pg if prev is None else prev + pg
                 pending[key] -= 1
                 if pending[key]:
                     continue
                 if p._backward is None:
-                    _finalize_leaf(p, grads.pop(key, None))
+                    _finalize_leaf(p, grads.pop(key, None), key in accumulated)
                 else:
                     ready.append(p)
 
@@ -265,7 +268,9 @@ def weight_gradients(deferred: list) -> None:
         with _engine_pass("W"):
             grads = fn(g)
         for p, pg in zip(parents, grads):
-            if pg is not None and p.requires_grad and p.is_weight:
+            if pg is ACCUMULATED and p.requires_grad and p.is_weight:
+                _finalize_leaf(p, None, True)
+            elif pg is not None and p.requires_grad and p.is_weight:
                 _finalize_leaf(p, pg)
     deferred.clear()
 
@@ -287,9 +292,26 @@ def _consumer_counts(root: Tensor) -> dict:
     return counts
 
 
-def _finalize_leaf(leaf: Tensor, g) -> None:
-    """Add this pass's gradient into ``leaf.grad`` (in place: it may be a bucket view)."""
+ACCUMULATED = object()   # an op's backward returns this for a leaf whose .grad it added into
+
+
+def grad_buffer(t: Tensor):
+    """The array an op's backward may add ``t``'s gradient into directly (then returning
+    ``ACCUMULATED``), or None: ``t`` is no leaf needing its gradient now, or has no buffer
+    yet. Saves the engine's separate addition: one pass (a kernel launch) per parameter."""
+    if t._backward is None and t.grad is not None and needs_grad(t) and \
+            t.grad.dtype == t.data.dtype:
+        return t.grad
+    return None
+
+
+def _finalize_leaf(leaf: Tensor, g, accumulated: bool = False) -> None:
+    """Add this pass's gradient into ``leaf.grad`` (in place: it may be a bucket view);
+    ``accumulated``: ops of this pass already added theirs."""
     if g is None:
+        if accumulated and leaf._hooks:
+            for hook in leaf._hooks:
+                hook(leaf)
         return
     if leaf.grad is None:
         leaf.grad = g.astype(leaf.data.dtype, copy=True)

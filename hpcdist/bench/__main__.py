@@ -9,6 +9,7 @@ BENCHMARKS = {
     "compression": "hpcdist.bench.compression",
     "ddp": "hpcdist.bench.ddp",
     "exchange": "hpcdist.bench.exchange",
+    "gpu": "hpcdist.bench.gpu",
     "peers": "hpcdist.bench.peers",
     "pipeline": "hpcdist.bench.pipeline",
     "plan": "hpcdist.bench.plan",

@@ -33,6 +33,21 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
+def attention(qkv: Tensor, n_head: int, mask, drop, cache: dict | None = None) -> Tensor:
+    """Causal self-attention of the fused projection qkv (B, T, 3C) -> (B, T, C): one fused op
+    (ops.fused_attention) unless the probabilities take dropout or a KV cache is in use."""
+    if cache is None and not active(drop):
+        return ops.fused_attention(qkv, n_head)
+    B, T, C3 = qkv.shape
+    hs = C3 // 3 // n_head
+    q, k, v = qkv.split(3, axis=2)                                 # 3 x (B, T, C)
+    q = q.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
+    k = k.reshape(B, T, n_head, hs).transpose(0, 2, 3, 1)          # (B, nh, hs, T)
+    v = v.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
+    y = causal_attention(q, k, v, mask, drop, cache)
+    return y.transpose(0, 2, 1, 3).reshape(B, T, C3 // 3)          # (B, T, C)
+
+
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask, drop, cache: dict | None = None):
     """softmax(q k / sqrt(hs), causal) v for q (B, nh, T, hs), k (B, nh, hs, T), v (B, nh, T,
     hs) -> (B, nh, T, hs). ``mask``: the (block, block) causal mask; ``cache`` (inference): the
@@ -44,8 +59,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask, drop, cache: dict | 
             past = cache["k"].shape[-1]
             k, v = ops.concat([cache["k"], k], axis=3), ops.concat([cache["v"], v], axis=2)
         cache["k"], cache["v"] = k, v                               # (B, nh, hs, past + T)
-    att = (q @ k) * (1.0 / math.sqrt(q.shape[-1]))                 # (B, nh, T, past + T)
-    att = att.masked_fill(mask[past:past + T, :past + T], -math.inf).softmax(axis=-1)
+    att = ops.causal_softmax(q @ k, 1.0 / math.sqrt(q.shape[-1]), past)  # (B, nh, T, past+T)
     return drop(att) @ v
 
 
@@ -61,17 +75,14 @@ class CausalSelfAttention(Module):
         # True above the diagonal: position t may not look at t' > t.
         self.causal_mask = xp.triu(xp.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
 
-    def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
-        """``cache``: this layer's KV cache (inference; see ``causal_attention``)."""
-        B, T, C = x.shape
-        nh, hs = self.n_head, C // self.n_head
-        q, k, v = self.c_attn(x).split(3, axis=2)                  # 3 x (B, T, C)
-        q = q.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
-        k = k.reshape(B, T, nh, hs).transpose(0, 2, 3, 1)          # (B, nh, hs, T)
-        v = v.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
-        y = causal_attention(q, k, v, self.causal_mask, self.attn_drop, cache)
-        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)                # (B, T, C)
-        return self.resid_drop(self.c_proj(y))
+    def forward(self, x: Tensor, cache: dict | None = None, residual: Tensor | None = None):
+        """``cache``: this layer's KV cache (inference; see ``causal_attention``);
+        ``residual``: added to the output (with the projection's bias, in one pass)."""
+        y = attention(self.c_attn(x), self.n_head, self.causal_mask, self.attn_drop, cache)
+        if residual is not None and not active(self.resid_drop):    # + residual, one pass
+            return ops.linear(y, self.c_proj.weight, self.c_proj.bias, residual)
+        out = self.resid_drop(self.c_proj(y))
+        return out if residual is None else residual + out
 
 
 class Block(Module):
@@ -86,8 +97,8 @@ class Block(Module):
                        proj_std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
-        return x + self.mlp(self.ln_2(x))
+        x = self.attn(self.ln_1(x), cache, residual=x)        # x + attn(ln(x))
+        return self.mlp(self.ln_2(x), residual=x)             # x + mlp(ln(x))
 
 
 class GPT(Module):
@@ -142,6 +153,11 @@ class GPT(Module):
         if targets is None:
             return logits
         return logits, ops.cross_entropy(logits, targets, ignore_index=ignore_index)
+
+
+def active(drop) -> bool:
+    """Whether a Dropout module drops anything now."""
+    return bool(drop.p) and drop.training
 
 
 def cached_length(cache) -> int:

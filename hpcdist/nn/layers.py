@@ -86,10 +86,16 @@ class MLP(Module):
         self.act = _ACTIVATIONS[activation]
         self.drop = Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """``residual``: added to the output (with the last layer's bias, in one pass)."""
         n = len(self.layers)
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < n - 1:
-                x = self.act(x)
-        return self.drop(x)
+        for layer in list(self.layers)[:-1]:
+            if self.act is ops.gelu and layer.bias is not None and x.ndim >= 2:
+                x = ops.linear_gelu(x, layer.weight, layer.bias)   # bias + GELU: one pass
+            else:
+                x = self.act(layer(x))
+        last = self.layers[n - 1]
+        if residual is not None and not (self.drop.p and self.drop.training):
+            return ops.linear(x, last.weight, last.bias, residual)
+        x = self.drop(last(x))
+        return x if residual is None else residual + x

@@ -117,13 +117,16 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
     graph until backward, and some ops keep more (LayerNorm its normalised input and 1/std,
     GELU its tanh). Per layer, in elements (n = b s tokens of the micro-batch):
 
-    - no TP: LN 2nh + n, fused QKV 3nh, scores, scaled, masked and softmax 4bas^2, attention
-      output and its reshaped copy 2nh, projection nh, residual nh, LN 2nh + n, fc 4nh, GELU
-      and its tanh 8nh, projection nh, residual nh: 25nh + 4bas^2 + 2n;
+    - no TP: LN 2nh + 2n (its output, normalised input, mean and 1/std), fused QKV 3nh, the
+      fused attention's output nh, probabilities bas^2 and log-sum-exp an, the projection
+      with the residual added in place nh, LN 2nh + 2n, fc + bias + GELU 12nh (the
+      pre-activation, the output and the tanh), the projection with the residual nh:
+      22nh + bas^2 + an + 4n;
     - TP t: the linears' matmul and bias add are two ops, the row-parallel outputs are full
-      (partial sums, the allreduced result, the bias add): 12nh + 24nh/t + 4bas^2/t + 2n;
+      (partial sums, the allreduced result, the bias add), residuals added apart:
+      12nh + 23nh/t + (bas^2 + an)/t + 4n;
     - and sequence parallel: the two allgathered inputs and the two row-parallel partial sums
-      are full, the rest split: 4nh + 34nh/t + 4bas^2/t + 2n/t.
+      are full, the rest split: 4nh + 33nh/t + (bas^2 + an)/t + 4n/t.
 
     Full recompute keeps each block's output (nh, or nh/t with SP) and rebuilds one layer.
     First stage: the token and position embeddings and their sum (TP: the masked rows and
@@ -132,17 +135,17 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
     s, h, a, V, t, b = model.seq, model.hidden, model.heads, model.vocab, L.tp, L.micro_batch
     n, ab = b * s, settings.param_bytes
     lnb = max(ab, 4)                       # LayerNorm keeps its normalised input in fp32
-    scores = 4 * b * a * s * s / t
+    scores = (b * a * s * s + n * a) / t       # the fused attention's probabilities and lse
     if t == 1:
-        full = 21 * n * h + scores
+        full = 18 * n * h + scores
         split = 1
     elif not L.sp:
-        full = 8 * n * h + 24 * n * h / t + scores
+        full = 8 * n * h + 23 * n * h / t + scores
         split = 1
     else:
-        full = 4 * n * h + 30 * n * h / t + scores
+        full = 4 * n * h + 29 * n * h / t + scores
         split = t
-    full = full * ab + 2 * (n * h / split) * (lnb + ab) + 2 * n / split * 4
+    full = full * ab + 2 * (n * h / split) * (lnb + ab) + 2 * 2 * n / split * 4
     act = n * h / split * ab                    # one activation between layers
     # full recompute: the block's output kept, and in backward the rebuilt block beside the
     # gradient arriving at it
@@ -159,9 +162,12 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
             ends = (2 * n * h + n + (2 * n * h + s * h) / t) * ab
         ends += 2 * n * 8                                  # the batch's tokens and targets
     else:
-        norm = (n * h / split) * (lnb + ab) + n / split * 4
-        logits = n * Vt * (2 if t == 1 else 3) * ab + (n * h * ab if L.sp else 0)
-        ends = norm + logits + n * (4 + 1 + 8 + 8)         # lse, valid, target, row index
+        norm = (n * h / split) * (lnb + ab) + 2 * n / split * 4
+        if t == 1:                              # the fused cross-entropy keeps the logits
+            logits, per_token = n * Vt * ab, n * (ab + 8)     # and lse; the targets
+        else:
+            logits, per_token = n * Vt * 3 * ab + (n * h * ab if L.sp else 0), n * 21
+        ends = norm + logits + per_token
         if L.pp > 1:
             ends += act                                    # the input received from before
     return stored, rebuilt, ends

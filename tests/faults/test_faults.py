@@ -337,9 +337,13 @@ def test_config_cases(tmp_path):
     assert "lr must be a finite number, got nan" in _one_line_error(["--lr", "nan"])
     assert "dropout must be a finite number" in _one_line_error(["--dropout", "inf"])
     assert "is a directory" in _one_line_error(["--task", "text", "--data", str(tmp_path)])
-    binary = tmp_path / "data.bin"
+    binary = tmp_path / "data.dat"
     binary.write_bytes(bytes(range(256)) * 20)
     assert "looks binary" in _one_line_error(["--task", "text", "--data", str(binary)])
+    tokens = tmp_path / "train.bin"                  # nanoGPT's raw uint16 tokens
+    tokens.write_bytes(bytes(range(256)) * 20)
+    assert "raw uint16 tokens (no llm.c header): say the vocabulary size with --vocab-size" \
+        in _one_line_error(["--task", "text", "--data", str(tokens)])
     latin = tmp_path / "latin.txt"
     latin.write_bytes("café au lait, s'il vous plaît\n".encode("latin-1") * 50)
     line = _one_line_error(["--task", "text", "--data", str(latin)])

@@ -15,7 +15,7 @@ that scales, but no longer equals the 1-rank run's draw; not needed at our sizes
 from __future__ import annotations
 
 from ... import backend
-from ...nn.gpt import cached_length, causal_attention
+from ...nn.gpt import attention, cached_length
 from ...nn.layers import Dropout, LayerNorm
 from ...nn.module import Module, ModuleList, Parameter
 from ...recompute import checkpoint
@@ -58,14 +58,8 @@ class ParallelAttention(Module):
         self.causal_mask = attn.causal_mask
 
     def forward(self, x: Tensor, T: int, cache: dict | None = None) -> Tensor:
-        q, k, v = self.c_attn(x, T).split(3, axis=2)               # 3 x (B, T, C/tp)
-        B, _, Ct = q.shape
-        nh, hs = self.n_head, Ct // self.n_head
-        q = q.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
-        k = k.reshape(B, T, nh, hs).transpose(0, 2, 3, 1)          # (B, nh, hs, T)
-        v = v.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
-        y = causal_attention(q, k, v, self.causal_mask, self.attn_drop, cache)
-        y = y.transpose(0, 2, 1, 3).reshape(B, T, Ct)
+        qkv = self.c_attn(x, T)                                     # (B, T, 3C/tp): q|k|v
+        y = attention(qkv, self.n_head, self.causal_mask, self.attn_drop, cache)
         return self.resid_drop(self.c_proj(y))                     # (B, T or T/tp, C)
 
 

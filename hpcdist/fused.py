@@ -1,0 +1,139 @@
+"""Fused GPU kernels that carry their proof: each CUDA kernel beside the NumPy twin it must equal.
+
+A ``Fused`` op is one job done in one pass (GELU forward, LayerNorm backward, AdamW over the
+whole flat buffer, ...): CUDA C source written for float and double (``T`` and the
+accumulator ``A`` are filled in per dtype), a launcher that calls the kernels on CuPy arrays,
+and the twin: the same math in xp, which is the definition (kernels.py keeps both side by
+side). Where each runs:
+
+- CPU (NumPy): the twin, as always.
+- The device double: the twin, counted as the kernel's launches (``device_double.LAUNCHES``):
+  the double is where the launches of a GPU step are counted without a GPU.
+- A real GPU: on first use the kernel **checks itself** against the twin on small random
+  inputs of the shapes ``cases`` gives (one row, odd widths, the sizes it will meet), and runs
+  only if every output is within ``tolerance`` (relative to the twin's largest magnitude).
+  Otherwise the twin runs from then on and ``refusals()`` says which kernel was refused and by
+  how much (the run header prints it): a wrong kernel is slower, never wrong. Kernels check
+  their bounds, so a refused kernel has written nothing outside its outputs.
+
+``sources()`` gives every kernel's CUDA code per dtype: ``make test-cupy`` compiles each with
+NVRTC for sm_80 and sm_90 (no GPU needed). ``HPCDIST_FUSED=0`` runs the twins everywhere.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import backend
+
+_REGISTRY: dict = {}
+_refused: dict = {}             # name -> why it is not used
+DTYPES = {"float32": ("float", "float"), "float64": ("double", "double")}
+
+
+class Fused:
+    """One fused op. ``source``: CUDA C with ``T``/``A``; ``kernels``: the ``extern "C"``
+    functions it defines; ``launch(mod, *args)``: runs them (``mod(name)`` -> RawKernel) and
+    returns the outputs; ``twin(*args)``: the same outputs in xp; ``launches``: how many
+    kernels one call starts; ``cases(xp, rng)``: inputs for the self-check; ``tolerance``:
+    the largest error allowed, relative to the twin's largest output."""
+
+    def __init__(self, name, source, kernels, launch, twin, cases, launches=1,
+                 tolerance=1e-5, compare=None):
+        self.name, self.source, self.kernels = name, source, kernels
+        self.launch, self.twin, self.cases = launch, twin, cases
+        self.launches, self.tolerance = launches, tolerance
+        self.compare = compare      # the first outputs the check compares (the rest: what a
+                                    # path keeps for its own backward, None on the other)
+        self._modules: dict = {}
+        self._checked: dict = {}          # dtype -> passed the self-check
+        _REGISTRY[name] = self
+
+    def code(self, dtype: str) -> str:
+        t, a = DTYPES[dtype]
+        return f"typedef {t} T;\ntypedef {a} A;\n" + self.source
+
+    def __call__(self, *args):
+        dtype = args[0].dtype.name
+        label = backend.device_label()
+        if not enabled():
+            return self.twin(*args)
+        if label == "double":
+            from . import device_double
+            with device_double.one_launch(self.launches):
+                return self.twin(*args)
+        if label != "gpu" or dtype not in DTYPES:
+            return self.twin(*args)
+        if dtype not in self._checked:
+            self._checked[dtype] = self.self_check(dtype)
+        if not self._checked[dtype]:
+            return self.twin(*args)
+        return self.launch(lambda kernel: self._kernel(dtype, kernel), *args)
+
+    def _kernel(self, dtype: str, kernel: str):
+        mod = self._modules.get(dtype)
+        if mod is None:
+            mod = self._modules[dtype] = backend.xp().RawModule(code=self.code(dtype))
+        return mod.get_function(kernel)
+
+    def self_check(self, dtype: str) -> bool:
+        """Run the kernel and the twin on every case; True when all agree."""
+        xp, rng = backend.xp(), np.random.default_rng(0)
+        worst = 0.0
+        try:
+            for args in self.cases(xp, rng, np.dtype(dtype)):
+                want = _tuple(self.twin(*[_copy(a) for a in args]))[:self.compare]
+                got = _tuple(self.launch(lambda k: self._kernel(dtype, k),
+                                         *[_copy(a) for a in args]))[:self.compare]
+                for w, g in zip(want, got):
+                    w, g = backend.to_numpy(w), backend.to_numpy(g)
+                    if w.shape != g.shape:
+                        raise ValueError(f"shape {g.shape}, the twin's {w.shape}")
+                    scale = max(1.0, float(np.abs(w).max(initial=0.0)))
+                    err = float(np.abs(g.astype(np.float64) - w).max(initial=0.0)) / scale
+                    if not np.isfinite(err):
+                        err = float("inf")
+                    worst = max(worst, err)
+        except Exception as e:                         # compile or launch failure
+            _refused[self.name] = f"{type(e).__name__}: {e}"[:200]
+            return False
+        if worst > self.tolerance:
+            _refused[self.name] = (f"{dtype}: off by {worst:.2e} (allowed "
+                                   f"{self.tolerance:.0e})")
+            return False
+        return True
+
+
+def _copy(a):
+    return a.copy() if hasattr(a, "copy") and hasattr(a, "dtype") else a
+
+
+def _tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def enabled() -> bool:
+    return os.environ.get("HPCDIST_FUSED", "1") != "0"
+
+
+def refusals() -> dict:
+    """{kernel: why} for every kernel a self-check refused in this process."""
+    return dict(_refused)
+
+
+def registry() -> dict:
+    return dict(_REGISTRY)
+
+
+def sources() -> dict:
+    """{(name, dtype): CUDA source} of every kernel (the compile check's input)."""
+    return {(name, dt): f.code(dt) for name, f in _REGISTRY.items() for dt in DTYPES}
+
+
+def grid(n: int, block: int = 256) -> tuple:
+    """(blocks,), (threads,) covering ``n`` elements, one per thread."""
+    return (max(1, -(-n // block)),), (block,)
+
+
+ROW_THREADS = 256                 # threads per row in the row kernels (a multiple of 32)

@@ -1,0 +1,122 @@
+"""The fused kernels' machinery: a kernel is used only after it equals its twin, a wrong one
+is refused and said, the double counts a fused op as its launches, and an op that adds a
+parameter's gradient straight into its buffer gives the gradients (and hooks) of the engine's
+own addition."""
+import numpy as np
+import pytest
+
+import hpcdist as hd
+from hpcdist import backend, fused, kernels, nn, optim
+
+
+def _fake(name, launch):
+    """A Fused op whose "kernel" is ``launch`` (no GPU needed to test the self-check)."""
+    return fused.Fused(f"test-{name}", "", [], lambda k, x: launch(x),
+                       lambda x: x * 2.0, lambda xp, rng, dt: [(xp.arange(5.0).astype(dt),)])
+
+
+def test_a_kernel_is_used_only_when_it_equals_its_twin():
+    good = _fake("good", lambda x: x * 2.0)
+    assert good.self_check("float32") and "test-good" not in fused.refusals()
+    bad = _fake("bad", lambda x: x * 2.0 + 0.5)
+    assert not bad.self_check("float32")
+    assert fused.refusals()["test-bad"] == "float32: off by 6.25e-02 (allowed 1e-05)"
+    broken = _fake("broken", lambda x: 1 / 0)
+    assert not broken.self_check("float64")
+    assert fused.refusals()["test-broken"].startswith("ZeroDivisionError")
+    for name in ("test-good", "test-bad", "test-broken"):
+        fused._REGISTRY.pop(name)
+
+
+def test_every_kernel_has_a_twin_cases_and_source_for_both_dtypes():
+    ops = fused.registry()
+    assert {"gelu_fwd", "gelu_bwd", "bias_gelu_fwd", "layernorm_fwd", "layernorm_bwd",
+            "softmax_causal_fwd", "softmax_causal_bwd", "attention_fwd", "attention_bwd",
+            "cross_entropy_fwd", "cross_entropy_bwd", "adamw", "colsum_add",
+            "bias_residual"} <= set(ops)
+    rng = np.random.default_rng(0)
+    for name, f in ops.items():
+        for kernel in f.kernels:
+            assert f'extern "C" __global__ void {kernel}(' in f.source, name
+        cases = list(f.cases(np, rng, np.dtype("float64")))
+        assert cases, name
+        for args in cases:                               # the twin runs on every case
+            f.twin(*[a.copy() if hasattr(a, "copy") else a for a in args])
+    assert len(fused.sources()) == 2 * len(ops)
+
+
+def test_the_twins_are_the_op_by_op_math(float64):
+    """Each fused op's twin against the textbook expression it replaces."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 4, 6))
+    np.testing.assert_allclose(kernels.gelu_twin(x)[0],
+                               0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3))),
+                               rtol=1e-12)
+    w, b = rng.standard_normal(6), rng.standard_normal(6)
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    np.testing.assert_allclose(kernels.layernorm_twin(x, w, b, 1e-5)[0],
+                               (x - mu) / np.sqrt(var + 1e-5) * w + b, rtol=1e-10)
+    s = rng.standard_normal((2, 5, 5))
+    ref = np.where(np.triu(np.ones((5, 5), bool), 1), -np.inf, s * 0.3)
+    ref = np.exp(ref - ref.max(-1, keepdims=True))
+    np.testing.assert_allclose(kernels.softmax_causal_twin(s, 0.3),
+                               ref / ref.sum(-1, keepdims=True), rtol=1e-12)
+    z, t = rng.standard_normal((4, 7)), np.array([1, -100, 6, 0])
+    nll, lse = kernels.cross_entropy_twin(z, t, -100)
+    want = np.log(np.exp(z).sum(1))
+    np.testing.assert_allclose(lse, want, rtol=1e-12)
+    np.testing.assert_allclose(nll, np.where(t == -100, 0, want - z[np.arange(4), t.clip(0)]),
+                               rtol=1e-12)
+
+
+def test_adamw_twin_is_optims_update(float64):
+    rng = np.random.default_rng(2)
+    p, g = rng.standard_normal(50), rng.standard_normal(50)
+    ranges = [(0, 20), (30, 45)]
+    mask = np.zeros(50, np.uint8)
+    for a, b in ranges:
+        mask[a:b] = 1
+    p2, state = p.copy(), {}
+    for step in (1, 2, 3):
+        optim.adamw_update(p2, g, state, step, 1e-2, 0.9, 0.99, 1e-8, 0.1, ranges)
+    p1, m, v = p.copy(), np.zeros(50), np.zeros(50)
+    for step in (1, 2, 3):
+        kernels.adamw_twin(p1, g, m, v, mask, 1e-2, 0.9, 0.99, 1e-8, 0.1, step)
+    np.testing.assert_allclose(p1, p2, rtol=1e-13)
+    np.testing.assert_allclose(m, state["exp_avg"], rtol=1e-13)
+
+
+def _grads(model, flat: bool):
+    params = model.parameters()
+    fired = {id(p): 0 for p in params}
+    for p in params:
+        p.register_grad_hook(lambda t: fired.__setitem__(id(t), fired[id(t)] + 1))
+    if flat:
+        optim.FlatParams(params)                  # .grad views into one zeroed buffer
+    idx = np.random.default_rng(3).integers(0, 11, (2, 7))
+    for _ in range(2):                            # two micro-batches accumulate
+        _, loss = model(hd.tensor(idx).data, idx)
+        loss.backward()
+    return {n: backend.to_numpy(p.grad).copy() for n, p in model.named_parameters()}, fired
+
+
+def test_gradients_added_straight_into_buffers_equal_the_engines_addition(float64):
+    cfg = nn.GPTConfig(block_size=8, vocab_size=11, n_layer=2, n_head=2, n_embd=8)
+    nn.manual_seed(5)
+    plain, fired_plain = _grads(nn.GPT(cfg), flat=False)
+    nn.manual_seed(5)
+    direct, fired_direct = _grads(nn.GPT(cfg), flat=True)
+    for name in plain:
+        np.testing.assert_allclose(direct[name], plain[name], rtol=1e-12, err_msg=name)
+    assert sorted(fired_direct.values()) == sorted(fired_plain.values())   # once per pass
+
+
+def test_the_double_counts_a_fused_op_as_its_launches(monkeypatch):
+    pytest.importorskip("numpy")
+    from hpcdist.bench.gpu import count
+    prev = backend.device_label()
+    try:
+        got = count(2, 32, 8, 2, 17)
+    finally:
+        backend.init("cpu" if prev == "cpu" else prev)
+    assert got["op by op"] > 300 and got["fused"] < got["op by op"] / 3.5, got

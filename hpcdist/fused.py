@@ -3,8 +3,8 @@
 A ``Fused`` op is one job done in one pass (GELU forward, LayerNorm backward, AdamW over the
 whole flat buffer, ...): CUDA C source written for float and double (``T`` and the
 accumulator ``A`` are filled in per dtype), a launcher that calls the kernels on CuPy arrays,
-and the twin: the same math in xp, which is the definition (kernels.py keeps both side by
-side). Where each runs:
+and the twin: the same math in xp, which is the definition (hpcdist/kernels/ keeps both side
+by side). Where each runs:
 
 - CPU (NumPy): the twin, as always.
 - The device double: the twin, counted as the kernel's launches (``device_double.LAUNCHES``):

@@ -1,4 +1,4 @@
-"""Generate text from a model: ``python -m hpcdist.sample CKPT_OR_HF_DIR --prompt "..." --tokens N``.
+"""Generate text from a model: ``python -m hpcdist.sample CKPT_OR_HF_DIR --prompt TEXT``.
 
 CKPT_OR_HF_DIR is an hpcdist save folder or checkpoint (any layout wrote it: the tensors are
 assembled from its pieces) or a Hugging Face GPT-2 folder (config.json + model.safetensors
@@ -8,7 +8,9 @@ token runs through the model alone, attending to the cached keys and values of a
 
 With ``--tp N`` under ``mpirun -n N`` the model is split as in training (heads, MLP width and
 vocabulary), each rank caches its own heads, and the gathered logits are the same on every
-rank, so every rank draws the same token. Greedy by default (``--temperature 0``): the argmax, which is what ``transformers``'
+rank, so every rank draws the same token.
+
+Greedy by default (``--temperature 0``): the argmax, which is what ``transformers``'
 ``generate(do_sample=False)`` gives for the same weights. Otherwise logits / temperature,
 then ``--top-k`` (keep the k likeliest) and ``--top-p`` (keep the smallest set whose
 probability reaches p), drawn with ``--seed``. Past the model's context (block_size) the

@@ -31,6 +31,8 @@ from .evaluate import evaluate  # noqa: E402
 from .parallel import state  # noqa: E402
 from .parallel.strategy import DataParallelStep, build_strategy  # noqa: E402
 from .preemption import EXIT_PREEMPTED, StopRequest  # noqa: E402
+from .report import (exit_code, final_report, header, progress_line,  # noqa: E402
+                     stopped_report)
 
 __all__ = ["TrainConfig", "ConfigError", "parse_config", "train", "main", "evaluate",
            "EXIT_PREEMPTED", "DataParallelStep"]
@@ -138,7 +140,9 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
         say(f"asked to stop ({signal.Signals(stopped).name}) before step {start + 1}: "
             "nothing new to save" + (f"; the checkpoint of step {start} stays the latest"
                                      if start else ""))
-    save = lambda at: say(f"saved {state.save_checkpoint(cfg, at, comm, step_fn, sampler, train_set.vocabulary)}")  # noqa: E501
+    def save(at: int) -> None:
+        folder = state.save_checkpoint(cfg, at, comm, step_fn, sampler, train_set.vocabulary)
+        say(f"saved {folder}")
     if hasattr(step_fn, "serve"):                   # a parameter server: answers the workers
         return step_fn.run(stop, save, stopped, start)
     if start < cfg.steps and not stopped:
@@ -251,106 +255,6 @@ def _resume(cfg, comm, step_fn, sampler, resume, say) -> int:
         note += f" at step {start}" + (f" ({extra})" if extra else "")
     say(note)
     return start
-
-
-def header(cfg, model, step_fn, world, hosts, train_set, test_set) -> list[str]:
-    """The run's header: model, task, device, world and layout, precision, the strategy's
-    own lines (``describe``), steps."""
-    data_size = step_fn.data_comm.size
-    strategy = step_fn.describe()
-    layout = f"DP {data_size} x TP {cfg.tp} x PP {cfg.pp}" + (
-        " (sequence parallel)" if cfg.sequence_parallel else "")
-    if step_fn.mesh is not None and not step_fn.mesh.tp_within_node:
-        layout += (" (TP spans nodes: its collectives cross the slow links; place TP groups "
-                   "inside a node: --tp dividing the ranks per node)")
-    first, _, pipeline = strategy[0].partition(" | ") if strategy else ("", "", "")
-    if pipeline:
-        layout += f" | {pipeline}"
-    emulated = (" (emulated: matmul operands rounded to bf16, fp32 storage; this CuPy has no "
-                "bfloat16)") if backend.bf16_emulated() else ""
-    line = (f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), "
-            f"{cfg_parameters(model, cfg):,} parameters | task {cfg.task} "
-            f"({len(train_set):,} train / {len(test_set):,} held-out) | device "
-            f"{backend.device_label()} | world size {world} on {hosts}: {layout} | BLAS threads "
-            f"{threads.choice} | {cfg.precision}{emulated} | {first} | {cfg.steps} steps x batch "
-            f"{cfg.batch_size} x {data_size} replicas"
-            + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
-    return [line] + strategy[1:]
-
-
-def progress_line(rec: dict, steps: int, eta: float) -> str:
-    flops = f" | {rec['tflops']:.3g} TFLOP/s, MFU {rec['mfu'] * 100:.2f}%" if "mfu" in rec \
-        else ""
-    return (f"step {rec['step']:5d}/{steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
-            f"{rec['tokens_per_s']:,.0f} tok/s | {rec['step_ms']:.1f} ms/step{flops} | "
-            f"{rec['bytes_sent'] / 1024:,.0f} KiB sent | ETA {eta:.0f} s")
-
-
-def stopped_report(cfg, stopped: int, step: int, start: int, world: int, t_start: float,
-                   say) -> dict:
-    name = signal.Signals(stopped).name
-    code = exit_code(stopped)
-    if step > start and cfg.save_dir:
-        say(f"stopped after step {step} of {cfg.steps} on {name}: the checkpoint above "
-            f"holds the run; exit code {code} (" + ("the job script requeues, " if code ==
-                                                     EXIT_PREEMPTED else "")
-            + "--resume continues)")
-    elif step > start:
-        say(f"stopped after step {step} of {cfg.steps} on {name}; nothing saved (no "
-            f"--save-dir); exit code {code}")
-    return {"event": "preempted", "step": step, "signal": name, "steps": cfg.steps,
-            "world": world, "seconds": time.perf_counter() - t_start}
-
-
-def exit_code(signum: int) -> int:
-    """A stopped run's exit code: 130 after Ctrl-C, as a shell reports it; 75 (requeue)
-    after the scheduler's SIGTERM or SIGUSR1."""
-    return signals.EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
-
-
-def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, train_bytes,
-                 say) -> dict:
-    """Held-out accuracy and loss, memory, the run's totals (collective: evaluation)."""
-    trained = time.perf_counter() - t_start
-    with step_fn.eval_context(), timeline.span("evaluate"):
-        accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, step_fn.data_comm)
-    ran = max(len(history), 1)          # this rank's steps (a PS worker's own count)
-    step_ms = [r["step_ms"] for r in history]
-    final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
-             "train_loss": history[-1]["loss"] if history else float("nan"),
-             "steps": cfg.steps, "world": world, "seconds": time.perf_counter() - t_start,
-             "train_seconds": trained, "skipped_steps": step_fn.scaler.skipped,
-             "bytes_per_step": train_bytes / ran,
-             "step_ms_median": float(np.median(step_ms)) if step_ms else 0.0,
-             "memory_peak": step_fn.peak_memory(),    # the largest within any step
-             "memory_state": step_fn.memory()}        # between steps
-    say("model state per rank, MiB (peak within a step): "
-        + ", ".join(f"{k} {v / 2 ** 20:.3f}" for k, v in final["memory_peak"].items()))
-    held = memtrace.most()
-    if held:
-        final["memory_activations"] = held
-        say(f"activations per rank, MiB (--trace-memory; the most in a step after the first): "
-            f"held by the graph {held['activations'] / 2 ** 20:.3f}, everything above the "
-            f"model state {held['peak'] / 2 ** 20:.3f}")
-    rates = [r["mfu"] for r in history if "mfu" in r]
-    if rates:
-        final["mfu_median"] = float(np.median(rates))
-        final["tflops_median"] = float(np.median([r["tflops"] for r in history]))
-        say(f"model FLOP/s (median step): {final['tflops_median']:.3g} TFLOP/s, MFU "
-            f"{final['mfu_median'] * 100:.2f}%")
-    what = "exact-match" if cfg.task != "text" else "next-char" if \
-        getattr(test_set, "vocabulary", {}).get("kind") == "chars" else "next-token"
-    say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss "
-        f"{test_loss:.4f} | {final['seconds']:.1f} s")
-    return final
-
-
-def cfg_parameters(model, cfg) -> int:
-    """Parameters of the one logical model (a tensor-parallel rank holds only its shards)."""
-    full = getattr(model, "full", model)          # a pipeline stage: the whole model's count
-    if cfg.tp == 1:
-        return full.num_parameters()
-    return sum(p.size * (cfg.tp if spec else 1) for _, p, spec in full.named_specs())
 
 
 def _agree_on_error(comm, message: str | None) -> str | None:

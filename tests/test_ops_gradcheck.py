@@ -77,7 +77,7 @@ CASES = {
     "layer_norm_no_affine": (lambda x: ops.layer_norm(x, None, None), [sym(4, 6)]),
     "masked_fill": (lambda a: a.masked_fill(np.triu(np.ones((3, 3), bool), 1), -5.0), [sym(2, 3, 3)]),
     "where": (lambda a, b: ops.where(np.array([[True, False, True]]), a, b), [sym(2, 3), sym(3)]),
-    # the fused ops (kernels.py): each one node, its own backward
+    # the fused ops (hpcdist/kernels/): each one node, its own backward
     "causal_softmax": (lambda a: ops.causal_softmax(a, 0.7), [sym(2, 4, 4)]),
     "causal_softmax_past": (lambda a: ops.causal_softmax(a, 0.7, past=2), [sym(1, 3, 5)]),
     "fused_attention": (lambda qkv: ops.fused_attention(qkv, 2), [sym(2, 5, 12)]),

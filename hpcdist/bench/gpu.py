@@ -2,7 +2,7 @@
 
 ``--count`` (any machine): the device operations one GPT training step issues — forward,
 backward, AdamW — counted on the device double, where every array operation is one launch and
-a fused kernel (kernels.py) counts as its own launches: once with the fused kernels
+a fused kernel (hpcdist/kernels/) counts as its own launches: once with the fused kernels
 (``HPCDIST_FUSED=1``, the default) and once with their twins op by op, side by side.
 
 Without ``--count`` (a GPU): ms per step of the same step on the GPU at fp32 beside PyTorch

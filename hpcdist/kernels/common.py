@@ -1,0 +1,59 @@
+"""What the kernels share: block reductions in CUDA, scalars of the accumulator's type, rows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+_COMMON = r"""
+#define NEG_INF ((A)(-__int_as_float(0x7f800000)))          // -infinity (no <math.h> in NVRTC)
+__device__ __forceinline__ A warp_sum(A v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffff, v, o);
+    return v;
+}
+__device__ __forceinline__ A warp_max(A v) {
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_down_sync(0xffffffff, v, o));
+    return v;
+}
+// the sum (or max) over the block, on every thread; blockDim.x a multiple of 32, <= 1024
+__device__ A block_sum(A v, A* shared) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = (threadIdx.x < (blockDim.x >> 5)) ? shared[lane] : (A)0;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) shared[0] = v;
+    __syncthreads();
+    v = shared[0];
+    __syncthreads();
+    return v;
+}
+__device__ A block_max(A v, A* shared) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = (threadIdx.x < (blockDim.x >> 5)) ? shared[lane] : NEG_INF;
+    if (warp == 0) v = warp_max(v);
+    if (threadIdx.x == 0) shared[0] = v;
+    __syncthreads();
+    v = shared[0];
+    __syncthreads();
+    return v;
+}
+"""
+
+
+def _scalar(dtype, value):
+    return np.dtype(dtype).type(value)
+
+
+def _rows(x):
+    """(rows, width) of x seen as a matrix over its last axis."""
+    return int(x.size // x.shape[-1]) if x.shape[-1] else 0, int(x.shape[-1])
+

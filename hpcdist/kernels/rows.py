@@ -1,0 +1,357 @@
+"""Row kernels, one CUDA block per row: LayerNorm, scale + causal mask + softmax of attention
+scores, cross-entropy; forward and backward."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..fused import ROW_THREADS, Fused
+from .common import _COMMON, _rows, _scalar
+
+
+# ---- LayerNorm -----------------------------------------------------------------------------
+
+_LAYERNORM = _COMMON + r"""
+// one block per row of C: y = (x - mean) * rstd * w + b; mean and rstd kept for backward
+extern "C" __global__ void layernorm_fwd(const T* x, const T* w, const T* b, T* y,
+                                         A* mean, A* rstd, long long rows, int C, A eps) {
+    __shared__ A shared[32];
+    long long r = blockIdx.x;
+    if (r >= rows) return;
+    const T* xr = x + r * C;
+    A s = 0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s += (A)xr[c];
+    A m = block_sum(s, shared) / (A)C;
+    A q = 0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) { A d = (A)xr[c] - m; q += d * d; }
+    A rs = (A)1 / sqrt(block_sum(q, shared) / (A)C + eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        y[r * C + c] = (T)(((A)xr[c] - m) * rs * (A)w[c] + (A)b[c]);
+    if (threadIdx.x == 0) { mean[r] = m; rstd[r] = rs; }
+}
+// one block per row: gx = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)), gxhat = g w;
+// the weight and bias gradients added over rows into gw, gb (zeros, or the parameters' own
+// gradient buffers: accumulated in place)
+extern "C" __global__ void layernorm_bwd(const T* g, const T* x, const T* w, const A* mean,
+                                         const A* rstd, T* gx, T* gw, T* gb, long long rows,
+                                         int C) {
+    __shared__ A shared[32];
+    long long r = blockIdx.x;
+    if (r >= rows) return;
+    const T* gr = g + r * C;
+    const T* xr = x + r * C;
+    A m = mean[r], rs = rstd[r], s1 = 0, s2 = 0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        A xhat = ((A)xr[c] - m) * rs, gh = (A)gr[c] * (A)w[c];
+        s1 += gh;
+        s2 += gh * xhat;
+        atomicAdd(gw + c, (T)((A)gr[c] * xhat));
+        atomicAdd(gb + c, gr[c]);
+    }
+    s1 = block_sum(s1, shared) / (A)C;
+    s2 = block_sum(s2, shared) / (A)C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        A xhat = ((A)xr[c] - m) * rs, gh = (A)gr[c] * (A)w[c];
+        gx[r * C + c] = (T)(rs * (gh - s1 - xhat * s2));
+    }
+}
+"""
+
+
+def layernorm_twin(x, w, b, eps):
+    """(y, mean, rstd) over the last axis; mean and rstd of shape x.shape[:-1]."""
+    xp = backend.array_module(x)
+    inv_c = 1.0 / x.shape[-1]
+    mean = x.sum(axis=-1, keepdims=True) * inv_c
+    xc = x - mean
+    var = xp.einsum("...c,...c->...", xc, xc)[..., None] if xc.ndim <= 3 else \
+        (xc * xc).sum(axis=-1, keepdims=True)
+    var *= inv_c
+    var += eps
+    rstd = xp.sqrt(var, out=var)
+    xp.reciprocal(rstd, out=rstd)
+    xc *= rstd                                 # xc is not needed again: normalise in place
+    out = xc * w
+    out += b
+    return out, mean[..., 0], rstd[..., 0], xc
+
+
+def layernorm_bwd_twin(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None):
+    """(gx, gw, gb) of y = (x - mean) rstd w + b; ``xhat`` the forward's normalised x when it
+    kept it; ``gw_into``/``gb_into``: add the weight and bias gradients into these (returned
+    as gw, gb) instead of new arrays."""
+    xp = backend.array_module(x)
+    inv_c = 1.0 / x.shape[-1]
+    if xhat is None:
+        xhat = x - mean[..., None]
+        xhat *= rstd[..., None]
+    gxhat = g * w
+    m1 = gxhat.sum(axis=-1, keepdims=True)
+    m1 *= inv_c
+    m2 = xp.einsum("...c,...c->...", gxhat, xhat)[..., None] if xhat.ndim <= 3 else \
+        (gxhat * xhat).sum(axis=-1, keepdims=True)
+    m2 *= inv_c
+    gx = gxhat
+    gx -= m1
+    gx -= xhat * m2
+    gx *= rstd[..., None]
+    C = x.shape[-1]
+    flat_g = g.reshape(-1, C)
+    gw = xp.einsum("nc,nc->c", flat_g, xhat.reshape(-1, C))
+    gb = flat_g.sum(axis=0)
+    if gw_into is not None:
+        gw_into += gw
+        gw = gw_into
+    if gb_into is not None:
+        gb_into += gb
+        gb = gb_into
+    return gx, gw, gb
+
+
+def _layernorm_launch(k, x, w, b, eps):
+    xp = backend.xp()
+    rows, C = _rows(x)
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    y = xp.empty_like(x)
+    mean, rstd = xp.empty(rows, dtype=acc), xp.empty(rows, dtype=acc)
+    k("layernorm_fwd")((max(rows, 1),), (ROW_THREADS,),
+                       (x, w, b, y, mean, rstd, np.int64(rows), np.int32(C),
+                        _scalar(acc, eps)))
+    return y, mean.reshape(x.shape[:-1]).astype(x.dtype, copy=False), \
+        rstd.reshape(x.shape[:-1]).astype(x.dtype, copy=False), None
+
+
+def _layernorm_bwd_launch(k, g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None):
+    xp = backend.xp()
+    rows, C = _rows(x)
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    gx = xp.empty_like(x)
+    gw = gw_into if gw_into is not None else xp.zeros(C, dtype=x.dtype)
+    gb = gb_into if gb_into is not None else xp.zeros(C, dtype=x.dtype)
+    k("layernorm_bwd")((max(rows, 1),), (ROW_THREADS,),
+                       (xp.ascontiguousarray(g), x, w, xp.ascontiguousarray(mean, dtype=acc),
+                        xp.ascontiguousarray(rstd, dtype=acc), gx, gw, gb, np.int64(rows),
+                        np.int32(C)))
+    return gx, gw.astype(x.dtype, copy=False), gb.astype(x.dtype, copy=False)
+
+
+def _ln_cases(xp, rng, dt, backward=False):
+    for shape in ((1, 1), (1, 7), (3, 5, 64), (2, 257), (4, 3, 768)):
+        x = xp.asarray((rng.standard_normal(shape) * 2 + 0.5).astype(dt))
+        w = xp.asarray(rng.standard_normal(shape[-1]).astype(dt))
+        if not backward:
+            yield x, w, xp.asarray(rng.standard_normal(shape[-1]).astype(dt)), 1e-5
+        else:
+            _, mean, rstd, _ = layernorm_twin(x, w, xp.zeros_like(w), 1e-5)
+            g = xp.asarray(rng.standard_normal(shape).astype(dt))
+            yield g, x, w, mean, rstd
+            into = [xp.asarray(rng.standard_normal(shape[-1]).astype(dt)) for _ in range(2)]
+            yield g, x, w, mean, rstd, None, into[0], into[1]      # added into buffers
+
+
+LAYERNORM_FWD = Fused("layernorm_fwd", _LAYERNORM, ["layernorm_fwd"], _layernorm_launch,
+                      layernorm_twin, lambda xp, rng, dt: _ln_cases(xp, rng, dt), compare=3)
+LAYERNORM_BWD = Fused("layernorm_bwd", _LAYERNORM, ["layernorm_bwd"], _layernorm_bwd_launch,
+                      layernorm_bwd_twin, lambda xp, rng, dt: _ln_cases(xp, rng, dt, True),
+                      tolerance=1e-4)     # gw, gb: atomic sums in another order
+
+
+# ---- causal softmax of attention scores -----------------------------------------------------
+
+_SOFTMAX = _COMMON + r"""
+// one block per row of S scores: query position q = past + (row % Tq) sees keys 0..q;
+// y = softmax(scale * x) over them, 0 beyond
+extern "C" __global__ void softmax_causal_fwd(const T* x, T* y, long long rows, int Tq, int S,
+                                              int past, A scale) {
+    __shared__ A shared[32];
+    long long r = blockIdx.x;
+    if (r >= rows) return;
+    int last = past + (int)(r % Tq);               // the last key this query sees
+    const T* xr = x + r * S;
+    A mx = NEG_INF;
+    for (int c = threadIdx.x; c <= last && c < S; c += blockDim.x) mx = max(mx, scale * (A)xr[c]);
+    mx = block_max(mx, shared);
+    A s = 0;
+    for (int c = threadIdx.x; c <= last && c < S; c += blockDim.x) s += exp(scale * (A)xr[c] - mx);
+    s = block_sum(s, shared);
+    for (int c = threadIdx.x; c < S; c += blockDim.x)
+        y[r * S + c] = (c <= last) ? (T)(exp(scale * (A)xr[c] - mx) / s) : (T)0;
+}
+// gx = scale * y * (g - sum(g y)) (masked entries have y = 0: their gradient is 0)
+extern "C" __global__ void softmax_causal_bwd(const T* g, const T* y, T* gx, long long rows,
+                                              int S, A scale) {
+    __shared__ A shared[32];
+    long long r = blockIdx.x;
+    if (r >= rows) return;
+    A s = 0;
+    for (int c = threadIdx.x; c < S; c += blockDim.x) s += (A)g[r * S + c] * (A)y[r * S + c];
+    s = block_sum(s, shared);
+    for (int c = threadIdx.x; c < S; c += blockDim.x)
+        gx[r * S + c] = (T)(scale * (A)y[r * S + c] * ((A)g[r * S + c] - s));
+}
+"""
+
+
+def softmax_causal_twin(x, scale, past=0):
+    """softmax over the last axis of ``scale * x`` with query i (axis -2, after ``past``
+    cached ones) seeing keys 0..past+i; 0 for the keys it may not see."""
+    xp = backend.array_module(x)
+    Tq, S = x.shape[-2], x.shape[-1]
+    mask = xp.arange(S)[None, :] > (past + xp.arange(Tq))[:, None]     # (Tq, S) unseen
+    z = xp.where(mask, xp.asarray(-np.inf, dtype=x.dtype), x * scale)
+    e = xp.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def softmax_causal_bwd_twin(g, y, scale):
+    return (y * (g - (g * y).sum(axis=-1, keepdims=True))) * scale
+
+
+def _softmax_launch(k, x, scale, past=0):
+    xp = backend.xp()
+    x = xp.ascontiguousarray(x)
+    rows, S = _rows(x)
+    y = xp.empty_like(x)
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    k("softmax_causal_fwd")((max(rows, 1),), (ROW_THREADS,),
+                            (x, y, np.int64(rows), np.int32(x.shape[-2]), np.int32(S),
+                             np.int32(past), _scalar(acc, scale)))
+    return y
+
+
+def _softmax_bwd_launch(k, g, y, scale):
+    xp = backend.xp()
+    rows, S = _rows(y)
+    gx = xp.empty_like(y)
+    acc = np.float64 if y.dtype == np.float64 else np.float32
+    k("softmax_causal_bwd")((max(rows, 1),), (ROW_THREADS,),
+                            (xp.ascontiguousarray(g), xp.ascontiguousarray(y), gx,
+                             np.int64(rows), np.int32(S), _scalar(acc, scale)))
+    return gx
+
+
+def _softmax_cases(xp, rng, dt, backward=False):
+    for shape, past in (((1, 1, 1, 1), 0), ((2, 3, 5, 5), 0), ((1, 2, 1, 9), 8),
+                        ((2, 2, 3, 300), 297), ((1, 4, 64, 64), 0)):
+        x = xp.asarray(rng.standard_normal(shape).astype(dt))
+        if not backward:
+            yield x, 0.125, past
+        else:
+            y = softmax_causal_twin(x, 0.125, past)
+            yield xp.asarray(rng.standard_normal(shape).astype(dt)), y, 0.125
+
+
+SOFTMAX_CAUSAL_FWD = Fused("softmax_causal_fwd", _SOFTMAX, ["softmax_causal_fwd"],
+                           _softmax_launch, softmax_causal_twin,
+                           lambda xp, rng, dt: _softmax_cases(xp, rng, dt))
+SOFTMAX_CAUSAL_BWD = Fused("softmax_causal_bwd", _SOFTMAX, ["softmax_causal_bwd"],
+                           _softmax_bwd_launch, softmax_causal_bwd_twin,
+                           lambda xp, rng, dt: _softmax_cases(xp, rng, dt, True))
+
+
+# ---- cross-entropy -------------------------------------------------------------------------
+
+_CROSS_ENTROPY = _COMMON + r"""
+// one block per row of V logits: lse = log sum exp; nll = lse - z[t] (0 where t is ignored)
+extern "C" __global__ void cross_entropy_fwd(const T* z, const long long* t, A* nll, A* lse,
+                                             long long rows, int V, long long ignore) {
+    __shared__ A shared[32];
+    long long r = blockIdx.x;
+    if (r >= rows) return;
+    const T* zr = z + r * V;
+    A mx = NEG_INF;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) mx = max(mx, (A)zr[c]);
+    mx = block_max(mx, shared);
+    A s = 0;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) s += exp((A)zr[c] - mx);
+    s = block_sum(s, shared);
+    if (threadIdx.x == 0) {
+        A l = mx + log(s);
+        long long target = t[r];
+        lse[r] = l;
+        nll[r] = (target == ignore || target < 0 || target >= V) ? (A)0 : l - (A)zr[target];
+    }
+}
+// the gradient: (softmax - onehot(t)) * weight, 0 on ignored rows
+extern "C" __global__ void cross_entropy_bwd(const T* z, const long long* t, const A* lse,
+                                             T* gz, long long rows, int V, long long ignore,
+                                             const T* weight) {
+    long long r = blockIdx.x;
+    if (r >= rows) return;
+    long long target = t[r];
+    bool skip = target == ignore || target < 0 || target >= V;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) {
+        A p = skip ? (A)0
+                   : (exp((A)z[r * V + c] - lse[r]) - (c == target ? (A)1 : (A)0)) * (A)weight[0];
+        gz[r * V + c] = (T)p;
+    }
+}
+"""
+
+
+def cross_entropy_twin(z, t, ignore):
+    """(nll per row, 0 where ignored; log-sum-exp per row) of logits z (R, V)."""
+    xp = backend.array_module(z)
+    valid = t != ignore
+    safe = xp.where(valid, t, 0)
+    shifted = z - z.max(axis=1, keepdims=True)
+    lse = xp.log(xp.exp(shifted).sum(axis=1))
+    rows = xp.arange(z.shape[0])
+    nll = (lse - shifted[rows, safe]) * valid
+    return nll, lse + z.max(axis=1)
+
+
+def cross_entropy_bwd_twin(z, t, lse, ignore, weight):
+    """(softmax(z) - onehot(t)) * weight per row, 0 on ignored rows (``weight``: a 0-d
+    array, so that no value leaves the device)."""
+    xp = backend.array_module(z)
+    valid = t != ignore
+    p = xp.exp(z - lse[:, None])
+    rows = xp.arange(z.shape[0])
+    p[rows, xp.where(valid, t, 0)] -= 1
+    p *= (valid * weight)[:, None].astype(p.dtype)
+    return p
+
+
+def _ce_launch(k, z, t, ignore):
+    xp = backend.xp()
+    rows, V = _rows(z)
+    acc = np.float64 if z.dtype == np.float64 else np.float32
+    nll, lse = xp.empty(rows, dtype=acc), xp.empty(rows, dtype=acc)
+    k("cross_entropy_fwd")((max(rows, 1),), (ROW_THREADS,),
+                           (xp.ascontiguousarray(z), xp.ascontiguousarray(t, dtype=np.int64),
+                            nll, lse, np.int64(rows), np.int32(V), np.int64(ignore)))
+    return nll.astype(z.dtype, copy=False), lse.astype(z.dtype, copy=False)
+
+
+def _ce_bwd_launch(k, z, t, lse, ignore, weight):
+    xp = backend.xp()
+    rows, V = _rows(z)
+    acc = np.float64 if z.dtype == np.float64 else np.float32
+    gz = xp.empty_like(z)
+    k("cross_entropy_bwd")((max(rows, 1),), (ROW_THREADS,),
+                           (xp.ascontiguousarray(z), xp.ascontiguousarray(t, dtype=np.int64),
+                            xp.ascontiguousarray(lse, dtype=acc), gz, np.int64(rows),
+                            np.int32(V), np.int64(ignore),
+                            xp.ascontiguousarray(weight, dtype=z.dtype).reshape(1)))
+    return gz
+
+
+def _ce_cases(xp, rng, dt, backward=False):
+    for R, V in ((1, 1), (1, 5), (7, 13), (33, 50257)):
+        z = xp.asarray((rng.standard_normal((R, V)) * 4).astype(dt))
+        t = rng.integers(0, V, R)
+        t[::3] = -100
+        t = xp.asarray(t)
+        if not backward:
+            yield z, t, -100
+        else:
+            yield z, t, cross_entropy_twin(z, t, -100)[1], -100, xp.asarray(0.25, dtype=dt)
+
+
+CROSS_ENTROPY_FWD = Fused("cross_entropy_fwd", _CROSS_ENTROPY, ["cross_entropy_fwd"],
+                          _ce_launch, cross_entropy_twin,
+                          lambda xp, rng, dt: _ce_cases(xp, rng, dt), tolerance=1e-5)
+CROSS_ENTROPY_BWD = Fused("cross_entropy_bwd", _CROSS_ENTROPY, ["cross_entropy_bwd"],
+                          _ce_bwd_launch, cross_entropy_bwd_twin,
+                          lambda xp, rng, dt: _ce_cases(xp, rng, dt, True))

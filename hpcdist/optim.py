@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from . import backend
+from . import backend, kernels
 
 
 class FlatParams:
@@ -88,7 +88,6 @@ def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, beta2=0.999
         state["exp_avg_sq"] = xp.zeros_like(p)
     m, v = state["exp_avg"], state["exp_avg_sq"]
     if backend.is_gpu_array(p) and g.dtype == p.dtype:     # one fused kernel on the device
-        from . import kernels
         kernels.ADAMW(p, g, m, v, _decay_mask(p.size, decay_ranges), lr, beta1, beta2, eps,
                       weight_decay, step)
         return
@@ -107,21 +106,7 @@ def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, beta2=0.999
         denom += eps
         p -= (lr / bias1) * (m / denom)
         return
-    # the same operations in the same order through one scratch array (the textbook
-    # expressions make three flat temporaries: a step's peak memory, and time)
-    tmp = g * g
-    tmp *= 1.0 - beta2
-    v *= beta2
-    v += tmp
-    xp.multiply(g, 1.0 - beta1, out=tmp)
-    m *= beta1
-    m += tmp
-    xp.sqrt(v, out=tmp)
-    tmp /= math.sqrt(bias2)
-    tmp += eps
-    xp.divide(m, tmp, out=tmp)
-    tmp *= lr / bias1
-    p -= tmp
+    kernels.adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step)   # the fused one's twin
 
 
 _MASKS: dict = {}

@@ -22,7 +22,7 @@ its bounds.
 from .attention import ATTENTION_BWD, ATTENTION_FWD, attention_bwd_twin, attention_twin
 from .common import GELU_C
 from .elementwise import (ADAMW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
-                          adamw_twin, bias_gelu_twin, bias_residual_twin, colsum_add_twin,
+                          adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin, colsum_add_twin,
                           gelu_bwd_twin, gelu_twin)
 from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNORM_FWD,
                    SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, cross_entropy_bwd_twin,
@@ -32,7 +32,7 @@ from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNOR
 __all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BIAS_GELU", "BIAS_RESIDUAL",
            "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD", "GELU_BWD", "GELU_C",
            "GELU_FWD", "LAYERNORM_BWD", "LAYERNORM_FWD", "SOFTMAX_CAUSAL_BWD",
-           "SOFTMAX_CAUSAL_FWD", "adamw_twin", "attention_bwd_twin", "attention_twin",
+           "SOFTMAX_CAUSAL_FWD", "adam_step_twin", "adamw_twin", "attention_bwd_twin", "attention_twin",
            "bias_gelu_twin", "bias_residual_twin", "colsum_add_twin", "cross_entropy_bwd_twin",
            "cross_entropy_twin", "gelu_bwd_twin", "gelu_twin", "layernorm_bwd_twin",
            "layernorm_twin", "softmax_causal_bwd_twin", "softmax_causal_twin"]

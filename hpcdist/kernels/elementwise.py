@@ -44,16 +44,20 @@ extern "C" __global__ void gelu_bwd(const T* x, const T* g, T* gx, long long n) 
 """
 
 
-def gelu_twin(x):
-    """(0.5 x (1 + tanh(c (x + 0.044715 x^3))), the tanh for the backward), in place where it
-    can (3 temporaries; the kernel keeps no tanh: its backward recomputes it)."""
-    xp = backend.array_module(x)
+def _gelu_tanh(x):
+    """tanh(c (x + 0.044715 x^3)), in place in one temporary."""
     t = x * x
     t *= 0.044715
     t += 1.0
     t *= x
     t *= GELU_C
-    xp.tanh(t, out=t)
+    return backend.array_module(x).tanh(t, out=t)
+
+
+def gelu_twin(x):
+    """(0.5 x (1 + tanh(c (x + 0.044715 x^3))), the tanh for the backward), in place where it
+    can (3 temporaries; the kernel keeps no tanh: its backward recomputes it)."""
+    t = _gelu_tanh(x)
     out = t + 1.0
     out *= x
     out *= 0.5
@@ -65,12 +69,7 @@ def gelu_bwd_twin(x, g, t=None):
     forward's tanh when it kept one."""
     xp = backend.array_module(x)
     if t is None:
-        t = x * x
-        t *= 0.044715
-        t += 1.0
-        t *= x
-        t *= GELU_C
-        xp.tanh(t, out=t)
+        t = _gelu_tanh(x)
     d = x * x
     d *= 3 * 0.044715 * GELU_C
     d += GELU_C
@@ -238,6 +237,15 @@ def adamw_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):
     xp = backend.array_module(p)
     if wd:
         p *= xp.where(decay.astype(bool), 1.0 - lr * wd, 1.0).astype(p.dtype)
+    adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step)
+    return p, m, v
+
+
+def adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step) -> None:
+    """Adam's moments and bias-corrected step, in place, the same operations in the same order
+    through one scratch array (the textbook expressions make three flat temporaries: a step's
+    peak memory, and time). optim.adamw_update runs it on the host."""
+    xp = backend.array_module(p)
     tmp = g * g
     tmp *= 1.0 - beta2
     v *= beta2
@@ -251,7 +259,6 @@ def adamw_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):
     xp.divide(m, tmp, out=tmp)
     tmp *= lr / (1.0 - beta1 ** step)
     p -= tmp
-    return p, m, v
 
 
 def _adamw_launch(k, p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):

@@ -376,68 +376,7 @@ def scatter_add(target, idx, values) -> None:
     target[sidx[starts]] += np.add.reduceat(values[order], starts, axis=0)
 
 
-class DropoutRNG:
-    """Dropout's random numbers, owned by hpcdist: a counter-based generator whose whole state
-    is two integers (a key from the seed, and how many numbers were drawn), the same on NumPy
-    and CuPy, JSON-able for checkpoints and exact to restore for recomputation.
-
-    Number i of the stream is splitmix64's finalizer of ``key + i * golden``: every draw is a
-    pure function of (key, counter), computed with elementwise xp integer math, so the CPU and
-    the GPU draw bitwise the same masks. Why not the array module's generator: CuPy's
-    ``Generator.bit_generator.state`` is a method returning the cuRAND state's device pointer,
-    not NumPy's dict property, so neither a checkpoint nor a recomputed block could save or
-    restore it (recomputed dropout masks silently differed from the forward's)."""
-
-    GOLDEN = 0x9E3779B97F4A7C15
-    MASK = (1 << 64) - 1
-
-    def __init__(self, seed: int = 0):
-        self.key = _splitmix64(int(seed) & self.MASK)
-        self.counter = 0
-
-    def state(self) -> dict:
-        return {"kind": "splitmix64-counter", "key": self.key, "counter": self.counter}
-
-    def set_state(self, state: dict) -> None:
-        if state.get("kind") != "splitmix64-counter":
-            raise ValueError(f"not a dropout generator state: {sorted(state)}")
-        self.key, self.counter = int(state["key"]), int(state["counter"])
-
-    def bits(self, shape):
-        """uint64 random bits of ``shape`` on the active device; advances the counter."""
-        mod = _xp
-        n = 1
-        for d in shape:
-            n *= int(d)
-        i = mod.arange(n, dtype=np.uint64)
-        start = (self.key + self.counter * self.GOLDEN) & self.MASK
-        self.counter += n
-        z = i * np.uint64(self.GOLDEN)
-        z += np.uint64(start)
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-        return z.reshape(shape)
-
-    def random(self, shape):
-        """Uniform floats in [0, 1) of ``shape`` (53 random bits each, float64)."""
-        return (self.bits(shape) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-    def keep_mask(self, shape, p: float):
-        """Bool array, True with probability 1 - p: dropout's kept elements."""
-        return self.bits(shape) >= np.uint64(min(int(p * 2.0 ** 64), self.MASK))
-
-
-def _splitmix64(x: int) -> int:
-    """splitmix64's finalizer on one Python integer (the key of a seed)."""
-    m = DropoutRNG.MASK
-    z = (x + DropoutRNG.GOLDEN) & m
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
-    return z ^ (z >> 31)
-
+from .rng import DropoutRNG  # noqa: E402  (dropout's own stream: rng.py)
 
 _rng = DropoutRNG(0)   # the generator behind dropout
 

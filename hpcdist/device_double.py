@@ -17,7 +17,7 @@ the CPU, but they behave as CuPy's do towards hpcdist and MPI:
   the listed parameters bind to CuPy's. To use a new CuPy name, add it here; that test then
   says whether CuPy has it.
 - its generator models CuPy's: ``bit_generator.state`` is a method returning a device
-  pointer, not NumPy's dict (hpcdist keeps its own dropout state, backend.DropoutRNG).
+  pointer, not NumPy's dict (hpcdist keeps its own dropout state, rng.DropoutRNG).
 
 What it does not model: streams (work is done when a call returns), and CuPy's refusal of
 ``np.asarray(device_array)``.

@@ -486,7 +486,7 @@ def dropout(a: Tensor, p: float, training: bool = True) -> Tensor:
         return a
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    keep = backend.rng().keep_mask(a.shape, p)
+    keep = backend.rng().keep_mask(a.shape, p, _xp(a))
     scale = (keep / (1.0 - p)).astype(a.data.dtype)
     return Tensor._make(a.data * scale, (a,), lambda g: (g * scale,))
 

@@ -106,7 +106,7 @@ def test_dropout_state_saves_restores_and_matches_across_devices():
     np.testing.assert_array_equal(first, again)
     assert 0.6 < (first != 0).mean() < 0.9
     host = backend.DropoutRNG(5)
-    np.testing.assert_array_equal(host.keep_mask((7, 33), 0.25), first != 0)
+    np.testing.assert_array_equal(host.keep_mask((7, 33), 0.25, np), first != 0)
 
 
 def test_recomputed_dropout_equals_the_forward_on_this_device(float64):

@@ -101,6 +101,7 @@ CUDA = {
     "alloc_pinned_memory": ("function", "(size)"),
     "get_current_stream": ("function", "(device_id=-1)"),
     "runtime.getDeviceCount": ("function", "()"),
+    "runtime.getDeviceProperties": ("function", "(int device)"),
 }
 CUPYX = {"scatter_add": ("function", "(a, slices, value)")}
 RANDOM = {
@@ -511,7 +512,11 @@ cuda = types.SimpleNamespace(
     Device=_Device,
     alloc_pinned_memory=_function("alloc_pinned_memory", CUDA["alloc_pinned_memory"][1],
                                   _alloc_pinned_memory, "cupy.cuda"),
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+    runtime=types.SimpleNamespace(
+        getDeviceCount=lambda: 1,
+        getDeviceProperties=_function(
+            "getDeviceProperties", CUDA["runtime.getDeviceProperties"][1],
+            lambda device: {"name": b"hpcdist device double"}, "cupy.cuda.runtime")))
 
 
 class _XORWOW:

@@ -455,8 +455,9 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     f32 = (lambda a: a.astype(xp.float32)) if low else (lambda a: a)
     C = x.shape[-1]
     ones = lambda: xp.ones(C, dtype=xp.float32 if low else dt)      # noqa: E731
+    zeros = lambda: xp.zeros(C, dtype=xp.float32 if low else dt)    # noqa: E731
     w = f32(weight.data) if weight is not None else ones()
-    b = f32(bias.data) if bias is not None else ones() * 0
+    b = f32(bias.data) if bias is not None else zeros()
     xd = f32(x.data)
     out, mean, rstd, xhat = kernels.LAYERNORM_FWD(xd, w, b, eps)
     if low:

@@ -42,7 +42,7 @@ def count(L, C, T, B, V) -> dict:
     """Launches of one step, fused and op by op (on the device double)."""
     from hpcdist import backend, device_double
     backend.init("double")
-    out = {}
+    out, before = {}, os.environ.get("HPCDIST_FUSED")
     for fused in ("0", "1"):
         os.environ["HPCDIST_FUSED"] = fused
         step, _ = _step_fn(L, C, T, B, V)
@@ -50,7 +50,10 @@ def count(L, C, T, B, V) -> dict:
         device_double.LAUNCHES.count = 0
         step()
         out["fused" if fused == "1" else "op by op"] = device_double.LAUNCHES.count
-    os.environ.pop("HPCDIST_FUSED", None)
+    if before is None:                                  # as the caller had it
+        os.environ.pop("HPCDIST_FUSED", None)
+    else:
+        os.environ["HPCDIST_FUSED"] = before
     out["ratio"] = out["op by op"] / max(out["fused"], 1)
     return out
 

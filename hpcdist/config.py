@@ -84,6 +84,8 @@ class TrainConfig:
     schedule: str = "1f1b"        # gpipe | 1f1b | interleaved | zb-h1
     virtual_stages: int = 1       # model chunks per rank (interleaved)
     pp_split: str = ""            # blocks per stage, e.g. "2,2,1" ("" = as even as possible)
+    cp: int = 1                   # context-parallel size: each sequence split over cp ranks
+    cp_impl: str = "ring"         # ring (K/V blocks round a ring) | ulysses (all-to-all)
     # checkpoints
     save_dir: str = ""            # where checkpoints go ("" = none)
     save_every: int = 0           # steps between checkpoints (0 = only at the end)
@@ -125,7 +127,8 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
            "compress": ("none", "fp16", "topk", "powersgd"),
            "precision": ("fp32", "fp16", "bf16"),
-           "backend": ("mpi", "nccl"), "strategy": ("collective", "ps")}
+           "backend": ("mpi", "nccl"), "strategy": ("collective", "ps"),
+           "cp_impl": ("ring", "ulysses")}
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -237,6 +240,7 @@ def validate(cfg: TrainConfig) -> None:
     elif cfg.schedule != "1f1b" or cfg.virtual_stages != 1 or cfg.pp_split or cfg.micro_batches:
         raise ConfigError("--schedule, --virtual-stages, --pp-split and --micro-batches are for "
                           "pipelines: add --pp P (P > 1)", "pp")
+    validate_cp(cfg)
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("--sequence-parallel splits activations over the tensor-parallel "
                           "group: it needs --tp > 1", "sequence_parallel")
@@ -267,13 +271,38 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("--servers and --max-staleness are for --strategy ps", "servers")
 
 
-def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:
+def validate_cp(cfg: TrainConfig) -> None:
+    """Context parallelism's settings (parallel/context.py)."""
+    if cfg.cp < 1:
+        raise ConfigError(f"--cp must be >= 1, got {cfg.cp}", "cp")
+    if cfg.cp == 1:
+        if cfg.cp_impl != "ring":
+            raise ConfigError("--cp-impl is for context parallelism: add --cp N (N > 1)", "cp")
+        return
+    heads = cfg.n_head // max(cfg.tp, 1)
+    if cfg.cp_impl == "ulysses" and heads % cfg.cp:
+        raise ConfigError(f"--cp-impl ulysses splits the {heads} heads each tensor-parallel "
+                          f"rank holds (n_head / tp) over --cp {cfg.cp}: cp must divide them; "
+                          f"use --cp-impl ring, or a cp dividing {heads}", "cp")
+    for bad, why in ((cfg.dropout > 0, "--dropout > 0 (attention dropout on a ring is not "
+                      "supported; use --dropout 0)"),
+                     (cfg.strategy == "ps", "--strategy ps (parameter servers run plain data "
+                      "parallelism)")):
+        if bad:
+            raise ConfigError(f"--cp {cfg.cp} does not run with {why}", "cp")
+
+
+def validate_world(cfg: TrainConfig, world: int, train_len: int, seq_len: int = 0) -> None:
     """Checks that depend on the world size; identical on every rank, so all fail together."""
-    if world % (cfg.tp * cfg.pp):
+    model = cfg.tp * cfg.pp * cfg.cp
+    if world % model:
         raise ConfigError(f"the world size {world} is not divisible by --tp {cfg.tp} x --pp "
-                          f"{cfg.pp}: the data-parallel size is world / (tp x pp); run a "
-                          f"multiple of {cfg.tp * cfg.pp} ranks")
-    replicas = world // (cfg.tp * cfg.pp)
+                          f"{cfg.pp} x --cp {cfg.cp}: the data-parallel size is world / (tp x "
+                          f"pp x cp); run a multiple of {model} ranks")
+    if cfg.cp > 1 and 0 < seq_len < 2 * cfg.cp:
+        raise ConfigError(f"--cp {cfg.cp} cuts each sequence into {2 * cfg.cp} chunks; the "
+                          f"sequences here have {seq_len} positions", "cp")
+    replicas = world // model
     if cfg.strategy == "ps":
         replicas = world - cfg.servers
         if replicas < 1:
@@ -287,7 +316,7 @@ def validate_world(cfg: TrainConfig, world: int, train_len: int) -> None:
         raise ConfigError(f"the training set has {train_len} examples, fewer than one global "
                           f"step needs ({cfg.batch_size} per replica x {replicas} replicas x "
                           f"{cfg.grad_accum} micro-batches); lower --batch-size")
-    if cfg.compress in ("topk", "powersgd") and replicas == 1:
+    if cfg.compress in ("topk", "powersgd") and replicas * cfg.cp == 1:
         raise ConfigError(f"--compress {cfg.compress} on a single rank compresses nothing; "
                           "run with mpirun -n N (N > 1) or drop --compress")
 
@@ -381,6 +410,10 @@ HELP = {
                     "any micro-batch moves)",
         "virtual_stages": "model chunks per rank (--schedule interleaved)",
         "pp_split": "blocks per stage, e.g. 2,2,1 (default: as even as possible)",
+        "cp": "context-parallel size: each sequence split over cp ranks, attention too "
+              "(data-parallel size = world / (tp x pp x cp))",
+        "cp_impl": "context parallelism through attention: ring (K/V blocks round the group) "
+                   "| ulysses (all-to-all, heads <-> sequence; cp must divide n_head / tp)",
         "zero": "ZeRO stage 0 (plain DDP) | 1 (optimizer state) | 2 (+ gradients) | 3 (+ "
                 "parameters), sharded over the data-parallel group",
         "strategy": "collective (DDP, ZeRO, TP, PP) | ps: asynchronous parameter servers",

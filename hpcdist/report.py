@@ -15,10 +15,11 @@ from .preemption import EXIT_PREEMPTED
 def header(cfg, model, step_fn, world, hosts, train_set, test_set) -> list[str]:
     """The run's header: model, task, device, world and layout, precision, the strategy's
     own lines (``describe``), steps."""
-    data_size = step_fn.data_comm.size
+    data_size = step_fn.batch_comm.size
     strategy = step_fn.describe()
     layout = f"DP {data_size} x TP {cfg.tp} x PP {cfg.pp}" + (
-        " (sequence parallel)" if cfg.sequence_parallel else "")
+        " (sequence parallel)" if cfg.sequence_parallel else "") + (
+        f" x CP {cfg.cp} ({cfg.cp_impl})" if cfg.cp > 1 else "")
     if step_fn.mesh is not None and not step_fn.mesh.tp_within_node:
         layout += (" (TP spans nodes: its collectives cross the slow links; place TP groups "
                    "inside a node: --tp dividing the ranks per node)")
@@ -72,7 +73,7 @@ def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, 
     """Held-out accuracy and loss, memory, the run's totals (collective: evaluation)."""
     trained = time.perf_counter() - t_start
     with step_fn.eval_context(), timeline.span("evaluate"):
-        accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, step_fn.data_comm)
+        accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, step_fn.batch_comm)
     ran = max(len(history), 1)          # this rank's steps (a PS worker's own count)
     step_ms = [r["step_ms"] for r in history]
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),

@@ -46,7 +46,7 @@ def prepare(cfg: TrainConfig, comm):
     datasets = data.datasets_of(cfg)
     if cfg.init_from:
         init_from_shape(cfg, datasets[0])
-    validate_world(cfg, comm.size, len(datasets[0]))
+    validate_world(cfg, comm.size, len(datasets[0]), datasets[0].block_size)
     if not cfg.resume:
         return datasets, None
     folder, note = checkpoint.find_resume(cfg.save_dir)
@@ -120,7 +120,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     if on_build is not None:
         on_build(step_fn)
     memtrace.enable(cfg.trace_memory)
-    data_comm = step_fn.data_comm                  # tensor-parallel ranks read the same batch
+    data_comm = step_fn.batch_comm     # tensor- and context-parallel ranks read the same batch
     sampler = data.DistributedSampler(len(train_set), cfg.batch_size, data_comm.rank,
                                       data_comm.size, seed=cfg.seed)
     say = log if comm.rank == 0 else (lambda *a, **k: None)
@@ -228,7 +228,7 @@ def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float,
     dt = time.perf_counter() - t0
     held = memtrace.finish()
     loss = step_fn.mean_loss(loss_sum / cfg.grad_accum)     # the mean over the replicas
-    tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * step_fn.data_comm.size
+    tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * step_fn.batch_comm.size
     return {"step": step, "loss": loss, "lr": lr, "step_ms": dt * 1e3,
             "tokens_per_s": tokens / dt, "grad_norm": norm,
             "bytes_sent": step_fn.comm.bytes_sent - bytes0,

@@ -33,9 +33,13 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
-def attention(qkv: Tensor, n_head: int, mask, drop, cache: dict | None = None) -> Tensor:
+def attention(qkv: Tensor, n_head: int, mask, drop, cache: dict | None = None,
+              cp=None) -> Tensor:
     """Causal self-attention of the fused projection qkv (B, T, 3C) -> (B, T, C): one fused op
-    (ops.fused_attention) unless the probabilities take dropout or a KV cache is in use."""
+    (ops.fused_attention) unless the probabilities take dropout or a KV cache is in use;
+    ``cp``: this rank holds a slice of each sequence (parallel/context.py)."""
+    if cp is not None and cache is None:
+        return cp.attention(qkv, n_head)
     if cache is None and not active(drop):
         return ops.fused_attention(qkv, n_head)
     B, T, C3 = qkv.shape
@@ -64,6 +68,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask, drop, cache: dict | 
 
 
 class CausalSelfAttention(Module):
+    cp = None                       # a ContextParallel group (parallel/context.py), if any
+
     def __init__(self, cfg: GPTConfig):
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias, std=0.02)
@@ -78,7 +84,8 @@ class CausalSelfAttention(Module):
     def forward(self, x: Tensor, cache: dict | None = None, residual: Tensor | None = None):
         """``cache``: this layer's KV cache (inference; see ``causal_attention``);
         ``residual``: added to the output (with the projection's bias, in one pass)."""
-        y = attention(self.c_attn(x), self.n_head, self.causal_mask, self.attn_drop, cache)
+        y = attention(self.c_attn(x), self.n_head, self.causal_mask, self.attn_drop, cache,
+                      self.cp)
         if residual is not None and not active(self.resid_drop):    # + residual, one pass
             return ops.linear(y, self.c_proj.weight, self.c_proj.bias, residual)
         out = self.resid_drop(self.c_proj(y))
@@ -102,6 +109,8 @@ class Block(Module):
 
 
 class GPT(Module):
+    cp = None                       # a ContextParallel group: each rank a slice of a sequence
+
     def __init__(self, cfg: GPTConfig):
         cfg.validate()
         self.config = cfg
@@ -135,21 +144,32 @@ class GPT(Module):
         if past + T > self.config.block_size:
             raise ValueError(f"sequence length {past + T} exceeds block_size "
                              f"{self.config.block_size}")
-        pos = backend.array_module(idx).arange(past, past + T)
+        if self.cp is not None:                                     # this rank's tokens
+            idx, pos = self.cp.take(idx)
+        else:
+            pos = backend.array_module(idx).arange(past, past + T)
         return self.drop(self.wte(idx) + self.wpe(pos))              # (B, T, C)
 
     def run_block(self, block, x: Tensor, T: int) -> Tensor:
+        if self.cp is not None:
+            self.cp.begin(T)
         recompute = self.config.checkpoint_activations and self.training
         return checkpoint(block, x) if recompute else block(x)
 
     def head(self, x: Tensor, targets=None, ignore_index: int = -100, T: int | None = None):
         """(logits, loss) of the final norm and the LM head (``T``: the sequence length, which
-        a sequence-parallel model needs; unused here)."""
+        a sequence-parallel or context-parallel model needs)."""
         x = self.ln_f(x)
         if self.lm_head is None:
             logits = x @ self.wte.weight.T                          # (B, T, vocab)
         else:
             logits = self.lm_head(x)
+        if self.cp is not None:
+            if T is not None:
+                self.cp.begin(T)
+            loss = None if targets is None else ops.cross_entropy(
+                logits, self.cp.local_targets(targets), ignore_index=ignore_index)
+            return self.cp.finish(logits, loss, targets, ignore_index, self.training)
         if targets is None:
             return logits
         return logits, ops.cross_entropy(logits, targets, ignore_index=ignore_index)

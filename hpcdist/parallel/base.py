@@ -33,6 +33,12 @@ class Strategy:
 
     model = data_comm = comm = scaler = mesh = None
 
+    @property
+    def batch_comm(self):
+        """The ranks that read different batches: ``data_comm`` less its context-parallel
+        axis (a context-parallel group reads one batch and splits each sequence)."""
+        return self.mesh.batch_comm if self.mesh is not None else self.data_comm
+
     # ---- a step ----------------------------------------------------------------------------
     def zero_grad(self) -> None:
         raise NotImplementedError

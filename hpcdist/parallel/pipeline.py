@@ -202,10 +202,11 @@ class PipelineStep(Strategy):
     def _shapes(self, sizes, T: int):
         """The activation shape each micro-batch carries between stages on this rank."""
         cfg, tp = self.model.config, self.mesh.tp_comm
-        rows = T
+        cp = getattr(self.model.full, "cp", None)
+        rows = T if cp is None else cp.local_length(T)
         if getattr(self.model.full, "sp", False):
             from .tp.mappings import sequence_bounds
-            lo, hi = sequence_bounds(T, tp.size, tp.rank)
+            lo, hi = sequence_bounds(rows, tp.size, tp.rank)
             rows = hi - lo
         return [(int(b), rows, cfg.n_embd) for b in sizes]
 

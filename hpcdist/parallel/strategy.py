@@ -20,6 +20,7 @@ from ..comm.mesh import ProcessMesh
 from ..comm.nccl import make_communicator
 from .base import GradSum, Norm, Strategy
 from .compression import make_compression
+from .context import ContextParallel
 from .ddp import DistributedDataParallel
 from .mixed_precision import LossScaler, MixedPrecision
 from .pipeline import PipelineModel, PipelineStep
@@ -118,10 +119,11 @@ def make_optimizer_factory(cfg):
 
 
 def make_mesh(cfg, comm):
-    """The DP x TP x PP process mesh (None for plain data parallelism)."""
-    if cfg.tp == 1 and cfg.pp == 1:
+    """The DP x CP x TP x PP process mesh (None for plain data parallelism)."""
+    if cfg.tp == 1 and cfg.pp == 1 and cfg.cp == 1:
         return None
-    return ProcessMesh(comm, dp=comm.size // (cfg.tp * cfg.pp), tp=cfg.tp, pp=cfg.pp)
+    return ProcessMesh(comm, dp=comm.size // (cfg.tp * cfg.pp * cfg.cp), tp=cfg.tp, pp=cfg.pp,
+                       cp=cfg.cp)
 
 
 def make_model(cfg, comm, mesh, train_set):
@@ -146,6 +148,8 @@ def make_model(cfg, comm, mesh, train_set):
                                              [n for n, _ in model.named_parameters()]))
     if cfg.tp > 1:
         model = TensorParallelGPT(model, mesh.tp_comm, cfg.sequence_parallel)
+    if cfg.cp > 1:                                 # each rank: a slice of every sequence
+        ContextParallel(mesh.cp_comm, cfg.cp_impl).attach(model)
     return model
 
 

@@ -46,6 +46,8 @@ def _copy_replicated(layer_norm: LayerNorm) -> LayerNorm:
 class ParallelAttention(Module):
     """Causal self-attention with this rank's n_head / tp heads."""
 
+    cp = None                       # a ContextParallel group (parallel/context.py), if any
+
     def __init__(self, attn, cfg, comm, sp: bool):
         self.c_attn = ColumnParallelLinear(attn.c_attn.weight.data,
                                            attn.c_attn.bias.data if attn.c_attn.bias else None,
@@ -59,7 +61,7 @@ class ParallelAttention(Module):
 
     def forward(self, x: Tensor, T: int, cache: dict | None = None) -> Tensor:
         qkv = self.c_attn(x, T)                                     # (B, T, 3C/tp): q|k|v
-        y = attention(qkv, self.n_head, self.causal_mask, self.attn_drop, cache)
+        y = attention(qkv, self.n_head, self.causal_mask, self.attn_drop, cache, self.cp)
         return self.resid_drop(self.c_proj(y))                     # (B, T or T/tp, C)
 
 
@@ -97,6 +99,8 @@ class TensorParallelGPT(Module):
     ``model(idx, targets) -> (logits, loss)``. In training the logits are this rank's
     vocabulary slice (the full logits never exist on one rank); in eval mode they are
     gathered (trimmed to the vocabulary) for the caller's argmax."""
+
+    cp = None                       # a ContextParallel group: each rank a slice of a sequence
 
     def __init__(self, full, comm, sequence_parallel: bool = False):
         cfg = full.config
@@ -139,17 +143,25 @@ class TensorParallelGPT(Module):
         if past + T > self.config.block_size:
             raise ValueError(f"sequence length {past + T} exceeds block_size "
                              f"{self.config.block_size}")
-        xp = backend.array_module(idx)
+        if self.cp is not None:                                      # this rank's tokens
+            idx, pos = self.cp.take(idx)
+            T = idx.shape[1]
+        else:
+            pos = backend.array_module(idx).arange(past, past + T)
         lo, hi = sequence_bounds(T, self.comm.size, self.comm.rank) if self.sp else (0, T)
-        return self.drop(self.wte(idx) + self.wpe(xp.arange(past + lo, past + hi)))
+        return self.drop(self.wte(idx) + self.wpe(pos[lo:hi]))
 
     def run_block(self, block, x: Tensor, T: int) -> Tensor:
-        block.T = T
+        block.T = T if self.cp is None else self.cp.local_length(T)
         recompute = self.config.checkpoint_activations and self.training
         return checkpoint(block, x) if recompute else block(x)
 
     def head(self, x: Tensor, targets=None, ignore_index: int = -100, T: int | None = None):
         x = self.ln_f(x)
+        full_targets = targets
+        if self.cp is not None:                  # this rank's positions of the sequence
+            T = self.cp.local_length(T) if T is not None else len(self.cp.positions())
+            targets = None if targets is None else self.cp.local_targets(targets)
         if T is None:
             T = x.shape[1] if not self.sp else None
         if self.lm_head is None:                                     # tied: wte's rows
@@ -161,6 +173,8 @@ class TensorParallelGPT(Module):
             logits, targets, self.comm, self.wte.lo, self.config.vocab_size, ignore_index)
         if not self.training or targets is None:
             logits = Tensor(_allgather_last(logits.data, self.comm)[..., :self.config.vocab_size])
+        if self.cp is not None:
+            return self.cp.finish(logits, loss, full_targets, ignore_index, self.training)
         return logits if targets is None else (logits, loss)
 
     # ---- which parameters are what -----------------------------------------------------

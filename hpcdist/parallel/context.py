@@ -1,0 +1,293 @@
+"""Context parallelism (``--cp N``): every sequence split over N ranks, through attention too.
+
+Layout (causal load balance): a sequence of T positions is cut into 2N chunks as even as
+possible; rank i of the context-parallel group holds chunks i and 2N-1-i, so under the causal
+mask every rank scores the same number of (query, key) pairs to within one chunk's rounding
+(``work``). Everything but attention is per token: the model takes this rank's tokens and
+positions (``take``), and its loss is this rank's share of the sequence's mean (``loss``), so
+averaging gradients over DP x CP gives exactly the one-process gradient.
+
+Attention, two ways (``impl``):
+    ring     K/V blocks travel around the group (non-blocking sends on the Communicator,
+             posted before the block in hand is computed); partial results merge by the
+             online-softmax rule (log-sum-exp). The backward pass sends K/V and the dK/dV
+             accumulators the other way round the ring; each accumulator ends at its owner.
+    ulysses  all-to-all: sequence-split q/k/v become head-split over the whole sequence, the
+             ordinary causal attention runs on n_head / N heads, and the output goes back.
+Bytes per layer, summed over the group (``bytes_per_layer``): ring 2(N-1)BTC forward and
+2(N-1)BTC + 2N BTC backward; ulysses 4(N-1)/N BTC each way (C: the width this rank's heads
+span; elements times the item size, plus a 128-byte header per message).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend, ops
+from ..comm import p2p
+from ..tensor import Tensor
+
+IMPLS = ("ring", "ulysses")
+TAG_KV, TAG_KV_BACK, TAG_DKV, TAG_A2A = 101, 102, 103, 104
+
+
+def chunk_bounds(T: int, n: int) -> list[tuple[int, int]]:
+    """The 2n chunks of T positions, as even as possible (the first ones one longer)."""
+    sizes = [len(c) for c in np.array_split(np.arange(T), 2 * n)]
+    ends = np.cumsum([0] + sizes)
+    return [(int(ends[c]), int(ends[c + 1])) for c in range(2 * n)]
+
+
+def positions(T: int, n: int, r: int) -> np.ndarray:
+    """The global positions rank r of n holds: chunks r and 2n-1-r, in order."""
+    b = chunk_bounds(T, n)
+    return np.concatenate([np.arange(*b[r]), np.arange(*b[2 * n - 1 - r])])
+
+
+def work(T: int, n: int) -> list[int]:
+    """(query, key) pairs each rank scores under the causal mask (the load balance)."""
+    out = []
+    for r in range(n):
+        p = positions(T, n, r)
+        out.append(int((p + 1).sum()))          # position t attends to t + 1 positions
+    return out
+
+
+class ContextParallel:
+    """The context-parallel group ``comm`` and how attention crosses it (``impl``)."""
+
+    def __init__(self, comm, impl: str = "ring"):
+        if impl not in IMPLS:
+            raise ValueError(f"context-parallel impl must be one of {IMPLS}, got {impl!r}")
+        self.comm, self.impl = comm, impl
+        self.n, self.rank = comm.size, comm.rank
+        self.T = None                           # the full sequence length of the batch in hand
+        self._pos: dict = {}
+
+    def __repr__(self):
+        return f"ContextParallel(n={self.n}, rank={self.rank}, impl={self.impl})"
+
+    def attach(self, model) -> None:
+        """Make ``model`` (an nn.GPT or TensorParallelGPT) take this rank's slice of each
+        sequence: the model and its attention layers consult ``cp``."""
+        model.cp = self
+        for m in model.modules():
+            if hasattr(m, "causal_mask"):
+                m.cp = self
+
+    # ---- the layout ------------------------------------------------------------------------
+    def begin(self, T: int) -> None:
+        """The batch in hand has sequences of T positions (every model entry point says so)."""
+        if T < 2 * self.n:
+            raise ValueError(f"--cp {self.n} needs sequences of at least {2 * self.n} "
+                             f"positions (2 chunks a rank), got {T}")
+        self.T = T
+
+    def positions(self, r: int | None = None):
+        """Global positions of rank r's tokens (host int64), for the current T."""
+        r = self.rank if r is None else r
+        key = (self.T, r)
+        if key not in self._pos:
+            self._pos[key] = positions(self.T, self.n, r)
+        return self._pos[key]
+
+    def local_length(self, T: int) -> int:
+        self.begin(T)
+        return len(self.positions())
+
+    def take(self, idx):
+        """This rank's columns of (B, T) tokens, and their positions (on idx's device)."""
+        self.begin(idx.shape[1])
+        xp = backend.array_module(idx)
+        pos = xp.asarray(self.positions())
+        return idx[:, pos], pos
+
+    # ---- the model's hooks -----------------------------------------------------------------
+    def attention(self, qkv: Tensor, n_head: int) -> Tensor:
+        if self.n == 1:
+            return ops.fused_attention(qkv, n_head)
+        if self.impl == "ring":
+            return ring_attention(self, qkv, n_head)
+        from .ulysses import ulysses_attention
+        return ulysses_attention(self, qkv, n_head)
+
+    def loss(self, local_mean: Tensor, targets, ignore_index: int) -> Tensor:
+        """This rank's share of the sequence-mean loss, times N: the group's average is the
+        one-process mean (the scored positions counted on the whole targets, no message)."""
+        xp = backend.array_module(targets)
+        every = max(int((targets != ignore_index).sum()), 1)
+        mine = max(int((targets[:, xp.asarray(self.positions())] != ignore_index).sum()), 1)
+        return local_mean * (mine * self.n / every)
+
+    def local_targets(self, targets):
+        xp = backend.array_module(targets)
+        return targets[:, xp.asarray(self.positions())]
+
+    def finish(self, logits: Tensor, local_mean, targets, ignore_index: int, training: bool):
+        """The model's (logits, loss), or logits: in training this rank's logits and its share
+        of the loss (``loss``); in evaluation the whole sequence's logits in position order on
+        every rank and the sequence-mean loss (collective over the group)."""
+        if training:
+            return logits if targets is None else \
+                (logits, self.loss(local_mean, targets, ignore_index))
+        xp = backend.array_module(logits.data)
+        parts = alltoall(self.comm, [xp.ascontiguousarray(logits.data)] * self.n)
+        full = xp.empty((logits.shape[0], self.T) + tuple(logits.shape[2:]), dtype=logits.dtype)
+        for r, part in enumerate(parts):
+            full[:, xp.asarray(self.positions(r))] = part
+        if targets is None:
+            return Tensor(full)
+        share = float(self.loss(local_mean, targets, ignore_index).data) / self.n
+        total = self.comm.allreduce(np.array([share]))
+        return Tensor(full), Tensor(xp.asarray(total[0]))
+
+
+def alltoall(comm, sends: list, tag: int = TAG_A2A) -> list:
+    """sends[j] goes to rank j; returns what each rank sent this one, [r] from rank r. All
+    non-blocking point-to-point on ``comm`` (the pipeline's path to the wire)."""
+    n, me = comm.size, comm.rank
+    recvs = {r: comm.irecv(r, tag) for r in range(n) if r != me}
+    handles = [comm.isend(sends[j], j, tag) for j in range(n) if j != me]
+    out = [sends[me] if r == me else recvs[r].wait() for r in range(n)]
+    for h in handles:
+        h.wait()
+    return out
+
+
+# ---- ring attention ------------------------------------------------------------------------
+def _split_qkv(qkv, n_head: int):
+    """(B, T, 3C) -> q, k, v each (B, H, T, hs), contiguous, in a float type fit to sum in."""
+    B, T, C3 = qkv.shape
+    hs = C3 // 3 // n_head
+    a = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+    if a.dtype.itemsize < 4:
+        a = a.astype(np.float32)
+    xp = backend.array_module(qkv)
+    return xp.ascontiguousarray(a[0]), xp.ascontiguousarray(a[1]), xp.ascontiguousarray(a[2])
+
+
+def _visible(pq: np.ndarray, pk: np.ndarray):
+    """The causal mask of queries at pq over keys at pk, and the rows and columns it touches
+    (as slices where contiguous: the balanced layout's always are)."""
+    mask = pq[:, None] >= pk[None, :]
+    rows, cols = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
+    return mask[np.ix_(rows, cols)], _as_slice(rows), _as_slice(cols)
+
+
+def _as_slice(ix: np.ndarray):
+    if len(ix) and ix[-1] - ix[0] + 1 == len(ix):
+        return slice(int(ix[0]), int(ix[-1]) + 1)
+    return ix if len(ix) else None
+
+
+def _block_forward(q, k, v, pq, pk, scale, out, lse) -> None:
+    """Merge the attention of q over one K/V block into (out, lse), in place."""
+    mask, rows, cols = _visible(pq, pk)
+    if rows is None:
+        return
+    xp = backend.array_module(q)
+    qs, ks, vs = q[:, :, rows], k[:, :, cols], v[:, :, cols]
+    s = xp.matmul(qs, ks.transpose(0, 1, 3, 2)) * scale
+    if not mask.all():
+        s = xp.where(xp.asarray(mask), s, -np.inf)
+    m = s.max(axis=-1)
+    p = xp.exp(s - m[..., None])
+    total = p.sum(axis=-1)
+    ob = xp.matmul(p, vs) / total[..., None]
+    lb = m + xp.log(total)
+    la = lse[:, :, rows]
+    new = xp.maximum(la, lb)
+    new = new + xp.log(xp.exp(la - new) + xp.exp(lb - new))
+    out[:, :, rows] = out[:, :, rows] * xp.exp(la - new)[..., None] + \
+        ob * xp.exp(lb - new)[..., None]
+    lse[:, :, rows] = new
+
+
+def _block_backward(q, k, v, pq, pk, scale, dout, lse, D, dq):
+    """dq += this block's part (in place); returns (dk, dv) of the block."""
+    xp = backend.array_module(q)
+    dkv = xp.zeros((2,) + tuple(k.shape), dtype=k.dtype)
+    mask, rows, cols = _visible(pq, pk)
+    if rows is None:
+        return dkv
+    qs, ks, vs, dos = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
+    s = xp.matmul(qs, ks.transpose(0, 1, 3, 2)) * scale
+    p = xp.exp(s - lse[:, :, rows][..., None])
+    if not mask.all():
+        p = xp.where(xp.asarray(mask), p, 0.0)
+    dkv[1][:, :, cols] = xp.matmul(p.transpose(0, 1, 3, 2), dos)
+    dp = xp.matmul(dos, vs.transpose(0, 1, 3, 2))
+    ds = p * (dp - D[:, :, rows][..., None]) * scale
+    dq[:, :, rows] += xp.matmul(ds, ks)
+    dkv[0][:, :, cols] = xp.matmul(ds.transpose(0, 1, 3, 2), qs)
+    return dkv
+
+
+def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
+    """Causal attention of this rank's tokens over the whole sequence: (B, T_r, 3C) ->
+    (B, T_r, C), K/V travelling round the group (rank i sends to i + 1)."""
+    xp = backend.array_module(qkv.data)
+    comm, n, i = cp.comm, cp.n, cp.rank
+    B, Tl, C3 = qkv.shape
+    q, k, v = _split_qkv(qkv.data, n_head)
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    pos = [cp.positions(r) for r in range(n)]
+    out = xp.zeros_like(q)
+    lse = xp.full(q.shape[:3], -np.inf, dtype=q.dtype)
+    kv = xp.stack([k, v])
+    for s in range(n):
+        nxt = None
+        if s < n - 1:                     # the next block is on its way while this one computes
+            nxt = (comm.isend(kv, (i + 1) % n, TAG_KV), comm.irecv((i - 1) % n, TAG_KV))
+        _block_forward(q, kv[0], kv[1], pos[i], pos[(i - s) % n], scale, out, lse)
+        if nxt is not None:               # receives first: a send completes once received
+            kv = nxt[1].wait()
+            nxt[0].wait()
+    y = out.transpose(0, 2, 1, 3).reshape(B, Tl, C3 // 3).astype(qkv.dtype)
+
+    def backward(g):
+        dout = xp.ascontiguousarray(g.reshape(B, Tl, n_head, -1).transpose(0, 2, 1, 3)
+                                    ).astype(q.dtype)
+        D = (dout * out).sum(axis=-1)
+        dq = xp.zeros_like(q)
+        blk = xp.stack([k, v])
+        acc = xp.zeros_like(blk)              # the dK/dV of the block in hand, accumulating
+        incoming = sent = None
+        for s in range(n):                    # rank i holds block i + s; sends go to i - 1
+            nxt = None
+            if s < n - 1:
+                nxt = (comm.isend(blk, (i - 1) % n, TAG_KV_BACK),
+                       comm.irecv((i + 1) % n, TAG_KV_BACK))
+            part = _block_backward(q, blk[0], blk[1], pos[i], pos[(i + s) % n], scale, dout,
+                                   lse, D, dq)
+            if incoming is not None:          # receives first: a send completes once received
+                acc = incoming.wait()
+                sent.wait()
+            acc = acc + part
+            sent = comm.isend(acc, (i - 1) % n, TAG_DKV)
+            incoming = comm.irecv((i + 1) % n, TAG_DKV)
+            if nxt is not None:
+                blk = nxt[1].wait()
+                nxt[0].wait()
+        dkv = incoming.wait()                 # this rank's own block, from every query
+        sent.wait()
+        d = xp.stack([dq, dkv[0], dkv[1]])    # (3, B, H, T_r, hs)
+        return (d.transpose(1, 3, 0, 2, 4).reshape(B, Tl, C3).astype(qkv.dtype),)
+    return Tensor._make(y, (qkv,), backward)
+
+
+def bytes_per_layer(impl: str, n: int, B: int, T: int, C: int, itemsize: int,
+                    backward: bool = True) -> int:
+    """Bytes the context-parallel group sends for one layer's attention on B sequences of T
+    positions, summed over its ranks (C: the width of this rank's heads): the payload, and
+    each point-to-point message's header (p2p.HEADER_LEN int64s)."""
+    if n == 1:
+        return 0
+    if impl == "ring":
+        fwd, fwd_msgs = 2 * (n - 1) * B * T * C, n * (n - 1)
+        bwd, bwd_msgs = 2 * (n - 1) * B * T * C + 2 * n * B * T * C, n * (n - 1) + n * n
+    else:                             # two all-to-alls each way; each sends (n-1)/n of it
+        fwd = bwd = 4 * (n - 1) * B * T * C // n
+        fwd_msgs = bwd_msgs = 2 * n * (n - 1)
+    header = p2p.HEADER_LEN * 8
+    total = fwd * itemsize + fwd_msgs * header
+    return total + (bwd * itemsize + bwd_msgs * header if backward else 0)

@@ -1,0 +1,58 @@
+"""Context parallelism by all-to-all (DeepSpeed-Ulysses' idea): around attention, this rank's
+tokens of every head become every token of n_head / N heads, and back.
+
+    qkv (B, T_r, 3, H, hs) --all-to-all--> (B, T, 3, H/N, hs) --causal attention-->
+    y (B, T, H/N * hs) --all-to-all--> (B, T_r, H * hs)
+
+Rank j gets heads [j H/N, (j+1) H/N); the tokens arrive in the group's layout (parallel/
+context.py) and are put in position order, so the attention in the middle is the ordinary
+fused one. Each all-to-all's backward is the reverse all-to-all. Needs N to divide the heads
+this rank holds (n_head / tp): the configuration checks it.
+"""
+from __future__ import annotations
+
+from .. import backend, ops
+from ..tensor import Tensor
+from .context import alltoall
+
+
+def _to_heads(cp, a, groups: int):
+    """(B, T_r, 3, H, hs) of this rank's tokens -> (B, T, 3, H/N, hs) of every token."""
+    xp = backend.array_module(a)
+    B = a.shape[0]
+    parts = a.reshape(a.shape[:3] + (groups, -1) + a.shape[4:])
+    got = alltoall(cp.comm, [xp.ascontiguousarray(parts[:, :, :, j]) for j in range(groups)])
+    full = xp.empty((B, cp.T) + got[0].shape[2:], dtype=a.dtype)
+    for r, part in enumerate(got):
+        full[:, xp.asarray(cp.positions(r))] = part
+    return full
+
+
+def _to_tokens(cp, full, groups: int):
+    """(B, T, ...) of this rank's heads -> (B, T_r, N, ...): every group's heads, my tokens."""
+    xp = backend.array_module(full)
+    got = alltoall(cp.comm, [xp.ascontiguousarray(full[:, xp.asarray(cp.positions(r))])
+                             for r in range(groups)])
+    return xp.stack(got, axis=2)
+
+
+def ulysses_attention(cp, qkv: Tensor, n_head: int) -> Tensor:
+    """(B, T_r, 3C) of this rank's tokens -> (B, T_r, C), attention by all-to-all."""
+    n = cp.n
+    B, Tl, C3 = qkv.shape
+    hs = C3 // 3 // n_head
+    heads = n_head // n
+
+    def forward(a):                              # sequence-split -> head-split
+        return _to_heads(cp, a.reshape(B, Tl, 3, n_head, hs), n).reshape(B, cp.T, 3 * heads * hs)
+
+    def backward(g):
+        back = _to_tokens(cp, g.reshape(B, cp.T, 3, heads, hs), n)    # (B, T_r, N, 3, H/N, hs)
+        return (back.transpose(0, 1, 3, 2, 4, 5).reshape(B, Tl, C3),)
+    split = Tensor._make(forward(qkv.data), (qkv,), backward)
+    y = ops.fused_attention(split, heads)                                # (B, T, H/N * hs)
+
+    def back_to_heads(g):
+        return (_to_heads(cp, g.reshape(B, Tl, 1, n_head, hs), n).reshape(B, cp.T, heads * hs),)
+    out = _to_tokens(cp, y.data, n).reshape(B, Tl, C3 // 3)
+    return Tensor._make(out, (y,), back_to_heads)

@@ -1,0 +1,115 @@
+"""Context parallelism against its oracles: in fp64 every layout with --cp trains like one
+process (loss and gradient norm per step, to 1e-10), in both variants; the bytes each step
+sends over the context-parallel group equal the formula; checkpoints load across CP sizes."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcdist.comm import Communicator
+from hpcdist.parallel import context
+from hpcdist.train import train
+
+from helpers import small
+
+pytestmark = pytest.mark.mpi
+
+# 6 heads: cp 2 and 3 divide them (ulysses); sort of 5 digits: 9 positions, which split
+# unevenly into 2 x cp chunks for every cp (19 at cp 5).
+CP_MODEL = dict(n_head=6, n_embd=24, n_layer=2, length=5, grad_clip=1.0)
+
+# (settings, world): each case at the smallest world that shows it
+CASES = [({"cp": 2}, 2), ({"cp": 3}, 3), ({"cp": 2, "tp": 2}, 4), ({"cp": 2}, 4),
+         ({"cp": 2, "pp": 2, "micro_batches": 3}, 4), ({"cp": 2, "zero": 1}, 4), ({"cp": 2, "zero": 2}, 4),
+         ({"cp": 2, "zero": 3}, 4), ({"cp": 2, "checkpoint_activations": True}, 2),
+         ({"cp": 2, "grad_accum": 2}, 2), ({"cp": 2, "pp": 2, "schedule": "gpipe", "micro_batches": 2}, 4),
+         ({"cp": 2, "tp": 2, "sequence_parallel": True, "pp": 2, "micro_batches": 3}, 8),
+         ({"cp": 5, "length": 10}, 5)]
+
+
+def _history(cfg, comm, on_build=None):
+    final = train(cfg, comm, log=lambda *a: None, on_build=on_build)
+    return final, np.array([[r["loss"], r["grad_norm"]] for r in final["history"]])
+
+
+def _reference(cfg, replicas):
+    solo = Communicator(MPI.COMM_SELF)
+    try:
+        return _history(cfg.__class__(**{**vars(cfg), "cp": 1, "cp_impl": "ring", "tp": 1,
+                                          "pp": 1, "zero": 0, "sequence_parallel": False,
+                                          "schedule": "1f1b",
+                                          "batch_size": cfg.batch_size * replicas}), solo)
+    finally:
+        solo.close()
+
+
+def _cases(world):
+    return [c for c, w in CASES if w == world]
+
+
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_cp_trains_like_one_process(comm, tmp_path, impl):
+    cases = _cases(comm.size)
+    if not cases:
+        pytest.skip(f"no context-parallel case runs on {comm.size} ranks")
+    for i, extra in enumerate(cases):
+        if impl == "ulysses" and (CP_MODEL["n_head"] // extra.get("tp", 1)) % extra["cp"]:
+            continue
+        cfg = small(**{**CP_MODEL, **extra}, cp_impl=impl, out_dir=str(tmp_path / str(i)))
+        final, got = _history(cfg, comm)
+        replicas = comm.size // (cfg.cp * cfg.tp * cfg.pp)
+        ref_final, ref = _reference(cfg, replicas)
+        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12, err_msg=f"{impl} {extra}")
+        np.testing.assert_allclose(final["test_loss"], ref_final["test_loss"], rtol=1e-10)
+        assert final["accuracy"] == ref_final["accuracy"]
+
+
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_bytes_per_step_equal_the_formula(comm, tmp_path, impl):
+    if comm.size not in (2, 3):
+        pytest.skip("the formula is checked at cp 2 and 3")
+    seen = []
+
+    def probe(step):
+        cp_comm = step.mesh.cp_comm
+        inner = step.forward_backward
+
+        def counted(x, y, scale=1.0):
+            before = cp_comm.bytes_sent
+            loss = inner(x, y, scale)
+            seen.append((cp_comm.bytes_sent - before, x.shape))
+            return loss
+        step.forward_backward = counted
+    cfg = small(**CP_MODEL, cp=comm.size, cp_impl=impl, out_dir=str(tmp_path))
+    train(cfg, comm, log=lambda *a: None, on_build=probe)
+    for sent, (B, T) in seen:
+        total = comm.allreduce(np.array([sent], dtype=np.int64))[0]
+        want = cfg.n_layer * context.bytes_per_layer(impl, comm.size, B, T, cfg.n_embd, 8)
+        assert total == want, (impl, total, want)
+
+
+def test_the_layout_balances_causal_work():
+    for n in (2, 3, 4, 8):
+        for T in (64, 257, 1000):
+            w = context.work(T, n)
+            assert sum(w) == T * (T + 1) // 2
+            assert max(w) / min(w) < 1 + 4.0 / (T / n)       # equal but for chunk rounding
+            # every position held once
+            pos = np.sort(np.concatenate([context.positions(T, n, r) for r in range(n)]))
+            np.testing.assert_array_equal(pos, np.arange(T))
+
+
+def test_checkpoints_load_across_cp_sizes(comm, shared_dir):
+    if comm.size != 2:
+        pytest.skip("cp 2 <-> tp 2 on 2 ranks (one replica each: the same batches)")
+    for impl, before, after in (("ring", {"cp": 2}, {"tp": 2}),
+                                ("ulysses", {"tp": 2}, {"cp": 2})):
+        whole = small(**CP_MODEL, **before, cp_impl=impl if "cp" in before else "ring",
+                      out_dir=f"{shared_dir}/{impl}-whole")
+        _, ref = _history(whole, comm)
+        save = f"{shared_dir}/{impl}-ckpt"
+        train(small(**CP_MODEL, **before, cp_impl=whole.cp_impl, steps=2, save_dir=save,
+                    out_dir=f"{shared_dir}/{impl}-a"), comm, log=lambda *a: None)
+        _, got = _history(small(**CP_MODEL, **after, cp_impl=impl if "cp" in after else "ring",
+                                save_dir=save, resume=True, out_dir=f"{shared_dir}/{impl}-b"),
+                          comm)
+        np.testing.assert_allclose(got, ref[2:], rtol=1e-10, err_msg=f"{before} -> {after}")

@@ -7,6 +7,7 @@ BENCHMARKS = {
     "checkpoint": "hpcdist.bench.checkpoint",
     "collectives": "hpcdist.bench.collectives",
     "compression": "hpcdist.bench.compression",
+    "cp": "hpcdist.bench.cp",
     "ddp": "hpcdist.bench.ddp",
     "exchange": "hpcdist.bench.exchange",
     "gpu": "hpcdist.bench.gpu",

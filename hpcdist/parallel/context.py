@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend, ops
+from .. import backend, ops, timeline
 from ..comm import p2p
 from ..tensor import Tensor
+from .ulysses import alltoall, ulysses_attention
 
 IMPLS = ("ring", "ulysses")
-TAG_KV, TAG_KV_BACK, TAG_DKV, TAG_A2A = 101, 102, 103, 104
+TAG_KV, TAG_KV_BACK, TAG_DKV = 101, 102, 103
 
 
 def chunk_bounds(T: int, n: int) -> list[tuple[int, int]]:
@@ -107,7 +108,6 @@ class ContextParallel:
             return ops.fused_attention(qkv, n_head)
         if self.impl == "ring":
             return ring_attention(self, qkv, n_head)
-        from .ulysses import ulysses_attention
         return ulysses_attention(self, qkv, n_head)
 
     def loss(self, local_mean: Tensor, targets, ignore_index: int) -> Tensor:
@@ -141,18 +141,6 @@ class ContextParallel:
         return Tensor(full), Tensor(xp.asarray(total[0]))
 
 
-def alltoall(comm, sends: list, tag: int = TAG_A2A) -> list:
-    """sends[j] goes to rank j; returns what each rank sent this one, [r] from rank r. All
-    non-blocking point-to-point on ``comm`` (the pipeline's path to the wire)."""
-    n, me = comm.size, comm.rank
-    recvs = {r: comm.irecv(r, tag) for r in range(n) if r != me}
-    handles = [comm.isend(sends[j], j, tag) for j in range(n) if j != me]
-    out = [sends[me] if r == me else recvs[r].wait() for r in range(n)]
-    for h in handles:
-        h.wait()
-    return out
-
-
 # ---- ring attention ------------------------------------------------------------------------
 def _split_qkv(qkv, n_head: int):
     """(B, T, 3C) -> q, k, v each (B, H, T, hs), contiguous, in a float type fit to sum in."""
@@ -166,11 +154,13 @@ def _split_qkv(qkv, n_head: int):
 
 
 def _visible(pq: np.ndarray, pk: np.ndarray):
-    """The causal mask of queries at pq over keys at pk, and the rows and columns it touches
-    (as slices where contiguous: the balanced layout's always are)."""
+    """The causal mask of queries at pq over keys at pk, cut to the rows and columns it
+    touches (as slices where contiguous: the balanced layout's always are): (mask or None
+    when all visible, rows, cols)."""
     mask = pq[:, None] >= pk[None, :]
     rows, cols = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
-    return mask[np.ix_(rows, cols)], _as_slice(rows), _as_slice(cols)
+    mask = mask[np.ix_(rows, cols)]
+    return (None if mask.all() else mask), _as_slice(rows), _as_slice(cols)
 
 
 def _as_slice(ix: np.ndarray):
@@ -179,24 +169,35 @@ def _as_slice(ix: np.ndarray):
     return ix if len(ix) else None
 
 
+def _scores(qs, ks, scale):
+    """q k^T * scale, (B, H, Tq, Tk): the one block-sized array the forward makes (in place
+    from here on: a block's transient memory is one or two score-sized arrays)."""
+    xp = backend.array_module(qs)
+    s = xp.matmul(qs, ks.transpose(0, 1, 3, 2))
+    s *= scale
+    return s
+
+
 def _block_forward(q, k, v, pq, pk, scale, out, lse) -> None:
     """Merge the attention of q over one K/V block into (out, lse), in place."""
     mask, rows, cols = _visible(pq, pk)
     if rows is None:
         return
     xp = backend.array_module(q)
-    qs, ks, vs = q[:, :, rows], k[:, :, cols], v[:, :, cols]
-    s = xp.matmul(qs, ks.transpose(0, 1, 3, 2)) * scale
-    if not mask.all():
-        s = xp.where(xp.asarray(mask), s, -np.inf)
+    s = _scores(q[:, :, rows], k[:, :, cols], scale)
+    if mask is not None:                 # -inf where a query may not look
+        s += xp.asarray(np.where(mask, 0.0, -np.inf).astype(s.dtype))
     m = s.max(axis=-1)
-    p = xp.exp(s - m[..., None])
+    s -= m[..., None]
+    p = xp.exp(s, out=s)
     total = p.sum(axis=-1)
-    ob = xp.matmul(p, vs) / total[..., None]
+    ob = xp.matmul(p, v[:, :, cols])
+    del s, p
+    ob /= total[..., None]
     lb = m + xp.log(total)
     la = lse[:, :, rows]
     new = xp.maximum(la, lb)
-    new = new + xp.log(xp.exp(la - new) + xp.exp(lb - new))
+    new += xp.log(xp.exp(la - new) + xp.exp(lb - new))
     out[:, :, rows] = out[:, :, rows] * xp.exp(la - new)[..., None] + \
         ob * xp.exp(lb - new)[..., None]
     lse[:, :, rows] = new
@@ -210,13 +211,17 @@ def _block_backward(q, k, v, pq, pk, scale, dout, lse, D, dq):
     if rows is None:
         return dkv
     qs, ks, vs, dos = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
-    s = xp.matmul(qs, ks.transpose(0, 1, 3, 2)) * scale
-    p = xp.exp(s - lse[:, :, rows][..., None])
-    if not mask.all():
-        p = xp.where(xp.asarray(mask), p, 0.0)
+    p = _scores(qs, ks, scale)
+    p -= lse[:, :, rows][..., None]
+    xp.exp(p, out=p)                     # the probabilities, from the saved log-sum-exp
+    if mask is not None:
+        p *= xp.asarray(mask.astype(p.dtype))
     dkv[1][:, :, cols] = xp.matmul(p.transpose(0, 1, 3, 2), dos)
-    dp = xp.matmul(dos, vs.transpose(0, 1, 3, 2))
-    ds = p * (dp - D[:, :, rows][..., None]) * scale
+    ds = xp.matmul(dos, vs.transpose(0, 1, 3, 2))
+    ds -= D[:, :, rows][..., None]
+    ds *= p
+    del p
+    ds *= scale
     dq[:, :, rows] += xp.matmul(ds, ks)
     dkv[0][:, :, cols] = xp.matmul(ds.transpose(0, 1, 3, 2), qs)
     return dkv
@@ -238,10 +243,12 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
         nxt = None
         if s < n - 1:                     # the next block is on its way while this one computes
             nxt = (comm.isend(kv, (i + 1) % n, TAG_KV), comm.irecv((i - 1) % n, TAG_KV))
-        _block_forward(q, kv[0], kv[1], pos[i], pos[(i - s) % n], scale, out, lse)
+        with timeline.span("cp block", cat="cp", step=s):
+            _block_forward(q, kv[0], kv[1], pos[i], pos[(i - s) % n], scale, out, lse)
         if nxt is not None:               # receives first: a send completes once received
-            kv = nxt[1].wait()
-            nxt[0].wait()
+            with timeline.span("cp wait", cat="cp", step=s):
+                kv = nxt[1].wait()
+                nxt[0].wait()
     y = out.transpose(0, 2, 1, 3).reshape(B, Tl, C3 // 3).astype(qkv.dtype)
 
     def backward(g):
@@ -257,19 +264,23 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
             if s < n - 1:
                 nxt = (comm.isend(blk, (i - 1) % n, TAG_KV_BACK),
                        comm.irecv((i + 1) % n, TAG_KV_BACK))
-            part = _block_backward(q, blk[0], blk[1], pos[i], pos[(i + s) % n], scale, dout,
-                                   lse, D, dq)
+            with timeline.span("cp block", cat="cp", step=s):
+                part = _block_backward(q, blk[0], blk[1], pos[i], pos[(i + s) % n], scale,
+                                       dout, lse, D, dq)
             if incoming is not None:          # receives first: a send completes once received
-                acc = incoming.wait()
-                sent.wait()
+                with timeline.span("cp wait", cat="cp", step=s):
+                    acc = incoming.wait()
+                    sent.wait()
             acc = acc + part
             sent = comm.isend(acc, (i - 1) % n, TAG_DKV)
             incoming = comm.irecv((i + 1) % n, TAG_DKV)
             if nxt is not None:
-                blk = nxt[1].wait()
-                nxt[0].wait()
-        dkv = incoming.wait()                 # this rank's own block, from every query
-        sent.wait()
+                with timeline.span("cp wait", cat="cp", step=s):
+                    blk = nxt[1].wait()
+                    nxt[0].wait()
+        with timeline.span("cp wait", cat="cp", step=n):
+            dkv = incoming.wait()             # this rank's own block, from every query
+            sent.wait()
         d = xp.stack([dq, dkv[0], dkv[1]])    # (3, B, H, T_r, hs)
         return (d.transpose(1, 3, 0, 2, 4).reshape(B, Tl, C3).astype(qkv.dtype),)
     return Tensor._make(y, (qkv,), backward)

@@ -11,9 +11,23 @@ this rank holds (n_head / tp): the configuration checks it.
 """
 from __future__ import annotations
 
-from .. import backend, ops
+from .. import backend, ops, timeline
 from ..tensor import Tensor
-from .context import alltoall
+
+TAG_A2A = 104
+
+
+def alltoall(comm, sends: list, tag: int = TAG_A2A) -> list:
+    """sends[j] goes to rank j; returns what each rank sent this one, [r] from rank r. All
+    non-blocking point-to-point on ``comm`` (the pipeline's path to the wire)."""
+    n, me = comm.size, comm.rank
+    with timeline.span("cp all-to-all", cat="cp"):
+        recvs = {r: comm.irecv(r, tag) for r in range(n) if r != me}
+        handles = [comm.isend(sends[j], j, tag) for j in range(n) if j != me]
+        out = [sends[me] if r == me else recvs[r].wait() for r in range(n)]
+        for h in handles:
+            h.wait()
+    return out
 
 
 def _to_heads(cp, a, groups: int):

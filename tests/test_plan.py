@@ -1,10 +1,12 @@
 """The layout planner (hpcdist/plan/): a complete search, the pipeline model against our own
 simulator, memory against ZeRO's formulas, and Narayanan et al.'s published runs."""
 import itertools
+import re
 
 import pytest
 
 from hpcdist import plan as P
+from hpcdist.plan import cli  # noqa: F401  (P.cli)
 from hpcdist.parallel import schedules as S
 
 NARAYANAN_TABLE_1 = P.NARAYANAN_TABLE_1
@@ -33,28 +35,31 @@ def test_the_search_considers_every_layout_or_says_why_not():
     model = P.Model(8, 512, 8, 256, 1000)
     gpus, per_node, batch = 16, 4, 32
     layouts, refused = P.candidates(model, gpus, per_node, batch)
-    seen = {(L.tp, L.pp, L.dp) for L in layouts} | {(r["tp"], r["pp"], r["dp"])
-                                                    for r, _ in refused}
-    assert seen == {(t, p, gpus // (t * p)) for t in P._divisors(gpus)
-                    for p in P._divisors(gpus // t)}
+    seen = {(L.tp, L.pp, L.cp, L.dp) for L in layouts} | {
+        (r["tp"], r["pp"], r["cp"], r["dp"]) for r, _ in refused}
+    assert seen == {(t, p, c, gpus // (t * p * c)) for t in P._divisors(gpus)
+                    for c in (1, 2, 4, 8) if (gpus // t) % c == 0
+                    for p in P._divisors(gpus // (t * c))}
     assert all(why for _, why in refused)
     assert any("leaves the node" in why for _, why in refused)         # TP 8, 16 > 4 per node
     assert any("ZeRO-2 shards" in why for _, why in refused)
     for L in layouts:
-        assert L.tp <= per_node and model.layers % L.pp == 0 and batch % L.dp == 0
+        assert L.tp <= per_node and batch % L.dp == 0
+        assert sum(L.stages(model.layers)) == model.layers and min(L.stages(model.layers)) >= 1
         assert L.micro_batch * L.micro_batches * L.dp == batch
         assert not (L.pp > 1 and L.zero > 1)
     # every combination of the axes for one valid mesh is there
-    mesh = [L for L in layouts if (L.tp, L.pp) == (2, 2)]
+    mesh = [L for L in layouts if (L.tp, L.pp, L.cp) == (2, 2, 1) and not L.split]
     assert {(L.zero, L.recompute, L.sp) for L in mesh} == set(itertools.product(
         (0, 1), (False, True), (False, True)))
+    assert {L.cp_impl for L in layouts if L.cp == 2} == {"ring", "ulysses"}
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
 def test_closed_forms_match_the_simulator(name, v):
-    for P_, m in ((2, 4), (4, 8), (4, 12)):
-        sim = S.verify(S.make(name, P_, m, v), P_, m, v, costs={"F": 1.0, "B": 2.0})
-        total, bubble = P.closed_form(name, P_, m, v, 1.0, 2.0)
+    for (P_, m), ratio in itertools.product(((2, 4), (4, 8), (4, 12), (3, 9)), (2.0, 1.35, 3.1)):
+        sim = S.verify(S.make(name, P_, m, v), P_, m, v, costs={"F": 1.0, "B": ratio})
+        total, bubble = P.closed_form(name, P_, m, v, 1.0, ratio)
         assert total == pytest.approx(sim.makespan) and bubble == pytest.approx(sim.bubble)
 
 
@@ -186,12 +191,17 @@ def _mesh_rank(model, gpu, gpus, batch, tp, pp, settings):
 def test_the_seed_70b_layout_with_the_features_of_its_time():
     """The seed's answer for a 70B on 512 A100s — TP 8, PP 4, DP 16 — is among the planner's
     top three meshes when it searches what Megatron-LM offered then (no ZeRO, no sequence
-    parallelism, 1F1B and interleaved); with all of hpcdist's features it is 4th."""
+    parallelism, 1F1B and interleaved); with all of hpcdist's features (ZeRO, sequence and
+    context parallelism, ZB-H1, uneven splits) a dozen meshes come within 5% of each other
+    and it stays among them, behind layouts that use those features."""
     model = P.Model(80, 8192, 64, 2048, 32000)
     gpu = P.HARDWARE["a100-80g"]
     then = P.Settings(**P.FEATURES["megatron-2021"])
     assert _mesh_rank(model, gpu, 512, 1536, 8, 4, then) <= 3
-    assert _mesh_rank(model, gpu, 512, 1536, 8, 4, P.Settings()) == 4
+    meshes = P.best_per_mesh(P.plan(model, gpu, 512, 8, 1536, P.Settings())[0])
+    published = next(e for e in meshes if (e.layout.tp, e.layout.pp, e.layout.cp) == (8, 4, 1))
+    assert published.step_s <= 1.05 * meshes[0].step_s
+    assert meshes[0].layout.zero > 0 or meshes[0].layout.cp > 1
 
 
 @pytest.mark.parametrize("row", [r for r in NARAYANAN_TABLE_1 if r[0] >= 39],
@@ -235,3 +245,81 @@ def test_a_step_holds_the_activations_the_planner_counts(recompute):
     # rebuilt in backward, though by then they are freed: 6% over, the bound holds
     assert held == pytest.approx(want, rel=0.02 if not recompute else 0.1)
     assert held <= want * 1.02
+
+
+# ---- context parallelism, uneven splits, the command line ----------------------------------
+
+def test_a_layer_count_no_pipeline_divides_gets_ranked_layouts():
+    """70 layers on 3 nodes: only a pipeline fits, and PP 3, 6, 12, 24 divide no 70 evenly
+    (PP 2 does, but does not fit): uneven splits, the ends lighter, are ranked."""
+    model = P.Model(70, 8192, 64, 4096, 32000)
+    fits, refused = P.plan(model, P.HARDWARE["a100-80g"], 24, 8, 48)
+    assert fits
+    uneven = [e for e in fits if e.layout.split]
+    assert uneven and uneven[0] is fits[0] or uneven[0].step_s <= 1.05 * fits[0].step_s
+    for e in uneven:
+        split = e.layout.split
+        assert sum(split) == 70 and len(split) == e.layout.pp
+        assert split[0] <= max(split) and split[-1] <= max(split)
+        assert min(split[1:-1] or split) >= max(split[0], split[-1]) - 1
+    assert P.stage_splits(70, 3)[0] == (23, 24, 23)            # the middle takes the extra
+    assert P.stage_splits(25, 2) == [(13, 12)] and P.stage_splits(3, 4) == []
+
+
+def test_context_parallelism_wins_for_long_sequences_and_not_for_short():
+    gpu = P.HARDWARE["a100-80g"]
+    long_ = P.best_per_mesh(P.plan(P.Model(8, 512, 8, 131072, 32000), gpu, 8, 8, 8)[0])
+    assert long_ and long_[0].layout.cp > 1
+    without = P.plan(P.Model(8, 512, 8, 131072, 32000), gpu, 8, 8, 8,
+                     P.Settings(cp_sizes=(1,)))[0]
+    assert not without or without[0].step_s > long_[0].step_s
+    # memory: CP c holds 1/c of the tokens' activations (ring: (s/c)^2 scores)
+    m = P.Model(8, 512, 8, 32768, 32000)
+    act = {c: P.activations(m, P.Layout(1, 1, 8 // c, 0, 1, 1, "none", 1, False, False, c))
+           for c in (1, 2, 4)}
+    assert act[2] < act[1] / 2 and act[4] < act[2] / 2
+    uly = P.activations(m, P.Layout(1, 1, 4, 0, 1, 1, "none", 1, False, False, 2, "ulysses"))
+    assert act[2] < uly < act[1]
+
+
+def test_nothing_fits_exits_non_zero_with_the_nearest_misses_first(capsys):
+    args = ["--layers", "70", "--hidden", "8192", "--heads", "64", "--seq", "4096",
+            "--vocab", "32000", "--global-batch", "48", "--gpus", "8", "--gpu", "a100-40g"]
+    assert P.main(args) == 1
+    out = capsys.readouterr().out
+    lines = out.split("nothing fits; the nearest misses first:\n")[1].splitlines()
+    overs = [float(x.split("(")[-1].split(" GB over")[0]) for x in lines if "GB over" in x]
+    assert overs and overs == sorted(overs) and "GB over" in lines[0]
+    assert P.main(args + ["--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "[]" and "nearest misses" in captured.err
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        P.main(["--help"])
+    text = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    ap = P.cli.parser()
+    for action in ap._actions:
+        if action.option_strings and action.dest != "help" and not action.required:
+            flag = action.option_strings[0]
+            start = re.search(r"\n  " + re.escape(flag) + r"[ \n]", text).end()
+            block = text[start:].split("\n  --", 1)[0]
+            assert "default:" in block, flag
+
+
+@pytest.mark.parametrize("gpus,seq,expect", [(8, 131072, "mpirun -n 8"),
+                                             (16, 2048, "sbatch -N 2")])
+def test_the_best_layout_comes_as_a_command_the_trainer_takes(capsys, gpus, seq, expect):
+    from hpcdist.config import parse_config
+    assert P.main(["--layers", "8", "--hidden", "512", "--heads", "8", "--seq", str(seq),
+                   "--vocab", "32000", "--global-batch", "16", "--gpus", str(gpus)]) == 0
+    out = capsys.readouterr().out
+    line = out.split("run it")[1].splitlines()[1].strip()
+    assert line.startswith(expect)
+    args = line.split("hpcdist.train ", 1)[1] if "hpcdist.train" in line else \
+        line.split(".sbatch ", 1)[1]
+    cfg = parse_config(args.split())
+    assert cfg.n_layer == 8 and cfg.block_size == seq
+    if seq > 100000:
+        assert cfg.cp > 1

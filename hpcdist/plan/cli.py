@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from dataclasses import replace
 
@@ -32,39 +34,52 @@ def calibrated(gpu: GPU, settings: Settings, path: str) -> tuple:
     return gpu, settings
 
 
-def main(argv=None) -> int:
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The package docstring as written, and every option's default."""
+
+    def _get_help_string(self, action):
+        return action.help if action.required else super()._get_help_string(action)
+
+
+def parser() -> argparse.ArgumentParser:
     doc = sys.modules[__package__].__doc__
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.plan",
-                                 description=doc.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=doc.split("\n\n", 1)[1])
-    ap.add_argument("--model", default="gpt", choices=("gpt",))
-    ap.add_argument("--layers", type=int, required=True)
-    ap.add_argument("--hidden", type=int, required=True)
-    ap.add_argument("--heads", type=int, required=True)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=51200)
-    ap.add_argument("--global-batch", type=int, required=True)
-    ap.add_argument("--gpus", type=int, required=True)
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--gpu", default="a100-80g", choices=sorted(HARDWARE) + ["custom"])
-    ap.add_argument("--peak-tflops", type=float, help="custom: dense TFLOP/s of --dtype")
-    ap.add_argument("--memory-gb", type=float, help="custom: memory per GPU")
-    ap.add_argument("--nvlink-gbs", type=float, help="custom: NVLink GB/s each way")
-    ap.add_argument("--network-gbs", type=float, help="custom: network GB/s per GPU")
-    ap.add_argument("--efficiency", type=float, default=Settings.efficiency,
-                    help="fraction of the peak the layers' matmuls reach")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    ap.add_argument("--tp-across-nodes", action="store_true")
-    ap.add_argument("--no-sequence-parallel", action="store_true",
-                    help="leave sequence parallelism out (a framework without it)")
-    ap.add_argument("--features", default="all", choices=sorted(FEATURES),
-                    help="what the framework offers: all of hpcdist's, or megatron-2021 (no "
-                         "ZeRO, no sequence parallelism, 1F1B and interleaved only)")
-    ap.add_argument("--calibrate", help="JSON of measured efficiency, links and overheads "
-                    "(bench plan's runs/bench/bench_plan.json)")
-    ap.add_argument("--top", type=int, default=10)
-    ap.add_argument("--json", action="store_true", help="the ranked list as JSON")
+    ap = argparse.ArgumentParser(prog="python -m hpcdist.plan", description=doc.split("\n\n")[0],
+                                 formatter_class=_Help, epilog=doc.split("\n\n", 1)[1])
+    add = ap.add_argument
+    add("--model", default="gpt", choices=("gpt",), help="the model family")
+    add("--layers", type=int, required=True, help="transformer blocks (required)")
+    add("--hidden", type=int, required=True, help="model width (required)")
+    add("--heads", type=int, required=True, help="attention heads (required)")
+    add("--seq", type=int, default=2048, help="sequence length")
+    add("--vocab", type=int, default=51200, help="vocabulary size")
+    add("--global-batch", type=int, required=True, help="sequences per step (required)")
+    add("--gpus", type=int, required=True, help="GPUs in all (required)")
+    add("--gpus-per-node", type=int, default=8, help="GPUs per node")
+    add("--gpu", default="a100-80g", choices=sorted(HARDWARE) + ["custom"], help="the card")
+    add("--peak-tflops", type=float, help="custom: dense TFLOP/s of --dtype")
+    add("--memory-gb", type=float, help="custom: memory per GPU")
+    add("--nvlink-gbs", type=float, help="custom: NVLink GB/s each way")
+    add("--network-gbs", type=float, help="custom: network GB/s per GPU")
+    add("--efficiency", type=float, default=Settings.efficiency,
+        help="fraction of the peak the layers' matmuls reach")
+    add("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute precision")
+    add("--tp-across-nodes", action="store_true", help="consider TP groups that leave a node")
+    add("--no-sequence-parallel", action="store_true",
+        help="leave sequence parallelism out (a framework without it)")
+    add("--max-cp", type=int, default=max(Settings.cp_sizes),
+        help="the largest context-parallel size considered (1: none)")
+    add("--features", default="all", choices=sorted(FEATURES),
+        help="what the framework offers: all of hpcdist's, or megatron-2021 (no ZeRO, no "
+             "sequence or context parallelism, even splits, 1F1B and interleaved only)")
+    add("--calibrate", help="JSON of measured efficiency, links and overheads (bench plan's "
+                            "runs/bench/bench_plan.json)")
+    add("--top", type=int, default=10, help="meshes shown")
+    add("--json", action="store_true", help="the ranked list as JSON")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.gpu == "custom":
         if not (args.peak_tflops and args.memory_gb and args.nvlink_gbs and args.network_gbs):
@@ -76,8 +91,8 @@ def main(argv=None) -> int:
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         ap.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
     settings = Settings(efficiency=args.efficiency, dtype=args.dtype,
-                        tp_across_nodes=args.tp_across_nodes,
-                        **FEATURES[args.features])
+                        tp_across_nodes=args.tp_across_nodes, **FEATURES[args.features])
+    settings = replace(settings, cp_sizes=tuple(c for c in settings.cp_sizes if c <= args.max_cp))
     if args.no_sequence_parallel:
         settings = replace(settings, sequence_parallel=False)
     if args.calibrate:
@@ -87,32 +102,111 @@ def main(argv=None) -> int:
                          settings)
     if args.json:
         print(json.dumps([e.row() for e in fits[:args.top]], indent=1))
+        if not fits:
+            print(nothing_fits(refused), file=sys.stderr)
         return 0 if fits else 1
     print(f"GPT {model.layers} layers x {model.hidden} hidden ({model.heads} heads), "
           f"{model.parameters / 1e9:.1f} B parameters, seq {model.seq}, global batch "
           f"{args.global_batch} on {args.gpus} x {gpu.name} ({args.gpus_per_node} per node); "
           f"{len(fits)} layouts fit, {len(refused)} refused")
     if not fits:
-        reasons = {}
-        for _, why in refused:
-            reasons[why.split(" (")[0]] = why
-        print("nothing fits; e.g. " + "; ".join(list(reasons.values())[:3]))
+        print(nothing_fits(refused))
         return 1
-    cols = ["tp", "pp", "dp", "zero", "micro_batch", "micro_batches", "schedule", "recompute",
-            "sp", "memory_gb", "step_s", "tflops_per_gpu", "mfu", "bubble", "comm_share"]
+    report(fits, args.top)
+    print(command(model, fits, args.gpus, args.gpus_per_node, settings))
+    return 0
+
+
+COLUMNS = ["tp", "pp", "dp", "cp", "cp_impl", "split", "zero", "micro_batch", "micro_batches",
+           "schedule", "recompute", "sp", "memory_gb", "step_s", "tflops_per_gpu", "mfu",
+           "bubble", "comm_share"]
+
+
+def report(fits: list, top: int) -> None:
+    """The fastest meshes, each with its best settings, and what the best one's step is."""
     meshes = best_per_mesh(fits)
-    print(f"the {min(args.top, len(meshes))} fastest meshes (DP x TP x PP), each with its best "
+    print(f"the {min(top, len(meshes))} fastest meshes (DP x CP x TP x PP), each with its best "
           f"settings (--json: every layout, ranked):")
-    print(" ".join(f"{c:>14s}" for c in cols))
-    for e in meshes[:args.top]:
+    print(" ".join(f"{c:>14s}" for c in COLUMNS))
+    for e in meshes[:top]:
         r = e.row()
         print(" ".join(f"{r[c]:>14.3f}" if isinstance(r[c], float) else f"{str(r[c]):>14s}"
-                       for c in cols))
+                       for c in COLUMNS))
     best = fits[0]
-    p = best.parts
-    print(f"best: TP {best.layout.tp} x PP {best.layout.pp} x DP {best.layout.dp}: "
-          f"{best.step_s:.2f} s per step = pipeline {p['pipeline']:.2f} s (bubble "
-          f"{best.bubble * 100:.1f}%, TP collectives {p['tp']:.2f} s inside it) + DP gradient "
-          f"reduction {p['dp']:.2f} s + optimizer {p['optimizer']:.3f} s; "
-          f"{best.memory['total'] / GB:.1f} GB per GPU")
-    return 0
+    p, L = best.parts, best.layout
+    print(f"best: TP {L.tp} x PP {L.pp} x DP {L.dp}" + (f" x CP {L.cp} ({L.cp_impl})"
+                                                        if L.cp > 1 else "") +
+          f": {best.step_s:.2f} s per step = pipeline {p['pipeline']:.2f} s (bubble "
+          f"{best.bubble * 100:.1f}%, TP collectives {p['tp']:.2f} s and CP messages "
+          f"{p['cp']:.2f} s inside it) + DP gradient reduction {p['dp']:.2f} s + optimizer "
+          f"{p['optimizer']:.3f} s; {best.memory['total'] / GB:.1f} GB per GPU")
+
+
+def nothing_fits(refused: list, show: int = 5) -> str:
+    """Why nothing fits: the nearest misses first (the least memory over), then the other
+    reasons, one line each."""
+    def over(why):
+        m = re.search(r"\(([\d.]+) GB over\)", why)
+        return float(m.group(1)) if m else math.inf
+    ranked = sorted(refused, key=lambda r: over(r[1]))
+    lines, seen = [], set()
+    for layout, why in ranked:
+        key = why if math.isinf(over(why)) else None
+        if key in seen:
+            continue
+        seen.add(key)
+        mesh = ", ".join(f"{k} {layout[k]}" for k in ("tp", "pp", "dp", "cp", "zero",
+                                                        "micro_batch", "recompute")
+                         if k in layout)
+        lines.append(f"  {mesh}: {why}")
+        if len(lines) == show:
+            break
+    return "nothing fits; the nearest misses first:\n" + "\n".join(lines)
+
+
+def train_args(model: Model, L, settings: Settings) -> list:
+    """hpcdist.train's options for layout ``L`` (the data: token shards named DATA)."""
+    a = ["--task", "text", "--data", "DATA", "--n-layer", model.layers, "--n-embd",
+         model.hidden, "--n-head", model.heads, "--block-size", model.seq]
+    if settings.dtype != "fp32":
+        a += ["--precision", settings.dtype]
+    if L.pp > 1:
+        a += ["--pp", L.pp, "--batch-size", L.micro_batch * L.micro_batches,
+              "--micro-batches", L.micro_batches, "--schedule", L.schedule]
+        a += ["--virtual-stages", L.virtual] if L.virtual > 1 else []
+        a += ["--pp-split", ",".join(map(str, L.split))] if L.split else []
+    else:
+        a += ["--batch-size", L.micro_batch]
+        a += ["--grad-accum", L.micro_batches] if L.micro_batches > 1 else []
+    a += ["--tp", L.tp] if L.tp > 1 else []
+    a += ["--sequence-parallel"] if L.sp else []
+    a += ["--cp", L.cp, "--cp-impl", L.cp_impl] if L.cp > 1 else []
+    a += ["--zero", L.zero] if L.zero else []
+    a += ["--checkpoint-activations"] if L.recompute else []
+    return [str(x) for x in a]
+
+
+def command(model: Model, fits: list, gpus: int, per_node: int, settings: Settings) -> str:
+    """The fastest layout hpcdist.train runs, as the command that runs it: mpirun on one
+    node, the multi-node job template's sbatch line beyond (DATA: token shards from python -m
+    hpcdist.data prepare). Layouts the trainer refuses are passed over, saying why."""
+    from ..config import ConfigError, parse_config
+    skipped = []
+    for e in fits:
+        args = train_args(model, e.layout, settings)
+        try:
+            parse_config(args)
+        except ConfigError as err:
+            if not skipped:
+                skipped.append(f"(the fastest layout is not one hpcdist.train runs yet: {err})")
+            continue
+        if gpus <= per_node:
+            line = f"mpirun -n {gpus} python -m hpcdist.train --device gpu {' '.join(args)}"
+        else:
+            line = (f"sbatch -N {gpus // per_node} --ntasks-per-node={per_node} "
+                    f"--gpus-per-node={per_node} jobs/train-gpu-multinode.sbatch "
+                    + " ".join(args))
+        at = "" if e is fits[0] else f" (number {fits.index(e) + 1} by step time, {e.step_s:.2f} s)"
+        return "\n".join(skipped + [f"run it{at} (DATA: token shards, python -m hpcdist.data "
+                                     f"prepare):", "  " + line])
+    return "\n".join(skipped + ["no fitting layout is one hpcdist.train runs yet"])

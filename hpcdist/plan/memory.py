@@ -3,6 +3,8 @@ its most (Korthikanti et al.'s layers or hpcdist's own, the stash walked along o
 schedules)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .model import Layout, Model, Settings
 
 
@@ -14,14 +16,18 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
     over the TP ranks (QKV, the projections, the MLP and their column-parallel biases), 6h
     on every rank (the row-parallel biases and two LayerNorms); the vocabulary-parallel table
     padded to a multiple of TP and the position table on the first stage; the final
-    LayerNorm and the tied head's copy on the last."""
+    LayerNorm and the tied head's copy on the last; a middle stage ("middle", with more than
+    two stages) holds the most blocks of the stages between. ZeRO shards over DP x CP (the
+    ranks that hold the same parameters)."""
     s, h, V, t = model.seq, model.hidden, model.vocab, L.tp
     block = (12 * h * h + 7 * h) / t + 6 * h
-    layers = model.layers // L.pp
+    sizes = L.stages(model.layers)
     table = -(-V // t) * h
-    first = layers * block + table + s * h + (2 * h if L.pp == 1 else 0)
-    last = layers * block + 2 * h + (table if L.pp > 1 else 0)
-    d = L.dp
+    held = {"first": sizes[0] * block + table + s * h + (2 * h if L.pp == 1 else 0),
+            "last": sizes[-1] * block + 2 * h + (table if L.pp > 1 else 0)}
+    if L.pp > 2:
+        held["middle"] = max(sizes[1:-1]) * block
+    d = L.dp * L.cp
     pb, gb, ob = settings.param_bytes, settings.grad_bytes, settings.optimizer_bytes
 
     def state(psi):                       # bytes per parameter, ZeRO's sharding (rank 0's
@@ -33,10 +39,10 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
         if L.zero == 2:
             return pb * psi, gb * shard, ob * shard
         return pb * shard, gb * shard, ob * shard
-    act_first, act_last = (activations(model, L, settings, st) for st in ("first", "last"))
     out = {}
-    for name, psi, act in (("first", first, act_first), ("last", last, act_last)):
+    for name, psi in held.items():
         p, g, o = state(psi)
+        act = activations(model, L, settings, name)
         out[name] = {"params": p, "grads": g, "optimizer": o, "activations": act,
                      "buffers": settings.buffers, "total": p + g + o + act + settings.buffers}
     return out[stage] if stage else max(out.values(), key=lambda x: x["total"])
@@ -44,7 +50,8 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
 
 def activations(model: Model, L: Layout, settings: Settings = Settings(),
                 stage: str = "first") -> float:
-    """Bytes of activations a GPU holds at its most on the ``stage`` "first" or "last": one
+    """Bytes of activations a GPU holds at its most on the ``stage`` "first", "middle" or
+    "last": one
     layer's stored tensors times the layers of a chunk times the micro-batch chunks the
     schedule keeps in flight there (``stash_at_peak``), plus the embedding
     (first) or the logits and loss (last) of each micro-batch in flight and, with full
@@ -55,16 +62,50 @@ def activations(model: Model, L: Layout, settings: Settings = Settings(),
       2sbh, the layer's input, with full recompute); the fp32 logits and their gradient;
     - "hpcdist": hpcdist's own GPT (nn/gpt.py, parallel/tp/) counted tensor by tensor in
       ``hpcdist_layer``; checked against ``--trace-memory`` runs by ``bench plan --memory``.
+
+    Context parallelism (CP c): every per-token term counts the s/c tokens a rank holds;
+    attention's scores are the ring's (s/c)^2 blocks, or with ulysses the a/c heads' over the
+    whole sequence.
     """
-    layers = model.layers // L.pp
-    held, edge = stash_at_peak(L.schedule, L.pp, L.micro_batches, L.virtual, stage)
+    if L.cp > 1:
+        local = replace(model, seq=-(-model.seq // L.cp))
+        out = activations(local, replace(L, cp=1), settings, stage)
+        if L.cp_impl == "ulysses":                  # a/c heads over all s positions
+            held, _ = stash_at_peak(L.schedule, L.pp, L.micro_batches, L.virtual,
+                                    "first" if stage == "middle" else stage)
+            per_layer = scores(model.seq, model.heads / L.cp, L, settings) - \
+                scores(local.seq, model.heads, L, settings)
+            out += per_layer * (1 if L.recompute else
+                                held * stage_layers(model, L, stage) / L.virtual)
+        return out
+    layers = stage_layers(model, L, stage)
+    held, edge = stash_at_peak(L.schedule, L.pp, L.micro_batches, L.virtual,
+                               "first" if stage == "middle" else stage)
     per = hpcdist_layer if settings.activations == "hpcdist" else megatron_layer
-    stored, rebuilt, ends = per(model, L, settings, stage)
+    stored, rebuilt, ends = per(model, L, settings, "first" if stage == "middle" else stage)
+    if stage == "middle":                          # neither the embedding nor the head
+        ends = 0.0
     if L.pp == 1:                                   # one stage: both ends
         ends += per(model, L, settings, "last" if stage == "first" else "first")[2]
     # each chunk in flight holds its layers; the embedding or the head comes with the
     # micro-batches in flight through the chunk that has it
     return held * layers / L.virtual * stored + edge * ends + rebuilt
+
+
+def stage_layers(model: Model, L: Layout, stage: str) -> int:
+    """Blocks on the ``stage`` "first", "last" or "middle" (the fullest between them)."""
+    sizes = L.stages(model.layers)
+    return sizes[0] if stage == "first" else sizes[-1] if stage == "last" else \
+        max(sizes[1:-1])
+
+
+def scores(seq: int, heads: float, L: Layout, settings: Settings) -> float:
+    """Bytes of one layer's attention scores kept for backward (the term in s^2 of
+    ``megatron_layer`` / ``hpcdist_layer``)."""
+    b, t = L.micro_batch, L.tp
+    if settings.activations == "hpcdist":
+        return b * heads * seq * seq / t * settings.param_bytes
+    return 5 * heads * seq * seq * b / t
 
 
 _STASH: dict = {}

@@ -93,6 +93,37 @@ class Layout:
     virtual: int
     recompute: bool
     sp: bool
+    cp: int = 1                 # context parallel: each sequence split over cp ranks
+    cp_impl: str = "ring"       # ring | ulysses
+    split: tuple = ()           # blocks per pipeline stage when not even (() = even)
+
+    def stages(self, layers: int) -> tuple:
+        """Blocks on each pipeline stage."""
+        return self.split or (layers // self.pp,) * self.pp
+
+
+def stage_splits(layers: int, pp: int) -> list:
+    """The splits of ``layers`` blocks over ``pp`` stages the search considers: as even as
+    possible with the extra blocks on the middle stages (the first stage embeds, the last
+    holds the head), and, where every stage keeps a block, the ends one block lighter
+    still. () stands for the even split. Empty when some stage would get no block."""
+    if pp == 1:
+        return [()]
+    if layers < pp:
+        return []
+    base, extra = divmod(layers, pp)
+    middle = [base] * (pp - 2)
+    for i in range(extra):
+        if i < pp - 2:
+            middle[i % (pp - 2)] += 1
+    first = base + (1 if extra > pp - 2 else 0)
+    splits = [() if extra == 0 else (first, *middle, base)]
+    if pp > 2 and base >= 2:                       # lighter ends: one block each to the middle
+        lighter = [first - 1, *middle, base - 1]
+        for i in range(2):
+            lighter[1 + i % (pp - 2)] += 1
+        splits.append(tuple(lighter))
+    return splits
 
 
 @dataclass
@@ -109,7 +140,9 @@ class Estimate:
 
     def row(self) -> dict:
         L = self.layout
-        return {"tp": L.tp, "pp": L.pp, "dp": L.dp, "zero": L.zero,
+        return {"tp": L.tp, "pp": L.pp, "dp": L.dp, "cp": L.cp,
+                "cp_impl": L.cp_impl if L.cp > 1 else "-",
+                "split": ",".join(map(str, L.split)) or "even", "zero": L.zero,
                 "micro_batch": L.micro_batch, "micro_batches": L.micro_batches,
                 "schedule": L.schedule + (f" v{L.virtual}" if L.virtual > 1 else ""),
                 "recompute": "full" if L.recompute else "none", "sp": L.sp,
@@ -117,7 +150,8 @@ class Estimate:
                 "tflops_per_gpu": self.tflops_per_gpu / 1e12, "mfu": self.mfu,
                 "bubble": self.bubble,
                 "comm_share": (self.parts.get("tp", 0) + self.parts.get("pp", 0)
-                               + self.parts.get("dp", 0)) / self.step_s if self.step_s else 0.0}
+                               + self.parts.get("dp", 0) + self.parts.get("cp", 0))
+                / self.step_s if self.step_s else 0.0}
 
 
 @dataclass(frozen=True)
@@ -150,13 +184,18 @@ class Settings:
     sequence_parallel: bool = True
     zero_stages: tuple = (0, 1, 2, 3)
     schedules: tuple = ("1f1b", "gpipe", "zb-h1", "interleaved")
+    cp_sizes: tuple = (1, 2, 4, 8)    # context parallelism (ring attention or all-to-all)
+    cp_impls: tuple = ("ring", "ulysses")
+    uneven_splits: bool = True        # pipeline splits with lighter first and last stages
 
 
 # The search restricted to what a framework offered: "megatron-2021" is Megatron-LM as
 # Narayanan et al. ran it (SC21): no distributed optimizer (ZeRO), no sequence parallelism
-# (Korthikanti et al. 2022), 1F1B and their interleaved schedule (ZB-H1 is 2023's).
+# (Korthikanti et al. 2022), 1F1B and their interleaved schedule (ZB-H1 is 2023's), no
+# context parallelism, layers divided evenly over the stages.
 FEATURES = {
     "all": {},
     "megatron-2021": {"sequence_parallel": False, "zero_stages": (0,),
-                      "schedules": ("1f1b", "interleaved")},
+                      "schedules": ("1f1b", "interleaved"), "cp_sizes": (1,),
+                      "uneven_splits": False},
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from .model import GPU, Layout, Model, Settings
+from .model import GPU, Layout, Model, Settings, stage_splits
 from .steptime import estimate
 
 
@@ -12,56 +12,85 @@ def candidates(model: Model, gpus: int, per_node: int, batch: int,
                settings: Settings = Settings()):
     """Every layout considered, and every one refused with its reason: ([Layout], [(dict,
     why)])."""
-    from ..parallel import schedules as S
     ok, refused = [], []
-    for tp in _divisors(gpus):
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            base = {"tp": tp, "pp": pp, "dp": dp}
-            why = _mesh_problem(model, tp, pp, dp, per_node, batch, settings)
-            if why:
-                refused.append((base, why))
+    for base, split, why in meshes(model, gpus, per_node, batch, settings):
+        if why:
+            refused.append((base, why))
+            continue
+        per_replica = batch // base["dp"]
+        for b in (1, 2, 4, 8):
+            if per_replica % b:
+                refused.append(({**base, "micro_batch": b},
+                                f"{per_replica} sequences per replica do not split into "
+                                f"micro-batches of {b}"))
                 continue
-            per_replica = batch // dp
-            for b in (1, 2, 4, 8):
-                if per_replica % b:
-                    refused.append(({**base, "micro_batch": b},
-                                    f"{per_replica} sequences per replica do not split into "
-                                    f"micro-batches of {b}"))
+            for name, v in _schedules(base["pp"], settings.schedules):
+                why = _schedule_problem(model, base, split, name, v, per_replica // b)
+                if why:
+                    refused.append(({**base, "schedule": f"{name} v{v}"}, why))
                     continue
-                m = per_replica // b
-                for name, v in _schedules(pp, settings.schedules):
-                    if pp > 1:
-                        try:
-                            S.check(name, v)
-                        except ValueError as e:
-                            refused.append(({**base, "schedule": name}, str(e)))
-                            continue
-                        if v > 1 and ((model.layers // pp) % v or m % pp):
-                            refused.append(({**base, "schedule": f"{name} v{v}"},
-                                            f"interleaving needs layers per stage "
-                                            f"({model.layers // pp}) divisible by v = {v} and "
-                                            f"micro-batches ({m}) by pp"))
-                            continue
-                    for zero in settings.zero_stages:
-                        if pp > 1 and zero > 1:
-                            refused.append(({**base, "zero": zero}, f"ZeRO-{zero} shards "
-                                            "gradients during backward: with a pipeline use "
-                                            "ZeRO 0 or 1"))
-                            continue
-                        for recompute in (False, True):
-                            sps = (False, True) if tp > 1 and settings.sequence_parallel \
-                                else (False,)
-                            for sp in sps:
-                                ok.append(Layout(tp, pp, dp, zero, b, m, name, v, recompute, sp))
+                ok.extend(_variants(base, split, b, per_replica // b, name, v, settings,
+                                    refused))
     return ok, refused
+
+
+def meshes(model: Model, gpus: int, per_node: int, batch: int, settings: Settings):
+    """(mesh dict, pipeline split, why it is refused or None) for every DP x CP x TP x PP
+    and every split of the layers the search considers."""
+    for tp in _divisors(gpus):
+        for cp in [c for c in settings.cp_sizes if (gpus // tp) % c == 0 and tp * c <= gpus]:
+            for pp in _divisors(gpus // (tp * cp)):
+                base = {"tp": tp, "cp": cp, "pp": pp, "dp": gpus // (tp * pp * cp)}
+                why = _mesh_problem(model, tp, pp, base["dp"], cp, per_node, batch, settings)
+                splits = stage_splits(model.layers, pp)
+                if not settings.uneven_splits:
+                    splits = [s for s in splits if s == ()][:1]
+                if not why and not splits:
+                    why = (f"PP {pp} does not divide the {model.layers} layers (uneven splits "
+                           "are off)" if model.layers >= pp else
+                           f"PP {pp} is more stages than the {model.layers} layers")
+                for split in splits if not why else [()]:
+                    yield ({**base, "split": split} if split else base), split, why
+
+
+def _variants(base, split, b, m, name, v, settings, refused) -> list:
+    """The layouts of one mesh, micro-batch and schedule: ZeRO stage, recompute, sequence
+    parallelism, the context-parallel variant."""
+    out = []
+    tp, pp, dp, cp = base["tp"], base["pp"], base["dp"], base["cp"]
+    for zero in settings.zero_stages:
+        if pp > 1 and zero > 1:
+            refused.append(({**base, "zero": zero}, f"ZeRO-{zero} shards gradients during "
+                            "backward: with a pipeline use ZeRO 0 or 1"))
+            continue
+        for impl in settings.cp_impls if cp > 1 else ("ring",):
+            for recompute in (False, True):
+                for sp in (False, True) if tp > 1 and settings.sequence_parallel else (False,):
+                    out.append(Layout(tp, pp, dp, zero, b, m, name, v, recompute, sp, cp,
+                                      impl, split))
+    return out
+
+
+def _schedule_problem(model, base, split, name, v, m) -> str | None:
+    from ..parallel import schedules as S
+    pp = base["pp"]
+    if pp == 1:
+        return None
+    try:
+        S.check(name, v)
+    except ValueError as e:
+        return str(e)
+    if v > 1 and (split or (model.layers // pp) % v or m % pp):
+        return (f"interleaving needs an even split with layers per stage "
+                f"({model.layers // pp}) divisible by v = {v} and micro-batches ({m}) by pp")
+    return None
 
 
 def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _mesh_problem(model, tp, pp, dp, per_node, batch, settings) -> str | None:
+def _mesh_problem(model, tp, pp, dp, cp, per_node, batch, settings) -> str | None:
     if tp > per_node and not settings.tp_across_nodes:
         return f"TP {tp} leaves the node ({per_node} GPUs): its collectives per layer would " \
                "cross the network (--tp-across-nodes to consider it)"
@@ -69,8 +98,8 @@ def _mesh_problem(model, tp, pp, dp, per_node, batch, settings) -> str | None:
         return f"TP {tp} does not divide the {per_node} GPUs of a node"
     if model.heads % tp or model.hidden % tp:
         return f"TP {tp} does not divide the heads ({model.heads}) and hidden ({model.hidden})"
-    if model.layers % pp:
-        return f"PP {pp} does not divide the {model.layers} layers"
+    if model.seq < 2 * cp:
+        return f"CP {cp} cuts each sequence into {2 * cp} chunks; it has {model.seq} positions"
     if batch % dp:
         return f"the global batch {batch} does not split over DP {dp}"
     return None
@@ -89,6 +118,10 @@ def plan(model: Model, gpu: GPU, gpus: int, per_node: int, batch: int,
     layouts, refused = candidates(model, gpus, per_node, batch, settings)
     fits = []
     for L in layouts:
+        if L.cp_impl == "ulysses" and (model.heads // L.tp) % L.cp:
+            refused.append((asdict(L), f"ulysses splits the {model.heads // L.tp} heads a TP "
+                            f"rank holds over CP {L.cp}: it must divide them"))
+            continue
         e = estimate(model, L, gpu, gpus, per_node, batch, settings)
         if e.fits:
             fits.append(e)
@@ -99,10 +132,10 @@ def plan(model: Model, gpu: GPU, gpus: int, per_node: int, batch: int,
 
 
 def best_per_mesh(fits: list) -> list:
-    """The fastest estimate of each DP x TP x PP, fastest first (``fits`` sorted)."""
+    """The fastest estimate of each DP x CP x TP x PP, fastest first (``fits`` sorted)."""
     seen, out = set(), []
     for e in fits:
-        key = (e.layout.tp, e.layout.pp, e.layout.dp)
+        key = (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.cp)
         if key not in seen:
             seen.add(key)
             out.append(e)

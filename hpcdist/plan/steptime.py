@@ -15,12 +15,17 @@ _SIM: dict = {}
 
 def pipeline_makespan(name: str, P: int, m: int, v: int, f: float, b: float) -> tuple:
     """(makespan, bubble) of one step's pipeline with per-chunk forward ``f`` and backward
-    ``b`` seconds: hpcdist's schedule simulator (schedules.verify) where the list is small
-    enough, closed forms beyond (checked against the simulator in tests)."""
+    ``b`` seconds: closed forms for the schedules whose order does not depend on the costs
+    (exact for uniform costs: checked against the simulator in tests), hpcdist's schedule
+    simulator (schedules.verify) for ZB-H1, replanned from them, where the list is small
+    enough."""
     from ..parallel import schedules as S
     if P == 1:
         return m * (f + b), 0.0
-    ratio = round(b / f, 2) if f else 2.0
+    ratio = round(b / f * 10) / 10 if f else 2.0    # the shape, to 0.1 (a cache key)
+    if not S.get(name).replan:
+        total, bubble = closed_form(name, P, m, v, 1.0, ratio)
+        return total * f, bubble
     key = (name, P, m, v, ratio)
     if key not in _SIM:
         if P * m * v <= 4096:
@@ -61,57 +66,95 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
         e.fits = False
         e.why = (f"needs {e.memory['total'] / GB:.1f} GB per GPU, {usable / GB:.1f} GB usable "
                  f"({(e.memory['total'] - usable) / GB:.1f} GB over)")
-    s, h, V, t, b = model.seq, model.hidden, model.vocab, L.tp, L.micro_batch
-    peak = gpu.flops[settings.dtype] * settings.efficiency
-    layers = model.layers // L.pp
-    layer_fwd = 24 * b * s * h * h * (1 + s / (6 * h)) / t
-    tp_bw, tp_alpha = (gpu.nvlink, gpu.nvlink_alpha) if t <= per_node else \
-        (gpu.network, gpu.network_alpha)
-    act_bytes = settings.param_bytes * b * s * h
+        return e                        # refused: no time needed
+    f, bwd, tp_fwd, cp_fwd = layer_times(model, L, gpu, per_node, settings)
+    sizes = L.stages(model.layers)
+    logits = 2 * L.micro_batch * (model.seq / L.cp) * model.hidden * model.vocab / L.tp / \
+        (gpu.flops[settings.dtype] * settings.efficiency)          # on the last stage
+    # each stage's blocks (the last with the head); the slowest stage sets the pace
+    fs = [n * f + (logits if k == len(sizes) - 1 else 0) for k, n in enumerate(sizes)]
+    bs = [n * bwd + (2 * logits if k == len(sizes) - 1 else 0) for k, n in enumerate(sizes)]
+    # rank = ((pp * DP + dp) * CP + cp) * TP + tp, a node's ranks consecutive: neighbouring
+    # stages are TP x CP x DP ranks apart, a data-parallel group's ranks TP apart
     call = settings.call_overhead
-    tp_fwd = 2 * (_allreduce(act_bytes, t, tp_bw, tp_alpha) + call) if t > 1 else 0.0
-    over = settings.layer_overhead
-    if settings.byte_cost:
-        written = hpcdist_layer(model, replace(L, recompute=False), settings, "first")[0]
-        over += settings.byte_cost * written
-    f = layers * (layer_fwd / peak + tp_fwd + over)
-    bwd = layers * (2 * layer_fwd / peak + tp_fwd + 2 * over)
-    if L.recompute:
-        bwd += layers * (layer_fwd / peak + tp_fwd + over)
-    logits = 2 * b * s * h * V / t / peak                          # on the last stage
-    f_last, b_last = f + logits, bwd + 2 * logits
-    # rank = (pp * DP + dp) * TP + tp, a node's ranks consecutive: neighbouring stages are
-    # TP x DP ranks apart, a data-parallel group's ranks TP apart
+    act_bytes = settings.param_bytes * L.micro_batch * model.seq / L.cp * model.hidden
     pp_send = 0.0
     if L.pp > 1:                        # scatter/gather over TP: each rank sends 1/t
-        across = t * L.dp >= per_node
-        pp_send = act_bytes / t / (gpu.network if across else gpu.nvlink) \
+        across = L.tp * L.cp * L.dp >= per_node
+        pp_send = act_bytes / L.tp / (gpu.network if across else gpu.nvlink) \
             + (gpu.network_alpha if across else gpu.nvlink_alpha) + call
-    fc = max(f, f_last) / L.virtual + pp_send       # each chunk sends its own activations
-    bc = max(bwd, b_last) / L.virtual + pp_send
+    fc = max(fs) / L.virtual + pp_send              # each chunk sends its own activations
+    bc = max(bs) / L.virtual + pp_send
     schedule = L.schedule if L.pp > 1 else "1f1b"
     pipe, bubble = pipeline_makespan(schedule, L.pp, L.micro_batches, L.virtual, fc, bc)
     if settings.ranks_per_core > 1 and L.pp > 1:
         busy = L.micro_batches * L.virtual * (fc + bc)
         pipe = max(busy, pipe / settings.ranks_per_core)
         bubble = 1 - busy / pipe
-    psi = (layers * 12 * h * h * (1 + 13 / (12 * h)) + V * h + s * h) / t
-    grad_bytes = settings.grad_bytes * psi
-    inside = t * L.dp <= per_node
-    dp = _allreduce(grad_bytes, L.dp, gpu.nvlink if inside else gpu.network,
-                    gpu.nvlink_alpha if inside else gpu.network_alpha) \
-        * (1.5 if L.zero == 3 else 1)
-    if L.dp > 1:                   # a call per 25 MB bucket; ZeRO-3 gathers every block twice
-        calls = max(1, math.ceil(grad_bytes / 25e6)) + (3 * layers if L.zero == 3 else 0)
-        dp += calls * call
-    optimizer = 16 * psi / (L.dp if L.zero else 1) / 2e12     # a memory-bound pass over state
+    dp, optimizer = data_parallel_time(model, L, gpu, per_node, settings, max(sizes))
     e.step_s = pipe + dp + optimizer
-    tp_total = L.micro_batches * layers * tp_fwd * (3 if L.recompute else 2)
-    e.parts = {"pipeline": pipe, "tp": tp_total,
+    layers = max(sizes)
+    e.parts = {"pipeline": pipe, "tp": L.micro_batches * layers * tp_fwd * (3 if L.recompute
+                                                                               else 2),
+               "cp": L.micro_batches * layers * cp_fwd * (4 if L.recompute else 3),
                "pp": 2 * L.micro_batches * L.virtual * pp_send,
                "dp": dp, "optimizer": optimizer}
     e.bubble = bubble
-    executed = model.flops(batch, L.recompute)
-    e.tflops_per_gpu = executed / e.step_s / gpus
+    e.tflops_per_gpu = model.flops(batch, L.recompute) / e.step_s / gpus
     e.mfu = model.flops(batch, False) / e.step_s / gpus / gpu.flops[settings.dtype]
     return e
+
+
+def layer_times(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Settings):
+    """(forward s, backward s, the tensor-parallel and the context-parallel part of a
+    forward) of one layer on one micro-batch: FLOPs at a fraction of the peak (the rank's s/c
+    tokens against the whole sequence), the TP collectives, the CP messages (ring: only what
+    the block in hand does not hide; ulysses: two all-to-alls, not overlapped), the
+    calibrated CPU terms."""
+    s, h, t, b, c = model.seq, model.hidden, L.tp, L.micro_batch, L.cp
+    peak = gpu.flops[settings.dtype] * settings.efficiency
+    layer_fwd = 24 * b * s * h * h * (1 + s / (6 * h)) / t / c
+    tp_bw, tp_alpha = (gpu.nvlink, gpu.nvlink_alpha) if t <= per_node else \
+        (gpu.network, gpu.network_alpha)
+    act_bytes = settings.param_bytes * b * s / c * h
+    call = settings.call_overhead
+    tp_fwd = 2 * (_allreduce(act_bytes, t, tp_bw, tp_alpha) + call) if t > 1 else 0.0
+    cp_fwd = 0.0
+    if c > 1:
+        bw, alpha = (gpu.nvlink, gpu.nvlink_alpha) if t * c <= per_node else \
+            (gpu.network, gpu.network_alpha)
+        if L.cp_impl == "ring":         # c - 1 hops of K and V, each beside a block's attention
+            hop = alpha + call + 2 * act_bytes / t / bw
+            block = 4 * b * (s / c) ** 2 * h / t / 2 / peak
+            cp_fwd = (c - 1) * max(0.0, hop - block)
+        else:                           # qkv and the output, (c - 1)/c of them each
+            cp_fwd = 2 * (c - 1) * (alpha + call) + 4 * act_bytes / t * (c - 1) / c / bw
+    over = settings.layer_overhead
+    if settings.byte_cost:
+        written = hpcdist_layer(model, replace(L, recompute=False, cp=1), settings,
+                                "first")[0] / c
+        over += settings.byte_cost * written
+    f = layer_fwd / peak + tp_fwd + cp_fwd + over
+    bwd = 2 * layer_fwd / peak + tp_fwd + 2 * cp_fwd + 2 * over
+    if L.recompute:
+        bwd += f
+    return f, bwd, tp_fwd, cp_fwd
+
+
+def data_parallel_time(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Settings,
+                       layers: int) -> tuple:
+    """(the gradient reduction over DP x CP, not overlapped, as Megatron-LM ran it; the
+    optimizer's memory-bound pass over its state) in seconds."""
+    s, h, V, t = model.seq, model.hidden, model.vocab, L.tp
+    psi = (layers * 12 * h * h * (1 + 13 / (12 * h)) + V * h + s * h) / t
+    grad_bytes = settings.grad_bytes * psi
+    n = L.dp * L.cp
+    inside = t * n <= per_node
+    dp = _allreduce(grad_bytes, n, gpu.nvlink if inside else gpu.network,
+                    gpu.nvlink_alpha if inside else gpu.network_alpha) \
+        * (1.5 if L.zero == 3 else 1)
+    if n > 1:                      # a call per 25 MB bucket; ZeRO-3 gathers every block twice
+        calls = max(1, math.ceil(grad_bytes / 25e6)) + (3 * layers if L.zero == 3 else 0)
+        dp += calls * settings.call_overhead
+    optimizer = 16 * psi / (n if L.zero else 1) / 2e12     # a memory-bound pass over state
+    return dp, optimizer

@@ -17,9 +17,8 @@ def header(cfg, model, step_fn, world, hosts, train_set, test_set) -> list[str]:
     own lines (``describe``), steps."""
     data_size = step_fn.batch_comm.size
     strategy = step_fn.describe()
-    layout = f"DP {data_size} x TP {cfg.tp} x PP {cfg.pp}" + (
-        " (sequence parallel)" if cfg.sequence_parallel else "") + (
-        f" x CP {cfg.cp} ({cfg.cp_impl})" if cfg.cp > 1 else "")
+    layout = f"DP {data_size}" + (f" x CP {cfg.cp} ({cfg.cp_impl})" if cfg.cp > 1 else "") + \
+        f" x TP {cfg.tp} x PP {cfg.pp}" + (" (sequence parallel)" if cfg.sequence_parallel else "")
     if step_fn.mesh is not None and not step_fn.mesh.tp_within_node:
         layout += (" (TP spans nodes: its collectives cross the slow links; place TP groups "
                    "inside a node: --tp dividing the ranks per node)")

@@ -154,3 +154,23 @@ def test_peers_train_bench(tmp_path):
         assert rows[0]["overlap_ms"] > 0 and rows[0]["no_overlap_ms"] > 0   # 1 rank only
         assert rows[1]["overlap_ms"] is None
     assert doc["many"][0]["buckets"] > doc["default"][0]["buckets"] == 1
+
+
+def test_cp_bench(tmp_path):
+    """Small: the memory search at CP 1 and 2, both variants' step times, the ring's trace."""
+    out_file, png = tmp_path / "cp.json", tmp_path / "cp.png"
+    out = bench("cp", "--ranks", "2", "--budget-mb", "2", "--start", "32", "--max-seq", "256",
+                "--bisect", "1", "--seqs", "32", "64", "--steps", "2", "--n-head", "2",
+                "--n-embd", "16", "--text-chars", "20000", "--out", str(out_file),
+                "--plot", str(png) if importlib.util.find_spec("matplotlib") else "")
+    rows = json.load(open(out_file))["rows"]
+    memory = {(r["cp"], r["impl"]): r["longest"] for r in rows if r["part"] == "memory"}
+    assert set(memory) == {(1, "-"), (2, "ring"), (2, "ulysses")}
+    assert memory[(2, "ring")] > memory[(1, "-")] > 0             # a ring rank holds less
+    times = [r for r in rows if r["part"] == "time"]
+    assert {(r["impl"], r["T"]) for r in times} == {(i, T) for i in ("ring", "ulysses")
+                                                    for T in (32, 64)}
+    assert all(r["step_ms"] > 0 and r["model_ms"] > 0 for r in times)
+    over = next(r for r in rows if r["part"] == "overlap")
+    assert len(over["block_ms"]) == 2 and all(b > 0 for b in over["block_ms"])
+    assert "longest sequence within" in out and "share of ring time computing" in out

@@ -1,6 +1,6 @@
-"""Every console command README.md and jobs/README.md show, run as typed (shortened to a few
-steps where a full run would take minutes), in a fresh folder with the venv active, and the
-sample outputs checked against what the program prints now.
+"""Every console command README.md, jobs/README.md and docs/*.md show, run as typed
+(shortened to a few steps where a full run would take minutes), in a fresh folder with the
+venv active, and the sample outputs checked against what the program prints now.
 
 Each command must have an entry in ``HOW``: the command as shown (its first words) -> a
 shortened command to run here, or ``SKIP`` with the reason (a cluster, a GPU, a benchmark
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "jobs" / "README.md"]
+DOCS = [REPO / "README.md", REPO / "jobs" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 VENV_BIN = Path(sys.executable).parent
 SKIP = "skip"
 SHORT = "--steps 12 --log-every 6"
@@ -52,6 +52,15 @@ HOW = {
     "NP=4 ARGS=\"--steps 200\" make train": ("make -C {repo} train NP=4 ARGS='--steps 12 "
                                              "--out-dir {tmp}/np4'", "shortened"),
     "mpirun -n 8 python -m hpcdist.train --tp 2 --pp 2": (None, "+ " + SHORT),
+    "mpirun -n 4 python -m hpcdist.train --cp": (None, "+ " + SHORT),
+    "mpirun -n 8 python -m hpcdist.train --cp": (None, "+ " + SHORT),
+    "mpirun -n 8 python -m hpcdist.train --zero": (None, "+ " + SHORT),
+    "mpirun -n 8 python -m hpcdist.train --bucket-mb": (None, "+ " + SHORT),
+    "make test-cluster": (SKIP, "needs root; part of make test"),
+    "make test-faults": (SKIP, "part of make test"),
+    "python -m pytest -q tests/test_layers.py": ("python -m pytest -q -p no:cacheprovider "
+                                                 "{repo}/tests/test_layers.py",
+                                                 "the repository's test file"),
     "mpirun -n 8 python -m hpcdist.train --tp": (None, "+ " + SHORT),
     "mpirun -n 8 python -m hpcdist.train --pp 4": (None, "+ " + SHORT),
     "mpirun -n 4 python -m hpcdist.train --pp 2": (None, "+ " + SHORT),

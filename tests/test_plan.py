@@ -272,7 +272,7 @@ def test_context_parallelism_wins_for_long_sequences_and_not_for_short():
     assert long_ and long_[0].layout.cp > 1
     without = P.plan(P.Model(8, 512, 8, 131072, 32000), gpu, 8, 8, 8,
                      P.Settings(cp_sizes=(1,)))[0]
-    assert not without or without[0].step_s > long_[0].step_s
+    assert not without                      # without CP nothing fits a 128K sequence
     # memory: CP c holds 1/c of the tokens' activations (ring: (s/c)^2 scores)
     m = P.Model(8, 512, 8, 32768, 32000)
     act = {c: P.activations(m, P.Layout(1, 1, 8 // c, 0, 1, 1, "none", 1, False, False, c))

@@ -18,6 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from . import backend
+from .config_help import HELP
 
 
 @dataclass
@@ -131,7 +132,68 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "cp_impl": ("ring", "ulysses")}
 
 
+def _encoding_problem(c) -> str | None:
+    try:
+        codecs.lookup(c.data_encoding)
+    except LookupError:
+        return f"unknown data_encoding {c.data_encoding!r} (e.g. utf-8, latin-1)"
+    return None
+
+
+def _straggler_problem(c) -> str | None:
+    try:
+        r, ms = c.straggler.split(":")
+        if int(r) >= 0 and float(ms) >= 0:
+            return None
+    except ValueError:
+        pass
+    return f"--straggler takes RANK:MS (e.g. 3:50), got {c.straggler!r}"
+
+
+# Settings one at a time (and the pairs no feature owns): (setting, check -> message or falsy),
+# as parallel/capabilities.py declares what each feature runs with.
+SETTINGS = [
+    ("timeout", lambda c: c.timeout < 0 and
+     f"timeout must be >= 0 seconds (0: the default), got {c.timeout}"),
+    ("data_encoding", _encoding_problem),
+    ("n_embd", lambda c: c.n_embd % c.n_head and
+     f"n_embd ({c.n_embd}) must be divisible by n_head ({c.n_head})"),
+    ("dropout", lambda c: not 0.0 <= c.dropout < 1.0 and
+     f"dropout must be in [0, 1), got {c.dropout}"),
+    ("lr", lambda c: (c.lr <= 0 or c.min_lr < 0 or c.min_lr > c.lr) and
+     f"need 0 <= min_lr <= lr and lr > 0, got lr={c.lr} min_lr={c.min_lr}"),
+    ("warmup", lambda c: (c.warmup < 0 or c.grad_clip < 0 or c.weight_decay < 0) and
+     "warmup, grad_clip and weight_decay must be non-negative"),
+    ("task", lambda c: c.task == "text" and not c.data and
+     "task 'text' needs a data file: --data PATH"),
+    ("vocab_size", lambda c: c.vocab_size < 0 and f"--vocab-size must be >= 0, got {c.vocab_size}"),
+    ("tokenizer", lambda c: (c.tokenizer or c.vocab_size) and c.task != "text" and
+     "--tokenizer and --vocab-size are for --task text"),
+    ("data", lambda c: c.data and c.task != "text" and
+     f"--data is for task 'text'; task {c.task!r} is generated, drop --data or pass --task text"),
+    ("density", lambda c: not 0.0 < c.density <= 1.0 and
+     f"density must be in (0, 1], got {c.density}"),
+    ("compress_momentum", lambda c: not 0.0 <= c.compress_momentum < 1.0 and
+     f"compress_momentum must be in [0, 1), got {c.compress_momentum}"),
+    ("save_every", lambda c: (c.save_every < 0 or c.density_warmup < 0 or c.compress_clip < 0
+                              or c.powersgd_start < 0) and
+     "save_every, density_warmup, compress_clip and powersgd_start must be non-negative"),
+    ("powersgd_rank", lambda c: c.powersgd_rank < 1 and
+     f"--powersgd-rank (PowerSGD's approximation rank) must be >= 1, got {c.powersgd_rank}"),
+    ("save_every", lambda c: (c.save_every or c.resume or c.overwrite) and not c.save_dir and
+     "--save-every, --resume and --overwrite need --save-dir"),
+    ("overwrite", lambda c: c.resume and c.overwrite and
+     "--resume continues the run in --save-dir and --overwrite moves it aside: pick one"),
+    ("straggler", lambda c: c.straggler and _straggler_problem(c)),
+]
+
+
 def validate(cfg: TrainConfig) -> None:
+    """Raise ConfigError for the first setting that cannot work: non-finite or non-positive
+    numbers, unknown choices, then ``SETTINGS`` and every feature's declared refusals
+    (parallel/capabilities.py), in order."""
+    from .parallel import capabilities            # pure: no MPI
+    from .parallel.schedules import SCHEDULES
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
         if f.type == "float" and not math.isfinite(value):
@@ -139,157 +201,14 @@ def validate(cfg: TrainConfig) -> None:
     for name in POSITIVE:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}", name)
-    from .parallel.schedules import SCHEDULES     # the registry (pure: no MPI)
     for name, choices in list(CHOICES.items()) + [("schedule", SCHEDULES)]:
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"unknown {name} {getattr(cfg, name)!r}: choose one of "
                               f"{', '.join(choices)}", name)
-    if cfg.timeout < 0:
-        raise ConfigError(f"timeout must be >= 0 seconds (0: the default), got {cfg.timeout}",
-                          "timeout")
-    try:
-        codecs.lookup(cfg.data_encoding)
-    except LookupError:
-        raise ConfigError(f"unknown data_encoding {cfg.data_encoding!r} (e.g. utf-8, latin-1)",
-                          "data_encoding") from None
-    if cfg.n_embd % cfg.n_head:
-        raise ConfigError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})",
-                          "n_embd")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}", "dropout")
-    if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
-        raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0, got lr={cfg.lr} min_lr={cfg.min_lr}",
-                          "lr")
-    if cfg.warmup < 0 or cfg.grad_clip < 0 or cfg.weight_decay < 0:
-        raise ConfigError("warmup, grad_clip and weight_decay must be non-negative", "warmup")
-    if cfg.task == "text" and not cfg.data:
-        raise ConfigError("task 'text' needs a data file: --data PATH", "task")
-    if cfg.vocab_size < 0:
-        raise ConfigError(f"--vocab-size must be >= 0, got {cfg.vocab_size}", "vocab_size")
-    if (cfg.tokenizer or cfg.vocab_size) and cfg.task != "text":
-        raise ConfigError("--tokenizer and --vocab-size are for --task text", "tokenizer")
-    if cfg.data and cfg.task != "text":
-        raise ConfigError(f"--data is for task 'text'; task {cfg.task!r} is generated, "
-                          "drop --data or pass --task text", "data")
-    if not 0.0 < cfg.density <= 1.0:
-        raise ConfigError(f"density must be in (0, 1], got {cfg.density}", "density")
-    if not 0.0 <= cfg.compress_momentum < 1.0:
-        raise ConfigError(f"compress_momentum must be in [0, 1), got {cfg.compress_momentum}",
-                          "compress_momentum")
-    if cfg.save_every < 0 or cfg.density_warmup < 0 or cfg.compress_clip < 0 \
-            or cfg.powersgd_start < 0:
-        raise ConfigError("save_every, density_warmup, compress_clip and powersgd_start must "
-                          "be non-negative", "save_every")
-    if cfg.powersgd_rank < 1:
-        raise ConfigError(f"--powersgd-rank (PowerSGD's approximation rank) must be >= 1, got "
-                          f"{cfg.powersgd_rank}", "powersgd_rank")
-    if (cfg.save_every or cfg.resume or cfg.overwrite) and not cfg.save_dir:
-        raise ConfigError("--save-every, --resume and --overwrite need --save-dir",
-                          "save_every")
-    if cfg.resume and cfg.overwrite:
-        raise ConfigError("--resume continues the run in --save-dir and --overwrite moves it "
-                          "aside: pick one", "overwrite")
-    if cfg.precision != "fp32" and cfg.dtype == "fp64":
-        raise ConfigError(f"--precision {cfg.precision} keeps fp32 master weights; "
-                          "it cannot be combined with --dtype fp64", "precision")
-    if cfg.backend == "nccl" and cfg.device != "gpu":
-        raise ConfigError("--backend nccl needs --device gpu (NCCL moves GPU memory)", "backend")
-    if cfg.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}", "zero")
-    if cfg.zero and cfg.compress != "none":
-        raise ConfigError(f"--zero {cfg.zero} reduce-scatters dense gradients; gradient "
-                          "compression runs with --zero 0 only", "zero")
-    if cfg.zero and cfg.backend == "nccl":
-        raise ConfigError("--zero runs on the MPI backend; drop --backend nccl", "zero")
-    if cfg.zero == 3 and cfg.checkpoint_activations:
-        raise ConfigError("--zero 3 with --checkpoint-activations is not supported yet "
-                          "(recomputation would gather each block a third time); pick one", "zero")
-    if cfg.tp < 1:
-        raise ConfigError(f"--tp must be >= 1, got {cfg.tp}", "tp")
-    if cfg.n_head % cfg.tp:     # then n_embd and the MLP width (multiples of n_head) split too
-        raise ConfigError(f"--tp {cfg.tp} must divide n_head ({cfg.n_head}): each tensor-"
-                          f"parallel rank holds an equal share of the heads", "tp")
-    if cfg.tp > 1 and cfg.zero == 3:
-        raise ConfigError("--zero 3 with --tp is not supported (ZeRO-3 would gather shards "
-                          "of shards); use --zero 1 or 2 with --tp", "zero")
-    if cfg.tp > 1 and cfg.backend == "nccl":
-        raise ConfigError("--tp runs its collectives over MPI; drop --backend nccl", "backend")
-    if cfg.pp < 1 or cfg.virtual_stages < 1 or cfg.micro_batches < 0:
-        raise ConfigError("--pp and --virtual-stages must be >= 1, --micro-batches >= 0", "pp")
-    if cfg.pp > 1:
-        from .parallel import schedules
-        for bad, why in ((cfg.zero > 1, f"--zero {cfg.zero} shards gradients during backward; "
-                          "with --pp use --zero 0 or 1"),
-                         (cfg.precision != "fp32", f"--precision {cfg.precision} with --pp is "
-                          "not supported yet; use fp32"),
-                         (cfg.compress != "none", "--compress with --pp is not supported yet"),
-                         (cfg.backend == "nccl", "--pp runs over MPI; drop --backend nccl")):
-            if bad:
-                raise ConfigError(why, "pp")
-        m = cfg.micro_batches or 2 * cfg.pp
-        if cfg.batch_size < m:
-            raise ConfigError(f"--batch-size {cfg.batch_size} is split into {m} micro-batches: "
-                              "it must be at least that", "micro_batches")
-        try:
-            schedules.make(cfg.schedule, cfg.pp, m, cfg.virtual_stages)
-            partition = schedules.partition
-            split = [int(n) for n in cfg.pp_split.split(",")] if cfg.pp_split else None
-            partition(cfg.n_layer, cfg.pp * cfg.virtual_stages, split)
-        except ValueError as e:
-            raise ConfigError(str(e), "pp") from None
-    elif cfg.schedule != "1f1b" or cfg.virtual_stages != 1 or cfg.pp_split or cfg.micro_batches:
-        raise ConfigError("--schedule, --virtual-stages, --pp-split and --micro-batches are for "
-                          "pipelines: add --pp P (P > 1)", "pp")
-    validate_cp(cfg)
-    if cfg.sequence_parallel and cfg.tp == 1:
-        raise ConfigError("--sequence-parallel splits activations over the tensor-parallel "
-                          "group: it needs --tp > 1", "sequence_parallel")
-    if cfg.backend == "nccl" and cfg.compress != "none":
-        raise ConfigError(f"--compress {cfg.compress} runs on the MPI backend; with "
-                          "--backend nccl use --compress none", "backend")
-    if cfg.straggler:
-        try:
-            r, ms = cfg.straggler.split(":")
-            if int(r) < 0 or float(ms) < 0:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(f"--straggler takes RANK:MS (e.g. 3:50), got {cfg.straggler!r}",
-                              "straggler") from None
-    if cfg.strategy == "ps":
-        for bad, why in ((cfg.zero, "--zero"), (cfg.tp > 1, "--tp"), (cfg.pp > 1, "--pp"),
-                         (cfg.compress != "none", "--compress"),
-                         (cfg.precision != "fp32", f"--precision {cfg.precision}"),
-                         (cfg.backend != "mpi", f"--backend {cfg.backend}")):
-            if bad:
-                raise ConfigError(f"--strategy ps (parameter servers) runs plain data "
-                                  f"parallelism in fp32/fp64 over MPI: drop {why}", "strategy")
-        if cfg.servers < 1 or cfg.max_staleness < -1:
-            raise ConfigError(f"--servers must be >= 1 and --max-staleness >= -1 (-1: "
-                              f"unbounded), got {cfg.servers} and {cfg.max_staleness}",
-                              "servers")
-    elif cfg.servers != 1 or cfg.max_staleness != -1:
-        raise ConfigError("--servers and --max-staleness are for --strategy ps", "servers")
-
-
-def validate_cp(cfg: TrainConfig) -> None:
-    """Context parallelism's settings (parallel/context.py)."""
-    if cfg.cp < 1:
-        raise ConfigError(f"--cp must be >= 1, got {cfg.cp}", "cp")
-    if cfg.cp == 1:
-        if cfg.cp_impl != "ring":
-            raise ConfigError("--cp-impl is for context parallelism: add --cp N (N > 1)", "cp")
-        return
-    heads = cfg.n_head // max(cfg.tp, 1)
-    if cfg.cp_impl == "ulysses" and heads % cfg.cp:
-        raise ConfigError(f"--cp-impl ulysses splits the {heads} heads each tensor-parallel "
-                          f"rank holds (n_head / tp) over --cp {cfg.cp}: cp must divide them; "
-                          f"use --cp-impl ring, or a cp dividing {heads}", "cp")
-    for bad, why in ((cfg.dropout > 0, "--dropout > 0 (attention dropout on a ring is not "
-                      "supported; use --dropout 0)"),
-                     (cfg.strategy == "ps", "--strategy ps (parameter servers run plain data "
-                      "parallelism)")):
-        if bad:
-            raise ConfigError(f"--cp {cfg.cp} does not run with {why}", "cp")
+    for name, check in SETTINGS + capabilities.REFUSALS:
+        message = check(cfg)
+        if message:
+            raise ConfigError(message, name)
 
 
 def validate_world(cfg: TrainConfig, world: int, train_len: int, seq_len: int = 0) -> None:
@@ -356,108 +275,6 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-# --help: what each option does, in groups. Every TrainConfig field appears exactly once
-# (checked at import).
-HELP = {
-    "data": {
-        "task": "what to learn: sort | reverse (generated digit tasks, exact-match accuracy) "
-                "| text (next character of --data)",
-        "data": "--task text: a text file, or token shards: a folder from python -m "
-                "hpcdist.data prepare, a glob of llm.c shards, a raw uint16 .bin",
-        "data_encoding": "its encoding; decoded strictly (bad bytes are an error)",
-        "length": "digits per sequence (sort, reverse)",
-        "num_digits": "digit alphabet size (sort, reverse)",
-        "block_size": "context length in tokens (text)",
-        "tokenizer": "text: a Hugging Face tokenizer.json (python -m hpcdist.data prepare "
-                     "writes one); default: characters, or the one beside token shards",
-        "vocab_size": "text: the vocabulary size of raw uint16 .bin shards (0: from the "
-                      "tokenizer)",
-    },
-    "model": {
-        "n_layer": "transformer blocks", "n_head": "attention heads per block",
-        "n_embd": "embedding width", "dropout": "dropout probability (0 disables)",
-        "bias": "biases in linear layers and LayerNorms",
-        "tie_weights": "the output head reuses the token embedding",
-        "checkpoint_activations": "recompute each block's activations in backward (less "
-                                  "memory, one more forward)",
-        "init_from": "start from a Hugging Face GPT-2 folder (config.json + "
-                     "model.safetensors): its shape and weights, in any layout; the data must "
-                     "use its tokenizer",
-        "dtype": "master precision: fp32 | fp64 (fp64 for exactness tests)",
-        "device": "cpu | gpu | auto (gpu: one GPU per rank, by node-local rank)",
-    },
-    "optimisation": {
-        "steps": "optimizer steps", "batch_size": "sequences per data-parallel replica per "
-                                                  "micro-batch",
-        "grad_accum": "micro-batches per step (gradients communicated on the last only)",
-        "optimizer": "adamw | sgd", "lr": "peak learning rate", "min_lr": "final learning "
-                                                                          "rate (cosine decay)",
-        "warmup": "linear warm-up steps", "weight_decay": "decoupled weight decay (matrices)",
-        "beta1": "AdamW beta1", "beta2": "AdamW beta2", "momentum": "SGD momentum",
-        "grad_clip": "clip the global gradient norm to this (0 disables)",
-        "scale_lr": "multiply lr by the number of data-parallel replicas",
-        "precision": "compute precision fp32 | fp16 | bf16 (fp32 master weights)",
-        "loss_scale": "fp16: initial dynamic loss scale", "seed": "seed of the model and data",
-    },
-    "parallelism": {
-        "tp": "tensor-parallel size: heads, MLP width and vocabulary split over tp neighbouring "
-              "ranks (data-parallel size = world / tp)",
-        "sequence_parallel": "with --tp: split LayerNorm/dropout activations along the sequence",
-        "pp": "pipeline stages: the blocks split over pp ranks (data-parallel size = world / "
-              "(tp x pp))",
-        "micro_batches": "micro-batches each batch is split into in the pipeline (0: 2 x pp)",
-        "schedule": "pipeline schedule: gpipe | 1f1b | interleaved | zb-h1 (verified before "
-                    "any micro-batch moves)",
-        "virtual_stages": "model chunks per rank (--schedule interleaved)",
-        "pp_split": "blocks per stage, e.g. 2,2,1 (default: as even as possible)",
-        "cp": "context-parallel size: each sequence split over cp ranks, attention too "
-              "(data-parallel size = world / (tp x pp x cp))",
-        "cp_impl": "context parallelism through attention: ring (K/V blocks round the group) "
-                   "| ulysses (all-to-all, heads <-> sequence; cp must divide n_head / tp)",
-        "zero": "ZeRO stage 0 (plain DDP) | 1 (optimizer state) | 2 (+ gradients) | 3 (+ "
-                "parameters), sharded over the data-parallel group",
-        "strategy": "collective (DDP, ZeRO, TP, PP) | ps: asynchronous parameter servers",
-        "servers": "ps: how many of the last ranks are servers (each holds a shard of the "
-                   "parameters and optimizer)",
-        "max_staleness": "ps: a worker waits while it is this many clocks ahead of the "
-                         "slowest (0: synchronous, equals DDP; -1: never)",
-        "bucket_mb": "gradient bucket size in MB", "first_bucket_mb": "the first (last "
-                                                                     "layers') bucket, smaller",
-        "overlap": "average buckets during backward", "backend": "mpi | nccl (GPU gradients)",
-        "compress": "gradient compression: none | fp16 | topk (DGC) | powersgd",
-        "density": "topk: fraction of each bucket sent",
-        "compress_momentum": "topk: DGC momentum correction (the optimizer runs without)",
-        "compress_clip": "topk: local gradient clipping norm (0 disables)",
-        "density_warmup": "topk: steps of DGC's exponential density warm-up",
-        "powersgd_rank": "powersgd: rank r of each gradient matrix's approximation (sends "
-                         "r(n+m) values for n x m; 4 holds the default task's accuracy, 1 "
-                         "lost 12 points; --rank is the old spelling)",
-        "powersgd_start": "powersgd: average densely for this many steps first",
-        "timeout": "seconds any rank may wait on another before the job ends with a report "
-                   "naming who did not arrive (0: $HPCDIST_TIMEOUT, else 300)",
-    },
-    "checkpoints": {
-        "save_dir": "where checkpoints go (none without it)",
-        "save_every": "steps between checkpoints (0: only at the end)",
-        "resume": "continue from the newest verified checkpoint in --save-dir",
-        "overwrite": "a fresh run into a --save-dir that holds another run's checkpoints "
-                     "moves them aside to <dir>.old-N (never deletes); without it that is "
-                     "refused",
-    },
-    "observability": {
-        "log_every": "print a progress line every N steps (metrics.jsonl records every step)",
-        "eval_batch": "evaluation batch size", "out_dir": "metrics.jsonl, ranks.json, "
-                                                          "comm_log.json go here",
-        "trace": "write a Chrome trace of every rank to this file (ui.perfetto.dev)",
-        "comm_log": "print per-collective timings beside the alpha-beta model",
-        "trace_memory": "measure each step's activation memory and peak above the model "
-                        "state (CPU: tracemalloc, slower)",
-        "straggler": "RANK:MS: that rank sleeps MS milliseconds in every step (a slow worker)",
-        "allow_singletons": "run even where the launcher's environment promises N tasks but "
-                            "MPI started a world of 1 (refused by default: a launcher/MPI "
-                            "mismatch makes N separate 1-rank runs)",
-    },
-}
 _helped = [name for group in HELP.values() for name in group]
 assert sorted(_helped) == sorted(f.name for f in fields(TrainConfig)), \
     "config.HELP must describe every TrainConfig field exactly once"

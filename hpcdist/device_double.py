@@ -46,6 +46,7 @@ MODULE = {
     "concatenate": ("function", "(tup, axis=0, out=None, *, dtype=None, casting='same_kind')"),
     "einsum": ("function", "(*operands, **kwargs)"),
     "empty": ("function", "(shape, dtype=float, order='C')"),
+    "full": ("function", "(shape, fill_value, dtype=None, order='C')"),
     "empty_like": ("function", "(prototype, dtype=None, order='K', subok=None, shape=None)"),
     "get_array_module": ("function", "(*args)"),
     "get_default_memory_pool": ("function", "()"),

@@ -143,14 +143,41 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     def save(at: int) -> None:
         folder = state.save_checkpoint(cfg, at, comm, step_fn, sampler, train_set.vocabulary)
         say(f"saved {folder}")
-    if hasattr(step_fn, "serve"):                   # a parameter server: answers the workers
+    if step_fn.brings_loop:                         # a parameter server: answers the workers
         return step_fn.run(stop, save, stopped, start)
-    if start < cfg.steps and not stopped:
-        step_fn.begin(stop)
-    lr_scale = data_comm.size if cfg.scale_lr else 1
-    delay = straggler_delay(cfg, comm.rank)
     t_start = time.perf_counter()
     bytes_start = step_fn.comm.bytes_sent           # the gradient communicator's count
+    history, step, stopped = _loop(cfg, comm, step_fn, train_set, sampler, start, stop, stopped,
+                                   metrics, meter, save, say)
+    train_bytes = step_fn.comm.bytes_sent - bytes_start    # before evaluation's gathers
+    extra = step_fn.summary()                      # collective where the strategy gathers
+    line = extra.pop("line", None)
+    if stopped:
+        final = stopped_report(cfg, stopped, step, start, comm.size, t_start, say)
+    else:
+        runtime.test_hooks(comm.rank, "end")
+        final = final_report(cfg, model, step_fn, test_set, history, start, comm.size,
+                             t_start, train_bytes, say)
+        if line:
+            say(line)
+    final.update(extra)
+    if metrics is not None:
+        metrics.write(json.dumps(final) + "\n")
+        metrics.close()
+    final["history"] = history                    # every step's record (tests compare them)
+    final["params"] = backend.to_numpy(step_fn.full_parameters())   # on the host (tests compare)
+    return final
+
+
+def _loop(cfg, comm, step_fn, train_set, sampler, start, stop, stopped, metrics, meter, save,
+          say):
+    """Steps from ``start`` until ``cfg.steps`` or an agreed stop: (every step's record, the
+    last step, the signal that stopped the run or 0)."""
+    if start < cfg.steps and not stopped:
+        step_fn.begin(stop)
+    lr_scale = step_fn.batch_comm.size if cfg.scale_lr else 1
+    delay = straggler_delay(cfg, comm.rank)
+    t_start = time.perf_counter()
     history, step, more = [], start, start < cfg.steps and not stopped
     while more:
         step += 1
@@ -174,24 +201,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
             runtime.test_hooks(comm.rank, "save")
             with timeline.span("checkpoint", step=save_at):
                 save(save_at)
-    train_bytes = step_fn.comm.bytes_sent - bytes_start    # before evaluation's gathers
-    extra = step_fn.summary()                      # collective where the strategy gathers
-    line = extra.pop("line", None)
-    if stopped:
-        final = stopped_report(cfg, stopped, step, start, comm.size, t_start, say)
-    else:
-        runtime.test_hooks(comm.rank, "end")
-        final = final_report(cfg, model, step_fn, test_set, history, start, comm.size,
-                             t_start, train_bytes, say)
-        if line:
-            say(line)
-    final.update(extra)
-    if metrics is not None:
-        metrics.write(json.dumps(final) + "\n")
-        metrics.close()
-    final["history"] = history                    # every step's record (tests compare them)
-    final["params"] = backend.to_numpy(step_fn.full_parameters())   # on the host (tests compare)
-    return final
+    return history, step, stopped
 
 
 def straggler_delay(cfg, rank: int) -> float:

@@ -16,7 +16,8 @@ LAYERS = [
     ["nn", "optim", "recompute", "data", "reshard", "checkpoint", "evaluate"],
     ["comm"],                                                          # raw arrays, MPI
     ["parallel"],                                                      # Tensors meet comms
-    ["config", "preflight", "runtime", "preemption", "plan", "savedir", "supervisor", "mfu",
+    ["config", "config_help", "preflight", "runtime", "preemption", "plan", "savedir",
+     "supervisor", "mfu",
      "report"],  # a run's plumbing
     ["train", "bench", "cluster", "sample"],                                     # entry points
 ]

@@ -294,15 +294,17 @@ class Communicator:
         if not 0 <= tag < p2p.MAX_TAG:
             raise ValueError(f"tag must be in [0, {p2p.MAX_TAG}), got {tag}")
 
-    def _outgoing(self, arr, dest: int, tag: int):
-        """Checked, staged array and its payload tag for a send to ``dest``."""
+    def _outgoing(self, arr, dest: int, tag: int, fresh: bool = False):
+        """Checked, staged array and its payload tag for a send to ``dest`` (``fresh``: a
+        non-blocking send's staged copy is its own, not the reused buffer)."""
         self._check_peer(dest, "dest", tag)
         problem = ledger.argument_problem(arr, "arr", None, self.size)
         if problem:
             raise ValueError(problem)
         seq = self._send_seq.get(dest, 0)
         self._send_seq[dest] = seq + 1
-        return self._p2p_wire.stage_in(arr).reshape(arr.shape), p2p.payload_tag(seq)
+        return self._p2p_wire.stage_in(arr, fresh=fresh).reshape(arr.shape), \
+            p2p.payload_tag(seq)
 
     def _link(self, peer: int) -> str:
         return "intra" if self.node_of[peer] == self.node_of[self.rank] else "inter"
@@ -332,7 +334,7 @@ class Communicator:
 
     def isend(self, arr, dest: int, tag: int = 0) -> p2p.SendHandle:
         """Non-blocking send; ``wait()`` before reusing ``arr``."""
-        work, ptag = self._outgoing(arr, dest, tag)
+        work, ptag = self._outgoing(arr, dest, tag, fresh=True)
         return p2p.isend(self._p2p_wire, work, dest, tag, ptag)
 
     def irecv(self, source: int, tag: int = 0) -> p2p.RecvHandle:

@@ -96,11 +96,15 @@ class Wire:
         """True when ``stage_in(buf)`` is a host copy rather than a view of ``buf``."""
         return not self.device_ok and backend.is_gpu_array(buf)
 
-    def stage_in(self, buf, key: int = 0):
+    def stage_in(self, buf, key: int = 0, fresh: bool = False):
         """A flat buffer MPI may read: a device array's values in a reused pinned host
         buffer (``key`` tells two staged at once apart; valid until the next staging with
-        the same key on this thread) unless MPI is CUDA-aware, else a view of ``buf``."""
+        the same key on this thread) unless MPI is CUDA-aware, else a view of ``buf``.
+        ``fresh``: a host copy of its own instead (a non-blocking send, which MPI may read
+        after the next staging)."""
         if not self.device_ok and backend.is_gpu_array(buf):
+            if fresh:
+                return backend.to_numpy(buf).reshape(-1)
             return backend.to_host(buf, key)  # synchronizes the producing stream
         return buf.reshape(-1)
 

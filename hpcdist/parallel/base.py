@@ -91,6 +91,14 @@ class Strategy:
         """What the strategy adds to the final report (collective where it gathers)."""
         return {}
 
+    #: a strategy that runs its own loop (a parameter server answering workers) sets this and
+    #: implements ``run``; train.py then hands it the run instead of stepping it
+    brings_loop = False
+
+    def run(self, stop, save, stopped: int, start: int) -> dict:
+        """The whole run, for a strategy that ``brings_loop``: its final metrics."""
+        raise NotImplementedError(f"{type(self).__name__} runs in train.py's loop")
+
     # ---- what it holds ---------------------------------------------------------------------
     def memory(self) -> dict:
         """Bytes alive between steps: params, grads, optimizer (and total)."""

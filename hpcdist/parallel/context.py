@@ -173,7 +173,7 @@ def _scores(qs, ks, scale):
     """q k^T * scale, (B, H, Tq, Tk): the one block-sized array the forward makes (in place
     from here on: a block's transient memory is one or two score-sized arrays)."""
     xp = backend.array_module(qs)
-    s = xp.matmul(qs, ks.transpose(0, 1, 3, 2))
+    s = qs @ ks.transpose(0, 1, 3, 2)
     s *= scale
     return s
 
@@ -191,7 +191,7 @@ def _block_forward(q, k, v, pq, pk, scale, out, lse) -> None:
     s -= m[..., None]
     p = xp.exp(s, out=s)
     total = p.sum(axis=-1)
-    ob = xp.matmul(p, v[:, :, cols])
+    ob = p @ v[:, :, cols]
     del s, p
     ob /= total[..., None]
     lb = m + xp.log(total)
@@ -216,14 +216,14 @@ def _block_backward(q, k, v, pq, pk, scale, dout, lse, D, dq):
     xp.exp(p, out=p)                     # the probabilities, from the saved log-sum-exp
     if mask is not None:
         p *= xp.asarray(mask.astype(p.dtype))
-    dkv[1][:, :, cols] = xp.matmul(p.transpose(0, 1, 3, 2), dos)
-    ds = xp.matmul(dos, vs.transpose(0, 1, 3, 2))
+    dkv[1][:, :, cols] = p.transpose(0, 1, 3, 2) @ dos
+    ds = dos @ vs.transpose(0, 1, 3, 2)
     ds -= D[:, :, rows][..., None]
     ds *= p
     del p
     ds *= scale
-    dq[:, :, rows] += xp.matmul(ds, ks)
-    dkv[0][:, :, cols] = xp.matmul(ds.transpose(0, 1, 3, 2), qs)
+    dq[:, :, rows] += ds @ ks
+    dkv[0][:, :, cols] = ds.transpose(0, 1, 3, 2) @ qs
     return dkv
 
 

@@ -160,6 +160,8 @@ class PSWorker(Strategy):
 class PSServer(Strategy):
     """A server: a shard of the parameters and of the optimizer; answers the workers."""
 
+    brings_loop = True              # it answers the workers until they are done
+
     def __init__(self, model, comm, server_comm, make_optimizer, servers: int,
                  max_staleness: int, cfg):
         self.model, self.comm, self.mesh, self.cfg = model, comm, None, cfg

@@ -388,25 +388,40 @@ def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
                     sends[s] += [(idx[s], j) for j, op in enumerate(a.ops) if op.kind == "SEND"]
                     got[s].update((op.what, op.mb, op.chunk) for op in a.ops if op.kind == "RECV")
                 else:
-                    k = a.chunk * P + s                 # the data this compute needs is here
-                    need = ("ACT" if a.kind == "F" and k > 0 else
-                            "GRAD" if a.kind in ("B", "I") and k < P * v - 1 else None)
-                    if need and (need, a.mb, a.chunk) not in got[s]:
-                        raise ScheduleError(f"stage {s}: action {idx[s]} {a} runs before its "
-                                            f"{'activation' if need == 'ACT' else 'gradient'} "
-                                            "is received")
-                    cost = c[a.kind][s] if isinstance(c[a.kind], (list, tuple)) else c[a.kind]
-                    events[s].append((a.kind, a.mb, a.chunk, clock[s], clock[s] + cost))
-                    clock[s] += cost
-                    busy[s] += cost
-                    key = (a.mb, a.chunk)
-                    if a.kind == "F":
-                        live[s].add(key)
-                    elif a.kind in ("B", "W"):
-                        live[s].discard(key)
-                    peak[s] = max(peak[s], len(live[s]))
+                    _compute(a, s, idx[s], P, v, c, got[s], events[s], clock, busy, live[s],
+                             peak)
                 idx[s] += 1
                 progress = True
+    _check_end(schedule, P, idx, posted, matched, sends, clock, peak, stash_limit)
+    makespan = max(clock)
+    bubble = 1.0 - sum(busy) / (P * makespan) if makespan else 0.0
+    return Verdict(makespan, bubble, peak, busy, events)
+
+
+def _compute(a, s, i, P, v, c, got, events, clock, busy, live, peak) -> None:
+    """Stage s runs compute action ``a`` (its ``i``-th): its input must have arrived; the
+    clock, busy time, events and the stash of live micro-batches move on."""
+    k = a.chunk * P + s                 # the data this compute needs is here
+    need = ("ACT" if a.kind == "F" and k > 0 else
+            "GRAD" if a.kind in ("B", "I") and k < P * v - 1 else None)
+    if need and (need, a.mb, a.chunk) not in got:
+        raise ScheduleError(f"stage {s}: action {i} {a} runs before its "
+                            f"{'activation' if need == 'ACT' else 'gradient'} is received")
+    cost = c[a.kind][s] if isinstance(c[a.kind], (list, tuple)) else c[a.kind]
+    events.append((a.kind, a.mb, a.chunk, clock[s], clock[s] + cost))
+    clock[s] += cost
+    busy[s] += cost
+    key = (a.mb, a.chunk)
+    if a.kind == "F":
+        live.add(key)
+    elif a.kind in ("B", "W"):
+        live.discard(key)
+    peak[s] = max(peak[s], len(live))
+
+
+def _check_end(schedule, P, idx, posted, matched, sends, clock, peak, limit) -> None:
+    """After the walk: every stage finished, every message matched, each stage's clock past
+    its sends' completion, no stage's stash above the schedule's promise (``limit``)."""
     stuck = [s for s in range(P) if idx[s] < len(schedule[s])]
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(
@@ -418,15 +433,11 @@ def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
                             f"{'receive' if e[0] == 'SEND' else 'send'}")
     for s in range(P):              # the end of the step waits for every send to complete
         clock[s] = max([clock[s]] + [matched[(s, i, j)] for i, j in sends[s]])
-    limit = stash_limit
     if limit is not None:
         for s in range(P):
             if peak[s] > limit[s]:
                 raise ScheduleError(f"stage {s} stashes {peak[s]} micro-batches, more than the "
                                     f"{limit[s]} the schedule promises")
-    makespan = max(clock)
-    bubble = 1.0 - sum(busy) / (P * makespan) if makespan else 0.0
-    return Verdict(makespan, bubble, peak, busy, events)
 
 
 def _post(posted, matched, key, op, s, i, j, t, send_cost) -> None:

@@ -86,6 +86,23 @@ class Zero(Strategy):
         self.mixed = self.compute_dtype != master_dtype
         self._peak = {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
 
+        self._place(full, bucket_mb, first_bucket_mb)
+        if stage >= 2:
+            self.grad_shard = xp.zeros(self.hi - self.lo, dtype=self.compute_dtype)
+        self.opt = make_optimizer(ShardParams(self.master, None,
+                                              decay_ranges_in(decay, self.lo, self.hi)))
+        del full
+        if stage >= 2:
+            self._group_of = {id(p): g for g in self.groups for p in g.params}
+            for p in params:
+                p.register_grad_hook(self._grad_ready)
+
+
+    def _place(self, full, bucket_mb: float, first_bucket_mb: float) -> None:
+        """Where the stage keeps parameters and gradients: full compute parameters and this
+        rank's master shard (stages 1-2; stage 2 with its gradient buckets), or only the
+        shards, the parameters gathered per block when used (stage 3)."""
+        params, stage = self.params, self.stage
         if stage < 3:
             for p, o in zip(params, self.offsets):
                 p.data = full[o:o + p.size].reshape(p.shape).astype(self.compute_dtype)
@@ -114,15 +131,6 @@ class Zero(Strategy):
                 p.grad = None
                 self._free(p)
             self._wrap_blocks()
-        if stage >= 2:
-            self.grad_shard = xp.zeros(self.hi - self.lo, dtype=self.compute_dtype)
-        self.opt = make_optimizer(ShardParams(self.master, None,
-                                              decay_ranges_in(decay, self.lo, self.hi)))
-        del full
-        if stage >= 2:
-            self._group_of = {id(p): g for g in self.groups for p in g.params}
-            for p in params:
-                p.register_grad_hook(self._grad_ready)
 
     # ---- stage 3: gather units --------------------------------------------------------------
     def _stage3_groups(self):

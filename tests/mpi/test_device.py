@@ -145,6 +145,23 @@ def test_point_to_point_and_sparse_on_device(comm):
         np.testing.assert_array_equal(host(dense), oracle(comm, g))
 
 
+def test_outstanding_sends_of_device_arrays_keep_their_values(comm):
+    """Several non-blocking sends of device arrays at once (the pipeline's and the context-
+    parallel ring's pattern), each past MPI's eager limit: every one arrives as it was sent,
+    though each was staged to the host (a staging buffer reused by the next send would carry
+    the last array's values in all of them)."""
+    P, r = comm.size, comm.rank
+    right, left = (r + 1) % P, (r - 1) % P
+    n = 300_000                                        # 1.2 MB each: a rendezvous send
+    sends = [comm.isend(dev(rank_data(n, "float32", r, seed=k)), right, tag=20 + k)
+             for k in range(3)]
+    got = [comm.irecv(left, tag=20 + k) for k in range(3)]
+    for k, h in enumerate(got):
+        np.testing.assert_array_equal(host(h.wait()), rank_data(n, "float32", left, seed=k))
+    for h in sends:
+        h.wait()
+
+
 def test_an_unstaged_device_array_never_reaches_mpi(comm):
     """The wire refuses it (a real CuPy array would be read as a host pointer)."""
     if comm.cuda_aware:

@@ -1,0 +1,105 @@
+"""What ``--help`` says of each TrainConfig field, grouped as the help prints them
+(config.build_parser; config asserts every field is here exactly once)."""
+
+# --help: what each option does, in groups. Every TrainConfig field appears exactly once
+# (checked at import).
+HELP = {
+    "data": {
+        "task": "what to learn: sort | reverse (generated digit tasks, exact-match accuracy) "
+                "| text (next character of --data)",
+        "data": "--task text: a text file, or token shards: a folder from python -m "
+                "hpcdist.data prepare, a glob of llm.c shards, a raw uint16 .bin",
+        "data_encoding": "its encoding; decoded strictly (bad bytes are an error)",
+        "length": "digits per sequence (sort, reverse)",
+        "num_digits": "digit alphabet size (sort, reverse)",
+        "block_size": "context length in tokens (text)",
+        "tokenizer": "text: a Hugging Face tokenizer.json (python -m hpcdist.data prepare "
+                     "writes one); default: characters, or the one beside token shards",
+        "vocab_size": "text: the vocabulary size of raw uint16 .bin shards (0: from the "
+                      "tokenizer)",
+    },
+    "model": {
+        "n_layer": "transformer blocks", "n_head": "attention heads per block",
+        "n_embd": "embedding width", "dropout": "dropout probability (0 disables)",
+        "bias": "biases in linear layers and LayerNorms",
+        "tie_weights": "the output head reuses the token embedding",
+        "checkpoint_activations": "recompute each block's activations in backward (less "
+                                  "memory, one more forward)",
+        "init_from": "start from a Hugging Face GPT-2 folder (config.json + "
+                     "model.safetensors): its shape and weights, in any layout; the data must "
+                     "use its tokenizer",
+        "dtype": "master precision: fp32 | fp64 (fp64 for exactness tests)",
+        "device": "cpu | gpu | auto (gpu: one GPU per rank, by node-local rank)",
+    },
+    "optimisation": {
+        "steps": "optimizer steps", "batch_size": "sequences per data-parallel replica per "
+                                                  "micro-batch",
+        "grad_accum": "micro-batches per step (gradients communicated on the last only)",
+        "optimizer": "adamw | sgd", "lr": "peak learning rate", "min_lr": "final learning "
+                                                                          "rate (cosine decay)",
+        "warmup": "linear warm-up steps", "weight_decay": "decoupled weight decay (matrices)",
+        "beta1": "AdamW beta1", "beta2": "AdamW beta2", "momentum": "SGD momentum",
+        "grad_clip": "clip the global gradient norm to this (0 disables)",
+        "scale_lr": "multiply lr by the number of data-parallel replicas",
+        "precision": "compute precision fp32 | fp16 | bf16 (fp32 master weights)",
+        "loss_scale": "fp16: initial dynamic loss scale", "seed": "seed of the model and data",
+    },
+    "parallelism": {
+        "tp": "tensor-parallel size: heads, MLP width and vocabulary split over tp neighbouring "
+              "ranks (data-parallel size = world / tp)",
+        "sequence_parallel": "with --tp: split LayerNorm/dropout activations along the sequence",
+        "pp": "pipeline stages: the blocks split over pp ranks (data-parallel size = world / "
+              "(tp x pp))",
+        "micro_batches": "micro-batches each batch is split into in the pipeline (0: 2 x pp)",
+        "schedule": "pipeline schedule: gpipe | 1f1b | interleaved | zb-h1 (verified before "
+                    "any micro-batch moves)",
+        "virtual_stages": "model chunks per rank (--schedule interleaved)",
+        "pp_split": "blocks per stage, e.g. 2,2,1 (default: as even as possible)",
+        "cp": "context-parallel size: each sequence split over cp ranks, attention too "
+              "(data-parallel size = world / (tp x pp x cp))",
+        "cp_impl": "context parallelism through attention: ring (K/V blocks round the group) "
+                   "| ulysses (all-to-all, heads <-> sequence; cp must divide n_head / tp)",
+        "zero": "ZeRO stage 0 (plain DDP) | 1 (optimizer state) | 2 (+ gradients) | 3 (+ "
+                "parameters), sharded over the data-parallel group",
+        "strategy": "collective (DDP, ZeRO, TP, PP) | ps: asynchronous parameter servers",
+        "servers": "ps: how many of the last ranks are servers (each holds a shard of the "
+                   "parameters and optimizer)",
+        "max_staleness": "ps: a worker waits while it is this many clocks ahead of the "
+                         "slowest (0: synchronous, equals DDP; -1: never)",
+        "bucket_mb": "gradient bucket size in MB", "first_bucket_mb": "the first (last "
+                                                                     "layers') bucket, smaller",
+        "overlap": "average buckets during backward", "backend": "mpi | nccl (GPU gradients)",
+        "compress": "gradient compression: none | fp16 | topk (DGC) | powersgd",
+        "density": "topk: fraction of each bucket sent",
+        "compress_momentum": "topk: DGC momentum correction (the optimizer runs without)",
+        "compress_clip": "topk: local gradient clipping norm (0 disables)",
+        "density_warmup": "topk: steps of DGC's exponential density warm-up",
+        "powersgd_rank": "powersgd: rank r of each gradient matrix's approximation (sends "
+                         "r(n+m) values for n x m; 4 holds the default task's accuracy, 1 "
+                         "lost 12 points; --rank is the old spelling)",
+        "powersgd_start": "powersgd: average densely for this many steps first",
+        "timeout": "seconds any rank may wait on another before the job ends with a report "
+                   "naming who did not arrive (0: $HPCDIST_TIMEOUT, else 300)",
+    },
+    "checkpoints": {
+        "save_dir": "where checkpoints go (none without it)",
+        "save_every": "steps between checkpoints (0: only at the end)",
+        "resume": "continue from the newest verified checkpoint in --save-dir",
+        "overwrite": "a fresh run into a --save-dir that holds another run's checkpoints "
+                     "moves them aside to <dir>.old-N (never deletes); without it that is "
+                     "refused",
+    },
+    "observability": {
+        "log_every": "print a progress line every N steps (metrics.jsonl records every step)",
+        "eval_batch": "evaluation batch size", "out_dir": "metrics.jsonl, ranks.json, "
+                                                          "comm_log.json go here",
+        "trace": "write a Chrome trace of every rank to this file (ui.perfetto.dev)",
+        "comm_log": "print per-collective timings beside the alpha-beta model",
+        "trace_memory": "measure each step's activation memory and peak above the model "
+                        "state (CPU: tracemalloc, slower)",
+        "straggler": "RANK:MS: that rank sleeps MS milliseconds in every step (a slow worker)",
+        "allow_singletons": "run even where the launcher's environment promises N tasks but "
+                            "MPI started a world of 1 (refused by default: a launcher/MPI "
+                            "mismatch makes N separate 1-rank runs)",
+    },
+}

@@ -1,0 +1,124 @@
+"""What each strategy, compression scheme, parallel layout and backend runs with, declared as
+data: one list of refusals per feature, each a (setting it is about, check) pair whose check
+returns the message when the configuration asks for what the feature cannot do, else
+something false. ``config.validate`` raises the first that applies, in the order of
+``REFUSALS``. Pure: importing this starts nothing (no MPI), so a login node can check a job.
+"""
+from __future__ import annotations
+
+from . import schedules
+
+
+def _pipeline_plan(c) -> str | None:
+    """The schedule and split a pipeline of these settings would run, tried (the registry)."""
+    try:
+        schedules.make(c.schedule, c.pp, c.micro_batches or 2 * c.pp, c.virtual_stages)
+        split = [int(n) for n in c.pp_split.split(",")] if c.pp_split else None
+        schedules.partition(c.n_layer, c.pp * c.virtual_stages, split)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+ZERO = [   # parallel/zero.py: ZeRO 1-3 over the data-parallel group (DP x CP)
+    ("zero", lambda c: c.zero not in (0, 1, 2, 3) and
+     f"--zero must be 0, 1, 2 or 3, got {c.zero}"),
+    ("zero", lambda c: c.zero and c.compress != "none" and
+     f"--zero {c.zero} reduce-scatters dense gradients; gradient compression runs with "
+     "--zero 0 only"),
+    ("zero", lambda c: c.zero and c.backend == "nccl" and
+     "--zero runs on the MPI backend; drop --backend nccl"),
+    ("zero", lambda c: c.zero == 3 and c.checkpoint_activations and
+     "--zero 3 with --checkpoint-activations is not supported yet (recomputation would "
+     "gather each block a third time); pick one"),
+]
+
+TENSOR = [   # parallel/tp: heads, MLP width and vocabulary split over tp ranks
+    ("tp", lambda c: c.tp < 1 and f"--tp must be >= 1, got {c.tp}"),
+    ("tp", lambda c: c.n_head % c.tp and
+     f"--tp {c.tp} must divide n_head ({c.n_head}): each tensor-parallel rank holds an "
+     "equal share of the heads"),
+    ("zero", lambda c: c.tp > 1 and c.zero == 3 and
+     "--zero 3 with --tp is not supported (ZeRO-3 would gather shards of shards); use "
+     "--zero 1 or 2 with --tp"),
+    ("backend", lambda c: c.tp > 1 and c.backend == "nccl" and
+     "--tp runs its collectives over MPI; drop --backend nccl"),
+]
+
+PIPELINE = [   # parallel/pipeline.py: the stages, a verified schedule
+    ("pp", lambda c: (c.pp < 1 or c.virtual_stages < 1 or c.micro_batches < 0) and
+     "--pp and --virtual-stages must be >= 1, --micro-batches >= 0"),
+    ("pp", lambda c: c.pp > 1 and c.zero > 1 and
+     f"--zero {c.zero} shards gradients during backward; with --pp use --zero 0 or 1"),
+    ("pp", lambda c: c.pp > 1 and c.precision != "fp32" and
+     f"--precision {c.precision} with --pp is not supported yet; use fp32"),
+    ("pp", lambda c: c.pp > 1 and c.compress != "none" and
+     "--compress with --pp is not supported yet"),
+    ("pp", lambda c: c.pp > 1 and c.backend == "nccl" and
+     "--pp runs over MPI; drop --backend nccl"),
+    ("micro_batches", lambda c: c.pp > 1 and c.batch_size < (c.micro_batches or 2 * c.pp) and
+     f"--batch-size {c.batch_size} is split into {c.micro_batches or 2 * c.pp} "
+     "micro-batches: it must be at least that"),
+    ("pp", lambda c: c.pp > 1 and _pipeline_plan(c)),
+    ("pp", lambda c: c.pp == 1 and (c.schedule != "1f1b" or c.virtual_stages != 1 or
+                                    c.pp_split or c.micro_batches) and
+     "--schedule, --virtual-stages, --pp-split and --micro-batches are for pipelines: add "
+     "--pp P (P > 1)"),
+]
+
+CONTEXT = [   # parallel/context.py: each sequence split over cp ranks, attention too
+    ("cp", lambda c: c.cp < 1 and f"--cp must be >= 1, got {c.cp}"),
+    ("cp", lambda c: c.cp == 1 and c.cp_impl != "ring" and
+     "--cp-impl is for context parallelism: add --cp N (N > 1)"),
+    ("cp", lambda c: c.cp > 1 and c.cp_impl == "ulysses" and (c.n_head // max(c.tp, 1)) % c.cp
+     and f"--cp-impl ulysses splits the {c.n_head // max(c.tp, 1)} heads each tensor-parallel "
+         f"rank holds (n_head / tp) over --cp {c.cp}: cp must divide them; use --cp-impl "
+         f"ring, or a cp dividing {c.n_head // max(c.tp, 1)}"),
+    ("cp", lambda c: c.cp > 1 and c.dropout > 0 and
+     f"--cp {c.cp} does not run with --dropout > 0 (attention dropout on a ring is not "
+     "supported; use --dropout 0)"),
+    ("cp", lambda c: c.cp > 1 and c.strategy == "ps" and
+     f"--cp {c.cp} does not run with --strategy ps (parameter servers run plain data "
+     "parallelism)"),
+    ("sequence_parallel", lambda c: c.sequence_parallel and c.tp == 1 and
+     "--sequence-parallel splits activations over the tensor-parallel group: it needs "
+     "--tp > 1"),
+]
+
+NCCL = [   # comm/nccl.py: gradients over NCCL, GPU memory only
+    ("backend", lambda c: c.backend == "nccl" and c.device != "gpu" and
+     "--backend nccl needs --device gpu (NCCL moves GPU memory)"),
+    ("backend", lambda c: c.backend == "nccl" and c.compress != "none" and
+     f"--compress {c.compress} runs on the MPI backend; with --backend nccl use --compress "
+     "none"),
+]
+
+
+def _ps_drops(c) -> str | None:
+    for bad, why in ((c.zero, "--zero"), (c.tp > 1, "--tp"), (c.pp > 1, "--pp"),
+                     (c.compress != "none", "--compress"),
+                     (c.precision != "fp32", f"--precision {c.precision}"),
+                     (c.backend != "mpi", f"--backend {c.backend}")):
+        if bad:
+            return (f"--strategy ps (parameter servers) runs plain data parallelism in "
+                    f"fp32/fp64 over MPI: drop {why}")
+    return None
+
+
+PARAMETER_SERVER = [   # parallel/ps.py: workers and servers, plain data parallelism
+    ("strategy", lambda c: c.strategy == "ps" and _ps_drops(c)),
+    ("servers", lambda c: c.strategy == "ps" and (c.servers < 1 or c.max_staleness < -1) and
+     f"--servers must be >= 1 and --max-staleness >= -1 (-1: unbounded), got {c.servers} "
+     f"and {c.max_staleness}"),
+    ("servers", lambda c: c.strategy != "ps" and (c.servers != 1 or c.max_staleness != -1)
+     and "--servers and --max-staleness are for --strategy ps"),
+]
+
+MIXED_PRECISION = [   # parallel/mixed_precision.py: fp32 master weights
+    ("precision", lambda c: c.precision != "fp32" and c.dtype == "fp64" and
+     f"--precision {c.precision} keeps fp32 master weights; it cannot be combined with "
+     "--dtype fp64"),
+]
+
+REFUSALS = MIXED_PRECISION + NCCL[:1] + ZERO + TENSOR + PIPELINE + CONTEXT + NCCL[1:] + \
+    PARAMETER_SERVER

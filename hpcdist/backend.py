@@ -376,29 +376,7 @@ def scatter_add(target, idx, values) -> None:
     target[sidx[starts]] += np.add.reduceat(values[order], starts, axis=0)
 
 
-from .rng import DropoutRNG  # noqa: E402  (dropout's own stream: rng.py)
-
-_rng = DropoutRNG(0)   # the generator behind dropout
-
-
-def seed(value: int) -> None:
-    """Seed the generator behind dropout (the same stream on every device)."""
-    global _rng
-    _rng = DropoutRNG(value)
-
-
-def rng_state() -> dict:
-    """The dropout generator's state (JSON-able), for checkpoints and recomputation."""
-    return _rng.state()
-
-
-def set_rng_state(state: dict) -> None:
-    _rng.set_state(state)
-
-
-def rng() -> DropoutRNG:
-    """The dropout generator (seed 0 unless ``seed`` was called)."""
-    return _rng
+from .rng import rng, rng_state, seed, set_rng_state  # noqa: E402,F401  (dropout's stream)
 
 
 def nccl_module():

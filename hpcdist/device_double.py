@@ -24,180 +24,15 @@ What it does not model: streams (work is done when a call returns), and CuPy's r
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import inspect
 import sys
 import types
 
 import numpy as _np
 
-# ---- the surface: name -> (kind, signature as CuPy 14 writes it) -----------------------------
-# kinds: "function", "ufunc" (signature: the inputs), "class", "dtype", "method", "property".
-MODULE = {
-    "arange": ("function", "(start, stop=None, step=1, dtype=None)"),
-    "array": ("function", "(obj, dtype=None, copy=True, order='K', subok=False, ndmin=0, *, "
-                          "blocking=False)"),
-    "asarray": ("function", "(a, dtype=None, order=None, *, copy=None, blocking=False)"),
-    "asnumpy": ("function", "(a, stream=None, order='C', out=None, *, blocking=True)"),
-    "ascontiguousarray": ("function", "(a, dtype=None)"),
-    "argpartition": ("function", "(a, kth, axis=-1)"),
-    "broadcast_to": ("function", "(array, shape)"),
-    "concatenate": ("function", "(tup, axis=0, out=None, *, dtype=None, casting='same_kind')"),
-    "einsum": ("function", "(*operands, **kwargs)"),
-    "empty": ("function", "(shape, dtype=float, order='C')"),
-    "full": ("function", "(shape, fill_value, dtype=None, order='C')"),
-    "empty_like": ("function", "(prototype, dtype=None, order='K', subok=None, shape=None)"),
-    "get_array_module": ("function", "(*args)"),
-    "get_default_memory_pool": ("function", "()"),
-    "linalg.qr": ("function", "(a, mode='reduced')"),
-    "ones": ("function", "(shape, dtype=float, order='C')"),
-    "ones_like": ("function", "(a, dtype=None, order='K', subok=None, shape=None)"),
-    "stack": ("function", "(tup, axis=0, out=None, *, dtype=None, casting='same_kind')"),
-    "swapaxes": ("function", "(a, axis1, axis2)"),
-    "triu": ("function", "(m, k=0)"),
-    "where": ("function", "(condition, x=None, y=None)"),
-    "zeros": ("function", "(shape, dtype=float, order='C')"),
-    "zeros_like": ("function", "(a, dtype=None, order='K', subok=None, shape=None)"),
-    "abs": ("ufunc", "(x)"), "add": ("ufunc", "(x1, x2)"),
-    "bitwise_or": ("ufunc", "(x1, x2)"), "divide": ("ufunc", "(x1, x2)"),
-    "exp": ("ufunc", "(x)"), "isfinite": ("ufunc", "(x)"), "isnan": ("ufunc", "(x)"),
-    "log": ("ufunc", "(x)"), "maximum": ("ufunc", "(x1, x2)"),
-    "minimum": ("ufunc", "(x1, x2)"), "multiply": ("ufunc", "(x1, x2)"),
-    "reciprocal": ("ufunc", "(x)"), "sqrt": ("ufunc", "(x)"),
-    "subtract": ("ufunc", "(x1, x2)"), "tanh": ("ufunc", "(x)"),
-    "ndarray": ("class", None), "inf": ("constant", None), "pi": ("constant", None),
-    "bool_": ("dtype", None), "float16": ("dtype", None), "float32": ("dtype", None),
-    "float64": ("dtype", None), "int32": ("dtype", None), "int64": ("dtype", None),
-    "uint8": ("dtype", None), "uint32": ("dtype", None), "uint64": ("dtype", None),
-}
-NDARRAY = {
-    "T": ("property", None), "data": ("property", None), "dtype": ("property", None),
-    "flags": ("property", None), "itemsize": ("property", None),
-    "nbytes": ("property", None), "ndim": ("property", None), "shape": ("property", None),
-    "size": ("property", None), "strides": ("property", None),
-    "all": ("method", "(self, axis=None, out=None, keepdims=False)"),
-    "any": ("method", "(self, axis=None, out=None, keepdims=False)"),
-    "argmax": ("method", "(self, axis=None, out=None, dtype=None, keepdims=False)"),
-    "astype": ("method", "(self, dtype, order='K', casting=None, subok=None, copy=True)"),
-    "copy": ("method", "(self, order='C')"),
-    "fill": ("method", "(self, value)"),
-    "get": ("method", "(self, stream=None, order='C', out=None, blocking=True)"),
-    "item": ("method", "(self)"),
-    "max": ("method", "(self, axis=None, out=None, keepdims=False)"),
-    "mean": ("method", "(self, axis=None, dtype=None, out=None, keepdims=False)"),
-    "min": ("method", "(self, axis=None, out=None, keepdims=False)"),
-    "ravel": ("method", "(self, order='C')"),
-    "reshape": ("method", "(self, *shape, order='C', copy=None)"),
-    "set": ("method", "(self, arr, stream=None)"),
-    "sum": ("method", "(self, axis=None, dtype=None, out=None, keepdims=False)"),
-    "transpose": ("method", "(self, *axes)"),
-    "view": ("method", "(self, dtype=None, type=None)"),
-}
-FLAGS = ("c_contiguous", "f_contiguous", "owndata")      # no ``writeable`` in CuPy
-CUDA = {
-    "Device": ("class", "(device=None)"), "Device.use": ("method", "(self)"),
-    "MemoryPool.used_bytes": ("method", "(self)"),
-    "Stream.synchronize": ("method", "(self)"),
-    "alloc_pinned_memory": ("function", "(size)"),
-    "get_current_stream": ("function", "(device_id=-1)"),
-    "runtime.getDeviceCount": ("function", "()"),
-    "runtime.getDeviceProperties": ("function", "(int device)"),
-}
-CUPYX = {"scatter_add": ("function", "(a, slices, value)")}
-RANDOM = {
-    "default_rng": ("function", "(seed=None)"),
-    "Generator.random": ("method", "(self, size=None, dtype=float64, out=None)"),
-    "Generator.standard_normal": ("method", "(self, size=None, dtype=float64, out=None)"),
-    "XORWOW.state": ("method", "(self)"),
-}
-# cupy.cuda.nccl: typed, as NCCL's wrappers declare them (the conformance test checks the
-# types of the values hpcdist passes, not only the names)
-NCCL = {
-    "get_unique_id": ("function", "() -> bytes"),
-    "groupStart": ("function", "()"), "groupEnd": ("function", "()"),
-    "NcclCommunicator": ("class", "(int ndev, bytes commId, int rank)"),
-    "NcclCommunicator.allReduce": ("method", "(self, intptr_t sendbuf, intptr_t recvbuf, "
-                                   "size_t count, int datatype, int op, intptr_t stream)"),
-    "NcclCommunicator.reduceScatter": ("method", "(self, intptr_t sendbuf, intptr_t recvbuf, "
-                                       "size_t recvcount, int datatype, int op, "
-                                       "intptr_t stream)"),
-    "NcclCommunicator.allGather": ("method", "(self, intptr_t sendbuf, intptr_t recvbuf, "
-                                   "size_t count, int datatype, intptr_t stream)"),
-    "NcclCommunicator.bcast": ("method", "(self, intptr_t buff, size_t count, int datatype, "
-                               "int root, intptr_t stream)"),
-    "NcclCommunicator.send": ("method", "(self, intptr_t sendbuf, size_t count, "
-                              "int datatype, int peer, intptr_t stream)"),
-    "NcclCommunicator.recv": ("method", "(self, intptr_t recvbuf, size_t count, "
-                              "int datatype, int peer, intptr_t stream)"),
-    "NcclCommunicator.destroy": ("method", "(self)"),
-    **{f"NCCL_{n}": ("constant", None) for n in (
-        "FLOAT16", "FLOAT32", "FLOAT64", "INT32", "INT64", "UINT8", "INT8", "SUM", "MAX",
-        "MIN")},
-}
-UFUNC_KWARGS = {"out", "dtype", "casting"}           # what CuPy's ufuncs take by keyword
-
-_C_TYPES = {"int": "", "bytes": "", "intptr_t": "", "size_t": "", "NcclConfig": ""}
-
-
-def signature(text: str) -> inspect.Signature:
-    """``text`` — "(a, dtype=None, *, copy=None)", C types allowed ("(int ndev, bytes id)")
-    and an optional "-> type" — as an ``inspect.Signature`` (defaults are not evaluated:
-    only names, order and kinds count)."""
-    text = text.split("->")[0].strip()
-    params = []
-    for part in filter(None, (p.strip() for p in text[1:-1].split(","))):
-        words = part.split("=")[0].split()
-        name = words[-1]
-        params.append(f"{name}=None" if "=" in part else name)
-    ns: dict = {}
-    exec(f"def f({', '.join(params)}): pass", ns)          # noqa: S102 (our own table)
-    return inspect.signature(ns["f"])
-
-
-def typed_parameters(text: str) -> list[tuple[str, str]]:
-    """[(C type, name)] of a typed signature ("(int ndev, bytes commId)"), self left out."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split("->")[0].strip()[1:-1].split(","))):
-        words = part.split("=")[0].split()
-        if len(words) == 2:
-            out.append((words[0], words[1]))
-    return out
-
-
-# ---- launches: what a GPU would start -------------------------------------------------------
-
-class _Launches:
-    """Device operations counted as a GPU would launch them: every ufunc, every function and
-    method that computes (not views, not allocations, not host transfers), gathers and
-    scatters by index; a fused kernel (fused.py) counts as its own launches, its twin's
-    operations inside it not at all."""
-    count = 0
-    depth = 0
-
-    def add(self, n: int = 1) -> None:
-        if not self.depth:
-            self.count += n
-
-
-LAUNCHES = _Launches()
-
-
-@contextlib.contextmanager
-def one_launch(n: int = 1):
-    """The operations inside count as ``n`` launches (a fused kernel running its twin)."""
-    LAUNCHES.depth += 1
-    try:
-        yield
-    finally:
-        LAUNCHES.depth -= 1
-        LAUNCHES.add(n)
-
-
-NOT_LAUNCHES = {"broadcast_to", "swapaxes", "get_array_module", "asnumpy", "asarray", "array",
-                "empty", "empty_like", "get_default_memory_pool", "reshape", "transpose",
-                "view", "ravel", "get", "set", "item"}
-
+from .device_surface import (CUDA, CUPYX, FLAGS, LAUNCHES, MODULE, NCCL,  # noqa: F401
+                             NDARRAY, NOT_LAUNCHES, RANDOM, UFUNC_KWARGS, one_launch,
+                             signature, typed_parameters)
 
 # ---- arrays ---------------------------------------------------------------------------------
 
@@ -326,7 +161,7 @@ class _NotInCuPy:
     def __get__(self, obj, cls=None):
         raise AttributeError(
             f"'cupy.ndarray' (hpcdist device double) has no attribute {self.name!r} in the "
-            "surface hpcdist may use: list it in device_double.NDARRAY (make test-cupy "
+            "surface hpcdist may use: list it in device_surface.NDARRAY (make test-cupy "
             "checks it against CuPy) or use another call")
 
 
@@ -469,7 +304,7 @@ for _name, (_kind, _text) in MODULE.items():
 def __getattr__(name):
     raise AttributeError(
         f"module 'cupy' (hpcdist device double) has no attribute {name!r} in the surface "
-        "hpcdist may use: list it in device_double.MODULE (make test-cupy checks it against "
+        "hpcdist may use: list it in device_surface.MODULE (make test-cupy checks it against "
         "CuPy) or use another call")
 
 

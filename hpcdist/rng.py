@@ -65,3 +65,26 @@ def _splitmix64(x: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
     return z ^ (z >> 31)
+
+
+_rng = DropoutRNG(0)   # the generator behind dropout
+
+
+def seed(value: int) -> None:
+    """Seed the generator behind dropout (the same stream on every device)."""
+    global _rng
+    _rng = DropoutRNG(value)
+
+
+def rng_state() -> dict:
+    """The dropout generator's state (JSON-able), for checkpoints and recomputation."""
+    return _rng.state()
+
+
+def set_rng_state(state: dict) -> None:
+    _rng.set_state(state)
+
+
+def rng() -> DropoutRNG:
+    """The dropout generator (seed 0 unless ``seed`` was called)."""
+    return _rng

@@ -10,7 +10,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # bottom to top; a module belongs to the first entry that is its name or a package above it
 LAYERS = [
-    ["backend", "device_double", "threads", "signals", "timeline", "memtrace", "fused",
+    ["backend", "device_double", "device_surface", "threads", "signals", "timeline", "memtrace", "fused",
      "kernels", "rng"],                                                        # services
     ["tensor", "ops"],                                                 # autograd
     ["nn", "optim", "recompute", "data", "reshard", "checkpoint", "evaluate"],

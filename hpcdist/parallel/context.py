@@ -172,7 +172,6 @@ def _as_slice(ix: np.ndarray):
 def _scores(qs, ks, scale):
     """q k^T * scale, (B, H, Tq, Tk): the one block-sized array the forward makes (in place
     from here on: a block's transient memory is one or two score-sized arrays)."""
-    xp = backend.array_module(qs)
     s = qs @ ks.transpose(0, 1, 3, 2)
     s *= scale
     return s

@@ -247,15 +247,8 @@ class PSServer(Strategy):
                 action, signal, cut = int(msg[0]), int(msg[1]), [int(c) for c in msg[2:]]
                 progressed = True
             if first and cut is None:
-                signal = signal or (stop.signum if stop is not None else 0)
-                action = (END if self.version >= self.cfg.steps else STOP if signal else
-                          SAVE if self._save_due() else GO)
-                if action != GO:          # the cut: the push each worker is at, or computing
-                    cut = [pushes[w] + (0 if w in waiting else 1) for w in range(W)]
-                    msg = np.array([action, signal] + cut, dtype=np.int64)
-                    for s in range(W + 1, comm.size):
-                        comm.send(msg, s, CUT)
-                    progressed = True
+                action, signal, cut = self._decide(stop, signal, pushes, waiting)
+                progressed = progressed or cut is not None
             if cut is not None and all(p >= c for p, c in zip(pushes, cut)):
                 for w in list(waiting):   # every worker at the cut: answer, then act together
                     self._answer(w, action, signal, used)
@@ -270,17 +263,39 @@ class PSServer(Strategy):
                     return action, signal
                 cut, action = None, GO
                 continue
-            low = min(pushes)             # Stale Synchronous Parallel: answer clock c once
-            for w, clock in list(waiting.items()):     # every worker has pushed c - s
-                if cut is None and (self.max_staleness < 0 or low >= clock - self.max_staleness):
-                    self.max_gap = max(self.max_gap, clock - low)
-                    self._answer(w, GO, 0, used)
-                    del waiting[w]
-                    progressed = True
+            if cut is None and self._answer_ready(pushes, waiting, used):
+                progressed = True
             if progressed:
                 self._busy()
             else:
                 self._idle()
+
+    def _decide(self, stop, signal: int, pushes, waiting):
+        """The first server: (action, signal, the cut or None) — whether the run ends, stops
+        or saves now; a cut (the push each worker is at, or computing) goes to the others."""
+        W, comm = self.workers, self.comm
+        signal = signal or (stop.signum if stop is not None else 0)
+        action = (END if self.version >= self.cfg.steps else STOP if signal else
+                  SAVE if self._save_due() else GO)
+        if action == GO:
+            return action, signal, None
+        cut = [pushes[w] + (0 if w in waiting else 1) for w in range(W)]
+        msg = np.array([action, signal] + cut, dtype=np.int64)
+        for s in range(W + 1, comm.size):
+            comm.send(msg, s, CUT)
+        return action, signal, cut
+
+    def _answer_ready(self, pushes, waiting, used) -> bool:
+        """Stale Synchronous Parallel: answer a push of clock c once every worker has pushed
+        c - s; whether any was answered."""
+        low, answered = min(pushes), False
+        for w, clock in list(waiting.items()):
+            if self.max_staleness < 0 or low >= clock - self.max_staleness:
+                self.max_gap = max(self.max_gap, clock - low)
+                self._answer(w, GO, 0, used)
+                del waiting[w]
+                answered = True
+        return answered
 
     def _add(self, grad, stale: int) -> None:
         """A pushed gradient: summed; the W-th since the last step makes the next step. Past

@@ -1,6 +1,6 @@
 """The device double's CuPy surface checked against the real CuPy (imported without a GPU).
 
-``problems(tables)`` walks every entry of the double's tables (device_double.MODULE, NDARRAY,
+``problems(tables)`` walks every entry of the double's tables (device_surface.MODULE, NDARRAY,
 FLAGS, CUDA, CUPYX, RANDOM, NCCL) and returns what does not hold, first mismatch first:
 
 - the name exists in CuPy;

@@ -1,0 +1,165 @@
+"""The neural-net ops: embedding, softmax and its causal and fused-attention forms,
+log-softmax and cross-entropy, LayerNorm, dropout, where and masked_fill."""
+from __future__ import annotations
+
+import builtins
+
+from .. import backend, kernels
+from ..tensor import ACCUMULATED, Tensor, grad_buffer, needs_grad
+from .core import _lift, _unbroadcast, _xp
+
+
+# ---- neural-net ops --------------------------------------------------------------------------
+
+def embedding(weight: Tensor, idx) -> Tensor:
+    """Rows of ``weight`` (V, C) picked by integer ``idx`` (any shape) -> idx.shape + (C,)."""
+    if isinstance(idx, Tensor):
+        idx = idx.data
+    xp = _xp(weight)
+    out = weight.data[idx]
+
+    def backward(g):
+        into = grad_buffer(weight)                # added straight into its buffer, if any
+        gw = xp.zeros_like(weight.data) if into is None else into
+        backend.scatter_add(gw, idx.reshape(-1), g.reshape(-1, weight.shape[1]))
+        return (gw if into is None else ACCUMULATED,)
+    return Tensor._make(out, (weight,), backward)
+
+
+def softmax(a: Tensor, axis: int = -1) -> Tensor:
+    xp = _xp(a)
+    e = xp.exp(a.data - a.data.max(axis=axis, keepdims=True))
+    out = e / e.sum(axis=axis, keepdims=True)
+
+    def backward(g):
+        return (out * (g - (g * out).sum(axis=axis, keepdims=True)),)
+    return Tensor._make(out, (a,), backward)
+
+
+def causal_softmax(a: Tensor, scale: float, past: int = 0) -> Tensor:
+    """Attention's ``softmax(scale * a)`` over the last axis, query i (axis -2, after ``past``
+    cached ones) seeing keys 0..past+i: scale, mask and softmax as one fused kernel each way
+    (kernels.SOFTMAX_CAUSAL_FWD / _BWD)."""
+    out = kernels.SOFTMAX_CAUSAL_FWD(a.data, scale, past)
+    return Tensor._make(out, (a,), lambda g: (kernels.SOFTMAX_CAUSAL_BWD(g, out, scale),))
+
+
+def fused_attention(qkv: Tensor, n_head: int) -> Tensor:
+    """Causal self-attention straight from the fused projection qkv (B, T, 3C) -> (B, T, C):
+    scores, mask, softmax and the weighted sum as one kernel on a GPU, the gradient dqkv as
+    one more (kernels.ATTENTION_FWD / _BWD); no dropout on the probabilities, no KV cache
+    (nn.gpt.attention takes the op-by-op path for those)."""
+    scale = 1.0 / (qkv.shape[-1] // 3 // n_head) ** 0.5
+    y, lse, att = kernels.ATTENTION_FWD(qkv.data, n_head, scale)
+    return Tensor._make(y, (qkv,), lambda g: (
+        kernels.ATTENTION_BWD(qkv.data, y, g, lse, n_head, scale, att),))
+
+
+def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
+    xp = _xp(a)
+    shifted = a.data - a.data.max(axis=axis, keepdims=True)
+    out = shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
+
+    def backward(g):
+        return (g - xp.exp(out) * g.sum(axis=axis, keepdims=True),)
+    return Tensor._make(out, (a,), backward)
+
+
+def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
+    """Mean negative log-likelihood of integer ``targets`` under ``logits`` (..., V).
+
+    Fused and numerically stable (log-sum-exp per row, kernels.CROSS_ENTROPY_FWD); positions
+    whose target is ``ignore_index`` contribute nothing and are left out of the mean; the
+    gradient softmax - onehot in one pass (CROSS_ENTROPY_BWD).
+    """
+    if isinstance(targets, Tensor):
+        targets = targets.data
+    xp = _xp(logits)
+    V = logits.shape[-1]
+    z = logits.data.reshape(-1, V)
+    t = xp.asarray(targets).reshape(-1)          # host targets go to the logits' device
+    count = builtins.max(int((t != ignore_index).sum()), 1)
+    nll, lse = kernels.CROSS_ENTROPY_FWD(z, t, ignore_index)
+    out = nll.sum() / count
+
+    def backward(g):
+        weight = (g / count).astype(z.dtype)
+        return (kernels.CROSS_ENTROPY_BWD(z, t, lse, ignore_index, weight)
+                .reshape(logits.shape),)
+    return Tensor._make(out.astype(z.dtype), (logits,), backward)
+
+
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
+    """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``: one fused
+    kernel each way (kernels.LAYERNORM_FWD / _BWD; the twin in place, means as sums times
+    1/C: NumPy's ``mean`` costs a Python layer per call). 2-byte floats are normalized in
+    float32 and rounded back."""
+    xp = _xp(x)
+    dt = x.data.dtype
+    low = dt.itemsize < 4 and dt.kind in "fV"
+    f32 = (lambda a: a.astype(xp.float32)) if low else (lambda a: a)
+    C = x.shape[-1]
+    ones = lambda: xp.ones(C, dtype=xp.float32 if low else dt)      # noqa: E731
+    zeros = lambda: xp.zeros(C, dtype=xp.float32 if low else dt)    # noqa: E731
+    w = f32(weight.data) if weight is not None else ones()
+    b = f32(bias.data) if bias is not None else zeros()
+    xd = f32(x.data)
+    out, mean, rstd, xhat = kernels.LAYERNORM_FWD(xd, w, b, eps)
+    if low:
+        out = out.astype(dt)
+    affine = tuple(t for t in (weight, bias) if t is not None)
+
+    def backward(g):
+        # the weight read again, not kept: under ZeRO-3 it is a view of its block's gathered
+        # parameters, which the forward has released (and the backward gathers anew)
+        w = f32(weight.data) if weight is not None else ones()
+        # the weight's and bias's gradients go straight into their buffers where they can
+        gw_into = grad_buffer(weight) if weight is not None and not low else None
+        gb_into = grad_buffer(bias) if bias is not None and not low else None
+        gx, gw, gb = kernels.LAYERNORM_BWD(f32(g), xd, w, mean, rstd, xhat, gw_into, gb_into)
+        grads = [gx.astype(dt) if low else gx]
+        for t, grad, into in ((weight, gw, gw_into), (bias, gb, gb_into)):
+            if t is not None:
+                grads.append(None if not needs_grad(t) else ACCUMULATED if into is not None
+                             else grad.astype(t.data.dtype, copy=False))
+        return tuple(grads)
+    return Tensor._make(out, (x,) + affine, backward)
+
+
+def dropout(a: Tensor, p: float, training: bool = True) -> Tensor:
+    """Zero each element with probability ``p`` and scale the rest by 1/(1-p) (train only)."""
+    if not training or p == 0.0:
+        return a
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    keep = backend.rng().keep_mask(a.shape, p, _xp(a))
+    scale = (keep / (1.0 - p)).astype(a.data.dtype)
+    return Tensor._make(a.data * scale, (a,), lambda g: (g * scale,))
+
+
+def where(cond, a, b) -> Tensor:
+    """Elementwise ``a`` where ``cond`` else ``b`` (cond is a boolean array, not differentiated)."""
+    if isinstance(cond, Tensor):
+        cond = cond.data
+    a = _lift(a, b if isinstance(b, Tensor) else None)
+    b = _lift(b, a)
+    xp = _xp(a)
+    cond = xp.asarray(cond)                  # a host condition goes to the data's device
+    out = xp.where(cond, a.data, b.data)
+
+    def backward(g):
+        zero = xp.zeros((), dtype=g.dtype)
+        return (_unbroadcast(xp.where(cond, g, zero), a.shape) if needs_grad(a) else None,
+                _unbroadcast(xp.where(cond, zero, g), b.shape) if needs_grad(b) else None)
+    return Tensor._make(out, (a, b), backward)
+
+
+def masked_fill(a: Tensor, mask, value: float) -> Tensor:
+    """``value`` where ``mask`` is True (e.g. -inf above the diagonal for causal attention)."""
+    if isinstance(mask, Tensor):
+        mask = mask.data
+    xp = _xp(a)
+    mask = xp.asarray(mask)                  # a host mask goes to the data's device
+    out = xp.where(mask, xp.asarray(value, dtype=a.data.dtype), a.data)
+    zero = xp.zeros((), dtype=a.data.dtype)
+    return Tensor._make(out, (a,), lambda g: (_unbroadcast(xp.where(mask, zero, g), a.shape),))

@@ -26,20 +26,9 @@ import numpy as np
 from .. import backend, optim, timeline
 
 
-class Strategy:
-    """A training layout: what ``train.py`` and the checkpoints call. Subclasses set
-    ``model``, ``data_comm``, ``comm``, ``scaler`` and ``mesh`` (None without model
-    parallelism) in their constructors."""
+class StepRole:
+    """A step: what train.py calls for every batch, in this order."""
 
-    model = data_comm = comm = scaler = mesh = None
-
-    @property
-    def batch_comm(self):
-        """The ranks that read different batches: ``data_comm`` less its context-parallel
-        axis (a context-parallel group reads one batch and splits each sequence)."""
-        return self.mesh.batch_comm if self.mesh is not None else self.data_comm
-
-    # ---- a step ----------------------------------------------------------------------------
     def zero_grad(self) -> None:
         raise NotImplementedError
 
@@ -74,6 +63,15 @@ class Strategy:
     def begin(self, stop) -> None:
         """After a resume, before the first step (``stop``: the run's StopRequest or None)."""
 
+
+class LoopRole:
+    """Around the steps: the loss a step reports, when to stop or save, and a loop of the
+    strategy's own."""
+
+    #: a strategy that runs its own loop (a parameter server answering workers) sets this and
+    #: implements ``run``; train.py then hands it the run instead of stepping it
+    brings_loop = False
+
     def mean_loss(self, loss: float) -> float:
         """The loss the run reports for a step: the mean over the data-parallel ranks."""
         return float(self.data_comm.allreduce(np.array([loss]), op="avg")[0])
@@ -86,11 +84,6 @@ class Strategy:
         save = bool(cfg.save_dir) and bool(stopped or step == cfg.steps or (
             cfg.save_every and step % cfg.save_every == 0))
         return stopped, step if save else None, step < cfg.steps and not stopped
-
-    def summary(self) -> dict:
-        """What the strategy adds to the final report (collective where it gathers)."""
-        return {}
-
     #: a strategy that runs its own loop (a parameter server answering workers) sets this and
     #: implements ``run``; train.py then hands it the run instead of stepping it
     brings_loop = False
@@ -99,22 +92,19 @@ class Strategy:
         """The whole run, for a strategy that ``brings_loop``: its final metrics."""
         raise NotImplementedError(f"{type(self).__name__} runs in train.py's loop")
 
-    # ---- what it holds ---------------------------------------------------------------------
-    def memory(self) -> dict:
-        """Bytes alive between steps: params, grads, optimizer (and total)."""
-        raise NotImplementedError
 
-    def peak_memory(self) -> dict:
-        """The most bytes alive within a step."""
-        return self.memory()
-
-    def full_parameters(self):
-        """Every parameter of this rank's model, flat, as the optimizer holds them."""
-        raise NotImplementedError
+class StateRole:
+    """The checkpointable part: the flat state a checkpoint holds (parallel/state.py makes it
+    layout-free), and what is restored into it."""
 
     def flat_state(self):
         """(lo, hi, {kind: flat array over this rank's flat elements [lo, hi)}, optimizer
         step count): ``param`` and ``opt.<state>``, in the order of ``model.parameters()``."""
+        raise NotImplementedError
+
+    def loaded(self, step_count: int) -> None:
+        """After ``flat_state``'s arrays were filled from a checkpoint: the optimizer's step
+        count, and the parameters the model computes with rebuilt from them."""
         raise NotImplementedError
 
     def holds_state(self) -> bool:
@@ -137,12 +127,27 @@ class Strategy:
         """Optimizer state a checkpoint brings that this run has not made yet."""
         self.optimizer().state[name] = array
 
-    def loaded(self, step_count: int) -> None:
-        """After ``flat_state``'s arrays were filled from a checkpoint: the optimizer's step
-        count, and the parameters the model computes with rebuilt from them."""
+    def optimizer(self):
         raise NotImplementedError
 
-    def optimizer(self):
+    def compression(self):
+        """The gradient compressor with per-rank state to checkpoint (None: none)."""
+        return None
+
+
+class ReportRole:
+    """What the run's header and final report say of the layout."""
+
+    def memory(self) -> dict:
+        """Bytes alive between steps: params, grads, optimizer (and total)."""
+        raise NotImplementedError
+
+    def peak_memory(self) -> dict:
+        """The most bytes alive within a step."""
+        return self.memory()
+
+    def full_parameters(self):
+        """Every parameter of this rank's model, flat, as the optimizer holds them."""
         raise NotImplementedError
 
     def describe(self) -> list[str]:
@@ -150,9 +155,42 @@ class Strategy:
         then whole lines."""
         return []
 
-    def compression(self):
-        """The gradient compressor with per-rank state to checkpoint (None: none)."""
-        return None
+    def summary(self) -> dict:
+        """What the strategy adds to the final report (collective where it gathers)."""
+        return {}
+
+
+class Strategy(StepRole, LoopRole, StateRole, ReportRole):
+    """A training layout: its four roles (each at most 8 methods). Subclasses set ``model``,
+    ``data_comm``, ``comm``, ``scaler`` and ``mesh`` (None without model parallelism) in
+    their constructors."""
+
+    model = data_comm = comm = scaler = mesh = None
+
+    @property
+    def batch_comm(self):
+        """The ranks that read different batches: ``data_comm`` less its context-parallel
+        axis (a context-parallel group reads one batch and splits each sequence)."""
+        return self.mesh.batch_comm if self.mesh is not None else self.data_comm
+
+
+def delegate(inner: str, names):
+    """A class decorator: each method in ``names`` the class does not define calls the same
+    method of ``self.<inner>`` (a wrapper, such as the pipeline around its inner step, says
+    which calls it passes through and writes only the ones it changes)."""
+
+    def forward(name):
+        def call(self, *args, **kwargs):
+            return getattr(getattr(self, inner), name)(*args, **kwargs)
+        call.__name__ = name
+        return call
+
+    def decorate(cls):
+        for name in names:
+            if name not in cls.__dict__:
+                setattr(cls, name, forward(name))
+        return cls
+    return decorate
 
 
 class Norm:

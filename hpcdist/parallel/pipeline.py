@@ -31,7 +31,7 @@ from ..comm.p2p import MAX_TAG
 from ..nn.module import Module
 from ..tensor import Tensor, split_backward, weight_gradients
 from . import schedules as S
-from .base import Strategy
+from .base import Strategy, delegate
 
 
 class _Blocks(Module):
@@ -120,6 +120,9 @@ class _Batch:
         self.loss = 0.0
 
 
+@delegate("inner", ("zero_grad", "micro_context", "scale_loss", "apply", "eval_context",
+                   "memory", "peak_memory", "full_parameters", "flat_state", "optimizer",
+                   "loaded", "compression", "holds_state"))
 class PipelineStep(Strategy):
     """The pipeline strategy: an inner DataParallelStep or Zero (stage 1) over this rank's
     parameters, plus the schedule executor. Same interface as every strategy: the step's
@@ -146,46 +149,7 @@ class PipelineStep(Strategy):
         self.steps_done, self.times = 0, {"F": [], "I": [], "W": [], "B": []}
         self._verified = {}            # (micro-batch sizes, T) -> this schedule, verified
 
-    # -- the strategy interface: the inner strategy's, but for sync and forward_backward -----
-    def zero_grad(self):
-        self.inner.zero_grad()
-
-    def micro_context(self, last: bool):
-        return self.inner.micro_context(last)
-
-    def scale_loss(self, loss):
-        return self.inner.scale_loss(loss)
-
-    def apply(self, lr: float, grad_clip: float = 0.0):
-        return self.inner.apply(lr, grad_clip)
-
-    def eval_context(self):
-        return self.inner.eval_context()
-
-    def memory(self) -> dict:
-        return self.inner.memory()
-
-    def peak_memory(self) -> dict:
-        return self.inner.peak_memory()
-
-    def full_parameters(self):
-        return self.inner.full_parameters()
-
-    def flat_state(self):
-        return self.inner.flat_state()
-
-    def optimizer(self):
-        return self.inner.optimizer()
-
-    def loaded(self, step_count: int) -> None:
-        self.inner.loaded(step_count)
-
-    def compression(self):
-        return self.inner.compression()
-
-    def holds_state(self) -> bool:
-        return self.inner.holds_state()
-
+    # -- the strategy interface: the inner strategy's (``delegate``), but for these -------
     def describe(self) -> list[str]:
         inner = self.inner.describe()
         virtual = f", {self.v} virtual stages" if self.v > 1 else ""

@@ -10,7 +10,7 @@ import socket
 import numpy as np
 
 from . import checkpoint, timeline
-from .comm import model, select
+from .comm import hierarchical, model, select
 
 
 def record_ranks(comm, out_dir: str) -> str:
@@ -148,7 +148,7 @@ def comm_log(recorder: "timeline.Recorder", mpi, links: dict, topology=None) -> 
         predicted = None
         try:
             if link == "2-level" and topology is not None and "inter" in links:
-                predicted = select.two_level_times(kind, nbytes, select.Topology(
+                predicted = hierarchical.two_level_times(kind, nbytes, select.Topology(
                     topology.nodes, topology.per_node, {**select.DEFAULT_LINKS, **links}))[1]
             elif link in links or "intra" in links:
                 alpha, beta = links.get(link, links.get("intra"))

@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from . import hierarchical, ledger, ring, sparse, tree
+from . import algorithm, ledger, ring, sparse
 from .layout import bounds_of, check_op, finish, reduce_ufunc, shard_bounds, shard_counts
-from .select import ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, choose_allreduce, choose_bcast
+from .select import choose_allreduce, choose_bcast
 
 
 class Args:
@@ -104,7 +104,7 @@ class Allreduce(Kind):
             if a.wire_dtype is not None:
                 ring.allreduce_inplace(wire, work, a.op, a.wire_dtype)
             else:
-                ALLREDUCE_ALGORITHMS[a.algorithm](wire, work, a.op)
+                algorithm.get(a.algorithm).runs["allreduce"](wire, work, a.op)
         return wire.result(work, buf, out) if staged else target
 
 
@@ -132,11 +132,8 @@ class ReduceScatter(Kind):
         work = wire.stage_in(buf).copy()
         lo, hi = self._mine(c, work.size, a)
         if c.size > 1 and work.size:
-            if a.algorithm == "hierarchical":
-                hierarchical.reduce_scatter_inplace(wire, work, a.op)
-            else:
-                bounds = bounds_of(a.counts) if a.counts is not None else None
-                ring.reduce_scatter_inplace(wire, work, a.op, bounds=bounds)
+            bounds = bounds_of(a.counts) if a.counts is not None else None
+            algorithm.get(a.algorithm).runs["reduce_scatter"](wire, work, a.op, bounds)
         return wire.stage_out(work[lo:hi].copy(), buf)
 
 
@@ -187,12 +184,12 @@ class Allgather(Kind):
         return wire.stage_out(gathered.copy(), shard)
 
     def run(self, c, wire, shard, a, record):
-        return gather_pieces(c, wire, shard, a.extra, a.out, a.algorithm == "hierarchical")
+        return gather_pieces(c, wire, shard, a.extra, a.out, a.algorithm)
 
 
-def gather_pieces(c, wire, piece, counts, out=None, two_level: bool = False):
-    """Ring allgather of pieces of the given per-rank sizes into one array (``out``);
-    ``two_level``: the pieces are the shard layout's, gathered node by node."""
+def gather_pieces(c, wire, piece, counts, out=None, name: str = "ring"):
+    """Allgather (by algorithm ``name``) of pieces of the given per-rank sizes into one array
+    (``out``)."""
     bounds = bounds_of(counts)
     length = bounds[-1][1]
     work = wire.stage_in(piece)
@@ -201,10 +198,7 @@ def gather_pieces(c, wire, piece, counts, out=None, two_level: bool = False):
         backend.array_module(work).empty(length, dtype=work.dtype)
     full[bounds[c.rank][0]:bounds[c.rank][1]] = work
     if c.size > 1 and length:
-        if two_level:
-            hierarchical.allgather_inplace(wire, full)
-        else:
-            ring.allgather_inplace(wire, full, bounds)
+        algorithm.get(name).runs["allgather"](wire, full, bounds)
     if in_place:
         return out
     return wire.stage_out(full, piece, out)
@@ -264,7 +258,7 @@ class Bcast(Kind):
     def run(self, c, wire, buf, a, record):
         work = wire.stage_in(buf)
         if c.size > 1 and work.size:
-            BCAST_ALGORITHMS[a.algorithm](wire, work, a.root)
+            algorithm.get(a.algorithm).runs["bcast"](wire, work, a.root)
         if wire.staged(buf):
             buf[...] = wire.stage_out(work, buf).reshape(buf.shape)
         return buf
@@ -280,7 +274,7 @@ class Reduce(Kind):
     def run(self, c, wire, buf, a, record):
         work = wire.stage_in(buf).copy()
         if c.size > 1 and work.size:
-            tree.reduce_binomial(wire, work, a.root, a.op)
+            algorithm.get(a.algorithm).runs["reduce"](wire, work, a.root, a.op)
         return wire.stage_out(work, buf).reshape(buf.shape) if c.rank == a.root else None
 
 

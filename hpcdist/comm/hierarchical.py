@@ -25,6 +25,7 @@ from __future__ import annotations
 from .. import backend
 from . import ring
 from .layout import bounds_of, shard_bounds
+from .algorithm import Algorithm
 
 
 def allreduce_inplace(wire, buf, op: str) -> None:
@@ -98,3 +99,42 @@ def allgather_inplace(wire, buf) -> None:
         s_lo, s_hi = shard_bounds(buf.size, P, r)
         buf[s_lo:s_hi] = work[off:off + s_hi - s_lo]
         off += s_hi - s_lo
+
+
+def two_level_times(kind: str, nbytes: int, topo) -> tuple[float, float]:
+    """(flat ring, hierarchical) seconds the per-level alpha-beta model gives. A flat ring
+    over block-placed ranks crosses a node link at every one of its steps, so the slow link
+    sets each step's time; the hierarchical one crosses it only in its inter-node phase,
+    where the node's L ranks share the link (S/N bytes per step on it)."""
+    N, L = topo.nodes, topo.per_node
+    P = N * L
+    (ai, bi), (ae, be) = topo.links["intra"], topo.links["inter"]
+    phases = 2 if kind == "allreduce" else 1
+    flat = phases * (P - 1) * (ae + nbytes / P * be)
+    hier = phases * ((L - 1) * (ai + nbytes / L * bi) + (N - 1) * (ae + nbytes / N * be))
+    return flat, hier
+
+
+def _prefer(kind, nbytes, world, topo, short_limit) -> bool:
+    """Whether the two levels beat the flat algorithms: the flat ring, or the short call's
+    log2(P) whole-buffer rounds across nodes where the call is short (``short_limit``: the
+    size up to which it is)."""
+    flat, hier = two_level_times(kind, nbytes, topo)
+    if nbytes <= short_limit:
+        ae, be = topo.links["inter"]
+        flat = min(flat, (world - 1).bit_length() * (ae + nbytes * be))
+    return hier < flat
+
+
+def _cost(kind, nbytes, P, a, b):          # one link level: the flat ring's
+    if kind == "allreduce":
+        return 2 * (P - 1) * a + 2 * (P - 1) / P * nbytes * b
+    return (P - 1) * a + (P - 1) / P * nbytes * b
+
+
+ALGORITHMS = [Algorithm(
+    "hierarchical", kinds=("allreduce", "reduce_scatter", "allgather"),
+    runs={"allreduce": lambda wire, buf, op: allreduce_inplace(wire, buf, op),
+          "reduce_scatter": lambda wire, buf, op, bounds: reduce_scatter_inplace(wire, buf, op),
+          "allgather": lambda wire, full, bounds: allgather_inplace(wire, full)},
+    prefer=_prefer, cost=_cost)]

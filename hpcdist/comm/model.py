@@ -2,8 +2,8 @@
 
 A message of n bytes costs ``alpha + n * beta`` (latency plus inverse bandwidth; reduction
 arithmetic is left out). Each formula below counts the rounds and the bytes one rank sends in
-our implementation of that algorithm (see ring.py, recursive_doubling.py, rabenseifner.py,
-tree.py, sparse.py), plus the agreement check every collective starts with: one
+our implementation of that algorithm — each algorithm's record says it (``cost``, in its own
+file: comm/algorithm.py) — plus the agreement check every collective starts with: one
 recursive-doubling round trip of a small header per doubling step (ledger.py) — except for
 short calls, whose data rides in the agreement's own messages (short.py).
 """
@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from .select import FUSED, choose_allreduce, choose_bcast, is_short
+from .algorithm import get, serving
+from .select import FUSED, choose, forced_by_env, is_short
 
 MiB = 1 << 20
 
@@ -70,34 +71,20 @@ def predict(kind: str, nbytes: int, P: int, a: float, b: float, algorithm: str =
     call: one recursive doubling of the payload, which is the whole buffer)."""
     if P == 1:
         return 0.0
-    lg = math.ceil(math.log2(P))
-    pof2 = 1 << (P.bit_length() - 1)
-    fold = 0 if pof2 == P else 2 * (a + nbytes * b)      # non-powers of two fold in and out
-    check = lg * a
     if kind in ("send", "recv", "sendrecv"):
         return a + nbytes * b
+    check = math.ceil(math.log2(P)) * a
     if kind == "barrier":
-        return lg * a
-    if algorithm == FUSED or (not algorithm and is_short(kind, nbytes, P)):
-        return fold + int(math.log2(pof2)) * (a + nbytes * b)
-    if kind == "allreduce":
-        algorithm = algorithm or choose_allreduce(nbytes, P)
-        if algorithm == "recursive_doubling":
-            return check + fold + int(math.log2(pof2)) * (a + nbytes * b)
-        if algorithm == "rabenseifner":
-            return (check + fold + 2 * int(math.log2(pof2)) * a
-                    + 2 * (pof2 - 1) / pof2 * nbytes * b)
-        return check + 2 * (P - 1) * a + 2 * (P - 1) / P * nbytes * b
-    if kind in ("reduce_scatter", "allgather", "allgatherv", "sparse_allreduce"):
-        return check + (P - 1) * a + (P - 1) / P * nbytes * b
-    if kind == "reduce":
-        return check + lg * (a + nbytes * b)
-    if kind == "bcast":
-        algorithm = algorithm or choose_bcast(nbytes, P)
-        if algorithm == "binomial":
-            return check + lg * (a + nbytes * b)
-        return check + (lg + P - 1) * a + 2 * (P - 1) / P * nbytes * b
-    raise ValueError(f"no cost model for {kind!r}")
+        return check
+    if not serving(kind):
+        raise ValueError(f"no cost model for {kind!r}: no algorithm serves it")
+    if not algorithm:
+        algorithm = FUSED if is_short(kind, nbytes, P) else \
+            choose(kind, nbytes, P, forced=forced_by_env(kind), short=False)
+    record = get(algorithm)
+    if record.cost is None:
+        raise ValueError(f"no cost model for {kind!r} by {algorithm!r}")
+    return (check if record.checked else 0.0) + record.cost(kind, nbytes, P, a, b)
 
 
 # nccl-tests' bus bandwidth factors: busbw = algbw x factor(P) makes every collective's number

@@ -12,6 +12,9 @@ from __future__ import annotations
 from .. import backend
 from .layout import as_bytes, finish, reduce_into, shard_bounds, unfold_rank
 from .recursive_doubling import fold_in, fold_out
+from .algorithm import Algorithm, fold_time, rounds
+from .recursive_doubling import ALLREDUCE_SMALL_BYTES
+from .ring import ALLREDUCE_RING_BYTES
 
 TAG = 103
 
@@ -55,3 +58,21 @@ def allreduce_inplace(comm, buf, op: str) -> None:
             lo, hi = min(lo, other[0]), max(hi, other[1])
             mask <<= 1
     fold_out(comm, buf)        # folded-out ranks receive the finished result here
+
+
+def _wire_bytes(kind, n, P, itemsize):
+    pof2, _ = rounds(P)
+    fold = n * itemsize if pof2 != P else 0
+    return fold + 2 * (pof2 - 1) * -(-n // pof2) * itemsize
+
+
+def _cost(kind, nbytes, P, a, b):
+    pof2, steps = rounds(P)
+    return fold_time(nbytes, P, a, b) + 2 * steps * a + 2 * (pof2 - 1) / pof2 * nbytes * b
+
+
+ALGORITHMS = [Algorithm(
+    "rabenseifner", kinds=("allreduce",),
+    runs={"allreduce": lambda wire, buf, op: allreduce_inplace(wire, buf, op)},
+    auto=lambda kind, nbytes, world: ALLREDUCE_SMALL_BYTES < nbytes < ALLREDUCE_RING_BYTES,
+    wire_bytes=_wire_bytes, cost=_cost)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .. import backend
 from .layout import as_bytes, finish, fold_rank, reduce_into, unfold_rank
+from .algorithm import ALWAYS, Algorithm, fold_time, rounds
 
 TAG = 102
 
@@ -52,3 +53,38 @@ def allreduce_inplace(comm, buf, op: str) -> None:
             mask <<= 1
     fold_out(comm, buf)
     finish(buf, op, P)
+
+
+# Thresholds measured on the 2-core development machine with
+#   mpiexec -n N python -m hpcdist.bench collectives      (N = 2, 4, 8; docs/communication.md)
+# Recursive doubling sends the whole buffer log2(P) times but in the fewest rounds; it wins
+# below ALLREDUCE_SMALL_BYTES. Rabenseifner sends 2(P-1)/P of it in 2 log2(P) rounds; the
+# ring sends the same bytes in 2(P-1) rounds, each rank talking only to its neighbours.
+#
+# allreduce, microseconds per call by algorithm (``--algorithms``), float32, 2026-11-21:
+#   bytes      N=2: RD / Rab / ring      N=4: RD / Rab / ring      N=8: RD / Rab / ring
+#   32 KiB       44 /  132 /  215          155 /  214 /  260          882 / 1075 / 1437
+#   128 KiB     150 /  344 /  129          223 /  267 /  306         1502 / 1354 / 2150
+#   512 KiB     867 /  907 /  742          382 /  377 /  412         6255 / 3001 / 3961
+#   2 MiB      1804 / 1600 / 1630          841 /  641 /  736        14089 / 7836 / 3443
+#   8 MiB      3563 / 5532 / 2916         6183 / 3728 / 3502        24732 / 12069 / 8352
+# Recursive doubling wins up to 64 KiB everywhere; the ring wins from 2 MiB (clearly at N=8,
+# by 0-20% at N=2 and 4); Rabenseifner in between (at N=2 it is the ring's schedule).
+ALLREDUCE_SMALL_BYTES = 64 << 10
+
+
+def wire_bytes(kind, n, P, itemsize):
+    """The fold (beyond a power of two), then the whole buffer once per round."""
+    pof2, steps = rounds(P)
+    return (n * itemsize if pof2 != P else 0) + steps * n * itemsize
+
+
+def cost(kind, nbytes, P, a, b):
+    return fold_time(nbytes, P, a, b) + rounds(P)[1] * (a + nbytes * b)
+
+
+ALGORITHMS = [Algorithm(
+    "recursive_doubling", kinds=("allreduce",),
+    runs={"allreduce": lambda wire, buf, op: allreduce_inplace(wire, buf, op)},
+    auto=lambda kind, nbytes, world: nbytes <= ALLREDUCE_SMALL_BYTES,
+    fusable={"allreduce": ALWAYS}, wire_bytes=wire_bytes, cost=cost)]

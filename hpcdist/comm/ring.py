@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .. import backend
 from .layout import as_bytes, finish, reduce_into, ring_peers, shard_bounds
+from .algorithm import ALWAYS, Algorithm
 
 TAG = 101
 
@@ -75,3 +76,27 @@ def allreduce_inplace(comm, buf, op: str, wire_dtype=None) -> None:
     reduce_scatter_inplace(comm, buf, op, wire_dtype)
     allgather_inplace(comm, buf, [shard_bounds(buf.size, P, c) for c in range(P)],
                       wire_dtype=wire_dtype)
+
+
+# "auto" runs the ring allreduce from this size up (Rabenseifner's below: recursive_doubling.py
+# has the measurements); reduce-scatter and allgather always run it (hierarchical.py aside).
+ALLREDUCE_RING_BYTES = 2 << 20
+
+
+def _cost(kind, nbytes, P, a, b):
+    if kind == "allreduce":
+        return 2 * (P - 1) * a + 2 * (P - 1) / P * nbytes * b
+    return (P - 1) * a + (P - 1) / P * nbytes * b
+
+
+ALGORITHMS = [Algorithm(
+    "ring", kinds=("allreduce", "reduce_scatter", "allgather", "allgatherv"),
+    runs={"allreduce": lambda wire, buf, op: allreduce_inplace(wire, buf, op),
+          "reduce_scatter": lambda wire, buf, op, bounds: reduce_scatter_inplace(
+              wire, buf, op, bounds=bounds),
+          "allgather": lambda wire, full, bounds: allgather_inplace(wire, full, bounds),
+          "allgatherv": lambda wire, full, bounds: allgather_inplace(wire, full, bounds)},
+    auto=lambda kind, nbytes, world: kind != "allreduce" or nbytes >= ALLREDUCE_RING_BYTES,
+    fusable={"reduce_scatter": ALWAYS, "allgather": ALWAYS},
+    wire_bytes=lambda kind, n, P, itemsize: 2 * (P - 1) * -(-n // P) * itemsize,
+    cost=_cost)]

@@ -12,6 +12,7 @@ import numpy as np
 from .. import backend
 from . import ring
 from .layout import as_bytes
+from .algorithm import Algorithm
 
 
 @dataclass
@@ -77,3 +78,9 @@ def exchange(comm, idx, vals, n: int):
     dense = xp.zeros(n, dtype=vals.dtype)
     backend.scatter_add(dense, all_idx, all_vals)         # duplicates add up
     return dense
+
+
+ALGORITHMS = [Algorithm(
+    "topk-allgatherv", kinds=("sparse_allreduce",),
+    auto=lambda kind, nbytes, world: True,
+    cost=lambda kind, nbytes, P, a, b: (P - 1) * a + (P - 1) / P * nbytes * b)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .. import backend
 from . import ring
+from .algorithm import WHEN_AUTO, Algorithm, log2_ceil
 from .layout import (as_bytes, binomial_children, binomial_parent, finish, reduce_into,
                      shard_bounds)
 
@@ -74,3 +75,40 @@ def barrier(comm) -> None:
     while dist < P:
         comm.Sendrecv(empty, (r + dist) % P, TAG + 3, bytearray(0), (r - dist) % P, TAG + 3)
         dist <<= 1
+
+
+# bcast, microseconds by algorithm (``bench collectives --algorithms``), binomial / scatter +
+# ring allgather:
+#   bytes         N=4              N=8
+#   512 KiB     635 /   742     1636 /  1999
+#   2 MiB      2143 /  2248     5123 /  4371
+#   8 MiB      4800 /  5612    10124 /  9201
+#   32 MiB    14624 / 10294    33129 / 23200
+# Scatter-allgather moves ~2x the buffer per rank instead of log2(P)x, but in log2(P) + P-1
+# steps: it pays off later at small P. Binomial below 16 MiB under 8 ranks (wins at 8 MiB,
+# loses at 32 MiB at N=4), below 2 MiB from 8 ranks (wins at 512 KiB, loses at 2 MiB at N=8).
+BCAST_SMALL_BYTES = 16 << 20
+BCAST_SMALL_BYTES_MANY = 2 << 20     # from BCAST_MANY_RANKS ranks up
+BCAST_MANY_RANKS = 8
+
+
+def _binomial_wins(kind, nbytes, world):
+    if kind == "reduce":
+        return True
+    small = BCAST_SMALL_BYTES_MANY if world >= BCAST_MANY_RANKS else BCAST_SMALL_BYTES
+    return nbytes < small or world <= 2
+
+
+ALGORITHMS = [
+    Algorithm("binomial", kinds=("bcast", "reduce"),
+              runs={"bcast": lambda wire, buf, root: bcast_binomial(wire, buf, root),
+                    "reduce": lambda wire, buf, root, op: reduce_binomial(wire, buf, root, op)},
+              auto=_binomial_wins, fusable={"bcast": WHEN_AUTO},
+              cost=lambda kind, nbytes, P, a, b: log2_ceil(P) * (a + nbytes * b)),
+    Algorithm("scatter_allgather", kinds=("bcast",),
+              runs={"bcast": lambda wire, buf, root: bcast_scatter_allgather(wire, buf, root)},
+              auto=lambda kind, nbytes, world: not _binomial_wins(kind, nbytes, world),
+              fusable={"bcast": WHEN_AUTO},
+              cost=lambda kind, nbytes, P, a, b: (log2_ceil(P) + P - 1) * a
+              + 2 * (P - 1) / P * nbytes * b),
+]

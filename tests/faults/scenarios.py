@@ -84,12 +84,15 @@ def exception_main(comm):
 
 
 def _break_ring(comm):
-    from hpcdist.comm import select
+    import dataclasses
+
+    from hpcdist.comm import algorithm
 
     def broken(mpi, buf, op):
         raise MemoryError(f"injected failure inside the ring on rank {comm.rank}")
     if comm.rank == BAD:
-        select.ALLREDUCE_ALGORITHMS["ring"] = broken
+        ring = algorithm.get("ring")
+        algorithm.register(dataclasses.replace(ring, runs={**ring.runs, "allreduce": broken}))
 
 
 def exception_progress_waited(comm):

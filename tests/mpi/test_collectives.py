@@ -1,6 +1,8 @@
 """Every algorithm, op and dtype against MPI's built-in collectives on the same data."""
 import re
 
+import math
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -296,3 +298,74 @@ def test_fp16_wire_reduces_in_fp32_and_counts_half_the_bytes(comm):
     before = comm.bytes_sent
     comm.allreduce(x, algorithm="ring")
     assert wire16 * 2 == comm.bytes_sent - before
+
+
+def test_an_algorithm_is_one_record(comm):
+    """A new algorithm, added the way every algorithm is (comm/algorithm.py): one record. Here
+    the naive allreduce — every rank sends its whole buffer to every other and sums what it
+    receives, in rank order so that every rank adds the same numbers in the same order. Once
+    registered, select runs it when asked for by name, the alpha-beta model prices it and
+    its wire bytes are the Communicator's count, with no other file touched."""
+    import dataclasses
+
+    from hpcdist.comm import algorithm, model, select
+    from hpcdist.comm.layout import as_bytes, finish, reduce_into
+
+    def naive_allreduce(wire, buf, op):
+        P, r = wire.Get_size(), wire.Get_rank()
+        parts = [None] * P
+        for step in range(1, P):
+            to, frm = (r + step) % P, (r - step) % P
+            parts[frm] = np.empty_like(buf)
+            wire.Sendrecv(as_bytes(buf), to, 150, as_bytes(parts[frm]), frm, 150)
+        parts[r] = buf.copy()
+        buf[...] = parts[0]
+        for p in parts[1:]:
+            reduce_into(buf, p, op)
+        finish(buf, op, P)
+
+    naive = algorithm.Algorithm(
+        "naive", kinds=("allreduce",), runs={"allreduce": naive_allreduce},
+        wire_bytes=lambda kind, n, P, itemsize: (P - 1) * n * itemsize,
+        cost=lambda kind, nbytes, P, a, b: (P - 1) * (a + nbytes * b))
+    algorithm.register(naive)
+    try:
+        x = np.arange(5000, dtype=np.float64) * (comm.rank + 1)
+        before = comm.bytes_sent
+        got = comm.allreduce(x, algorithm="naive")
+        sent = comm.bytes_sent - before
+        want = np.empty_like(x)
+        comm.mpi.Allreduce(x, want)
+        np.testing.assert_array_equal(got, want)
+        assert sent == select.wire_bytes("allreduce", "naive", x.size, comm.size, 8)
+        assert "naive" in select.ALLREDUCE_ALGORITHMS
+        assert select.choose("allreduce", x.nbytes, comm.size, "naive") == "naive"
+        if comm.size > 1:
+            assert model.predict("allreduce", x.nbytes, comm.size, 1e-6, 1e-9, "naive") == \
+                pytest.approx(math.ceil(math.log2(comm.size)) * 1e-6
+                              + (comm.size - 1) * (1e-6 + x.nbytes * 1e-9))
+        with pytest.raises(ValueError, match="unknown allreduce algorithm 'naiv'"):
+            comm.allreduce(x, algorithm="naiv")
+        # "auto" never picks it: it declares no size it wins at
+        assert select.choose("allreduce", x.nbytes, comm.size) != "naive"
+        assert dataclasses.asdict(naive)["name"] == "naive"
+    finally:
+        algorithm.REGISTRY.pop("naive", None)
+
+
+def test_each_algorithm_sends_the_bytes_its_record_says(comm):
+    """Every allreduce algorithm's ``wire_bytes`` against the Communicator's count, where the
+    formula is exact (a power of two of ranks dividing the length)."""
+    from hpcdist.comm import select
+    from hpcdist.comm.algorithm import serving
+    P = comm.size
+    if P & (P - 1) or P == 1:
+        pytest.skip("exact at a power of two of ranks")
+    for a in serving("allreduce"):
+        if a.wire_bytes is None or "allreduce" not in a.runs:
+            continue
+        for n in (P * 250, P * 1024, P * 25_000):
+            before = comm.bytes_sent
+            comm.allreduce(np.ones(n), algorithm=a.name)
+            assert comm.bytes_sent - before == select.wire_bytes("allreduce", a.name, n, P, 8), \
+                (a.name, n)

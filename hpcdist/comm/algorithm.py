@@ -1,0 +1,94 @@
+"""What a collective algorithm is: one record, declared in the file that implements it.
+
+Each algorithm module (ring.py, recursive_doubling.py, rabenseifner.py, tree.py,
+hierarchical.py, short.py, sparse.py) exports ``ALGORITHMS``: records saying which collectives
+the algorithm serves and how it runs each (``runs``), what "auto" picks it for (``auto``),
+whether a short call of it rides in the agreement (``fusable``), when it beats the flat
+algorithms across nodes (``prefer``), the bytes one rank sends (``wire_bytes``) and its
+alpha-beta time (``cost``). ``registry()`` finds them in this package by that name; select.py
+chooses among them and model.py prices them without naming any. A new algorithm is one new
+file here (or, from outside the package, one ``register`` call: tests/test_comm_logic.py adds
+one that way).
+
+The run signatures, by collective: allreduce ``(wire, buf, op)``; reduce_scatter ``(wire,
+buf, op, bounds)``; allgather and allgatherv ``(wire, full, bounds)``; bcast ``(wire, buf,
+root)``; reduce ``(wire, buf, root, op)``.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Callable
+
+ALWAYS, WHEN_AUTO = "always", "auto"
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    kinds: tuple = ()                   # the collectives it serves
+    runs: dict = field(default_factory=dict)   # collective -> run(wire, buf, ...)
+    auto: Callable | None = None        # (kind, nbytes, world) -> whether "auto" picks it
+    fusable: dict = field(default_factory=dict)  # collective -> ALWAYS | WHEN_AUTO
+    prefer: Callable | None = None      # (kind, nbytes, world, topology, short) -> bool
+    wire_bytes: Callable | None = None  # (kind, n, world, itemsize) -> bytes a rank sends
+    #                                     (exact where world is a power of two dividing n)
+    cost: Callable | None = None        # (kind, nbytes, P, alpha, beta) -> seconds on the wire
+    checked: bool = True                # the agreement's round trips come before it (not short)
+
+    def serves(self, kind: str) -> bool:
+        return kind in self.kinds
+
+
+REGISTRY: dict = {}
+
+
+def register(algorithm: Algorithm) -> Algorithm:
+    """Add (or replace, by name) an algorithm."""
+    REGISTRY[algorithm.name] = algorithm
+    return algorithm
+
+
+_FOUND = False
+
+
+def registry() -> dict:
+    """name -> Algorithm: every ``ALGORITHMS`` record of this package's modules, found on
+    first use, then whatever ``register`` added."""
+    global _FOUND
+    if not _FOUND:
+        _FOUND = True
+        from . import __path__ as here
+        for info in pkgutil.iter_modules(here):
+            module = importlib.import_module(f"{__package__}.{info.name}")
+            for a in getattr(module, "ALGORITHMS", ()):
+                REGISTRY.setdefault(a.name, a)
+    return REGISTRY
+
+
+def serving(kind: str) -> list:
+    """The algorithms that serve collective ``kind``, in registration order."""
+    return [a for a in registry().values() if a.serves(kind)]
+
+
+def get(name: str) -> Algorithm:
+    return registry()[name]
+
+
+# ---- helpers the records share -------------------------------------------------------------
+
+def rounds(P: int) -> tuple[int, int]:
+    """(the largest power of two <= P, log2 of it): the folding algorithms' shape."""
+    pof2 = 1 << (P.bit_length() - 1)
+    return pof2, pof2.bit_length() - 1
+
+
+def fold_time(nbytes: int, P: int, a: float, b: float) -> float:
+    """Folding the ranks beyond a power of two in and out (two messages of the buffer)."""
+    return 0.0 if rounds(P)[0] == P else 2 * (a + nbytes * b)
+
+
+def log2_ceil(P: int) -> int:
+    return math.ceil(math.log2(P)) if P > 1 else 0

@@ -45,10 +45,20 @@ class Algorithm:
 REGISTRY: dict = {}
 
 
+_SERVING: dict = {}                 # kind -> [Algorithm]: every call chooses; cached
+
+
 def register(algorithm: Algorithm) -> Algorithm:
     """Add (or replace, by name) an algorithm."""
+    registry()
     REGISTRY[algorithm.name] = algorithm
+    _SERVING.clear()
     return algorithm
+
+
+def unregister(name: str) -> None:
+    REGISTRY.pop(name, None)
+    _SERVING.clear()
 
 
 _FOUND = False
@@ -70,7 +80,10 @@ def registry() -> dict:
 
 def serving(kind: str) -> list:
     """The algorithms that serve collective ``kind``, in registration order."""
-    return [a for a in registry().values() if a.serves(kind)]
+    found = _SERVING.get(kind)
+    if found is None:
+        found = _SERVING[kind] = [a for a in registry().values() if a.serves(kind)]
+    return found
 
 
 def get(name: str) -> Algorithm:

@@ -138,3 +138,25 @@ def test_nccl_backend_without_cupy_is_a_clear_error():
     from hpcdist.backend import DeviceError, nccl_module
     with pytest.raises(DeviceError, match="CuPy"):
         nccl_module()
+
+
+def test_the_nccl_backend_answers_every_call_of_the_protocol():
+    """Every public call of the Communicator is in ``nccl.PROTOCOL``; the NCCL backend has
+    each, and the ones it refuses raise NotImplementedError naming the call (no GPU needed:
+    the refusals come before any NCCL call)."""
+    import inspect
+
+    from hpcdist.comm import Communicator
+    from hpcdist.comm import nccl as N
+    calls = {n for n, f in inspect.getmembers(Communicator, inspect.isfunction)
+             if not n.startswith("_")}
+    assert calls <= set(N.PROTOCOL), sorted(calls - set(N.PROTOCOL))
+    for name in N.PROTOCOL:
+        assert callable(getattr(N.NcclCommunicator, name, None)), name
+    bare = N.NcclCommunicator.__new__(N.NcclCommunicator)
+    for name in N.REFUSED:
+        with pytest.raises(NotImplementedError, match=f"^{name} is not in the NCCL backend"):
+            getattr(bare, name)(None, 0)
+    for name in ("reduce_scatter", "allgather"):
+        with pytest.raises(NotImplementedError, match=f"^{name} with counts"):
+            getattr(bare, name)(None, counts=[1, 1])

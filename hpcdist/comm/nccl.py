@@ -59,8 +59,35 @@ class _StreamHandle:
         return self._result
 
 
+# The Communicator's calls: the NCCL backend implements each or refuses it by name
+# (``REFUSED``: the call -> why, and what runs it instead).
+PROTOCOL = ("allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather",
+            "iallgather", "allgatherv", "bcast", "reduce", "barrier", "agree_only", "send",
+            "recv", "isend", "irecv", "sendrecv", "sparse_allreduce", "sparse_exchange",
+            "split", "close", "uncounted")
+REFUSED = {
+    "allgatherv": "pieces of sizes only the ranks know need a size exchange first",
+    "isend": "NCCL's point-to-point calls complete only inside a group with their peer's",
+    "irecv": "NCCL's point-to-point calls complete only inside a group with their peer's",
+    "sparse_allreduce": "the Top-K exchange is an allgatherv of (index, value) pairs",
+    "sparse_exchange": "the Top-K exchange is an allgatherv of (index, value) pairs",
+}
+
+
+def _refusal(name: str):
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError(f"{name} is not in the NCCL backend ({REFUSED[name]}): "
+                                  "run it on the MPI backend (--backend mpi, or a "
+                                  "Communicator)")
+    refuse.__name__ = name
+    return refuse
+
+
 class NcclCommunicator:
-    """allreduce, reduce_scatter, allgather, bcast, send/recv over NCCL, on GPU arrays."""
+    """The Communicator's calls over NCCL, on GPU arrays: allreduce, reduce_scatter,
+    allgather, bcast, reduce, send/recv and sendrecv (and the non-blocking allreduce,
+    reduce-scatter and allgather: NCCL queues them on the stream); barrier, agreement and
+    split through the MPI communicator beside it; the rest refused by name (``REFUSED``)."""
 
     def __init__(self, mpi_comm=None):
         from .communicator import Communicator
@@ -82,8 +109,26 @@ class NcclCommunicator:
             raise ValueError("the NCCL backend has no wire dtype; use --compress none")
         return _StreamHandle(self.allreduce(buf, op=op, out=out))
 
+    def ireduce_scatter(self, buf, op: str = "sum", counts=None, algorithm: str = "auto"):
+        return _StreamHandle(self.reduce_scatter(buf, op=op, counts=counts))
+
+    def iallgather(self, shard, total: int | None = None, counts=None, out=None,
+                   algorithm: str = "auto"):
+        return _StreamHandle(self.allgather(shard, total=total, counts=counts, out=out))
+
     def split(self, color: int, key: int | None = None):
-        raise NotImplementedError("split the MPI communicator and build NcclCommunicator on it")
+        """An NCCL communicator over the ranks that pass the same ``color`` (collective)."""
+        return NcclCommunicator(self.host.mpi.Split(color, self.rank if key is None else key))
+
+    def uncounted(self):
+        return self.host.uncounted()
+
+    def agree_only(self, kind: str, buf, op=None, root=None) -> None:
+        self.host.agree_only(kind, buf, op=op, root=root)
+
+    @property
+    def nodes(self) -> int:
+        return self.host.nodes
 
     # ---- helpers ---------------------------------------------------------------------------
     def _args(self, buf):
@@ -116,8 +161,9 @@ class NcclCommunicator:
             out /= self.size
         return out
 
-    def reduce_scatter(self, buf, op: str = "sum"):
+    def reduce_scatter(self, buf, op: str = "sum", counts=None, algorithm: str = "auto"):
         """Shard layout as everywhere: NCCL needs equal chunks, so pad to P*ceil(L/P)."""
+        _no_counts("reduce_scatter", counts)
         check_op(op)
         self._agree("reduce_scatter", buf, op)
         xp, dt = backend.xp(), self._args(buf)
@@ -133,7 +179,9 @@ class NcclCommunicator:
         lo, hi = shard_bounds(L, P, self.rank)
         return out[:hi - lo]
 
-    def allgather(self, shard, total: int | None = None):
+    def allgather(self, shard, total: int | None = None, counts=None, out=None,
+                  algorithm: str = "auto"):
+        _no_counts("allgather", counts)
         xp, dt = backend.xp(), self._args(shard)
         P = self.size
         S = shard_size(total, P) if total is not None else shard.size
@@ -142,7 +190,17 @@ class NcclCommunicator:
         send[:shard.size] = shard
         full = xp.empty(S * P, dtype=shard.dtype)
         self.comm.allGather(send.data.ptr, full.data.ptr, S, dt, self._stream())
-        return full[:total] if total is not None else full
+        full = full[:total] if total is not None else full
+        if out is not None:
+            out.reshape(-1)[...] = full
+            return out
+        return full
+
+    def reduce(self, buf, op: str = "sum", root: int = 0):
+        """The reduced array on ``root`` (None elsewhere): NCCL's allreduce, kept on the root
+        (the same result; NCCL's own reduce is not in the CuPy surface hpcdist checks)."""
+        out = self.allreduce(buf, op=op)
+        return out if self.rank == root else None
 
     def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
         self._agree("bcast", buf, root=root)
@@ -165,6 +223,20 @@ class NcclCommunicator:
         self.nccl.groupEnd()
         return out
 
+    def sendrecv(self, arr, dest: int, source: int, sendtag: int = 0, recvtag: int | None = None):
+        """Send ``arr`` to ``dest`` while receiving from ``source``: the headers over MPI,
+        both payloads in one NCCL group (so a ring of sendrecvs cannot deadlock)."""
+        dt = self._args(arr)
+        head = self.host.isend(p2p.make_header(arr, 0), dest, sendtag)
+        out, _ = p2p.alloc_from_header(
+            self.host.recv(source, sendtag if recvtag is None else recvtag), backend.xp())
+        head.wait()
+        self.nccl.groupStart()
+        self.comm.send(arr.data.ptr, arr.size, dt, dest, self._stream())
+        self.comm.recv(out.data.ptr, out.size, self._args(out), source, self._stream())
+        self.nccl.groupEnd()
+        return out
+
     def barrier(self) -> None:
         backend.synchronize()
         self.host.barrier()
@@ -172,6 +244,16 @@ class NcclCommunicator:
     def close(self) -> None:
         self.comm.destroy()
         self.host.close()
+
+
+def _no_counts(name: str, counts) -> None:
+    if counts is not None:
+        raise NotImplementedError(f"{name} with counts is not in the NCCL backend (NCCL takes "
+                                  "equal pieces): run it on the MPI backend")
+
+
+for _name in REFUSED:
+    setattr(NcclCommunicator, _name, _refusal(_name))
 
 
 def make_communicator(backend_name: str = "mpi", mpi_comm=None):

@@ -60,6 +60,42 @@ def test_nccl_collectives_match_mpi(comm, nccl):
         np.testing.assert_array_equal(backend.to_numpy(y), expect)
 
 
+def test_both_backends_run_one_suite_alike(comm, nccl):
+    """The same calls on the MPI Communicator (with GPU arrays) and on NCCL give the same
+    arrays: blocking and non-blocking reduce-scatter and allgather, reduce, sendrecv round a
+    ring, and a split; the calls NCCL refuses say so by name."""
+    xp = backend.xp()
+    P, r = comm.size, comm.rank
+    for n in (1, P + 3, 4099):
+        x = xp.asarray(np.random.default_rng(7 * r + n).integers(-9, 10, n).astype(np.float32))
+        same = [(comm.allreduce(x), nccl.allreduce(x)),
+                (comm.reduce_scatter(x), nccl.reduce_scatter(x)),
+                (comm.ireduce_scatter(x).wait(), nccl.ireduce_scatter(x).wait())]
+        lo, hi = shard_bounds(n, P, r)
+        piece = xp.ascontiguousarray(x[lo:hi])
+        same += [(comm.allgather(piece, total=n), nccl.allgather(piece, total=n)),
+                 (comm.iallgather(piece, total=n).wait(), nccl.iallgather(piece, total=n).wait()),
+                 (comm.sendrecv(x, (r + 1) % P, (r - 1) % P),
+                  nccl.sendrecv(x, (r + 1) % P, (r - 1) % P))]
+        for got_mpi, got_nccl in same:
+            np.testing.assert_array_equal(backend.to_numpy(got_mpi), backend.to_numpy(got_nccl))
+        a, b = comm.reduce(x, root=P - 1), nccl.reduce(x, root=P - 1)
+        assert (a is None) == (b is None) == (r != P - 1)
+        if a is not None:
+            np.testing.assert_array_equal(backend.to_numpy(a), backend.to_numpy(b))
+    half = nccl.split(r % 2)
+    try:
+        mpi_half = comm.split(r % 2)
+        y = xp.ones(5, dtype=xp.float32) * (r + 1)
+        np.testing.assert_array_equal(backend.to_numpy(half.allreduce(y)),
+                                      backend.to_numpy(mpi_half.allreduce(y)))
+        mpi_half.close()
+    finally:
+        half.close()
+    with pytest.raises(NotImplementedError, match="isend is not in the NCCL backend"):
+        nccl.isend(xp.ones(3), (r + 1) % P)
+
+
 def test_nccl_training_follows_the_cpu_run(comm, tmp_path, nccl):
     solo = Communicator(MPI.COMM_SELF)
     try:

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 
-from .comm.watchdog import _alive      # a process that still runs (a zombie does not)
+from .comm.stall import alive        # a process that still runs (a zombie does not)
 
 RUN = "run.json"
 LOCK = ".lock"
@@ -136,7 +136,7 @@ def holder(folder: str):
             return {"host": "?", "pid": 0, "started": "?"}, age < STALE_S
         return None, False
     if lock.get("host") == socket.gethostname():
-        return lock, _alive(int(lock.get("pid", 0)))
+        return lock, alive(int(lock.get("pid", 0)))
     try:
         age = time.time() - os.path.getmtime(path)
     except OSError:

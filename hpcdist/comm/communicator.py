@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from .. import backend, threads, timeline
 from . import abort, ledger, p2p, select, sparse, watchdog
-from .collectives import (ALLGATHER, ALLGATHERV, ALLREDUCE, BARRIER, BCAST, REDUCE,
+from .collectives import (ALLGATHER, ALLGATHERV, ALLREDUCE, BARRIER, BCAST, REDUCE, CachedPlan,
                           REDUCE_SCATTER, SPARSE, Args)
 from .handle import Done, Handle
 from .wire import Wire
@@ -43,7 +43,7 @@ class Communicator:
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
         node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
-        self.node_of, self.topology = _topology(self.mpi, node)
+        self.node_of, self.topology = select.topology_of(self.mpi, node)
         node.Free()
         if mpi_comm is None:                 # the world: this node's ranks share its cores
             threads.configure(self.local_size)
@@ -239,11 +239,11 @@ class Communicator:
 
     def _cache_plan(self, kind, buf, a) -> None:
         if buf is None:
-            self._plans[kind] = _Plan(kind, None, a)
+            self._plans[kind] = CachedPlan(kind, None, a)
         elif (type(buf) is np.ndarray and a.counts is None and a.wire_dtype is None
               and (a.out is None or kind is ALLREDUCE)):
             self._plans[(kind, buf.size, buf.dtype, a.op, a.root, a.algorithm, a.total,
-                         a.out is None)] = _Plan(kind, buf, a)
+                         a.out is None)] = CachedPlan(kind, buf, a)
 
     def _submit(self, call, fn, nbytes: int = 0, algorithm: str = "", fused: bool = False):
         """Run ``fn(wire, record)`` after the agreement on ``call``: now, or in the progress
@@ -397,58 +397,3 @@ class Communicator:
             if dup is not None and dup != MPI.COMM_NULL:
                 dup.Free()
                 setattr(self, name, None)
-
-
-def _topology(mpi, node):
-    """(node of each rank, select.Topology) of ``mpi``: a node is named by its lowest rank
-    (setup calls, like Split: not a data path)."""
-    leader = np.array([mpi.Get_rank()], dtype=np.int64)
-    node.Bcast(leader, root=0)
-    node_of = np.empty(mpi.Get_size(), dtype=np.int64)
-    mpi.Allgather(leader, node_of)
-    node_of = [int(n) for n in node_of]
-    counts = {n: node_of.count(n) for n in set(node_of)}
-    even = len(set(counts.values())) == 1
-    return node_of, select.Topology(len(counts), next(iter(counts.values())) if even else 0,
-                                    select.parse_links(os.environ.get("HPCDIST_LINKS")))
-
-
-class _Plan:
-    """A blocking short call as made before: its exchange's shape, fold and key, so the next
-    call of the same kind, size, dtype and arguments goes straight to the exchange."""
-
-    __slots__ = ("kind", "args", "payload", "fold", "fields", "static", "check_out", "writes",
-                 "args_out")
-
-    def __init__(self, kind, buf, a):
-        host = None if buf is None else buf.reshape(-1)
-        self.kind, self.writes = kind, kind.writes_buf
-        # the call's arguments but ``out`` (which the key leaves out): the same for every
-        # call this plan takes
-        self.args = Args(a.op, a.root, a.algorithm, None, None, a.total, None, a.extra)
-        self.args_out = Args(a.op, a.root, a.algorithm, None, None, a.total, None, a.extra)
-        self.payload = kind.payload(None, host, a)
-        self.fold, self.fields = kind.fold(a), kind.fields(host, a)
-        self.static = ledger.static_key(self.fields[0], True, select.FUSED, *self.fields[1:],
-                                        -1, True)
-        self.check_out = a.out is not None
-
-    def fits(self, buf, out) -> bool:
-        """Whether this call may take the plan: what the key leaves out still holds."""
-        if not buf.flags.c_contiguous or timeline._active is not None:
-            return False
-        if self.check_out and out is not buf and not (
-                type(out) is np.ndarray and out.shape == buf.shape and out.dtype == buf.dtype
-                and out.flags.c_contiguous and out.flags.writeable):
-            return False
-        return not self.writes or buf.flags.writeable
-
-    def run(self, c, buf, out):
-        wire, kind, a = c._wire, self.kind, self.args
-        if out is not None:                  # (blocking calls: one at a time)
-            a = self.args_out
-            a.out = out
-        ex = wire.exchanges.get(*self.payload)
-        kind.fill(c, ex, None if buf is None else buf.reshape(-1), a)
-        c._ledger.agree_static(wire.exchanges, ex, self.fold, self.static, self.fields)
-        return kind.extract(c, wire, ex, buf, a)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .algorithm import ALWAYS, get, serving
 from .short import FUSED, SHORT_LIMITS
 
@@ -124,3 +126,17 @@ def wire_bytes(kind: str, algorithm: str, n: int, world: int, itemsize: int) -> 
     if world == 1 or n == 0:
         return 0
     return get(algorithm).wire_bytes(kind, n, world, itemsize)
+
+
+def topology_of(mpi, node) -> tuple:
+    """(node of each rank, select.Topology) of ``mpi``: a node is named by its lowest rank
+    (setup calls, like Split: not a data path)."""
+    leader = np.array([mpi.Get_rank()], dtype=np.int64)
+    node.Bcast(leader, root=0)
+    node_of = np.empty(mpi.Get_size(), dtype=np.int64)
+    mpi.Allgather(leader, node_of)
+    node_of = [int(n) for n in node_of]
+    counts = {n: node_of.count(n) for n in set(node_of)}
+    even = len(set(counts.values())) == 1
+    return node_of, Topology(len(counts), next(iter(counts.values())) if even else 0,
+                                    parse_links(os.environ.get("HPCDIST_LINKS")))

@@ -33,12 +33,12 @@ import socket
 import sys
 import threading
 import time
-import traceback
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import signals
+from .stall import Wait, alive, format_report, stacks  # noqa: F401 (Wait: ledger's)
 
 DEFAULT_TIMEOUT_S = 300.0
 EXIT_TIMEOUT = 124                  # as timeout(1): the job ended on a missed deadline
@@ -79,25 +79,6 @@ def set_timeout(seconds: float | None) -> None:
 def grace() -> float:
     """How long the watchdog waits for other ranks' answers before naming them unresponsive."""
     return min(10.0, max(1.0, timeout() / 10))
-
-
-class Wait:
-    """What one thread is waiting in."""
-
-    __slots__ = ("comm", "seq", "kind", "nbytes", "peers", "since")
-
-    def __init__(self, comm, seq, kind, nbytes, peers):
-        self.comm, self.seq, self.kind, self.nbytes, self.peers = comm, seq, kind, nbytes, peers
-        self.since = time.monotonic()
-
-    def describe(self) -> str:
-        size = f" {self.nbytes:,} B" if self.nbytes else ""
-        call = f" call #{self.seq}" if self.seq else ""      # point-to-point has no number
-        return f"{self.comm}{call} {self.kind}{size} with {self.peers}"
-
-    def as_dict(self, now) -> dict:
-        return {"what": self.describe(), "comm": self.comm, "seq": self.seq, "kind": self.kind,
-                "waited_s": round(now - self.since, 3)}
 
 
 class waiting:
@@ -193,68 +174,11 @@ def wait_future(future):
 
 # ---- status and reports ------------------------------------------------------------------
 
-def stacks() -> str:
-    """The Python stacks of every thread of this process."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    out = []
-    for tid, frame in sys._current_frames().items():
-        out.append(f"  thread {names.get(tid, tid)}:\n"
-                   + "".join("    " + line for line in traceback.format_stack(frame)))
-    return "".join(out)
-
-
 def status(rank: int) -> dict:
     now = time.monotonic()
     waits = [w.as_dict(now) for stack in list(_waits.values()) for w in list(stack)]
     return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "waits": waits,
             "ledger": dict(_ledger), "stacks": stacks()}
-
-
-def _ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
-
-
-def silent_by_node(silent: list, hosts: list | None) -> str:
-    """The unresponsive ranks grouped by host, saying where a whole node went quiet."""
-    if not hosts or len(set(hosts)) == 1:
-        return _ranks(silent)
-    parts = []
-    for host in dict.fromkeys(hosts[r] for r in sorted(silent)):
-        mine = [r for r in silent if hosts[r] == host]
-        whole = len(mine) == hosts.count(host)
-        parts.append(f"{_ranks(mine)} on {host}" + (
-            f" (every rank of {host}: the node or its link is down)" if whole else ""))
-    return "; ".join(parts)
-
-
-def format_report(me: dict, overdue: Wait, statuses: dict, silent: list, deadline: float,
-                  why: str, hosts: list | None = None) -> str:
-    """One readable report: this rank's wait, every rank's state, who did not arrive
-    (``hosts[r]``: rank r's host, to name the nodes that went quiet)."""
-    lines = [f"[hpcdist watchdog] rank {me['rank']} (host {me['host']}, pid {me['pid']}) "
-             f"{why} {overdue.describe()} (deadline {deadline:g} s, HPCDIST_TIMEOUT / --timeout); "
-             "ending the job."]
-    behind = sorted(r for r, s in statuses.items()
-                    if not any(w["comm"] == overdue.comm and w["seq"] == overdue.seq
-                               for w in s["waits"]))
-    if silent:
-        lines.append(f"  unresponsive: {silent_by_node(silent, hosts)} — no heartbeat answer "
-                     f"within {grace():g} s (stopped, wedged, dead, or already exited)")
-    if behind:
-        lines.append(f"  not in {overdue.comm} call #{overdue.seq}: {_ranks(behind)}")
-    for r in sorted(statuses):
-        s = statuses[r]
-        where = "; ".join(f"waiting {w['waited_s']:.1f} s in {w['what']}" for w in s["waits"]) \
-            or "not waiting on any rank (computing, or done with this communicator)"
-        last = ", ".join(f"{c} #{n}" for c, n in s["ledger"].items()) or "none"
-        lines.append(f"  rank {r} (host {s['host']}, pid {s['pid']}): {where}; "
-                     f"last calls: {last}")
-    for r in silent:
-        lines.append(f"  rank {r}: no answer")
-    for r in sorted(statuses):
-        lines.append(f"--- Python stacks of rank {r}:\n{statuses[r]['stacks']}")
-    return "\n".join(lines) + "\n"
 
 
 class Watchdog(threading.Thread):
@@ -376,7 +300,7 @@ class Watchdog(threading.Thread):
     def _check_neighbours(self) -> None:
         """End the job naming a rank on this host whose process is gone (the lowest live
         rank of the host reports; the others stand by for it)."""
-        dead = sorted(r for r, pid in self.neighbours.items() if not _alive(pid))
+        dead = sorted(r for r, pid in self.neighbours.items() if not alive(pid))
         if not dead:
             return
         for r in dead:                      # a dead pidfd stays readable: stop watching it
@@ -441,25 +365,10 @@ class Watchdog(threading.Thread):
                else "waited past its deadline in")
         deadline = grace() if self.urgent else timeout()
         sys.stderr.write(format_report(me, overdue, statuses, silent, deadline, why,
-                                       self.hosts))
+                                       self.hosts, grace()))
         sys.stderr.flush()
         from . import abort
         abort.end_job(EXIT_TIMEOUT)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _note_signal(signum, frame):

@@ -19,10 +19,8 @@ runs the same update rule (optim.py) on it.
   gradients and frees its parameters. Parameters outside the blocks (embeddings, final norm)
   stay gathered for the whole step.
 
-Communication per step and rank: stages 1 and 2 send (P-1)/P x 2 Psi elements (reduce-scatter
-+ allgather), as plain data parallelism does; stage 3 sends (P-1)/P x 3 Psi (two gathers and
-a reduce-scatter).
-"""
+Per step and rank: stages 1-2 send (P-1)/P x 2 Psi elements (reduce-scatter + allgather), as
+DDP does; stage 3 (P-1)/P x 3 Psi (two gathers and a reduce-scatter)."""
 from __future__ import annotations
 
 import contextlib

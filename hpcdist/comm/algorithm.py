@@ -46,6 +46,7 @@ REGISTRY: dict = {}
 
 
 _SERVING: dict = {}                 # kind -> [Algorithm]: every call chooses; cached
+CHANGES = [0]                       # bumped on every change: select's memo is keyed by it
 
 
 def register(algorithm: Algorithm) -> Algorithm:
@@ -53,12 +54,14 @@ def register(algorithm: Algorithm) -> Algorithm:
     registry()
     REGISTRY[algorithm.name] = algorithm
     _SERVING.clear()
+    CHANGES[0] += 1
     return algorithm
 
 
 def unregister(name: str) -> None:
     REGISTRY.pop(name, None)
     _SERVING.clear()
+    CHANGES[0] += 1
 
 
 _FOUND = False

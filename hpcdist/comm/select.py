@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .algorithm import ALWAYS, get, serving
+from .algorithm import ALWAYS, CHANGES, get, serving
 from .short import FUSED, SHORT_LIMITS
 
 # what "auto" means may be set per collective by an environment variable
@@ -87,8 +87,29 @@ class Topology:
         return self.nodes > 1 and self.per_node > 1
 
 
+_CHOSEN: dict = {}       # a memo of choose: every collective call asks, and the answer is a
+#                          pure function of the call and the registry (two levels aside)
+
+
 def choose(kind: str, nbytes: int, world: int, algorithm: str = "auto", forced: str = "auto",
            short: bool = True, topology: Topology | None = None) -> str:
+    """``choose_among``'s answer, remembered (not where the ranks span nodes: the links
+    decide there)."""
+    if topology is not None and topology.two_level:
+        return choose_among(kind, nbytes, world, algorithm, forced, short, topology)
+    key = (kind, nbytes, world, algorithm, forced, short, CHANGES[0])
+    name = _CHOSEN.get(key)
+    if name is None:
+        name = choose_among(kind, nbytes, world, algorithm, forced, short, None)
+        if len(_CHOSEN) > 4096:
+            _CHOSEN.clear()
+        _CHOSEN[key] = name
+    return name
+
+
+def choose_among(kind: str, nbytes: int, world: int, algorithm: str = "auto",
+                 forced: str = "auto", short: bool = True,
+                 topology: Topology | None = None) -> str:
     """The algorithm a ``kind`` call of ``nbytes`` (payload) runs. FUSED — the data carried
     by the ledger's agreement (short.py) — is one more algorithm, chosen for short calls of
     a fusable choice where ``short`` (the buffer is on the host or staged there); a

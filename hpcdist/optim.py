@@ -49,11 +49,17 @@ class FlatParams:
         self.size = total
 
 
+def intersect(a: int, b: int, lo: int, hi: int) -> tuple[int, int]:
+    """The flat range [a, b) cut to [lo, hi): (start, end), empty when start >= end (the one
+    place this is written: shards, checkpoints and reshards all cut ranges so)."""
+    return max(a, lo), min(b, hi)
+
+
 def decay_ranges_in(ranges, lo: int, hi: int):
     """``ranges`` clipped to the shard [lo, hi), shifted to start at 0 (for ZeRO shards)."""
     out = []
     for a, b in ranges:
-        a, b = max(a, lo), min(b, hi)
+        a, b = intersect(a, b, lo, hi)
         if a < b:
             out.append((a - lo, b - lo))
     return out

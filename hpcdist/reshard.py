@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .optim import intersect
+
 
 def padded(length: int, blocks: int, tp: int) -> int:
     """``length`` rounded up to a multiple of blocks x tp."""
@@ -109,6 +111,6 @@ def flat_pieces(entries, lo: int, hi: int, array):
     ``entries`` = [(name, offset, size)] in flat order; yields (name, (a, b), data) where
     [a, b) is the range within that tensor's local block."""
     for name, off, size in entries:
-        s, e = max(lo, off), min(hi, off + size)
+        s, e = intersect(off, off + size, lo, hi)
         if s < e:
             yield name, (s - off, e - off), array[s - lo:e - lo]

@@ -42,7 +42,15 @@ class Module:
     training = True
 
     def __call__(self, *args, **kwargs):
+        around = self.__dict__.get("_around")
+        if around is not None:
+            return around(self.forward, *args, **kwargs)
         return self.forward(*args, **kwargs)
+
+    def wrap_call(self, around) -> None:
+        """Call ``around(forward, *args, **kwargs)`` in place of ``forward`` (a module hook:
+        ZeRO-3 gathers a block's parameters there, and frees them after)."""
+        self._around = around
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError

@@ -24,6 +24,7 @@ import contextlib
 import numpy as np
 
 from .. import backend, optim, timeline
+from ..optim import intersect
 
 
 class StepRole:
@@ -225,7 +226,8 @@ class GradSum:
             return
         xp = backend.array_module(grad)
         hi = lo + grad.size
-        parts = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in self.ranges if a < hi and b > lo]
+        parts = [(s - lo, e - lo) for s, e in (intersect(a, b, lo, hi) for a, b in self.ranges)
+                 if s < e]
         if not parts:
             buf = xp.zeros(0, dtype=grad.dtype)
         else:

@@ -1,11 +1,9 @@
 """Data parallelism: every rank holds the whole model; gradients are averaged in buckets.
 
 Gradients live in the optimizer's flat gradient buffer (``optim.FlatParams``); a bucket is a
-contiguous slice of it. Buckets are cut from the end of the buffer — the last layers, whose
-gradients backward finishes first — the first one small (``first_bucket_mb``, so
-communication starts early), the rest ``bucket_mb`` (PyTorch's 25 MB default). Each
-parameter's gradient hook counts its bucket down; a bucket whose count reaches zero starts its
-non-blocking average at once, always in bucket order on every rank. ``sync_gradients()``
+contiguous slice of it (buckets.py: the mechanism ZeRO-2 shares — ready, launch in order,
+wait; the first bucket small, the rest ``bucket_mb``, PyTorch's 25 MB default). A launched
+bucket starts its non-blocking average through the compression scheme; ``sync_gradients()``
 starts what backward did not reach (unused parameters) and waits only for what is in flight.
 """
 from __future__ import annotations
@@ -14,43 +12,8 @@ import contextlib
 
 from ..comm.layout import bounds_of
 from ..optim import FlatParams
+from .buckets import Bucket, BucketQueue, make_buckets, plan_buckets  # noqa: F401 (exports)
 from .compression import NoCompression
-
-MB = 1 << 20
-
-
-class Bucket:
-    """A contiguous slice [lo, hi) of the flat gradient and the parameters that fill it."""
-
-    def __init__(self, index: int, lo: int, hi: int, params):
-        self.index, self.lo, self.hi, self.params = index, lo, hi, params
-        self.pending = len(params)
-        self.handle = None
-
-    def __repr__(self):
-        return f"Bucket({self.index}, [{self.lo}, {self.hi}), {len(self.params)} params)"
-
-
-def plan_buckets(sizes, itemsize: int, bucket_mb: float, first_bucket_mb: float):
-    """Bucket boundaries over parameters of the given element counts (flat order).
-
-    Walks the parameters from last to first, closing a bucket once it reaches its byte cap
-    (the first bucket's cap is ``first_bucket_mb``). Returns a list of (lo, hi, [param
-    indices]) in launch order. Pure logic: tested without MPI.
-    """
-    spans = bounds_of(sizes)
-    offsets, off = [lo for lo, _ in spans], spans[-1][1] if spans else 0
-    buckets, members, hi, cap = [], [], off, first_bucket_mb * MB
-    for i in reversed(range(len(sizes))):
-        members.append(i)
-        lo = offsets[i]
-        if (hi - lo) * itemsize >= cap:
-            buckets.append((lo, hi, members))
-            members, hi, cap = [], lo, bucket_mb * MB
-    if members:
-        buckets.append((offsets[members[-1]], hi, members))
-    return buckets
-
 
 class DistributedDataParallel:
     """Wrap ``model`` for data-parallel training over ``comm``.
@@ -75,7 +38,6 @@ class DistributedDataParallel:
         self.module, self.comm = model, comm
         self.flat = flat if flat is not None else FlatParams(model.parameters())
         self.compute = compute if compute is not None else self.flat
-        self.overlap = overlap
         self.compression = compression or NoCompression()
         # The average over one rank is the gradient itself: nothing to start or wait for (a
         # non-blocking call per bucket cost ~15 us of bookkeeping each, 18 buckets a step).
@@ -85,17 +47,15 @@ class DistributedDataParallel:
         if self.compute is not self.flat:
             self.compute.data[...] = self.flat.data.astype(self.compute.data.dtype)
         params = self.flat.params
-        plan = plan_buckets([p.size for p in params], self.flat.data.dtype.itemsize,
-                            bucket_mb, first_bucket_mb)
-        self.buckets = [Bucket(i, lo, hi, [params[j] for j in members])
-                        for i, (lo, hi, members) in enumerate(plan)]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.buckets = make_buckets(params, self.flat.data.dtype.itemsize, bucket_mb,
+                                    first_bucket_mb)
+        self.queue = BucketQueue(self.buckets, self._launch, lambda b, handle: handle.wait(),
+                                 overlap)
         offset = {id(p): lo for p, (lo, _) in zip(params, bounds_of([p.size for p in params]))}
         # {bucket: [(offset in the bucket, shape)]}: what a scheme that needs shapes binds to
         self.bucket_layout = {b.index: [(offset[id(p)] - b.lo, tuple(p.shape)) for p in b.params]
                               for b in self.buckets}
         self.compression.bind(self.bucket_layout)
-        self._next = 0                            # next bucket to launch, in order
         # Observers (benchmarks' probes): called with (bucket, its gradient) as a bucket is
         # handed to the communicator, and with (the DDP) once every bucket is averaged.
         self.on_launch: list = []
@@ -106,41 +66,35 @@ class DistributedDataParallel:
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @property
+    def overlap(self) -> bool:
+        """Whether buckets launch during backward (False: all at ``sync_gradients``)."""
+        return self.queue.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.queue.overlap = on
+
     # ---- during backward ---------------------------------------------------------------------
     def _grad_ready(self, p) -> None:
-        if not self.require_sync:
-            return
-        bucket = self._bucket_of[id(p)]
-        bucket.pending -= 1
-        if self.overlap:
-            self._launch_ready()
+        if self.require_sync:
+            self.queue.ready(p)
 
-    def _launch_ready(self) -> None:
-        """Launch finished buckets, but never one before all earlier buckets have launched."""
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
-
-    def _launch(self, bucket) -> None:
+    def _launch(self, bucket):
+        """Start the bucket's average; returns its handle (None on one rank: nothing to do)."""
         grad = self.flat.grad[bucket.lo:bucket.hi]
         if self.compute is not self.flat:          # mixed precision: average in fp32
             grad[...] = self.compute.grad[bucket.lo:bucket.hi]
         for observe in self.on_launch:
             observe(bucket, grad)
-        if not self._identity:
-            bucket.handle = self.compression.start(self.comm, grad, bucket.index)
-        self._next = bucket.index + 1
+        if self._identity:
+            return None
+        return self.compression.start(self.comm, grad, bucket.index)
 
     # ---- after backward ------------------------------------------------------------------
     def sync_gradients(self) -> None:
         """Average every bucket over the ranks (call after backward, before the step)."""
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])   # unused params, or overlap off
-        for b in self.buckets:
-            if b.handle is not None:
-                b.handle.wait()
-                b.handle = None
-            b.pending = len(b.params)
-        self._next = 0
+        self.queue.flush()
         for observe in self.on_synced:
             observe(self)
         if hasattr(self.compression, "step"):

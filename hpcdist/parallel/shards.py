@@ -4,7 +4,7 @@ backward reaches it."""
 from __future__ import annotations
 
 from ..comm.layout import shard_bounds
-from ..optim import FlatParams
+from ..optim import FlatParams, intersect
 from ..tensor import Tensor
 
 
@@ -21,7 +21,7 @@ def pieces_of_range(a: int, b: int, world: int, length: int):
     out = []
     for c in range(world):
         lo, hi = shard_bounds(length, world, c)
-        s, e = max(a, lo), min(b, hi)
+        s, e = intersect(a, b, lo, hi)
         out.append((s - a, e - a) if s < e else (0, 0))
     return out
 

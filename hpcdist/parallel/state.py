@@ -12,6 +12,7 @@ nothing.
 from __future__ import annotations
 
 from .. import backend, checkpoint, reshard
+from ..optim import intersect
 from ..comm.layout import bounds_of
 
 
@@ -43,7 +44,7 @@ def pieces_to_save(step, cfg) -> list:
             continue                                     # replicated: tensor-parallel rank 0
         if cfg.pp > 1 and cfg.tie_weights and name == "wte.weight" and coord.pp == cfg.pp - 1:
             continue                                     # the head's copy of the tied table
-        s, e = max(lo, o), min(hi, o + size)
+        s, e = intersect(o, o + size, lo, hi)
         if s >= e:
             continue
         for kind, arr in arrays.items():
@@ -62,7 +63,7 @@ def load_pieces(step, reader) -> None:
             step.add_optimizer_state(kind[len("opt."):], arrays[kind])
     layout = tensor_layout(step.model, step.mesh)
     for (name, size, cut, shape, spec), (off, _) in zip(layout, bounds_of(l[1] for l in layout)):
-        s, e = max(lo, off), min(hi, off + size)
+        s, e = intersect(off, off + size, lo, hi)
         if s < e:
             for kind, arr in arrays.items():
                 full = reader.tensor(f"{kind}/{name}")

@@ -26,7 +26,7 @@ from .mixed_precision import LossScaler, MixedPrecision
 from .pipeline import PipelineModel, PipelineStep
 from .schedules import partition
 from .tp import TensorParallelGPT
-from .zero import Zero
+from .zero3 import STAGES as ZERO_STAGES
 
 __all__ = ["Strategy", "DataParallelStep", "Norm", "GradSum", "build_strategy"]
 
@@ -217,9 +217,10 @@ def build_strategy(cfg, comm, train_set):
     make_optimizer = make_optimizer_factory(cfg)
     if cfg.zero:
         low = None if cfg.precision == "fp32" else backend.compute_dtype(cfg.precision)
-        step = Zero(model, dp_comm, cfg.zero, make_optimizer, compute_dtype=low, scaler=scaler,
-                    bucket_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
-                    norm=norm, grad_sum=grad_sum, mesh=mesh)
+        step = ZERO_STAGES[cfg.zero](model, dp_comm, make_optimizer, compute_dtype=low,
+                                     scaler=scaler, bucket_mb=cfg.bucket_mb,
+                                     first_bucket_mb=cfg.first_bucket_mb, norm=norm,
+                                     grad_sum=grad_sum, mesh=mesh)
     else:
         mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
         compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,

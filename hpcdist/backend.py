@@ -376,7 +376,7 @@ def scatter_add(target, idx, values) -> None:
     target[sidx[starts]] += np.add.reduceat(values[order], starts, axis=0)
 
 
-from .rng import rng, rng_state, seed, set_rng_state  # noqa: E402,F401  (dropout's stream)
+from .rng import DropoutRNG, rng, rng_state, seed, set_rng_state  # noqa: E402,F401 (dropout)
 
 
 def nccl_module():

@@ -13,17 +13,24 @@ from helpers import small
 
 pytestmark = pytest.mark.mpi
 
-# 6 heads: cp 2 and 3 divide them (ulysses); sort of 5 digits: 9 positions, which split
-# unevenly into 2 x cp chunks for every cp (19 at cp 5).
+# 6 heads: cp 2 and 3 divide them (ulysses; 4 heads where tp 2 takes half); sort of 5 digits:
+# 9 positions, which split unevenly into 2 x cp chunks for every cp (19 at cp 5).
 CP_MODEL = dict(n_head=6, n_embd=24, n_layer=2, length=5, grad_clip=1.0)
 
 # (settings, world): each case at the smallest world that shows it
-CASES = [({"cp": 2}, 2), ({"cp": 3}, 3), ({"cp": 2, "tp": 2}, 4), ({"cp": 2}, 4),
-         ({"cp": 2, "pp": 2, "micro_batches": 3}, 4), ({"cp": 2, "zero": 1}, 4), ({"cp": 2, "zero": 2}, 4),
-         ({"cp": 2, "zero": 3}, 4), ({"cp": 2, "checkpoint_activations": True}, 2),
-         ({"cp": 2, "grad_accum": 2}, 2), ({"cp": 2, "pp": 2, "schedule": "gpipe", "micro_batches": 2}, 4),
-         ({"cp": 2, "tp": 2, "sequence_parallel": True, "pp": 2, "micro_batches": 3}, 8),
-         ({"cp": 5, "length": 10}, 5)]
+CASES = [
+    ({"cp": 2}, 2),
+    ({"cp": 3}, 3),
+    ({"cp": 2, "tp": 2, "n_head": 4}, 4),
+    ({"cp": 2}, 4),                                                      # with DP 2
+    ({"cp": 2, "pp": 2, "micro_batches": 3}, 4),
+    ({"cp": 2, "pp": 2, "schedule": "gpipe", "micro_batches": 2}, 4),
+    ({"cp": 2, "zero": 1}, 4), ({"cp": 2, "zero": 2}, 4), ({"cp": 2, "zero": 3}, 4),
+    ({"cp": 2, "checkpoint_activations": True}, 2),
+    ({"cp": 2, "grad_accum": 2}, 2),
+    ({"cp": 2, "tp": 2, "n_head": 4, "sequence_parallel": True, "pp": 2, "micro_batches": 3}, 8),
+    ({"cp": 5, "length": 10}, 5),
+]
 
 
 def _history(cfg, comm, on_build=None):
@@ -52,8 +59,9 @@ def test_cp_trains_like_one_process(comm, tmp_path, impl):
     if not cases:
         pytest.skip(f"no context-parallel case runs on {comm.size} ranks")
     for i, extra in enumerate(cases):
-        if impl == "ulysses" and (CP_MODEL["n_head"] // extra.get("tp", 1)) % extra["cp"]:
-            continue
+        heads = extra.get("n_head", CP_MODEL["n_head"]) // extra.get("tp", 1)
+        if impl == "ulysses" and heads % extra["cp"]:
+            continue                        # ulysses needs cp to divide a TP rank's heads
         cfg = small(**{**CP_MODEL, **extra}, cp_impl=impl, out_dir=str(tmp_path / str(i)))
         final, got = _history(cfg, comm)
         replicas = comm.size // (cfg.cp * cfg.tp * cfg.pp)

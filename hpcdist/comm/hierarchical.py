@@ -126,15 +126,9 @@ def _prefer(kind, nbytes, world, topo, short_limit) -> bool:
     return hier < flat
 
 
-def _cost(kind, nbytes, P, a, b):          # one link level: the flat ring's
-    if kind == "allreduce":
-        return 2 * (P - 1) * a + 2 * (P - 1) / P * nbytes * b
-    return (P - 1) * a + (P - 1) / P * nbytes * b
-
-
 ALGORITHMS = [Algorithm(
     "hierarchical", kinds=("allreduce", "reduce_scatter", "allgather"),
     runs={"allreduce": lambda wire, buf, op: allreduce_inplace(wire, buf, op),
           "reduce_scatter": lambda wire, buf, op, bounds: reduce_scatter_inplace(wire, buf, op),
           "allgather": lambda wire, full, bounds: allgather_inplace(wire, full)},
-    prefer=_prefer, cost=_cost)]
+    prefer=_prefer, cost=ring.ring_cost)]        # priced on one link level: as the flat ring

@@ -83,7 +83,8 @@ def allreduce_inplace(comm, buf, op: str, wire_dtype=None) -> None:
 ALLREDUCE_RING_BYTES = 2 << 20
 
 
-def _cost(kind, nbytes, P, a, b):
+def ring_cost(kind, nbytes, P, a, b):
+    """The ring's alpha-beta time: 2(P-1) steps for an allreduce, P-1 for the rest."""
     if kind == "allreduce":
         return 2 * (P - 1) * a + 2 * (P - 1) / P * nbytes * b
     return (P - 1) * a + (P - 1) / P * nbytes * b
@@ -99,4 +100,4 @@ ALGORITHMS = [Algorithm(
     auto=lambda kind, nbytes, world: kind != "allreduce" or nbytes >= ALLREDUCE_RING_BYTES,
     fusable={"reduce_scatter": ALWAYS, "allgather": ALWAYS},
     wire_bytes=lambda kind, n, P, itemsize: 2 * (P - 1) * -(-n // P) * itemsize,
-    cost=_cost)]
+    cost=ring_cost)]

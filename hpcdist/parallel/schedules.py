@@ -9,12 +9,12 @@ A schedule is, for each of the P stages (ranks), an ordered list of actions:
                (SEND or RECV, ACT or GRAD, mb, c, peer)
 
 Chunk c on rank s is virtual stage k = c * P + s (Megatron's interleaving); activations flow
-from virtual stage k to k + 1, gradients back. Generators (orders.py: pure functions of P,
-m, v) give the compute order; ``add_communication`` inserts the sends and receives: each receive just before
-the compute that needs it, each send just after the compute that produced it, and every send
-and receive between two computes grouped into one COMM, posted together (as Megatron's
-``send_forward_recv_backward``): under the strictest semantics a 1F1B pipeline whose sends
-and receives are posted one at a time deadlocks in its steady state.
+from virtual stage k to k + 1, gradients back. Generators (orders.py: pure functions of P, m,
+v) give the compute order; ``add_communication`` inserts the sends and receives: each receive
+just before the compute that needs it, each send just after the compute that produced it, and
+every send and receive between two computes grouped into one COMM, posted together (as
+Megatron's ``send_forward_recv_backward``): under the strictest semantics a 1F1B pipeline whose
+sends and receives are posted one at a time deadlocks in its steady state.
 
 ``verify`` executes all stages' lists under the strictest MPI semantics — a send completes only
 once its receive is posted, a receive only once its send is; messages between two ranks on one

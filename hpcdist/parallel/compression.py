@@ -46,6 +46,13 @@ class NoCompression:
     def load_state_dict(self, sd: dict) -> None:
         pass
 
+    def on_new_layout(self, reader, step: int, same_model_split: bool, replicas: int):
+        """A checkpoint of another layout is being loaded: what becomes of this scheme's
+        per-rank state (``reader``: the checkpoint; ``same_model_split``: TP and PP as
+        written; ``replicas``: the ranks the state is now shared over). Returns what to say,
+        or None."""
+        return None
+
 
 class FP16Compression(NoCompression):
     """Half the bytes: float16 travels, each hop's sum is taken in the gradient's dtype."""
@@ -89,6 +96,19 @@ class TopKCompression(_KeyedState):
     The optimizer should then run without its own momentum (it is applied here).
     """
     name = "topk"
+
+    def on_new_layout(self, reader, step: int, same_model_split: bool, replicas: int):
+        """Residuals summed over the old ranks and split evenly (dropped where the model is
+        split otherwise: they belong to other parameters' pieces)."""
+        if not same_model_split:
+            return "Top-K residuals dropped (another model-parallel layout)"
+        total = None
+        for r in range(reader.world):
+            res = {k: v for k, v in reader.own(r).items() if k.startswith("compress.")}
+            total = res if total is None else {k: total[k] + res[k] for k in total}
+        self.load_state_dict({k[len("compress."):]: v / replicas
+                              for k, v in (total or {}).items()})
+        return "Top-K residuals summed over the old ranks and split evenly"
 
     def __init__(self, density: float = 0.01, momentum: float = 0.9, clip: float = 0.0,
                  warmup_steps: int = 0):
@@ -161,6 +181,10 @@ class PowerSGDCompression(_KeyedState):
     At r = min(n, m) the approximation is exact: P spans the averaged M's columns.
     """
     name = "powersgd"
+
+    def on_new_layout(self, reader, step: int, same_model_split: bool, replicas: int):
+        self.step = step                 # error feedback and warm start begin afresh
+        return "PowerSGD errors and warm-start factors start afresh"
 
     def __init__(self, rank: int = 1, start_step: int = 0, min_rate: float = 2.0,
                  seed: int = 0):

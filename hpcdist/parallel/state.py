@@ -124,23 +124,14 @@ def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
         step_fn.load_own_state(own)
         return "; ".join(said)
     # Another layout. Dropout streams: each rank derives its own from (seed, step, its rank
-    # in the new layout). Top-K residuals: summed over the old ranks, split evenly.
+    # in the new layout). Compression state: what its scheme says (on_new_layout).
     backend.seed(cfg.seed + 7919 * reader.step + 1000 * comm.rank)
     said.append(f"written by {sc['layout']}, resumed as {run_layout(cfg, comm.size)}: "
                 f"dropout streams reseeded from (seed, step, rank)")
     compression = step_fn.compression()
-    if compression is not None and cfg.compress == "topk":
-        if (cfg.tp, cfg.pp) != (sc["layout"].get("tp", 1), sc["layout"].get("pp", 1)):
-            said.append("Top-K residuals dropped (another model-parallel layout)")
-        else:
-            total = None
-            for r in range(reader.world):
-                res = {k: v for k, v in reader.own(r).items() if k.startswith("compress.")}
-                total = res if total is None else {k: total[k] + res[k] for k in total}
-            compression.load_state_dict({k[len("compress."):]: v / step_fn.data_comm.size
-                                             for k, v in (total or {}).items()})
-            said.append("Top-K residuals summed over the old ranks and split evenly")
-    elif compression is not None and cfg.compress == "powersgd":
-        compression.step = reader.step       # error feedback and warm start begin afresh
-        said.append("PowerSGD errors and warm-start factors start afresh")
+    if compression is not None:                         # each scheme says what becomes of it
+        same = (cfg.tp, cfg.pp) == (sc["layout"].get("tp", 1), sc["layout"].get("pp", 1))
+        note = compression.on_new_layout(reader, reader.step, same, step_fn.data_comm.size)
+        if note:
+            said.append(note)
     return "; ".join(said)

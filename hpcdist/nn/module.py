@@ -80,6 +80,12 @@ class Module:
         """(name, Parameter, spec) in parameter order: ``spec`` says how a tensor-parallel
         model cuts the parameter (None: whole, as here)."""
         return [(n, p, None) for n, p in self.named_parameters()]
+
+    def copies(self) -> set:
+        """ids of the parameters held here as copies of another rank's (a pipeline's tied
+        head on its last stage): not this rank's to count or to save. None here."""
+        return set()
+
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 

@@ -194,6 +194,16 @@ def delegate(inner: str, names):
     return decorate
 
 
+def owned(model, mesh) -> list:
+    """Per parameter, in ``model.named_specs()`` order: whether this rank owns it — counts it
+    once in the global gradient norm and writes it into checkpoints. A tensor-parallel shard
+    is every rank's own; a replicated parameter tensor-parallel rank 0's; a copy held for a
+    tied head (``model.copies()``) nobody's here."""
+    copies, first_tp = model.copies(), mesh is None or mesh.coord.tp == 0
+    return [(spec is not None or first_tp) and id(p) not in copies
+            for _, p, spec in model.named_specs()]
+
+
 class Norm:
     """The global gradient norm of a flat gradient (or of its shard [lo, hi)), counting each
     parameter of the one logical model once. ``count``: a bool mask over the flat elements —

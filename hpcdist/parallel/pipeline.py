@@ -102,6 +102,11 @@ class PipelineModel(Module):
         self.training = mode
         return self
 
+    def copies(self) -> set:
+        """The tied table a last chunk holds for the head: the first stage's is the one."""
+        return {id(c.wte.weight) for c in self.chunks
+                if c.last and not c.first and "wte" in vars(c)}
+
     def named_specs(self):
         specs = {id(p): spec for _, p, spec in self.full.named_specs()}
         return [(n, p, specs.get(id(p))) for n, p in self.named_parameters()]

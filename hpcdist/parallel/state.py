@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .. import backend, checkpoint, reshard
 from ..optim import intersect
+from .base import owned
 from ..comm.layout import bounds_of
 
 
@@ -33,17 +34,15 @@ def tensor_layout(model, mesh) -> list:
 def pieces_to_save(step, cfg) -> list:
     """[(name, cut, logical shape, (a, b), host array)] this rank writes."""
     mesh = step.mesh
-    coord = mesh.coord if mesh is not None else None
     if not step.holds_state():
         return []                                        # a replica: rank dp 0 writes
     layout = tensor_layout(step.model, mesh)
     lo, hi, arrays, _ = step.flat_state()
     out = []
-    for (name, size, cut, shape, spec), (o, _) in zip(layout, bounds_of(l[1] for l in layout)):
-        if spec is None and coord is not None and coord.tp > 0:
-            continue                                     # replicated: tensor-parallel rank 0
-        if cfg.pp > 1 and cfg.tie_weights and name == "wte.weight" and coord.pp == cfg.pp - 1:
-            continue                                     # the head's copy of the tied table
+    for (name, size, cut, shape, spec), (o, _), mine in zip(
+            layout, bounds_of(l[1] for l in layout), owned(step.model, mesh)):
+        if not mine:                 # replicated (tensor-parallel rank 0 writes), a tied copy
+            continue
         s, e = intersect(o, o + size, lo, hi)
         if s >= e:
             continue

@@ -18,7 +18,7 @@ import numpy as np
 from .. import backend, nn, optim
 from ..comm.mesh import ProcessMesh
 from ..comm.nccl import make_communicator
-from .base import GradSum, Norm, Strategy
+from .base import GradSum, Norm, Strategy, owned
 from .compression import make_compression
 from .context import ContextParallel
 from .ddp import DistributedDataParallel
@@ -176,11 +176,7 @@ def norm_and_grad_sum(cfg, mesh, full, model, dp_comm):
         return Norm([dp_comm] if cfg.zero else []), None
     count, ranges, off = [], [], 0
     partial = {id(p) for p in full.sequence_parallel_params()} if cfg.tp > 1 else set()
-    head_copy = cfg.pp > 1 and cfg.tie_weights and mesh.coord.pp == cfg.pp - 1
-    for name, p, spec in model.named_specs():
-        # replicated parameters count on tensor-parallel rank 0, the tied table on stage 0
-        once = (spec is not None or mesh.coord.tp == 0) and not (
-            head_copy and name == "wte.weight")
+    for (name, p, spec), once in zip(model.named_specs(), owned(model, mesh)):
         count.append(np.full(p.size, once))
         if id(p) in partial:
             ranges.append((off, off + p.size))

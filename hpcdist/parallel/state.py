@@ -79,8 +79,12 @@ def load_pieces(step, reader) -> None:
 def run_layout(cfg, world: int) -> dict:
     if cfg.strategy == "ps":
         return {"world": world, "strategy": "ps", "servers": cfg.servers}
-    return {"world": world, "tp": cfg.tp, "pp": cfg.pp, "dp": world // (cfg.tp * cfg.pp),
-            "zero": cfg.zero, "virtual_stages": cfg.virtual_stages}
+    layout = {"world": world, "tp": cfg.tp, "pp": cfg.pp,
+              "dp": world // (cfg.tp * cfg.pp * cfg.cp), "zero": cfg.zero,
+              "virtual_stages": cfg.virtual_stages}
+    if cfg.cp > 1:                   # (absent at 1: the layouts written before CP compare equal)
+        layout["cp"] = cfg.cp
+    return layout
 
 
 def save_checkpoint(cfg, step, comm, step_fn, sampler, vocabulary=None) -> str:

@@ -120,9 +120,9 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     if on_build is not None:
         on_build(step_fn)
     memtrace.enable(cfg.trace_memory)
-    data_comm = step_fn.batch_comm     # tensor- and context-parallel ranks read the same batch
-    sampler = data.DistributedSampler(len(train_set), cfg.batch_size, data_comm.rank,
-                                      data_comm.size, seed=cfg.seed)
+    batch_comm = step_fn.batch_comm    # tensor- and context-parallel ranks read the same batch
+    sampler = data.DistributedSampler(len(train_set), cfg.batch_size, batch_comm.rank,
+                                      batch_comm.size, seed=cfg.seed)
     say = log if comm.rank == 0 else (lambda *a, **k: None)
     start = _resume(cfg, comm, step_fn, sampler, resume, say)
     hosts = runtime.record_ranks(comm, cfg.out_dir)

@@ -35,8 +35,8 @@ def worker(args) -> int:
         model, step = build_strategy(cfg, comm, train_set)
         step.opt.state.update({k: np.zeros_like(step.opt.flat.data)
                                for k in ("exp_avg", "exp_avg_sq")})
-        sampler = data.DistributedSampler(len(train_set), 64, step.data_comm.rank,
-                                          step.data_comm.size)
+        sampler = data.DistributedSampler(len(train_set), 64, step.batch_comm.rank,
+                                          step.batch_comm.size)
         return cfg, step, sampler
 
     def timed(fn):

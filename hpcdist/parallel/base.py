@@ -7,10 +7,12 @@
     step.sync()                         # gradients averaged (DDP buckets, ZeRO reduce-scatter)
     applied, grad_norm = step.apply(lr, grad_clip)
 
-and reads ``step.model``, ``step.data_comm`` (the ranks that split the data: each reads other
-samples), ``step.comm`` (the gradient communicator, for byte counts), ``step.scaler`` and
-``step.mesh``. Checkpoints see a strategy through ``flat_state``/``loaded`` (parallel/state.py
-turns those into the layout-free form); the run's header through ``describe``.
+and reads ``step.model``, ``step.dp_comm`` (the data-parallel group, as the mesh names it: the
+ranks holding the same model part, DP x CP; gradients are averaged over it),
+``step.batch_comm`` (those of them that read different batches), ``step.comm`` (the gradient
+communicator, for byte counts), ``step.scaler`` and ``step.mesh``. Checkpoints see a strategy
+through ``flat_state``/``loaded`` (parallel/state.py turns those into the layout-free form);
+the run's header through ``describe``.
 
 Implementations: ``strategy.DataParallelStep`` (DDP + mixed precision, ``--zero 0``),
 ``zero.Zero`` (stages 1-3) and ``pipeline.PipelineStep`` (the schedule executor around
@@ -49,7 +51,7 @@ class StepRole:
         return float(loss.data)
 
     def sync(self) -> None:
-        """After the last micro-batch's backward: gradients averaged over ``data_comm``."""
+        """After the last micro-batch's backward: gradients averaged over ``dp_comm``."""
         raise NotImplementedError
 
     def apply(self, lr: float, grad_clip: float = 0.0):
@@ -75,7 +77,7 @@ class LoopRole:
 
     def mean_loss(self, loss: float) -> float:
         """The loss the run reports for a step: the mean over the data-parallel ranks."""
-        return float(self.data_comm.allreduce(np.array([loss]), op="avg")[0])
+        return float(self.dp_comm.allreduce(np.array([loss]), op="avg")[0])
 
     def control(self, step: int, cfg, stop, comm):
         """After step ``step``: (the signal that stops the run, 0: none; the step to save a
@@ -163,16 +165,16 @@ class ReportRole:
 
 class Strategy(StepRole, LoopRole, StateRole, ReportRole):
     """A training layout: its four roles (each at most 8 methods). Subclasses set ``model``,
-    ``data_comm``, ``comm``, ``scaler`` and ``mesh`` (None without model parallelism) in
+    ``dp_comm``, ``comm``, ``scaler`` and ``mesh`` (None without model parallelism) in
     their constructors."""
 
-    model = data_comm = comm = scaler = mesh = None
+    model = dp_comm = comm = scaler = mesh = None
 
     @property
     def batch_comm(self):
-        """The ranks that read different batches: ``data_comm`` less its context-parallel
+        """The ranks that read different batches: ``dp_comm`` less its context-parallel
         axis (a context-parallel group reads one batch and splits each sequence)."""
-        return self.mesh.batch_comm if self.mesh is not None else self.data_comm
+        return self.mesh.batch_comm if self.mesh is not None else self.dp_comm
 
 
 def delegate(inner: str, names):

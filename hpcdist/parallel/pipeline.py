@@ -139,7 +139,7 @@ class PipelineStep(Strategy):
         self.inner, self.model, self.mesh = inner, pmodel, mesh
         self.pp = mesh.pp_comm
         self.P, self.m, self.v, self.name = mesh.pp, m, v, name
-        self.data_comm, self.comm, self.scaler = inner.data_comm, inner.comm, inner.scaler
+        self.dp_comm, self.comm, self.scaler = inner.dp_comm, inner.comm, inner.scaler
         self.embed_comm = embed_comm
         if 2 * self.P * v * m > MAX_TAG:
             raise ValueError(f"pp x virtual stages x micro-batches = {self.P * v * m} is too "

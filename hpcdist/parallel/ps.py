@@ -75,8 +75,8 @@ def staleness_summary(comm, hist, max_gap: int) -> dict:
 class PSWorker(Strategy):
     """A worker: the whole model, no optimizer; pushes gradients, takes back parameters."""
 
-    def __init__(self, model, comm, data_comm, servers: int):
-        self.model, self.comm, self.data_comm, self.mesh = model, comm, data_comm, None
+    def __init__(self, model, comm, dp_comm, servers: int):
+        self.model, self.comm, self.dp_comm, self.mesh = model, comm, dp_comm, None
         self.scaler = LossScaler(enabled=False)
         self.flat = FlatParams(model.parameters())
         self.workers = roles(comm.size, servers)
@@ -174,7 +174,7 @@ class PSServer(Strategy):
         self.grad = backend.xp().zeros_like(self.master)
         self.opt = make_optimizer(ShardParams(self.master, self.grad, decay_ranges_in(
             flat.decay_ranges, self.lo, self.hi)))
-        self.data_comm = server_comm                   # the servers (norms for clipping)
+        self.dp_comm = server_comm                     # the servers (norms for clipping)
         self.max_staleness = max_staleness
         self.acc = backend.xp().zeros_like(self.master)
         self.count = 0                                 # pushes summed into acc
@@ -191,7 +191,7 @@ class PSServer(Strategy):
         self.count = 0
         if cfg.grad_clip:
             sq = np.array([optim.grad_norm_sq(self.grad)])
-            norm = float(np.sqrt(self.data_comm.allreduce(sq)[0] if self.data_comm.size > 1
+            norm = float(np.sqrt(self.dp_comm.allreduce(sq)[0] if self.dp_comm.size > 1
                                  else sq[0]))
             scale = optim.clip_scale(norm, cfg.grad_clip)
             if scale < 1.0:

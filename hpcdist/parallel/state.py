@@ -134,7 +134,7 @@ def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
     compression = step_fn.compression()
     if compression is not None:                         # each scheme says what becomes of it
         same = (cfg.tp, cfg.pp) == (sc["layout"].get("tp", 1), sc["layout"].get("pp", 1))
-        note = compression.on_new_layout(reader, reader.step, same, step_fn.data_comm.size)
+        note = compression.on_new_layout(reader, reader.step, same, step_fn.dp_comm.size)
         if note:
             said.append(note)
     return "; ".join(said)

@@ -34,9 +34,9 @@ __all__ = ["Strategy", "DataParallelStep", "Norm", "GradSum", "build_strategy"]
 class DataParallelStep(Strategy):
     """The plain data-parallel path (``--zero 0``): DDP + mixed precision + a full optimizer."""
 
-    def __init__(self, model, ddp, opt, mp, data_comm, norm=None, grad_sum=None, mesh=None):
+    def __init__(self, model, ddp, opt, mp, dp_comm, norm=None, grad_sum=None, mesh=None):
         self.model, self.ddp, self.opt, self.mp = model, ddp, opt, mp
-        self.data_comm, self.mesh = data_comm, mesh
+        self.dp_comm, self.mesh = dp_comm, mesh
         self.comm = ddp.comm                       # the gradient communicator (bytes count)
         self.scaler = mp.scaler
         self.norm, self.grad_sum = norm or Norm(), grad_sum
@@ -56,7 +56,7 @@ class DataParallelStep(Strategy):
             self.grad_sum(self.mp.master.grad)
 
     def apply(self, lr: float, grad_clip: float = 0.0):
-        overflow = self.mp.unscale_and_check(self.data_comm) if self.scaler.enabled else False
+        overflow = self.mp.unscale_and_check(self.dp_comm) if self.scaler.enabled else False
         if not self.scaler.update(overflow):
             return False, None
         grad = self.mp.master.grad
@@ -103,7 +103,7 @@ class DataParallelStep(Strategy):
         return self.ddp.compression
 
     def holds_state(self) -> bool:
-        return self.data_comm.rank == 0        # replicas: rank 0 of the group writes
+        return self.dp_comm.rank == 0        # replicas: rank 0 of the group writes
 
 
 def make_optimizer_factory(cfg):

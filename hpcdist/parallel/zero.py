@@ -56,7 +56,7 @@ class Zero(Strategy):
                  norm=None, grad_sum=None, mesh=None):
         self.model, self.comm, self.mesh = model, comm, mesh
         self.norm, self.grad_sum = norm or Norm([comm]), grad_sum
-        self.data_comm = comm
+        self.dp_comm = comm
         self.scaler = scaler or LossScaler(enabled=False)
         self.params = params = model.parameters()
         xp = backend.array_module(params[0].data)

@@ -127,8 +127,8 @@ def test_round_trip_is_bit_identical(comm, shared_dir):
     datasets, resume = prepare(cfg, comm)
     model, step = build_strategy(cfg, comm, datasets[0])
     from hpcdist import data
-    sampler = data.DistributedSampler(len(datasets[0]), cfg.batch_size, step.data_comm.rank,
-                                      step.data_comm.size, seed=cfg.seed)
+    sampler = data.DistributedSampler(len(datasets[0]), cfg.batch_size, step.batch_comm.rank,
+                                      step.batch_comm.size, seed=cfg.seed)
     restore_checkpoint(resume[2], cfg, comm, step, sampler)
     cfg.save_dir = b
     save_checkpoint(cfg, 2, comm, step, sampler)             # saved again, in the other layout

@@ -289,7 +289,9 @@ def test_nothing_fits_exits_non_zero_with_the_nearest_misses_first(capsys):
     out = capsys.readouterr().out
     lines = out.split("nothing fits; the nearest misses first:\n")[1].splitlines()
     overs = [float(x.split("(")[-1].split(" GB over")[0]) for x in lines if "GB over" in x]
-    assert overs and overs == sorted(overs) and "GB over" in lines[0]
+    assert len(overs) >= 2 and overs == sorted(overs) and "GB over" in lines[0]
+    meshes = [x.split(", zero")[0] for x in lines if "GB over" in x]
+    assert len(set(meshes)) == len(meshes)                  # a line a mesh
     assert P.main(args + ["--json"]) == 1
     captured = capsys.readouterr()
     assert captured.out.strip() == "[]" and "nearest misses" in captured.err

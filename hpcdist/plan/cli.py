@@ -150,8 +150,9 @@ def nothing_fits(refused: list, show: int = 5) -> str:
         return float(m.group(1)) if m else math.inf
     ranked = sorted(refused, key=lambda r: over(r[1]))
     lines, seen = [], set()
-    for layout, why in ranked:
-        key = why if math.isinf(over(why)) else None
+    for layout, why in ranked:     # one line a mesh for memory, one a reason for the rest
+        key = why if math.isinf(over(why)) else \
+            tuple(layout.get(k) for k in ("tp", "pp", "dp", "cp", "split"))
         if key in seen:
             continue
         seen.add(key)

@@ -37,7 +37,7 @@ def comm_model(impl: str, n: int, layers: int, B: int, T: int, C: int, e: int, a
     return layers * (msgs * a + nbytes * b)
 
 
-def _config(args, data, T, cp, impl, dp, out):
+def _config(args, data, T, cp, impl, out):
     from hpcdist.config import TrainConfig
     return TrainConfig(task="text", data=data, block_size=T, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, batch_size=1, steps=args.steps,
@@ -53,7 +53,7 @@ def measure(args, comm, data, T, cp, impl, steps, record=None) -> dict:
     from hpcdist import memtrace, timeline
     from hpcdist.parallel.strategy import build_strategy
     from hpcdist.train import train_step
-    cfg = _config(args, data, T, cp, impl, comm.size // cp, tempfile.gettempdir())
+    cfg = _config(args, data, T, cp, impl, tempfile.gettempdir())
     train_set, _ = D.datasets_of(cfg)
     _, step = build_strategy(cfg, comm, train_set)
     sampler = D.DistributedSampler(len(train_set), 1, step.batch_comm.rank, step.batch_comm.size)

@@ -20,33 +20,21 @@ __device__ __forceinline__ A warp_max(A v) {
     return v;
 }
 // the sum (or max) over the block, on every thread; blockDim.x a multiple of 32, <= 1024
-__device__ A block_sum(A v, A* shared) {
+""" + "".join(r"""
+__device__ A block_{op}(A v, A* shared) {{
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = warp_{op}(v);
     if (lane == 0) shared[warp] = v;
     __syncthreads();
-    v = (threadIdx.x < (blockDim.x >> 5)) ? shared[lane] : (A)0;
-    if (warp == 0) v = warp_sum(v);
+    v = (threadIdx.x < (blockDim.x >> 5)) ? shared[lane] : {identity};
+    if (warp == 0) v = warp_{op}(v);
     if (threadIdx.x == 0) shared[0] = v;
     __syncthreads();
     v = shared[0];
     __syncthreads();
     return v;
-}
-__device__ A block_max(A v, A* shared) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    v = (threadIdx.x < (blockDim.x >> 5)) ? shared[lane] : NEG_INF;
-    if (warp == 0) v = warp_max(v);
-    if (threadIdx.x == 0) shared[0] = v;
-    __syncthreads();
-    v = shared[0];
-    __syncthreads();
-    return v;
-}
-"""
+}}
+""".format(op=op, identity=identity) for op, identity in (("sum", "(A)0"), ("max", "NEG_INF")))
 
 
 def _scalar(dtype, value):

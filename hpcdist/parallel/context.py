@@ -62,7 +62,8 @@ class ContextParallel:
         self.comm, self.impl = comm, impl
         self.n, self.rank = comm.size, comm.rank
         self.T = None                           # the full sequence length of the batch in hand
-        self._pos: dict = {}
+        self._pos: dict = {}                    # (T, rank) -> host positions
+        self._memo: dict = {}                   # device indices and masks, made once per T
 
     def __repr__(self):
         return f"ContextParallel(n={self.n}, rank={self.rank}, impl={self.impl})"
@@ -91,6 +92,31 @@ class ContextParallel:
             self._pos[key] = positions(self.T, self.n, r)
         return self._pos[key]
 
+    def index(self, xp, r: int | None = None):
+        """``positions(r)`` as an index array on ``xp``'s device (made once per T)."""
+        r = self.rank if r is None else r
+        key = ("index", self.T, r, xp)
+        if key not in self._memo:
+            self._memo[key] = xp.asarray(self.positions(r))
+        return self._memo[key]
+
+    def visible(self, src: int, dtype, xp):
+        """What this rank's queries see of rank ``src``'s keys under the causal mask, made
+        once per T (every layer and step asks): (additive -inf bias and 0/1 keep mask on the
+        device, None where all is visible; the rows and columns touched, as slices where
+        contiguous — the balanced layout's always are — or None where nothing is)."""
+        key = ("visible", self.T, src, np.dtype(dtype), xp)
+        if key not in self._memo:
+            mask = self.positions()[:, None] >= self.positions(src)[None, :]
+            rows, cols = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
+            mask = mask[np.ix_(rows, cols)]
+            bias = keep = None
+            if not mask.all():
+                bias = xp.asarray(np.where(mask, 0.0, -np.inf).astype(dtype))
+                keep = xp.asarray(mask.astype(dtype))
+            self._memo[key] = (bias, keep, _as_slice(rows), _as_slice(cols))
+        return self._memo[key]
+
     def local_length(self, T: int) -> int:
         self.begin(T)
         return len(self.positions())
@@ -98,8 +124,7 @@ class ContextParallel:
     def take(self, idx):
         """This rank's columns of (B, T) tokens, and their positions (on idx's device)."""
         self.begin(idx.shape[1])
-        xp = backend.array_module(idx)
-        pos = xp.asarray(self.positions())
+        pos = self.index(backend.array_module(idx))
         return idx[:, pos], pos
 
     # ---- the model's hooks -----------------------------------------------------------------
@@ -113,14 +138,12 @@ class ContextParallel:
     def loss(self, local_mean: Tensor, targets, ignore_index: int) -> Tensor:
         """This rank's share of the sequence-mean loss, times N: the group's average is the
         one-process mean (the scored positions counted on the whole targets, no message)."""
-        xp = backend.array_module(targets)
         every = max(int((targets != ignore_index).sum()), 1)
-        mine = max(int((targets[:, xp.asarray(self.positions())] != ignore_index).sum()), 1)
+        mine = max(int((self.local_targets(targets) != ignore_index).sum()), 1)
         return local_mean * (mine * self.n / every)
 
     def local_targets(self, targets):
-        xp = backend.array_module(targets)
-        return targets[:, xp.asarray(self.positions())]
+        return targets[:, self.index(backend.array_module(targets))]
 
     def finish(self, logits: Tensor, local_mean, targets, ignore_index: int, training: bool):
         """The model's (logits, loss), or logits: in training this rank's logits and its share
@@ -133,7 +156,7 @@ class ContextParallel:
         parts = alltoall(self.comm, [xp.ascontiguousarray(logits.data)] * self.n)
         full = xp.empty((logits.shape[0], self.T) + tuple(logits.shape[2:]), dtype=logits.dtype)
         for r, part in enumerate(parts):
-            full[:, xp.asarray(self.positions(r))] = part
+            full[:, self.index(xp, r)] = part
         if targets is None:
             return Tensor(full)
         share = float(self.loss(local_mean, targets, ignore_index).data) / self.n
@@ -153,16 +176,6 @@ def _split_qkv(qkv, n_head: int):
     return xp.ascontiguousarray(a[0]), xp.ascontiguousarray(a[1]), xp.ascontiguousarray(a[2])
 
 
-def _visible(pq: np.ndarray, pk: np.ndarray):
-    """The causal mask of queries at pq over keys at pk, cut to the rows and columns it
-    touches (as slices where contiguous: the balanced layout's always are): (mask or None
-    when all visible, rows, cols)."""
-    mask = pq[:, None] >= pk[None, :]
-    rows, cols = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
-    mask = mask[np.ix_(rows, cols)]
-    return (None if mask.all() else mask), _as_slice(rows), _as_slice(cols)
-
-
 def _as_slice(ix: np.ndarray):
     if len(ix) and ix[-1] - ix[0] + 1 == len(ix):
         return slice(int(ix[0]), int(ix[-1]) + 1)
@@ -177,15 +190,16 @@ def _scores(qs, ks, scale):
     return s
 
 
-def _block_forward(q, k, v, pq, pk, scale, out, lse) -> None:
-    """Merge the attention of q over one K/V block into (out, lse), in place."""
-    mask, rows, cols = _visible(pq, pk)
+def _block_forward(q, k, v, seen, scale, out, lse) -> None:
+    """Merge the attention of q over one K/V block into (out, lse), in place (``seen``:
+    ``ContextParallel.visible`` of the block)."""
+    bias, _, rows, cols = seen
     if rows is None:
         return
     xp = backend.array_module(q)
     s = _scores(q[:, :, rows], k[:, :, cols], scale)
-    if mask is not None:                 # -inf where a query may not look
-        s += xp.asarray(np.where(mask, 0.0, -np.inf).astype(s.dtype))
+    if bias is not None:                 # -inf where a query may not look
+        s += bias
     m = s.max(axis=-1)
     s -= m[..., None]
     p = xp.exp(s, out=s)
@@ -202,19 +216,19 @@ def _block_forward(q, k, v, pq, pk, scale, out, lse) -> None:
     lse[:, :, rows] = new
 
 
-def _block_backward(q, k, v, pq, pk, scale, dout, lse, D, dq):
+def _block_backward(q, k, v, seen, scale, dout, lse, D, dq):
     """dq += this block's part (in place); returns (dk, dv) of the block."""
     xp = backend.array_module(q)
     dkv = xp.zeros((2,) + tuple(k.shape), dtype=k.dtype)
-    mask, rows, cols = _visible(pq, pk)
+    _, keep, rows, cols = seen
     if rows is None:
         return dkv
     qs, ks, vs, dos = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
     p = _scores(qs, ks, scale)
     p -= lse[:, :, rows][..., None]
     xp.exp(p, out=p)                     # the probabilities, from the saved log-sum-exp
-    if mask is not None:
-        p *= xp.asarray(mask.astype(p.dtype))
+    if keep is not None:
+        p *= keep
     dkv[1][:, :, cols] = p.transpose(0, 1, 3, 2) @ dos
     ds = dos @ vs.transpose(0, 1, 3, 2)
     ds -= D[:, :, rows][..., None]
@@ -234,7 +248,6 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
     B, Tl, C3 = qkv.shape
     q, k, v = _split_qkv(qkv.data, n_head)
     scale = 1.0 / np.sqrt(q.shape[-1])
-    pos = [cp.positions(r) for r in range(n)]
     out = xp.zeros_like(q)
     lse = xp.full(q.shape[:3], -np.inf, dtype=q.dtype)
     kv = xp.stack([k, v])
@@ -243,7 +256,8 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
         if s < n - 1:                     # the next block is on its way while this one computes
             nxt = (comm.isend(kv, (i + 1) % n, TAG_KV), comm.irecv((i - 1) % n, TAG_KV))
         with timeline.span("cp block", cat="cp", step=s):
-            _block_forward(q, kv[0], kv[1], pos[i], pos[(i - s) % n], scale, out, lse)
+            _block_forward(q, kv[0], kv[1], cp.visible((i - s) % n, q.dtype, xp), scale, out,
+                           lse)
         if nxt is not None:               # receives first: a send completes once received
             with timeline.span("cp wait", cat="cp", step=s):
                 kv = nxt[1].wait()
@@ -264,8 +278,8 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
                 nxt = (comm.isend(blk, (i - 1) % n, TAG_KV_BACK),
                        comm.irecv((i + 1) % n, TAG_KV_BACK))
             with timeline.span("cp block", cat="cp", step=s):
-                part = _block_backward(q, blk[0], blk[1], pos[i], pos[(i + s) % n], scale,
-                                       dout, lse, D, dq)
+                part = _block_backward(q, blk[0], blk[1], cp.visible((i + s) % n, q.dtype, xp),
+                                       scale, dout, lse, D, dq)
             if incoming is not None:          # receives first: a send completes once received
                 with timeline.span("cp wait", cat="cp", step=s):
                     acc = incoming.wait()

@@ -171,7 +171,7 @@ class PipelineStep(Strategy):
     def _shapes(self, sizes, T: int):
         """The activation shape each micro-batch carries between stages on this rank."""
         cfg, tp = self.model.config, self.mesh.tp_comm
-        cp = getattr(self.model.full, "cp", None)
+        cp = self.model.full.cp                # None without context parallelism
         rows = T if cp is None else cp.local_length(T)
         if getattr(self.model.full, "sp", False):
             from .tp.mappings import sequence_bounds

@@ -31,7 +31,7 @@ def tensor_layout(model, mesh) -> list:
     return out
 
 
-def pieces_to_save(step, cfg) -> list:
+def pieces_to_save(step) -> list:
     """[(name, cut, logical shape, (a, b), host array)] this rank writes."""
     mesh = step.mesh
     if not step.holds_state():
@@ -99,7 +99,7 @@ def save_checkpoint(cfg, step, comm, step_fn, sampler, vocabulary=None) -> str:
                "layout": run_layout(cfg, comm.size)}
     if vocabulary is not None:
         scalars["vocabulary"] = vocabulary
-    return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(step_fn, cfg), own,
+    return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(step_fn), own,
                            meta=checkpoint.checkpoint_meta(cfg, vocabulary), scalars=scalars)
 
 

@@ -38,14 +38,14 @@ def _to_heads(cp, a, groups: int):
     got = alltoall(cp.comm, [xp.ascontiguousarray(parts[:, :, :, j]) for j in range(groups)])
     full = xp.empty((B, cp.T) + got[0].shape[2:], dtype=a.dtype)
     for r, part in enumerate(got):
-        full[:, xp.asarray(cp.positions(r))] = part
+        full[:, cp.index(xp, r)] = part
     return full
 
 
 def _to_tokens(cp, full, groups: int):
     """(B, T, ...) of this rank's heads -> (B, T_r, N, ...): every group's heads, my tokens."""
     xp = backend.array_module(full)
-    got = alltoall(cp.comm, [xp.ascontiguousarray(full[:, xp.asarray(cp.positions(r))])
+    got = alltoall(cp.comm, [xp.ascontiguousarray(full[:, cp.index(xp, r)])
                              for r in range(groups)])
     return xp.stack(got, axis=2)
 

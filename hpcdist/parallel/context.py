@@ -100,21 +100,21 @@ class ContextParallel:
             self._memo[key] = xp.asarray(self.positions(r))
         return self._memo[key]
 
-    def visible(self, src: int, dtype, xp):
-        """What this rank's queries see of rank ``src``'s keys under the causal mask, made
-        once per T (every layer and step asks): (additive -inf bias and 0/1 keep mask on the
-        device, None where all is visible; the rows and columns touched, as slices where
-        contiguous — the balanced layout's always are — or None where nothing is)."""
-        key = ("visible", self.T, src, np.dtype(dtype), xp)
+    def visible(self, src: int, xp):
+        """What this rank's queries see of rank ``src``'s keys under the causal mask, worked
+        out once per T in O(T) (every layer and step asks): (the rows and the columns it
+        touches — as slices where contiguous, the balanced layout's always are — or None
+        where nothing is; None where all of that is visible, else the positions of those rows
+        and columns on the device, for ``mask``)."""
+        key = ("visible", self.T, src, xp)
         if key not in self._memo:
-            mask = self.positions()[:, None] >= self.positions(src)[None, :]
-            rows, cols = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
-            mask = mask[np.ix_(rows, cols)]
-            bias = keep = None
-            if not mask.all():
-                bias = xp.asarray(np.where(mask, 0.0, -np.inf).astype(dtype))
-                keep = xp.asarray(mask.astype(dtype))
-            self._memo[key] = (bias, keep, _as_slice(rows), _as_slice(cols))
+            pq, pk = self.positions(), self.positions(src)
+            rows = np.flatnonzero(pq >= pk.min())           # a query that sees some key
+            cols = np.flatnonzero(pk <= pq.max())           # a key some query sees
+            edges = None
+            if len(rows) and pq[rows].min() < pk[cols].max():     # not all of it visible
+                edges = (xp.asarray(pq[rows])[:, None], xp.asarray(pk[cols])[None, :])
+            self._memo[key] = (_as_slice(rows), _as_slice(cols), edges)
         return self._memo[key]
 
     def local_length(self, T: int) -> int:
@@ -190,16 +190,23 @@ def _scores(qs, ks, scale):
     return s
 
 
+def _mask(edges, dtype, seen: float, unseen: float):
+    """(Tq, Tk) of ``dtype``: ``seen`` where a query may look, ``unseen`` where it may not
+    (made on the device from the positions, for the block in hand only)."""
+    xp = backend.array_module(edges[0])
+    return xp.where(edges[0] >= edges[1], seen, unseen).astype(dtype)
+
+
 def _block_forward(q, k, v, seen, scale, out, lse) -> None:
     """Merge the attention of q over one K/V block into (out, lse), in place (``seen``:
     ``ContextParallel.visible`` of the block)."""
-    bias, _, rows, cols = seen
+    rows, cols, edges = seen
     if rows is None:
         return
     xp = backend.array_module(q)
     s = _scores(q[:, :, rows], k[:, :, cols], scale)
-    if bias is not None:                 # -inf where a query may not look
-        s += bias
+    if edges is not None:                # -inf where a query may not look
+        s += _mask(edges, s.dtype, 0.0, -np.inf)
     m = s.max(axis=-1)
     s -= m[..., None]
     p = xp.exp(s, out=s)
@@ -220,15 +227,15 @@ def _block_backward(q, k, v, seen, scale, dout, lse, D, dq):
     """dq += this block's part (in place); returns (dk, dv) of the block."""
     xp = backend.array_module(q)
     dkv = xp.zeros((2,) + tuple(k.shape), dtype=k.dtype)
-    _, keep, rows, cols = seen
+    rows, cols, edges = seen
     if rows is None:
         return dkv
     qs, ks, vs, dos = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
     p = _scores(qs, ks, scale)
     p -= lse[:, :, rows][..., None]
     xp.exp(p, out=p)                     # the probabilities, from the saved log-sum-exp
-    if keep is not None:
-        p *= keep
+    if edges is not None:
+        p *= _mask(edges, p.dtype, 1.0, 0.0)
     dkv[1][:, :, cols] = p.transpose(0, 1, 3, 2) @ dos
     ds = dos @ vs.transpose(0, 1, 3, 2)
     ds -= D[:, :, rows][..., None]
@@ -256,7 +263,7 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
         if s < n - 1:                     # the next block is on its way while this one computes
             nxt = (comm.isend(kv, (i + 1) % n, TAG_KV), comm.irecv((i - 1) % n, TAG_KV))
         with timeline.span("cp block", cat="cp", step=s):
-            _block_forward(q, kv[0], kv[1], cp.visible((i - s) % n, q.dtype, xp), scale, out,
+            _block_forward(q, kv[0], kv[1], cp.visible((i - s) % n, xp), scale, out,
                            lse)
         if nxt is not None:               # receives first: a send completes once received
             with timeline.span("cp wait", cat="cp", step=s):
@@ -278,7 +285,7 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
                 nxt = (comm.isend(blk, (i - 1) % n, TAG_KV_BACK),
                        comm.irecv((i + 1) % n, TAG_KV_BACK))
             with timeline.span("cp block", cat="cp", step=s):
-                part = _block_backward(q, blk[0], blk[1], cp.visible((i + s) % n, q.dtype, xp),
+                part = _block_backward(q, blk[0], blk[1], cp.visible((i + s) % n, xp),
                                        scale, dout, lse, D, dq)
             if incoming is not None:          # receives first: a send completes once received
                 with timeline.span("cp wait", cat="cp", step=s):

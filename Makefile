@@ -87,16 +87,16 @@ test-double: venv
 	    --with-mpi -q -p no:cacheprovider $(DOUBLE_TESTS) || exit 1; \
 	done
 
-# The GPU code held to the real CuPy, without a GPU: CuPy's wheel (with NCCL's and NVRTC's)
+# The GPU code held to the real CuPy, without a GPU: CuPy's wheel (with NCCL's, NVRTC's and cuBLAS's)
 # installs and imports on any machine. test-cupy installs them into .venv when missing (CI
 # does this), then checks every name the device double offers against CuPy (kind and
 # arguments), and NCCL's real unique id through hpcdist's bootstrap at 2 ranks into the
 # constructor call as CuPy declares it. Plain `make test` runs these only where CuPy is
 # installed, and says so in one line where it is not.
-CUPY_WHEELS ?= cupy-cuda12x==14.2.* nvidia-nccl-cu12 nvidia-cuda-nvrtc-cu12
+CUPY_WHEELS ?= cupy-cuda12x==14.2.* nvidia-nccl-cu12 nvidia-cuda-nvrtc-cu12 nvidia-cublas-cu12
 
 test-cupy: venv
-	@$(BIN)/python -c "import cupy" 2>/dev/null || { \
+	@$(BIN)/python -c "import cupy; from cupy_backends.cuda.libs import cublas" 2>/dev/null || { \
 	  echo "test-cupy: installing $(CUPY_WHEELS) into $(VENV) (no GPU needed)"; \
 	  $(BIN)/python -m pip install -q $(CUPY_WHEELS); }
 	@$(MAKE) --no-print-directory test-cupy-if-installed

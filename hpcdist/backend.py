@@ -218,6 +218,18 @@ def to_numpy(arr) -> np.ndarray:
     return np.asarray(arr)
 
 
+def host_values(values) -> np.ndarray:
+    """A float64 host vector of scalars that may live on a device: device ones stacked and
+    read in one transfer (one wait for the device, not one per value)."""
+    on_device = [i for i, v in enumerate(values) if is_gpu_array(v)]
+    out = np.array([0.0 if is_gpu_array(v) else float(v) for v in values], dtype=np.float64)
+    if on_device:
+        xp = array_module(values[on_device[0]])
+        out[on_device] = to_numpy(xp.stack([values[i].astype(xp.float64).reshape(())
+                                            for i in on_device]))
+    return out
+
+
 def to_device(arr, dtype=None):
     """An array of the active module holding ``arr``'s values."""
     return _xp.asarray(arr, dtype=dtype)

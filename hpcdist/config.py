@@ -71,6 +71,7 @@ class TrainConfig:
     powersgd_start: int = 0       # powersgd: dense steps first (PyTorch's start_powerSGD_iter)
     precision: str = "fp32"       # fp32 | fp16 | bf16 compute (fp32 master weights)
     loss_scale: float = 65536.0   # fp16: initial dynamic loss scale
+    tf32: bool = False            # fp32 GEMMs on TF32 tensor cores (GPU, compute capability 8+)
     backend: str = "mpi"          # mpi | nccl (nccl: GPU only)
     zero: int = 0                 # ZeRO stage: 0 (plain DDP), 1, 2 or 3
     strategy: str = "collective"  # collective (DDP/ZeRO/TP/PP) | ps (parameter servers)

@@ -42,6 +42,8 @@ HELP = {
         "grad_clip": "clip the global gradient norm to this (0 disables)",
         "scale_lr": "multiply lr by the number of data-parallel replicas",
         "precision": "compute precision fp32 | fp16 | bf16 (fp32 master weights)",
+        "tf32": "fp32 GEMMs on TF32 tensor cores (GPU with compute capability 8 or more; "
+                "10-bit mantissa inputs, fp32 accumulation; no effect on the CPU)",
         "loss_scale": "fp16: initial dynamic loss scale", "seed": "seed of the model and data",
     },
     "parallelism": {

@@ -17,7 +17,9 @@ the CPU, but they behave as CuPy's do towards hpcdist and MPI:
   the listed parameters bind to CuPy's. To use a new CuPy name, add it here; that test then
   says whether CuPy has it.
 - its generator models CuPy's: ``bit_generator.state`` is a method returning a device
-  pointer, not NumPy's dict (hpcdist keeps its own dropout state, rng.DropoutRNG).
+  pointer, not NumPy's dict (hpcdist keeps its own dropout state, rng.DropoutRNG);
+- it counts what a GPU would launch (``LAUNCHES``) and every device-to-host read, each a
+  wait for the device (``READS``).
 
 What it does not model: streams (work is done when a call returns), and CuPy's refusal of
 ``np.asarray(device_array)``.
@@ -30,7 +32,7 @@ import types
 
 import numpy as _np
 
-from .device_surface import (CUDA, CUPYX, FLAGS, LAUNCHES, MODULE, NCCL,  # noqa: F401
+from .device_surface import (CUBLAS, CUDA, CUPYX, FLAGS, LAUNCHES, MODULE, NCCL, READS,  # noqa: F401
                              NDARRAY, NOT_LAUNCHES, RANDOM, UFUNC_KWARGS, one_launch,
                              signature, typed_parameters)
 
@@ -77,6 +79,18 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
     def data(self):
         return _Pointer(self.__array_interface__["data"][0])
 
+    def __float__(self):                       # implicit device-to-host reads: counted
+        READS.add()
+        return _np.ndarray.__float__(_np.ndarray.view(self, _np.ndarray))
+
+    def __int__(self):
+        READS.add()
+        return _np.ndarray.__int__(_np.ndarray.view(self, _np.ndarray))
+
+    def __bool__(self):
+        READS.add()
+        return _np.ndarray.__bool__(_np.ndarray.view(self, _np.ndarray))
+
     def __getitem__(self, idx):
         items = idx if isinstance(idx, tuple) else (idx,)
         if any(isinstance(i, (_np.ndarray, list)) for i in items):
@@ -108,6 +122,7 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
 
 def _get(self, stream=None, order="C", out=None, blocking=True):
     """A host copy (into ``out`` when given), as ``cupy.ndarray.get``."""
+    READS.add()
     host = _np.array(_np.ndarray.view(self, _np.ndarray), copy=True)
     if out is None:
         return host
@@ -123,6 +138,7 @@ def _set(self, arr, stream=None):
 
 
 def _item(self):
+    READS.add()
     return _np.ndarray.view(self, _np.ndarray).item()
 
 

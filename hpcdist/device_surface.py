@@ -43,7 +43,8 @@ MODULE = {
     "ndarray": ("class", None), "inf": ("constant", None), "pi": ("constant", None),
     "bool_": ("dtype", None), "float16": ("dtype", None), "float32": ("dtype", None),
     "float64": ("dtype", None), "int32": ("dtype", None), "int64": ("dtype", None),
-    "uint8": ("dtype", None), "uint32": ("dtype", None), "uint64": ("dtype", None),
+    "uint8": ("dtype", None), "uint16": ("dtype", None), "uint32": ("dtype", None),
+    "uint64": ("dtype", None),
 }
 NDARRAY = {
     "T": ("property", None), "data": ("property", None), "dtype": ("property", None),
@@ -109,6 +110,22 @@ NCCL = {
         "FLOAT16", "FLOAT32", "FLOAT64", "INT32", "INT64", "UINT8", "INT8", "SUM", "MAX",
         "MIN")},
 }
+# What kernels/gemm.py calls outside cupy's public module on a GPU (tensor-core GEMMs): module
+# (cublas: cupy_backends.cuda.libs.cublas, runtime: cupy_backends.cuda.api.runtime, device:
+# cupy.cuda.device, linalg: cupy._core._routines_linalg) and name. Not offered by the double,
+# which runs the GEMM's twin; checked against CuPy and cuBLAS's wheels by make test-cupy.
+CUBLAS = {
+    "cublas.gemmEx": ("function", "(intptr_t handle, int transa, int transb, int m, int n, "
+                      "int k, size_t alpha, size_t A, int Atype, int lda, size_t B, int Btype, "
+                      "int ldb, size_t beta, size_t C, int Ctype, int ldc, int computeType, "
+                      "int algo)"),
+    "device.get_cublas_handle": ("function", "()"),
+    "linalg.set_compute_type": ("function", "(dtype, compute_type)"),
+    **{f"cublas.{n}": ("constant", None) for n in (
+        "CUBLAS_OP_N", "CUBLAS_OP_T", "CUBLAS_COMPUTE_32F", "CUBLAS_GEMM_DEFAULT_TENSOR_OP")},
+    **{f"runtime.{n}": ("constant", None) for n in ("CUDA_R_16BF", "CUDA_R_32F")},
+    **{f"linalg.COMPUTE_TYPE_{n}": ("constant", None) for n in ("DEFAULT", "FP32", "TF32")},
+}
 UFUNC_KWARGS = {"out", "dtype", "casting"}           # what CuPy's ufuncs take by keyword
 
 _C_TYPES = {"int": "", "bytes": "", "intptr_t": "", "size_t": "", "NcclConfig": ""}
@@ -155,6 +172,19 @@ class _Launches:
 
 
 LAUNCHES = _Launches()
+
+
+class _Reads:
+    """Device-to-host reads counted as a GPU would wait for them: ``get``, ``item``,
+    ``asnumpy`` and the implicit ones (``float(x)``, ``int(x)``, ``bool(x)``, ``if x``). Each
+    holds the host until the device has finished everything queued before it."""
+    count = 0
+
+    def add(self) -> None:
+        self.count += 1
+
+
+READS = _Reads()
 
 
 @contextlib.contextmanager

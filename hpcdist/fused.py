@@ -40,8 +40,9 @@ class Fused:
     the largest error allowed, relative to the twin's largest output."""
 
     def __init__(self, name, source, kernels, launch, twin, cases, launches=1,
-                 tolerance=1e-5, compare=None):
+                 tolerance=1e-5, compare=None, dtypes=tuple(DTYPES)):
         self.name, self.source, self.kernels = name, source, kernels
+        self.dtypes = dtypes            # the dtypes it is written for (others: the twin)
         self.launch, self.twin, self.cases = launch, twin, cases
         self.launches, self.tolerance = launches, tolerance
         self.compare = compare      # the first outputs the check compares (the rest: what a
@@ -63,7 +64,7 @@ class Fused:
             from . import device_double
             with device_double.one_launch(self.launches):
                 return self.twin(*args)
-        if label != "gpu" or dtype not in DTYPES:
+        if label != "gpu" or dtype not in self.dtypes:
             return self.twin(*args)
         if dtype not in self._checked:
             self._checked[dtype] = self.self_check(dtype)
@@ -90,11 +91,7 @@ class Fused:
                     w, g = backend.to_numpy(w), backend.to_numpy(g)
                     if w.shape != g.shape:
                         raise ValueError(f"shape {g.shape}, the twin's {w.shape}")
-                    scale = max(1.0, float(np.abs(w).max(initial=0.0)))
-                    err = float(np.abs(g.astype(np.float64) - w).max(initial=0.0)) / scale
-                    if not np.isfinite(err):
-                        err = float("inf")
-                    worst = max(worst, err)
+                    worst = max(worst, _error(w, g))
         except Exception as e:                         # compile or launch failure
             _refused[self.name] = f"{type(e).__name__}: {e}"[:200]
             return False
@@ -103,6 +100,17 @@ class Fused:
                                    f"{self.tolerance:.0e})")
             return False
         return True
+
+
+def _error(want, got) -> float:
+    """Largest |got - want| relative to the largest finite |want| (at least 1); equal
+    infinities and NaN against NaN agree, a NaN or inf on one side only is inf."""
+    want, got = want.astype(np.float64), got.astype(np.float64)
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    diff = np.where(same, 0.0, np.abs(got - want))
+    finite = np.abs(want[np.isfinite(want)])
+    err = float(diff.max(initial=0.0)) / max(1.0, float(finite.max(initial=0.0)))
+    return err if np.isfinite(err) else float("inf")
 
 
 def _copy(a):
@@ -128,7 +136,7 @@ def registry() -> dict:
 
 def sources() -> dict:
     """{(name, dtype): CUDA source} of every kernel (the compile check's input)."""
-    return {(name, dt): f.code(dt) for name, f in _REGISTRY.items() for dt in DTYPES}
+    return {(name, dt): f.code(dt) for name, f in _REGISTRY.items() for dt in f.dtypes}
 
 
 def grid(n: int, block: int = 256) -> tuple:

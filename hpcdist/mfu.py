@@ -104,6 +104,8 @@ def gpu_peak(precision: str) -> tuple[float, str]:
     name = name.decode() if isinstance(name, bytes) else str(name)
     for key, card in HARDWARE.items():
         if card.name.split()[0] in name:
+            if precision == "tf32":         # dense TF32 is half of dense bf16 (A100, H100)
+                return card.flops["bf16"] / 2, f"{card.name} tf32 (half the bf16 datasheet)"
             p = "bf16" if precision in ("bf16", "fp16") else "fp32"
             return card.flops[p], f"{card.name} {p} datasheet"
     return 0.0, f"no table entry for {name}"

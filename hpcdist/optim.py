@@ -213,10 +213,11 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr: float = 0.
     return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def grad_norm_sq(flat_grad) -> float:
-    """Sum of squared gradient entries (ranks add theirs up for a global norm)."""
+def grad_norm_sq(flat_grad):
+    """Sum of squared gradient entries (ranks add theirs up for a global norm): a 0-d array
+    where the gradient lives (not read from a device here)."""
     g = flat_grad.astype("float64", copy=False) if flat_grad.dtype.itemsize < 4 else flat_grad
-    return float((g * g).sum())
+    return (g * g).sum()
 
 
 def clip_scale(norm: float, max_norm: float) -> float:
@@ -224,9 +225,23 @@ def clip_scale(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
+def clip(grad, norm, max_norm: float) -> None:
+    """Scale ``grad`` in place so that a gradient of global ``norm`` has norm at most
+    ``max_norm`` (0: no clipping). A norm still on the device is used there (no read)."""
+    if not max_norm:
+        return
+    if backend.is_gpu_array(norm):
+        xp = backend.array_module(norm)
+        grad *= xp.minimum(1.0, max_norm / (norm + 1e-6)).astype(grad.dtype)
+        return
+    scale = clip_scale(norm, max_norm)
+    if scale < 1.0:
+        grad *= scale
+
+
 def clip_grad_norm(flat_grad, max_norm: float) -> float:
     """Scale ``flat_grad`` in place so its L2 norm is at most ``max_norm``; return the old norm."""
-    norm = math.sqrt(grad_norm_sq(flat_grad))
+    norm = math.sqrt(float(grad_norm_sq(flat_grad)))
     scale = clip_scale(norm, max_norm)
     if scale < 1.0:
         flat_grad *= scale

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from . import backend, memtrace, signals, threads, timeline
+from . import backend, kernels, memtrace, signals, threads, timeline
 from .evaluate import evaluate
 from .preemption import EXIT_PREEMPTED
 
@@ -25,8 +25,14 @@ def header(cfg, model, step_fn, world, hosts, train_set, test_set) -> list[str]:
     first, _, pipeline = strategy[0].partition(" | ") if strategy else ("", "", "")
     if pipeline:
         layout += f" | {pipeline}"
-    emulated = (" (emulated: matmul operands rounded to bf16, fp32 storage; this CuPy has no "
-                "bfloat16)") if backend.bf16_emulated() else ""
+    emulated = ""
+    if backend.bf16_emulated():
+        emulated = (" (GEMMs in bf16 on tensor cores, activations fp32: this CuPy has no "
+                    "bfloat16)") if backend.device_label() == "gpu" else (
+            " (emulated: matmul operands rounded to bf16, fp32 storage; this CuPy has no "
+            "bfloat16)")
+    if cfg.tf32:
+        emulated += " | " + kernels.describe(cfg.tf32)
     line = (f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), "
             f"{cfg_parameters(model, cfg):,} parameters | task {cfg.task} "
             f"({len(train_set):,} train / {len(test_set):,} held-out) | device "

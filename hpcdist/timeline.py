@@ -89,9 +89,10 @@ class Recorder:
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "compute", **args):
+        """Times the body; yields the span's args, which the body may add to."""
         t0 = time.perf_counter_ns()
         try:
-            yield
+            yield args
         finally:
             self.add(name, cat, t0, time.perf_counter_ns(), args)
 

@@ -179,29 +179,72 @@ def _loop(cfg, comm, step_fn, train_set, sampler, start, stop, stopped, metrics,
     delay = straggler_delay(cfg, comm.rank)
     t_start = time.perf_counter()
     history, step, more = [], start, start < cfg.steps and not stopped
+    unread = Unread(step_fn, meter, metrics)
     while more:
         step += 1
         runtime.test_hooks(comm.rank, step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
         rec = train_step(cfg, step_fn, train_set, sampler, step, lr, delay)
-        if meter is not None:
-            rec["tflops"], rec["mfu"] = meter.rate(rec["tokens_per_s"])
         history.append(rec)
-        if metrics is not None:
-            metrics.write(json.dumps(rec) + "\n")
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            eta = (time.perf_counter() - t_start) / (step - start) * (cfg.steps - step)
-            say(progress_line(rec, cfg.steps, eta))
-            if metrics is not None:
-                metrics.flush()
-        if not np.isfinite(rec["loss"]):
-            raise FloatingPointError(f"loss became {rec['loss']} at step {step}; lower --lr")
+        unread.add(rec)
         stopped, save_at, more = step_fn.control(step, cfg, stop, comm)
+        if step % cfg.log_every == 0 or not more or save_at is not None:
+            unread.read()                        # the device is waited for here only
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                eta = (time.perf_counter() - t_start) / (step - start) * (cfg.steps - step)
+                say(progress_line(rec, cfg.steps, eta))
         if save_at is not None:
             runtime.test_hooks(comm.rank, "save")
             with timeline.span("checkpoint", step=save_at):
                 save(save_at)
+            unread.restart_clock()
     return history, step, stopped
+
+
+class Unread:
+    """The steps whose loss and gradient norm are still on the device, read together at log
+    steps (and before a save or the end): one wait for the device and one collective for
+    several steps, none inside a step. On a GPU a step's time is then the interval's mean
+    (its kernels run after the host has moved on); on the CPU each step keeps its own."""
+
+    def __init__(self, step_fn, meter, metrics):
+        self.step_fn, self.meter, self.metrics = step_fn, meter, metrics
+        self.records: list = []
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def add(self, rec: dict) -> None:
+        self.records.append(rec)
+
+    def read(self) -> None:
+        recs, self.records = self.records, []
+        if not recs:
+            return
+        losses = self.step_fn.mean_losses([r["loss"] for r in recs])
+        norms = backend.host_values([0.0 if r["grad_norm"] is None else r["grad_norm"]
+                                     for r in recs])
+        if backend.device() == "gpu":             # the interval, now that the device is done
+            backend.synchronize()
+            ms = (time.perf_counter() - self.t0) * 1e3 / len(recs)
+            for r in recs:
+                r["tokens_per_s"] *= r["step_ms"] / ms
+                r["step_ms"] = ms
+        self.restart_clock()
+        for r, loss, norm in zip(recs, losses, norms):
+            r["loss"] = loss
+            r["grad_norm"] = None if r["grad_norm"] is None else float(norm)
+            if self.meter is not None:
+                r["tflops"], r["mfu"] = self.meter.rate(r["tokens_per_s"])
+            if self.metrics is not None:
+                self.metrics.write(json.dumps(r) + "\n")
+        if self.metrics is not None:
+            self.metrics.flush()
+        bad = next((r for r in recs if not np.isfinite(r["loss"])), None)
+        if bad is not None:
+            raise FloatingPointError(f"loss became {bad['loss']} at step {bad['step']}; "
+                                     "lower --lr")
 
 
 def straggler_delay(cfg, rank: int) -> float:
@@ -220,11 +263,12 @@ def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float,
     t0 = time.perf_counter()
     bytes0 = step_fn.comm.bytes_sent
     memtrace.start()
-    with timeline.span("step", step=step):
+    counts = device_counts()
+    with timeline.span("step", step=step) as span:
         if delay:
             time.sleep(delay)
         step_fn.zero_grad()
-        loss_sum = 0.0
+        loss_sum = 0.0                                   # stays on the device (Unread)
         for micro in range(cfg.grad_accum):
             x, y = train_set.batch(sampler.next_batch())
             last = micro == cfg.grad_accum - 1           # communicate on the last only
@@ -235,9 +279,12 @@ def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float,
             step_fn.sync()
         with timeline.span("optimizer step"):
             _, norm = step_fn.apply(lr, cfg.grad_clip)
+        if span is not None and counts is not None:   # the device double's counts, per step
+            after = device_counts()
+            span.update(launches=after[0] - counts[0], device_reads=after[1] - counts[1])
     dt = time.perf_counter() - t0
     held = memtrace.finish()
-    loss = step_fn.mean_loss(loss_sum / cfg.grad_accum)     # the mean over the replicas
+    loss = loss_sum / cfg.grad_accum     # the mean over the replicas: Unread.read
     tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * step_fn.batch_comm.size
     return {"step": step, "loss": loss, "lr": lr, "step_ms": dt * 1e3,
             "tokens_per_s": tokens / dt, "grad_norm": norm,
@@ -245,6 +292,15 @@ def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float,
             "loss_scale": step_fn.scaler.scale, "skipped_steps": step_fn.scaler.skipped,
             **({"memory_activations": held["activations"], "memory_step_peak": held["peak"]}
                if held else {})}
+
+
+def device_counts():
+    """(kernel launches, device-to-host reads) so far, as the device double counts them; None
+    on other devices (a GPU does not count them for us)."""
+    if backend.device_label() != "double":
+        return None
+    from .device_surface import LAUNCHES, READS
+    return LAUNCHES.count, READS.count
 
 
 def _overflow_ok(step_fn):

@@ -42,7 +42,7 @@ def test_every_kernel_has_a_twin_cases_and_source_for_both_dtypes():
         assert cases, name
         for args in cases:                               # the twin runs on every case
             f.twin(*[a.copy() if hasattr(a, "copy") else a for a in args])
-    assert len(fused.sources()) == 2 * len(ops)
+    assert len(fused.sources()) == sum(len(f.dtypes) for f in ops.values())
 
 
 def test_the_twins_are_the_op_by_op_math(float64):
@@ -120,3 +120,83 @@ def test_the_double_counts_a_fused_op_as_its_launches(monkeypatch):
     finally:
         backend.init("cpu" if prev == "cpu" else prev)
     assert got["op by op"] > 300 and got["fused"] < got["op by op"] / 3.5, got
+
+
+def _fake_cublas(calls):
+    """cuBLAS's gemmEx and CuPy's constants over host memory (the double's pointers are host
+    addresses): column-major operands of bf16 words, an fp32 result, as cuBLAS reads them."""
+    import ctypes
+
+    def words(ptr, rows, cols, ld):                         # column-major (rows x cols), ld
+        raw = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint16)),
+                                    shape=(cols * ld,))
+        m = raw.reshape(cols, ld)[:, :rows].T               # column j at raw[j*ld : j*ld+rows]
+        return (m.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    def gemm_ex(handle, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc,
+                compute, algo):
+        calls.append((ta, tb, m, n, k, lda, ldb, ldc, at, bt, ct, compute, algo))
+        a = words(A, *((k, m) if ta else (m, k)), lda)
+        b = words(B, *((n, k) if tb else (k, n)), ldb)
+        prod = (a.T if ta else a) @ (b.T if tb else b)      # (m, n)
+        out = np.ctypeslib.as_array(ctypes.cast(C, ctypes.POINTER(ctypes.c_float)),
+                                    shape=(n * ldc,)).reshape(n, ldc)
+        out[:, :m] = prod.T.astype(np.float32)
+    names = {"cublas.gemmEx": gemm_ex, "device.get_cublas_handle": lambda: 7,
+             "cublas.CUBLAS_OP_N": 0, "cublas.CUBLAS_OP_T": 1, "runtime.CUDA_R_16BF": 14,
+             "runtime.CUDA_R_32F": 0, "cublas.CUBLAS_COMPUTE_32F": 68,
+             "cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP": 99}
+    return lambda dotted: names[dotted]
+
+
+def _to_bf16_kernel(name):
+    """The to_bf16 kernel's work, on host memory: float -> bf16 words."""
+    assert name == "to_bf16"
+
+    def run(grid, block, args):
+        x, y, n = args
+        y[...] = (backend.round_to_bf16(x).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return run
+
+
+def test_the_bf16_gemm_hands_cublas_its_operands_column_major(monkeypatch):
+    """The launcher's layout logic (which operand first, transposes, leading dimensions)
+    against cuBLAS's column-major contract, with a stand-in gemmEx on host memory: C-
+    contiguous and transposed operands, odd shapes, as ops.linear's forward and backward
+    pass them."""
+    from hpcdist.kernels import gemm
+    prev = backend.device_label()
+    calls = []
+    monkeypatch.setattr(gemm, "lib", _fake_cublas(calls))
+    backend.init("double")
+    try:
+        xp, rng = backend.xp(), np.random.default_rng(3)
+        for n, k, m in ((1, 1, 1), (5, 3, 7), (33, 64, 17)):
+            a = rng.standard_normal((n, k)).astype(np.float32)
+            b = rng.standard_normal((k, m)).astype(np.float32)
+            want = backend.to_numpy(gemm.gemm_twin(xp.asarray(a), xp.asarray(b)))
+            for left in (xp.asarray(a), xp.asarray(a.T.copy()).T):
+                for right in (xp.asarray(b), xp.asarray(b.T.copy()).T):
+                    got = backend.to_numpy(gemm._gemm_launch(_to_bf16_kernel, left, right))
+                    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        backend.init("cpu" if prev == "cpu" else prev)
+    assert {c[8:] for c in calls} == {(14, 14, 0, 68, 99)}     # bf16 in, fp32 out and compute
+    assert {c[:2] for c in calls} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def test_a_bf16_run_multiplies_through_the_bf16_gemm(monkeypatch):
+    """bf16 emulated (float32 storage) sends every 2-D-foldable GEMM of the model through
+    BF16_GEMM, whose twin is the rounded product; other precisions never do."""
+    from hpcdist.kernels import gemm
+    seen = []
+    monkeypatch.setattr(gemm.BF16_GEMM, "twin", lambda a, b: seen.append(a.shape) or
+                        gemm.gemm_twin(a, b))
+    x, w = np.ones((2, 3, 4), np.float32), np.ones((4, 5), np.float32)
+    backend._bf16_operands = True
+    try:
+        assert kernels.matmul(x, w).shape == (2, 3, 5) and seen == [(6, 4)]
+    finally:
+        backend.reset_precision()
+    kernels.matmul(x, w)
+    assert seen == [(6, 4)]

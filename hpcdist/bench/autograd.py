@@ -113,15 +113,33 @@ def gpt_contenders(cfg: nn.GPTConfig, batch: int, lr: float, seed: int = 0,
         import torch
     except ImportError:
         return out
-    F = torch.nn.functional
-    p = {k: torch.tensor(v, requires_grad=True) for k, v in sd.items()}
+    p, torch_forward_of = torch_gpt(cfg, sd, batch)
     topt = torch.optim.AdamW(list(p.values()), lr=lr, weight_decay=0.0)
     tidx, ttgt = torch.tensor(idx), torch.tensor(tgt)
-    B, T, C, nh = batch, cfg.block_size, cfg.n_embd, cfg.n_head
-    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
 
     def torch_forward():
-        # The same network in PyTorch eager, on our parameter layout (weights in x out).
+        return torch_forward_of(tidx, ttgt)
+
+    def torch_step():
+        topt.zero_grad()
+        loss = torch_forward()
+        loss.backward()
+        topt.step()
+        return loss.item()
+    out["pytorch"] = torch_step
+    return out
+
+
+def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu"):
+    """hpcdist's GPT written with torch ops on our parameter layout (weights in x out):
+    (parameters from the state dict ``sd``, forward(idx, targets) -> mean loss)."""
+    import torch
+    F = torch.nn.functional
+    p = {k: torch.tensor(v, requires_grad=True, device=device) for k, v in sd.items()}
+    B, T, C, nh = batch, cfg.block_size, cfg.n_embd, cfg.n_head
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=device), 1)
+
+    def forward(tidx, ttgt):
         x = p["wte.weight"][tidx] + p["wpe.weight"][:T]
         for i in range(cfg.n_layer):
             b = f"blocks.{i}."
@@ -138,15 +156,7 @@ def gpt_contenders(cfg: nn.GPTConfig, batch: int, lr: float, seed: int = 0,
         x = F.layer_norm(x, (C,), p["ln_f.weight"], p["ln_f.bias"])
         return F.cross_entropy((x @ p["wte.weight"].T).reshape(-1, cfg.vocab_size),
                                ttgt.reshape(-1))
-
-    def torch_step():
-        topt.zero_grad()
-        loss = torch_forward()
-        loss.backward()
-        topt.step()
-        return loss.item()
-    out["pytorch"] = torch_step
-    return out
+    return p, forward
 
 
 # ---- per-op overhead ---------------------------------------------------------------------------

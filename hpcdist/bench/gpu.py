@@ -5,8 +5,12 @@ backward, AdamW — counted on the device double, where every array operation is
 a fused kernel (hpcdist/kernels/) counts as its own launches: once with the fused kernels
 (``HPCDIST_FUSED=1``, the default) and once with their twins op by op, side by side.
 
-Without ``--count`` (a GPU): ms per step of the same step on the GPU at fp32 beside PyTorch
-eager fp32 (when torch is installed), with TFLOP/s and MFU from hpcdist.mfu.
+Without ``--count`` (a GPU): ms per step of the same step on the GPU for each of
+``--modes`` (fp32; tf32: fp32 with TF32 GEMMs; bf16: GEMMs in bf16 on tensor cores) beside
+PyTorch on the same network and weights (when torch is installed: eager fp32, eager with
+TF32, bf16 autocast, and torch.compile of fp32 and of bf16 autocast), each with TFLOP/s, MFU
+(against the peak of its precision, hpcdist.mfu) and its ratio to PyTorch eager of the same
+precision. The kernels a self-check refused are listed.
 """
 from __future__ import annotations
 
@@ -58,6 +62,91 @@ def count(L, C, T, B, V) -> dict:
     return out
 
 
+def _timed(step, steps: int) -> float:
+    """ms per step after two warm-up steps, the device waited for at both ends."""
+    from hpcdist import backend
+    for _ in range(2):
+        step()
+    backend.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    backend.synchronize()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def _hpcdist_mode(shape, mode: str):
+    from hpcdist import backend, kernels
+    backend.reset_precision()
+    kernels.configure(mode == "tf32")
+    if mode == "bf16":
+        backend.compute_dtype("bf16")          # this CuPy: fp32 storage, bf16 GEMMs
+    return _step_fn(*shape)
+
+
+def _torch_steps(shape, modes):
+    """PyTorch on the same network and weights: {name: (step, precision)}."""
+    import torch
+    from hpcdist import nn
+    from hpcdist.bench.autograd import torch_gpt
+    L, C, T, B, V = shape
+    cfg = nn.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=max(1, C // 64), n_embd=C)
+    nn.manual_seed(0)
+    sd = {k: np.asarray(v) for k, v in nn.GPT(cfg).state_dict().items()}
+    idx = torch.tensor(np.random.default_rng(0).integers(0, V, (B, T)), device="cuda")
+    out = {}
+    for name, prec in modes:
+        p, forward = torch_gpt(cfg, sd, B, device="cuda")
+        opt = torch.optim.AdamW(list(p.values()), lr=1e-4, fused=True)
+        fwd = torch.compile(forward) if "compile" in name else forward
+        bf16 = prec == "bf16"
+
+        def step(fwd=fwd, opt=opt, bf16=bf16):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                loss = fwd(idx, idx)
+            loss.backward()
+            opt.step()
+        out[name] = (step, prec)
+    return out
+
+
+def measure(shape, steps: int, modes) -> dict:
+    """hpcdist's step in each mode beside PyTorch's: ms, TFLOP/s, MFU, ratios."""
+    from hpcdist import backend, fused, mfu
+    backend.init("gpu")
+    L, C, T, B, V = shape
+    rows = {}
+    flops = None
+    for mode in modes:
+        step, model = _hpcdist_mode(shape, mode)
+        flops = mfu.flops_per_token(model.num_parameters() - model.wpe.weight.size, L, C, T)
+        rows[f"hpcdist {mode}"] = (_timed(step, steps), mode)
+    backend.reset_precision()
+    try:
+        import torch  # noqa: F401
+        torch_modes = [("torch eager fp32", "fp32"), ("torch eager tf32", "tf32"),
+                       ("torch eager bf16 autocast", "bf16"), ("torch.compile fp32", "fp32"),
+                       ("torch.compile bf16 autocast", "bf16")]
+        torch.backends.cuda.matmul.allow_tf32 = False
+        for name, (step, prec) in _torch_steps(shape, torch_modes).items():
+            torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
+            rows[name] = (_timed(step, steps), prec)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    except ImportError:
+        pass
+    res = {"model": f"GPT {L}x{C}, T {T}, batch {B}", "refused": fused.refusals(), "rows": {}}
+    for name, (ms, prec) in rows.items():
+        peak, source = mfu.gpu_peak(prec)
+        rate = flops * B * T / (ms / 1e3)
+        eager = rows.get(f"torch eager {prec}" + (" autocast" if prec == "bf16" else ""))
+        res["rows"][name] = {"ms_per_step": round(ms, 2), "tflops": round(rate / 1e12, 2),
+                             "mfu": round(rate / peak, 4) if peak else None,
+                             "peak_from": source,
+                             "vs_torch_eager": round(ms / eager[0], 3) if eager else None}
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench gpu", description=__doc__)
     ap.add_argument("--count", action="store_true", help="count launches on the device double")
@@ -67,6 +156,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--modes", default="fp32,tf32,bf16",
+                    help="hpcdist's precisions to time: fp32, tf32, bf16")
+    ap.add_argument("--no-torch", action="store_true", help="time hpcdist only")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     args = ap.parse_args(argv)
     shape = (args.layers, args.embd, args.seq, args.batch, args.vocab)
@@ -76,27 +168,11 @@ def main(argv=None) -> int:
         print(f"{res['model']}: launches per training step, op by op {res['op by op']:,}, "
               f"fused {res['fused']:,} ({res['ratio']:.2f}x fewer)")
     else:
-        from hpcdist import backend, fused, mfu
+        from hpcdist import backend
         if backend.gpu_count() == 0:
             print("no GPU visible: run with --count to count launches on the device double")
             return 0
-        backend.init("gpu")
-        step, model = _step_fn(*shape)
-        for _ in range(2):
-            step()
-        backend.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        backend.synchronize()
-        ms = (time.perf_counter() - t0) / args.steps * 1e3
-        tokens = args.batch * args.seq / (ms / 1e3)
-        per_token = mfu.flops_per_token(model.num_parameters() - model.wpe.weight.size,
-                                        args.layers, args.embd, args.seq)
-        peak, source = mfu.gpu_peak("fp32")
-        res = {"ms_per_step": ms, "tflops": per_token * tokens / 1e12,
-               "mfu": per_token * tokens / peak if peak else None, "peak_from": source,
-               "refused": fused.refusals()}
+        res = measure(shape, args.steps, args.modes.split(","))
         print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -11,8 +11,10 @@
     ATTENTION_FWD, _BWD         causal attention from the fused q|k|v projection
     BIAS_GELU, BIAS_RESIDUAL    a Linear's bias with the GELU, or with the residual stream
     COLSUM_ADD                  a bias's gradient added straight into its buffer
+    BF16_GEMM, matmul           bf16 GEMMs on tensor cores (cuBLAS gemmEx); ``matmul`` picks
+                                it for a bf16 run, ``configure`` sets TF32 / fp16 accumulation
 
-elementwise.py, rows.py (one CUDA block per row) and attention.py hold them; common.py the
+elementwise.py, rows.py (one CUDA block per row), attention.py and gemm.py hold them; common.py the
 block reductions they share.
 
 Twins are the definition; each kernel's self-check compares against its twin on a GPU before
@@ -21,6 +23,7 @@ its bounds.
 """
 from .attention import ATTENTION_BWD, ATTENTION_FWD, attention_bwd_twin, attention_twin
 from .common import GELU_C
+from .gemm import BF16_GEMM, configure, describe, gemm_twin, matmul
 from .elementwise import (ADAMW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
                           adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin, colsum_add_twin,
                           gelu_bwd_twin, gelu_twin)
@@ -29,10 +32,12 @@ from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNOR
                    cross_entropy_twin, layernorm_bwd_twin, layernorm_twin,
                    softmax_causal_bwd_twin, softmax_causal_twin)
 
-__all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BIAS_GELU", "BIAS_RESIDUAL",
-           "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD", "GELU_BWD", "GELU_C",
-           "GELU_FWD", "LAYERNORM_BWD", "LAYERNORM_FWD", "SOFTMAX_CAUSAL_BWD",
-           "SOFTMAX_CAUSAL_FWD", "adam_step_twin", "adamw_twin", "attention_bwd_twin", "attention_twin",
-           "bias_gelu_twin", "bias_residual_twin", "colsum_add_twin", "cross_entropy_bwd_twin",
-           "cross_entropy_twin", "gelu_bwd_twin", "gelu_twin", "layernorm_bwd_twin",
-           "layernorm_twin", "softmax_causal_bwd_twin", "softmax_causal_twin"]
+__all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BF16_GEMM", "BIAS_GELU",
+           "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",
+           "GELU_BWD", "GELU_C", "GELU_FWD", "LAYERNORM_BWD", "LAYERNORM_FWD",
+           "SOFTMAX_CAUSAL_BWD", "SOFTMAX_CAUSAL_FWD", "adam_step_twin", "adamw_twin",
+           "attention_bwd_twin", "attention_twin", "bias_gelu_twin",
+           "bias_residual_twin", "colsum_add_twin", "configure", "describe",
+           "cross_entropy_bwd_twin", "cross_entropy_twin", "gelu_bwd_twin", "gelu_twin",
+           "gemm_twin", "layernorm_bwd_twin", "layernorm_twin", "matmul",
+           "softmax_causal_bwd_twin", "softmax_causal_twin"]

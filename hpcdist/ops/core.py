@@ -148,7 +148,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
         y = matmul(x, w)
         y = y if b is None else add(y, b)
         return y if residual is None else add(y, residual)
-    mm = backend.matmul
+    mm = kernels.matmul
     out = mm(x.data, w.data)
     if b is not None or residual is not None:
         kernels.BIAS_RESIDUAL(out, None if b is None else b.data,
@@ -174,7 +174,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
 def linear_gelu(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """``gelu(x @ w + b)`` as one node: the bias and the GELU in one pass after the GEMM
     (kernels.BIAS_GELU), the GELU's backward in one more (GELU_BWD)."""
-    mm, (k, m) = backend.matmul, w.shape
+    mm, (k, m) = kernels.matmul, w.shape
     h = mm(x.data, w.data)
     out, t = kernels.BIAS_GELU(h, b.data)                 # h now holds x @ w + b
 
@@ -205,7 +205,7 @@ def matmul(a, b) -> Tensor:
         return reshape(matmul(reshape(a, 1, a.shape[0]), b), *(b.shape[:-2] + b.shape[-1:]))
     if b.ndim == 1:
         return reshape(matmul(a, reshape(b, b.shape[0], 1)), *a.shape[:-1])
-    xp, mm = _xp(a), backend.matmul
+    xp, mm = _xp(a), kernels.matmul
     out = mm(a.data, b.data)
 
     def backward(g):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import builtins
 
+import numpy as np
+
 from .. import backend, kernels
 from ..tensor import ACCUMULATED, Tensor, grad_buffer, needs_grad
 from .core import _lift, _unbroadcast, _xp
@@ -77,8 +79,12 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
     xp = _xp(logits)
     V = logits.shape[-1]
     z = logits.data.reshape(-1, V)
-    t = xp.asarray(targets).reshape(-1)          # host targets go to the logits' device
-    count = builtins.max(int((t != ignore_index).sum()), 1)
+    if backend.is_gpu_array(targets):             # counted where they are: no device read
+        t = targets.reshape(-1)
+        count = xp.maximum((t != ignore_index).sum(), 1).astype(z.dtype)
+    else:
+        count = builtins.max(int((np.asarray(targets) != ignore_index).sum()), 1)
+        t = xp.asarray(targets).reshape(-1)      # host targets go to the logits' device
     nll, lse = kernels.CROSS_ENTROPY_FWD(z, t, ignore_index)
     out = nll.sum() / count
 

@@ -22,6 +22,7 @@ either). Tensor parallelism is a model (parallel/tp) inside the first two, plus 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 
@@ -42,13 +43,15 @@ class StepRole:
     def scale_loss(self, loss):
         return loss * self.scaler.scale if self.scaler.enabled else loss
 
-    def forward_backward(self, x, y, scale: float = 1.0) -> float:
-        """The whole model on this rank: forward, loss (times ``scale``), backward; the loss."""
+    def forward_backward(self, x, y, scale: float = 1.0):
+        """The whole model on this rank: forward, loss (times ``scale``), backward; the loss,
+        where it was computed (a device scalar is not read here: train.py reads the losses
+        of several steps at once, at log steps)."""
         with timeline.span("forward"):
             _, loss = self.model(x, y)
         with timeline.span("backward"):
             self.scale_loss(loss * scale).backward()
-        return float(loss.data)
+        return loss.data
 
     def sync(self) -> None:
         """After the last micro-batch's backward: gradients averaged over ``dp_comm``."""
@@ -75,9 +78,10 @@ class LoopRole:
     #: implements ``run``; train.py then hands it the run instead of stepping it
     brings_loop = False
 
-    def mean_loss(self, loss: float) -> float:
-        """The loss the run reports for a step: the mean over the data-parallel ranks."""
-        return float(self.dp_comm.allreduce(np.array([loss]), op="avg")[0])
+    def mean_losses(self, losses: list) -> list:
+        """The losses the run reports for some steps: each the mean over the data-parallel
+        ranks (one read from the device, one collective for them all)."""
+        return self.dp_comm.allreduce(backend.host_values(losses), op="avg").tolist()
 
     def control(self, step: int, cfg, stop, comm):
         """After step ``step``: (the signal that stops the run, 0: none; the step to save a
@@ -215,9 +219,18 @@ class Norm:
     def __init__(self, comms=(), count=None):
         self.comms, self.count = [c for c in comms if c is not None and c.size > 1], count
 
-    def sum_sq(self, grad, lo: int = 0) -> float:
+    def sum_sq(self, grad, lo: int = 0):
+        """The sum of squares of this rank's counted elements, where ``grad`` lives."""
         g = grad if self.count is None else grad[self.count[lo:lo + grad.size]]
         return optim.grad_norm_sq(g)
+
+    def global_norm(self, grad, lo: int = 0):
+        """The norm of the whole gradient: left on the device where no other rank holds a
+        part of it (nothing to add up), else read and added up over ``comms``."""
+        sq = self.sum_sq(grad, lo)
+        if not self.comms and backend.is_gpu_array(sq):
+            return backend.array_module(sq).sqrt(sq.astype("float64"))
+        return math.sqrt(self.reduce(backend.host_values([sq]))[0])
 
     def reduce(self, sums: np.ndarray) -> np.ndarray:
         for comm in self.comms:

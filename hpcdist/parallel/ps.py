@@ -120,8 +120,8 @@ class PSWorker(Strategy):
         for s, (lo, hi) in zip(self.servers, self.bounds):
             self.flat.data[lo:hi] = self.comm.recv(s, REPLY)
 
-    def mean_loss(self, loss: float) -> float:
-        return loss                      # no collective among workers: this worker's loss
+    def mean_losses(self, losses: list) -> list:
+        return backend.host_values(losses).tolist()   # no collective among workers: its own
 
     def control(self, step: int, cfg, stop, comm):
         """What the first server's answer said: stop, save (under the servers' version),

@@ -11,11 +11,10 @@ over that group (``GradSum``); pipelines wrap either in ``pipeline.PipelineStep`
 from __future__ import annotations
 
 import contextlib
-import math
 
 import numpy as np
 
-from .. import backend, nn, optim
+from .. import backend, kernels, nn, optim
 from ..comm.mesh import ProcessMesh
 from ..comm.nccl import make_communicator
 from .base import GradSum, Norm, Strategy, owned
@@ -60,10 +59,8 @@ class DataParallelStep(Strategy):
         if not self.scaler.update(overflow):
             return False, None
         grad = self.mp.master.grad
-        norm = math.sqrt(self.norm.reduce(np.array([self.norm.sum_sq(grad)]))[0])
-        scale = optim.clip_scale(norm, grad_clip) if grad_clip else 1.0
-        if scale < 1.0:
-            grad *= scale
+        norm = self.norm.global_norm(grad)
+        optim.clip(grad, norm, grad_clip)
         self.opt.step(lr)
         self.mp.copy_master_to_compute()
         return True, norm
@@ -132,6 +129,7 @@ def make_model(cfg, comm, mesh, train_set):
     group draw the same masks for the activations they all hold)."""
     backend.set_default_float("float64" if cfg.dtype == "fp64" else "float32")
     backend.reset_precision()
+    kernels.configure(cfg.tf32)
     nn.manual_seed(cfg.seed)
     backend.seed(cfg.seed + 1000 * (mesh.coord.dp * cfg.pp + mesh.coord.pp if mesh
                                     else comm.rank))

@@ -165,8 +165,9 @@ class Zero(Strategy):
         g = self.grad_shard.astype(self.master.dtype)
         if self.scaler.enabled:
             g *= 1.0 / self.scaler.scale
-        sums = self.norm.reduce(np.array([self.norm.sum_sq(g, self.lo),
-                                          0.0 if bool(xp.isfinite(g).all()) else 1.0]))
+        finite = bool(xp.isfinite(g).all()) if self.scaler.enabled else True
+        sums = self.norm.reduce(backend.host_values([self.norm.sum_sq(g, self.lo),
+                                                     0.0 if finite else 1.0]))
         norm, overflow = float(np.sqrt(sums[0])), sums[1] > 0
         if not self.scaler.update(bool(overflow)):
             self._end_step()

@@ -175,11 +175,18 @@ def _check(where: str, real_obj, kind: str, text, owner=None, attr=None) -> list
     return out
 
 
-def roots():
+def roots(cublas: bool = False):
     import cupy
     import cupy.cuda.nccl
     import cupyx
-    return {"MODULE": ("cupy", cupy), "NDARRAY": ("cupy.ndarray", cupy.ndarray),
+    found = {}
+    if cublas:                  # kernels/gemm.py's names: needs cuBLAS's wheel (libcublas)
+        import types
+        import importlib
+        from hpcdist.kernels import gemm
+        found["CUBLAS"] = ("", types.SimpleNamespace(**{
+            k: importlib.import_module(v) for k, v in gemm._ROOTS.items()}))
+    return found | {"MODULE": ("cupy", cupy), "NDARRAY": ("cupy.ndarray", cupy.ndarray),
             "CUDA": ("cupy.cuda", cupy.cuda), "CUPYX": ("cupyx", cupyx),
             "RANDOM": ("cupy.random", cupy.random), "NCCL": ("cupy.cuda.nccl", cupy.cuda.nccl)}
 
@@ -199,7 +206,7 @@ def problems(tables=None) -> list[str]:
     tables = tables or {name: getattr(dd, name) for name in
                         ("MODULE", "NDARRAY", "CUDA", "CUPYX", "RANDOM", "NCCL", "FLAGS")}
     out = []
-    found = roots()
+    found = roots(cublas="CUBLAS" in tables)
     for table, entries in tables.items():
         if table == "FLAGS":
             from cupy._core import flags as cupy_flags
@@ -210,7 +217,7 @@ def problems(tables=None) -> list[str]:
             continue
         prefix, root = found[table]
         for name, (kind, text) in entries.items():
-            where = f"{prefix}.{name}"
+            where = f"{prefix}.{name}" if prefix else name
             owner, attr = None, None
             try:
                 if kind in ("method", "property"):

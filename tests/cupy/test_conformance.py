@@ -22,6 +22,23 @@ def test_every_name_the_double_offers_is_cupys_with_its_kind_and_arguments():
     assert not found, f"{len(found)} mismatches, the first: {found[0]}"
 
 
+def test_the_cublas_names_of_the_tensor_core_gemms_are_cupys_and_cublass():
+    """kernels/gemm.py's gemmEx call, handle, compute types and constants (CUBLAS): present,
+    of their kind, and gemmEx's typed arguments as cuBLAS's wrapper declares them."""
+    try:
+        from cupy_backends.cuda.libs import cublas  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"cuBLAS's library is not installed ({e}): make test-cupy installs it")
+    assert surface.problems({"CUBLAS": dict(dd.CUBLAS)}) == []
+    planted = dict(dd.CUBLAS, **{"cublas.gemmEx": ("function", "(intptr_t handle, int transa, "
+                                                   "int transb, int m, int n, int k)")})
+    found = surface.problems({"CUBLAS": planted})
+    assert found and found[0].startswith("cublas.gemmEx"), found
+    missing = dict(dd.CUBLAS, **{"linalg.COMPUTE_TYPE_TF16": ("constant", None)})
+    assert surface.problems({"CUBLAS": missing}) == [
+        "linalg.COMPUTE_TYPE_TF16: CuPy has no such name"]
+
+
 def test_a_planted_flags_writeable_is_caught():
     found = surface.problems(tables(FLAGS=dd.FLAGS + ("writeable",)))
     assert found and "writeable" in found[0], found

@@ -1,0 +1,141 @@
+"""GEMMs on tensor cores: TF32 and fp16 through CuPy's compute types, bf16 through cuBLAS.
+
+- ``--tf32``: fp32 GEMMs on TF32 tensor cores (inputs rounded to 10-bit mantissas, fp32
+  accumulation), CuPy's ``COMPUTE_TYPE_TF32``. Off by default, as in PyTorch.
+- fp16 GEMMs accumulate in fp32: CuPy's ``COMPUTE_TYPE_FP32`` for float16 (said explicitly,
+  not left to CuPy's default).
+- bf16 on a CuPy without bfloat16 (14.x): activations stay float32 (backend.compute_dtype);
+  each GEMM converts its operands to bf16 words in one kernel each (round to nearest even,
+  NaN kept) and runs cuBLAS's ``gemmEx`` with bf16 inputs, fp32 output and fp32 compute on
+  tensor cores. Its twin — the definition — rounds the operands to bf16 in float32 and
+  multiplies (backend.matmul), which is what the CPU and the device double run.
+
+``BF16_GEMM`` is a ``Fused`` op: on a GPU it checks itself against the twin on first use and
+is refused (the twin runs, the header says why) if it disagrees. The cuBLAS and CuPy-internal
+names used here are listed in ``device_surface.CUBLAS``, which ``make test-cupy`` checks
+against CuPy and cuBLAS's wheels.
+"""
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from .. import backend
+from ..device_surface import CUBLAS
+from ..fused import Fused, grid
+
+_TO_BF16 = r"""
+// float -> bfloat16 bits, round to nearest even; a NaN stays a (quiet) NaN
+extern "C" __global__ void to_bf16(const T* x, unsigned short* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float f = (float)x[i];
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { y[i] = (unsigned short)((u >> 16) | 0x40u); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    y[i] = (unsigned short)(u >> 16);
+}
+"""
+
+_ROOTS = {"cublas": "cupy_backends.cuda.libs.cublas", "runtime": "cupy_backends.cuda.api.runtime",
+          "device": "cupy.cuda.device", "linalg": "cupy._core._routines_linalg"}
+
+
+def lib(dotted: str):
+    """A cuBLAS / CuPy-internal name this module may use (listed in ``CUBLAS``)."""
+    if dotted not in CUBLAS:
+        raise AttributeError(f"{dotted} is not in device_surface.CUBLAS: list it there first "
+                             "(make test-cupy then checks it against CuPy)")
+    module, name = dotted.split(".", 1)
+    return getattr(importlib.import_module(_ROOTS[module]), name)
+
+
+def configure(tf32: bool) -> None:
+    """The GEMM modes of this run on a GPU: TF32 for fp32 or not, fp16 accumulating in fp32
+    (no-op elsewhere)."""
+    if backend.device_label() != "gpu":
+        return
+    fp32 = lib("linalg.COMPUTE_TYPE_TF32") if tf32 else lib("linalg.COMPUTE_TYPE_DEFAULT")
+    lib("linalg.set_compute_type")(np.float32, fp32)
+    lib("linalg.set_compute_type")(np.float16, lib("linalg.COMPUTE_TYPE_FP32"))
+
+
+def describe(tf32: bool) -> str:
+    """The header's word for ``--tf32``."""
+    label = backend.device_label()
+    return "" if not tf32 else "tf32 GEMMs" if label == "gpu" else \
+        f"--tf32 has no effect on the {label} (fp32 GEMMs)"
+
+
+def _operand(x):
+    """(C-contiguous base, transposed?) of a 2-D operand, copying only when neither x nor x.T
+    is C-contiguous."""
+    if x.flags.c_contiguous:
+        return x, False
+    if x.T.flags.c_contiguous:
+        return x.T, True
+    return backend.xp().ascontiguousarray(x), False
+
+
+def _to_bf16(k, x):
+    xp = backend.xp()
+    words = xp.empty(x.shape, dtype=xp.uint16)
+    k("to_bf16")(*grid(x.size), (x, words, np.int64(x.size)))
+    return words
+
+
+def _gemm_launch(k, a, b):
+    """(n, k) @ (k, m) in bf16 on tensor cores, fp32 out. cuBLAS is column-major: the
+    row-major product C = A B is C^T = B^T A^T, so B goes first."""
+    xp = backend.xp()
+    (n, kk), m = a.shape, b.shape[1]
+    out = xp.empty((n, m), dtype=xp.float32)
+    if not (n and m):
+        return out
+    if not kk:
+        out.fill(0)
+        return out
+    (ab, at), (bb, bt) = _operand(a), _operand(b)
+    aw, bw = _to_bf16(k, ab), _to_bf16(k, bb)
+    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+    cublas, bf16 = lib("cublas.gemmEx"), lib("runtime.CUDA_R_16BF")
+    trans = (lib("cublas.CUBLAS_OP_N"), lib("cublas.CUBLAS_OP_T"))
+    cublas(lib("device.get_cublas_handle")(), trans[bt], trans[at], m, n, kk,
+           one.ctypes.data, bw.data.ptr, bf16, kk if bt else m,
+           aw.data.ptr, bf16, n if at else kk,
+           zero.ctypes.data, out.data.ptr, lib("runtime.CUDA_R_32F"), m,
+           lib("cublas.CUBLAS_COMPUTE_32F"), lib("cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP"))
+    return out
+
+
+def gemm_twin(a, b):
+    """The definition: both operands rounded to bf16 (in float32), multiplied, fp32 out."""
+    return backend.round_to_bf16(a) @ backend.round_to_bf16(b)
+
+
+def _gemm_cases(xp, rng, dt):
+    for n, k, m in ((1, 1, 1), (3, 5, 7), (64, 48, 33), (17, 256, 129), (2, 0, 3)):
+        a = (rng.standard_normal((n, k)) * 3).astype(dt)
+        b = (rng.standard_normal((k, m)) * 3).astype(dt)
+        yield xp.asarray(a), xp.asarray(b)
+        yield xp.asarray(a.T.copy()).T, xp.asarray(b.T.copy()).T      # transposed views
+    nan = np.ones((2, 3), dt)
+    nan[0, 1] = np.nan
+    yield xp.asarray(np.ones((4, 2), dt)), xp.asarray(nan)
+
+
+# tolerance: the same bf16 products, summed in another order (relative to the largest output)
+BF16_GEMM = Fused("bf16_gemm", _TO_BF16, ["to_bf16"], _gemm_launch, gemm_twin, _gemm_cases,
+                  launches=3, tolerance=1e-4, dtypes=("float32",))
+
+
+def matmul(a, b):
+    """``a @ b`` as the run's precision asks: bf16 emulated in float32 storage runs each
+    2-D-foldable GEMM through ``BF16_GEMM`` (tensor cores on a GPU); everything else is
+    ``backend.matmul``."""
+    if not (backend.bf16_emulated() and a.dtype == np.float32 and b.ndim == 2
+            and a.ndim >= 2 and (a.ndim == 2 or a.flags.c_contiguous)):
+        return backend.matmul(a, b)
+    out = BF16_GEMM(a.reshape(-1, a.shape[-1]), b)
+    return out.reshape(a.shape[:-1] + b.shape[-1:])

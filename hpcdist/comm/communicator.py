@@ -14,8 +14,9 @@ from mpi4py import MPI
 
 from .. import backend, threads, timeline
 from . import abort, ledger, p2p, select, sparse, watchdog
-from .collectives import (ALLGATHER, ALLGATHERV, ALLREDUCE, BARRIER, BCAST, REDUCE, CachedPlan,
-                          REDUCE_SCATTER, SPARSE, Args)
+from .collectives import (ALLGATHER, ALLGATHERV, ALLREDUCE, BARRIER, BCAST, REDUCE,
+                          REDUCE_SCATTER, SPARSE)
+from .dispatch import agree_only, collective
 from .handle import Done, Handle
 from .wire import Wire
 
@@ -121,7 +122,7 @@ class Communicator:
         return Communicator(self.mpi.Split(color, self.rank if key is None else key))
 
     # ---- collectives ----------------------------------------------------------------------
-    # Each is one line: its arguments, then the one dispatch (``_collective``). The kinds, with
+    # Each is one line: its arguments, then the one path (dispatch.collective). The kinds, with
     # their checks, short payloads and long algorithms, are in collectives.py.
 
     def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
@@ -132,26 +133,26 @@ class Communicator:
         ``wire_dtype`` (e.g. "float16") sends that dtype while reducing in ``buf``'s dtype;
         it runs the ring algorithm.
         """
-        return self._collective(ALLREDUCE, True, buf, op=op, algorithm=algorithm, out=out,
+        return collective(self, ALLREDUCE, True, buf, op=op, algorithm=algorithm, out=out,
                                 wire_dtype=wire_dtype)
 
     def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
                    wire_dtype=None) -> Handle:
         """Non-blocking allreduce: progresses in a background thread; ``wait()`` -> result.
         Do not touch ``buf`` (or ``out``) until then."""
-        return self._collective(ALLREDUCE, False, buf, op=op, algorithm=algorithm, out=out,
+        return collective(self, ALLREDUCE, False, buf, op=op, algorithm=algorithm, out=out,
                                 wire_dtype=wire_dtype)
 
     def reduce_scatter(self, buf, op: str = "sum", counts=None, algorithm: str = "auto"):
         """This rank's shard of the reduction of ``buf``: the shard layout (layout.py), or
         ``counts[r]`` elements for rank r, in rank order (e.g. whole sequence rows).
         ``algorithm``: auto, ring or hierarchical (two levels, across nodes)."""
-        return self._collective(REDUCE_SCATTER, True, buf, op=op, algorithm=algorithm,
+        return collective(self, REDUCE_SCATTER, True, buf, op=op, algorithm=algorithm,
                                 counts=counts)
 
     def ireduce_scatter(self, buf, op: str = "sum", counts=None,
                         algorithm: str = "auto") -> Handle:
-        return self._collective(REDUCE_SCATTER, False, buf, op=op, algorithm=algorithm,
+        return collective(self, REDUCE_SCATTER, False, buf, op=op, algorithm=algorithm,
                                 counts=counts)
 
     def allgather(self, shard, total: int | None = None, counts=None, out=None,
@@ -164,118 +165,34 @@ class Communicator:
         of the gathered length to gather into (``shard`` may be a view of its own part).
         ``algorithm``: auto, ring or hierarchical (two levels, across nodes).
         """
-        return self._collective(ALLGATHER, True, shard, algorithm=algorithm, out=out,
+        return collective(self, ALLGATHER, True, shard, algorithm=algorithm, out=out,
                                 total=total, counts=counts)
 
     def iallgather(self, shard, total: int | None = None, counts=None, out=None,
                    algorithm: str = "auto") -> Handle:
-        return self._collective(ALLGATHER, False, shard, algorithm=algorithm, out=out,
+        return collective(self, ALLGATHER, False, shard, algorithm=algorithm, out=out,
                                 total=total, counts=counts)
 
     def allgatherv(self, buf):
         """Concatenation of every rank's 1-D ``buf``, lengths free to differ."""
-        return self._collective(ALLGATHERV, True, buf)
+        return collective(self, ALLGATHERV, True, buf)
 
     def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
         """Overwrite ``buf`` on every rank with root's ``buf`` (in place); returns ``buf``."""
-        return self._collective(BCAST, True, buf, root=root, algorithm=algorithm)
+        return collective(self, BCAST, True, buf, root=root, algorithm=algorithm)
 
     def reduce(self, buf, op: str = "sum", root: int = 0):
         """Binomial-tree reduction to ``root``: the result there, None on other ranks."""
-        return self._collective(REDUCE, True, buf, op=op, root=root)
+        return collective(self, REDUCE, True, buf, op=op, root=root)
 
     def barrier(self) -> None:
         """Wait until every rank has called it (the agreement round is the barrier)."""
-        self._collective(BARRIER, True, None)
+        collective(self, BARRIER, True, None)
 
     def agree_only(self, kind: str, buf, op=None, root=None) -> None:
         """The ledger's agreement on a collective whose data moves elsewhere (the NCCL
         backend): numbered, checked and agreed like ours, then nothing is exchanged."""
-        self._ledger.agree(self._wire.exchanges,
-                           self._ledger.open(kind, buf, op=op, root=root))
-
-    # ---- the one dispatch ------------------------------------------------------------------
-    def _collective(self, kind, blocking: bool, buf, op=None, root=None, algorithm="auto",
-                    out=None, wire_dtype=None, total=None, counts=None, extra=None):
-        """Every collective: ``kind`` (collectives.py) on ``buf`` with its arguments.
-
-        A blocking short call on a host array made before with the same kind, size, dtype and
-        arguments runs its cached plan: numbered and agreed with its cached key, its data in
-        the agreement — the layers below cost as much as the exchange itself for an 8-byte
-        allreduce. Every other call: the ledger opens it, ``select`` chooses the algorithm,
-        and it runs now or in the progress thread (``_submit``)."""
-        if blocking and counts is None and wire_dtype is None:
-            if type(buf) is np.ndarray:
-                plan = self._plans.get((kind, buf.size, buf.dtype, op, root, algorithm, total,
-                                        out is None))
-                if plan is not None and plan.fits(buf, out):
-                    return plan.run(self, buf, out)
-            elif buf is None:
-                plan = self._plans.get(kind)
-                if plan is not None and timeline._active is None:
-                    return plan.run(self, None, None)
-        a = Args(op, root, algorithm, out, wire_dtype, total, counts, extra)
-        call = kind.open(self, self._ledger, buf, blocking, a)
-        nbytes = kind.nbytes(self, buf, a)
-        short = call.problem is None and (type(buf) is np.ndarray or buf is None
-                                          or self._wire.staged(buf))
-        call.algorithm = select.choose(kind.name, nbytes, self.size, a.algorithm,
-                                       self._auto.get(kind.name, "auto"), short,
-                                       self.topology if a.counts is None else None)
-        if call.algorithm != select.FUSED:
-            a.algorithm = call.algorithm
-            return self._submit(call, lambda wire, record: kind.run(self, wire, buf, a, record),
-                                nbytes, kind.label(call, a))
-        if blocking and not self.debug and timeline.active() is None:
-            self._cache_plan(kind, buf, a)
-
-        def short_call(wire, record):
-            host = wire.stage_in(buf) if buf is not None else None
-            ex = wire.exchanges.get(*kind.payload(self, host, a))
-            kind.fill(self, ex, host, a)
-            self._ledger.agree(wire.exchanges, call, ex, kind.fold(a))
-            return kind.extract(self, wire, ex, buf, a)
-        return self._submit(call, short_call, nbytes, kind.label(call, a), fused=True)
-
-    def _cache_plan(self, kind, buf, a) -> None:
-        if buf is None:
-            self._plans[kind] = CachedPlan(kind, None, a)
-        elif (type(buf) is np.ndarray and a.counts is None and a.wire_dtype is None
-              and (a.out is None or kind is ALLREDUCE)):
-            self._plans[(kind, buf.size, buf.dtype, a.op, a.root, a.algorithm, a.total,
-                         a.out is None)] = CachedPlan(kind, buf, a)
-
-    def _submit(self, call, fn, nbytes: int = 0, algorithm: str = "", fused: bool = False):
-        """Run ``fn(wire, record)`` after the agreement on ``call``: now, or in the progress
-        thread. The wait is registered with the watchdog; ``record`` is the timeline's (to fill
-        in bytes known only later); ``fused``: ``fn`` runs the agreement itself."""
-        label, led = self.label, self._ledger
-
-        def run(wire):
-            kind = call.kind if call.blocking else f"{call.kind} (non-blocking)"
-            wait = watchdog.enter(label, call.seq, kind, nbytes, self._peers)
-            try:
-                link = "intra" if self.topology.nodes == 1 else (
-                    "2-level" if algorithm == "hierarchical" else "inter")
-                with timeline.collective(call.kind, algorithm, nbytes, self.size,
-                                         link) as record:
-                    if fused:                # agrees first, then only local work is left
-                        return fn(wire, record)
-                    led.agree(wire.exchanges, call)   # a mismatch raises alike on every rank
-                    try:
-                        return fn(wire, record)
-                    except BaseException as e:
-                        if not call.blocking:   # peers may be mid-exchange: end the job
-                            abort.fatal(f"non-blocking call #{call.seq} {call.kind} failed "
-                                        f"in the progress thread: {type(e).__name__}: {e}", e)
-                        raise
-            finally:
-                watchdog.leave(wait)
-        if call.blocking:
-            return run(self._wire)
-        if self.size == 1:        # nothing to wait for: done now, no progress-thread handoff
-            return Handle(Done(lambda: run(self._bg_wire)), led, call)    # (13% of a DDP
-        return Handle(self._progress(run), led, call)                   # step at 1 rank)
+        agree_only(self, kind, buf, op, root)
 
     def _progress(self, fn):
         """A future of ``fn(bg_wire)`` in the progress thread (or run now without threads)."""
@@ -378,7 +295,7 @@ class Communicator:
             raise ValueError(f"sparse_allreduce supports op sum or avg, got {op!r}")
         if n >= 2 ** 31:
             raise ValueError("sparse exchange indexes with int32: arrays must be < 2**31")
-        out = self._collective(SPARSE, True, vals, op=op, extra=(idx, n))
+        out = collective(self, SPARSE, True, vals, op=op, extra=(idx, n))
         sparse_b, dense_b = sparse.wire_bytes(n, idx.size, vals.dtype.itemsize, self.size)
         self.sparse_stats = sparse.SparseStats(n, idx.size, sparse_b, dense_b, sparse_b, False)
         return out

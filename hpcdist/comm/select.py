@@ -91,6 +91,12 @@ _CHOSEN: dict = {}       # a memo of choose: every collective call asks, and the
 #                          pure function of the call and the registry (two levels aside)
 
 
+def check_name(kind: str, algorithm: str) -> None:
+    """Raise ValueError for an algorithm that does not serve ``kind`` ("auto" always does)."""
+    if algorithm != "auto" and any(kind in a.runs for a in serving(kind)):
+        _named(kind, algorithm)
+
+
 def choose(kind: str, nbytes: int, world: int, algorithm: str = "auto", forced: str = "auto",
            short: bool = True, topology: Topology | None = None) -> str:
     """``choose_among``'s answer, remembered (not where the ranks span nodes: the links

@@ -369,3 +369,73 @@ def test_each_algorithm_sends_the_bytes_its_record_says(comm):
             comm.allreduce(np.ones(n), algorithm=a.name)
             assert comm.bytes_sent - before == select.wire_bytes("allreduce", a.name, n, P, 8), \
                 (a.name, n)
+
+
+def _stage_callers(fn):
+    """{stage: the files that called it} while ``fn`` ran (profile hook, this thread)."""
+    import os
+    import sys
+    stages = {("ledger.py", "open"), ("ledger.py", "agree"), ("ledger.py", "agree_static"),
+              ("select.py", "choose"), ("select.py", "check_name"),
+              ("watchdog.py", "enter"), ("timeline.py", "collective")}
+    seen: dict = {}
+
+    def prof(frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        key = (os.path.basename(code.co_filename), code.co_name)
+        if key in stages and "hpcdist" in code.co_filename:
+            path = frame.f_back.f_code.co_filename
+            caller = os.path.basename(path)
+            # not its own file's delegation, nor contextlib resuming a context manager
+            if caller != key[0] and "hpcdist" in path:
+                seen.setdefault(key, set()).add(caller)
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.mpi(min_size=1)
+def test_one_straight_path_enters_every_stage_from_one_place(comm):
+    """check -> choose -> watch -> (fused exchange | algorithm): every stage — the ledger's
+    numbering and agreement, the choice, the watchdog, the timeline — is entered from
+    dispatch.py, on every route (short fused and its memo, each algorithm, non-blocking,
+    each kind, with the timeline recording or not); the kinds and the Communicator enter
+    none. A Kind sees no Communicator (its hooks take the call's Args)."""
+    import inspect
+    from hpcdist import timeline
+    from hpcdist.comm import collectives
+    big, small = np.ones(1 << 18, np.float32), np.ones(2)
+
+    def routes():
+        comm.allreduce(small)
+        comm.allreduce(small)                              # the memo
+        comm.allreduce(small, algorithm="ring")
+        comm.allreduce(big)
+        comm.iallreduce(big).wait()
+        comm.reduce_scatter(big)
+        comm.allgather(np.ones(3), total=3 * comm.size)
+        comm.bcast(big.copy())
+        comm.reduce(small.copy())
+        comm.allgatherv(np.ones(comm.rank + 1))
+        comm.barrier()
+        comm.barrier()
+    for recording in (False, True):
+        if recording:
+            timeline.activate(timeline.Recorder(comm.rank))
+        try:
+            seen = _stage_callers(routes)
+        finally:
+            timeline.deactivate()
+        assert seen, "no stage was entered"
+        for stage, callers in seen.items():
+            assert callers == {"dispatch.py"}, (stage, callers, recording)
+    for name, kind in vars(collectives).items():
+        if isinstance(kind, collectives.Kind):
+            for hook in ("check", "nbytes", "short_form", "fill", "extract", "run"):
+                params = inspect.signature(getattr(kind, hook)).parameters
+                assert "c" not in params, (name, hook)

@@ -1,0 +1,159 @@
+"""The one path of every collective: check -> choose -> (fused short exchange | algorithm) -> wire.
+
+``collective`` is the whole of it, read top to bottom:
+
+    memo     a blocking short call on a host array made before with the same kind, size,
+             dtype and arguments was checked and chosen then: its plan goes straight to the
+             fused exchange (for an 8-byte allreduce the layers cost as much as the exchange)
+    check    the algorithm's name, then the kind's checks of this rank's arguments
+             (collectives.py); the ledger numbers the call                     (ledger.py)
+    choose   the algorithm for the size and the ranks                            (select.py)
+    watch    ``_watched``: the watchdog and the timeline, entered here and only here
+    move     FUSED: the data rides in the ledger's agreement (``_short``); any other
+             algorithm: agree, then the algorithm moves the data over the wire   (ring.py ...)
+
+Non-blocking calls take the same path in the progress thread. The Communicator's methods
+only name their arguments and call ``collective``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import timeline
+from . import abort, ledger, select, watchdog
+from .collectives import ALLREDUCE, Args
+from .handle import Done, Handle
+
+
+def collective(c, kind, blocking: bool, buf, op=None, root=None, algorithm="auto", out=None,
+               wire_dtype=None, total=None, counts=None, extra=None):
+    """``kind`` (collectives.py) on ``buf`` over the Communicator ``c``: the result, or a
+    Handle of it when not ``blocking``."""
+    if blocking and counts is None and wire_dtype is None:           # the memo
+        if type(buf) is np.ndarray:
+            plan = c._plans.get((kind, buf.size, buf.dtype, op, root, algorithm, total,
+                                 out is None))
+            if plan is not None and plan.fits(buf, out):     # checked and chosen before
+                return _short(c, c._wire, kind, None, plan, buf, plan.args_for(out))
+        elif buf is None and timeline._active is None:
+            plan = c._plans.get(kind)
+            if plan is not None:
+                return _short(c, c._wire, kind, None, plan, None, plan.args)
+    a = Args(op, root, algorithm, out, wire_dtype, total, counts, extra, c.rank, c.size)
+    select.check_name(kind.name, a.algorithm)                                      # check
+    call = c._ledger.open(kind.name, buf, blocking=blocking, **kind.check(buf, a))
+    nbytes = kind.nbytes(buf, a)
+    short = call.problem is None and (type(buf) is np.ndarray or buf is None
+                                      or c._wire.staged(buf))
+    call.algorithm = select.choose(kind.name, nbytes, c.size, a.algorithm,         # choose
+                                   c._auto.get(kind.name, "auto"), short,
+                                   c.topology if a.counts is None else None)
+    if call.algorithm == select.FUSED:
+        if blocking and not c.debug and timeline.active() is None:
+            _remember(c, kind, buf, a)
+    else:
+        a.algorithm = call.algorithm
+    if blocking:
+        return _watched(c, c._wire, kind, call, buf, a, nbytes)
+    run = lambda wire: _watched(c, wire, kind, call, buf, a, nbytes)  # noqa: E731
+    if c.size == 1:           # nothing to wait for: done now, no progress-thread handoff (13%
+        return Handle(Done(lambda: run(c._bg_wire)), c._ledger, call)    # of a DDP step)
+    return Handle(c._progress(run), c._ledger, call)
+
+
+def agree_only(c, kind: str, buf, op=None, root=None) -> None:
+    """The check and the agreement of a collective whose data moves elsewhere (the NCCL
+    backend): numbered, checked and agreed like ours, then nothing is exchanged."""
+    c._ledger.agree(c._wire.exchanges, c._ledger.open(kind, buf, op=op, root=root))
+
+
+def _watched(c, wire, kind, call, buf, a, nbytes: int = 0):
+    """The watchdog and the timeline around the data's move: the one place every checked
+    call enters them. (A memo hit — never taken while the timeline records — is watched by
+    the ledger's lean wait, registered only if its exchange does not complete at once.)"""
+    label = call.algorithm if a.wire_dtype is None else f"ring({a.wire_dtype.name} wire)"
+    wait = watchdog.enter(c.label, call.seq, call.kind if call.blocking else
+                          f"{call.kind} (non-blocking)", nbytes, c._peers)
+    try:
+        link = "intra" if c.topology.nodes == 1 else (
+            "2-level" if label == "hierarchical" else "inter")
+        with timeline.collective(call.kind, label, nbytes, c.size, link) as record:
+            if call.algorithm == select.FUSED:
+                return _short(c, wire, kind, call, None, buf, a)
+            c._ledger.agree(wire.exchanges, call)      # a mismatch raises alike on every rank
+            try:
+                return kind.run(wire, buf, a, record)                 # the algorithm, the wire
+            except BaseException as e:
+                if not call.blocking:          # peers may be mid-exchange: end the job
+                    abort.fatal(f"non-blocking call #{call.seq} {call.kind} failed in the "
+                                f"progress thread: {type(e).__name__}: {e}", e)
+                raise
+    finally:
+        watchdog.leave(wait)
+
+
+def _short(c, wire, kind, call, plan, buf, a):
+    """The fused short exchange: this rank's payload rides in the agreement, which folds
+    every rank's; then the kind takes its result out. ``plan``: a memo hit's (numbered and
+    agreed with its cached key); else ``call``'s."""
+    if plan is None:
+        host = wire.stage_in(buf) if buf is not None else None
+        size, dtype, fold, _ = kind.short_form(host, a)
+        ex = wire.exchanges.get(size, dtype)
+        kind.fill(ex, host, a)
+        c._ledger.agree(wire.exchanges, call, ex, fold)
+    else:
+        ex = wire.exchanges.get(*plan.payload)
+        kind.fill(ex, None if buf is None else buf.reshape(-1), a)
+        c._ledger.agree_static(wire.exchanges, ex, plan.fold, plan.static, plan.fields)
+    return kind.extract(wire, ex, buf, a)
+
+
+# ---- the memo -------------------------------------------------------------------------------
+
+def _remember(c, kind, buf, a) -> None:
+    if buf is None:
+        c._plans[kind] = Plan(kind, None, a)
+    elif (type(buf) is np.ndarray and a.counts is None and a.wire_dtype is None
+          and (a.out is None or kind is ALLREDUCE)):
+        c._plans[(kind, buf.size, buf.dtype, a.op, a.root, a.algorithm, a.total,
+                  a.out is None)] = Plan(kind, buf, a)
+
+
+class Plan:
+    """A blocking short call as made before: its exchange's shape, fold and key."""
+
+    __slots__ = ("kind", "args", "args_out", "payload", "fold", "fields", "static",
+                 "check_out", "writes")
+
+    def __init__(self, kind, buf, a):
+        host = None if buf is None else buf.reshape(-1)
+        self.kind, self.writes = kind, kind.writes_buf
+        # the call's arguments but ``out`` (which the key leaves out): the same for every
+        # call this plan takes
+        self.args = Args(a.op, a.root, a.algorithm, None, None, a.total, None, a.extra,
+                         a.rank, a.size)
+        self.args_out = Args(a.op, a.root, a.algorithm, None, None, a.total, None, a.extra,
+                             a.rank, a.size)
+        size, dtype, self.fold, self.fields = kind.short_form(host, a)
+        self.payload = (size, dtype)
+        self.static = ledger.static_key(self.fields[0], True, select.FUSED, *self.fields[1:],
+                                        -1, True)
+        self.check_out = a.out is not None
+
+    def args_for(self, out):
+        if out is None:
+            return self.args
+        a = self.args_out                      # (blocking calls: one at a time)
+        a.out = out
+        return a
+
+    def fits(self, buf, out) -> bool:
+        """Whether this call may take the plan: what the key leaves out still holds."""
+        if not buf.flags.c_contiguous or timeline._active is not None:
+            return False
+        if self.check_out and out is not buf and not (
+                type(out) is np.ndarray and out.shape == buf.shape and out.dtype == buf.dtype
+                and out.flags.c_contiguous and out.flags.writeable):
+            return False
+        return not self.writes or buf.flags.writeable

@@ -19,7 +19,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 # BLAS/OpenMP threads per rank: hpcdist itself divides the node's cores among its ranks
-# (hpcdist/threads.py), so `make train` and `mpirun -n 8 python -m hpcdist.train` run alike.
+# (hpcdist/host/threads.py), so `make train` and `mpirun -n 8 python -m hpcdist.train` run alike.
 
 .PHONY: venv train test test-unit test-mpi test-double test-cupy test-cupy-if-installed \
         test-faults test-cluster cluster-test test-slurm test-gpu soak \
@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $@
 
 # The main job: data-parallel training of the default task on NP ranks (8 share 2 cores
-# fine here: one BLAS thread each, chosen by hpcdist/threads.py).
+# fine here: one BLAS thread each, chosen by hpcdist/host/threads.py).
 NP ?= 8
 # (expanded as each recipe runs, after .venv exists: the echoed command shows the real one)
 MPIEXEC = $(shell test -x $(BIN)/mpiexec && echo $(BIN)/mpiexec || echo mpiexec)
@@ -71,7 +71,7 @@ test-mpi: venv
 	done
 
 # The GPU path without a GPU: the training and device tests once more with every array a
-# device double (hpcdist/device_double.py) that MPI refuses to read, so a buffer that reaches
+# device double (hpcdist/device/double.py) that MPI refuses to read, so a buffer that reaches
 # MPI without staging fails here instead of crashing a GPU job.
 DOUBLE_SIZES ?= 2 3
 DOUBLE_TESTS = tests/mpi/test_device.py tests/mpi/test_modes.py tests/mpi/test_zero.py \

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from . import backend, kernels
+from .device import backend, kernels
 
 
 class FlatParams:

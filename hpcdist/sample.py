@@ -24,9 +24,10 @@ import sys
 
 import numpy as np
 
-from . import backend, checkpoint, nn
+from .device import backend
+from . import checkpoint, nn
 from .data import vocab
-from .tensor import no_grad
+from .autograd.tensor import no_grad
 
 
 def load(path: str):

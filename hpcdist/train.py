@@ -11,7 +11,7 @@ the watchdog (comm.watchdog).
 from __future__ import annotations
 
 if __name__ == "__main__":      # before MPI starts (the imports below start it): a supervisor
-    from hpcdist import supervisor      # process names this rank if it is killed
+    from hpcdist.run import supervisor  # process names this rank if it is killed
     supervisor.start()
 
 import contextlib  # noqa: E402
@@ -22,17 +22,19 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from . import (backend, checkpoint, data, memtrace, mfu, optim, runtime,  # noqa: E402
-               savedir, signals, supervisor, threads, timeline)
+from .device import backend
+from . import checkpoint, data, optim
+from .autograd import memtrace
+from .run import mfu, runtime, savedir, supervisor
+from .host import signals, threads, timeline
 from .comm import Communicator, watchdog  # noqa: E402
 from .comm.model import fit_links  # noqa: E402
-from .config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
-from .evaluate import evaluate  # noqa: E402
+from .run.config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
+from .run.evaluate import evaluate  # noqa: E402
 from .parallel import state  # noqa: E402
 from .parallel.strategy import DataParallelStep, build_strategy  # noqa: E402
-from .preemption import EXIT_PREEMPTED, StopRequest  # noqa: E402
-from .report import (exit_code, final_report, header, progress_line,  # noqa: E402
-                     stopped_report)
+from .run.preemption import EXIT_PREEMPTED, StopRequest  # noqa: E402
+from .run.report import exit_code, final_report, header, progress_line, stopped_report
 
 __all__ = ["TrainConfig", "ConfigError", "parse_config", "train", "main", "evaluate",
            "EXIT_PREEMPTED", "DataParallelStep"]
@@ -61,7 +63,7 @@ def prepare(cfg: TrainConfig, comm):
 def init_from_shape(cfg, train_set) -> None:
     """--init-from: the model's shape is the folder's; the data must speak its vocabulary."""
     from .checkpoint import hf
-    from .config import validate
+    from .run.config import validate
     shape = hf.gpt2_shape(cfg.init_from)
     if shape["vocab_size"] != train_set.vocab_size:
         raise ConfigError(f"--init-from {cfg.init_from} has a vocabulary of "
@@ -116,22 +118,22 @@ def train(cfg: TrainConfig, comm=None, log=print, prepared=None, on_build=None) 
 
 def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     (train_set, test_set), resume = prepared
-    model, step_fn = build_strategy(cfg, comm, train_set)
+    model, strategy = build_strategy(cfg, comm, train_set)
     if on_build is not None:
-        on_build(step_fn)
+        on_build(strategy)
     memtrace.enable(cfg.trace_memory)
-    batch_comm = step_fn.batch_comm    # tensor- and context-parallel ranks read the same batch
+    batch_comm = strategy.batch_comm    # tensor- and context-parallel ranks read the same batch
     sampler = data.DistributedSampler(len(train_set), cfg.batch_size, batch_comm.rank,
                                       batch_comm.size, seed=cfg.seed)
     say = log if comm.rank == 0 else (lambda *a, **k: None)
-    start = _resume(cfg, comm, step_fn, sampler, resume, say)
+    start = _resume(cfg, comm, strategy, sampler, resume, say)
     hosts = runtime.record_ranks(comm, cfg.out_dir)
     runtime.test_hooks(comm.rank, "start")
     metrics = runtime.open_metrics(cfg.out_dir, resumed=start > 0, say=say) \
         if comm.rank == 0 else None
     meter = mfu.Meter(model, cfg, train_set.block_size, comm.size, comm.nodes,
                       threads.usable_cores()) if comm.rank == 0 else None
-    for line in header(cfg, model, step_fn, comm.size, hosts, train_set, test_set):
+    for line in header(cfg, model, strategy, comm.size, hosts, train_set, test_set):
         say(line)
     if meter is not None:
         say(meter.describe())
@@ -141,22 +143,22 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
             "nothing new to save" + (f"; the checkpoint of step {start} stays the latest"
                                      if start else ""))
     def save(at: int) -> None:
-        folder = state.save_checkpoint(cfg, at, comm, step_fn, sampler, train_set.vocabulary)
+        folder = state.save_checkpoint(cfg, at, comm, strategy, sampler, train_set.vocabulary)
         say(f"saved {folder}")
-    if step_fn.brings_loop:                         # a parameter server: answers the workers
-        return step_fn.run(stop, save, stopped, start)
+    if strategy.brings_loop:                         # a parameter server: answers the workers
+        return strategy.run(stop, save, stopped, start)
     t_start = time.perf_counter()
-    bytes_start = step_fn.comm.bytes_sent           # the gradient communicator's count
-    history, step, stopped = _loop(cfg, comm, step_fn, train_set, sampler, start, stop, stopped,
+    bytes_start = strategy.comm.bytes_sent           # the gradient communicator's count
+    history, step, stopped = _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped,
                                    metrics, meter, save, say)
-    train_bytes = step_fn.comm.bytes_sent - bytes_start    # before evaluation's gathers
-    extra = step_fn.summary()                      # collective where the strategy gathers
+    train_bytes = strategy.comm.bytes_sent - bytes_start    # before evaluation's gathers
+    extra = strategy.summary()                      # collective where the strategy gathers
     line = extra.pop("line", None)
     if stopped:
         final = stopped_report(cfg, stopped, step, start, comm.size, t_start, say)
     else:
         runtime.test_hooks(comm.rank, "end")
-        final = final_report(cfg, model, step_fn, test_set, history, start, comm.size,
+        final = final_report(cfg, model, strategy, test_set, history, start, comm.size,
                              t_start, train_bytes, say)
         if line:
             say(line)
@@ -165,29 +167,29 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()
     final["history"] = history                    # every step's record (tests compare them)
-    final["params"] = backend.to_numpy(step_fn.full_parameters())   # on the host (tests compare)
+    final["params"] = backend.to_numpy(strategy.full_parameters())   # on the host (tests compare)
     return final
 
 
-def _loop(cfg, comm, step_fn, train_set, sampler, start, stop, stopped, metrics, meter, save,
+def _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics, meter, save,
           say):
     """Steps from ``start`` until ``cfg.steps`` or an agreed stop: (every step's record, the
     last step, the signal that stopped the run or 0)."""
     if start < cfg.steps and not stopped:
-        step_fn.begin(stop)
-    lr_scale = step_fn.batch_comm.size if cfg.scale_lr else 1
+        strategy.begin(stop)
+    lr_scale = strategy.batch_comm.size if cfg.scale_lr else 1
     delay = straggler_delay(cfg, comm.rank)
     t_start = time.perf_counter()
     history, step, more = [], start, start < cfg.steps and not stopped
-    unread = Unread(step_fn, meter, metrics)
+    unread = Unread(strategy, meter, metrics)
     while more:
         step += 1
         runtime.test_hooks(comm.rank, step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
-        rec = train_step(cfg, step_fn, train_set, sampler, step, lr, delay)
+        rec = train_step(cfg, strategy, train_set, sampler, step, lr, delay)
         history.append(rec)
         unread.add(rec)
-        stopped, save_at, more = step_fn.control(step, cfg, stop, comm)
+        stopped, save_at, more = strategy.control(step, cfg, stop, comm)
         if step % cfg.log_every == 0 or not more or save_at is not None:
             unread.read()                        # the device is waited for here only
             if step % cfg.log_every == 0 or step == cfg.steps:
@@ -207,8 +209,8 @@ class Unread:
     several steps, none inside a step. On a GPU a step's time is then the interval's mean
     (its kernels run after the host has moved on); on the CPU each step keeps its own."""
 
-    def __init__(self, step_fn, meter, metrics):
-        self.step_fn, self.meter, self.metrics = step_fn, meter, metrics
+    def __init__(self, strategy, meter, metrics):
+        self.strategy, self.meter, self.metrics = strategy, meter, metrics
         self.records: list = []
         self.restart_clock()
 
@@ -222,7 +224,7 @@ class Unread:
         recs, self.records = self.records, []
         if not recs:
             return
-        losses = self.step_fn.mean_losses([r["loss"] for r in recs])
+        losses = self.strategy.mean_losses([r["loss"] for r in recs])
         norms = backend.host_values([0.0 if r["grad_norm"] is None else r["grad_norm"]
                                      for r in recs])
         if backend.device() == "gpu":             # the interval, now that the device is done
@@ -255,41 +257,41 @@ def straggler_delay(cfg, rank: int) -> float:
     return float(ms) / 1e3 if int(r) == rank else 0.0
 
 
-def train_step(cfg, step_fn, train_set, sampler, step: int, lr: float,
+def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
                delay: float = 0.0) -> dict:
     """One optimizer step over ``cfg.grad_accum`` micro-batches; its metrics record.
     ``delay``: seconds this rank sleeps in the step (a straggler)."""
     xp = backend.xp()
     t0 = time.perf_counter()
-    bytes0 = step_fn.comm.bytes_sent
+    bytes0 = strategy.comm.bytes_sent
     memtrace.start()
     counts = device_counts()
     with timeline.span("step", step=step) as span:
         if delay:
             time.sleep(delay)
-        step_fn.zero_grad()
+        strategy.zero_grad()
         loss_sum = 0.0                                   # stays on the device (Unread)
         for micro in range(cfg.grad_accum):
             x, y = train_set.batch(sampler.next_batch())
             last = micro == cfg.grad_accum - 1           # communicate on the last only
-            with step_fn.micro_context(last), _overflow_ok(step_fn):
-                loss_sum += step_fn.forward_backward(xp.asarray(x), xp.asarray(y),
+            with strategy.micro_context(last), _overflow_ok(strategy):
+                loss_sum += strategy.forward_backward(xp.asarray(x), xp.asarray(y),
                                                      1.0 / cfg.grad_accum)
         with timeline.span("gradient sync"):
-            step_fn.sync()
+            strategy.sync()
         with timeline.span("optimizer step"):
-            _, norm = step_fn.apply(lr, cfg.grad_clip)
+            _, norm = strategy.apply(lr, cfg.grad_clip)
         if span is not None and counts is not None:   # the device double's counts, per step
             after = device_counts()
             span.update(launches=after[0] - counts[0], device_reads=after[1] - counts[1])
     dt = time.perf_counter() - t0
     held = memtrace.finish()
     loss = loss_sum / cfg.grad_accum     # the mean over the replicas: Unread.read
-    tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * step_fn.batch_comm.size
+    tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * strategy.batch_comm.size
     return {"step": step, "loss": loss, "lr": lr, "step_ms": dt * 1e3,
             "tokens_per_s": tokens / dt, "grad_norm": norm,
-            "bytes_sent": step_fn.comm.bytes_sent - bytes0,
-            "loss_scale": step_fn.scaler.scale, "skipped_steps": step_fn.scaler.skipped,
+            "bytes_sent": strategy.comm.bytes_sent - bytes0,
+            "loss_scale": strategy.scaler.scale, "skipped_steps": strategy.scaler.skipped,
             **({"memory_activations": held["activations"], "memory_step_peak": held["peak"]}
                if held else {})}
 
@@ -299,24 +301,24 @@ def device_counts():
     on other devices (a GPU does not count them for us)."""
     if backend.device_label() != "double":
         return None
-    from .device_surface import LAUNCHES, READS
+    from .device.surface import LAUNCHES, READS
     return LAUNCHES.count, READS.count
 
 
-def _overflow_ok(step_fn):
+def _overflow_ok(strategy):
     """fp16 overflows are expected (the scaler skips the step): no warnings for them."""
-    return (np.errstate(over="ignore", invalid="ignore") if step_fn.scaler.enabled
+    return (np.errstate(over="ignore", invalid="ignore") if strategy.scaler.enabled
             else contextlib.nullcontext())  # a new one each time: NumPy 2 refuses re-entry
 
 
-def _resume(cfg, comm, step_fn, sampler, resume, say) -> int:
+def _resume(cfg, comm, strategy, sampler, resume, say) -> int:
     """Load the checkpoint ``prepare`` found (any layout); the step it holds (0: none)."""
     if resume is None:
         return 0
     folder, note, reader = resume
     start = 0
     if folder is not None:
-        extra = state.restore_checkpoint(reader, cfg, comm, step_fn, sampler)
+        extra = state.restore_checkpoint(reader, cfg, comm, strategy, sampler)
         start = reader.step
         note += f" at step {start}" + (f" ({extra})" if extra else "")
     say(note)

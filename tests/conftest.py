@@ -6,7 +6,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import hpcdist as hd  # noqa: E402
-from hpcdist import backend  # noqa: E402
+from hpcdist.device import backend  # noqa: E402
 
 # The unit tests run on the device $HPCDIST_DEVICE names (cpu unless set): make test-gpu runs
 # the op gradchecks and the PyTorch oracles with HPCDIST_DEVICE=gpu, and HPCDIST_DEVICE=double

@@ -135,7 +135,7 @@ def test_nccl_backend_without_cupy_is_a_clear_error():
         pytest.skip("CuPy is installed; this checks the message when it is missing")
     except ImportError:
         pass
-    from hpcdist.backend import DeviceError, nccl_module
+    from hpcdist.device.backend import DeviceError, nccl_module
     with pytest.raises(DeviceError, match="CuPy"):
         nccl_module()
 

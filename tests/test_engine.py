@@ -141,7 +141,7 @@ def test_train_eval_mode_switches_dropout():
 
 
 def test_path_without_gradient_still_releases_shared_leaf(float64):
-    from hpcdist.tensor import Tensor
+    from hpcdist.autograd.tensor import Tensor
     w = nn.Parameter(np.array([1.0, 2.0]))
     blocked = Tensor._make((w * 2).data, (w * 2,), lambda g: (None,))   # passes no gradient on
     loss = (blocked * 1.0).sum() + (w * 5.0).sum()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import hpcdist as hd
-from hpcdist import backend
+from hpcdist.device import backend
 
 
 def test_round_to_bf16_matches_ml_dtypes():
@@ -53,7 +53,7 @@ def test_staging_round_trip_through_reused_host_buffers():
 
 def test_the_device_double_refuses_host_arrays_and_mpi():
     from mpi4py import MPI
-    from hpcdist import device_double as dd
+    from hpcdist.device import double as dd
     d = dd.asarray(np.ones(4))
     assert dd.BUFFER_CLOSED
     with pytest.raises(TypeError):
@@ -66,7 +66,7 @@ def test_the_device_double_refuses_host_arrays_and_mpi():
 
 
 def test_the_double_offers_only_the_listed_cupy_surface():
-    from hpcdist import device_double as dd
+    from hpcdist.device import double as dd
     d = dd.asarray(np.ones((2, 3)))
     with pytest.raises(AttributeError, match="'writeable'"):
         d.flags.writeable                                # CuPy's flags have none
@@ -87,7 +87,7 @@ def test_the_double_offers_only_the_listed_cupy_surface():
 def test_the_doubles_generator_is_cupys_kind():
     """CuPy's bit_generator.state is a method returning a device pointer; hpcdist's dropout
     state must never be taken from it."""
-    from hpcdist import device_double as dd
+    from hpcdist.device import double as dd
     gen = dd.random.default_rng(0)
     assert callable(gen.bit_generator.state) and isinstance(gen.bit_generator.state(), int)
 
@@ -96,7 +96,8 @@ def test_dropout_state_saves_restores_and_matches_across_devices():
     """hpcdist's dropout stream: JSON-able state, exact restore, the same masks on the CPU and
     on the device (so recomputation and resumes replay the forward's masks anywhere)."""
     import json
-    from hpcdist import ops, device_double as dd
+    from hpcdist.autograd import ops
+    from hpcdist.device import double as dd
     backend.seed(5)
     state = json.loads(json.dumps(backend.rng_state()))       # what a checkpoint stores
     x = hd.tensor(np.ones((7, 33)))
@@ -159,7 +160,7 @@ def test_no_device_read_inside_a_step(tmp_path, flags):
     """On the device double (which counts every device-to-host read), a training step reads
     nothing back: the losses and gradient norms of 3 steps are read at the log step, in one
     transfer; clipping runs on the device. The numbers equal the CPU run's."""
-    from hpcdist import timeline
+    from hpcdist.host import timeline
     rec = timeline.Recorder(0)
     timeline.activate(rec)
     try:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import hpcdist as hd
-from hpcdist import backend, fused, kernels, nn, optim
+from hpcdist.device import backend, fused, kernels
+from hpcdist import nn, optim
 
 
 def _fake(name, launch):
@@ -164,7 +165,7 @@ def test_the_bf16_gemm_hands_cublas_its_operands_column_major(monkeypatch):
     against cuBLAS's column-major contract, with a stand-in gemmEx on host memory: C-
     contiguous and transposed operands, odd shapes, as ops.linear's forward and backward
     pass them."""
-    from hpcdist.kernels import gemm
+    from hpcdist.device.kernels import gemm
     prev = backend.device_label()
     calls = []
     monkeypatch.setattr(gemm, "lib", _fake_cublas(calls))
@@ -188,7 +189,7 @@ def test_the_bf16_gemm_hands_cublas_its_operands_column_major(monkeypatch):
 def test_a_bf16_run_multiplies_through_the_bf16_gemm(monkeypatch):
     """bf16 emulated (float32 storage) sends every 2-D-foldable GEMM of the model through
     BF16_GEMM, whose twin is the rounded product; other precisions never do."""
-    from hpcdist.kernels import gemm
+    from hpcdist.device.kernels import gemm
     seen = []
     monkeypatch.setattr(gemm.BF16_GEMM, "twin", lambda a, b: seen.append(a.shape) or
                         gemm.gemm_twin(a, b))

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from hpcdist import backend, data
+from hpcdist.device import backend
+from hpcdist import data
 from hpcdist.data import shards, vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import hpcdist as hd
-from hpcdist import ops
+from hpcdist.autograd import ops
 from conftest import gradcheck
 
 R = np.random.default_rng(42)
@@ -77,7 +77,7 @@ CASES = {
     "layer_norm_no_affine": (lambda x: ops.layer_norm(x, None, None), [sym(4, 6)]),
     "masked_fill": (lambda a: a.masked_fill(np.triu(np.ones((3, 3), bool), 1), -5.0), [sym(2, 3, 3)]),
     "where": (lambda a, b: ops.where(np.array([[True, False, True]]), a, b), [sym(2, 3), sym(3)]),
-    # the fused ops (hpcdist/kernels/): each one node, its own backward
+    # the fused ops (hpcdist/device/kernels/): each one node, its own backward
     "causal_softmax": (lambda a: ops.causal_softmax(a, 0.7), [sym(2, 4, 4)]),
     "causal_softmax_past": (lambda a: ops.causal_softmax(a, 0.7, past=2), [sym(1, 3, 5)]),
     "fused_attention": (lambda qkv: ops.fused_attention(qkv, 2), [sym(2, 5, 12)]),
@@ -129,7 +129,7 @@ def test_gpt_block_gradients(float64):
 
 
 def test_gradcheck_catches_a_wrong_backward(float64):
-    from hpcdist.tensor import Tensor
+    from hpcdist.autograd.tensor import Tensor
 
     def bad_square(a):  # forward a*a, backward claims 3*a
         return Tensor._make(a.data * a.data, (a,), lambda g: (3 * g * a.data,))
@@ -138,7 +138,7 @@ def test_gradcheck_catches_a_wrong_backward(float64):
 
 
 def test_scatter_add_matches_numpy_add_at_with_repeats_and_negative_indices():
-    from hpcdist import backend
+    from hpcdist.device import backend
     rng = np.random.default_rng(1)
     for _ in range(200):
         V, C = int(rng.integers(1, 8)), int(rng.integers(1, 4))

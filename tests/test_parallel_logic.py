@@ -87,7 +87,7 @@ def test_activation_checkpointing_gives_identical_gradients(float64, dropout):
 
 
 def test_activation_checkpointing_holds_fewer_activations(float64):
-    from hpcdist.recompute import graph_bytes
+    from hpcdist.autograd.recompute import graph_bytes
     cfg = dict(block_size=16, vocab_size=7, n_layer=4, n_head=2, n_embd=32)
     idx = np.zeros((8, 16), dtype=np.int64)
     held = {}

@@ -221,7 +221,9 @@ def test_a_step_holds_the_activations_the_planner_counts(recompute):
     """In process, one rank: memtrace's graph bytes over a forward and backward of a GPT are
     hpcdist's layer count from the planner (the second step: the first also builds buffers)."""
     import numpy as np
-    from hpcdist import backend, memtrace, nn
+    from hpcdist.device import backend
+    from hpcdist.autograd import memtrace
+    from hpcdist import nn
     prev = backend.default_float()
     backend.set_default_float("float32")
     cfg = nn.GPTConfig(block_size=16, vocab_size=12, n_layer=3, n_head=4, n_embd=192,
@@ -313,7 +315,7 @@ def test_help_shows_every_default(capsys):
 @pytest.mark.parametrize("gpus,seq,expect", [(8, 131072, "mpirun -n 8"),
                                              (16, 2048, "sbatch -N 2")])
 def test_the_best_layout_comes_as_a_command_the_trainer_takes(capsys, gpus, seq, expect):
-    from hpcdist.config import parse_config
+    from hpcdist.run.config import parse_config
     assert P.main(["--layers", "8", "--hidden", "512", "--heads", "8", "--seq", str(seq),
                    "--vocab", "32000", "--global-batch", "16", "--gpus", str(gpus)]) == 0
     out = capsys.readouterr().out

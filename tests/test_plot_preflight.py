@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hpcdist import preflight
-from hpcdist.config import ConfigError
+from hpcdist.run.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG = b"\x89PNG\r\n\x1a\n"

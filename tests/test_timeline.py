@@ -4,7 +4,8 @@ import threading
 import numpy as np
 import pytest
 
-from hpcdist import runtime, timeline
+from hpcdist.run import runtime
+from hpcdist.host import timeline
 from hpcdist.comm import model
 
 

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 import hpcdist as hd
-from hpcdist import nn, ops, optim
+from hpcdist import nn, optim
+from hpcdist.autograd import ops
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

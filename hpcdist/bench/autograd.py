@@ -15,7 +15,9 @@ import time
 import numpy as np
 
 import hpcdist as hd
-from hpcdist import backend, nn, ops, optim
+from hpcdist.device import backend
+from hpcdist import nn, optim
+from hpcdist.autograd import ops
 
 
 # ---- MLP 784-128-10 ------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from hpcdist.bench.common import emit, relaunch, table, write_json
 def worker(args) -> int:
     from hpcdist import checkpoint, data
     from hpcdist.comm import Communicator
-    from hpcdist.config import TrainConfig
+    from hpcdist.run.config import TrainConfig
     from hpcdist.parallel.strategy import build_strategy
     from hpcdist.parallel.state import restore_checkpoint, save_checkpoint
     comm = Communicator()
@@ -32,12 +32,12 @@ def worker(args) -> int:
     def build(zero):
         cfg = TrainConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, zero=zero,
                           save_dir=os.path.join(root, f"z{zero}"))
-        model, step = build_strategy(cfg, comm, train_set)
-        step.opt.state.update({k: np.zeros_like(step.opt.flat.data)
+        model, strategy = build_strategy(cfg, comm, train_set)
+        strategy.opt.state.update({k: np.zeros_like(strategy.opt.flat.data)
                                for k in ("exp_avg", "exp_avg_sq")})
-        sampler = data.DistributedSampler(len(train_set), 64, step.batch_comm.rank,
-                                          step.batch_comm.size)
-        return cfg, step, sampler
+        sampler = data.DistributedSampler(len(train_set), 64, strategy.batch_comm.rank,
+                                          strategy.batch_comm.size)
+        return cfg, strategy, sampler
 
     def timed(fn):
         comm.barrier()
@@ -47,18 +47,18 @@ def worker(args) -> int:
         return time.perf_counter() - t0
 
     for zero, other in ((0, 1), (1, 0)):
-        cfg, step, sampler = build(zero)
+        cfg, strategy, sampler = build(zero)
         ocfg, ostep, osampler = build(other)
-        lo, hi, arrays, _ = step.flat_state()
+        lo, hi, arrays, _ = strategy.flat_state()
         plain = os.path.join(root, f"plain{zero}")
         os.makedirs(plain, exist_ok=True)
         mine = os.path.join(plain, f"rank_{comm.rank:05d}.npz")
         rows = {"save": [], "load": [], "load_other": [], "plain_save": [], "plain_load": []}
         for i in range(args.repeat):
-            rows["save"].append(timed(lambda: save_checkpoint(cfg, i + 1, comm, step, sampler)))
+            rows["save"].append(timed(lambda: save_checkpoint(cfg, i + 1, comm, strategy, sampler)))
             reader = checkpoint.Reader(checkpoint.step_dir(cfg.save_dir, i + 1))
             rows["load"].append(timed(lambda: restore_checkpoint(
-                checkpoint.Reader(reader.folder), cfg, comm, step, sampler)))
+                checkpoint.Reader(reader.folder), cfg, comm, strategy, sampler)))
             rows["load_other"].append(timed(lambda: restore_checkpoint(
                 checkpoint.Reader(reader.folder), ocfg, comm, ostep, osampler)))
             rows["plain_save"].append(timed(lambda: np.savez(mine, **{
@@ -69,7 +69,8 @@ def worker(args) -> int:
         plain_size = sum(os.path.getsize(os.path.join(plain, f)) for f in os.listdir(plain))
         if comm.rank == 0:
             emit({"layout": f"{'ZeRO-1' if zero else 'DDP'} -> {'ZeRO-1' if other else 'DDP'}",
-                  "ranks": comm.size, "params": int(sum(p.size for p in step.model.parameters())),
+                  "ranks": comm.size,
+                  "params": int(sum(p.size for p in strategy.model.parameters())),
                   **{k: float(np.median(v)) * 1e3 for k, v in rows.items()},
                   "bytes": size, "plain_bytes": plain_size})
     comm.barrier()

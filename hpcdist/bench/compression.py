@@ -18,7 +18,7 @@ from hpcdist.bench.common import emit, relaunch, table, write_json
 
 def worker(args) -> int:
     from hpcdist.comm import Communicator
-    from hpcdist.config import TrainConfig
+    from hpcdist.run.config import TrainConfig
     from hpcdist.train import train
     comm = Communicator()
     schemes = [("dense", "none", None), ("fp16", "fp16", None)] + \

@@ -38,7 +38,7 @@ def comm_model(impl: str, n: int, layers: int, B: int, T: int, C: int, e: int, a
 
 
 def _config(args, data, T, cp, impl, out):
-    from hpcdist.config import TrainConfig
+    from hpcdist.run.config import TrainConfig
     return TrainConfig(task="text", data=data, block_size=T, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, batch_size=1, steps=args.steps,
                        cp=cp, cp_impl=impl, warmup=0, log_every=10 ** 9, out_dir=out,
@@ -50,27 +50,29 @@ def measure(args, comm, data, T, cp, impl, steps, record=None) -> dict:
     seconds per step (this rank)}."""
     import numpy as np
     from hpcdist import data as D
-    from hpcdist import memtrace, timeline
+    from hpcdist.autograd import memtrace
+    from hpcdist.host import timeline
     from hpcdist.parallel.strategy import build_strategy
     from hpcdist.train import train_step
     cfg = _config(args, data, T, cp, impl, tempfile.gettempdir())
     train_set, _ = D.datasets_of(cfg)
-    _, step = build_strategy(cfg, comm, train_set)
-    sampler = D.DistributedSampler(len(train_set), 1, step.batch_comm.rank, step.batch_comm.size)
+    _, strategy = build_strategy(cfg, comm, train_set)
+    sampler = D.DistributedSampler(len(train_set), 1, strategy.batch_comm.rank,
+                                   strategy.batch_comm.size)
     memtrace.enable(args.memory)
     rec = timeline.Recorder(comm.rank) if record is None else record
     timeline.activate(rec)
     peaks, ms = [], []
     try:
         for s in range(1, steps + 1):
-            r = train_step(cfg, step, train_set, sampler, s, 1e-3)
+            r = train_step(cfg, strategy, train_set, sampler, s, 1e-3)
             peaks.append(r.get("memory_step_peak", 0))
             ms.append(r["step_ms"])
     finally:
         timeline.deactivate()
         memtrace.enable(False)
-        if step.mesh is not None:
-            step.mesh.close()
+        if strategy.mesh is not None:
+            strategy.mesh.close()
     cp_ns = sum(t1 - t0 for name, cat, _, t0, t1, _ in rec.events
                 if cat == "cp" and name != "cp block")
     peak = int(comm.allreduce(np.array([max(peaks)], dtype=np.int64), op="max")[0])
@@ -103,7 +105,7 @@ def longest(args, comm, data, cp, impl, budget) -> dict:
 
 def worker(args) -> int:
     import numpy as np
-    from hpcdist import timeline
+    from hpcdist.host import timeline
     from hpcdist.comm import Communicator
     from hpcdist.comm.model import fit_links
     comm = Communicator()

@@ -23,7 +23,7 @@ MODEL = dict(n_layer=4, n_head=4, n_embd=128)
 
 def worker(args) -> int:
     from hpcdist.comm import Communicator
-    from hpcdist.config import TrainConfig
+    from hpcdist.run.config import TrainConfig
     from hpcdist.train import build, prepare, train
     comm = Communicator()
     out = comm.mpi.bcast(tempfile.mkdtemp() if comm.rank == 0 else "", root=0)
@@ -55,7 +55,7 @@ def worker(args) -> int:
 
 def activation_memory(batch: int) -> list:
     from hpcdist import nn
-    from hpcdist.recompute import graph_bytes
+    from hpcdist.autograd.recompute import graph_bytes
     from hpcdist.train import TrainConfig
     d = TrainConfig()
     rows = []

@@ -35,7 +35,7 @@ def worker(args) -> int:
     import numpy as np
 
     from hpcdist.comm import Communicator
-    from hpcdist.config import TrainConfig
+    from hpcdist.run.config import TrainConfig
     from hpcdist.train import train
     world = Communicator()
     W = world.size - 1
@@ -86,12 +86,13 @@ def torch_worker(args) -> int:
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-    from hpcdist import data, nn, optim, threads
+    from hpcdist import data, nn, optim
+    from hpcdist.host import threads
     from hpcdist.bench.peers import torch_adamw, torch_gpt
     from hpcdist.checkpoint.tools import _NANOGPT, nanogpt_names
     from hpcdist.comm import Communicator
-    from hpcdist.config import TrainConfig
-    from hpcdist.evaluate import evaluate
+    from hpcdist.run.config import TrainConfig
+    from hpcdist.run.evaluate import evaluate
     from hpcdist.train import train
     comm = Communicator()
     out = comm.mpi.bcast(tempfile.mkdtemp() if comm.rank == 0 else "", root=0)

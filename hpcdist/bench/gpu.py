@@ -2,14 +2,14 @@
 
 ``--count`` (any machine): the device operations one GPT training step issues — forward,
 backward, AdamW — counted on the device double, where every array operation is one launch and
-a fused kernel (hpcdist/kernels/) counts as its own launches: once with the fused kernels
+a fused kernel (hpcdist/device/kernels/) counts as its own launches: once with the fused kernels
 (``HPCDIST_FUSED=1``, the default) and once with their twins op by op, side by side.
 
 Without ``--count`` (a GPU): ms per step of the same step on the GPU for each of
 ``--modes`` (fp32; tf32: fp32 with TF32 GEMMs; bf16: GEMMs in bf16 on tensor cores) beside
 PyTorch on the same network and weights (when torch is installed: eager fp32, eager with
 TF32, bf16 autocast, and torch.compile of fp32 and of bf16 autocast), each with TFLOP/s, MFU
-(against the peak of its precision, hpcdist.mfu) and its ratio to PyTorch eager of the same
+(against the peak of its precision, hpcdist.run.mfu) and its ratio to PyTorch eager of the same
 precision. The kernels a self-check refused are listed.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ import numpy as np
 
 
 def _step_fn(L, C, T, B, V, seed=0):
-    from hpcdist import backend, nn, optim
+    from hpcdist.device import backend
+    from hpcdist import nn, optim
     nn.manual_seed(seed)
     model = nn.GPT(nn.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=max(1, C // 64),
                                 n_embd=C))
@@ -44,7 +45,7 @@ def _step_fn(L, C, T, B, V, seed=0):
 
 def count(L, C, T, B, V) -> dict:
     """Launches of one step, fused and op by op (on the device double)."""
-    from hpcdist import backend, device_double
+    from hpcdist.device import backend, double as device_double
     backend.init("double")
     out, before = {}, os.environ.get("HPCDIST_FUSED")
     for fused in ("0", "1"):
@@ -64,7 +65,7 @@ def count(L, C, T, B, V) -> dict:
 
 def _timed(step, steps: int) -> float:
     """ms per step after two warm-up steps, the device waited for at both ends."""
-    from hpcdist import backend
+    from hpcdist.device import backend
     for _ in range(2):
         step()
     backend.synchronize()
@@ -76,7 +77,7 @@ def _timed(step, steps: int) -> float:
 
 
 def _hpcdist_mode(shape, mode: str):
-    from hpcdist import backend, kernels
+    from hpcdist.device import backend, kernels
     backend.reset_precision()
     kernels.configure(mode == "tf32")
     if mode == "bf16":
@@ -113,7 +114,8 @@ def _torch_steps(shape, modes):
 
 def measure(shape, steps: int, modes) -> dict:
     """hpcdist's step in each mode beside PyTorch's: ms, TFLOP/s, MFU, ratios."""
-    from hpcdist import backend, fused, mfu
+    from hpcdist.device import backend, fused
+    from hpcdist.run import mfu
     backend.init("gpu")
     L, C, T, B, V = shape
     rows = {}
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
         print(f"{res['model']}: launches per training step, op by op {res['op by op']:,}, "
               f"fused {res['fused']:,} ({res['ratio']:.2f}x fewer)")
     else:
-        from hpcdist import backend
+        from hpcdist.device import backend
         if backend.gpu_count() == 0:
             print("no GPU visible: run with --count to count launches on the device double")
             return 0

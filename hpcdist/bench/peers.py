@@ -143,10 +143,11 @@ def train_worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from hpcdist import data, nn, optim, threads
+    from hpcdist import data, nn, optim
+    from hpcdist.host import threads
     from hpcdist.checkpoint.tools import nanogpt_names
     from hpcdist.comm import Communicator
-    from hpcdist.config import TrainConfig
+    from hpcdist.run.config import TrainConfig
     from hpcdist.parallel.ddp import plan_buckets
     from hpcdist.train import train
     comm = Communicator()

@@ -57,7 +57,7 @@ def measure(doc: dict):
 
 def worker(args) -> int:
     from hpcdist.comm import Communicator
-    from hpcdist.config import TrainConfig
+    from hpcdist.run.config import TrainConfig
     from hpcdist.parallel import schedules as S
     from hpcdist.train import train
     comm = Communicator()

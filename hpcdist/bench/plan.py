@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from hpcdist.bench.common import mpiexec, table, write_json
-from hpcdist.config import TrainConfig
+from hpcdist.run.config import TrainConfig
 from hpcdist.data import make_task
 
 # (label, train flags, planner Layout fields) at 8 ranks; global batch fixed

@@ -68,10 +68,11 @@ def formula_elements(b, s, h, a, t, sp):
 
 def worker(args) -> int:
     import numpy as np
-    from hpcdist import backend, nn
+    from hpcdist.device import backend
+    from hpcdist import nn
     from hpcdist.comm import Communicator
     from hpcdist.comm.mesh import ProcessMesh
-    from hpcdist.config import TrainConfig
+    from hpcdist.run.config import TrainConfig
     from hpcdist.parallel.tp import TensorParallelGPT, mappings
     from hpcdist.train import train
     comm = Communicator()

@@ -37,7 +37,7 @@ def formula(stage: int, psi: float, n: int, precision: str) -> float:
 
 def worker(args) -> int:
     from hpcdist.comm import Communicator
-    from hpcdist.config import TrainConfig
+    from hpcdist.run.config import TrainConfig
     from hpcdist.train import train
     comm = Communicator()
     out = comm.mpi.bcast(tempfile.mkdtemp() if comm.rank == 0 else "", root=0)

@@ -34,7 +34,7 @@ import shutil
 
 import numpy as np
 
-from .. import reshard
+from . import reshard
 
 MANIFEST = "manifest.json"
 LATEST = "latest"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
+from ..device import backend
 from . import algorithm, ledger, ring, sparse
 from .layout import bounds_of, check_op, finish, reduce_ufunc, shard_bounds, shard_counts
 

@@ -12,7 +12,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .. import backend, threads, timeline
+from ..device import backend
+from ..host import threads, timeline
 from . import abort, ledger, p2p, select, sparse, watchdog
 from .collectives import (ALLGATHER, ALLGATHERV, ALLREDUCE, BARRIER, BCAST, REDUCE,
                           REDUCE_SCATTER, SPARSE)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import timeline
+from ..host import timeline
 from . import abort, ledger, select, watchdog
 from .collectives import ALLREDUCE, Args
 from .handle import Done, Handle

@@ -22,7 +22,7 @@ evenly over several nodes, these fall back to the flat ring (same result, same b
 """
 from __future__ import annotations
 
-from .. import backend
+from ..device import backend
 from . import ring
 from .layout import bounds_of, shard_bounds
 from .algorithm import Algorithm

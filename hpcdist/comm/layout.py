@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
+from ..device import backend
 
 OPS = ("sum", "avg", "max", "min")
 

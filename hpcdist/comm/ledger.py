@@ -31,7 +31,7 @@ import zlib
 
 import numpy as np
 
-from .. import backend
+from ..device import backend
 from .layout import OPS
 from .select import FUSED
 from . import p2p, ring, watchdog

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
+from ..device import backend
 from . import p2p
 from .layout import check_op, shard_bounds, shard_size
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
+from ..device import backend
 from . import watchdog
 from .layout import as_bytes
 

@@ -9,7 +9,7 @@ reverses it. Non-powers of two fold in and out as in recursive doubling.
 """
 from __future__ import annotations
 
-from .. import backend
+from ..device import backend
 from .layout import as_bytes, finish, reduce_into, shard_bounds, unfold_rank
 from .recursive_doubling import fold_in, fold_out
 from .algorithm import Algorithm, fold_time, rounds

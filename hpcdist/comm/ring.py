@@ -6,7 +6,7 @@ reduced shard r — exactly ``reduce_scatter``'s result — and ZeRO can stop th
 """
 from __future__ import annotations
 
-from .. import backend
+from ..device import backend
 from .layout import as_bytes, finish, reduce_into, ring_peers, shard_bounds
 from .algorithm import ALWAYS, Algorithm
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import backend
+from ..device import backend
 from . import ring
 from .layout import as_bytes
 from .algorithm import Algorithm

@@ -6,7 +6,7 @@ for every 2^k below that bit (layout.binomial_parent / binomial_children).
 """
 from __future__ import annotations
 
-from .. import backend
+from ..device import backend
 from . import ring
 from .algorithm import WHEN_AUTO, Algorithm, log2_ceil
 from .layout import (as_bytes, binomial_children, binomial_parent, finish, reduce_into,

@@ -37,7 +37,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import signals
+from ..host import signals
 from .stall import Wait, alive, format_report, stacks  # noqa: F401 (Wait: ledger's)
 
 DEFAULT_TIMEOUT_S = 300.0

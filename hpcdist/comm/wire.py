@@ -23,7 +23,7 @@ import contextlib
 import numpy as np
 from mpi4py import MPI
 
-from .. import backend
+from ..device import backend
 from .short import Exchanges
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .. import backend, ops
-from ..recompute import checkpoint
-from ..tensor import Tensor
+from ..device import backend
+from ..autograd import ops
+from ..autograd.recompute import checkpoint
+from ..autograd.tensor import Tensor
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear
 from .module import Module, ModuleList
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import math
 
-from .. import ops
+from ..autograd import ops
 from .module import Module, ModuleList, Parameter, init_normal, init_uniform
-from ..tensor import Tensor
+from ..autograd.tensor import Tensor
 
 
 class Linear(Module):
@@ -43,7 +43,7 @@ class Embedding(Module):
 
 class LayerNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
-        from .. import backend
+        from ..device import backend
         xp = backend.xp()
         self.weight = Parameter(xp.ones(dim, dtype=backend.default_float()))
         self.bias = Parameter(xp.zeros(dim, dtype=backend.default_float())) if bias else None

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
-from ..tensor import Tensor
+from ..device import backend
+from ..autograd.tensor import Tensor
 
 
 class Parameter(Tensor):

@@ -2,17 +2,17 @@
 
 ``train.py`` drives every strategy through the same few calls, once per step:
 
-    step.zero_grad()
-    with step.micro_context(last): loss = step.forward_backward(x, y, 1 / accum)
-    step.sync()                         # gradients averaged (DDP buckets, ZeRO reduce-scatter)
-    applied, grad_norm = step.apply(lr, grad_clip)
+    strategy.zero_grad()
+    with strategy.micro_context(last): loss = strategy.forward_backward(x, y, 1 / accum)
+    strategy.sync()                 # gradients averaged (DDP buckets, ZeRO reduce-scatter)
+    applied, grad_norm = strategy.apply(lr, grad_clip)
 
-and reads ``step.model``, ``step.dp_comm`` (the data-parallel group, as the mesh names it: the
-ranks holding the same model part, DP x CP; gradients are averaged over it),
-``step.batch_comm`` (those of them that read different batches), ``step.comm`` (the gradient
-communicator, for byte counts), ``step.scaler`` and ``step.mesh``. Checkpoints see a strategy
-through ``flat_state``/``loaded`` (parallel/state.py turns those into the layout-free form);
-the run's header through ``describe``.
+and reads ``model``, ``dp_comm`` (the data-parallel group, as the mesh names it: the ranks
+holding the same model part, DP x CP; gradients are averaged over it), ``batch_comm`` (those
+of them that read different batches), ``comm`` (the gradient communicator, for byte counts),
+``scaler`` and ``mesh``. Checkpoints see a strategy through ``flat_state``/``loaded``
+(parallel/state.py turns those into the layout-free form); the run's header through
+``describe``.
 
 Implementations: ``strategy.DataParallelStep`` (DDP + mixed precision, ``--zero 0``),
 ``zero.Zero`` (stages 1-3) and ``pipeline.PipelineStep`` (the schedule executor around
@@ -26,7 +26,9 @@ import math
 
 import numpy as np
 
-from .. import backend, optim, timeline
+from ..device import backend
+from .. import optim
+from ..host import timeline
 from ..optim import intersect
 
 

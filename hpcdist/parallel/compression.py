@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from .. import backend
+from ..device import backend
 from ..comm import sparse
 from ..comm.handle import Done
 

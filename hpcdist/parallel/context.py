@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend, ops, timeline
+from ..device import backend
+from ..autograd import ops
+from ..host import timeline
 from ..comm import p2p
-from ..tensor import Tensor
+from ..autograd.tensor import Tensor
 from .ulysses import alltoall, ulysses_attention
 
 IMPLS = ("ring", "ulysses")

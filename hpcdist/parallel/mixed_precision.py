@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
+from ..device import backend
 from ..optim import FlatParams
 
 PRECISIONS = ("fp32", "fp16", "bf16")

@@ -26,10 +26,11 @@ import time
 
 import numpy as np
 
-from .. import backend, timeline
+from ..device import backend
+from ..host import timeline
 from ..comm.p2p import MAX_TAG
 from ..nn.module import Module
-from ..tensor import Tensor, split_backward, weight_gradients
+from ..autograd.tensor import Tensor, split_backward, weight_gradients
 from . import schedules as S
 from .base import Strategy, delegate
 

@@ -34,7 +34,8 @@ import time
 
 import numpy as np
 
-from .. import backend, optim
+from ..device import backend
+from .. import optim
 from ..comm import watchdog
 from ..comm.layout import shard_bounds
 from ..optim import FlatParams, decay_ranges_in

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..comm.layout import shard_bounds
 from ..optim import FlatParams, intersect
-from ..tensor import Tensor
+from ..autograd.tensor import Tensor
 
 
 class ShardParams(FlatParams):

@@ -11,7 +11,9 @@ nothing.
 """
 from __future__ import annotations
 
-from .. import backend, checkpoint, reshard
+from ..device import backend
+from .. import checkpoint
+from ..checkpoint import reshard
 from ..optim import intersect
 from .base import owned
 from ..comm.layout import bounds_of
@@ -31,16 +33,16 @@ def tensor_layout(model, mesh) -> list:
     return out
 
 
-def pieces_to_save(step) -> list:
+def pieces_to_save(strategy) -> list:
     """[(name, cut, logical shape, (a, b), host array)] this rank writes."""
-    mesh = step.mesh
-    if not step.holds_state():
+    mesh = strategy.mesh
+    if not strategy.holds_state():
         return []                                        # a replica: rank dp 0 writes
-    layout = tensor_layout(step.model, mesh)
-    lo, hi, arrays, _ = step.flat_state()
+    layout = tensor_layout(strategy.model, mesh)
+    lo, hi, arrays, _ = strategy.flat_state()
     out = []
     for (name, size, cut, shape, spec), (o, _), mine in zip(
-            layout, bounds_of(l[1] for l in layout), owned(step.model, mesh)):
+            layout, bounds_of(l[1] for l in layout), owned(strategy.model, mesh)):
         if not mine:                 # replicated (tensor-parallel rank 0 writes), a tied copy
             continue
         s, e = intersect(o, o + size, lo, hi)
@@ -52,15 +54,15 @@ def pieces_to_save(step) -> list:
     return out
 
 
-def load_pieces(step, reader) -> None:
+def load_pieces(strategy, reader) -> None:
     """Fill this strategy's flat arrays from a checkpoint written by any layout."""
-    lo, hi, arrays, _ = step.flat_state()
+    lo, hi, arrays, _ = strategy.flat_state()
     kinds = sorted({n.split("/", 1)[0] for n in reader.tensors})
     for kind in kinds:                                   # optimizer state the run has not made yet
         if kind.startswith("opt.") and kind not in arrays:
             arrays[kind] = backend.xp().zeros(hi - lo, dtype=arrays["param"].dtype)
-            step.add_optimizer_state(kind[len("opt."):], arrays[kind])
-    layout = tensor_layout(step.model, step.mesh)
+            strategy.add_optimizer_state(kind[len("opt."):], arrays[kind])
+    layout = tensor_layout(strategy.model, strategy.mesh)
     for (name, size, cut, shape, spec), (off, _) in zip(layout, bounds_of(l[1] for l in layout)):
         s, e = intersect(off, off + size, lo, hi)
         if s < e:
@@ -71,7 +73,7 @@ def load_pieces(step, reader) -> None:
                                      f"{tuple(full.shape)}, this model's is {tuple(shape)}")
                 local = reshard.cut_local(full, cut).reshape(-1)
                 arr[s - lo:e - lo] = backend.to_device(local[s - off:e - off]).astype(arr.dtype)
-    step.loaded(int(reader.scalars["opt_step_count"]))
+    strategy.loaded(int(reader.scalars["opt_step_count"]))
 
 
 # ---- a run's checkpoint: the tensors above, plus scalars and each rank's own state ----------
@@ -87,27 +89,27 @@ def run_layout(cfg, world: int) -> dict:
     return layout
 
 
-def save_checkpoint(cfg, step, comm, step_fn, sampler, vocabulary=None) -> str:
+def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None) -> str:
     """The layout-free checkpoint of this run at ``step`` (collective); ``vocabulary``: the
     data's (kept whole, for sampling and export, and named in the meta)."""
     own = {"rng": checkpoint.json_array(backend.rng_state())}
-    own.update(step_fn.own_state())
+    own.update(strategy.own_state())
     scalars = {"sampler": {"epoch": sampler.epoch, "position": sampler.position,
                            "global_batch": sampler.batch_size * sampler.world},
-               "scaler": {k: float(v) for k, v in step_fn.scaler.state_dict().items()},
-               "opt_step_count": int(step_fn.flat_state()[3]),
+               "scaler": {k: float(v) for k, v in strategy.scaler.state_dict().items()},
+               "opt_step_count": int(strategy.flat_state()[3]),
                "layout": run_layout(cfg, comm.size)}
     if vocabulary is not None:
         scalars["vocabulary"] = vocabulary
-    return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(step_fn), own,
+    return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(strategy), own,
                            meta=checkpoint.checkpoint_meta(cfg, vocabulary), scalars=scalars)
 
 
-def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
+def restore_checkpoint(reader, cfg, comm, strategy, sampler) -> str:
     """Load a checkpoint written by any layout; returns what was done beyond the exact load."""
-    load_pieces(step_fn, reader)
+    load_pieces(strategy, reader)
     sc = reader.scalars
-    step_fn.scaler.load_state_dict(sc["scaler"])
+    strategy.scaler.load_state_dict(sc["scaler"])
     g_old, g_new = sc["sampler"]["global_batch"], sampler.batch_size * sampler.world
     samples = sc["sampler"]["position"] * g_old
     sampler.load_state_dict({"epoch": sc["sampler"]["epoch"], "position": samples // g_new})
@@ -124,17 +126,17 @@ def restore_checkpoint(reader, cfg, comm, step_fn, sampler) -> str:
             backend.seed(cfg.seed + 7919 * reader.step + 1000 * comm.rank)
             said.append("dropout streams reseeded from (seed, step, rank): the checkpoint "
                         "holds an older generator's state")
-        step_fn.load_own_state(own)
+        strategy.load_own_state(own)
         return "; ".join(said)
     # Another layout. Dropout streams: each rank derives its own from (seed, step, its rank
     # in the new layout). Compression state: what its scheme says (on_new_layout).
     backend.seed(cfg.seed + 7919 * reader.step + 1000 * comm.rank)
     said.append(f"written by {sc['layout']}, resumed as {run_layout(cfg, comm.size)}: "
                 f"dropout streams reseeded from (seed, step, rank)")
-    compression = step_fn.compression()
+    compression = strategy.compression()
     if compression is not None:                         # each scheme says what becomes of it
         same = (cfg.tp, cfg.pp) == (sc["layout"].get("tp", 1), sc["layout"].get("pp", 1))
-        note = compression.on_new_layout(reader, reader.step, same, step_fn.dp_comm.size)
+        note = compression.on_new_layout(reader, reader.step, same, strategy.dp_comm.size)
         if note:
             said.append(note)
     return "; ".join(said)

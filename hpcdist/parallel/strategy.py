@@ -14,7 +14,8 @@ import contextlib
 
 import numpy as np
 
-from .. import backend, kernels, nn, optim
+from ..device import backend, kernels
+from .. import nn, optim
 from ..comm.mesh import ProcessMesh
 from ..comm.nccl import make_communicator
 from .base import GradSum, Norm, Strategy, owned

@@ -11,8 +11,10 @@ this rank holds (n_head / tp): the configuration checks it.
 """
 from __future__ import annotations
 
-from .. import backend, ops, timeline
-from ..tensor import Tensor
+from ..device import backend
+from ..autograd import ops
+from ..host import timeline
+from ..autograd.tensor import Tensor
 
 TAG_A2A = 104
 

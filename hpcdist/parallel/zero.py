@@ -23,7 +23,7 @@ import contextlib
 
 import numpy as np
 
-from .. import backend
+from ..device import backend
 from ..comm.layout import bounds_of, padded_length, shard_bounds, shard_counts
 from ..optim import FlatParams, decay_ranges_in, intersect
 from .base import Norm, Strategy

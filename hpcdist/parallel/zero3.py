@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .. import backend
+from ..device import backend
 from ..optim import intersect
 from .shards import Group, identity_hook
 from .zero import Zero, ZeroStage1, ZeroStage2

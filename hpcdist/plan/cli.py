@@ -191,7 +191,7 @@ def command(model: Model, fits: list, gpus: int, per_node: int, settings: Settin
     """The fastest layout hpcdist.train runs, as the command that runs it: mpirun on one
     node, the multi-node job template's sbatch line beyond (DATA: token shards from python -m
     hpcdist.data prepare). Layouts the trainer refuses are passed over, saying why."""
-    from ..config import ConfigError, parse_config
+    from ..run.config import ConfigError, parse_config
     skipped = []
     for e in fits:
         args = train_args(model, e.layout, settings)

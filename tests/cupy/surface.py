@@ -20,7 +20,7 @@ import inspect
 
 import numpy as np
 
-from hpcdist import device_double as dd
+from hpcdist.device import double as dd
 
 
 def _resolve(root, dotted: str):
@@ -183,7 +183,7 @@ def roots(cublas: bool = False):
     if cublas:                  # kernels/gemm.py's names: needs cuBLAS's wheel (libcublas)
         import types
         import importlib
-        from hpcdist.kernels import gemm
+        from hpcdist.device.kernels import gemm
         found["CUBLAS"] = ("", types.SimpleNamespace(**{
             k: importlib.import_module(v) for k, v in gemm._ROOTS.items()}))
     return found | {"MODULE": ("cupy", cupy), "NDARRAY": ("cupy.ndarray", cupy.ndarray),

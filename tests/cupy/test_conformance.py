@@ -6,7 +6,7 @@ import pytest
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed: make test-cupy installs it")
 
 import surface  # noqa: E402  (tests/cupy/surface.py)
-from hpcdist import device_double as dd  # noqa: E402
+from hpcdist.device import double as dd  # noqa: E402
 
 
 def tables(**changes):

@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("cupy", reason="CuPy is not installed: make test-cupy installs it")
 
-from hpcdist import fused, kernels  # noqa: E402,F401  (kernels registers them)
+from hpcdist.device import fused, kernels  # noqa: E402,F401  (kernels registers them)
 
 SOURCES = sorted(fused.sources().items())
 

@@ -407,7 +407,7 @@ def test_one_straight_path_enters_every_stage_from_one_place(comm):
     each kind, with the timeline recording or not); the kinds and the Communicator enter
     none. A Kind sees no Communicator (its hooks take the call's Args)."""
     import inspect
-    from hpcdist import timeline
+    from hpcdist.host import timeline
     from hpcdist.comm import collectives
     big, small = np.ones(1 << 18, np.float32), np.ones(2)
 

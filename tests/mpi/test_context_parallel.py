@@ -94,16 +94,16 @@ def test_bytes_per_step_equal_the_formula(comm, tmp_path, impl):
         pytest.skip("the formula is checked at cp 2 and 3")
     seen = []
 
-    def probe(step):
-        cp_comm = step.mesh.cp_comm
-        inner = step.forward_backward
+    def probe(strategy):
+        cp_comm = strategy.mesh.cp_comm
+        inner = strategy.forward_backward
 
         def counted(x, y, scale=1.0):
             before = cp_comm.bytes_sent
             loss = inner(x, y, scale)
             seen.append((cp_comm.bytes_sent - before, x.shape))
             return loss
-        step.forward_backward = counted
+        strategy.forward_backward = counted
     cfg = small(**CP_MODEL, cp=comm.size, cp_impl=impl, out_dir=str(tmp_path))
     train(cfg, comm, log=lambda *a: None, on_build=probe)
     for sent, (B, T) in seen:

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hpcdist import backend
+from hpcdist.device import backend
 from mpi4py import MPI
 
 from hpcdist import checkpoint

@@ -1,7 +1,7 @@
 """Device arrays through every collective and every training layout.
 
 The device is $HPCDIST_DEVICE when it names one (``gpu`` under ``make test-gpu``), else the
-device double (hpcdist/device_double.py): arrays that act as device arrays but that MPI
+device double (hpcdist/device/double.py): arrays that act as device arrays but that MPI
 refuses to read, so any path that hands an unstaged device array to MPI fails here, on a
 machine without a GPU. Expectations: MPI's built-in collectives on host copies, and the
 1-rank CPU run of the same training configuration (fp64, per-step loss and gradient norm).
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcdist import backend
+from hpcdist.device import backend
 from hpcdist.comm import Communicator, shard_bounds
 from hpcdist.comm.select import ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS
 from hpcdist.comm.wire import WireError

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcdist import backend
+from hpcdist.device import backend
 from hpcdist.comm import Communicator, shard_bounds
 from hpcdist.comm.nccl import NcclCommunicator, pack_unique_id, unpack_unique_id
 from hpcdist.train import train
@@ -116,7 +116,7 @@ _PY_TYPES = {"int": int, "size_t": int, "intptr_t": int, "bytes": bytes}
 
 def _call_problems(typed_text: str, args) -> list:
     """Which of ``args`` do not have the C type ``typed_text`` gives their parameter."""
-    from hpcdist.device_double import typed_parameters
+    from hpcdist.device.double import typed_parameters
     out = []
     for (ctype, name), value in zip(typed_parameters(typed_text), args):
         want = _PY_TYPES.get(ctype)

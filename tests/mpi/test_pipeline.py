@@ -109,9 +109,9 @@ def test_measured_stash_1f1b_against_gpipe(comm, tmp_path):
         from hpcdist.parallel.strategy import build_strategy
         from hpcdist import data
         train_set, _ = data.make_task("sort", length=4, num_digits=4)
-        model, step = build_strategy(cfg, comm, train_set)
+        model, strategy = build_strategy(cfg, comm, train_set)
         x, y = train_set.batch(np.arange(8))
-        step.zero_grad()
-        step.forward_backward(x, y)
+        strategy.zero_grad()
+        strategy.forward_backward(x, y)
         s = mesh_coords(comm.rank, comm.size // P, 1, P).pp
-        assert step.peak_stash == bound(s), (schedule, s, step.peak_stash)
+        assert strategy.peak_stash == bound(s), (schedule, s, strategy.peak_stash)

@@ -125,13 +125,13 @@ def test_round_trip_is_bit_identical(comm, shared_dir):
     cfg = _cfg(other, P, steps=2, save_dir=b, out_dir=b + "_o", resume=True)
     cfg.save_dir = a
     datasets, resume = prepare(cfg, comm)
-    model, step = build_strategy(cfg, comm, datasets[0])
+    model, strategy = build_strategy(cfg, comm, datasets[0])
     from hpcdist import data
-    sampler = data.DistributedSampler(len(datasets[0]), cfg.batch_size, step.batch_comm.rank,
-                                      step.batch_comm.size, seed=cfg.seed)
-    restore_checkpoint(resume[2], cfg, comm, step, sampler)
+    sampler = data.DistributedSampler(len(datasets[0]), cfg.batch_size, strategy.batch_comm.rank,
+                                      strategy.batch_comm.size, seed=cfg.seed)
+    restore_checkpoint(resume[2], cfg, comm, strategy, sampler)
     cfg.save_dir = b
-    save_checkpoint(cfg, 2, comm, step, sampler)             # saved again, in the other layout
+    save_checkpoint(cfg, 2, comm, strategy, sampler)             # saved again, in the other layout
     ra, rb = checkpoint.Reader(a + "/step_00000002"), checkpoint.Reader(b + "/step_00000002")
     assert set(ra.tensors) == set(rb.tensors)
     for name in ra.tensors:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcdist import timeline
+from hpcdist.host import timeline
 from hpcdist.comm import CollectiveMismatchError, shard_bounds, short
 
 pytestmark = pytest.mark.mpi

@@ -6,7 +6,7 @@ import pytest
 from mpi4py import MPI
 
 import hpcdist as hd
-from hpcdist import backend
+from hpcdist.device import backend
 from hpcdist.comm import Communicator
 from hpcdist.comm.mesh import ProcessMesh
 from hpcdist.parallel import tp

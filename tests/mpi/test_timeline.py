@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from hpcdist import timeline
+from hpcdist.host import timeline
 from hpcdist.comm.model import predict
 from hpcdist.comm.select import FUSED, choose_allreduce, is_short
 from hpcdist.train import train

@@ -14,12 +14,12 @@ that scales, but no longer equals the 1-rank run's draw; not needed at our sizes
 """
 from __future__ import annotations
 
-from ... import backend
+from ...device import backend
 from ...nn.gpt import attention, cached_length
 from ...nn.layers import Dropout, LayerNorm
 from ...nn.module import Module, ModuleList, Parameter
-from ...recompute import checkpoint
-from ...tensor import Tensor
+from ...autograd.recompute import checkpoint
+from ...autograd.tensor import Tensor
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      vocab_parallel_cross_entropy)
 from .mappings import copy_to_tp, gather_from_sp, sequence_bounds, _allgather_last

@@ -13,9 +13,10 @@ summed over the tensor-parallel group (``sequence_parallel_params``).
 """
 from __future__ import annotations
 
-from ... import backend, ops
+from ...device import backend
+from ...autograd import ops
 from ...nn.module import Module, Parameter
-from ...tensor import Tensor
+from ...autograd.tensor import Tensor
 from .mappings import (copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp)
 
 

@@ -16,7 +16,7 @@ P, t)`` — the shard layout of comm/layout.py applied to rows, so T need not di
 from __future__ import annotations
 
 from ...comm.layout import shard_bounds
-from ...tensor import Tensor
+from ...autograd.tensor import Tensor
 
 # Elements that entered each kind of tensor-parallel collective (bench tp compares them with
 # Megatron's formula): allreduce and reduce-scatter count their input, allgather its output.

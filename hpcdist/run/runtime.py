@@ -9,8 +9,9 @@ import socket
 
 import numpy as np
 
-from . import checkpoint, timeline
-from .comm import hierarchical, model, select
+from .. import checkpoint
+from ..host import timeline
+from ..comm import hierarchical, model, select
 
 
 def record_ranks(comm, out_dir: str) -> str:

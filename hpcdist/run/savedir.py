@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 
-from .comm.stall import alive        # a process that still runs (a zombie does not)
+from ..comm.stall import alive  # a process that still runs (a zombie does not)
 
 RUN = "run.json"
 LOCK = ".lock"

@@ -17,7 +17,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from . import backend
+from ..device import backend
 from .config_help import HELP
 
 
@@ -193,8 +193,8 @@ def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError for the first setting that cannot work: non-finite or non-positive
     numbers, unknown choices, then ``SETTINGS`` and every feature's declared refusals
     (parallel/capabilities.py), in order."""
-    from .parallel import capabilities            # pure: no MPI
-    from .parallel.schedules import SCHEDULES
+    from ..parallel import capabilities  # pure: no MPI
+    from ..parallel.schedules import SCHEDULES
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
         if f.type == "float" and not math.isfinite(value):

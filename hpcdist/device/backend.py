@@ -67,7 +67,7 @@ def _import_cupy():
 
 def _cupyx():
     """``cupyx`` of the active device module (the device double has its own)."""
-    if _cupy.__name__ == "hpcdist.device_double":
+    if _cupy.__name__ == "hpcdist.device.double":
         return _cupy.cupyx
     import cupyx
     return cupyx
@@ -110,12 +110,12 @@ def init(device: str | None = None, local_rank: int | None = None) -> str:
     if device == "auto":
         device = "gpu" if gpu_count() > 0 else "cpu"
     if device == "double":
-        from . import device_double
+        from . import double as device_double
         _cupy = device_double
         _xp, _device = device_double, "gpu"
         return "double"
     if device == "gpu":
-        if _cupy is not None and _cupy.__name__ == "hpcdist.device_double":
+        if _cupy is not None and _cupy.__name__ == "hpcdist.device.double":
             _cupy = None
         cupy = _import_cupy()
         n = gpu_count()
@@ -126,7 +126,7 @@ def init(device: str | None = None, local_rank: int | None = None) -> str:
         cupy.cuda.Device(lr % n).use()
         _xp, _device = cupy, "gpu"
     else:
-        if _cupy is not None and _cupy.__name__ == "hpcdist.device_double":
+        if _cupy is not None and _cupy.__name__ == "hpcdist.device.double":
             _cupy = None                      # the double is not a GPU for later questions
         _xp, _device = np, "cpu"
     return _device
@@ -144,7 +144,7 @@ def device() -> str:
 def device_label() -> str:
     """What the run's header calls the device: "cpu", "gpu", or "double" (device_double)."""
     return "double" if _cupy is not None and _xp is _cupy and \
-        _cupy.__name__ == "hpcdist.device_double" else _device
+        _cupy.__name__ == "hpcdist.device.double" else _device
 
 
 def array_module(arr):

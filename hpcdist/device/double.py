@@ -32,9 +32,8 @@ import types
 
 import numpy as _np
 
-from .device_surface import (CUBLAS, CUDA, CUPYX, FLAGS, LAUNCHES, MODULE, NCCL, READS,  # noqa: F401
-                             NDARRAY, NOT_LAUNCHES, RANDOM, UFUNC_KWARGS, one_launch,
-                             signature, typed_parameters)
+from .surface import (CUBLAS, CUDA, CUPYX, FLAGS, LAUNCHES, MODULE, NCCL, READS, NDARRAY,
+                      NOT_LAUNCHES, RANDOM, UFUNC_KWARGS, one_launch, signature, typed_parameters)
 
 # ---- arrays ---------------------------------------------------------------------------------
 

@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from . import backend
-from .plan import HARDWARE, flops_per_token  # noqa: F401 (bench gpu uses it too)
+from ..device import backend
+from ..plan import HARDWARE, flops_per_token  # noqa: F401 (bench gpu uses it too)
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hpcdist", "peak.json")
 
@@ -81,7 +81,7 @@ def probe_before_mpi(cfg) -> None:
     rank 0 probes; the others sleep until it has written the number (10 s at most)."""
     if cfg is None or cfg.device == "gpu":
         return
-    from . import threads
+    from ..host import threads
     cores, dt = threads.usable_cores(), np.float64 if cfg.dtype == "fp64" else np.float32
     key = f"{_cpu_name()} | {cores} cores | {np.dtype(dt).name}"
     if backend.env_local_rank() == 0:

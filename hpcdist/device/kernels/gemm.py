@@ -22,7 +22,7 @@ import importlib
 import numpy as np
 
 from .. import backend
-from ..device_surface import CUBLAS
+from ..surface import CUBLAS
 from ..fused import Fused, grid
 
 _TO_BF16 = r"""

@@ -6,7 +6,7 @@ import builtins
 
 import numpy as np
 
-from .. import backend, kernels
+from ...device import backend, kernels
 from ..tensor import ACCUMULATED, Tensor, grad_buffer, needs_grad
 from .core import _lift, _unbroadcast, _xp
 

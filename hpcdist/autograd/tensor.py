@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
-from . import backend, memtrace
+from ..device import backend
+from . import memtrace
 
 _grad_enabled = True
 _pass = None            # the zero-bubble split's pass: None (whole backward), "I" or "W"
@@ -328,7 +329,7 @@ def tensor(data, requires_grad: bool = False, dtype=None) -> Tensor:
 
 
 # Operator methods live in ops.py next to their backward; attached here so `a + b` works.
-from . import ops as _ops  # noqa: E402  (ops imports Tensor from this module)
+from . import ops as _ops
 
 Tensor.__add__ = lambda a, b: _ops.add(a, b)
 Tensor.__radd__ = lambda a, b: _ops.add(b, a)

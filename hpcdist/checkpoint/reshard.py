@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .optim import intersect
+from ..optim import intersect
 
 
 def padded(length: int, blocks: int, tp: int) -> int:

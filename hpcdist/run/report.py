@@ -7,22 +7,24 @@ import time
 
 import numpy as np
 
-from . import backend, kernels, memtrace, signals, threads, timeline
+from ..device import backend, kernels
+from ..autograd import memtrace
+from ..host import signals, threads, timeline
 from .evaluate import evaluate
 from .preemption import EXIT_PREEMPTED
 
 
-def header(cfg, model, step_fn, world, hosts, train_set, test_set) -> list[str]:
+def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]:
     """The run's header: model, task, device, world and layout, precision, the strategy's
     own lines (``describe``), steps."""
-    data_size = step_fn.batch_comm.size
-    strategy = step_fn.describe()
+    data_size = strategy.batch_comm.size
+    lines = strategy.describe()
     layout = f"DP {data_size}" + (f" x CP {cfg.cp} ({cfg.cp_impl})" if cfg.cp > 1 else "") + \
         f" x TP {cfg.tp} x PP {cfg.pp}" + (" (sequence parallel)" if cfg.sequence_parallel else "")
-    if step_fn.mesh is not None and not step_fn.mesh.tp_within_node:
+    if strategy.mesh is not None and not strategy.mesh.tp_within_node:
         layout += (" (TP spans nodes: its collectives cross the slow links; place TP groups "
                    "inside a node: --tp dividing the ranks per node)")
-    first, _, pipeline = strategy[0].partition(" | ") if strategy else ("", "", "")
+    first, _, pipeline = lines[0].partition(" | ") if lines else ("", "", "")
     if pipeline:
         layout += f" | {pipeline}"
     emulated = ""
@@ -40,7 +42,7 @@ def header(cfg, model, step_fn, world, hosts, train_set, test_set) -> list[str]:
             f"{threads.choice} | {cfg.precision}{emulated} | {first} | {cfg.steps} steps x batch "
             f"{cfg.batch_size} x {data_size} replicas"
             + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
-    return [line] + strategy[1:]
+    return [line] + lines[1:]
 
 
 def progress_line(rec: dict, steps: int, eta: float) -> str:
@@ -73,22 +75,22 @@ def exit_code(signum: int) -> int:
     return signals.EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
 
 
-def final_report(cfg, model, step_fn, test_set, history, start, world, t_start, train_bytes,
+def final_report(cfg, model, strategy, test_set, history, start, world, t_start, train_bytes,
                  say) -> dict:
     """Held-out accuracy and loss, memory, the run's totals (collective: evaluation)."""
     trained = time.perf_counter() - t_start
-    with step_fn.eval_context(), timeline.span("evaluate"):
-        accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, step_fn.batch_comm)
+    with strategy.eval_context(), timeline.span("evaluate"):
+        accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, strategy.batch_comm)
     ran = max(len(history), 1)          # this rank's steps (a PS worker's own count)
     step_ms = [r["step_ms"] for r in history]
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
              "train_loss": history[-1]["loss"] if history else float("nan"),
              "steps": cfg.steps, "world": world, "seconds": time.perf_counter() - t_start,
-             "train_seconds": trained, "skipped_steps": step_fn.scaler.skipped,
+             "train_seconds": trained, "skipped_steps": strategy.scaler.skipped,
              "bytes_per_step": train_bytes / ran,
              "step_ms_median": float(np.median(step_ms)) if step_ms else 0.0,
-             "memory_peak": step_fn.peak_memory(),    # the largest within any step
-             "memory_state": step_fn.memory()}        # between steps
+             "memory_peak": strategy.peak_memory(),    # the largest within any step
+             "memory_state": strategy.memory()}        # between steps
     say("model state per rank, MiB (peak within a step): "
         + ", ".join(f"{k} {v / 2 ** 20:.3f}" for k, v in final["memory_peak"].items()))
     held = memtrace.most()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from . import backend
+from ..device import backend
 
 _on = False
 _base = 0

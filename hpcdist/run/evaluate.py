@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import backend, data
-from .tensor import no_grad
+from ..device import backend
+from .. import data
+from ..autograd.tensor import no_grad
 
 
 def evaluate(model, dataset, batch: int, comm=None, max_examples: int = 4096):

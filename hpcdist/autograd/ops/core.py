@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 
-from .. import backend, kernels
+from ...device import backend, kernels
 from ..tensor import ACCUMULATED, Tensor, grad_buffer, needs_grad
 
 

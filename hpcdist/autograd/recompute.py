@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
-from . import backend, tensor as _tensor
+from ..device import backend
+from . import tensor as _tensor
 from .tensor import Tensor
 
 

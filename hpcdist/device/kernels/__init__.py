@@ -25,12 +25,12 @@ from .attention import ATTENTION_BWD, ATTENTION_FWD, attention_bwd_twin, attenti
 from .common import GELU_C
 from .gemm import BF16_GEMM, configure, describe, gemm_twin, matmul
 from .elementwise import (ADAMW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
-                          adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin, colsum_add_twin,
-                          gelu_bwd_twin, gelu_twin)
+                          adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
+                          colsum_add_twin, gelu_bwd_twin, gelu_twin)
 from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNORM_FWD,
                    SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, cross_entropy_bwd_twin,
-                   cross_entropy_twin, layernorm_bwd_twin, layernorm_twin,
-                   softmax_causal_bwd_twin, softmax_causal_twin)
+                   cross_entropy_twin, layernorm_bwd_twin, layernorm_twin, softmax_causal_bwd_twin,
+                   softmax_causal_twin)
 
 __all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BF16_GEMM", "BIAS_GELU",
            "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",

@@ -3,7 +3,7 @@
 A ``Fused`` op is one job done in one pass (GELU forward, LayerNorm backward, AdamW over the
 whole flat buffer, ...): CUDA C source written for float and double (``T`` and the
 accumulator ``A`` are filled in per dtype), a launcher that calls the kernels on CuPy arrays,
-and the twin: the same math in xp, which is the definition (hpcdist/kernels/ keeps both side
+and the twin: the same math in xp, which is the definition (hpcdist/device/kernels/ keeps both side
 by side). Where each runs:
 
 - CPU (NumPy): the twin, as always.
@@ -61,7 +61,7 @@ class Fused:
             return self.twin(*args)
         dtype = args[0].dtype.name
         if label == "double":
-            from . import device_double
+            from . import double as device_double
             with device_double.one_launch(self.launches):
                 return self.twin(*args)
         if label != "gpu" or dtype not in self.dtypes:

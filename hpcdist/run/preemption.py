@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import signals
+from ..host import signals
 
 # Exit code of a run that stopped on a signal after saving a checkpoint: the job scripts in
 # jobs/ requeue on it (75 is EX_TEMPFAIL, "try again later").

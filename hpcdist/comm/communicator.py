@@ -190,10 +190,10 @@ class Communicator:
         """Wait until every rank has called it (the agreement round is the barrier)."""
         collective(self, BARRIER, True, None)
 
-    def agree_only(self, kind: str, buf, op=None, root=None) -> None:
+    def agree_only(self, kind: str, buf, op=None, root=None, length=None) -> None:
         """The ledger's agreement on a collective whose data moves elsewhere (the NCCL
         backend): numbered, checked and agreed like ours, then nothing is exchanged."""
-        agree_only(self, kind, buf, op, root)
+        agree_only(self, kind, buf, op, root, length)
 
     def _progress(self, fn):
         """A future of ``fn(bg_wire)`` in the progress thread (or run now without threads)."""

@@ -61,10 +61,12 @@ def collective(c, kind, blocking: bool, buf, op=None, root=None, algorithm="auto
     return Handle(c._progress(run), c._ledger, call)
 
 
-def agree_only(c, kind: str, buf, op=None, root=None) -> None:
+def agree_only(c, kind: str, buf, op=None, root=None, length=None) -> None:
     """The check and the agreement of a collective whose data moves elsewhere (the NCCL
-    backend): numbered, checked and agreed like ours, then nothing is exchanged."""
-    c._ledger.agree(c._wire.exchanges, c._ledger.open(kind, buf, op=op, root=root))
+    backend): numbered, checked and agreed like ours, then nothing is exchanged. ``length``:
+    what every rank must agree on where it is not ``buf``'s size (an allgather's total)."""
+    c._ledger.agree(c._wire.exchanges, c._ledger.open(kind, buf, op=op, root=root,
+                                                      length=length))
 
 
 def _watched(c, wire, kind, call, buf, a, nbytes: int = 0):

@@ -123,8 +123,8 @@ class NcclCommunicator:
     def uncounted(self):
         return self.host.uncounted()
 
-    def agree_only(self, kind: str, buf, op=None, root=None) -> None:
-        self.host.agree_only(kind, buf, op=op, root=root)
+    def agree_only(self, kind: str, buf, op=None, root=None, length=None) -> None:
+        self.host.agree_only(kind, buf, op=op, root=root, length=length)
 
     @property
     def nodes(self) -> int:
@@ -145,8 +145,8 @@ class NcclCommunicator:
     def _stream():
         return backend.xp().cuda.get_current_stream().ptr
 
-    def _agree(self, kind, buf, op=None, root=None):
-        self.host.agree_only(kind, buf, op=op, root=root)
+    def _agree(self, kind, buf, op=None, root=None, length=None):
+        self.host.agree_only(kind, buf, op=op, root=root, length=length)
 
     # ---- collectives -----------------------------------------------------------------------
     def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None):
@@ -185,7 +185,7 @@ class NcclCommunicator:
         xp, dt = backend.xp(), self._args(shard)
         P = self.size
         S = shard_size(total, P) if total is not None else shard.size
-        self._agree("allgather", shard)
+        self._agree("allgather", shard, length=total if total is not None else S * P)
         send = xp.zeros(S, dtype=shard.dtype)
         send[:shard.size] = shard
         full = xp.empty(S * P, dtype=shard.dtype)

@@ -392,7 +392,11 @@ from .rng import DropoutRNG, rng, rng_state, seed, set_rng_state  # noqa: E402,F
 
 
 def nccl_module():
-    """``cupy.cuda.nccl``, or a DeviceError that says what is missing."""
+    """``cupy.cuda.nccl``, or a DeviceError that says what is missing (on the device double:
+    its stand-in, double_nccl)."""
+    if _cupy is not None and _cupy.__name__ == "hpcdist.device.double":
+        from . import double_nccl
+        return double_nccl
     cupy = _import_cupy()
     try:
         from cupy.cuda import nccl

@@ -86,8 +86,9 @@ CONTEXT = [   # parallel/context.py: each sequence split over cp ranks, attentio
 ]
 
 NCCL = [   # comm/nccl.py: gradients over NCCL, GPU memory only
-    ("backend", lambda c: c.backend == "nccl" and c.device != "gpu" and
-     "--backend nccl needs --device gpu (NCCL moves GPU memory)"),
+    ("backend", lambda c: c.backend == "nccl" and c.device not in ("gpu", "double") and
+     "--backend nccl needs --device gpu (NCCL moves GPU memory; --device double runs its "
+     "stand-in)"),
     ("backend", lambda c: c.backend == "nccl" and c.compress != "none" and
      f"--compress {c.compress} runs on the MPI backend; with --backend nccl use --compress "
      "none"),

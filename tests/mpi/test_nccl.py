@@ -1,8 +1,10 @@
-"""The NCCL backend against MPI's built-ins and against the 1-rank CPU run.
+"""The NCCL backend against MPI's built-ins, against the MPI backend and against the 1-rank
+CPU run.
 
-Runs where CuPy sees at least as many GPUs as there are ranks (NCCL refuses two ranks on one
-GPU): at 1 rank on any GPU machine (``make test-gpu``), at N ranks on a node with N GPUs;
-elsewhere it skips and says why.
+Where CuPy sees at least as many GPUs as there are ranks (NCCL refuses two ranks on one GPU),
+the suite runs on the real NCCL; elsewhere on the device double's stand-in
+(device/double_nccl.py: every call bound to CuPy's typed signature, the data moved by MPI's
+built-ins), so the NCCL backend's whole protocol runs in every ``make test``.
 """
 import numpy as np
 import pytest
@@ -29,14 +31,27 @@ def test_unique_id_round_trips_in_both_spellings():
 
 @pytest.fixture(scope="module")
 def nccl(comm):
-    if backend.gpu_count() < comm.size:
-        pytest.skip(f"NCCL needs a GPU per rank: {backend.gpu_count()} visible, "
-                    f"{comm.size} ranks")
-    backend.init("gpu", comm.local_rank)
+    """The NCCL backend on the real NCCL (a GPU per rank) or on the double's stand-in."""
+    device = "gpu" if backend.gpu_count() >= comm.size else "double"
+    backend.init(device, comm.local_rank)
     nc = NcclCommunicator(comm.mpi)
+    nc.device = device
     yield nc
     nc.close()
     backend.init("cpu")
+
+
+def test_the_stand_in_refuses_what_cupy_refuses(comm, nccl):
+    """An id of CuPy 13's spelling (a tuple), or a float count, is a TypeError, as in CuPy."""
+    if nccl.device != "double":
+        pytest.skip("the real NCCL is here")
+    nccl_mod = backend.nccl_module()
+    with pytest.raises(TypeError, match="commId must be bytes"):
+        nccl_mod.NcclCommunicator(comm.size, tuple(range(128)), comm.rank)
+    x = backend.xp().ones(3, dtype=backend.xp().float32)
+    with pytest.raises(TypeError, match="count must be size_t"):
+        nccl.comm.allReduce(x.data.ptr, x.data.ptr, 3.0, nccl_mod.NCCL_FLOAT32,
+                            nccl_mod.NCCL_SUM, 0)
 
 
 def test_nccl_collectives_match_mpi(comm, nccl):
@@ -103,7 +118,7 @@ def test_nccl_training_follows_the_cpu_run(comm, tmp_path, nccl):
                     solo, log=lambda *a: None)
     finally:
         solo.close()
-    got = train(small(device="gpu", backend="nccl", out_dir=str(tmp_path / "n")), comm,
+    got = train(small(device=nccl.device, backend="nccl", out_dir=str(tmp_path / "n")), comm,
                 log=lambda *a: None)
     h = lambda f: np.array([[s["loss"], s["grad_norm"]] for s in f["history"]])  # noqa: E731
     np.testing.assert_allclose(h(got), h(ref), rtol=1e-9)

@@ -1,0 +1,155 @@
+"""The device double's NCCL: ``cupy.cuda.nccl`` as hpcdist calls it, over MPI's own collectives.
+
+Where no GPU is, this stands in for NCCL so that the NCCL backend (comm/nccl.py) runs its
+whole protocol — the unique id, the constructor, every collective, send/recv in a group —
+with the same arguments and types a real ``NcclCommunicator`` takes (each call binds to the
+typed signature in ``surface.NCCL``: an id of the wrong type is a TypeError here, as it is in
+CuPy). The data moves with MPI's built-in collectives on the arrays behind the pointers (the
+double's pointers are host addresses).
+
+How the ranks find each other: the unique id carries a token; each member writes its world
+rank under a folder named by the token and waits until ``ndev`` have (the rendezvous NCCL
+does over the socket address its id holds); their MPI communicator is made from that group.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .surface import NCCL, signature, typed_parameters
+
+# NCCL's codes (nccl.h): data types and reduction ops
+_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 4: np.int64, 6: np.float16, 7: np.float32,
+           8: np.float64}
+NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64 = 0, 1, 2, 4
+NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = 0, 1, 2, 3
+_OPS = {NCCL_SUM: MPI.SUM, NCCL_PROD: MPI.PROD, NCCL_MAX: MPI.MAX, NCCL_MIN: MPI.MIN}
+_INTEGER = {"int", "size_t", "intptr_t"}
+RENDEZVOUS_S = 60.0
+
+_group: list | None = None          # send/recv queued between groupStart and groupEnd
+
+
+def _bind(name: str, args: tuple) -> None:
+    """Refuse a call CuPy would refuse: the listed signature and its C types."""
+    text = NCCL[name][1]
+    params = list(signature(text).parameters)
+    try:
+        signature(text).bind(*args)
+    except TypeError as e:
+        raise TypeError(f"cupy.cuda.nccl.{name}{text}: {e}") from None
+    skip = 1 if params and params[0] == "self" else 0
+    for (ctype, pname), value in zip(typed_parameters(text), args[skip:]):
+        ok = hasattr(value, "__index__") if ctype in _INTEGER else \
+            isinstance(value, bytes) if ctype == "bytes" else True
+        if not ok:
+            raise TypeError(f"cupy.cuda.nccl.{name}: {pname} must be {ctype}, got "
+                            f"{type(value).__name__}")
+
+
+def get_unique_id() -> bytes:
+    _bind("get_unique_id", ())
+    return b"hpcdist-double" + os.urandom(16).hex().encode() + bytes(128 - 46)
+
+
+def groupStart() -> None:           # noqa: N802 (NCCL's name)
+    global _group
+    _bind("groupStart", ())
+    _group = []
+
+
+def groupEnd() -> None:             # noqa: N802
+    global _group
+    _bind("groupEnd", ())
+    queued, _group = _group or [], None
+    MPI.Request.Waitall([post() for post in queued])
+
+
+def _array(ptr: int, count: int, datatype: int) -> np.ndarray:
+    dtype = np.dtype(_DTYPES[datatype])
+    if count == 0:
+        return np.empty(0, dtype)
+    raw = (ctypes.c_uint8 * (count * dtype.itemsize)).from_address(ptr)
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _rendezvous(ndev: int, comm_id: bytes, rank: int):
+    """The MPI communicator of the ``ndev`` ranks holding ``comm_id``, in NCCL rank order."""
+    world = MPI.COMM_WORLD
+    folder = os.path.join(tempfile.gettempdir(),
+                          "hpcdist-nccl-" + comm_id[14:46].decode(errors="replace"))
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{rank}.tmp"), "w") as f:
+        f.write(str(world.Get_rank()))
+    os.replace(os.path.join(folder, f"{rank}.tmp"), os.path.join(folder, str(rank)))
+    deadline = time.monotonic() + RENDEZVOUS_S
+    while len([n for n in os.listdir(folder) if n.isdigit()]) < ndev:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"NCCL stand-in: {ndev} ranks expected at the rendezvous, "
+                               f"{len(os.listdir(folder))} came within {RENDEZVOUS_S:.0f} s")
+        time.sleep(0.001)
+    members = [int(open(os.path.join(folder, str(r))).read()) for r in range(ndev)]
+    comm = world.Create_group(world.Get_group().Incl(members))
+    comm.Barrier()                               # everyone has read the folder
+    if rank == 0:
+        for r in range(ndev):
+            os.remove(os.path.join(folder, str(r)))
+        os.rmdir(folder)
+    return comm
+
+
+class NcclCommunicator:
+    """NCCL's communicator: its collectives by MPI's built-ins on the pointed-to arrays."""
+
+    def __init__(self, ndev, commId, rank):          # noqa: N803 (CuPy's names)
+        _bind("NcclCommunicator", (ndev, commId, rank))
+        self._comm = _rendezvous(ndev, commId, rank)
+
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):   # noqa: N802
+        _bind("NcclCommunicator.allReduce", (self, sendbuf, recvbuf, count, datatype, op,
+                                             stream))
+        out = _array(recvbuf, count, datatype)
+        src = MPI.IN_PLACE if sendbuf == recvbuf else _array(sendbuf, count, datatype)
+        self._comm.Allreduce(src, out, op=_OPS[op])
+
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
+        _bind("NcclCommunicator.reduceScatter", (self, sendbuf, recvbuf, recvcount, datatype,
+                                                 op, stream))
+        n = self._comm.Get_size()
+        self._comm.Reduce_scatter_block(_array(sendbuf, recvcount * n, datatype),
+                                        _array(recvbuf, recvcount, datatype), op=_OPS[op])
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):       # noqa: N802
+        _bind("NcclCommunicator.allGather", (self, sendbuf, recvbuf, count, datatype, stream))
+        self._comm.Allgather(_array(sendbuf, count, datatype),
+                             _array(recvbuf, count * self._comm.Get_size(), datatype))
+
+    def bcast(self, buff, count, datatype, root, stream):
+        _bind("NcclCommunicator.bcast", (self, buff, count, datatype, root, stream))
+        self._comm.Bcast(_array(buff, count, datatype), root=root)
+
+    def send(self, sendbuf, count, datatype, peer, stream):
+        _bind("NcclCommunicator.send", (self, sendbuf, count, datatype, peer, stream))
+        self._queue(lambda: self._comm.Isend(_array(sendbuf, count, datatype), peer))
+
+    def recv(self, recvbuf, count, datatype, peer, stream):
+        _bind("NcclCommunicator.recv", (self, recvbuf, count, datatype, peer, stream))
+        self._queue(lambda: self._comm.Irecv(_array(recvbuf, count, datatype), peer))
+
+    def _queue(self, post) -> None:
+        if _group is None:                       # outside a group: one call, done now
+            post().Wait()
+        else:
+            _group.append(post)
+
+    def destroy(self):
+        _bind("NcclCommunicator.destroy", (self,))
+        if self._comm is not None and self._comm != MPI.COMM_NULL:
+            self._comm.Free()
+        self._comm = None

@@ -8,16 +8,7 @@ different ones talk TCP over the shaped link (UCX: ``UCX_TLS=tcp,self``,
 since every namespace sees the same /dev/shm). MPICH's hydra starts the ranks through a
 launcher script that enters the node's namespace instead of ssh-ing to it.
 
-    python -m hpcdist.cluster up --nodes 4 --ranks-per-node 2 --link 1gbit
-    python -m hpcdist.cluster run --nodes 2 --ranks-per-node 2 --link 1gbit -- \\
-        python -m hpcdist.bench collectives --hierarchical
-    python -m hpcdist.cluster down
-
-``up`` prints the mpiexec line to use; ``run`` brings a cluster up, runs the command under
-that mpiexec and takes the cluster down again (also when the command fails). Everything made
-is named with the prefix (``--prefix``, default ``hpcd``) and stays inside the namespaces it
-made. Needs root, ``ip``, ``tc`` and ``unshare`` (``available()`` says what is missing).
-"""
+The rest of this design: docs/cluster-in-a-box.md, "hpcdist/cluster.py"."""
 from __future__ import annotations
 
 import argparse

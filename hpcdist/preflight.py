@@ -6,12 +6,7 @@ with a message that says what to set, instead of failing inside every rank.
 
     python -m hpcdist.preflight --world 8 --tasks-per-node 4 --gpus-per-node 4 -- --device gpu ...
 
-Checks: the training options themselves (``hpcdist.run.config``), the world size against the
-data set and the options (``validate_world``), one rank per GPU for ``--device gpu`` (no GPUs
-allocated, more ranks than GPUs on a node, CuPy missing or seeing fewer devices), and that a
-checkpoint to resume holds this job's model (any layout and number of ranks loads it). Exit 0
-(ok, maybe with warnings), 2 (a setting to fix).
-"""
+The rest of this design: docs/cluster.md, "hpcdist/preflight.py"."""
 from __future__ import annotations
 
 import argparse

@@ -6,16 +6,7 @@ and its tokenizer). The prompt is encoded with the vocabulary the checkpoint kep
 characters or its tokenizer), and tokens are drawn one at a time with a KV cache: each new
 token runs through the model alone, attending to the cached keys and values of all before it.
 
-With ``--tp N`` under ``mpirun -n N`` the model is split as in training (heads, MLP width and
-vocabulary), each rank caches its own heads, and the gathered logits are the same on every
-rank, so every rank draws the same token.
-
-Greedy by default (``--temperature 0``): the argmax, which is what ``transformers``'
-``generate(do_sample=False)`` gives for the same weights. Otherwise logits / temperature,
-then ``--top-k`` (keep the k likeliest) and ``--top-p`` (keep the smallest set whose
-probability reaches p), drawn with ``--seed``. Past the model's context (block_size) the
-oldest tokens are dropped and the cache rebuilt.
-"""
+The rest of this design: docs/training.md, "hpcdist/sample.py"."""
 from __future__ import annotations
 
 import argparse

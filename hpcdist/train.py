@@ -22,19 +22,20 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from .device import backend
-from . import checkpoint, data, optim
-from .autograd import memtrace
-from .run import mfu, runtime, savedir, supervisor
-from .host import signals, threads, timeline
+from . import checkpoint, data, optim  # noqa: E402
+from .autograd import memtrace  # noqa: E402
 from .comm import Communicator, watchdog  # noqa: E402
 from .comm.model import fit_links  # noqa: E402
-from .run.config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
-from .run.evaluate import evaluate  # noqa: E402
+from .device import backend  # noqa: E402
+from .host import signals, threads, timeline  # noqa: E402
 from .parallel import state  # noqa: E402
 from .parallel.strategy import DataParallelStep, build_strategy  # noqa: E402
+from .run import mfu, report, runtime, savedir, supervisor  # noqa: E402
+from .run.config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
+from .run.evaluate import evaluate  # noqa: E402
 from .run.preemption import EXIT_PREEMPTED, StopRequest  # noqa: E402
-from .run.report import exit_code, final_report, header, progress_line, stopped_report
+from .run.report import (exit_code, final_report, header, progress_line,  # noqa: E402
+                         stopped_report)
 
 __all__ = ["TrainConfig", "ConfigError", "parse_config", "train", "main", "evaluate",
            "EXIT_PREEMPTED", "DataParallelStep"]
@@ -181,7 +182,7 @@ def _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics
     delay = straggler_delay(cfg, comm.rank)
     t_start = time.perf_counter()
     history, step, more = [], start, start < cfg.steps and not stopped
-    unread = Unread(strategy, meter, metrics)
+    unread = report.Unread(strategy, meter, metrics)
     while more:
         step += 1
         runtime.test_hooks(comm.rank, step)
@@ -201,52 +202,6 @@ def _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics
                 save(save_at)
             unread.restart_clock()
     return history, step, stopped
-
-
-class Unread:
-    """The steps whose loss and gradient norm are still on the device, read together at log
-    steps (and before a save or the end): one wait for the device and one collective for
-    several steps, none inside a step. On a GPU a step's time is then the interval's mean
-    (its kernels run after the host has moved on); on the CPU each step keeps its own."""
-
-    def __init__(self, strategy, meter, metrics):
-        self.strategy, self.meter, self.metrics = strategy, meter, metrics
-        self.records: list = []
-        self.restart_clock()
-
-    def restart_clock(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def add(self, rec: dict) -> None:
-        self.records.append(rec)
-
-    def read(self) -> None:
-        recs, self.records = self.records, []
-        if not recs:
-            return
-        losses = self.strategy.mean_losses([r["loss"] for r in recs])
-        norms = backend.host_values([0.0 if r["grad_norm"] is None else r["grad_norm"]
-                                     for r in recs])
-        if backend.device() == "gpu":             # the interval, now that the device is done
-            backend.synchronize()
-            ms = (time.perf_counter() - self.t0) * 1e3 / len(recs)
-            for r in recs:
-                r["tokens_per_s"] *= r["step_ms"] / ms
-                r["step_ms"] = ms
-        self.restart_clock()
-        for r, loss, norm in zip(recs, losses, norms):
-            r["loss"] = loss
-            r["grad_norm"] = None if r["grad_norm"] is None else float(norm)
-            if self.meter is not None:
-                r["tflops"], r["mfu"] = self.meter.rate(r["tokens_per_s"])
-            if self.metrics is not None:
-                self.metrics.write(json.dumps(r) + "\n")
-        if self.metrics is not None:
-            self.metrics.flush()
-        bad = next((r for r in recs if not np.isfinite(r["loss"])), None)
-        if bad is not None:
-            raise FloatingPointError(f"loss became {bad['loss']} at step {bad['step']}; "
-                                     "lower --lr")
 
 
 def straggler_delay(cfg, rank: int) -> float:

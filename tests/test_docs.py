@@ -28,6 +28,10 @@ HOW = {
                    "shortened: 30 steps on 4 ranks"),
     "make test ": (SKIP, "the whole suite: this test is part of it"),
     "make test-gpu": ("make -C {repo} test-gpu", "exits 0 saying no GPU is visible"),
+    "make test-cupy": (SKIP, "CI runs it (.ci/run): it installs CuPy's, NCCL's, NVRTC's and "
+                             "cuBLAS's wheels"),
+    "python -m hpcdist.bench gpu --count": (SKIP, "tests/test_kernels.py counts a small GPT's "
+                                                  "launches the same way"),
     "module load": (SKIP, "a cluster's environment modules"),
     "python3 -m venv .venv": (SKIP, "what make venv does (this test runs inside that venv)"),
     "pip install --no-binary=mpi4py": (SKIP, "builds mpi4py against a cluster's MPI"),

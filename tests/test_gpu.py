@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import hpcdist as hd
-from hpcdist.device import backend
+from hpcdist.device import backend, staging
 
 
 def test_round_to_bf16_matches_ml_dtypes():
@@ -39,16 +39,16 @@ def test_emulated_bf16_matmul_is_bf16_operands_with_fp32_accumulation():
 
 def test_staging_round_trip_through_reused_host_buffers():
     x = backend.to_device(np.arange(1000, dtype=np.float64).reshape(10, 100))
-    h = backend.to_host(x)
+    h = staging.to_host(x)
     assert type(h) is np.ndarray and h.shape == (1000,)
     np.testing.assert_array_equal(h, np.arange(1000))
     out = backend.to_device(np.zeros((10, 100)))
-    assert backend.from_host(h, x, out) is out
+    assert staging.from_host(h, x, out) is out
     np.testing.assert_array_equal(backend.to_numpy(out).reshape(-1), np.arange(1000))
     if backend.is_gpu_array(x):             # the next staging with the same key reuses h
-        again = backend.to_host(x[:, :50].copy(), key=0)
+        again = staging.to_host(x[:, :50].copy(), key=0)
         assert again.ctypes.data == h.ctypes.data
-        assert backend.to_host(x, key=1).ctypes.data != h.ctypes.data
+        assert staging.to_host(x, key=1).ctypes.data != h.ctypes.data
 
 
 def test_the_device_double_refuses_host_arrays_and_mpi():

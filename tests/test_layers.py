@@ -85,3 +85,25 @@ def test_the_top_holds_entry_points_and_packages_only():
     preflight) or the optimizers, beside nn."""
     loose = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
     assert loose == ["__init__", "cluster", "optim", "preflight", "sample", "train"], loose
+
+
+def test_sizes_a_newcomer_can_read():
+    """No module over 400 lines, no function over 60 outside bench/ (benchmarks print
+    tables), no module docstring over 12 lines (the rest of a design lives in docs/)."""
+    too_long = []
+    for name, path in MODS.items():
+        src = open(path).read()
+        tree = ast.parse(src)
+        if len(src.split("\n")) > 400:
+            too_long.append(f"{name}: {len(src.split(chr(10)))} lines")
+        doc = ast.get_docstring(tree, clean=False)
+        if doc and len(doc.strip("\n").split("\n")) > 12:
+            too_long.append(f"{name}: a {len(doc.strip().split(chr(10)))}-line docstring")
+        if ".bench" in name:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    too_long.append(f"{name}.{node.name}: {lines} lines")
+    assert not too_long, too_long

@@ -3,20 +3,7 @@
 Two numbers per step, both above what the rank held when the step began (the model state,
 its buffers):
 
-- ``activations``: the most bytes the autograd graphs held, sampled where a graph is whole —
-  the engine calls ``sample()`` as every backward begins. That moment sees each micro-batch's
-  activations, a pipeline stage's whole stash (it only shrinks through backwards), and, with
-  activation checkpointing, the stash plus the one block recomputed inside backward (its
-  nested backward samples too). This is what Korthikanti et al.'s formula counts and what
-  the planner predicts (``hpcdist.plan``).
-- ``peak``: the most bytes held at any moment of the step, temporaries of forward and
-  backward and communication buffers included (CPU only: Python's ``tracemalloc``, to which
-  NumPy reports every array; on a GPU the CuPy pool's bytes in use are sampled, so ``peak``
-  is the largest sample).
-
-Off by default: tracemalloc slows every allocation. Not thread-aware: the counts are the
-process's.
-"""
+The rest of this design: docs/observability.md, "hpcdist/autograd/memtrace.py"."""
 from __future__ import annotations
 
 import tracemalloc

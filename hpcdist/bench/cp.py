@@ -1,19 +1,6 @@
 """Context parallelism measured: ``python -m hpcdist.bench cp [--ranks 4]``.
 
-(a) The longest sequence that trains within a fixed activation memory per rank (``--budget-mb``,
-    the step's peak above the model state, measured as ``--trace-memory`` does) at CP 1, 2 and
-    4 on the same world (the rest is data parallelism), both variants: doubling, then
-    bisection. CP 1 runs the fused attention, which keeps the (T, T) probabilities for
-    backward; the ring keeps only the log-sum-exp and makes one block's scores at a time, so
-    it can reach past N times (ulysses keeps n_head / N heads' probabilities: about sqrt(N)).
-(b) Step time against sequence length for ring and ulysses at CP = the world, beside the
-    alpha-beta model of their context-parallel messages (alpha and beta measured by ping-pong
-    first); "comm ms" is the time a rank spent inside them (ulysses: its all-to-alls; ring: only
-    the waits the overlap did not hide).
-(c) The ring's overlap, from a trace of one step: each K/V block's attention ("cp block") and the
-    time spent waiting for the next block ("cp wait"), per rank (``--plot``: a picture).
-Text data: random letters (the model's memory and time do not depend on the text).
-"""
+The rest of this design: docs/context-parallel.md, "hpcdist/bench/cp.py"."""
 from __future__ import annotations
 
 import argparse

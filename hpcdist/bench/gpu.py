@@ -5,13 +5,7 @@ backward, AdamW — counted on the device double, where every array operation is
 a fused kernel (hpcdist/device/kernels/) counts as its own launches: once with the fused kernels
 (``HPCDIST_FUSED=1``, the default) and once with their twins op by op, side by side.
 
-Without ``--count`` (a GPU): ms per step of the same step on the GPU for each of
-``--modes`` (fp32; tf32: fp32 with TF32 GEMMs; bf16: GEMMs in bf16 on tensor cores) beside
-PyTorch on the same network and weights (when torch is installed: eager fp32, eager with
-TF32, bf16 autocast, and torch.compile of fp32 and of bf16 autocast), each with TFLOP/s, MFU
-(against the peak of its precision, hpcdist.run.mfu) and its ratio to PyTorch eager of the same
-precision. The kernels a self-check refused are listed.
-"""
+The rest of this design: docs/gpu.md, "hpcdist/bench/gpu.py"."""
 from __future__ import annotations
 
 import argparse

@@ -6,13 +6,7 @@ separate blocks, each timed between its own library's barriers (MPICH's busy-pol
 slows gloo 3x when mixed in), median of the iterations; the ratios hpcdist / MPI and hpcdist /
 gloo; and a PNG. PyTorch is optional: without it the gloo column is skipped, saying so.
 
-``--train``: the training step beside PyTorch DDP over gloo — the same GPT (PyTorch's copy
-starts from our initial weights, nanoGPT's layout), the same batches from the same sampler, AdamW
-with the same hyperparameters, schedule and clipping, the same BLAS threads per rank — at 1, 2,
-4 and 8 ranks, with both libraries' default buckets and then with many small ones
-(``--many-mb``): median step time (each library trains twice, taking turns; the faster run
-counts) and the loss after the last step; at 1 rank also what hpcdist's overlap path costs.
-"""
+The rest of this design: docs/communication.md, "hpcdist/bench/peers.py"."""
 from __future__ import annotations
 
 import argparse

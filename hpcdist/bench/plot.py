@@ -2,20 +2,7 @@
 
 Each input is recognised by its content:
 
-- ``metrics.jsonl`` (``python -m hpcdist.train``): loss per step and the learning rate, the
-  held-out accuracy in the title; several files overlay (labelled by their folder) -> loss.png
-- ``bench_collectives_n<N>.json``: busbw vs message size per collective, ours and the MPI
-  library's built-in; several world sizes overlay -> busbw.png
-- ``comm_log.json`` (``--comm-log``): each collective's measured time per call vs size,
-  next to the alpha-beta model -> comm_log.png
-- a Chrome trace (``--trace``): the first steps of every rank as a timeline, one row per
-  thread, forward/backward/sync/optimizer/collectives coloured -> timeline.png
-- the compression benchmark's JSON: held-out accuracy vs bytes sent per step -> compression.png
-- a Chrome trace of a pipeline run (``--pp``): stages down, time across, every F/B/I/W with its
-  micro-batch id for one step -> pipeline.png (bench/schedule.py draws it)
-
-    python -m hpcdist.bench plot runs/metrics.jsonl runs/bench_collectives_n8.json --out runs/plots
-"""
+The rest of this design: docs/observability.md, "hpcdist/bench/plot.py"."""
 from __future__ import annotations
 
 import argparse

@@ -1,20 +1,6 @@
 """Tensor parallelism, measured against its formulas: ``python -m hpcdist.bench tp``.
 
-(a) Elements entering the tensor-parallel collectives per transformer layer and step (the
-    difference between a 2-layer and a 1-layer model, so the embedding and the loss drop out),
-    against Megatron-LM's: without sequence parallelism 2 allreduces of b*s*h in forward and 2
-    in backward; with it the same volume as 4 reduce-scatters (input b*s*h) and 4 allgathers
-    (output b*s*h).
-(b) Activation memory held for backward per layer: the bytes of every distinct array that the
-    autograd graph keeps alive after forward (every op's output, since the graph holds its
-    nodes, and what backward closures hold; parameters excluded), 2 layers minus 1,
-    against Korthikanti et al. 2022, Table 2, taken without dropout and in elements (their
-    formulas count 2-byte activations; ours are ``--dtype``-sized): per layer
-    16sbh + as^2b without parallelism, 4sbh + (12sbh + as^2b)/t with tensor parallelism,
-    (16sbh + as^2b)/t with sequence parallelism as well.
-(c) Median step time of the default task at tp = 1, 2, 4 on the same world size and the same
-    global batch (tp 1 is pure data parallelism).
-"""
+The rest of this design: docs/tensor-parallel.md, "hpcdist/bench/tp.py"."""
 from __future__ import annotations
 
 import argparse

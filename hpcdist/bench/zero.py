@@ -7,13 +7,7 @@ et al. 2020, Table 1; mixed-precision Adam, K = 12):
     stage 0  (2 + 2 + K) Psi        stage 2  2 Psi + (2 + K) Psi / N
     stage 1  4 Psi + K Psi / N      stage 3  (4 + K) Psi / N
 
-and the same for fp32 training (params 4 + grads 4 + Adam moments 8 bytes: stage 0 16 Psi,
-stage 1 8 Psi + 8 Psi/N, stage 2 4 Psi + 12 Psi/N, stage 3 16 Psi/N). "state" is the model
-state between steps; "peak" adds what lives only during a step (stage 2's gradients before
-their bucket is sent, stage 3's gathered blocks). Also: elements sent per step and rank
-against 2 Psi (stages 0-2) and 3 Psi (stage 3), both times (N-1)/N, and step time relative
-to stage 0. ``--analytic PARAMS --world N`` prints the formulas for a model that does not fit.
-"""
+The rest of this design: docs/zero.md, "hpcdist/bench/zero.py"."""
 from __future__ import annotations
 
 import argparse

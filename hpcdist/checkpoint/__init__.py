@@ -2,27 +2,7 @@
 
 A checkpoint is a folder ``step_00000123/`` under the save directory:
 
-    rank_00003.npz    the pieces of tensors this rank writes, and its own state (RNG, ...)
-    manifest.json     written last, by rank 0: step, the layout that wrote it, the run's
-                      scalars (sampler position in global samples, loss scaler, optimizer
-                      step), every file's SHA-256 and size, and every tensor of the one
-                      logical model — parameters ``param/<name>`` and optimizer state
-                      ``opt.<kind>/<name>`` — with its shape and the pieces that hold it
-and ``latest`` names the newest complete folder. Tensors are named as in ``nn.GPT``; a piece
-says where it sits in the logical tensor (its tensor-parallel cut and flat range, see
-reshard.py), so any layout — world size, data-, tensor- or pipeline-parallel sizes, ZeRO stage
-— assembles what it needs (``Reader.tensor``) without gathering the model on one rank. Each
-piece is written once (replicas and replicated copies do not write).
-
-Every file is written to a temporary name, fsync'ed and renamed, so a crash leaves either the
-old checkpoint or the new one, never half of one. A save that fails on any rank (disk full,
-permission, quota) fails on every rank: the ranks agree, remove what the new checkpoint had
-written, keep ``latest`` where it was, and raise ``CheckpointError`` naming the rank and the
-path. Reading checks each file's checksum and names the bad file. ``find_resume`` falls back to
-the newest checkpoint that verifies when ``latest`` is missing or damaged, and says so.
-Arrays are ``np.savez`` files read with ``allow_pickle=False``; JSON values (RNG states) travel
-as UTF-8 bytes in an array.
-"""
+The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/__init__.py"."""
 from __future__ import annotations
 
 import glob

@@ -3,17 +3,7 @@ any layout cuts its own piece back out. Pure logic on NumPy arrays: no MPI.
 
 A piece of logical tensor ``name`` (shape S) is described by
 
-    cut       None (the whole tensor on this rank), or (axis, blocks, tp_size, tp_rank): the
-              tensor-parallel cut — along ``axis`` the tensor is ``blocks`` blocks side by side
-              (q, k, v: 3), each split into tp_size equal parts, rank tp_rank holding its part
-              of each; the axis is first padded to a multiple of blocks x tp_size (a vocabulary
-              that does not divide: Megatron's padding, zeros)
-    flat      [a, b): the elements of that local block (flattened, C order) the piece holds —
-              all of them, or a ZeRO shard's share
-
-Any layout rebuilds the logical tensor from the pieces that cover it (``assemble``) and takes
-its own piece (``cut_local``), so a checkpoint written by one layout loads into any other.
-"""
+The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/reshard.py"."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,17 +1,6 @@
 """``python -m hpcdist.checkpoint inspect|verify|export DIR``: checkpoints from the shell.
 
-    inspect DIR        step, the layout that wrote it, every tensor (shape, dtype, pieces),
-                       every file (size, checksum verified)
-    verify DIR         every file's SHA-256 and every tensor assembled; exit 1 on a problem
-    export DIR OUT     the whole model as one .npz of named arrays (NumPy alone loads it);
-                       ``--names nanogpt`` uses nanoGPT's names and (out, in) linear weights,
-                       so ``GPT.load_state_dict`` of a nanoGPT model of the same shape takes it;
-                       ``--format safetensors`` makes OUT a Hugging Face model folder
-                       (model.safetensors with GPT-2's names + config.json):
-                       ``transformers.GPT2LMHeadModel.from_pretrained(OUT)`` loads it
-
-DIR is a checkpoint folder (``runs/ck/step_00000600``) or a save directory (its ``latest``).
-"""
+The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/tools.py"."""
 from __future__ import annotations
 
 import argparse

@@ -1,19 +1,6 @@
 """What a collective algorithm is: one record, declared in the file that implements it.
 
-Each algorithm module (ring.py, recursive_doubling.py, rabenseifner.py, tree.py,
-hierarchical.py, short.py, sparse.py) exports ``ALGORITHMS``: records saying which collectives
-the algorithm serves and how it runs each (``runs``), what "auto" picks it for (``auto``),
-whether a short call of it rides in the agreement (``fusable``), when it beats the flat
-algorithms across nodes (``prefer``), the bytes one rank sends (``wire_bytes``) and its
-alpha-beta time (``cost``). ``registry()`` finds them in this package by that name; select.py
-chooses among them and model.py prices them without naming any. A new algorithm is one new
-file here (or, from outside the package, one ``register`` call: tests/test_comm_logic.py adds
-one that way).
-
-The run signatures, by collective: allreduce ``(wire, buf, op)``; reduce_scatter ``(wire,
-buf, op, bounds)``; allgather and allgatherv ``(wire, full, bounds)``; bcast ``(wire, buf,
-root)``; reduce ``(wire, buf, root, op)``.
-"""
+The rest of this design: docs/communication.md, "hpcdist/comm/algorithm.py"."""
 from __future__ import annotations
 
 import importlib

@@ -8,10 +8,7 @@ its long algorithms run. ``dispatch.collective`` walks every call through them i
                 key sees it; ``fill`` puts this rank's part in, ``extract`` takes the result out
     run         any other algorithm: move the data                            (ring.py ...)
 
-Every byte goes through the wire (wire.py), which stages device arrays and counts bytes.
-A kind keeps no state and sees no Communicator: ``Args`` carries one call's arguments and
-the caller's rank and size.
-"""
+The rest of this design: docs/communication.md, "hpcdist/comm/collectives.py"."""
 from __future__ import annotations
 
 import numpy as np

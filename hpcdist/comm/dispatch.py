@@ -1,20 +1,12 @@
 """The one path of every collective: check -> choose -> (fused short exchange | algorithm) -> wire.
 
-``collective`` is the whole of it, read top to bottom:
+``collective`` reads top to bottom: the memo (a repeated blocking short call goes straight
+to its fused exchange); check (the algorithm's name, the kind's checks, the ledger's
+number); choose (select.py); then ``_watched``, the one place the watchdog and the timeline
+are entered, around the fused exchange (``_short``: the data rides in the agreement) or the
+agreement and the algorithm. Non-blocking calls take the same path in the progress thread.
 
-    memo     a blocking short call on a host array made before with the same kind, size,
-             dtype and arguments was checked and chosen then: its plan goes straight to the
-             fused exchange (for an 8-byte allreduce the layers cost as much as the exchange)
-    check    the algorithm's name, then the kind's checks of this rank's arguments
-             (collectives.py); the ledger numbers the call                     (ledger.py)
-    choose   the algorithm for the size and the ranks                            (select.py)
-    watch    ``_watched``: the watchdog and the timeline, entered here and only here
-    move     FUSED: the data rides in the ledger's agreement (``_short``); any other
-             algorithm: agree, then the algorithm moves the data over the wire   (ring.py ...)
-
-Non-blocking calls take the same path in the progress thread. The Communicator's methods
-only name their arguments and call ``collective``.
-"""
+The rest of this design: docs/communication.md, "hpcdist/comm/dispatch.py"."""
 from __future__ import annotations
 
 import numpy as np

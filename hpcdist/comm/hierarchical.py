@@ -5,21 +5,7 @@ ring crosses that link 2(P-1) times per allreduce (P = N x L); these algorithms 
 2(N-1) times, in L concurrent flows of 1/L of the data each (Horovod's hierarchical
 allreduce, NCCL's trees and rings per node, ChainerMN's two-dimensional allreduce):
 
-    allreduce       1. node-local ring reduce-scatter: local rank l holds chunk l (S / L)
-                    2. ring allreduce of chunk l among the ranks with local index l, one
-                       per node (the inter-node step: 2 (N-1)/N x S/L bytes per rank)
-                    3. node-local ring allgather of the chunks
-    reduce-scatter  the shards reordered so that each local index's shards are contiguous
-                    (one local copy), a node-local reduce-scatter of those blocks, then the
-                    inter-node reduce-scatter inside each block: rank r ends with its own
-                    shard of the flat layout, (N-1)/N x S/L bytes across nodes per rank
-    allgather       the reverse: inter-node allgather inside each block, node-local
-                    allgather of the blocks, the shards put back in rank order
-
-``avg`` works level by level: each ring finishes its piece by its own size (L, then N).
-The node and cross communicators come from ``Wire.levels()``; where the ranks are not spread
-evenly over several nodes, these fall back to the flat ring (same result, same bytes).
-"""
+The rest of this design: docs/communication.md, "hpcdist/comm/hierarchical.py"."""
 from __future__ import annotations
 
 from ..device import backend

@@ -1,28 +1,7 @@
 """The collective ledger: every call numbered, checked and agreed on by all ranks before any
 result is used; errors of non-blocking calls never lost.
 
-Every collective (barrier and the non-blocking ones included) describes itself as a *key*: a
-62-bit hash of what is called, its call number on this communicator, blocking or not, length,
-dtype, op, root, k, and whether this rank found its own arguments bad. The ranks compute the
-max and the min of the keys with one recursive-doubling exchange of a 16-byte header
-[max, -min]: equal max and min mean every rank makes the same call, so a mismatch raises on
-every rank instead of leaving some waiting or returning a wrong result. On a mismatch the
-ranks exchange one line each describing their call, and the error names every rank's call:
-
-    allreduce: ranks disagree at call #7 of world — rank 1: call #7 allreduce 1,000 x float32
-    sum; ranks 0, 2, 3: call #7 barrier
-
-Short collectives carry their data in the same messages (short.py), so for them the check
-costs no extra round trip.
-
-What the always-on check cannot see: two calls that match in every field (one rank's extra
-``allreduce`` of the same size and dtype pairs with the others' next one). ``HPCDIST_DEBUG=1``
-adds the caller's file and line and the array shape to the key, which catches that too.
-
-``Ledger`` is one communicator's book: the call numbers and the handles of non-blocking calls
-not yet waited (an error nobody retrieved is raised by the next call); a repeated short call
-brings its key's static part (the Communicator's cached plan), so its agreement costs one hash.
-"""
+The rest of this design: docs/communication.md, "hpcdist/comm/ledger.py"."""
 from __future__ import annotations
 
 import os

@@ -8,28 +8,7 @@ collective. At each step a rank folds its peer's payload into its own only while
 has seen is its own (so the payload it folds always has its length and dtype); the result is
 used only when the exchange agreed, and a disagreement raises as any other mismatch does.
 
-What the payload is, and how two payloads fold:
-
-    allreduce, reduce     the buffer                          op (sum, max, ...)
-    reduce_scatter        the whole buffer; keep my shard     op
-    bcast                 root: the buffer; others: zeros     bitwise OR of the bytes
-    allgather             zeros with my piece in place        bitwise OR of the bytes
-    barrier, long calls   nothing (header only)               -
-
-OR of zeros with one rank's bytes is that rank's bytes exactly, for any dtype (-0.0, NaN
-payloads and all). Recursive doubling sends the whole payload log2(P) times, so only short
-buffers go this way (the limits in select.py are measured).
-
-An ``Exchange`` is one payload size and dtype on one MPI communicator: its send buffer, typed
-views of it and of the receive buffer, and persistent MPI requests for every step, made once
-and started again on every call of that size. Per call that leaves a few microseconds of
-Python; mpi4py's argument parsing for fresh Isend/Irecv, typed views and the
-header's buffers made on every call were more than half of it (``bench collectives``).
-
-The messages of a fused exchange and of a header-only one go between the same ranks, in the
-same order, with the same tags, and every receive takes the longest payload: ranks that took
-different paths (a short and a long call, say) still meet, and see that their keys differ.
-"""
+The rest of this design: docs/communication.md, "hpcdist/comm/short.py"."""
 from __future__ import annotations
 
 import atexit

@@ -1,27 +1,7 @@
 """Nothing waits forever: deadlines on every wait for another rank, and a report that names
 who did not arrive.
 
-Every wait on another rank (a collective, ``Handle.wait``, a receive) is registered here with
-what it waits in: the communicator, the call number on it, the kind, the bytes, the peers.
-A daemon thread per process (the watchdog) looks at those waits a few times a second. When one
-is older than the deadline (``HPCDIST_TIMEOUT`` seconds, or ``--timeout``; default 300), the
-watchdog asks every rank for its status over its own duplicate of the world communicator. Each
-live rank's watchdog answers — its waits, its last call number on each communicator, its
-host, PID and the Python stacks of all its threads; a rank that does not answer within the
-grace period (stopped, wedged, dead) is named unresponsive. The lowest rank whose deadline
-passed prints one report and ends the job with ``MPI_Abort`` (exit code ``EXIT_TIMEOUT``).
-
-Waiting ranks back off: they poll for ``YIELD_S``, yielding the core between polls (short
-waits keep their latency), then sleep in growing steps up to ``MAX_SLEEP_S``, so a stall does
-not also burn every core of the node.
-
-Signals: SIGTERM (and SIGINT) reach the watchdog through Python's wakeup fd even while the
-main thread is blocked inside an MPI call. Where no one else handles SIGTERM, the rank says
-where it was (call number, kind, how long it had waited) and exits with 128 + the signal's
-number (143), as a shell reports a death by that signal. Where a
-handler is installed (``train`` checkpoints on SIGTERM), the deadlines shrink to the grace
-period: the scheduler will kill the job soon, so a stall is reported now.
-"""
+The rest of this design: docs/communication.md, "hpcdist/comm/watchdog.py"."""
 from __future__ import annotations
 
 import atexit

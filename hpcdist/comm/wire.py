@@ -4,18 +4,7 @@ Every algorithm in ``comm/`` (ring, trees, recursive doubling, p2p, the sparse e
 gets a ``Wire`` where it would get an MPI communicator, and moves data only through its
 upper-case buffer methods. The wire
 
-- stages: ``stage_in`` gives MPI a flat host buffer (a device array's values in a reused
-  pinned buffer, unless MPI is CUDA-aware), ``stage_out`` puts a result back on the device;
-- refuses a device array that skipped staging, unless the MPI library is CUDA-aware. A real
-  CuPy array that slipped through would be read as a host pointer and crash the process;
-  here it is a ``WireError`` naming the call;
-- synchronizes the producing CUDA stream before MPI reads a device array it does accept;
-- counts every payload byte sent (``sent``), the short exchanges' persistent sends included
-  (``Startall``): ``Communicator.bytes_sent`` is the sum over its wires, and nothing else
-  counts bytes.
-
-Everything else (``Get_rank``, ``Get_size``, ``Iprobe`` ...) is the MPI communicator's own.
-"""
+The rest of this design: docs/communication.md, "hpcdist/comm/wire.py"."""
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +12,7 @@ import contextlib
 import numpy as np
 from mpi4py import MPI
 
-from ..device import backend
+from ..device import backend, staging
 from .short import Exchanges
 
 
@@ -105,14 +94,14 @@ class Wire:
         if not self.device_ok and backend.is_gpu_array(buf):
             if fresh:
                 return backend.to_numpy(buf).reshape(-1)
-            return backend.to_host(buf, key)  # synchronizes the producing stream
+            return staging.to_host(buf, key)  # synchronizes the producing stream
         return buf.reshape(-1)
 
     @staticmethod
     def stage_out(host, like, out=None):
         """A staged result back on ``like``'s device (a new array, or into ``out``)."""
         if backend.is_gpu_array(like) and not backend.is_gpu_array(host):
-            return backend.from_host(host, like, out)
+            return staging.from_host(host, like, out)
         if out is not None:
             out.reshape(-1)[...] = host.reshape(-1)
             return out

@@ -4,14 +4,7 @@ llm.c's shard: a header of 256 little-endian int32 — magic 20240520, version 1
 count — then the tokens as uint16. A raw ``.bin`` (nanoGPT's ``train.bin``) is uint16 tokens
 only, and says nothing of its vocabulary: ``--vocab-size`` is then required.
 
-A corpus is one or more shards: a folder written by ``python -m hpcdist.data prepare``
-(``train_*.bin``, ``val_*.bin``, ``tokenizer.json``), a glob, or one file. No rank reads the
-whole corpus: each shard is an ``np.memmap``, and a batch reads only its windows, so memory per
-rank is O(batch). Example i is the window of ``block_size + 1`` tokens starting at
-``i * block_size`` in the concatenation of the shards' windows (windows never cross a shard's
-end); ``DistributedSampler`` walks the examples as for any dataset, so the data position is
-the sampler's, checkpointed in global samples and exact at any world size.
-"""
+The rest of this design: docs/training.md, "hpcdist/data/shards.py"."""
 from __future__ import annotations
 
 import glob

@@ -11,7 +11,6 @@ GPU code path runs on it, and any buffer that reaches MPI without staging fails 
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 
@@ -162,53 +161,6 @@ def writeable(arr) -> bool:
     """Whether ``arr`` may be written. CuPy's flags have no ``writeable`` (its arrays always
     are, broadcast views included); NumPy's do."""
     return getattr(getattr(arr, "flags", None), "writeable", True)
-
-
-_pinned: dict = {}   # (thread id, purpose) -> reused page-locked host buffer
-
-
-def host_buffer(nbytes: int, key=0) -> np.ndarray:
-    """A reused uint8 host buffer of at least ``nbytes`` for staging device arrays: pinned
-    (page-locked) memory on a real GPU, so copies run at full PCIe/NVLink-C2C speed and need
-    no pageable bounce; plain memory otherwise. One per (calling thread, ``key``): the caller
-    owns it until its next call with the same key on the same thread."""
-    slot = (threading.get_ident(), key)
-    buf = _pinned.get(slot)
-    if buf is None or buf.nbytes < nbytes:
-        size = max(nbytes, 2 * (buf.nbytes if buf is not None else 0), 4096)
-        if _device == "gpu":
-            mem = _cupy.cuda.alloc_pinned_memory(size)
-            buf = np.frombuffer(mem, dtype=np.uint8, count=size)
-        else:
-            buf = np.empty(size, dtype=np.uint8)
-        _pinned[slot] = buf
-    return buf[:nbytes]
-
-
-def to_host(arr, key=0) -> np.ndarray:
-    """A flat host array with ``arr``'s values: ``arr`` itself on the host; for a device
-    array, a view of a reused pinned buffer (valid until the next ``to_host`` with ``key`` on
-    this thread). The producing stream is synchronised first."""
-    if not is_gpu_array(arr):
-        return arr.reshape(-1)
-    host = host_buffer(arr.nbytes, key).view(arr.dtype)
-    if not arr.flags.c_contiguous:
-        arr = _cupy.ascontiguousarray(arr)
-    arr.get(out=host.reshape(arr.shape))      # blocking: ordered after arr's producers
-    return host
-
-
-def from_host(host, like, out=None):
-    """``host``'s values on ``like``'s device: into ``out`` when given, else a new array."""
-    if not is_gpu_array(like):
-        if out is None:
-            return host
-        out.reshape(-1)[...] = host.reshape(-1)
-        return out
-    if out is None:
-        return _cupy.asarray(host)
-    out.set(host.reshape(out.shape))
-    return out
 
 
 def to_numpy(arr) -> np.ndarray:

@@ -5,25 +5,7 @@ the CuPy that hpcdist may call.
 the array module. Its arrays are NumPy arrays underneath, so every op computes exactly as on
 the CPU, but they behave as CuPy's do towards hpcdist and MPI:
 
-- ``backend.is_gpu_array`` is true for them, so every GPU code path runs;
-- they export no host buffer (no buffer protocol, DLPack or CUDA array interface): handed to
-  mpi4py they raise ``TypeError`` at once, where a real CuPy array would crash the process;
-- **the double offers exactly the surface below** (``MODULE``, ``NDARRAY``, ``FLAGS``,
-  ``CUDA``, ``CUPYX``, ``RANDOM``, ``NCCL``): each name with its kind and CuPy 14's
-  signature. Every call binds its arguments to that signature; a name that is not listed is
-  an ``AttributeError`` here, on the CPU, instead of on the first GPU it meets.
-  ``tests/cupy/test_conformance.py`` (``make test-cupy``) checks every entry against the
-  real CuPy wheel, which imports without a GPU: the name exists, it is the same kind, and
-  the listed parameters bind to CuPy's. To use a new CuPy name, add it here; that test then
-  says whether CuPy has it.
-- its generator models CuPy's: ``bit_generator.state`` is a method returning a device
-  pointer, not NumPy's dict (hpcdist keeps its own dropout state, rng.DropoutRNG);
-- it counts what a GPU would launch (``LAUNCHES``) and every device-to-host read, each a
-  wait for the device (``READS``).
-
-What it does not model: streams (work is done when a call returns), and CuPy's refusal of
-``np.asarray(device_array)``.
-"""
+The rest of this design: docs/gpu.md, "hpcdist/device/double.py"."""
 from __future__ import annotations
 
 import ctypes

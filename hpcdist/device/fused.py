@@ -6,19 +6,7 @@ accumulator ``A`` are filled in per dtype), a launcher that calls the kernels on
 and the twin: the same math in xp, which is the definition (hpcdist/device/kernels/ keeps both side
 by side). Where each runs:
 
-- CPU (NumPy): the twin, as always.
-- The device double: the twin, counted as the kernel's launches (``device_double.LAUNCHES``):
-  the double is where the launches of a GPU step are counted without a GPU.
-- A real GPU: on first use the kernel **checks itself** against the twin on small random
-  inputs of the shapes ``cases`` gives (one row, odd widths, the sizes it will meet), and runs
-  only if every output is within ``tolerance`` (relative to the twin's largest magnitude).
-  Otherwise the twin runs from then on and ``refusals()`` says which kernel was refused and by
-  how much (the run header prints it): a wrong kernel is slower, never wrong. Kernels check
-  their bounds, so a refused kernel has written nothing outside its outputs.
-
-``sources()`` gives every kernel's CUDA code per dtype: ``make test-cupy`` compiles each with
-NVRTC for sm_80 and sm_90 (no GPU needed). ``HPCDIST_FUSED=0`` runs the twins everywhere.
-"""
+The rest of this design: docs/gpu.md, "hpcdist/device/fused.py"."""
 from __future__ import annotations
 
 import os

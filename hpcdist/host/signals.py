@@ -2,21 +2,7 @@
 
 Two meanings, never switched back and forth during a run:
 
-- ``EXIT`` (the default, library use): a SIGTERM ends the rank at once; the watchdog says
-  where it was and exits with 143 (comm/watchdog.py). SIGUSR1 keeps its default.
-- ``STOP`` (chosen once by ``python -m hpcdist.train``): from that moment until the process
-  exits the stop signals only record a stop request. The training loop polls it
-  (preemption.StopRequest) and stops every rank after the same step: with ``--save-dir`` it
-  saves first. SIGINT (Ctrl-C: mpiexec forwards it to every rank) is always a stop signal
-  there; SIGTERM and SIGUSR1 are with ``--save-dir`` (without one they end the rank as in
-  ``EXIT``). Before the first step the run exits at once (nothing new to save), after the
-  last step it simply finishes.
-
-The meaning used to be read off whichever handler was installed when the watchdog thread got
-round to a signal, and ``train`` installed its handler late and put the old one back early: a
-SIGTERM in those windows (or one read after the restore) ended a checkpointing run with 143
-instead of 75, and the job dropped out of the queue.
-"""
+The rest of this design: docs/failures.md, "hpcdist/host/signals.py"."""
 from __future__ import annotations
 
 import signal

@@ -4,17 +4,7 @@ Without this, every rank of ``mpirun -n 8 python -m hpcdist.train`` starts one B
 core, and 8 ranks on 2 cores fight over them (measured: 780 ms/step against 75 ms/step with
 one thread each). torchrun sets one thread per process; we set cores // ranks-per-node.
 
-The rule, in order:
-1. a thread count the user set (``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``,
-   ``MKL_NUM_THREADS`` or ``HPCDIST_THREADS``) is kept;
-2. a rank the launcher bound to fewer cores than the node has (srun ``--cpus-per-task``,
-   ``mpirun --bind-to``) gets one thread per core it was given;
-3. otherwise the cores this process may use, divided by the ranks on this node (at least 1).
-
-``early()`` runs when hpcdist is imported, before NumPy loads its BLAS, using the launcher's
-count of ranks per node when it gives one; ``configure(local_size)`` runs again once the
-communicator knows the exact count and applies it to the loaded libraries (threadpoolctl).
-"""
+The rest of this design: docs/training.md, "hpcdist/host/threads.py"."""
 from __future__ import annotations
 
 import os

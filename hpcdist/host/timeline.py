@@ -6,15 +6,7 @@ recorded unless a recorder is active (``activate``); the hooks cost one global r
 
 At the end of a run:
 
-- ``write_chrome_trace`` moves every rank's spans to rank 0 and writes one Chrome trace (JSON
-  object format: open it in https://ui.perfetto.dev or chrome://tracing) with one process per
-  rank and one thread track per thread (the main thread; the progress thread that runs the
-  non-blocking collectives). Each rank's clock is mapped onto rank 0's by offsets measured
-  with ping-pongs at the start and at the end of the run (``ClockSync``), interpolated
-  linearly, so clocks that drift apart on different nodes still line up.
-- ``comm_log`` tabulates, per collective, algorithm and size: calls, time, algbw, busbw, and
-  the alpha-beta model's prediction next to the measurement.
-"""
+The rest of this design: docs/observability.md, "hpcdist/host/timeline.py"."""
 from __future__ import annotations
 
 import contextlib

@@ -7,18 +7,7 @@
     strategy.sync()                 # gradients averaged (DDP buckets, ZeRO reduce-scatter)
     applied, grad_norm = strategy.apply(lr, grad_clip)
 
-and reads ``model``, ``dp_comm`` (the data-parallel group, as the mesh names it: the ranks
-holding the same model part, DP x CP; gradients are averaged over it), ``batch_comm`` (those
-of them that read different batches), ``comm`` (the gradient communicator, for byte counts),
-``scaler`` and ``mesh``. Checkpoints see a strategy through ``flat_state``/``loaded``
-(parallel/state.py turns those into the layout-free form); the run's header through
-``describe``.
-
-Implementations: ``strategy.DataParallelStep`` (DDP + mixed precision, ``--zero 0``),
-``zero.Zero`` (stages 1-3) and ``pipeline.PipelineStep`` (the schedule executor around
-either). Tensor parallelism is a model (parallel/tp) inside the first two, plus ``Norm`` and
-``GradSum`` below.
-"""
+The rest of this design: docs/layout.md, "hpcdist/parallel/base.py"."""
 from __future__ import annotations
 
 import contextlib

@@ -5,19 +5,7 @@ returns a handle whose ``wait()`` completes it; the dense ones say how in one co
 Top-K also has Horovod's ``compress``/``decompress`` pair for what travels. ``key`` names the bucket
 (schemes with per-bucket state, such as Top-K residuals, keep it under that key).
 
-- ``none``: the dense average, non-blocking (overlaps backward).
-- ``fp16``: float16 on the wire, the reduction in float32 (ring with a wire dtype).
-- ``topk``: Deep Gradient Compression (Lin et al., 2018): momentum correction, error feedback
-  (what was not sent stays in the residual and is added next step), local gradient clipping,
-  momentum factor masking and density warm-up, over ``comm.sparse_allreduce``.
-- ``powersgd``: PowerSGD (Vogels et al., 2019): each matrix-shaped gradient of a bucket is sent
-  as rank-r factors P and Q (one power iteration, warm-started from last step's Q), with
-  error feedback; vectors (biases, norms) and matrices that rank r would not shrink travel
-  dense inside P's allreduce. Two allreduces per bucket.
-
-Schemes that need the shapes inside a bucket get them once through ``bind`` (the DDP wrapper
-calls it with ``{bucket index: [(offset in the bucket, shape), ...]}``).
-"""
+The rest of this design: docs/compression.md, "hpcdist/parallel/compression.py"."""
 from __future__ import annotations
 
 import math

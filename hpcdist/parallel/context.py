@@ -7,17 +7,7 @@ mask every rank scores the same number of (query, key) pairs to within one chunk
 positions (``take``), and its loss is this rank's share of the sequence's mean (``loss``), so
 averaging gradients over DP x CP gives exactly the one-process gradient.
 
-Attention, two ways (``impl``):
-    ring     K/V blocks travel around the group (non-blocking sends on the Communicator,
-             posted before the block in hand is computed); partial results merge by the
-             online-softmax rule (log-sum-exp). The backward pass sends K/V and the dK/dV
-             accumulators the other way round the ring; each accumulator ends at its owner.
-    ulysses  all-to-all: sequence-split q/k/v become head-split over the whole sequence, the
-             ordinary causal attention runs on n_head / N heads, and the output goes back.
-Bytes per layer, summed over the group (``bytes_per_layer``): ring 2(N-1)BTC forward and
-2(N-1)BTC + 2N BTC backward; ulysses 4(N-1)/N BTC each way (C: the width this rank's heads
-span; elements times the item size, plus a 128-byte header per message).
-"""
+The rest of this design: docs/context-parallel.md, "hpcdist/parallel/context.py"."""
 from __future__ import annotations
 
 import numpy as np

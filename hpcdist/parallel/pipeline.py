@@ -6,20 +6,7 @@ Every rank builds its schedule (parallel/schedules.py), annotates each send and 
 the shape it will carry, and verifies the whole schedule — every stage's list — before any
 micro-batch moves. The executor only walks this rank's list:
 
-    COMM   post its receives and sends (non-blocking, on the pipeline communicator), wait for
-           the receives; the sends are waited for at the end of the step
-    F      forward of micro-batch mb through chunk c; the inputs and outputs are stashed
-    B      backward from the received gradient (the last stage: from the loss); the stash of
-           (mb, c) is freed
-    I / W  the zero-bubble halves of B: input gradient now, weight gradient later; ZB-H1 is
-           replanned after two steps from the measured F, I and W times (agreed over the
-           pipeline, then verified like any schedule)
-
-The loss of micro-batch mb is weighted by its share of the batch's scored positions, so the sum
-over micro-batches is exactly the mean the 1-rank run takes over the whole batch. A tied
-embedding lives on the first and the last stage; their gradients are summed between those two
-ranks before the data-parallel average. Tensor parallelism runs inside each stage unchanged.
-"""
+The rest of this design: docs/pipeline-parallel.md, "hpcdist/parallel/pipeline.py"."""
 from __future__ import annotations
 
 import time

@@ -6,26 +6,7 @@ gradient, pushes each server its shard of it (non-blocking point-to-point), and 
 server's answer: that server's current shard of the parameters. There is no collective among
 the workers and no barrier per step.
 
-A server applies one optimizer step each time ``W`` pushes (W = the workers) have arrived,
-with their mean gradient: the same step DDP takes, but its W gradients are the first W to
-arrive, from whichever workers, computed on parameters up to a few versions old. Stale
-Synchronous Parallel (Ho et al., 2013) bounds how far apart the workers can drift: a server
-answers a worker's push of clock c (its c-th gradient) only once every worker has pushed at
-least c - s gradients (``--max-staleness s``; -1: never wait). With s = 0 every step's W
-gradients are one per worker, computed on the same parameters: exactly DDP (to round-off:
-the server sums in arrival order). A gradient's staleness — the steps applied between the
-version it was computed on and the step that applies it — is then at most 2s (bounded) and
-0 at s = 0; every server records its histogram.
-
-Control (checkpoint, stop on a signal, the end of the run) is decided by the first server at
-a *cut*: for each worker, the clock of the push after which it saves or stops (the push it is
-computing, or the one waiting for an answer). The other servers hear the cut from it; every
-server answers the cut pushes only once all of them have arrived, so the servers' states at
-the cut hold exactly the same pushes, and the checkpoint is the same collective save as any
-other run's (a server writes its shard; the pushes a server has summed but not yet applied are
-its own state). The run ends once the version reaches ``--steps``: pushes past that are
-dropped; a worker has then run as many local steps as its speed allowed (a straggler fewer).
-"""
+The rest of this design: docs/data-parallel.md, "hpcdist/parallel/ps.py"."""
 from __future__ import annotations
 
 import os

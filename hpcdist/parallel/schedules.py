@@ -8,23 +8,7 @@ A schedule is, for each of the P stages (ranks), an ordered list of actions:
     COMM(ops)  point-to-point operations posted together and completed together: each op is
                (SEND or RECV, ACT or GRAD, mb, c, peer)
 
-Chunk c on rank s is virtual stage k = c * P + s (Megatron's interleaving); activations flow
-from virtual stage k to k + 1, gradients back. Generators (orders.py: pure functions of P, m,
-v) give the compute order; ``add_communication`` inserts the sends and receives: each receive
-just before the compute that needs it, each send just after the compute that produced it, and
-every send and receive between two computes grouped into one COMM, posted together (as
-Megatron's ``send_forward_recv_backward``): under the strictest semantics a 1F1B pipeline whose
-sends and receives are posted one at a time deadlocks in its steady state.
-
-``verify`` executes all stages' lists under the strictest MPI semantics — a send completes only
-once its receive is posted, a receive only once its send is; messages between two ranks on one
-tag match in order — and proves
-that the schedule finishes, every send meets a receive of the same shape, every compute runs
-after the data it needs has arrived, each micro-batch's F comes before its B (I before W),
-every F and B happens once, and the stash stays within what the schedule promises; it also gives the makespan and bubble for given op costs. A failing schedule
-is refused with each stage's first blocked action named. Hand-written schedules (a list per
-stage) go through the same verifier.
-"""
+The rest of this design: docs/pipeline-parallel.md, "hpcdist/parallel/schedules.py"."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,17 +6,7 @@ stage shares: the shard bounds, the master weights and the optimizer on this ran
 the update (unscale, overflow, clip, step), the reduce-scatter of packed gradient ranges and
 the memory count. A stage is a subclass saying where parameters and gradients live:
 
-- Stage 1 (``ZeroStage1``): full compute parameters and a full gradient buffer; after
-  backward the gradient is reduce-scattered, the shard updated, an allgather rebuilds the
-  full parameters.
-- Stage 2 (``ZeroStage2``): no full gradient buffer. Gradient buckets (buckets.py, the
-  mechanism DDP uses) launch a reduce-scatter onto the global shards as they finish, and the
-  parameters' gradients are dropped.
-- Stage 3 (``ZeroStage3``): parameters are sharded too, gathered block by block.
-
-Per step and rank: stages 1-2 send (P-1)/P x 2 Psi elements (reduce-scatter + allgather), as
-DDP does; stage 3 (P-1)/P x 3 Psi (two gathers and a reduce-scatter).
-"""
+The rest of this design: docs/zero.md, "hpcdist/parallel/zero.py"."""
 from __future__ import annotations
 
 import contextlib

@@ -2,6 +2,7 @@
 (held-out accuracy and loss, memory, MFU) or the line of a run stopped by a signal."""
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -118,3 +119,49 @@ def cfg_parameters(model, cfg) -> int:
     if cfg.tp == 1:
         return full.num_parameters()
     return sum(p.size * (cfg.tp if spec else 1) for _, p, spec in full.named_specs())
+
+
+class Unread:
+    """The steps whose loss and gradient norm are still on the device, read together at log
+    steps (and before a save or the end): one wait for the device and one collective for
+    several steps, none inside a step. On a GPU a step's time is then the interval's mean
+    (its kernels run after the host has moved on); on the CPU each step keeps its own."""
+
+    def __init__(self, strategy, meter, metrics):
+        self.strategy, self.meter, self.metrics = strategy, meter, metrics
+        self.records: list = []
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def add(self, rec: dict) -> None:
+        self.records.append(rec)
+
+    def read(self) -> None:
+        recs, self.records = self.records, []
+        if not recs:
+            return
+        losses = self.strategy.mean_losses([r["loss"] for r in recs])
+        norms = backend.host_values([0.0 if r["grad_norm"] is None else r["grad_norm"]
+                                     for r in recs])
+        if backend.device() == "gpu":             # the interval, now that the device is done
+            backend.synchronize()
+            ms = (time.perf_counter() - self.t0) * 1e3 / len(recs)
+            for r in recs:
+                r["tokens_per_s"] *= r["step_ms"] / ms
+                r["step_ms"] = ms
+        self.restart_clock()
+        for r, loss, norm in zip(recs, losses, norms):
+            r["loss"] = loss
+            r["grad_norm"] = None if r["grad_norm"] is None else float(norm)
+            if self.meter is not None:
+                r["tflops"], r["mfu"] = self.meter.rate(r["tokens_per_s"])
+            if self.metrics is not None:
+                self.metrics.write(json.dumps(r) + "\n")
+        if self.metrics is not None:
+            self.metrics.flush()
+        bad = next((r for r in recs if not np.isfinite(r["loss"])), None)
+        if bad is not None:
+            raise FloatingPointError(f"loss became {bad['loss']} at step {bad['step']}; "
+                                     "lower --lr")

@@ -6,19 +6,7 @@ one line and exit code 2 at start-up, not a traceback after the last step.
 
 ``--save-dir`` holds two small files beside the checkpoints:
 
-    run.json   the run's identity: an id, when and where it started, its command line.
-               A fresh run (no ``--resume``) into a folder that holds another run's
-               checkpoints is refused: ``--resume`` continues that run, ``--overwrite`` moves
-               it aside (``<folder>.old-1``, ``.old-2``, ...) and starts a new one. Nothing
-               is ever deleted.
-    .lock      the job that uses the folder now (host, pid, start time, SLURM job id), held
-               for the job's life and refreshed every ``HEARTBEAT_S``. A second job on the
-               same folder is refused, naming the holder. A lock whose holder is gone (its
-               process, on the same host; its heartbeat older than ``STALE_S`` elsewhere) is
-               taken over, with a line saying whose it was.
-
-Rank 0 does all of this (``claim``); the ranks agree on its verdict as on any setup error.
-"""
+The rest of this design: docs/failures.md, "hpcdist/run/savedir.py"."""
 from __future__ import annotations
 
 import atexit

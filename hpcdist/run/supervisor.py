@@ -7,15 +7,7 @@ prints a PID that was not always the killed rank's. The supervisor is the killed
 parent, so ``waitpid`` tells it exactly how its rank ended, and it is still alive to say
 so, before the launcher knows anything:
 
-    [hpcdist] rank 2 of 4 (host vm, pid 4242) was killed by SIGKILL: ...
-
-Then it exits as its rank did (128 + the signal), and the launcher ends the job as before.
-
-The rank dies with its supervisor (``PR_SET_PDEATHSIG``), lives in its own process group
-(so nothing that signals the launcher's processes reaches it twice, or first), and gets
-every signal the supervisor receives (SIGINT, SIGTERM, SIGUSR1 ... are forwarded).
-``HPCDIST_SUPERVISE=0`` turns this off.
-"""
+The rest of this design: docs/failures.md, "hpcdist/run/supervisor.py"."""
 from __future__ import annotations
 
 import os

@@ -1,20 +1,11 @@
 """GEMMs on tensor cores: TF32 and fp16 through CuPy's compute types, bf16 through cuBLAS.
 
-- ``--tf32``: fp32 GEMMs on TF32 tensor cores (inputs rounded to 10-bit mantissas, fp32
-  accumulation), CuPy's ``COMPUTE_TYPE_TF32``. Off by default, as in PyTorch.
-- fp16 GEMMs accumulate in fp32: CuPy's ``COMPUTE_TYPE_FP32`` for float16 (said explicitly,
-  not left to CuPy's default).
-- bf16 on a CuPy without bfloat16 (14.x): activations stay float32 (backend.compute_dtype);
-  each GEMM converts its operands to bf16 words in one kernel each (round to nearest even,
-  NaN kept) and runs cuBLAS's ``gemmEx`` with bf16 inputs, fp32 output and fp32 compute on
-  tensor cores. Its twin — the definition — rounds the operands to bf16 in float32 and
-  multiplies (backend.matmul), which is what the CPU and the device double run.
+``--tf32``: fp32 GEMMs on TF32 tensor cores; fp16 GEMMs accumulate in fp32 (``configure``).
+bf16 on a CuPy without bfloat16: activations stay float32 and ``BF16_GEMM`` converts each
+operand to bf16 words and runs cuBLAS's ``gemmEx`` (bf16 in, fp32 out and accumulation), a
+self-checked kernel whose twin rounds the operands and multiplies in float32.
 
-``BF16_GEMM`` is a ``Fused`` op: on a GPU it checks itself against the twin on first use and
-is refused (the twin runs, the header says why) if it disagrees. The cuBLAS and CuPy-internal
-names used here are listed in ``device_surface.CUBLAS``, which ``make test-cupy`` checks
-against CuPy and cuBLAS's wheels.
-"""
+The rest of this design: docs/gpu.md, "hpcdist/device/kernels/gemm.py"."""
 from __future__ import annotations
 
 import importlib

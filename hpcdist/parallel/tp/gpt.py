@@ -5,13 +5,7 @@ embedding (and an untied output head) over the vocabulary; LayerNorms, position 
 the biases of row-parallel layers are replicated. Parameter names are those of ``nn.GPT``, so
 a checkpoint maps one-to-one, and ``shard_spec`` says how each was cut.
 
-Initialisation: ``from_model`` slices a full ``nn.GPT`` built from the same seed, so every
-shard holds exactly the values of the 1-rank model (equivalence is testable to the last bit of
-the initial weights). It needs the whole model on every rank once, at start-up. For models that
-do not fit on one rank, draw each parameter from its own stream, keyed by (seed, parameter
-name), generating only this rank's rows or columns (Megatron's initialisation on the device):
-that scales, but no longer equals the 1-rank run's draw; not needed at our sizes.
-"""
+The rest of this design: docs/tensor-parallel.md, "hpcdist/parallel/tp/gpt.py"."""
 from __future__ import annotations
 
 from ...device import backend

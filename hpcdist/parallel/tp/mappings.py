@@ -2,17 +2,7 @@
 
 Each op is a few lines, over the tensor-parallel communicator ``comm`` (our own collectives):
 
-    op                       forward                         backward
-    copy_to_tp               identity                        allreduce
-    reduce_from_tp           allreduce                       identity
-    gather_from_tp           allgather along the last axis   split (keep this rank's slice)
-    scatter_to_tp            split along the last axis       allgather
-    reduce_scatter_to_sp     reduce-scatter along sequence   allgather along sequence
-    gather_from_sp           allgather along sequence        reduce-scatter along sequence
-
-The sequence axis is axis 1 of (B, T, C); rank t holds sequence rows ``sequence_bounds(T,
-P, t)`` — the shard layout of comm/layout.py applied to rows, so T need not divide by P.
-"""
+The rest of this design: docs/tensor-parallel.md, "hpcdist/parallel/tp/mappings.py"."""
 from __future__ import annotations
 
 from ...comm.layout import shard_bounds

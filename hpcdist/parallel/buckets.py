@@ -16,19 +16,27 @@ MB = 1 << 20
 
 
 class Bucket:
-    """A contiguous slice [lo, hi) of the flat gradient and the parameters that fill it."""
+    """Parameters whose flat ranges move together in one collective: DDP's and ZeRO-2's
+    gradient buckets (one contiguous range [lo, hi)), ZeRO-3's gather groups (a block's
+    ranges, gathered before it runs and reduce-scattered after its backward)."""
 
-    def __init__(self, index: int, lo: int, hi: int, params):
-        self.index, self.lo, self.hi, self.params = index, lo, hi, params
+    def __init__(self, index: int, ranges, params):
+        self.index, self.ranges, self.params = index, list(ranges), params
         self.pending = len(params)
-        self.handle = None
+        self.handle = None          # the collective in flight
+        self.launched = False       # ZeRO-3: its gradients are on their way this micro-batch
+        self.buffers = None         # ZeRO-3: gathered full values, one array per range
 
     @property
-    def ranges(self) -> list:
-        return [(self.lo, self.hi)]
+    def lo(self) -> int:
+        return self.ranges[0][0]
+
+    @property
+    def hi(self) -> int:
+        return self.ranges[-1][1]
 
     def __repr__(self):
-        return f"Bucket({self.index}, [{self.lo}, {self.hi}), {len(self.params)} params)"
+        return f"Bucket({self.index}, {self.ranges}, {len(self.params)} params)"
 
 
 def plan_buckets(sizes, itemsize: int, bucket_mb: float, first_bucket_mb: float):
@@ -55,7 +63,7 @@ def plan_buckets(sizes, itemsize: int, bucket_mb: float, first_bucket_mb: float)
 def make_buckets(params, itemsize: int, bucket_mb: float, first_bucket_mb: float) -> list:
     """The buckets over ``params`` (flat order), in launch order."""
     plan = plan_buckets([p.size for p in params], itemsize, bucket_mb, first_bucket_mb)
-    return [Bucket(i, lo, hi, [params[j] for j in members])
+    return [Bucket(i, [(lo, hi)], [params[j] for j in members])
             for i, (lo, hi, members) in enumerate(plan)]
 
 

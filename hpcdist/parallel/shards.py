@@ -26,17 +26,6 @@ def pieces_of_range(a: int, b: int, world: int, length: int):
     return out
 
 
-class Group:
-    """Parameters that are gathered, or reduce-scattered, together: flat ranges [a, b)."""
-
-    def __init__(self, index, ranges, params):
-        self.index, self.ranges, self.params = index, ranges, params
-        self.pending = len(params)
-        self.launched = False       # its gradients are on their way this micro-batch
-        self.handle = None          # in-flight gather (stage 3) or reduce-scatter
-        self.buffers = None         # gathered full values, one array per range
-
-
 def identity_hook(x: Tensor, on_backward) -> Tensor:
     """x itself, plus a callback when backward reaches this point."""
     def backward(g):

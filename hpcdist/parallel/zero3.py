@@ -6,7 +6,8 @@ import contextlib
 
 from ..device import backend
 from ..optim import intersect
-from .shards import Group, identity_hook
+from .buckets import Bucket
+from .shards import identity_hook
 from .zero import Zero, ZeroStage1, ZeroStage2
 
 
@@ -54,7 +55,7 @@ class ZeroStage3(Zero):
         self.persistent = self._group(len(groups), rest)
         return groups + [self.persistent]
 
-    def _group(self, index, idx) -> Group:
+    def _group(self, index, idx) -> Bucket:
         ranges = []
         for i in idx:                           # merge neighbouring parameters into ranges
             a, b = self.offsets[i], self.offsets[i] + self.params[i].size
@@ -62,7 +63,7 @@ class ZeroStage3(Zero):
                 ranges[-1] = (ranges[-1][0], b)
             else:
                 ranges.append((a, b))
-        return Group(index, ranges, [self.params[i] for i in idx])
+        return Bucket(index, ranges, [self.params[i] for i in idx])
 
     def _prefetch(self, group) -> None:
         """Start gathering the group's full ranges (non-blocking allgathers of the pieces

@@ -155,10 +155,12 @@ class Zero(Strategy):
         g = self.grad_shard.astype(self.master.dtype)
         if self.scaler.enabled:
             g *= 1.0 / self.scaler.scale
+        # fp16 checks every element (a device read); otherwise a non-finite gradient shows
+        # in the global sum of squares, which is read anyway
         finite = bool(xp.isfinite(g).all()) if self.scaler.enabled else True
         sums = self.norm.reduce(backend.host_values([self.norm.sum_sq(g, self.lo),
                                                      0.0 if finite else 1.0]))
-        norm, overflow = float(np.sqrt(sums[0])), sums[1] > 0
+        norm, overflow = float(np.sqrt(sums[0])), sums[1] > 0 or not np.isfinite(sums[0])
         if not self.scaler.update(bool(overflow)):
             self._end_step()
             return False, None

@@ -1,9 +1,7 @@
 """Activation memory of a training step, measured (``--trace-memory``).
 
 Two numbers per step, both above what the rank held when the step began (the model state,
-its buffers):
-
-The rest of this design: docs/observability.md, "hpcdist/autograd/memtrace.py"."""
+its buffers) — the list goes on in docs/observability.md, "hpcdist/autograd/memtrace.py"."""
 from __future__ import annotations
 
 import tracemalloc

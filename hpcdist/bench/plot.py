@@ -1,8 +1,7 @@
 """PNG plots from what runs and benchmarks wrote: ``python -m hpcdist.bench plot FILE...``.
 
-Each input is recognised by its content:
-
-The rest of this design: docs/observability.md, "hpcdist/bench/plot.py"."""
+Each input is recognised by its content — the list goes on in docs/observability.md,
+"hpcdist/bench/plot.py"."""
 from __future__ import annotations
 
 import argparse

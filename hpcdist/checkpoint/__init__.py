@@ -1,8 +1,7 @@
 """Layout-free, atomic, verified, pickle-free checkpoints.
 
-A checkpoint is a folder ``step_00000123/`` under the save directory:
-
-The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/__init__.py"."""
+A checkpoint is a folder ``step_00000123/`` under the save directory — the list goes on in
+docs/checkpoints.md, "hpcdist/checkpoint/__init__.py"."""
 from __future__ import annotations
 
 import glob

@@ -3,9 +3,8 @@
 Inside a node ranks share memory; between nodes they share one slow link per node. A flat
 ring crosses that link 2(P-1) times per allreduce (P = N x L); these algorithms cross it
 2(N-1) times, in L concurrent flows of 1/L of the data each (Horovod's hierarchical
-allreduce, NCCL's trees and rings per node, ChainerMN's two-dimensional allreduce):
-
-The rest of this design: docs/communication.md, "hpcdist/comm/hierarchical.py"."""
+allreduce, NCCL's trees and rings per node, ChainerMN's two-dimensional allreduce) — the
+list goes on in docs/communication.md, "hpcdist/comm/hierarchical.py"."""
 from __future__ import annotations
 
 from ..device import backend

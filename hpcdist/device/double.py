@@ -3,9 +3,8 @@ the CuPy that hpcdist may call.
 
 ``backend.init("double")`` (``--device double``, ``HPCDIST_DEVICE=double``) makes this module
 the array module. Its arrays are NumPy arrays underneath, so every op computes exactly as on
-the CPU, but they behave as CuPy's do towards hpcdist and MPI:
-
-The rest of this design: docs/gpu.md, "hpcdist/device/double.py"."""
+the CPU, but they behave as CuPy's do towards hpcdist and MPI — the list goes on in
+docs/gpu.md, "hpcdist/device/double.py"."""
 from __future__ import annotations
 
 import ctypes

@@ -2,11 +2,10 @@
 
 A ``Fused`` op is one job done in one pass (GELU forward, LayerNorm backward, AdamW over the
 whole flat buffer, ...): CUDA C source written for float and double (``T`` and the
-accumulator ``A`` are filled in per dtype), a launcher that calls the kernels on CuPy arrays,
-and the twin: the same math in xp, which is the definition (hpcdist/device/kernels/ keeps both side
-by side). Where each runs:
-
-The rest of this design: docs/gpu.md, "hpcdist/device/fused.py"."""
+accumulator ``A`` are filled in per dtype), a launcher that calls the kernels on CuPy
+arrays, and the twin: the same math in xp, which is the definition (hpcdist/device/kernels/
+keeps both side by side). Where each runs — the list goes on in docs/gpu.md,
+"hpcdist/device/fused.py"."""
 from __future__ import annotations
 
 import os

@@ -1,8 +1,7 @@
 """What SIGTERM and SIGUSR1 mean in this process, decided once, at the entry point.
 
-Two meanings, never switched back and forth during a run:
-
-The rest of this design: docs/failures.md, "hpcdist/host/signals.py"."""
+Two meanings, never switched back and forth during a run — the list goes on in
+docs/failures.md, "hpcdist/host/signals.py"."""
 from __future__ import annotations
 
 import signal

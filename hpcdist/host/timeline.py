@@ -4,9 +4,7 @@ A ``Recorder`` collects, on each rank, complete spans (forward, backward, optimi
 every collective with its bytes and algorithm) and per-call collective timings. Nothing is
 recorded unless a recorder is active (``activate``); the hooks cost one global read otherwise.
 
-At the end of a run:
-
-The rest of this design: docs/observability.md, "hpcdist/host/timeline.py"."""
+At the end of a run — the list goes on in docs/observability.md, "hpcdist/host/timeline.py"."""
 from __future__ import annotations
 
 import contextlib

@@ -1,12 +1,11 @@
 """Pipeline parallelism: the model split into stages, and the executor that walks a schedule.
 
 The layers of the one logical model are split over P ranks x v chunks (virtual stages, k =
-chunk * P + rank): embeddings with the first virtual stage, final norm and head with the last.
-Every rank builds its schedule (parallel/schedules.py), annotates each send and receive with
-the shape it will carry, and verifies the whole schedule — every stage's list — before any
-micro-batch moves. The executor only walks this rank's list:
-
-The rest of this design: docs/pipeline-parallel.md, "hpcdist/parallel/pipeline.py"."""
+chunk * P + rank): embeddings with the first virtual stage, final norm and head with the
+last. Every rank builds its schedule (parallel/schedules.py), annotates each send and
+receive with the shape it will carry, and verifies the whole schedule — every stage's list —
+before any micro-batch moves. The executor only walks this rank's list — the list goes on in
+docs/pipeline-parallel.md, "hpcdist/parallel/pipeline.py"."""
 from __future__ import annotations
 
 import time

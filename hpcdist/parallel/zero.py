@@ -1,12 +1,11 @@
 """ZeRO stages 1-3 (Rajbhandari et al., 2020) over the flat parameter layout.
 
-The parameters are laid out as one flat vector of L elements (model order) and split over the
-P ranks by the shard layout (comm/layout.py): rank r owns [lo, hi). ``Zero`` is what every
-stage shares: the shard bounds, the master weights and the optimizer on this rank's shard,
-the update (unscale, overflow, clip, step), the reduce-scatter of packed gradient ranges and
-the memory count. A stage is a subclass saying where parameters and gradients live:
-
-The rest of this design: docs/zero.md, "hpcdist/parallel/zero.py"."""
+The parameters are laid out as one flat vector of L elements (model order) and split over
+the P ranks by the shard layout (comm/layout.py): rank r owns [lo, hi). ``Zero`` is what
+every stage shares: the shard bounds, the master weights and the optimizer on this rank's
+shard, the update (unscale, overflow, clip, step), the reduce-scatter of packed gradient
+ranges and the memory count. A stage is a subclass saying where parameters and gradients
+live — the list goes on in docs/zero.md, "hpcdist/parallel/zero.py"."""
 from __future__ import annotations
 
 import contextlib

@@ -4,9 +4,8 @@ What a run is about to write is checked on every rank that writes it, before ste
 (``check_writable``): a folder inside a regular file, a read-only place or a full quota is
 one line and exit code 2 at start-up, not a traceback after the last step.
 
-``--save-dir`` holds two small files beside the checkpoints:
-
-The rest of this design: docs/failures.md, "hpcdist/run/savedir.py"."""
+``--save-dir`` holds two small files beside the checkpoints — the list goes on in
+docs/failures.md, "hpcdist/run/savedir.py"."""
 from __future__ import annotations
 
 import atexit

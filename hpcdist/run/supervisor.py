@@ -4,10 +4,9 @@ starts, into a small supervisor (the process the launcher started) and the rank 
 Why: a rank killed with SIGKILL (``kill -9``, the OOM killer) cannot say anything, and the
 launcher ends every other rank with SIGKILL the moment it notices: MPICH's mpiexec then
 prints a PID that was not always the killed rank's. The supervisor is the killed rank's
-parent, so ``waitpid`` tells it exactly how its rank ended, and it is still alive to say
-so, before the launcher knows anything:
-
-The rest of this design: docs/failures.md, "hpcdist/run/supervisor.py"."""
+parent, so ``waitpid`` tells it exactly how its rank ended, and it is still alive to say so,
+before the launcher knows anything — the list goes on in docs/failures.md,
+"hpcdist/run/supervisor.py"."""
 from __future__ import annotations
 
 import os

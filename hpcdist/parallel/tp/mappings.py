@@ -1,8 +1,7 @@
 """Tensor-parallel mappings: autograd ops whose forward and backward are dual collectives.
 
-Each op is a few lines, over the tensor-parallel communicator ``comm`` (our own collectives):
-
-The rest of this design: docs/tensor-parallel.md, "hpcdist/parallel/tp/mappings.py"."""
+Each op is a few lines, over the tensor-parallel communicator ``comm`` (our own collectives)
+— the list goes on in docs/tensor-parallel.md, "hpcdist/parallel/tp/mappings.py"."""
 from __future__ import annotations
 
 from ...comm.layout import shard_bounds

@@ -31,7 +31,8 @@ from .host import signals, threads, timeline  # noqa: E402
 from .parallel import state  # noqa: E402
 from .parallel.strategy import DataParallelStep, build_strategy  # noqa: E402
 from .run import mfu, report, runtime, savedir, supervisor  # noqa: E402
-from .run.config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
+from .run.config import (ConfigError, TrainConfig, parse_config,  # noqa: E402
+                         shape_from_pretrained, validate_world)
 from .run.evaluate import evaluate  # noqa: E402
 from .run.preemption import EXIT_PREEMPTED, StopRequest  # noqa: E402
 from .run.report import (exit_code, final_report, header, progress_line,  # noqa: E402
@@ -48,7 +49,7 @@ def prepare(cfg: TrainConfig, comm):
     backend.init(cfg.device, comm.local_rank)
     datasets = data.datasets_of(cfg)
     if cfg.init_from:
-        init_from_shape(cfg, datasets[0])
+        shape_from_pretrained(cfg, datasets[0])
     validate_world(cfg, comm.size, len(datasets[0]), datasets[0].block_size)
     if not cfg.resume:
         return datasets, None
@@ -59,24 +60,6 @@ def prepare(cfg: TrainConfig, comm):
     checkpoint.check_meta(reader.manifest,
                           checkpoint.checkpoint_meta(cfg, datasets[0].vocabulary), folder)
     return datasets, (folder, note, reader)
-
-
-def init_from_shape(cfg, train_set) -> None:
-    """--init-from: the model's shape is the folder's; the data must speak its vocabulary."""
-    from .checkpoint import hf
-    from .run.config import validate
-    shape = hf.gpt2_shape(cfg.init_from)
-    if shape["vocab_size"] != train_set.vocab_size:
-        raise ConfigError(f"--init-from {cfg.init_from} has a vocabulary of "
-                          f"{shape['vocab_size']:,}, the data {train_set.vocab_size:,}: "
-                          "tokenize the data with the model's tokenizer (python -m "
-                          f"hpcdist.data prepare ... --tokenizer {cfg.init_from}/tokenizer.json)")
-    if train_set.block_size > shape["block_size"]:
-        raise ConfigError(f"--block-size {train_set.block_size} exceeds the {shape['block_size']}"
-                          f" positions of --init-from {cfg.init_from}")
-    cfg.n_layer, cfg.n_head, cfg.n_embd = shape["n_layer"], shape["n_head"], shape["n_embd"]
-    cfg.bias, cfg.tie_weights = True, shape["tie_weights"]
-    validate(cfg)
 
 
 def build(cfg: TrainConfig, comm, datasets):
@@ -220,7 +203,7 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
     t0 = time.perf_counter()
     bytes0 = strategy.comm.bytes_sent
     memtrace.start()
-    counts = device_counts()
+    counts = backend.device_counts()
     with timeline.span("step", step=step) as span:
         if delay:
             time.sleep(delay)
@@ -237,7 +220,7 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
         with timeline.span("optimizer step"):
             _, norm = strategy.apply(lr, cfg.grad_clip)
         if span is not None and counts is not None:   # the device double's counts, per step
-            after = device_counts()
+            after = backend.device_counts()
             span.update(launches=after[0] - counts[0], device_reads=after[1] - counts[1])
     dt = time.perf_counter() - t0
     held = memtrace.finish()
@@ -249,15 +232,6 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
             "loss_scale": strategy.scaler.scale, "skipped_steps": strategy.scaler.skipped,
             **({"memory_activations": held["activations"], "memory_step_peak": held["peak"]}
                if held else {})}
-
-
-def device_counts():
-    """(kernel launches, device-to-host reads) so far, as the device double counts them; None
-    on other devices (a GPU does not count them for us)."""
-    if backend.device_label() != "double":
-        return None
-    from .device.surface import LAUNCHES, READS
-    return LAUNCHES.count, READS.count
 
 
 def _overflow_ok(strategy):
@@ -278,18 +252,6 @@ def _resume(cfg, comm, strategy, sampler, resume, say) -> int:
         note += f" at step {start}" + (f" ({extra})" if extra else "")
     say(note)
     return start
-
-
-def _agree_on_error(comm, message: str | None) -> str | None:
-    """Every rank learns whether any rank failed setup; the lowest failing rank reports."""
-    flag = comm.allreduce(np.array([1.0 if message else 0.0,
-                                    (comm.size - comm.rank) if message else 0.0]), op="max")
-    if flag[0] == 0:
-        return None
-    reporter = comm.size - int(flag[1])
-    if comm.rank == reporter:
-        return message if comm.size == 1 else f"rank {comm.rank}: {message}"
-    return ""       # another rank reports it; this one exits quietly with the same code
 
 
 def main(argv=None) -> int:
@@ -315,7 +277,7 @@ def main(argv=None) -> int:
             said = savedir.claim(cfg.save_dir, cfg.resume, cfg.overwrite)
         except errors as e:
             message = str(e)
-    message = _agree_on_error(comm, message)
+    message = runtime.agree_on_error(comm, message)
     if message is None:
         for line in said:
             print(line)
@@ -327,7 +289,7 @@ def main(argv=None) -> int:
                 prepared = prepare(cfg, comm)
         except errors as e:
             message = str(e)
-        message = _agree_on_error(comm, message)
+        message = runtime.agree_on_error(comm, message)
     if message is not None:
         if message:
             print(f"hpcdist.train: error: {message}", file=sys.stderr)

@@ -10,6 +10,7 @@ GPU code path runs on it, and any buffer that reaches MPI without staging fails 
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
@@ -341,6 +342,24 @@ def scatter_add(target, idx, values) -> None:
 
 
 from .rng import DropoutRNG, rng, rng_state, seed, set_rng_state  # noqa: E402,F401 (dropout)
+
+
+def cupy_library(module: str):
+    """A module of CuPy's own (cuBLAS's bindings, CuPy's GEMM compute types) by its dotted
+    name: only this module imports CuPy (kernels/gemm.py asks here)."""
+    if not module.startswith(("cupy.", "cupy_backends.")):
+        raise ValueError(f"{module} is not a CuPy module")
+    _import_cupy()
+    return importlib.import_module(module)
+
+
+def device_counts():
+    """(kernel launches, device-to-host reads) so far, as the device double counts them; None
+    on other devices (a GPU does not count them for us)."""
+    if device_label() != "double":
+        return None
+    from .surface import LAUNCHES, READS
+    return LAUNCHES.count, READS.count
 
 
 def nccl_module():

@@ -142,9 +142,9 @@ class Unread:
         recs, self.records = self.records, []
         if not recs:
             return
-        losses = self.strategy.mean_losses([r["loss"] for r in recs])
-        norms = backend.host_values([0.0 if r["grad_norm"] is None else r["grad_norm"]
-                                     for r in recs])
+        host = backend.host_values([r["loss"] for r in recs] + [
+            0.0 if r["grad_norm"] is None else r["grad_norm"] for r in recs])   # one read
+        losses, norms = self.strategy.mean_losses(list(host[:len(recs)])), host[len(recs):]
         if backend.device() == "gpu":             # the interval, now that the device is done
             backend.synchronize()
             ms = (time.perf_counter() - self.t0) * 1e3 / len(recs)

@@ -184,3 +184,15 @@ def format_comm_log(rows: list, alpha: float, beta: float, inter=None) -> str:
                      f"{r['busbw_GBs']:11.3f}{(f'{m:10.1f}' if m is not None else f'{chr(45):>10s}')}"
                      f"{ratio}")
     return "\n".join(lines)
+
+
+def agree_on_error(comm, message: str | None) -> str | None:
+    """Every rank learns whether any rank failed setup; the lowest failing rank reports."""
+    flag = comm.allreduce(np.array([1.0 if message else 0.0,
+                                    (comm.size - comm.rank) if message else 0.0]), op="max")
+    if flag[0] == 0:
+        return None
+    reporter = comm.size - int(flag[1])
+    if comm.rank == reporter:
+        return message if comm.size == 1 else f"rank {comm.rank}: {message}"
+    return ""       # another rank reports it; this one exits quietly with the same code

@@ -8,8 +8,6 @@ self-checked kernel whose twin rounds the operands and multiplies in float32.
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/gemm.py"."""
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 
 from .. import backend
@@ -39,7 +37,7 @@ def lib(dotted: str):
         raise AttributeError(f"{dotted} is not in device_surface.CUBLAS: list it there first "
                              "(make test-cupy then checks it against CuPy)")
     module, name = dotted.split(".", 1)
-    return getattr(importlib.import_module(_ROOTS[module]), name)
+    return getattr(backend.cupy_library(_ROOTS[module]), name)
 
 
 def configure(tf32: bool) -> None:

@@ -29,8 +29,8 @@ def load(path: str):
         from .checkpoint import hf
         model, v = hf.load_gpt2(path)
         return model.eval(), v
-    from .checkpoint.tools import _folder
-    reader = checkpoint.Reader(_folder(path))
+    from .checkpoint.tools import choose
+    reader = checkpoint.Reader(choose(path, say=lambda line: print(line, file=sys.stderr)))
     meta = reader.manifest.get("meta") or {}
     params = {n[len("param/"):]: reader.tensor(n) for n in reader.tensors
               if n.startswith("param/")}
@@ -111,6 +111,12 @@ def main(argv=None) -> int:
                     help="tensor-parallel ranks (run under mpirun -n TP): heads and vocabulary "
                          "split, as in training")
     args = ap.parse_args(argv)
+    for bad in (args.temperature < 0 and f"--temperature must be >= 0 (0: greedy), got "
+                f"{args.temperature}", args.top_k < 0 and f"--top-k must be >= 0, got {args.top_k}",
+                not 0 < args.top_p <= 1 and f"--top-p must be in (0, 1], got {args.top_p}",
+                args.tokens < 0 and f"--tokens must be >= 0, got {args.tokens}"):
+        if bad:
+            ap.error(bad)
     rank = 0
     try:
         model, v, rank = build(args)

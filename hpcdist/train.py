@@ -109,11 +109,13 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     batch_comm = strategy.batch_comm    # tensor- and context-parallel ranks read the same batch
     sampler = data.DistributedSampler(len(train_set), cfg.batch_size, batch_comm.rank,
                                       batch_comm.size, seed=cfg.seed)
-    say = log if comm.rank == 0 else (lambda *a, **k: None)
+    logfile = runtime.open_run_file(cfg.out_dir, "train.log", resume is not None and
+                                    resume[0] is not None, say=log) if comm.rank == 0 else None
+    say = runtime.tee(log, logfile) if comm.rank == 0 else (lambda *a, **k: None)
     start = _resume(cfg, comm, strategy, sampler, resume, say)
     hosts = runtime.record_ranks(comm, cfg.out_dir)
     runtime.test_hooks(comm.rank, "start")
-    metrics = runtime.open_metrics(cfg.out_dir, resumed=start > 0, say=say) \
+    metrics = runtime.open_run_file(cfg.out_dir, "metrics.jsonl", resumed=start > 0, say=say) \
         if comm.rank == 0 else None
     meter = mfu.Meter(model, cfg, train_set.block_size, comm.size, comm.nodes,
                       threads.usable_cores()) if comm.rank == 0 else None
@@ -126,15 +128,14 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
         say(f"asked to stop ({signal.Signals(stopped).name}) before step {start + 1}: "
             "nothing new to save" + (f"; the checkpoint of step {start} stays the latest"
                                      if start else ""))
-    def save(at: int) -> None:
-        folder = state.save_checkpoint(cfg, at, comm, strategy, sampler, train_set.vocabulary)
-        say(f"saved {folder}")
+    save, held_out = _actions(cfg, comm, model, strategy, sampler, train_set, test_set, metrics,
+                              say)
     if strategy.brings_loop:                         # a parameter server: answers the workers
         return strategy.run(stop, save, stopped, start)
     t_start = time.perf_counter()
     bytes_start = strategy.comm.bytes_sent           # the gradient communicator's count
     history, step, stopped = _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped,
-                                   metrics, meter, save, say)
+                                   metrics, meter, (save, held_out), say)
     train_bytes = strategy.comm.bytes_sent - bytes_start    # before evaluation's gathers
     extra = strategy.summary()                      # collective where the strategy gathers
     line = extra.pop("line", None)
@@ -150,15 +151,38 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     if metrics is not None:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()
+    if logfile is not None:
+        logfile.close()
     final["history"] = history                    # every step's record (tests compare them)
     final["params"] = backend.to_numpy(strategy.full_parameters())   # on the host (tests compare)
     return final
 
 
-def _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics, meter, save,
+def _actions(cfg, comm, model, strategy, sampler, train_set, test_set, metrics, say):
+    """(save(step), evaluate(step)): a checkpoint (then --keep-last's pruning) and
+    --eval-every's held-out evaluation, each collective."""
+    def save(at: int) -> None:
+        folder = state.save_checkpoint(cfg, at, comm, strategy, sampler, train_set.vocabulary)
+        say(f"saved {folder}")
+        if cfg.keep_last and comm.rank == 0:
+            for old in checkpoint.prune(cfg.save_dir, cfg.keep_last):
+                say(f"removed {old} (--keep-last {cfg.keep_last})")
+
+    def held_out(at: int) -> None:                   # --eval-every (collective)
+        with strategy.eval_context(), timeline.span("evaluate"):
+            accuracy, loss = evaluate(model, test_set, cfg.eval_batch, strategy.batch_comm)
+        say(f"step {at:5d} | held-out loss {loss:.4f} | held-out accuracy {accuracy * 100:.2f}%")
+        if metrics is not None:
+            metrics.write(json.dumps({"event": "eval", "step": at, "test_loss": float(loss),
+                                      "accuracy": float(accuracy)}) + "\n")
+    return save, held_out
+
+
+def _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics, meter, at,
           say):
     """Steps from ``start`` until ``cfg.steps`` or an agreed stop: (every step's record, the
-    last step, the signal that stopped the run or 0)."""
+    last step, the signal that stopped the run or 0). ``at``: (save(step), evaluate(step))."""
+    save, held_out = at
     if start < cfg.steps and not stopped:
         strategy.begin(stop)
     lr_scale = strategy.batch_comm.size if cfg.scale_lr else 1
@@ -183,6 +207,9 @@ def _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics
             runtime.test_hooks(comm.rank, "save")
             with timeline.span("checkpoint", step=save_at):
                 save(save_at)
+        if cfg.eval_every and step % cfg.eval_every == 0 and more:  # (the last: final report)
+            held_out(step)
+        if save_at is not None or (cfg.eval_every and step % cfg.eval_every == 0):
             unread.restart_clock()
     return history, step, stopped
 
@@ -251,6 +278,10 @@ def _resume(cfg, comm, strategy, sampler, resume, say) -> int:
         start = reader.step
         note += f" at step {start}" + (f" ({extra})" if extra else "")
     say(note)
+    change = folder is not None and state.schedule_change(reader.scalars.get("schedule"), cfg,
+                                                          start)
+    if change:
+        say(change)
     return start
 
 
@@ -272,9 +303,12 @@ def main(argv=None) -> int:
     supervisor.tell(comm.rank, comm.size)
     if message is None:
         message = runtime.launch_problem(comm.size, cfg.allow_singletons)
-    if message is None and cfg.save_dir and comm.rank == 0:
-        try:                                           # whose folder it is (rank 0 decides)
-            said = savedir.claim(cfg.save_dir, cfg.resume, cfg.overwrite)
+    if message is None and comm.rank == 0:
+        try:                                           # whose folders they are (rank 0 decides)
+            if cfg.save_dir:
+                said = savedir.claim(cfg.save_dir, cfg.resume, cfg.overwrite)
+            if savedir.check_writable(cfg.out_dir, "--out-dir") is None:
+                savedir.claim_out_dir(cfg.out_dir, cfg.save_dir)
         except errors as e:
             message = str(e)
     message = runtime.agree_on_error(comm, message)

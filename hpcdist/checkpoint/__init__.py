@@ -238,16 +238,47 @@ def find_resume(save_dir: str) -> tuple[str | None, str]:
     (said in the note); None only where ``save_dir`` holds no checkpoint at all. Raises
     CheckpointError where checkpoints exist and none verifies: never starts over silently.
     """
+    folder, problems = newest_verified(save_dir)
+    if folder is None and not problems:
+        return None, f"no checkpoint in {save_dir}: starting at step 0"
+    if folder is None:
+        raise CheckpointError(f"--resume: no checkpoint in {save_dir} verifies: "
+                              + "; ".join(problems) + ". Refusing to start over; remove the "
+                              "folder or point --save-dir elsewhere to start a new run")
+    if not problems:
+        return folder, f"resuming from {folder} ('latest')"
+    return folder, (f"resuming from {folder}, the newest checkpoint that verifies ("
+                    + "; ".join(problems) + ")")
+
+
+def prune(save_dir: str, keep: int) -> list[str]:
+    """Remove all but the newest ``keep`` complete checkpoints of ``save_dir`` (never the one
+    ``latest`` names); the folders removed. Rank 0, after a save has completed."""
+    latest_name = _latest_name(save_dir)
+    complete = sorted(f for f in glob.glob(os.path.join(save_dir, "step_*"))
+                      if os.path.isfile(os.path.join(f, MANIFEST)))
+    removed = []
+    for folder in complete[:max(0, len(complete) - keep)]:
+        if os.path.basename(folder) != latest_name:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def newest_verified(save_dir: str) -> tuple[str | None, list]:
+    """(the checkpoint to use, why each newer one was passed over): ``latest`` when it
+    verifies, else the newest ``step_*`` folder that does; (None, []) where ``save_dir``
+    holds no checkpoint, (None, problems) where none verifies."""
     steps = sorted(glob.glob(os.path.join(save_dir, "step_*")), reverse=True)
     name = _latest_name(save_dir)
     if name is None and not steps:
-        return None, f"no checkpoint in {save_dir}: starting at step 0"
+        return None, []
     problems = []
     if name is not None:
         folder = os.path.join(save_dir, name)
         try:
             verify(folder)
-            return folder, f"resuming from {folder} ('latest')"
+            return folder, []
         except CheckpointError as e:
             problems.append(f"'latest' -> {name}: {e}")
     else:
@@ -260,11 +291,8 @@ def find_resume(save_dir: str) -> tuple[str | None, str]:
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        return folder, (f"resuming from {folder}, the newest checkpoint that verifies ("
-                        + "; ".join(problems) + ")")
-    raise CheckpointError(f"--resume: no checkpoint in {save_dir} verifies: "
-                          + "; ".join(problems) + ". Refusing to start over; remove the "
-                          "folder or point --save-dir elsewhere to start a new run")
+        return folder, problems
+    return None, problems
 
 
 def _read_verified(folder: str, name: str, entry: dict) -> dict:

@@ -4,6 +4,7 @@ The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/tools.py"."""
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -12,17 +13,60 @@ import sys
 
 import numpy as np
 
-from . import LATEST, CheckpointError, Reader, find_resume
+from . import LATEST, MANIFEST, CheckpointError, Reader, newest_verified
 
 
-def _folder(path: str) -> str:
-    if os.path.isfile(os.path.join(path, LATEST)) or not os.path.isfile(
-            os.path.join(path, "manifest.json")):
-        folder, _ = find_resume(path)
-        if folder is None:
+def _is_save_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, LATEST)) or not os.path.isfile(
+        os.path.join(path, MANIFEST))
+
+
+def choose(path: str, say=None) -> str:
+    """The checkpoint a tool reads for ``path``: ``path`` itself, or a save folder's newest
+    that verifies; where a newer one is damaged, ``say`` is told which step is used and why."""
+    if not _is_save_folder(path):
+        return path
+    folder, problems = newest_verified(path)
+    if folder is None:
+        raise CheckpointError(f"{path}: " + ("no checkpoint verifies: " + "; ".join(problems)
+                                             if problems else "no checkpoint here"))
+    if problems and say is not None:
+        say(f"note: using {folder}, the newest checkpoint that verifies, not the newest: "
+            + "; ".join(problems))
+    return folder
+
+
+def verify_all(path: str) -> int:
+    """``verify``: every checkpoint of a save folder (or the one named), a line each; 1 when
+    any is damaged or ``latest`` names none that verifies, naming them."""
+    if not _is_save_folder(path):
+        folders = [path]
+    else:
+        folders = sorted(glob.glob(os.path.join(path, "step_*")))
+        if not folders:
             raise CheckpointError(f"{path}: no checkpoint here")
-        return folder
-    return path
+    damaged = []
+    for folder in folders:
+        try:
+            reader = Reader(folder)
+            reader.verify()
+            for name in reader.tensors:                  # every tensor assembles
+                reader.tensor(name)
+            m = reader.manifest
+            print(f"{folder}: step {m['step']}, {len(m['files'])} files and "
+                  f"{len(m['tensors'])} tensors verified")
+        except CheckpointError as e:
+            damaged.append(os.path.basename(folder))
+            print(f"{folder}: DAMAGED: {e}", file=sys.stderr)
+    if _is_save_folder(path):
+        chosen, problems = newest_verified(path)
+        if problems and chosen is not None:
+            print(f"note: a resume or a tool would use {chosen}", file=sys.stderr)
+    if damaged:
+        print(f"python -m hpcdist.checkpoint: error: {len(damaged)} of {len(folders)} "
+              f"checkpoint(s) damaged: {', '.join(damaged)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 # hpcdist name -> (nanoGPT name, transpose?): our Linear stores (in, out), torch (out, in)
@@ -182,21 +226,22 @@ def main(argv=None) -> int:
     ex.add_argument("--names", choices=("hpcdist", "nanogpt"), default="hpcdist",
                     help=".npz names (safetensors always uses Hugging Face GPT-2's)")
     ex.add_argument("--format", choices=("npz", "safetensors"), default="npz")
+    ex.add_argument("--overwrite", action="store_true",
+                    help="replace an existing export at OUT (refused without it)")
     args = ap.parse_args(argv)
     try:
-        folder = _folder(args.dir)
-        reader = Reader(folder)
+        if args.cmd == "verify":
+            return verify_all(args.dir)
+        reader = Reader(choose(args.dir, say=lambda line: print(line, file=sys.stderr)))
         if args.cmd == "inspect":
             return _inspect(reader)
-        if args.cmd == "verify":
-            reader.verify()
-            for name in reader.tensors:
-                reader.tensor(name)
-            print(f"{folder}: {len(reader.manifest['files'])} files and "
-                  f"{len(reader.tensors)} tensors verified")
-            return 0
+        target = args.out if args.format == "safetensors" or args.out.endswith(".npz") \
+            else args.out + ".npz"                         # (NumPy's savez adds .npz)
+        replaced = _existing_export(target, args.format, args.overwrite)
         params = {n[len("param/"):]: reader.tensor(n) for n in sorted(reader.tensors)
                   if n.startswith("param/")}
+        if replaced:
+            print(f"replacing {replaced} (--overwrite)")
         if args.format == "safetensors":
             vocabulary = reader.scalars.get("vocabulary")
             tensors = export_hf(args.out, params, reader.manifest.get("meta") or {},
@@ -209,14 +254,38 @@ def main(argv=None) -> int:
             return 0
         if args.names == "nanogpt":
             params = nanogpt_names(params)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        np.savez(args.out, **params)
-        print(f"wrote {args.out}: {len(params)} arrays, "
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        tmp = f"{target}.tmp{os.getpid()}.npz"
+        try:
+            np.savez(tmp, **params)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        print(f"wrote {target}: {len(params)} arrays, "
               f"{sum(v.size for v in params.values()):,} parameters ({args.names} names)")
         return 0
     except (CheckpointError, ValueError) as e:
         print(f"python -m hpcdist.checkpoint: error: {e}", file=sys.stderr)
         return 1
+
+
+def _existing_export(target: str, fmt: str, overwrite: bool) -> str | None:
+    """What an export to ``target`` would replace (None: nothing); refused without
+    ``overwrite``."""
+    if fmt == "safetensors":
+        found = [n for n in ("model.safetensors", "config.json", "tokenizer.json")
+                 if os.path.isfile(os.path.join(target, n))]
+        what = f"{target} (a model folder: {', '.join(found)})" if found else None
+        if os.path.exists(target) and not os.path.isdir(target):
+            raise ValueError(f"{target} is a file; a safetensors export is a folder")
+    else:
+        if os.path.isdir(target):
+            raise ValueError(f"{target} is a folder; an .npz export is a file")
+        what = target if os.path.exists(target) else None
+    if what and not overwrite:
+        raise ValueError(f"{what} exists; pass --overwrite to replace it, or another OUT")
+    return what
 
 
 def _inspect(reader) -> int:

@@ -17,6 +17,11 @@ _installed = False
 
 
 def _abort(rank: int, size: int, exc_type, exc, tb) -> None:
+    if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):   # a forced stop
+        sys.stderr.write(f"[hpcdist] rank {rank}: {exc or 'interrupted'}; ending the job\n")
+        sys.stderr.flush()
+        end_job(130)
+        return
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     sys.stderr.write(f"\n[hpcdist] rank {rank} of {size} (host {socket.gethostname()}, pid "
                      f"{os.getpid()}) failed; ending the job:\n{text}")

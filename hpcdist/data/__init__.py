@@ -239,14 +239,16 @@ def make_task(task: str, *, length=6, num_digits=4, data=None, block_size=64, se
             if v is not None and vocab_size and v["size"] != vocab_size:
                 raise ValueError(f"--vocab-size {vocab_size} but {tokenizer} has {v['size']} "
                                  "tokens: drop --vocab-size")
-            return shards.token_datasets(data, block_size, v and v["size"], v)
+            return shards.token_datasets(data, block_size, v and v["size"], v,
+                                         source=tokenizer or "--vocab-size")
         if tokenizer:
             v = vocab.tokenizer_file(tokenizer)
             ids = np.asarray(vocab.Tokenizer(v).encode(read_text(data, encoding)),
                              dtype=np.int64)
             cut = max(block_size + 1, int(len(ids) * 0.9))
             return (shards.TokenShards([ids], [(0, 0, cut)], block_size, v["size"], v),
-                    shards.TokenShards([ids], [(0, cut, len(ids))], block_size, v["size"], v))
+                    shards.TokenShards([ids], [(0, cut, len(ids))], block_size, v["size"], v,
+                                       "held-out"))
         return (CharText(data, block_size, "train", encoding=encoding),
                 CharText(data, block_size, "test", encoding=encoding))
     raise ValueError(f"unknown task {task!r}: choose one of sort, reverse, text")

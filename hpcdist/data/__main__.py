@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 
-from . import shards
+from . import shards, vocab
 
 EOT = "<|endoftext|>"
 
@@ -24,8 +26,8 @@ EOT = "<|endoftext|>"
 class ShardWriter:
     """Tokens in, shards of at most ``limit`` tokens out (``prefix_000000.bin`` ...)."""
 
-    def __init__(self, folder: str, prefix: str, limit: int):
-        self.folder, self.prefix, self.limit = folder, prefix, limit
+    def __init__(self, folder: str, prefix: str, limit: int, tag: int = 0):
+        self.folder, self.prefix, self.limit, self.tag = folder, prefix, limit, tag
         self.parts, self.count, self.written, self.total = [], 0, [], 0
 
     def add(self, ids) -> None:
@@ -42,13 +44,14 @@ class ShardWriter:
         allids = np.concatenate(self.parts)
         n = self.count if n is None else n
         path = os.path.join(self.folder, f"{self.prefix}_{len(self.written):06d}.bin")
-        shards.write_shard(path, allids[:n])
+        shards.write_shard(path, allids[:n], self.tag)
         self.written.append(path)
         self.parts, self.count = [allids[n:]], allids.size - n
 
 
-def train_tokenizer(files, vocab_size: int):
-    """A byte-level BPE of ``vocab_size`` tokens (the end-of-text token included)."""
+def train_tokenizer(files, vocab_size: int, errors: str = "strict"):
+    """A byte-level BPE of ``vocab_size`` tokens (the end-of-text token included), trained on
+    the files' text as ``read_lines`` decodes it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -56,53 +59,126 @@ def train_tokenizer(files, vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train(files, trainer)
+    tok.train_from_iterator((line for f in files for chunk, _ in read_lines(f, errors)
+                             for line in chunk), trainer)
     return tok
 
 
-def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
-            shard_tokens: int = 100_000_000, val_fraction: float = 0.05,
-            say=print) -> dict:
-    """Tokenizer + shards of ``files`` in ``out``; returns counts."""
+def read_lines(path: str, errors: str = "strict"):
+    """(lines, byte offset after them) in pieces of a few MiB, decoded as UTF-8; a byte that is
+    not UTF-8 is a ValueError naming the file and its offset (``errors="replace"``: U+FFFD)."""
+    done = 0
+    with open(path, "rb") as f:
+        while True:
+            raw = f.readlines(4 << 20)          # whole lines: a newline never splits a char
+            if not raw:
+                return
+            try:
+                text = b"".join(raw).decode("utf-8", errors)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 at byte {done + e.start:,} (0x"
+                                 f"{b''.join(raw)[e.start]:02x}); convert the file, or pass "
+                                 "--encoding-errors replace to read such bytes as U+FFFD") \
+                    from None
+            done += sum(len(r) for r in raw)
+            yield text.splitlines(keepends=True), done
+
+
+def earlier_files(out: str) -> list:
+    """What an earlier prepare left in ``out``: its tokenizer.json and token shards."""
+    if not os.path.isdir(out):
+        return []
+    return sorted(n for n in os.listdir(out) if n == "tokenizer.json" or (
+        n.endswith(".bin") and n.startswith(("train_", "val_"))))
+
+
+def load_tokenizer(files, vocab_size: int, tokenizer: str, errors: str, say):
+    """The given tokenizer.json, or one trained on ``files`` (saying when the corpus gives a
+    smaller vocabulary than asked)."""
     from tokenizers import Tokenizer
+    if tokenizer:
+        if not os.path.isfile(tokenizer):
+            raise FileNotFoundError(f"--tokenizer {tokenizer}: no such file")
+        try:
+            return Tokenizer.from_file(tokenizer)
+        except Exception as e:                    # the Rust side raises its own kinds
+            raise ValueError(f"--tokenizer {tokenizer}: not a Hugging Face tokenizer.json "
+                             f"({str(e)[:120]})") from None
+    if vocab_size < 257:
+        raise ValueError("--vocab-size must be at least 257 (the 256 bytes and the "
+                         "end-of-text token), or pass --tokenizer")
+    tok = train_tokenizer(files, vocab_size, errors)
+    if tok.get_vocab_size() < vocab_size:
+        say(f"note: --vocab-size {vocab_size:,} asked, the corpus gives {tok.get_vocab_size():,}"
+            " tokens (no pair of tokens is left to merge): the vocabulary is "
+            f"{tok.get_vocab_size():,}")
+    return tok
+
+
+def _encode(files, tok, train, val, val_fraction: float, errors: str) -> None:
+    """Every file's lines into the two writers: the last ``val_fraction`` of its bytes held out."""
+    eot = tok.token_to_id(EOT)
+    for path in files:
+        cut = os.path.getsize(path) * (1 - val_fraction)        # bytes before it train
+        before = 0
+        for lines, done in read_lines(path, errors):
+            ends = np.cumsum([len(line.encode("utf-8", errors)) for line in lines]) + before
+            before = done
+            split = int(np.searchsorted(ends, cut, side="right")) if val_fraction else \
+                len(lines)                                       # lines ending before the cut
+            for part, writer in ((lines[:split], train), (lines[split:], val)):
+                if part:
+                    writer.add([i for enc in tok.encode_batch(part) for i in enc.ids])
+        (val if val_fraction else train).add([eot] if eot is not None else [])
+
+
+def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
+            shard_tokens: int = 100_000_000, val_fraction: float = 0.05, replace: bool = False,
+            errors: str = "strict", say=print) -> dict:
+    """Tokenizer + shards of ``files`` in ``out``; returns counts. Everything is written to a
+    folder beside the shards first and moved in only once complete: a failure leaves ``out``
+    as it was. A folder holding an earlier prepare's files is refused unless ``replace``."""
     for f in files:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"{f}: no such text file")
-    if tokenizer:
-        tok = Tokenizer.from_file(tokenizer)
-    else:
-        if vocab_size < 257:
-            raise ValueError("--vocab-size must be at least 257 (the 256 bytes and the "
-                             "end-of-text token), or pass --tokenizer")
-        tok = train_tokenizer(files, vocab_size)
+    if not sum(os.path.getsize(f) for f in files):
+        raise ValueError(f"the corpus is empty ({', '.join(files)}): nothing to tokenize")
+    earlier = earlier_files(out)
+    if earlier and not replace:
+        raise ValueError(f"{out} holds an earlier prepare's files ({len(earlier)}: "
+                         f"{', '.join(earlier[:3])}{', ...' if len(earlier) > 3 else ''}); "
+                         "training would mix them with the new ones. Pass --replace to "
+                         "replace them, or --out another folder")
+    tok = load_tokenizer(files, vocab_size, tokenizer, errors, say)
     size = tok.get_vocab_size()
     if size > 1 << 16:
         raise ValueError(f"a vocabulary of {size:,} does not fit llm.c's uint16 shards")
-    eot = tok.token_to_id(EOT)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
-        f.write(tok.to_str())
-    train = ShardWriter(out, "train", shard_tokens)
-    val = ShardWriter(out, "val", shard_tokens)
-    for path in files:
-        total = os.path.getsize(path)
-        cut = total * (1 - val_fraction)                 # bytes before it train
-        done = 0
-        with open(path, encoding="utf-8") as f:
-            while True:
-                lines = f.readlines(4 << 20)
-                if not lines:
-                    break
-                ends = np.cumsum([len(line.encode()) for line in lines]) + done
-                done = int(ends[-1])
-                split = int(np.searchsorted(ends, cut, side="right")) if val_fraction else \
-                    len(lines)                           # lines ending before the cut train
-                for part, writer in ((lines[:split], train), (lines[split:], val)):
-                    if part:
-                        writer.add([i for enc in tok.encode_batch(part) for i in enc.ids])
-        (val if val_fraction else train).add([eot] if eot is not None else [])
-    train.flush()
-    val.flush()
+    work = tempfile.mkdtemp(prefix=".prepare-", dir=out)
+    try:
+        text = tok.to_str()
+        tag = shards.tokenizer_tag(vocab.tokenizer_text(text))
+        try:
+            with open(os.path.join(work, "tokenizer.json"), "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, os.path.join(work, "tokenizer.json")) from None
+        train = ShardWriter(work, "train", shard_tokens, tag)
+        val = ShardWriter(work, "val", shard_tokens, tag)
+        _encode(files, tok, train, val, val_fraction, errors)
+        train.flush()
+        val.flush()
+        if not train.total:
+            raise ValueError(f"the corpus gives no training tokens ({', '.join(files)}); "
+                             "lower --val-fraction or add text")
+        for name in earlier:                      # the new set is complete: replace the old
+            os.remove(os.path.join(out, name))
+        for name in sorted(os.listdir(work)):
+            os.replace(os.path.join(work, name), os.path.join(out, name))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if earlier:
+        say(f"replaced {len(earlier)} file(s) of an earlier prepare in {out}")
     say(f"{out}: tokenizer.json ({size:,} tokens); {train.total:,} training tokens in "
         f"{len(train.written)} shard(s), {val.total:,} held-out in {len(val.written)}")
     return {"vocab_size": size, "train_tokens": train.total, "val_tokens": val.total}
@@ -123,11 +199,23 @@ def main(argv=None) -> int:
                    help="tokens per shard (default 100,000,000)")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="the last fraction of each file held out (default 0.05)")
+    p.add_argument("--replace", action="store_true",
+                   help="replace an earlier prepare's tokenizer and shards in --out")
+    p.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
+                   help="bytes that are not UTF-8: strict refuses the file naming the byte "
+                        "(default), replace reads them as U+FFFD")
     args = ap.parse_args(argv)
+    if args.shard_tokens < 1 or not 0 <= args.val_fraction < 1:
+        ap.error("--shard-tokens must be >= 1 and --val-fraction in [0, 1)")
     try:
         prepare(args.files, args.out, args.vocab_size, args.tokenizer, args.shard_tokens,
-                args.val_fraction)
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+                args.val_fraction, args.replace, args.encoding_errors)
+    except OSError as e:
+        what = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        print(f"python -m hpcdist.data: error: {what}; nothing was written to {args.out}",
+              file=sys.stderr)
+        return 2
+    except ValueError as e:
         print(f"python -m hpcdist.data: error: {e}", file=sys.stderr)
         return 2
     return 0

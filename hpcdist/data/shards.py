@@ -16,18 +16,41 @@ MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
 
 
-def write_shard(path: str, tokens) -> None:
-    """One llm.c shard (header + uint16 tokens), written atomically."""
+TAG = 3      # header int 3 (llm.c leaves 3..255 zero): the tokenizer's tag, 0 where unknown
+
+
+def tokenizer_tag(vocabulary: dict) -> int:
+    """A shard's mark of the tokenizer it was written with: 31 bits (never 0) of a digest of
+    what decides the ids (the vocabulary, the merges, the added tokens), so that the same
+    tokenizer saved with other formatting has the same tag."""
+    import hashlib
+    import json
+    spec = json.loads(vocabulary["tokenizer"])
+    model = spec.get("model") or {}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    added = sorted((int(t["id"]), t["content"]) for t in spec.get("added_tokens") or [])
+    raw = json.dumps([sorted((model.get("vocab") or {}).items()), merges, added]).encode()
+    return int(hashlib.sha256(raw).hexdigest()[:8], 16) & 0x7FFFFFFF or 1
+
+
+def write_shard(path: str, tokens, tag: int = 0) -> None:
+    """One llm.c shard (header + uint16 tokens), written atomically; ``tag``: the tokenizer's
+    (``tokenizer_tag``), kept in header int 3."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
         raise ValueError("llm.c shards hold uint16 tokens: a vocabulary of at most 65,536")
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = MAGIC, VERSION, tokens.size
+    header[:4] = MAGIC, VERSION, tokens.size, tag
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2").tobytes())
+        os.replace(tmp, path)
+    except OSError as e:                 # a full disk: the path in the error, no partial file
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise OSError(e.errno, e.strerror or str(e), e.filename or path) from None
 
 
 def open_shard(path: str, vocab_size: int | None = None) -> np.memmap:
@@ -57,6 +80,26 @@ def open_shard(path: str, vocab_size: int | None = None) -> np.memmap:
     return np.memmap(path, dtype="<u2", mode="r", shape=(size // 2,))
 
 
+def shard_tag(path: str) -> int:
+    """The tokenizer tag in an llm.c shard's header (0: none, or not an llm.c shard)."""
+    with open(path, "rb") as f:
+        head = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    return int(head[TAG]) if head.size == HEADER_INTS and head[0] == MAGIC else 0
+
+
+def check_tags(paths, vocabulary: dict | None, source: str) -> None:
+    """Refuse a shard written with another tokenizer than ``vocabulary`` (from ``source``)."""
+    if not vocabulary or vocabulary.get("kind") != "tokenizer":
+        return
+    want = tokenizer_tag(vocabulary)
+    for p in paths:
+        got = shard_tag(p)
+        if got and got != want:
+            raise ValueError(f"{p} was written with another tokenizer than {source} (tag "
+                             f"{got:08x}, {source} gives {want:08x}): its ids would mean other "
+                             "tokens. Remove it, or prepare the folder again with --replace")
+
+
 def is_token_data(spec: str) -> bool:
     """Whether --data names token shards (a prepared folder, a glob of .bin, a .bin)."""
     if os.path.isdir(spec):
@@ -79,15 +122,19 @@ class TokenShards:
     """Windows of ``block_size + 1`` tokens over memory-mapped shards (see the module doc).
     ``pieces``: (shard index, first token, last token) ranges of the shards this split uses."""
 
-    def __init__(self, maps, pieces, block_size: int, vocab_size: int, vocabulary: dict):
+    def __init__(self, maps, pieces, block_size: int, vocab_size: int, vocabulary: dict,
+                 split: str = "training"):
         self.maps, self.block_size, self.vocab_size = maps, block_size, vocab_size
         self.vocabulary = vocabulary
         self.pieces = [(s, lo, hi) for s, lo, hi in pieces if hi - lo > block_size]
         counts = [(hi - lo - 1) // block_size for _, lo, hi in self.pieces]
         self.starts = np.cumsum([0] + counts)
         if self.starts[-1] == 0:
-            raise ValueError(f"the token shards hold no window of block_size + 1 = "
-                             f"{block_size + 1} tokens; lower --block-size")
+            raise ValueError(f"the {split} token shards hold no window of block_size + 1 = "
+                             f"{block_size + 1} tokens ({sum(hi - lo for _, lo, hi in pieces):,} "
+                             f"tokens in all); lower --block-size"
+                             + (", or prepare with a larger --val-fraction" if split ==
+                                "held-out" else ""))
 
     def __len__(self):
         return int(self.starts[-1])
@@ -109,13 +156,14 @@ class TokenShards:
 
 
 def token_datasets(spec: str, block_size: int, vocab_size: int | None, vocabulary: dict,
-                   test_fraction: float = 0.05):
+                   test_fraction: float = 0.05, source: str = "the tokenizer given"):
     """(train, test) TokenShards of --data ``spec``."""
     train_paths, val_paths = shard_paths(spec)
     if not train_paths:
         raise ValueError(f"--data {spec!r}: only held-out (val) shards, nothing to train on")
     paths = train_paths + val_paths
     maps = [open_shard(p, vocab_size) for p in paths]
+    check_tags(paths, vocabulary, source)
     if vocab_size is None:
         raise ValueError("token shards need the vocabulary size: a tokenizer.json beside them "
                          "(python -m hpcdist.data prepare writes one), --tokenizer, or "
@@ -130,4 +178,4 @@ def token_datasets(spec: str, block_size: int, vocab_size: int | None, vocabular
         train = [(i, 0, len(m)) for i, m in enumerate(maps[:last])] + [(last, 0, cut)]
         test = [(last, cut, len(maps[last]))]
     return (TokenShards(maps, train, block_size, vocab_size, vocabulary),
-            TokenShards(maps, test, block_size, vocab_size, vocabulary))
+            TokenShards(maps, test, block_size, vocab_size, vocabulary, "held-out"))

@@ -26,7 +26,11 @@ def chars(alphabet) -> dict:
 def tokenizer_file(path: str) -> dict:
     """The vocabulary of a Hugging Face ``tokenizer.json``."""
     with open(path, encoding="utf-8") as f:
-        text = f.read()
+        return tokenizer_text(f.read(), path)
+
+
+def tokenizer_text(text: str, path: str = "the tokenizer") -> dict:
+    """The vocabulary of a ``tokenizer.json``'s text."""
     try:
         vocab = json.loads(text)["model"]["vocab"]
     except (ValueError, KeyError, TypeError):

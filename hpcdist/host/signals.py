@@ -42,10 +42,10 @@ def stops(signum: int) -> bool:
 def exit_on_signal() -> None:
     """Back to ``EXIT`` (a library caller's ``train`` ends): default SIGUSR1, and SIGTERM
     handled by the watchdog again."""
-    global _mode, _requested, _stopping
+    global _mode, _requested, _stopping, _interrupts
     if _mode != STOP or threading.current_thread() is not threading.main_thread():
         return
-    _mode, _requested, _stopping = EXIT, 0, ()
+    _mode, _requested, _stopping, _interrupts = EXIT, 0, (), 0
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, _exit_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -74,5 +74,15 @@ def requested() -> int:
     return _requested
 
 
+_interrupts = 0         # SIGINTs this process's handler has run for (the watchdog's thread
+                        # notes a signal too, possibly first: not counted here)
+
+
 def _handler(signum, frame):
+    global _interrupts
+    _interrupts += signum == signal.SIGINT
+    if _interrupts > 1:                             # a second Ctrl-C: stop now, not later
+        raise KeyboardInterrupt("a second Ctrl-C: stopped at once, without a checkpoint (a "
+                                "save in progress was abandoned; the last complete one stays "
+                                "'latest')")
     note(signum)

@@ -11,6 +11,8 @@ nothing.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..device import backend
 from .. import checkpoint
 from ..checkpoint import reshard
@@ -98,11 +100,40 @@ def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None) -> str:
                            "global_batch": sampler.batch_size * sampler.world},
                "scaler": {k: float(v) for k, v in strategy.scaler.state_dict().items()},
                "opt_step_count": int(strategy.flat_state()[3]),
-               "layout": run_layout(cfg, comm.size)}
+               "layout": run_layout(cfg, comm.size),
+               "schedule": schedule_of(cfg)}
     if vocabulary is not None:
         scalars["vocabulary"] = vocabulary
     return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(strategy), own,
                            meta=checkpoint.checkpoint_meta(cfg, vocabulary), scalars=scalars)
+
+
+def schedule_of(cfg) -> dict:
+    """The learning-rate schedule's settings (a checkpoint keeps them: a resume that changes
+    them is said)."""
+    return {"steps": cfg.steps, "lr": cfg.lr, "min_lr": cfg.min_lr, "warmup": cfg.warmup}
+
+
+def schedule_change(saved: dict | None, cfg, step: int) -> str | None:
+    """One line when this run's schedule differs from the checkpoint's from ``step`` on: each
+    changed setting, old -> new, and the first step whose learning rate differs under both."""
+    from .. import optim
+    if not saved:
+        return None
+    now = schedule_of(cfg)
+    old = {**now, **{k: v for k, v in saved.items() if k in now}}
+    changed = [f"--{k.replace('_', '-')} {old[k]} -> {now[k]}" for k in now if old[k] != now[k]]
+    if not changed:
+        return None
+    def lr(s, at):
+        return optim.lr_at(at, s["lr"], s["warmup"], s["steps"], s["min_lr"])
+    for at in sorted({int(a) for a in np.linspace(step + 1, max(cfg.steps, step + 1), 2000)}):
+        a, b = lr(now, at), lr(old, at)
+        if abs(a - b) > 1e-3 * max(abs(a), abs(b)):
+            return (f"note: the learning-rate schedule changed ({', '.join(changed)}): step "
+                    f"{at} runs at lr {a:.3g}, the checkpoint's schedule has {b:.3g} there"
+                    + (" (the same before it)" if at > step + 1 else ""))
+    return None
 
 
 def restore_checkpoint(reader, cfg, comm, strategy, sampler) -> str:

@@ -73,8 +73,10 @@ def parser() -> argparse.ArgumentParser:
              "sequence or context parallelism, even splits, 1F1B and interleaved only)")
     add("--calibrate", help="JSON of measured efficiency, links and overheads (bench plan's "
                             "runs/bench/bench_plan.json)")
-    add("--top", type=int, default=10, help="meshes shown")
-    add("--json", action="store_true", help="the ranked list as JSON")
+    add("--top", type=int, help="meshes in the table (default 10), layouts in --json (default: "
+                                "all)")
+    add("--json", action="store_true", help="every layout that fits, ranked, as JSON")
+    add("--wide", action="store_true", help="every column of the table (the default is narrow)")
     return ap
 
 
@@ -112,26 +114,43 @@ def main(argv=None) -> int:
     if not fits:
         print(nothing_fits(refused))
         return 1
-    report(fits, args.top)
+    report(fits, args.top or 10, args.wide)
     print(command(model, fits, args.gpus, args.gpus_per_node, settings))
     return 0
 
 
-COLUMNS = ["tp", "pp", "dp", "cp", "cp_impl", "split", "zero", "micro_batch", "micro_batches",
-           "schedule", "recompute", "sp", "memory_gb", "step_s", "tflops_per_gpu", "mfu",
-           "bubble", "comm_share"]
+# (row key, header, width): the narrow table a person reads, then what --wide adds
+NARROW = [("tp", "TP", 3), ("pp", "PP", 3), ("dp", "DP", 4), ("cp", "CP", 3),
+          ("zero", "ZeRO", 4), ("micro_batch", "mb", 3), ("micro_batches", "m", 4),
+          ("schedule", "schedule", 14), ("recompute", "recompute", 9), ("sp", "SP", 3),
+          ("memory_gb", "GB/GPU", 7), ("step_s", "step s", 7), ("mfu", "MFU", 6),
+          ("bubble", "bubble", 6)]
+WIDE = NARROW + [("cp_impl", "CP impl", 7), ("split", "PP split", 10),
+                 ("tflops_per_gpu", "TFLOP/s/GPU", 11), ("comm_share", "comm share", 10)]
 
 
-def report(fits: list, top: int) -> None:
+def _cell(value, width: int, key: str) -> str:
+    if isinstance(value, bool):
+        value = "yes" if value else "no"
+    if isinstance(value, float):
+        text = f"{value * 100:.1f}%" if key in ("mfu", "bubble", "comm_share") else \
+            f"{value:.1f}" if key == "memory_gb" else f"{value:.2f}"
+    else:
+        text = str(value)
+    return f"{text:>{width}s}"
+
+
+def report(fits: list, top: int, wide: bool = False) -> None:
     """The fastest meshes, each with its best settings, and what the best one's step is."""
     meshes = best_per_mesh(fits)
+    columns = WIDE if wide else NARROW
     print(f"the {min(top, len(meshes))} fastest meshes (DP x CP x TP x PP), each with its best "
-          f"settings (--json: every layout, ranked):")
-    print(" ".join(f"{c:>14s}" for c in COLUMNS))
+          f"settings (mb: micro-batch, m: micro-batches; --wide: every column; --json: every "
+          f"layout, ranked):")
+    print(" ".join(f"{h:>{w}s}" for _, h, w in columns))
     for e in meshes[:top]:
         r = e.row()
-        print(" ".join(f"{r[c]:>14.3f}" if isinstance(r[c], float) else f"{str(r[c]):>14s}"
-                       for c in COLUMNS))
+        print(" ".join(_cell(r[k], w, k) for k, _, w in columns))
     best = fits[0]
     p, L = best.parts, best.layout
     print(f"best: TP {L.tp} x PP {L.pp} x DP {L.dp}" + (f" x CP {L.cp} ({L.cp_impl})"
@@ -188,26 +207,31 @@ def train_args(model: Model, L, settings: Settings) -> list:
 
 
 def command(model: Model, fits: list, gpus: int, per_node: int, settings: Settings) -> str:
-    """The fastest layout hpcdist.train runs, as the command that runs it: mpirun on one
-    node, the multi-node job template's sbatch line beyond (DATA: token shards from python -m
-    hpcdist.data prepare). Layouts the trainer refuses are passed over, saying why."""
+    """The fastest layout as the command that runs it: mpirun on one node, the multi-node
+    job template's sbatch line beyond (DATA: token shards from python -m hpcdist.data
+    prepare). Where hpcdist.train refuses the fastest, it is printed with the reason, and
+    the fastest layout the trainer runs follows."""
     from ..run.config import ConfigError, parse_config
-    skipped = []
-    for e in fits:
+    lines = []
+    for i, e in enumerate(fits):
         args = train_args(model, e.layout, settings)
         try:
             parse_config(args)
         except ConfigError as err:
-            if not skipped:
-                skipped.append(f"(the fastest layout is not one hpcdist.train runs yet: {err})")
+            if i == 0:
+                reason = str(err).split("; ")[0]           # its advice is for another layout
+                lines += [f"the fastest layout, which hpcdist.train does not take yet ({reason}):",
+                          "  " + _launch(args, gpus, per_node)]
             continue
-        if gpus <= per_node:
-            line = f"mpirun -n {gpus} python -m hpcdist.train --device gpu {' '.join(args)}"
-        else:
-            line = (f"sbatch -N {gpus // per_node} --ntasks-per-node={per_node} "
-                    f"--gpus-per-node={per_node} jobs/train-gpu-multinode.sbatch "
-                    + " ".join(args))
-        at = "" if e is fits[0] else f" (number {fits.index(e) + 1} by step time, {e.step_s:.2f} s)"
-        return "\n".join(skipped + [f"run it{at} (DATA: token shards, python -m hpcdist.data "
-                                     f"prepare):", "  " + line])
-    return "\n".join(skipped + ["no fitting layout is one hpcdist.train runs yet"])
+        what = "run it" if i == 0 else (f"run it: the fastest layout hpcdist.train takes (number "
+                                        f"{i + 1} by step time, {e.step_s:.2f} s)")
+        return "\n".join(lines + [f"{what} (DATA: token shards, python -m hpcdist.data prepare):",
+                                  "  " + _launch(args, gpus, per_node)])
+    return "\n".join(lines + ["no fitting layout is one hpcdist.train runs yet"])
+
+
+def _launch(args: list, gpus: int, per_node: int) -> str:
+    if gpus <= per_node:
+        return f"mpirun -n {gpus} python -m hpcdist.train --device gpu {' '.join(args)}"
+    return (f"sbatch -N {gpus // per_node} --ntasks-per-node={per_node} "
+            f"--gpus-per-node={per_node} jobs/train-gpu-multinode.sbatch " + " ".join(args))

@@ -91,6 +91,7 @@ class TrainConfig:
     # checkpoints
     save_dir: str = ""            # where checkpoints go ("" = none)
     save_every: int = 0           # steps between checkpoints (0 = only at the end)
+    keep_last: int = 0            # keep only the newest N checkpoints (0 = all)
     resume: bool = False          # continue from the latest checkpoint in save_dir
     overwrite: bool = False       # a fresh run into a save_dir holding another run's
                                   # checkpoints moves them aside (never deletes them)
@@ -101,6 +102,7 @@ class TrainConfig:
     device: str = "cpu"           # cpu | gpu | auto
     dtype: str = "fp32"           # fp32 | fp64 (master precision; fp64 for exactness tests)
     log_every: int = 50
+    eval_every: int = 0           # held-out evaluation every N steps (0 = at the end only)
     eval_batch: int = 512
     out_dir: str = "runs"
     # observability
@@ -181,8 +183,10 @@ SETTINGS = [
      "save_every, density_warmup, compress_clip and powersgd_start must be non-negative"),
     ("powersgd_rank", lambda c: c.powersgd_rank < 1 and
      f"--powersgd-rank (PowerSGD's approximation rank) must be >= 1, got {c.powersgd_rank}"),
-    ("save_every", lambda c: (c.save_every or c.resume or c.overwrite) and not c.save_dir and
-     "--save-every, --resume and --overwrite need --save-dir"),
+    ("save_every", lambda c: (c.save_every or c.resume or c.overwrite or c.keep_last)
+     and not c.save_dir and "--save-every, --keep-last, --resume and --overwrite need --save-dir"),
+    ("keep_last", lambda c: (c.keep_last < 0 or c.eval_every < 0) and
+     "--keep-last and --eval-every must be >= 0 (0: keep all, evaluate at the end only)"),
     ("overwrite", lambda c: c.resume and c.overwrite and
      "--resume continues the run in --save-dir and --overwrite moves it aside: pick one"),
     ("straggler", lambda c: c.straggler and _straggler_problem(c)),
@@ -323,6 +327,10 @@ def parse_config(argv=None) -> TrainConfig:
     flags = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     from_file = set(values) - set(flags)
     values.update(flags)
+    if values.get("data") and "task" not in values:     # a data file means its text task
+        values["task"] = "text"
+        print("note: --data selects --task text")
+    _against_pretrained(values)
     cfg = TrainConfig(**values)
     try:
         validate(cfg)
@@ -333,6 +341,27 @@ def parse_config(argv=None) -> TrainConfig:
             raise ConfigError(f"{e} ({where})", e.field) from None
         raise
     return cfg
+
+
+SHAPE = ("n_layer", "n_head", "n_embd", "bias", "tie_weights")
+
+
+def _against_pretrained(values: dict) -> None:
+    """--init-from takes its shape from the folder: a shape setting given beside it that
+    says otherwise is refused (one that agrees is fine)."""
+    if not values.get("init_from") or not any(k in values for k in SHAPE):
+        return
+    from ..checkpoint import hf
+    try:
+        shape = hf.gpt2_shape(values["init_from"])
+    except (OSError, ValueError, KeyError):
+        return                                  # prepare() reports the folder itself
+    for k in SHAPE:
+        if k in values and values[k] != shape[k]:
+            flag = "--" + k.replace("_", "-")
+            raise ConfigError(f"{flag} {values[k]} contradicts --init-from "
+                              f"{values['init_from']}, whose {k} is {shape[k]}: the model's "
+                              f"shape is the folder's; drop {flag}", k)
 
 
 def shape_from_pretrained(cfg, train_set) -> None:

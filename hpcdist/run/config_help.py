@@ -86,6 +86,8 @@ HELP = {
     "checkpoints": {
         "save_dir": "where checkpoints go (none without it)",
         "save_every": "steps between checkpoints (0: only at the end)",
+        "keep_last": "keep only the newest N checkpoints, removing older ones after each save "
+                     "(0: keep all)",
         "resume": "continue from the newest verified checkpoint in --save-dir",
         "overwrite": "a fresh run into a --save-dir that holds another run's checkpoints "
                      "moves them aside to <dir>.old-N (never deletes); without it that is "
@@ -93,7 +95,10 @@ HELP = {
     },
     "observability": {
         "log_every": "print a progress line every N steps (metrics.jsonl records every step)",
-        "eval_batch": "evaluation batch size", "out_dir": "metrics.jsonl, ranks.json, "
+        "eval_every": "held-out loss and accuracy every N steps, printed and in "
+                      "metrics.jsonl (0: at the end only)",
+        "eval_batch": "evaluation batch size", "out_dir": "metrics.jsonl, train.log (what "
+                                                          "rank 0 prints), ranks.json, "
                                                           "comm_log.json go here",
         "trace": "write a Chrome trace of every rank to this file (ui.perfetto.dev)",
         "comm_log": "print per-collective timings beside the alpha-beta model",

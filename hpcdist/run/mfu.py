@@ -43,33 +43,46 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_peak(cores: int, dtype=np.float32) -> tuple[float, str]:
-    """(FLOP/s of a GEMM on ``cores`` threads, where the number came from)."""
+PROBES, PROBE_S = 5, 0.1     # the best of five 0.1 s GEMM timings: one busy moment is not the peak
+
+
+def probe(cores: int, dtype=np.float32) -> float:
+    """FLOP/s of a 1024^3 GEMM on ``cores`` threads: the best of ``PROBES`` timings."""
+    from threadpoolctl import threadpool_limits
+    n = 1024
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
+    best = 0.0
+    with threadpool_limits(cores):
+        a @ a
+        for _ in range(PROBES):
+            reps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < PROBE_S:
+                a @ a
+                reps += 1
+            best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
+    return best
+
+
+def cpu_peak(cores: int, dtype=np.float32, again: bool = False) -> tuple[float, str]:
+    """(FLOP/s of a GEMM on ``cores`` threads, where the number came from): the cached
+    number, or a probe's; ``again``: probe anew and keep the larger (a cached number
+    measured under load is too low)."""
     key = f"{_cpu_name()} | {cores} cores | {np.dtype(dtype).name}"
     try:
         with open(CACHE) as f:
             cached = json.load(f)
     except (OSError, ValueError):
         cached = {}
-    said = f"a GEMM probe on {cores} cores, kept in {CACHE}"
-    if key in cached:
+    said = f"the best of {PROBES} GEMM probes on {cores} cores, kept in {CACHE}"
+    if key in cached and not again:
         return float(cached[key]), said
-    from threadpoolctl import threadpool_limits
-    n = 1024
-    a = np.random.default_rng(0).standard_normal((n, n)).astype(dtype)
-    with threadpool_limits(cores):
-        a @ a
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.3:
-            a @ a
-            reps += 1
-        rate = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    rate = max(probe(cores, dtype), float(cached.get(key, 0.0)))
     cached[key] = rate
     try:
         os.makedirs(os.path.dirname(CACHE), exist_ok=True)
-        with open(CACHE + ".tmp", "w") as f:
+        with open(CACHE + f".tmp{os.getpid()}", "w") as f:
             json.dump(cached, f, indent=1)
-        os.replace(CACHE + ".tmp", CACHE)
+        os.replace(CACHE + f".tmp{os.getpid()}", CACHE)
     except OSError:
         pass
     return rate, said
@@ -112,23 +125,36 @@ def gpu_peak(precision: str) -> tuple[float, str]:
 
 
 class Meter:
-    """MFU of a run: ``peak`` (FLOP/s the hardware offers the whole job) and ``rate`` ->
-    (TFLOP/s, MFU) of a step."""
+    """MFU of a run: ``peak`` (FLOP/s the hardware offers the whole job; 0 where unknown, as on
+    the device double) and ``rate`` -> (TFLOP/s, MFU or None) of a step. On a CPU a step past
+    ``REPROBE`` of the cached peak probes the peak again once (the cache was measured under
+    load) and keeps the larger."""
+
+    REPROBE = 0.9
 
     def __init__(self, model, cfg, seq: int, world: int, nodes: int, cores_per_node: int):
         self.per_token = model_flops_per_token(model, cfg, seq)
-        if backend.device() == "gpu":
+        self.cpu = None
+        if backend.device_label() == "double":
+            one, self.source = 0.0, "the device double has no peak"
+        elif backend.device() == "gpu":
             one, self.source = gpu_peak(cfg.precision)
-            self.peak = one * world
         else:
-            dt = np.float64 if cfg.dtype == "fp64" else np.float32
-            one, self.source = cpu_peak(cores_per_node, dt)
-            self.peak = one * nodes
+            self.cpu = (cores_per_node, np.float64 if cfg.dtype == "fp64" else np.float32)
+            one, self.source = cpu_peak(*self.cpu)
+        self.per_peak = world if backend.device() == "gpu" else nodes
+        self.peak = one * self.per_peak
 
-    def rate(self, tokens_per_s: float) -> tuple[float, float]:
+    def rate(self, tokens_per_s: float) -> tuple[float, float | None]:
         flops = self.per_token * tokens_per_s
-        return flops / 1e12, (flops / self.peak if self.peak else 0.0)
+        if self.cpu is not None and self.peak and flops / self.peak > self.REPROBE:
+            one, _ = cpu_peak(*self.cpu, again=True)
+            self.peak = max(self.peak, one * self.per_peak)
+            self.cpu = None                           # once a run
+        return flops / 1e12, (flops / self.peak if self.peak else None)
 
     def describe(self) -> str:
+        if not self.peak:
+            return (f"MFU not reported: {self.source} ({self.per_token / 1e6:.3g} MFLOP/token)")
         return (f"MFU against {self.peak / 1e12:.3g} TFLOP/s ({self.source}; "
                 f"{self.per_token / 1e6:.3g} MFLOP/token)")

@@ -47,8 +47,8 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
 
 
 def progress_line(rec: dict, steps: int, eta: float) -> str:
-    flops = f" | {rec['tflops']:.3g} TFLOP/s, MFU {rec['mfu'] * 100:.2f}%" if "mfu" in rec \
-        else ""
+    flops = f" | {rec['tflops']:.3g} TFLOP/s" if "tflops" in rec else ""
+    flops += f", MFU {rec['mfu'] * 100:.2f}%" if rec.get("mfu") is not None else ""
     return (f"step {rec['step']:5d}/{steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
             f"{rec['tokens_per_s']:,.0f} tok/s | {rec['step_ms']:.1f} ms/step{flops} | "
             f"{rec['bytes_sent'] / 1024:,.0f} KiB sent | ETA {eta:.0f} s")
@@ -100,7 +100,7 @@ def final_report(cfg, model, strategy, test_set, history, start, world, t_start,
         say(f"activations per rank, MiB (--trace-memory; the most in a step after the first): "
             f"held by the graph {held['activations'] / 2 ** 20:.3f}, everything above the "
             f"model state {held['peak'] / 2 ** 20:.3f}")
-    rates = [r["mfu"] for r in history if "mfu" in r]
+    rates = [r["mfu"] for r in history if r.get("mfu") is not None]
     if rates:
         final["mfu_median"] = float(np.median(rates))
         final["tflops_median"] = float(np.median([r["tflops"] for r in history]))
@@ -156,7 +156,9 @@ class Unread:
             r["loss"] = loss
             r["grad_norm"] = None if r["grad_norm"] is None else float(norm)
             if self.meter is not None:
-                r["tflops"], r["mfu"] = self.meter.rate(r["tokens_per_s"])
+                r["tflops"], mfu = self.meter.rate(r["tokens_per_s"])
+                if mfu is not None:
+                    r["mfu"] = mfu
             if self.metrics is not None:
                 self.metrics.write(json.dumps(r) + "\n")
         if self.metrics is not None:

@@ -69,10 +69,24 @@ def launch_problem(world: int, allowed: bool = False) -> str | None:
     return None
 
 
-def open_metrics(out_dir: str, resumed: bool, say):
-    """``out_dir/metrics.jsonl`` for appending. A resumed run continues the file; a new run
-    moves an earlier run's file aside (metrics.jsonl.1, .2, ...) rather than truncating it."""
-    path = os.path.join(out_dir, "metrics.jsonl")
+def tee(log, logfile):
+    """``log`` that also writes each line to ``logfile`` (train.log), flushed per line."""
+    if logfile is None:
+        return log
+
+    def say(*args, **kw):
+        log(*args, **kw)
+        logfile.write(" ".join(str(a) for a in args) + "\n")
+        logfile.flush()
+    return say
+
+
+def open_run_file(out_dir: str, name: str, resumed: bool, say):
+    """``out_dir/name`` (metrics.jsonl, train.log) for appending. A resumed run continues the
+    file; a new run moves an earlier run's file aside (name.1, .2, ...) rather than
+    truncating it."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
     if not resumed and os.path.exists(path) and os.path.getsize(path) > 0:
         n = 1
         while os.path.exists(f"{path}.{n}"):

@@ -192,6 +192,7 @@ def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
         except FileNotFoundError:
             pass
     _take_lock(save_dir)
+    said += remove_partial_saves(save_dir)
     if not resume or not run.get("id"):
         _write_json(os.path.join(save_dir, RUN), {
             "id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -200,7 +201,49 @@ def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
     return said
 
 
-def _take_lock(save_dir: str) -> None:
+def remove_partial_saves(save_dir: str) -> list[str]:
+    """Remove what an interrupted save left (a step folder without its manifest, temporary
+    files); the lines that say so. Run by the job that holds the folder's lock."""
+    import glob
+    import shutil
+    said = []
+    for folder in sorted(glob.glob(os.path.join(save_dir, "step_*"))):
+        if not os.path.isdir(folder):
+            continue
+        if not os.path.isfile(os.path.join(folder, "manifest.json")):
+            size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(folder, "*"))
+                       if os.path.isfile(p))
+            shutil.rmtree(folder, ignore_errors=True)
+            said.append(f"removed {folder}, left incomplete by an interrupted save "
+                        f"({size / 2 ** 20:,.1f} MiB, no manifest)")
+            continue
+        for tmp in glob.glob(os.path.join(folder, "*.tmp.*")):
+            os.remove(tmp)
+            said.append(f"removed {tmp}, a temporary file left by an interrupted save")
+    return said
+
+
+def claim_out_dir(out_dir: str, save_dir: str = "") -> None:
+    """Make ``out_dir`` this job's while it runs (rank 0 only): two live runs in one folder
+    would move each other's metrics.jsonl aside and overwrite ranks.json. A lock left by a
+    job that is gone is taken over."""
+    if not out_dir or (save_dir and os.path.realpath(out_dir) == os.path.realpath(save_dir)):
+        return                                   # the save folder's lock covers it
+    os.makedirs(out_dir, exist_ok=True)
+    lock, alive = holder(out_dir)
+    if lock is not None and alive:
+        raise SaveDirError(f"--out-dir {out_dir!r} is in use by another job ({describe(lock)})"
+                           ": its metrics.jsonl and ranks.json would be mixed with this run's; "
+                           "pass another --out-dir")
+    if lock is not None:
+        try:
+            os.remove(os.path.join(out_dir, LOCK))
+        except FileNotFoundError:
+            pass
+    _take_lock(out_dir, "--out-dir")
+
+
+def _take_lock(save_dir: str, what: str = "--save-dir") -> None:
     path = os.path.join(save_dir, LOCK)
     me = {"host": socket.gethostname(), "pid": os.getpid(),
           "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -209,9 +252,9 @@ def _take_lock(save_dir: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:                     # another job took it a moment ago
         other, _ = holder(save_dir)
-        raise SaveDirError(f"--save-dir {save_dir!r} is in use by another job "
+        raise SaveDirError(f"{what} {save_dir!r} is in use by another job "
                            f"({describe(other or {})}): wait for it to end, or use another "
-                           "--save-dir") from None
+                           f"{what}") from None
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)
     beat = _Heartbeat(path)

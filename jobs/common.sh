@@ -80,7 +80,9 @@ hpcdist_cupy() {
     # CuPy in PYTHON, as `make venv` picks it: the wheel for the driver's CUDA major version
     "$PYTHON" -c "import cupy" 2>/dev/null && return 0
     local cuda
-    cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1)
+    # (|| true: without nvidia-smi the pipeline fails, and set -e -o pipefail would end the
+    # job with 127 instead of the message below)
+    cuda=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -n 1 || true)
     case $cuda in
         12|13) echo "hpcdist: no CuPy in $PYTHON; installing cupy-cuda${cuda}x (CUDA $cuda driver)"
                "$PYTHON" -m pip install -q -e "$HPCDIST_DIR[gpu-cuda$cuda]" \

@@ -101,6 +101,12 @@ def test_prepare_errors_are_one_line_naming_the_file_and_leave_nothing(tmp_path)
     assert rc == 2
     one_line(err, r"the corpus is empty .*empty.txt")
     assert not (tmp_path / "o3").exists()
+    (tmp_path / "one.txt").write_text("a single line, all of it held out\n")
+    rc, _, err = prepare(tmp_path / "one.txt", "--vocab-size", 300, "--out", tmp_path / "o4",
+                         "--val-fraction", "0.5")
+    assert rc == 2
+    one_line(err, r"the corpus gives no training tokens")
+    assert not (tmp_path / "o4").exists()
 
 
 def test_a_vocabulary_the_corpus_cannot_reach_is_said(tmp_path):

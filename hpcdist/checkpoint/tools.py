@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from . import LATEST, MANIFEST, CheckpointError, Reader, newest_verified
+from . import LATEST, MANIFEST, CheckpointError, Reader, _latest_name, newest_verified
 
 
 def _is_save_folder(path: str) -> bool:
@@ -59,11 +59,17 @@ def verify_all(path: str) -> int:
             damaged.append(os.path.basename(folder))
             print(f"{folder}: DAMAGED: {e}", file=sys.stderr)
     if _is_save_folder(path):
+        name = _latest_name(path)                     # a pointer to nothing is damage too
+        if name is not None and not os.path.isdir(os.path.join(path, name)):
+            print(f"{os.path.join(path, LATEST)} names {name!r}, which does not exist",
+                  file=sys.stderr)
+            damaged.append(f"'latest' -> {name}")
         chosen, problems = newest_verified(path)
         if problems and chosen is not None:
             print(f"note: a resume or a tool would use {chosen}", file=sys.stderr)
     if damaged:
-        print(f"python -m hpcdist.checkpoint: error: {len(damaged)} of {len(folders)} "
+        steps = [d for d in damaged if not d.startswith("'latest'")]
+        print(f"python -m hpcdist.checkpoint: error: {len(steps)} of {len(folders)} "
               f"checkpoint(s) damaged: {', '.join(damaged)}", file=sys.stderr)
         return 1
     return 0

@@ -153,8 +153,10 @@ def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
     size = tok.get_vocab_size()
     if size > 1 << 16:
         raise ValueError(f"a vocabulary of {size:,} does not fit llm.c's uint16 shards")
+    created = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".prepare-", dir=out)
+    done = False
     try:
         text = tok.to_str()
         tag = shards.tokenizer_tag(vocab.tokenizer_text(text))
@@ -175,8 +177,11 @@ def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
             os.remove(os.path.join(out, name))
         for name in sorted(os.listdir(work)):
             os.replace(os.path.join(work, name), os.path.join(out, name))
+        done = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if created and not done:                  # a folder made for a failed prepare goes
+            shutil.rmtree(out, ignore_errors=True)
     if earlier:
         say(f"replaced {len(earlier)} file(s) of an earlier prepare in {out}")
     say(f"{out}: tokenizer.json ({size:,} tokens); {train.total:,} training tokens in "

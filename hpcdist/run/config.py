@@ -185,6 +185,8 @@ SETTINGS = [
      f"--powersgd-rank (PowerSGD's approximation rank) must be >= 1, got {c.powersgd_rank}"),
     ("save_every", lambda c: (c.save_every or c.resume or c.overwrite or c.keep_last)
      and not c.save_dir and "--save-every, --keep-last, --resume and --overwrite need --save-dir"),
+    ("eval_every", lambda c: c.eval_every and c.strategy == "ps" and
+     "--eval-every runs with the collective strategies; --strategy ps evaluates at the end"),
     ("keep_last", lambda c: (c.keep_last < 0 or c.eval_every < 0) and
      "--keep-last and --eval-every must be >= 0 (0: keep all, evaluate at the end only)"),
     ("overwrite", lambda c: c.resume and c.overwrite and

@@ -164,7 +164,8 @@ def _bootstrap(comm, monkeypatch, real):
 
 
 def test_the_real_nccl_id_reaches_the_constructor_as_cupy_declares_it(comm, monkeypatch):
-    pytest.importorskip("cupy", reason="CuPy is not installed: make test-cupy installs it")
+    # cupy.cuda, not cupy: without CuPy, tests/cupy on sys.path imports as a namespace package
+    pytest.importorskip("cupy.cuda", reason="CuPy is not installed: make test-cupy installs it")
     from cupy.cuda import nccl as real
     import sys
     sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/cupy")

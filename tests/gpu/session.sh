@@ -2,8 +2,12 @@
 # One lease on a lent GPU machine, batched: `bash tests/gpu/session.sh STEP...` runs the named
 # steps in order, each under its own timeout, with its log in $OUT (or runs/gpu) as STEP.log.
 # The machine has CuPy and PyTorch but no MPI and no registry: wheels of mpich, mpi4py and
-# pytest-mpi travel in .whl/ (docs/gpu.md, "Running on a lent GPU") and go into a venv that
-# sees the system's site-packages. A step that fails does not stop the next one.
+# pytest-mpi travel in .whl/ (ignored: echo /.whl/ >> .git/info/exclude), fetched here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl mpich mpi4py pytest-mpi
+# and go into a venv that sees the system's site-packages. A step that fails does not stop
+# the next one. Not run yet: no GPU was lent to the session that wrote it.
 #   smoke    tests/test_gpu.py on the GPU
 #   unit     the op gradchecks and the PyTorch oracles on the GPU
 #   bench16  python -m hpcdist.bench gpu, GPT 12x768, T 256, batch 16 (JSON in bench16.json)

@@ -39,12 +39,10 @@ def choose(path: str, say=None) -> str:
 def verify_all(path: str) -> int:
     """``verify``: every checkpoint of a save folder (or the one named), a line each; 1 when
     any is damaged or ``latest`` names none that verifies, naming them."""
-    if not _is_save_folder(path):
-        folders = [path]
-    else:
-        folders = sorted(glob.glob(os.path.join(path, "step_*")))
-        if not folders:
-            raise CheckpointError(f"{path}: no checkpoint here")
+    save_folder = _is_save_folder(path)
+    folders = sorted(glob.glob(os.path.join(path, "step_*"))) if save_folder else [path]
+    if not folders:
+        raise CheckpointError(f"{path}: no checkpoint here")
     damaged = []
     for folder in folders:
         try:
@@ -58,14 +56,16 @@ def verify_all(path: str) -> int:
         except CheckpointError as e:
             damaged.append(os.path.basename(folder))
             print(f"{folder}: DAMAGED: {e}", file=sys.stderr)
-    if _is_save_folder(path):
+    if save_folder:
         name = _latest_name(path)                     # a pointer to nothing is damage too
         if name is not None and not os.path.isdir(os.path.join(path, name)):
             print(f"{os.path.join(path, LATEST)} names {name!r}, which does not exist",
                   file=sys.stderr)
             damaged.append(f"'latest' -> {name}")
-        chosen, problems = newest_verified(path)
-        if problems and chosen is not None:
+        good = [f for f in folders if os.path.basename(f) not in damaged]
+        if damaged and good:                           # newest_verified's choice, from the above
+            chosen = os.path.join(path, name) if name and os.path.join(path, name) in good \
+                else good[-1]
             print(f"note: a resume or a tool would use {chosen}", file=sys.stderr)
     if damaged:
         steps = [d for d in damaged if not d.startswith("'latest'")]

@@ -9,8 +9,10 @@ docs/failures.md, "hpcdist/run/savedir.py"."""
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -204,8 +206,6 @@ def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
 def remove_partial_saves(save_dir: str) -> list[str]:
     """Remove what an interrupted save left (a step folder without its manifest, temporary
     files); the lines that say so. Run by the job that holds the folder's lock."""
-    import glob
-    import shutil
     said = []
     for folder in sorted(glob.glob(os.path.join(save_dir, "step_*"))):
         if not os.path.isdir(folder):

@@ -150,14 +150,14 @@ def build(args):
         model, v = load(args.model)
         return model, v, 0
     from .comm import Communicator
-    from .parallel.tp import TensorParallelGPT
+    from .parallel.tp import apply_tensor_parallel
     comm = Communicator()
     if comm.size != args.tp:
         raise ValueError(f"--tp {args.tp} runs on {args.tp} ranks: mpirun -n {args.tp} "
                          f"(this job has {comm.size})")
     backend.init(args.device, comm.local_rank)
     model, v = load(args.model)
-    return TensorParallelGPT(model, comm).eval(), v, comm.rank
+    return apply_tensor_parallel(model, comm).eval(), v, comm.rank
 
 
 if __name__ == "__main__":

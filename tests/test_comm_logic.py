@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from hpcdist.comm import layout, sparse
 from hpcdist.comm.select import choose_allreduce, choose_bcast
-from hpcdist.comm.mesh import MeshCoord, mesh_coords, mesh_rank, validate_mesh
+from hpcdist.comm.mesh import Grid, MeshCoord, mesh_coords, mesh_rank, validate_mesh
 
 
 @given(st.integers(0, 10_000), st.integers(1, 64))
@@ -126,7 +126,55 @@ def test_mesh_validation():
         validate_mesh(8, 3, 1, 1)
     with pytest.raises(ValueError, match="positive"):
         validate_mesh(8, 0, 8, 1)
+    with pytest.raises(ValueError, match="unknown mesh axis 'xp'"):
+        Grid(dp=2).groups(["xp"])
     validate_mesh(8, 2, 2, 2)
+
+
+def _colour_groups(world, dp, tp, pp, cp):
+    """The groups as the mesh made them before it had named axes: a colour and a key per
+    axis, derived by hand (the oracle for ``Grid``)."""
+    r = np.arange(world)
+    c_tp, c_cp = r % tp, (r // tp) % cp
+    c_dp, c_pp = (r // (tp * cp)) % dp, r // (tp * cp * dp)
+    formulas = {
+        ("dp", "cp"): (c_pp * tp + c_tp, c_dp * cp + c_cp),
+        ("dp",): ((c_pp * cp + c_cp) * tp + c_tp, c_dp),
+        ("cp",): ((c_pp * dp + c_dp) * tp + c_tp, c_cp),
+        ("tp",): ((c_pp * dp + c_dp) * cp + c_cp, c_tp),
+        ("pp",): ((c_dp * cp + c_cp) * tp + c_tp, c_pp)}
+    out = {}
+    for axes, (colour, key) in formulas.items():
+        groups = {}
+        for rank in r:
+            groups.setdefault(int(colour[rank]), []).append((int(key[rank]), int(rank)))
+        out[axes] = sorted([rk for _, rk in sorted(g)] for g in groups.values())
+    return out
+
+
+def _layouts(world):
+    for tp in range(1, world + 1):
+        for cp in range(1, world // tp + 1):
+            for pp in range(1, world // (tp * cp) + 1):
+                if world % (tp * cp * pp) == 0:
+                    yield world // (tp * cp * pp), tp, pp, cp
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8, 12, 4096])
+def test_named_axis_groups_equal_the_colour_formulas(world):
+    """Every layout of up to 8 ranks (and 12), and a spread of layouts of 4,096: each named
+    group of the grid is the group the per-axis colour formulas made."""
+    layouts = list(_layouts(world))
+    if world > 12:                        # 455 layouts of 4,096: every 23rd, and the edges
+        layouts = layouts[::23] + [(4096, 1, 1, 1), (1, 4096, 1, 1), (8, 8, 16, 4)]
+    for dp, tp, pp, cp in layouts:
+        grid = Grid(dp=dp, tp=tp, pp=pp, cp=cp)
+        old = _colour_groups(world, dp, tp, pp, cp)
+        for axes, groups in old.items():
+            assert sorted(grid.groups(axes)) == groups, (world, dp, tp, pp, cp, axes)
+        for rank in (0, world - 1):
+            assert grid.rank(grid.coords(rank)) == rank
+            assert grid.group(rank, ("tp",)) == old[("tp",)][rank // tp]
 
 
 def test_nccl_backend_without_cupy_is_a_clear_error():

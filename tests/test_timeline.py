@@ -80,8 +80,14 @@ def test_alpha_beta_model_matches_the_formulas():
     assert model.predict("reduce_scatter", n, 4, a, b) == pytest.approx(2 * a + 3 * a + 0.75 * n * b)
     assert model.predict("send", n, 4, a, b) == pytest.approx(a + n * b)
     assert model.predict("bcast", n, 8, a, b, "binomial") == pytest.approx(3 * a + 3 * (a + n * b))
+    # all-to-all pairwise on 4 ranks: 2 check latencies + 3 messages of n/4 bytes; Bruck's: 2
+    # rounds of n/2 bytes
+    assert model.predict("alltoall", n, 4, a, b, "pairwise") == pytest.approx(
+        2 * a + 3 * (a + n / 4 * b))
+    assert model.predict("alltoall", n, 4, a, b, "bruck") == pytest.approx(
+        2 * a + 2 * (a + n / 2 * b))
     with pytest.raises(ValueError, match="no cost model"):
-        model.predict("alltoall", n, 4, a, b)
+        model.predict("gather", n, 4, a, b)
     assert model.busbw_factor("allreduce", 4) == 1.5
     assert model.busbw_factor("allgather", 4) == 0.75
     assert model.busbw_factor("bcast", 4) == 1.0 and model.busbw_factor("allreduce", 1) == 1.0

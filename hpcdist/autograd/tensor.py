@@ -1,7 +1,7 @@
 """Tensor and the reverse-mode engine: an iterative topological sort plus a reverse walk.
 
 A Tensor holds ``data`` (an xp array) and, once backward has run, ``grad`` (an xp array of the
-same shape). Ops (ops.py) build a result Tensor that remembers its parents and a closure
+same shape). Ops (autograd/ops/) build a result Tensor that remembers its parents and a closure
 ``backward(g) -> tuple of parent gradients``. ``Tensor.backward`` sorts the graph without
 recursion (deep graphs are fine), walks it in reverse, sums gradients of reused nodes, and
 frees the graph as it goes. Leaves may carry hooks that fire once their gradient for this
@@ -328,7 +328,7 @@ def tensor(data, requires_grad: bool = False, dtype=None) -> Tensor:
     return Tensor(data, requires_grad=requires_grad, dtype=dtype)
 
 
-# Operator methods live in ops.py next to their backward; attached here so `a + b` works.
+# Operator methods live in autograd/ops/ next to their backward; attached here so `a + b` works.
 from . import ops as _ops
 
 Tensor.__add__ = lambda a, b: _ops.add(a, b)

@@ -1,13 +1,14 @@
 """Collectives benchmark: ``mpiexec -n N python -m hpcdist.bench collectives``.
 
-For allreduce, reduce-scatter, allgather, broadcast and sendrecv, sizes 8 B .. 64 MiB in 4x
+For allreduce, reduce-scatter, allgather, broadcast, all-to-all and sendrecv, sizes 8 B .. 64 MiB in 4x
 steps (OSU / nccl-tests style): warm-up, then ours and the MPI built-in alternate for 5 rounds
 of timed iterations, each round between barriers; a rank's time is its median round (mean per
 call), then the mean and the max over ranks. Columns: time, algbw = size/time, busbw =
 algbw x the nccl-tests factor (allreduce 2(n-1)/n, reduce-scatter and allgather (n-1)/n,
-bcast and sendrecv 1), the same MPI built-in on the same buffers in the same run, the time
+all-to-all (n-1)/n, bcast and sendrecv 1), the same MPI built-in on the same buffers in the same run, the time
 ratio ours/MPI, and the alpha-beta model's prediction from a measured ping-pong.
-``--algorithms`` adds allreduce timed per algorithm (the data behind the "auto" thresholds);
+``--algorithms`` adds allreduce, broadcast and all-to-all timed per algorithm — every record
+in the table (comm/table.py) that serves them: the data behind the "auto" thresholds;
 ``--overlap`` measures how much of an iallreduce hides behind computation.
 """
 from __future__ import annotations
@@ -22,10 +23,10 @@ from mpi4py import MPI
 
 from hpcdist.comm import Communicator, shard_bounds
 from hpcdist.comm.model import busbw_factor, fit_alpha_beta, predict
-from hpcdist.comm.select import (ALLREDUCE_ALGORITHMS, BCAST_ALGORITHMS, choose_allreduce,
-                                  choose_bcast)
+from hpcdist.comm.algorithm import serving
+from hpcdist.comm.select import choose
 
-KINDS = ("allreduce", "reduce_scatter", "allgather", "bcast", "sendrecv")
+KINDS = ("allreduce", "reduce_scatter", "allgather", "bcast", "alltoall", "sendrecv")
 MiB = 1 << 20
 
 
@@ -109,6 +110,11 @@ def bench_one(comm, kind: str, nbytes: int):
     elif kind == "bcast":
         ours = lambda: comm.bcast(x, root=0)                           # noqa: E731
         ref = lambda: mpi.Bcast(x, root=0)                             # noqa: E731
+    elif kind == "alltoall":                   # P equal pieces of the buffer (rounded up)
+        x = np.ones(-(-n // P) * P, dtype=np.float32)
+        got = np.empty_like(x)
+        ours = lambda: comm.alltoall(x)                                # noqa: E731
+        ref = lambda: mpi.Alltoall(x, got)                             # noqa: E731
     else:  # sendrecv around the ring
         right, left = (r + 1) % P, (r - 1) % P
         ours = lambda: comm.sendrecv(x, dest=right, source=left)      # noqa: E731
@@ -134,12 +140,36 @@ def overlap(comm, nbytes: int = 16 * MiB):
     return t_comm, t_comp, t_both, hidden
 
 
+def by_algorithm(comm, nbytes_list, say) -> list:
+    """Each algorithm of the table that serves allreduce, bcast or alltoall, timed at every
+    size, beside what "auto" picks (a registered algorithm shows up here by itself)."""
+    P, rows = comm.size, []
+    calls = {"allreduce": lambda x, y, nm: comm.allreduce(x, out=y, algorithm=nm),
+             "bcast": lambda x, y, nm: comm.bcast(x, root=0, algorithm=nm),
+             "alltoall": lambda x, y, nm: comm.alltoall(x, algorithm=nm)}
+    for kind, call in calls.items():
+        names = [a.name for a in serving(kind) if kind in a.runs]
+        say(f"\n{kind} time (us) by algorithm")
+        say(f"{'bytes':>10s} " + " ".join(f"{nm:>19s}" for nm in names) + f" {'auto picks':>19s}")
+        for nbytes in nbytes_list:
+            x = np.ones(-(-max(nbytes // 4, 1) // P) * P, dtype=np.float32)
+            y = np.empty_like(x)
+            ts = [timed(comm.mpi, lambda nm=nm: call(x, y, nm), iterations(nbytes))[0]
+                  for nm in names]
+            rows.append({"collective": f"{kind}_by_algorithm", "ranks": P, "bytes": nbytes,
+                         **{f"{nm}_us": tt * 1e6 for nm, tt in zip(names, ts)}})
+            say(f"{nbytes:10d} " + " ".join(f"{tt * 1e6:19.1f}" for tt in ts)
+                + f" {choose(kind, x.nbytes, P, short=False):>19s}")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench collectives", description=__doc__)
     ap.add_argument("--min-bytes", type=int, default=8)
     ap.add_argument("--max-bytes", type=int, default=64 * MiB)
-    ap.add_argument("--collectives", default="allreduce,reduce_scatter,allgather,bcast,sendrecv")
-    ap.add_argument("--algorithms", action="store_true", help="also time each allreduce algorithm")
+    ap.add_argument("--collectives", default=",".join(KINDS))
+    ap.add_argument("--algorithms", action="store_true",
+                    help="also time each allreduce, bcast and alltoall algorithm")
     ap.add_argument("--overlap", action="store_true", help="also measure iallreduce overlap")
     ap.add_argument("--out", default="runs", help="folder for CSV, JSON and PNG")
     args = ap.parse_args(argv)
@@ -169,23 +199,7 @@ def main(argv=None) -> int:
                 f"{row['busbw_GBs']:11.3f} {row['mpi_time_us']:10.1f} {row['mpi_busbw_GBs']:10.3f} "
                 f"{row['ratio']:9.2f} {row['model_us']:10.1f}")
     if args.algorithms and P > 1:
-        for kind, names, choose in (("allreduce", sorted(ALLREDUCE_ALGORITHMS), choose_allreduce),
-                                    ("bcast", sorted(BCAST_ALGORITHMS), choose_bcast)):
-            say(f"\n{kind} time (us) by algorithm")
-            say(f"{'bytes':>10s} " + " ".join(f"{nm:>19s}" for nm in names) + f" {'auto picks':>19s}")
-            for nbytes in sizes(args.min_bytes, args.max_bytes):
-                x = np.ones(max(nbytes // 4, 1), dtype=np.float32)
-                y = np.empty_like(x)
-                if kind == "allreduce":
-                    call = lambda nm: comm.allreduce(x, out=y, algorithm=nm)   # noqa: E731
-                else:
-                    call = lambda nm: comm.bcast(x, root=0, algorithm=nm)      # noqa: E731
-                ts = [timed(comm.mpi, lambda nm=nm: call(nm), iterations(nbytes))[0]
-                      for nm in names]
-                rows.append({"collective": f"{kind}_by_algorithm", "ranks": P, "bytes": nbytes,
-                             **{f"{nm}_us": tt * 1e6 for nm, tt in zip(names, ts)}})
-                say(f"{nbytes:10d} " + " ".join(f"{tt * 1e6:19.1f}" for tt in ts)
-                    + f" {choose(nbytes, P):>19s}")
+        rows += by_algorithm(comm, sizes(args.min_bytes, args.max_bytes), say)
     if args.overlap and P > 1:
         tc, tp, tb, hidden = overlap(comm)
         rows.append({"collective": "overlap", "ranks": P, "comm_s": tc, "compute_s": tp,

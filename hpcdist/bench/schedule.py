@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     from hpcdist.parallel import schedules as S
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench schedule",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--schedule", default="1f1b", choices=S.SCHEDULES)
+    ap.add_argument("--schedule", default="1f1b", choices=list(S.REGISTRY))
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--virtual-stages", type=int, default=1)

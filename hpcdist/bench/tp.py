@@ -59,7 +59,7 @@ def worker(args) -> int:
     from hpcdist.comm import Communicator
     from hpcdist.comm.mesh import ProcessMesh
     from hpcdist.run.config import TrainConfig
-    from hpcdist.parallel.tp import TensorParallelGPT, mappings
+    from hpcdist.parallel.tp import apply_tensor_parallel, mappings
     from hpcdist.train import train
     comm = Communicator()
     b, s, h, a = args.batch, args.seq, args.n_embd, args.n_head
@@ -74,7 +74,7 @@ def worker(args) -> int:
                 nn.manual_seed(0)
                 full = nn.GPT(nn.GPTConfig(vocab_size=16, block_size=s, n_layer=layers,
                                            n_head=a, n_embd=h))
-                model = TensorParallelGPT(full, mesh.tp_comm, sp) if t > 1 else full
+                model = apply_tensor_parallel(full, mesh.tp_comm, sp) if t > 1 else full
                 params = {id(p.data) for p in model.parameters()}
                 for k in mappings.traffic:
                     mappings.traffic[k] = 0

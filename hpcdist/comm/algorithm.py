@@ -3,9 +3,7 @@
 The rest of this design: docs/communication.md, "hpcdist/comm/algorithm.py"."""
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,7 +16,7 @@ class Algorithm:
     kinds: tuple = ()                   # the collectives it serves
     runs: dict = field(default_factory=dict)   # collective -> run(wire, buf, ...)
     auto: Callable | None = None        # (kind, nbytes, world) -> whether "auto" picks it
-    fusable: dict = field(default_factory=dict)  # collective -> ALWAYS | WHEN_AUTO
+    rides_short: dict = field(default_factory=dict)  # collective -> ALWAYS | WHEN_AUTO
     prefer: Callable | None = None      # (kind, nbytes, world, topology, short) -> bool
     wire_bytes: Callable | None = None  # (kind, n, world, itemsize) -> bytes a rank sends
     #                                     (exact where world is a power of two dividing n)
@@ -51,20 +49,13 @@ def unregister(name: str) -> None:
     CHANGES[0] += 1
 
 
-_FOUND = False
-
-
 def registry() -> dict:
-    """name -> Algorithm: every ``ALGORITHMS`` record of this package's modules, found on
-    first use, then whatever ``register`` added."""
-    global _FOUND
-    if not _FOUND:
-        _FOUND = True
-        from . import __path__ as here
-        for info in pkgutil.iter_modules(here):
-            module = importlib.import_module(f"{__package__}.{info.name}")
-            for a in getattr(module, "ALGORITHMS", ()):
-                REGISTRY.setdefault(a.name, a)
+    """name -> Algorithm: the table (comm/table.py, read on first use), then whatever
+    ``register`` added or replaced."""
+    if not REGISTRY:
+        from .table import TABLE
+        for a in TABLE:
+            REGISTRY.setdefault(a.name, a)
     return REGISTRY
 
 

@@ -1,10 +1,10 @@
 """The collectives, one class each: how a call is checked, what its short payload is, and how
 its long algorithms run. ``dispatch.collective`` walks every call through them in one order
-(check -> choose -> fused short exchange | algorithm -> wire). A kind has six hooks:
+(check -> choose -> short exchange | algorithm -> wire). A kind has six hooks:
 
     check       this rank's arguments, as the ledger records them             (ledger.py)
     nbytes      the payload's size, for the choice of algorithm               (select.py)
-    short_form  the fused exchange's (bytes, dtype), its fold and the call as its cached
+    short_form  the short exchange's (bytes, dtype), its fold and the call as its cached
                 key sees it; ``fill`` puts this rank's part in, ``extract`` takes the result out
     run         any other algorithm: move the data                            (ring.py ...)
 
@@ -55,7 +55,7 @@ class Kind:
 
     def short_form(self, host, a):
         """(payload bytes, payload dtype, fold ufunc, the call's fields: kind, length, dtype,
-        op, root) of the fused exchange of this rank's ``host`` array."""
+        op, root) of the short exchange of this rank's ``host`` array."""
         return host.nbytes, host.dtype, reduce_ufunc(a.op), (self.name, host.size,
                                                               host.dtype, a.op, -1)
 
@@ -63,7 +63,7 @@ class Kind:
         ex.data[...] = host
 
     def extract(self, wire, ex, buf, a):
-        """The result, out of the fused exchange ``ex`` (every rank's ``fill`` folded)."""
+        """The result, out of the short exchange ``ex`` (every rank's ``fill`` folded)."""
         raise NotImplementedError(f"{self.name} has no short form")
 
     def run(self, wire, buf, a, record):
@@ -281,6 +281,50 @@ class Barrier(Kind):
         return None
 
 
+class Alltoall(Kind):
+    """Piece j of this rank's buffer to rank j; the pieces from every rank, in rank order, as
+    views of one array. ``a.counts``: the pieces' sizes (None: P equal pieces, whose size
+    the agreement checks alike on every rank); ``a.extra``: the sizes coming in (None: sent
+    first, one number per peer). The v-form runs pairwise under "auto": its sizes differ by
+    rank, and the choice must be every rank's."""
+    name = "alltoall"
+
+    def check(self, buf, a):
+        n, P = getattr(buf, "size", 0), a.size
+        problem = ledger.counts_problem(a.counts, n, P)
+        if a.counts is None and n % P:
+            problem = (f"buf of {n} elements does not split into {P} equal pieces: give "
+                       "counts (the v-form)")
+        if problem is None and a.extra is not None and (
+                len(a.extra) != P or any(int(c) < 0 for c in a.extra)):
+            problem = f"recv_counts must give {P} non-negative sizes, got {list(a.extra)}"
+        if a.counts is not None and a.algorithm == "auto":
+            a.algorithm = "pairwise"
+        return {"length": n if a.counts is None else -1, "problem": problem}
+
+    def run(self, wire, buf, a, record):
+        send = wire.stage_in(buf).reshape(-1)
+        P = a.size
+        counts = [send.size // P] * P if a.counts is None else [int(c) for c in a.counts]
+        incoming = counts if a.counts is None else a.extra
+        if incoming is None:                    # the sizes first: one number per peer
+            incoming = np.empty(P, dtype=np.int64)
+            algorithm.get(a.algorithm).runs["alltoall"](
+                wire, np.array(counts, dtype=np.int64), [1] * P, incoming, [1] * P)
+        incoming = [int(c) for c in incoming]
+        out = backend.array_module(send).empty(sum(incoming), dtype=send.dtype)
+        if P > 1:
+            algorithm.get(a.algorithm).runs["alltoall"](wire, send, counts, out, incoming,
+                                                        a.counts is None)
+        else:
+            out[...] = send
+        if record is not None:
+            record["bytes"] = int(send.nbytes)
+        out = wire.stage_out(out, buf)
+        ends = np.cumsum([0] + incoming)
+        return [out[ends[r]:ends[r + 1]] for r in range(P)]
+
+
 class SparseExchange(Kind):
     """Sum every rank's (index, value) pairs into a dense length-n array (ring allgatherv of
     the pairs); ``buf`` is the values, ``a.extra`` = (indices, n)."""
@@ -304,3 +348,4 @@ class SparseExchange(Kind):
 
 ALLREDUCE, REDUCE_SCATTER, ALLGATHER, ALLGATHERV = Allreduce(), ReduceScatter(), Allgather(), Allgatherv()
 BCAST, REDUCE, BARRIER, SPARSE = Bcast(), Reduce(), Barrier(), SparseExchange()
+ALLTOALL = Alltoall()

@@ -15,8 +15,8 @@ from mpi4py import MPI
 from ..device import backend
 from ..host import threads, timeline
 from . import abort, ledger, p2p, select, sparse, watchdog
-from .collectives import (ALLGATHER, ALLGATHERV, ALLREDUCE, BARRIER, BCAST, REDUCE,
-                          REDUCE_SCATTER, SPARSE)
+from .collectives import (ALLGATHER, ALLGATHERV, ALLREDUCE, ALLTOALL, BARRIER, BCAST,
+                          REDUCE, REDUCE_SCATTER, SPARSE)
 from .dispatch import agree_only, collective
 from .handle import Done, Handle
 from .wire import Wire
@@ -80,7 +80,7 @@ class Communicator:
         # Algorithms forced for "auto" (read once here: the environment is slow per call).
         self._auto = {"allreduce": os.environ.get("HPCDIST_ALLREDUCE", "auto"),
                       "bcast": os.environ.get("HPCDIST_BCAST", "auto")}
-        self._plans: dict = {}               # cached plans of blocking short calls
+        self._memos: dict = {}               # cached plans of blocking short calls
         self.sparse_stats = sparse.SparseStats()
 
     @property
@@ -109,7 +109,7 @@ class Communicator:
     @debug.setter
     def debug(self, on: bool) -> None:
         self._ledger.debug = on
-        self._plans.clear()                  # cached plans carry no call site
+        self._memos.clear()                  # cached plans carry no call site
 
     def uncounted(self):
         """Blocking calls inside are left out of ``bytes_sent`` (a benchmark's probe)."""
@@ -177,6 +177,23 @@ class Communicator:
     def allgatherv(self, buf):
         """Concatenation of every rank's 1-D ``buf``, lengths free to differ."""
         return collective(self, ALLGATHERV, True, buf)
+
+    def alltoall(self, buf, counts=None, recv_counts=None, algorithm: str = "auto") -> list:
+        """Piece j of ``buf`` to rank j; returns [the piece from rank 0, ..., from rank P-1]
+        (flat views of one array). ``buf``: an array of P equal pieces, or with ``counts``
+        (the v-form: any sizes, zeros too) — or a list of P arrays, one per rank.
+        ``recv_counts``: the sizes coming in, where the caller knows them (else they are
+        exchanged first). Algorithms: pairwise, bruck (comm/alltoall.py)."""
+        buf, counts = _pieces(buf, counts, self.size)
+        return collective(self, ALLTOALL, True, buf, algorithm=algorithm, counts=counts,
+                          extra=recv_counts)
+
+    def ialltoall(self, buf, counts=None, recv_counts=None, algorithm: str = "auto") -> Handle:
+        """Non-blocking ``alltoall``: ``wait()`` -> the list of pieces. Leave ``buf`` alone
+        until then."""
+        buf, counts = _pieces(buf, counts, self.size)
+        return collective(self, ALLTOALL, False, buf, algorithm=algorithm, counts=counts,
+                          extra=recv_counts)
 
     def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
         """Overwrite ``buf`` on every rank with root's ``buf`` (in place); returns ``buf``."""
@@ -315,3 +332,16 @@ class Communicator:
             if dup is not None and dup != MPI.COMM_NULL:
                 dup.Free()
                 setattr(self, name, None)
+
+
+def _pieces(buf, counts, P: int):
+    """(one flat array, counts) of ``alltoall``'s input: a list of P arrays is joined (their
+    sizes are the counts, None where all are equal)."""
+    if not isinstance(buf, (list, tuple)):
+        return buf, counts
+    if len(buf) != P or counts is not None:
+        raise ValueError(f"alltoall takes a list of {P} arrays (one per rank) and no counts, "
+                         f"got {len(buf)} arrays" + (" and counts" if counts is not None else ""))
+    sizes = [int(p.size) for p in buf]
+    flat = backend.array_module(buf[0]).concatenate([p.reshape(-1) for p in buf])
+    return flat, None if len(set(sizes)) == 1 else sizes

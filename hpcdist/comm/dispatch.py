@@ -1,9 +1,9 @@
-"""The one path of every collective: check -> choose -> (fused short exchange | algorithm) -> wire.
+"""The one path of every collective: check -> choose -> (short exchange | algorithm) -> wire.
 
 ``collective`` reads top to bottom: the memo (a repeated blocking short call goes straight
-to its fused exchange); check (the algorithm's name, the kind's checks, the ledger's
+to its short exchange); check (the algorithm's name, the kind's checks, the ledger's
 number); choose (select.py); then ``_watched``, the one place the watchdog and the timeline
-are entered, around the fused exchange (``_short``: the data rides in the agreement) or the
+are entered, around the short exchange (``_short``: the data rides in the agreement) or the
 agreement and the algorithm. Non-blocking calls take the same path in the progress thread.
 
 The rest of this design: docs/communication.md, "hpcdist/comm/dispatch.py"."""
@@ -23,12 +23,12 @@ def collective(c, kind, blocking: bool, buf, op=None, root=None, algorithm="auto
     Handle of it when not ``blocking``."""
     if blocking and counts is None and wire_dtype is None:           # the memo
         if type(buf) is np.ndarray:
-            plan = c._plans.get((kind, buf.size, buf.dtype, op, root, algorithm, total,
+            plan = c._memos.get((kind, buf.size, buf.dtype, op, root, algorithm, total,
                                  out is None))
             if plan is not None and plan.fits(buf, out):     # checked and chosen before
                 return _short(c, c._wire, kind, None, plan, buf, plan.args_for(out))
         elif buf is None and timeline._active is None:
-            plan = c._plans.get(kind)
+            plan = c._memos.get(kind)
             if plan is not None:
                 return _short(c, c._wire, kind, None, plan, None, plan.args)
     a = Args(op, root, algorithm, out, wire_dtype, total, counts, extra, c.rank, c.size)
@@ -40,7 +40,7 @@ def collective(c, kind, blocking: bool, buf, op=None, root=None, algorithm="auto
     call.algorithm = select.choose(kind.name, nbytes, c.size, a.algorithm,         # choose
                                    c._auto.get(kind.name, "auto"), short,
                                    c.topology if a.counts is None else None)
-    if call.algorithm == select.FUSED:
+    if call.algorithm == select.SHORT:
         if blocking and not c.debug and timeline.active() is None:
             _remember(c, kind, buf, a)
     else:
@@ -72,7 +72,7 @@ def _watched(c, wire, kind, call, buf, a, nbytes: int = 0):
         link = "intra" if c.topology.nodes == 1 else (
             "2-level" if label == "hierarchical" else "inter")
         with timeline.collective(call.kind, label, nbytes, c.size, link) as record:
-            if call.algorithm == select.FUSED:
+            if call.algorithm == select.SHORT:
                 return _short(c, wire, kind, call, None, buf, a)
             c._ledger.agree(wire.exchanges, call)      # a mismatch raises alike on every rank
             try:
@@ -87,7 +87,7 @@ def _watched(c, wire, kind, call, buf, a, nbytes: int = 0):
 
 
 def _short(c, wire, kind, call, plan, buf, a):
-    """The fused short exchange: this rank's payload rides in the agreement, which folds
+    """The short exchange: this rank's payload rides in the agreement, which folds
     every rank's; then the kind takes its result out. ``plan``: a memo hit's (numbered and
     agreed with its cached key); else ``call``'s."""
     if plan is None:
@@ -107,14 +107,14 @@ def _short(c, wire, kind, call, plan, buf, a):
 
 def _remember(c, kind, buf, a) -> None:
     if buf is None:
-        c._plans[kind] = Plan(kind, None, a)
+        c._memos[kind] = Memo(kind, None, a)
     elif (type(buf) is np.ndarray and a.counts is None and a.wire_dtype is None
           and (a.out is None or kind is ALLREDUCE)):
-        c._plans[(kind, buf.size, buf.dtype, a.op, a.root, a.algorithm, a.total,
-                  a.out is None)] = Plan(kind, buf, a)
+        c._memos[(kind, buf.size, buf.dtype, a.op, a.root, a.algorithm, a.total,
+                  a.out is None)] = Memo(kind, buf, a)
 
 
-class Plan:
+class Memo:
     """A blocking short call as made before: its exchange's shape, fold and key."""
 
     __slots__ = ("kind", "args", "args_out", "payload", "fold", "fields", "static",
@@ -131,7 +131,7 @@ class Plan:
                              a.rank, a.size)
         size, dtype, self.fold, self.fields = kind.short_form(host, a)
         self.payload = (size, dtype)
-        self.static = ledger.static_key(self.fields[0], True, select.FUSED, *self.fields[1:],
+        self.static = ledger.static_key(self.fields[0], True, select.SHORT, *self.fields[1:],
                                         -1, True)
         self.check_out = a.out is not None
 

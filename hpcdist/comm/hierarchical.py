@@ -45,12 +45,17 @@ def _permuted(buf, order, P):
     return xp.concatenate(parts) if parts else buf.copy()
 
 
-def reduce_scatter_inplace(wire, buf, op: str) -> tuple[int, int]:
+def _other_layout(bounds, length: int, P: int) -> bool:
+    """Pieces other than the shard layout (the two levels serve that one only)."""
+    return bounds is not None and list(bounds) != [shard_bounds(length, P, c) for c in range(P)]
+
+
+def reduce_scatter_inplace(wire, buf, op: str, bounds=None) -> tuple[int, int]:
     """As ``ring.reduce_scatter_inplace`` with the shard layout: afterwards ``buf[lo:hi]``
-    (returned) is this rank's reduced shard, the rest scratch."""
+    (returned) is this rank's reduced shard, the rest scratch (other ``bounds``: the ring)."""
     levels = wire.levels()
-    if levels is None:
-        return ring.reduce_scatter_inplace(wire, buf, op)
+    if levels is None or _other_layout(bounds, buf.size, wire.Get_size()):
+        return ring.reduce_scatter_inplace(wire, buf, op, bounds)
     node, cross, _ = levels
     P, rank = wire.Get_size(), wire.Get_rank()
     order, blocks, inner = _blocks(levels, buf.size)
@@ -63,12 +68,14 @@ def reduce_scatter_inplace(wire, buf, op: str) -> tuple[int, int]:
     return lo, hi
 
 
-def allgather_inplace(wire, buf) -> None:
-    """Fill every shard of ``buf`` (the shard layout) from its owner."""
+def allgather_inplace(wire, buf, bounds=None) -> None:
+    """Fill every shard of ``buf`` (the shard layout; other ``bounds``: the ring) from its
+    owner."""
     levels = wire.levels()
     P = wire.Get_size()
-    if levels is None:
-        return ring.allgather_inplace(wire, buf, [shard_bounds(buf.size, P, c) for c in range(P)])
+    if levels is None or _other_layout(bounds, buf.size, P):
+        return ring.allgather_inplace(wire, buf, bounds or [shard_bounds(buf.size, P, c)
+                                                            for c in range(P)])
     node, cross, _ = levels
     order, blocks, inner = _blocks(levels, buf.size)
     l = node.Get_rank()
@@ -111,9 +118,8 @@ def _prefer(kind, nbytes, world, topo, short_limit) -> bool:
     return hier < flat
 
 
-ALGORITHMS = [Algorithm(
+HIERARCHICAL = Algorithm(
     "hierarchical", kinds=("allreduce", "reduce_scatter", "allgather"),
-    runs={"allreduce": lambda wire, buf, op: allreduce_inplace(wire, buf, op),
-          "reduce_scatter": lambda wire, buf, op, bounds: reduce_scatter_inplace(wire, buf, op),
-          "allgather": lambda wire, full, bounds: allgather_inplace(wire, full)},
-    prefer=_prefer, cost=ring.ring_cost)]        # priced on one link level: as the flat ring
+    runs={"allreduce": allreduce_inplace, "reduce_scatter": reduce_scatter_inplace,
+          "allgather": allgather_inplace},
+    prefer=_prefer, cost=ring.ring_cost)        # priced on one link level: as the flat ring

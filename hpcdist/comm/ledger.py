@@ -12,12 +12,12 @@ import numpy as np
 
 from ..device import backend
 from .layout import OPS
-from .select import FUSED
+from .select import SHORT
 from . import p2p, ring, watchdog
 from .p2p import DTYPE_NAMES, dtype_code
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "bcast", "reduce",
-         "sparse_allreduce", "barrier")
+         "sparse_allreduce", "barrier", "alltoall")
 LINE = 240                      # bytes of each rank's description on a mismatch
 KEY_MASK = (1 << 62) - 1
 _HPCDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ class Call:
                  problem=None, shape=None, where=None, algorithm=""):
         self.kind, self.seq, self.blocking, self.length, self.dtype = kind, seq, blocking, length, dtype
         self.op, self.root, self.k, self.problem, self.shape, self.where = op, root, k, problem, shape, where
-        self.algorithm = algorithm        # ranks must run the same one (e.g. all fused)
+        self.algorithm = algorithm        # ranks must run the same one (e.g. all short)
 
     def key(self) -> int:
         """The call as a number every rank computes alike (see ``key``)."""
@@ -69,7 +69,7 @@ class Call:
             s += f" root {self.root}"
         if self.k >= 0:
             s += f" k {self.k:,}"
-        if self.algorithm and self.algorithm != FUSED:     # the usual path goes unsaid
+        if self.algorithm and self.algorithm != SHORT:     # the usual path goes unsaid
             s += f" via {self.algorithm}"
         if self.where is not None:
             s += f" at {self.where}"
@@ -115,7 +115,7 @@ def agree(exchanges, call: Call, label: str = "this communicator", payload=None,
     error, which quotes it. ``payload`` (an ``Exchange`` already filled) rides along, folded
     with ``fold`` (short.py); its ``data`` holds the result when this returns.
     """
-    comm = exchanges.comm
+    comm = exchanges.wire
     if comm.Get_size() == 1:
         if call.problem is not None:
             raise ValueError(call.problem)
@@ -279,8 +279,8 @@ class Ledger:
         wait.seq, wait.kind, wait.nbytes = seq, fields[0], ex.data.nbytes
         if not ex.run(hash((seq, static)) & KEY_MASK, fold, wait):
             kind, length, dtype, op, root = fields
-            mismatch(exchanges.comm, Call(kind, seq, True, length, dtype, op, root,
-                                          algorithm=FUSED), self.label)
+            mismatch(exchanges.wire, Call(kind, seq, True, length, dtype, op, root,
+                                          algorithm=SHORT), self.label)
 
     # handles of non-blocking calls
     def track(self, handle) -> None:

@@ -1,20 +1,23 @@
-"""Process mesh: the world as a DP x CP x TP x PP grid, with a sub-communicator along each axis.
+"""Process mesh: the world as a grid of named axes, and a sub-communicator for any set of them.
 
-Rank layout (Megatron's order): tensor-parallel index fastest, then context-parallel, then
-data-parallel, then pipeline stage — ``rank = ((pp * DP + dp) * CP + cp) * TP + tp`` — so a
-tensor-parallel group is made of
-neighbouring ranks, which on a cluster share a node and its fast links: with the launchers'
-block placement (a node's ranks consecutive) and TP dividing the ranks per node, every
-tensor-parallel group stays inside a node and the data-parallel and pipeline groups span the
-nodes ("TP within a node, PP across nodes"); a context-parallel group, whose ring carries
-K/V blocks every layer, comes next closest. Another layout is allowed; ``tp_within_node``
-says whether it holds, and the run's header says so when it does not.
+One rank grid in Megatron's order, outermost first: ``AXES = (pp, dp, ep, cp, tp)`` — the
+tensor-parallel index fastest, so a tensor-parallel group is made of neighbouring ranks, which
+on a cluster share a node and its fast links (with block placement and TP dividing the ranks
+per node); a context-parallel group, whose ring carries K/V blocks every layer, comes next
+closest; pipeline stages outermost ("TP within a node, PP across nodes"). ``ep`` (experts) is
+size 1 until a model has experts. ``tp_within_node`` says whether the node rule holds.
+
+A group is asked for by naming its axes: the ranks that agree on every other axis, ordered by
+their coordinates on the named ones (outermost first). ``Grid`` is the pure arithmetic (no
+MPI): adding an axis is adding its name to ``AXES``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+AXES = ("pp", "dp", "ep", "cp", "tp")          # outermost first
 
 
 @dataclass(frozen=True)
@@ -23,59 +26,129 @@ class MeshCoord:
     tp: int
     pp: int
     cp: int = 0
+    ep: int = 0
 
 
-def mesh_coords(rank: int, dp: int, tp: int, pp: int, cp: int = 1) -> MeshCoord:
-    """This rank's (dp, tp, pp, cp) coordinates. Pure logic, no MPI."""
-    return MeshCoord(dp=(rank // (tp * cp)) % dp, tp=rank % tp, pp=rank // (tp * cp * dp),
-                     cp=(rank // tp) % cp)
+class Grid:
+    """Ranks laid out over ``AXES`` (sizes by name; an axis not given has size 1)."""
+
+    def __init__(self, **sizes: int):
+        unknown = sorted(set(sizes) - set(AXES))
+        if unknown:
+            raise ValueError(f"unknown mesh axis {', '.join(unknown)}: the axes are "
+                             f"{', '.join(AXES)}")
+        for name, n in sizes.items():
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"mesh size {name} must be a positive integer, got {n!r}")
+        self.sizes = {a: sizes.get(a, 1) for a in AXES}
+        self.size = int(np.prod(list(self.sizes.values())))
+
+    def coords(self, rank: int) -> dict:
+        """axis -> this rank's index along it (the innermost axis varies fastest)."""
+        out = {}
+        for a in reversed(AXES):
+            rank, out[a] = divmod(rank, self.sizes[a])
+        return out
+
+    def rank(self, coords: dict) -> int:
+        r = 0
+        for a in AXES:
+            r = r * self.sizes[a] + coords.get(a, 0)
+        return r
+
+    def _index(self, coords: dict, axes) -> int:
+        """The mixed-radix number of ``coords`` on ``axes`` (taken in AXES order)."""
+        i = 0
+        for a in AXES:
+            if a in axes:
+                i = i * self.sizes[a] + coords[a]
+        return i
+
+    def color_key(self, rank: int, axes) -> tuple[int, int]:
+        """(which group of ``axes`` the rank is in, its place in that group)."""
+        self._check(axes)
+        c = self.coords(rank)
+        return self._index(c, [a for a in AXES if a not in axes]), self._index(c, axes)
+
+    def group(self, rank: int, axes) -> list[int]:
+        """The ranks of ``rank``'s group over ``axes``, in group order."""
+        color = self.color_key(rank, axes)[0]
+        members = [(self.color_key(r, axes)[1], r) for r in range(self.size)
+                   if self.color_key(r, axes)[0] == color]
+        return [r for _, r in sorted(members)]
+
+    def groups(self, axes) -> list[list[int]]:
+        """Every group over ``axes``, each in group order, the groups by color."""
+        out: dict = {}
+        for r in range(self.size):
+            color, key = self.color_key(r, axes)
+            out.setdefault(color, []).append((key, r))
+        return [[r for _, r in sorted(out[c])] for c in sorted(out)]
+
+    def _check(self, axes) -> None:
+        unknown = [a for a in axes if a not in AXES]
+        if unknown:
+            raise ValueError(f"unknown mesh axis {unknown[0]!r}: the axes are {', '.join(AXES)}")
 
 
-def mesh_rank(coord: MeshCoord, dp: int, tp: int, cp: int = 1) -> int:
-    return ((coord.pp * dp + coord.dp) * cp + coord.cp) * tp + coord.tp
+def mesh_coords(rank: int, dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> MeshCoord:
+    """This rank's coordinates on the grid. Pure logic, no MPI."""
+    return MeshCoord(**Grid(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep).coords(rank))
 
 
-def validate_mesh(world: int, dp: int, tp: int, pp: int, cp: int = 1) -> None:
-    for name, n in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"mesh size {name} must be a positive integer, got {n!r}")
-    if dp * tp * pp * cp != world:
-        raise ValueError(f"mesh dp x cp x tp x pp = {dp} x {cp} x {tp} x {pp} = "
-                         f"{dp * cp * tp * pp} does not match the world size {world}; choose "
-                         f"sizes whose product is {world}")
+def mesh_rank(coord: MeshCoord, dp: int, tp: int, cp: int = 1, ep: int = 1) -> int:
+    return Grid(dp=dp, tp=tp, cp=cp, ep=ep, pp=coord.pp + 1).rank(vars(coord))
+
+
+def validate_mesh(world: int, dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> None:
+    grid = Grid(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    if grid.size != world:
+        raise ValueError(f"mesh dp x ep x cp x tp x pp = {dp} x {ep} x {cp} x {tp} x {pp} = "
+                         f"{grid.size} does not match the world size {world}; choose sizes "
+                         f"whose product is {world}")
 
 
 class ProcessMesh:
-    """Sub-communicators of ``comm`` along each axis of a DP x CP x TP x PP grid.
+    """Sub-communicators of ``comm`` over the grid (construction is collective over ``comm``).
 
-    ``dp_comm`` joins the ranks that hold the same model part (same tp, pp): DP x CP of them —
-    gradients are averaged over it, ZeRO shards over it; ``batch_comm`` those of them that read
-    different batches (the DP axis: a context-parallel group reads one batch and splits each
-    sequence); ``cp_comm`` the ranks that split one sequence; ``tp_comm`` the ranks that split
-    one layer; ``pp_comm`` the stages of one pipeline. Construction is collective over ``comm``.
+    ``group(*axes)`` is the one way to make one; the named ones are the strategies':
+    ``dp_comm`` (dp, cp: the ranks that hold the same model part — gradients are averaged over
+    it, ZeRO shards over it), ``batch_comm`` (dp: those of them that read different batches; a
+    context-parallel group reads one batch and splits each sequence), ``cp_comm`` (the ranks
+    that split one sequence), ``tp_comm`` (one layer), ``pp_comm`` (the stages of a pipeline).
     """
 
-    def __init__(self, comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1):
-        validate_mesh(comm.size, dp, tp, pp, cp)
-        self.world, self.dp, self.tp, self.pp, self.cp = comm, dp, tp, pp, cp
-        self.coord = mesh_coords(comm.rank, dp, tp, pp, cp)
-        c = self.coord
-        # Ranks share a color when they agree on the other axes; key orders them on this one.
-        self.dp_comm = comm.split(color=c.pp * tp + c.tp, key=c.dp * cp + c.cp)
-        self.batch_comm = comm.split(color=(c.pp * cp + c.cp) * tp + c.tp, key=c.dp) \
-            if cp > 1 else self.dp_comm
-        self.cp_comm = comm.split(color=(c.pp * dp + c.dp) * tp + c.tp, key=c.cp)
-        self.tp_comm = comm.split(color=(c.pp * dp + c.dp) * cp + c.cp, key=c.tp)
-        self.pp_comm = comm.split(color=(c.dp * cp + c.cp) * tp + c.tp, key=c.pp)
+    def __init__(self, comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
+        validate_mesh(comm.size, dp, tp, pp, cp, ep)
+        self.world, self.grid = comm, Grid(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        self.dp, self.tp, self.pp, self.cp, self.ep = dp, tp, pp, cp, ep
+        self.coord = MeshCoord(**self.grid.coords(comm.rank))
+        self._groups: dict = {}
+        self.dp_comm = self.group("dp", "cp")
+        self.batch_comm = self.group("dp") if cp > 1 else self.dp_comm   # the same ranks
+        self.cp_comm = self.group("cp")
+        self.tp_comm = self.group("tp")
+        self.pp_comm = self.group("pp")
         # every tensor-parallel group on one node? (agreed: each rank sees only its group)
         spans = comm.allreduce(np.array([self.tp_comm.nodes], dtype=np.int64), op="max")
         self.tp_within_node = int(spans[0]) == 1
 
+    def group(self, *axes: str):
+        """The communicator over ``axes``: this rank and those that agree with it on every
+        other axis (collective over the world the first time a set of axes is asked for; one
+        communicator per set, so each role's traffic stays its own)."""
+        self.grid._check(axes)
+        axes = tuple(a for a in AXES if a in axes)
+        if axes not in self._groups:
+            color, key = self.grid.color_key(self.world.rank, axes)
+            self._groups[axes] = self.world.split(color=color, key=key)
+        return self._groups[axes]
+
     def __repr__(self):
-        return (f"ProcessMesh(dp={self.dp}, cp={self.cp}, tp={self.tp}, pp={self.pp}, "
-                f"rank={self.world.rank}, coord={self.coord})")
+        sizes = ", ".join(f"{a}={n}" for a, n in self.grid.sizes.items())
+        return f"ProcessMesh({sizes}, rank={self.world.rank}, coord={self.coord})"
 
     def close(self) -> None:
-        for sub in {id(c): c for c in (self.dp_comm, self.batch_comm, self.cp_comm,
-                                        self.tp_comm, self.pp_comm)}.values():
+        for sub in self._groups.values():
             sub.close()
+        self._groups.clear()

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from .algorithm import get, serving
-from .select import FUSED, choose, forced_by_env, is_short
+from .select import SHORT, choose, forced_by_env, is_short
 
 MiB = 1 << 20
 
@@ -79,7 +79,7 @@ def predict(kind: str, nbytes: int, P: int, a: float, b: float, algorithm: str =
     if not serving(kind):
         raise ValueError(f"no cost model for {kind!r}: no algorithm serves it")
     if not algorithm:
-        algorithm = FUSED if is_short(kind, nbytes, P) else \
+        algorithm = SHORT if is_short(kind, nbytes, P) else \
             choose(kind, nbytes, P, forced=forced_by_env(kind), short=False)
     record = get(algorithm)
     if record.cost is None:
@@ -95,6 +95,7 @@ BUSBW_FACTOR = {
     "allgather": lambda P: (P - 1) / P,
     "allgatherv": lambda P: (P - 1) / P,
     "sparse_allreduce": lambda P: (P - 1) / P,
+    "alltoall": lambda P: (P - 1) / P,
 }
 
 

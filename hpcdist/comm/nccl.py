@@ -62,8 +62,9 @@ class _StreamHandle:
 # The Communicator's calls: the NCCL backend implements each or refuses it by name
 # (``REFUSED``: the call -> why, and what runs it instead).
 PROTOCOL = ("allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather",
-            "iallgather", "allgatherv", "bcast", "reduce", "barrier", "agree_only", "send",
-            "recv", "isend", "irecv", "sendrecv", "sparse_allreduce", "sparse_exchange",
+            "iallgather", "allgatherv", "alltoall", "ialltoall", "bcast", "reduce", "barrier",
+            "agree_only", "send", "recv", "isend", "irecv", "sendrecv", "sparse_allreduce",
+            "sparse_exchange",
             "split", "close", "uncounted")
 REFUSED = {
     "allgatherv": "pieces of sizes only the ranks know need a size exchange first",
@@ -115,6 +116,9 @@ class NcclCommunicator:
     def iallgather(self, shard, total: int | None = None, counts=None, out=None,
                    algorithm: str = "auto"):
         return _StreamHandle(self.allgather(shard, total=total, counts=counts, out=out))
+
+    def ialltoall(self, buf, counts=None, recv_counts=None, algorithm: str = "auto"):
+        return _StreamHandle(self.alltoall(buf, counts, recv_counts))
 
     def split(self, color: int, key: int | None = None):
         """An NCCL communicator over the ranks that pass the same ``color`` (collective)."""
@@ -195,6 +199,35 @@ class NcclCommunicator:
             out.reshape(-1)[...] = full
             return out
         return full
+
+    def alltoall(self, buf, counts=None, recv_counts=None, algorithm: str = "auto") -> list:
+        """As ``Communicator.alltoall``: one NCCL group of a send and a receive per peer (the
+        sizes, where the caller does not give them, over MPI first)."""
+        from .communicator import _pieces
+        buf, counts = _pieces(buf, counts, self.size)
+        xp, dt, P = backend.xp(), self._args(buf), self.size
+        if counts is None and buf.size % P:
+            raise ValueError(f"buf of {buf.size} elements does not split into {P} equal "
+                             "pieces: give counts (the v-form)")
+        self._agree("alltoall", buf, length=buf.size if counts is None else -1)
+        counts = [buf.size // P] * P if counts is None else [int(c) for c in counts]
+        if recv_counts is None:
+            recv_counts = [int(p[0]) for p in self.host.alltoall(np.array(counts, np.int64))]
+        send, out = buf.reshape(-1), xp.empty(sum(recv_counts), dtype=buf.dtype)
+        so, ro = np.cumsum([0] + counts), np.cumsum([0] + list(recv_counts))
+        item = buf.dtype.itemsize
+        self.bytes_sent += (int(so[-1]) - counts[self.rank]) * item
+        out[ro[self.rank]:ro[self.rank + 1]] = send[so[self.rank]:so[self.rank + 1]]
+        self.nccl.groupStart()
+        for peer in range(P):
+            if peer != self.rank and counts[peer]:
+                self.comm.send(send.data.ptr + int(so[peer]) * item, counts[peer], dt, peer,
+                               self._stream())
+            if peer != self.rank and recv_counts[peer]:
+                self.comm.recv(out.data.ptr + int(ro[peer]) * item, int(recv_counts[peer]),
+                               dt, peer, self._stream())
+        self.nccl.groupEnd()
+        return [out[ro[r]:ro[r + 1]] for r in range(P)]
 
     def reduce(self, buf, op: str = "sum", root: int = 0):
         """The reduced array on ``root`` (None elsewhere): NCCL's allreduce, kept on the root

@@ -19,12 +19,12 @@ from .ring import ALLREDUCE_RING_BYTES
 TAG = 103
 
 
-def allreduce_inplace(comm, buf, op: str) -> None:
-    P = comm.Get_size()
+def allreduce_inplace(wire, buf, op: str) -> None:
+    P = wire.Get_size()
     pof2 = 1 << (P.bit_length() - 1)
     L = buf.size
     tmp = backend.array_module(buf).empty_like(buf)
-    new_rank = fold_in(comm, buf, op, tmp)
+    new_rank = fold_in(wire, buf, op, tmp)
     if new_rank >= 0:
         bounds = [shard_bounds(L, pof2, c) for c in range(pof2)]
 
@@ -40,7 +40,7 @@ def allreduce_inplace(comm, buf, op: str) -> None:
             keep, send = ((mid, hi), (lo, mid)) if new_rank & mask else ((lo, mid), (mid, hi))
             (s0, s1), (k0, k1) = elems(*send), elems(*keep)
             part = tmp[:k1 - k0]
-            comm.Sendrecv(as_bytes(buf[s0:s1]), partner, TAG, as_bytes(part), partner, TAG)
+            wire.Sendrecv(as_bytes(buf[s0:s1]), partner, TAG, as_bytes(part), partner, TAG)
             reduce_into(buf[k0:k1], part, op)
             lo, hi = keep
             mask >>= 1
@@ -53,11 +53,11 @@ def allreduce_inplace(comm, buf, op: str) -> None:
             partner = unfold_rank(new_rank ^ mask, P)
             other = (lo - mask, lo) if new_rank & mask else (hi, hi + mask)
             (m0, m1), (o0, o1) = elems(lo, hi), elems(*other)
-            comm.Sendrecv(as_bytes(buf[m0:m1]), partner, TAG + 1,
+            wire.Sendrecv(as_bytes(buf[m0:m1]), partner, TAG + 1,
                           as_bytes(buf[o0:o1]), partner, TAG + 1)
             lo, hi = min(lo, other[0]), max(hi, other[1])
             mask <<= 1
-    fold_out(comm, buf)        # folded-out ranks receive the finished result here
+    fold_out(wire, buf)        # folded-out ranks receive the finished result here
 
 
 def _wire_bytes(kind, n, P, itemsize):
@@ -71,8 +71,7 @@ def _cost(kind, nbytes, P, a, b):
     return fold_time(nbytes, P, a, b) + 2 * steps * a + 2 * (pof2 - 1) / pof2 * nbytes * b
 
 
-ALGORITHMS = [Algorithm(
-    "rabenseifner", kinds=("allreduce",),
-    runs={"allreduce": lambda wire, buf, op: allreduce_inplace(wire, buf, op)},
+RABENSEIFNER = Algorithm(
+    "rabenseifner", kinds=("allreduce",), runs={"allreduce": allreduce_inplace},
     auto=lambda kind, nbytes, world: ALLREDUCE_SMALL_BYTES < nbytes < ALLREDUCE_RING_BYTES,
-    wire_bytes=_wire_bytes, cost=_cost)]
+    wire_bytes=_wire_bytes, cost=_cost)

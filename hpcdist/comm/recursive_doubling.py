@@ -14,44 +14,44 @@ from .algorithm import ALWAYS, Algorithm, fold_time, rounds
 TAG = 102
 
 
-def fold_in(comm, buf, op, tmp) -> int:
+def fold_in(wire, buf, op, tmp) -> int:
     """Phase 1 (non-powers of two): evens among the first 2*rem ranks send to their odd
     neighbour, which reduces. Returns this rank's new rank (-1: it sits out)."""
-    P, r = comm.Get_size(), comm.Get_rank()
+    P, r = wire.Get_size(), wire.Get_rank()
     pof2, new_rank = fold_rank(r, P)
     if r < 2 * (P - pof2):
         if r % 2 == 0:
-            comm.Send(as_bytes(buf), r + 1, TAG)
+            wire.Send(as_bytes(buf), r + 1, TAG)
         else:
-            comm.Recv(as_bytes(tmp), r - 1, TAG)
+            wire.Recv(as_bytes(tmp), r - 1, TAG)
             reduce_into(buf, tmp, op)
     return new_rank
 
 
-def fold_out(comm, buf) -> None:
+def fold_out(wire, buf) -> None:
     """Last phase: the odd ranks of the folded pairs hand the result back to the evens."""
-    P, r = comm.Get_size(), comm.Get_rank()
+    P, r = wire.Get_size(), wire.Get_rank()
     pof2 = 1 << (P.bit_length() - 1)
     if r < 2 * (P - pof2):
         if r % 2:
-            comm.Send(as_bytes(buf), r - 1, TAG + 1)
+            wire.Send(as_bytes(buf), r - 1, TAG + 1)
         else:
-            comm.Recv(as_bytes(buf), r + 1, TAG + 1)
+            wire.Recv(as_bytes(buf), r + 1, TAG + 1)
 
 
-def allreduce_inplace(comm, buf, op: str) -> None:
-    P = comm.Get_size()
+def allreduce_inplace(wire, buf, op: str) -> None:
+    P = wire.Get_size()
     pof2 = 1 << (P.bit_length() - 1)
     tmp = backend.array_module(buf).empty_like(buf)
-    new_rank = fold_in(comm, buf, op, tmp)
+    new_rank = fold_in(wire, buf, op, tmp)
     if new_rank >= 0:
         mask = 1
         while mask < pof2:
             partner = unfold_rank(new_rank ^ mask, P)       # distance doubles every round
-            comm.Sendrecv(as_bytes(buf), partner, TAG + 2, as_bytes(tmp), partner, TAG + 2)
+            wire.Sendrecv(as_bytes(buf), partner, TAG + 2, as_bytes(tmp), partner, TAG + 2)
             reduce_into(buf, tmp, op)
             mask <<= 1
-    fold_out(comm, buf)
+    fold_out(wire, buf)
     finish(buf, op, P)
 
 
@@ -83,8 +83,7 @@ def cost(kind, nbytes, P, a, b):
     return fold_time(nbytes, P, a, b) + rounds(P)[1] * (a + nbytes * b)
 
 
-ALGORITHMS = [Algorithm(
-    "recursive_doubling", kinds=("allreduce",),
-    runs={"allreduce": lambda wire, buf, op: allreduce_inplace(wire, buf, op)},
+RECURSIVE_DOUBLING = Algorithm(
+    "recursive_doubling", kinds=("allreduce",), runs={"allreduce": allreduce_inplace},
     auto=lambda kind, nbytes, world: nbytes <= ALLREDUCE_SMALL_BYTES,
-    fusable={"allreduce": ALWAYS}, wire_bytes=wire_bytes, cost=cost)]
+    rides_short={"allreduce": ALWAYS}, wire_bytes=wire_bytes, cost=cost)

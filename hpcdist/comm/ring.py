@@ -13,7 +13,7 @@ from .algorithm import ALWAYS, Algorithm
 TAG = 101
 
 
-def reduce_scatter_inplace(comm, buf, op: str, wire_dtype=None, bounds=None) -> tuple[int, int]:
+def reduce_scatter_inplace(wire, buf, op: str, bounds=None, wire_dtype=None) -> tuple[int, int]:
     """Reduce ``buf`` across ranks; afterwards ``buf[lo:hi]`` (returned) is this rank's reduced
     piece and the rest of ``buf`` is scratch. ``avg`` is finished on the piece.
 
@@ -21,7 +21,7 @@ def reduce_scatter_inplace(comm, buf, op: str, wire_dtype=None, bounds=None) -> 
     (ZeRO reduce-scatters a bucket onto the global shards). ``wire_dtype`` (e.g. float16) is
     what travels; the reduction stays in ``buf``'s dtype.
     """
-    P, r = comm.Get_size(), comm.Get_rank()
+    P, r = wire.Get_size(), wire.Get_rank()
     L = buf.size
     if bounds is None:
         bounds = [shard_bounds(L, P, c) for c in range(P)]
@@ -34,14 +34,14 @@ def reduce_scatter_inplace(comm, buf, op: str, wire_dtype=None, bounds=None) -> 
         (slo, shi), (rlo, rhi) = bounds[send_c], bounds[recv_c]
         part = incoming[:rhi - rlo]
         out = buf[slo:shi] if wire_dtype is None else buf[slo:shi].astype(wire_dtype)
-        comm.Sendrecv(as_bytes(out), right, TAG, as_bytes(part), left, TAG)
+        wire.Sendrecv(as_bytes(out), right, TAG, as_bytes(part), left, TAG)
         reduce_into(buf[rlo:rhi], part if wire_dtype is None else part.astype(buf.dtype), op)
     lo, hi = bounds[r]
     finish(buf[lo:hi], op, P)
     return lo, hi
 
 
-def allgather_inplace(comm, buf, bounds, pos=None, left=None, right=None,
+def allgather_inplace(wire, buf, bounds, pos=None, left=None, right=None,
                       wire_dtype=None) -> None:
     """Fill every piece of ``buf`` from the rank that owns it.
 
@@ -51,30 +51,30 @@ def allgather_inplace(comm, buf, bounds, pos=None, left=None, right=None,
     With ``wire_dtype`` pieces travel in that dtype, and the owner rounds its own piece the
     same way, so that every rank ends with identical values.
     """
-    P = comm.Get_size()
+    P = wire.Get_size()
     if pos is None:
-        pos = comm.Get_rank()
+        pos = wire.Get_rank()
         left, right = ring_peers(pos, P)
     if wire_dtype is not None:
         lo, hi = bounds[pos]
-        wire = buf[lo:hi].astype(wire_dtype)
-        buf[lo:hi] = wire
+        rounded = buf[lo:hi].astype(wire_dtype)
+        buf[lo:hi] = rounded
         staged = backend.array_module(buf).empty(buf.size, dtype=wire_dtype)
-        staged[lo:hi] = wire
-        allgather_inplace(comm, staged, bounds, pos, left, right)
+        staged[lo:hi] = rounded
+        allgather_inplace(wire, staged, bounds, pos, left, right)
         buf[...] = staged.astype(buf.dtype)
         return
     for step in range(P - 1):
         send_c, recv_c = (pos - step) % P, (pos - step - 1) % P
         (slo, shi), (rlo, rhi) = bounds[send_c], bounds[recv_c]
-        comm.Sendrecv(as_bytes(buf[slo:shi]), right, TAG + 1, as_bytes(buf[rlo:rhi]), left, TAG + 1)
+        wire.Sendrecv(as_bytes(buf[slo:shi]), right, TAG + 1, as_bytes(buf[rlo:rhi]), left, TAG + 1)
 
 
-def allreduce_inplace(comm, buf, op: str, wire_dtype=None) -> None:
+def allreduce_inplace(wire, buf, op: str, wire_dtype=None) -> None:
     """Phase 1: ring reduce-scatter. Phase 2: ring allgather of the reduced shards."""
-    P = comm.Get_size()
-    reduce_scatter_inplace(comm, buf, op, wire_dtype)
-    allgather_inplace(comm, buf, [shard_bounds(buf.size, P, c) for c in range(P)],
+    P = wire.Get_size()
+    reduce_scatter_inplace(wire, buf, op, wire_dtype=wire_dtype)
+    allgather_inplace(wire, buf, [shard_bounds(buf.size, P, c) for c in range(P)],
                       wire_dtype=wire_dtype)
 
 
@@ -90,14 +90,11 @@ def ring_cost(kind, nbytes, P, a, b):
     return (P - 1) * a + (P - 1) / P * nbytes * b
 
 
-ALGORITHMS = [Algorithm(
+RING = Algorithm(
     "ring", kinds=("allreduce", "reduce_scatter", "allgather", "allgatherv"),
-    runs={"allreduce": lambda wire, buf, op: allreduce_inplace(wire, buf, op),
-          "reduce_scatter": lambda wire, buf, op, bounds: reduce_scatter_inplace(
-              wire, buf, op, bounds=bounds),
-          "allgather": lambda wire, full, bounds: allgather_inplace(wire, full, bounds),
-          "allgatherv": lambda wire, full, bounds: allgather_inplace(wire, full, bounds)},
+    runs={"allreduce": allreduce_inplace, "reduce_scatter": reduce_scatter_inplace,
+          "allgather": allgather_inplace, "allgatherv": allgather_inplace},
     auto=lambda kind, nbytes, world: kind != "allreduce" or nbytes >= ALLREDUCE_RING_BYTES,
-    fusable={"reduce_scatter": ALWAYS, "allgather": ALWAYS},
+    rides_short={"reduce_scatter": ALWAYS, "allgather": ALWAYS},
     wire_bytes=lambda kind, n, P, itemsize: 2 * (P - 1) * -(-n // P) * itemsize,
-    cost=ring_cost)]
+    cost=ring_cost)

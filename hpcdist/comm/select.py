@@ -1,6 +1,6 @@
 """Which algorithm runs: "auto" asks every registered algorithm that serves the collective
 (comm/algorithm.py) — a two-level one first where the ranks span nodes — and a short call of a
-fusable choice rides in the agreement (short.py). No algorithm is named here: each says in
+rides_short choice rides in the agreement (short.py). No algorithm is named here: each says in
 its own file what it serves, for which sizes "auto" picks it, and what it costs."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .algorithm import ALWAYS, CHANGES, get, serving
-from .short import FUSED, SHORT_LIMITS
+from .short import SHORT, SHORT_LIMITS
 
 # what "auto" means may be set per collective by an environment variable
 FORCED_BY = {"allreduce": "HPCDIST_ALLREDUCE", "bcast": "HPCDIST_BCAST"}
@@ -116,9 +116,9 @@ def choose(kind: str, nbytes: int, world: int, algorithm: str = "auto", forced: 
 def choose_among(kind: str, nbytes: int, world: int, algorithm: str = "auto",
                  forced: str = "auto", short: bool = True,
                  topology: Topology | None = None) -> str:
-    """The algorithm a ``kind`` call of ``nbytes`` (payload) runs. FUSED — the data carried
+    """The algorithm a ``kind`` call of ``nbytes`` (payload) runs. SHORT — the data carried
     by the ledger's agreement (short.py) — is one more algorithm, chosen for short calls of
-    a fusable choice where ``short`` (the buffer is on the host or staged there); a
+    a rides_short choice where ``short`` (the buffer is on the host or staged there); a
     two-level algorithm where the ranks span nodes and it says it is faster.
     ``algorithm``: the caller's choice; ``forced``: what "auto" means (HPCDIST_ALLREDUCE /
     HPCDIST_BCAST, read once by the caller)."""
@@ -135,16 +135,16 @@ def choose_among(kind: str, nbytes: int, world: int, algorithm: str = "auto",
                       None)
         if chosen is None:
             raise ValueError(f"no algorithm serves {kind!r}")
-    fuse = chosen.fusable.get(kind)
+    fuse = chosen.rides_short.get(kind)
     if fuse and (fuse == ALWAYS or want == "auto") and world > 1 and nbytes <= limit:
-        return FUSED
+        return SHORT
     return chosen.name
 
 
 def is_short(kind: str, nbytes: int, world: int) -> bool:
     """Whether "auto" runs a ``kind`` call of ``nbytes`` (payload) as a short call carried by
     the agreement (short.py)."""
-    return kind in SHORT_LIMITS and world > 1 and choose(kind, nbytes, world) == FUSED
+    return kind in SHORT_LIMITS and world > 1 and choose(kind, nbytes, world) == SHORT
 
 
 def wire_bytes(kind: str, algorithm: str, n: int, world: int, itemsize: int) -> int:

@@ -29,15 +29,15 @@ CACHED = 64                     # exchanges kept per communicator (the oldest go
 
 
 class Exchange:
-    """Recursive doubling of [max key, -min key] + ``nbytes`` of ``dtype`` payload on ``comm``.
+    """Recursive doubling of [max key, -min key] + ``nbytes`` of ``dtype`` payload on ``wire``.
 
     Non-powers of two fold as MPICH does: the first 2*rem ranks pair up, each even one hands
     its part to its odd neighbour before the doubling and gets the result back after it.
     """
 
     def __init__(self, wire, rbuf: np.ndarray, nbytes: int, dtype):
-        comm = self.wire = wire
-        P, r = comm.Get_size(), comm.Get_rank()
+        self.wire = wire
+        P, r = wire.Get_size(), wire.Get_rank()
         itemsize = np.dtype(dtype).itemsize
         # A one-element payload travels with a zero beside it: NumPy 2's ufuncs take 1.2 us
         # on one element and 0.45 us on two (the fold runs log2(P) times a call).
@@ -55,16 +55,16 @@ class Exchange:
         if r < 2 * (P - pof2):
             self.fold = 1 if r % 2 == 0 else -1
         if self.fold == 1:                         # phase 1: the evens send theirs in ...
-            self.fold_in = [comm.Send_init(self.work, r + 1, TAG)]
-            self.fold_out = [comm.Recv_init(rbuf, r + 1, TAG + 1)]   # ... and get the result
+            self.fold_in = [wire.Send_init(self.work, r + 1, TAG)]
+            self.fold_out = [wire.Recv_init(rbuf, r + 1, TAG + 1)]   # ... and get the result
         elif self.fold == -1:
-            self.fold_in = [comm.Recv_init(rbuf, r - 1, TAG)]
-            self.fold_out = [comm.Send_init(self.work, r - 1, TAG + 1)]
+            self.fold_in = [wire.Recv_init(rbuf, r - 1, TAG)]
+            self.fold_out = [wire.Send_init(self.work, r - 1, TAG + 1)]
         self.rounds = []                           # phase 2: recursive doubling
         mask = 1
         while new_rank >= 0 and mask < pof2:
             peer = unfold_rank(new_rank ^ mask, P)               # distance doubles every round
-            self.rounds.append([comm.Recv_init(rbuf, peer, TAG), comm.Send_init(self.work, peer, TAG)])
+            self.rounds.append([wire.Recv_init(rbuf, peer, TAG), wire.Send_init(self.work, peer, TAG)])
             mask <<= 1
         self.nbytes = nbytes                       # payload bytes per send
 
@@ -147,7 +147,7 @@ class Exchanges:
     ``CACHED``). Use from one thread: each wire has its own."""
 
     def __init__(self, wire):
-        self.comm = wire
+        self.wire = wire
         self.rbuf = np.empty(HEADER + MAX_PAYLOAD + 16, dtype=np.uint8)   # + a padded element
         self._by_shape: dict = {}
         _LIVE.add(self)
@@ -157,7 +157,7 @@ class Exchanges:
         if ex is None:
             if len(self._by_shape) >= CACHED:
                 self._by_shape.pop(next(iter(self._by_shape))).free()
-            ex = self._by_shape[(nbytes, dtype)] = Exchange(self.comm, self.rbuf, nbytes, dtype)
+            ex = self._by_shape[(nbytes, dtype)] = Exchange(self.wire, self.rbuf, nbytes, dtype)
         return ex
 
     def free(self) -> None:
@@ -186,7 +186,7 @@ def _free_all() -> None:
 #   8 KiB    0.31 / 0.38 / 0.42       0.59 / 0.64 / 0.70    0.75 / 0.82 / 1.21
 #   16 KiB   0.63 / 1.10 / 0.43       0.82 / 1.36 / 0.79    1.12 / 1.00 / 0.97
 #   64 KiB   1.56 / 1.31 / 0.44       1.31 / 1.35 / 0.56    2.52 / 1.76 / 1.17
-FUSED = "recursive_doubling+check"
+SHORT = "recursive_doubling+check"
 SHORT_LIMITS = {"allreduce": 64 << 10, "reduce_scatter": 16 << 10,   # the whole buffer
                 "allgather": 8 << 10,                             # the whole gathered array
                 "bcast": 8 << 10, "barrier": 0}
@@ -197,8 +197,8 @@ def _wire_bytes(kind, n, P, itemsize):
     return (n * itemsize if pof2 != P else 0) + steps * n * itemsize
 
 
-ALGORITHMS = [Algorithm(
-    FUSED, kinds=("barrier",), auto=lambda kind, nbytes, world: True, checked=False,
+SHORT_EXCHANGE = Algorithm(
+    SHORT, kinds=("barrier",), auto=lambda kind, nbytes, world: True, checked=False,
     wire_bytes=_wire_bytes,
     cost=lambda kind, nbytes, P, a, b: fold_time(nbytes, P, a, b) + rounds(P)[1] * (
-        a + nbytes * b))]
+        a + nbytes * b))

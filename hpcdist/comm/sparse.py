@@ -61,9 +61,9 @@ def wire_bytes(n: int, k: int, itemsize: int, world: int) -> tuple[int, int]:
     return sparse, dense
 
 
-def exchange(comm, idx, vals, n: int):
+def exchange(wire, idx, vals, n: int):
     """Ring allgather of every rank's k (int32 index, value) pairs; dense sum of them."""
-    P, r = comm.Get_size(), comm.Get_rank()
+    P, r = wire.Get_size(), wire.Get_rank()
     xp = backend.array_module(vals)
     k, itemsize = idx.size, vals.dtype.itemsize
     rec = 4 + itemsize                                    # bytes per pair on the wire
@@ -71,7 +71,7 @@ def exchange(comm, idx, vals, n: int):
     mine = packed[r * k * rec:(r + 1) * k * rec]
     mine[:k * 4] = as_bytes(idx.astype(np.int32))
     mine[k * 4:] = as_bytes(vals)
-    ring.allgather_inplace(comm, packed, [(i * k * rec, (i + 1) * k * rec) for i in range(P)])
+    ring.allgather_inplace(wire, packed, [(i * k * rec, (i + 1) * k * rec) for i in range(P)])
     pieces = packed.reshape(P, k * rec)
     all_idx = pieces[:, :k * 4].copy().view(np.int32).reshape(-1)
     all_vals = pieces[:, k * 4:].copy().view(vals.dtype).reshape(-1)
@@ -80,7 +80,7 @@ def exchange(comm, idx, vals, n: int):
     return dense
 
 
-ALGORITHMS = [Algorithm(
+TOPK_ALLGATHERV = Algorithm(
     "topk-allgatherv", kinds=("sparse_allreduce",),
     auto=lambda kind, nbytes, world: True,
-    cost=lambda kind, nbytes, P, a, b: (P - 1) * a + (P - 1) / P * nbytes * b)]
+    cost=lambda kind, nbytes, P, a, b: (P - 1) * a + (P - 1) / P * nbytes * b)

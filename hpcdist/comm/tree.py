@@ -19,35 +19,35 @@ def _real(vrank: int, root: int, P: int) -> int:
     return (vrank + root) % P
 
 
-def bcast_binomial(comm, buf, root: int) -> None:
+def bcast_binomial(wire, buf, root: int) -> None:
     """log2(P) rounds of whole-buffer sends down the tree: best for small messages."""
-    P, r = comm.Get_size(), comm.Get_rank()
+    P, r = wire.Get_size(), wire.Get_rank()
     v = (r - root) % P
     if v:
-        comm.Recv(as_bytes(buf), _real(binomial_parent(v), root, P), TAG)
+        wire.Recv(as_bytes(buf), _real(binomial_parent(v), root, P), TAG)
     for child in binomial_children(v, P):
-        comm.Send(as_bytes(buf), _real(child, root, P), TAG)
+        wire.Send(as_bytes(buf), _real(child, root, P), TAG)
 
 
-def reduce_binomial(comm, buf, root: int, op: str) -> None:
+def reduce_binomial(wire, buf, root: int, op: str) -> None:
     """Reduce up the tree into ``buf`` on the root (elsewhere ``buf`` becomes scratch)."""
-    P, r = comm.Get_size(), comm.Get_rank()
+    P, r = wire.Get_size(), wire.Get_rank()
     v = (r - root) % P
     tmp = backend.array_module(buf).empty_like(buf)
     # Children send in reverse order of the broadcast: the smallest subtree finishes first.
     for child in reversed(binomial_children(v, P)):
-        comm.Recv(as_bytes(tmp), _real(child, root, P), TAG + 1)
+        wire.Recv(as_bytes(tmp), _real(child, root, P), TAG + 1)
         reduce_into(buf, tmp, op)
     if v:
-        comm.Send(as_bytes(buf), _real(binomial_parent(v), root, P), TAG + 1)
+        wire.Send(as_bytes(buf), _real(binomial_parent(v), root, P), TAG + 1)
     else:
         finish(buf, op, P)
 
 
-def bcast_scatter_allgather(comm, buf, root: int) -> None:
+def bcast_scatter_allgather(wire, buf, root: int) -> None:
     """Van de Geijn's broadcast for large messages: binomial scatter of P pieces, then ring
     allgather. Moves about 2x the buffer per rank instead of log2(P)x."""
-    P, r = comm.Get_size(), comm.Get_rank()
+    P, r = wire.Get_size(), wire.Get_rank()
     v = (r - root) % P
     bounds = [shard_bounds(buf.size, P, c) for c in range(P)]   # piece c belongs to vrank c
 
@@ -58,22 +58,22 @@ def bcast_scatter_allgather(comm, buf, root: int) -> None:
     # Phase 1: binomial scatter. The subtree under vrank v covers pieces [v, v + lowbit(v)).
     if v:
         lo, hi = span(v, v & -v)
-        comm.Recv(as_bytes(buf[lo:hi]), _real(binomial_parent(v), root, P), TAG + 2)
+        wire.Recv(as_bytes(buf[lo:hi]), _real(binomial_parent(v), root, P), TAG + 2)
     for child in binomial_children(v, P):
         lo, hi = span(child, child & -child)
-        comm.Send(as_bytes(buf[lo:hi]), _real(child, root, P), TAG + 2)
+        wire.Send(as_bytes(buf[lo:hi]), _real(child, root, P), TAG + 2)
     # Phase 2: ring allgather in root-relative order.
-    ring.allgather_inplace(comm, buf, bounds, pos=v,
+    ring.allgather_inplace(wire, buf, bounds, pos=v,
                            left=_real(v - 1, root, P), right=_real(v + 1, root, P))
 
 
-def barrier(comm) -> None:
+def barrier(wire) -> None:
     """Dissemination barrier: ceil(log2 P) rounds of empty messages at distance 1, 2, 4, .."""
-    P, r = comm.Get_size(), comm.Get_rank()
+    P, r = wire.Get_size(), wire.Get_rank()
     empty = bytearray(0)
     dist = 1
     while dist < P:
-        comm.Sendrecv(empty, (r + dist) % P, TAG + 3, bytearray(0), (r - dist) % P, TAG + 3)
+        wire.Sendrecv(empty, (r + dist) % P, TAG + 3, bytearray(0), (r - dist) % P, TAG + 3)
         dist <<= 1
 
 
@@ -99,16 +99,14 @@ def _binomial_wins(kind, nbytes, world):
     return nbytes < small or world <= 2
 
 
-ALGORITHMS = [
-    Algorithm("binomial", kinds=("bcast", "reduce"),
-              runs={"bcast": lambda wire, buf, root: bcast_binomial(wire, buf, root),
-                    "reduce": lambda wire, buf, root, op: reduce_binomial(wire, buf, root, op)},
-              auto=_binomial_wins, fusable={"bcast": WHEN_AUTO},
-              cost=lambda kind, nbytes, P, a, b: log2_ceil(P) * (a + nbytes * b)),
-    Algorithm("scatter_allgather", kinds=("bcast",),
-              runs={"bcast": lambda wire, buf, root: bcast_scatter_allgather(wire, buf, root)},
-              auto=lambda kind, nbytes, world: not _binomial_wins(kind, nbytes, world),
-              fusable={"bcast": WHEN_AUTO},
-              cost=lambda kind, nbytes, P, a, b: (log2_ceil(P) + P - 1) * a
-              + 2 * (P - 1) / P * nbytes * b),
-]
+BINOMIAL = Algorithm(
+    "binomial", kinds=("bcast", "reduce"),
+    runs={"bcast": bcast_binomial, "reduce": reduce_binomial},
+    auto=_binomial_wins, rides_short={"bcast": WHEN_AUTO},
+    cost=lambda kind, nbytes, P, a, b: log2_ceil(P) * (a + nbytes * b))
+SCATTER_ALLGATHER = Algorithm(
+    "scatter_allgather", kinds=("bcast",), runs={"bcast": bcast_scatter_allgather},
+    auto=lambda kind, nbytes, world: not _binomial_wins(kind, nbytes, world),
+    rides_short={"bcast": WHEN_AUTO},
+    cost=lambda kind, nbytes, P, a, b: (log2_ceil(P) + P - 1) * a
+    + 2 * (P - 1) / P * nbytes * b)

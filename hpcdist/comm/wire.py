@@ -2,7 +2,9 @@
 
 Every algorithm in ``comm/`` (ring, trees, recursive doubling, p2p, the sparse exchange)
 gets a ``Wire`` where it would get an MPI communicator, and moves data only through its
-upper-case buffer methods. The wire
+upper-case buffer methods. The wire refuses a device array that MPI cannot read (staged or
+not), synchronizes the producing stream before MPI touches device memory, and counts every
+byte it hands to MPI to send (in total, and to other nodes).
 
 The rest of this design: docs/communication.md, "hpcdist/comm/wire.py"."""
 from __future__ import annotations

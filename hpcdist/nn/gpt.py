@@ -34,13 +34,9 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
-def attention(qkv: Tensor, n_head: int, mask, drop, cache: dict | None = None,
-              cp=None) -> Tensor:
+def attention(qkv: Tensor, n_head: int, drop, cache: dict | None = None) -> Tensor:
     """Causal self-attention of the fused projection qkv (B, T, 3C) -> (B, T, C): one fused op
-    (ops.fused_attention) unless the probabilities take dropout or a KV cache is in use;
-    ``cp``: this rank holds a slice of each sequence (parallel/context.py)."""
-    if cp is not None and cache is None:
-        return cp.attention(qkv, n_head)
+    (ops.fused_attention) unless the probabilities take dropout or a KV cache is in use."""
     if cache is None and not active(drop):
         return ops.fused_attention(qkv, n_head)
     B, T, C3 = qkv.shape
@@ -49,14 +45,13 @@ def attention(qkv: Tensor, n_head: int, mask, drop, cache: dict | None = None,
     q = q.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
     k = k.reshape(B, T, n_head, hs).transpose(0, 2, 3, 1)          # (B, nh, hs, T)
     v = v.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)          # (B, nh, T, hs)
-    y = causal_attention(q, k, v, mask, drop, cache)
+    y = causal_attention(q, k, v, drop, cache)
     return y.transpose(0, 2, 1, 3).reshape(B, T, C3 // 3)          # (B, T, C)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask, drop, cache: dict | None = None):
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, drop, cache: dict | None = None):
     """softmax(q k / sqrt(hs), causal) v for q (B, nh, T, hs), k (B, nh, hs, T), v (B, nh, T,
-    hs) -> (B, nh, T, hs). ``mask``: the (block, block) causal mask; ``cache`` (inference): the
-    keys and values of the tokens before these, extended with theirs (a KV cache: each new
+    hs) -> (B, nh, T, hs). ``cache`` (inference): the keys and values of the tokens before these, extended with theirs (a KV cache: each new
     token attends to all before it)."""
     past, T = 0, q.shape[2]
     if cache is not None:
@@ -68,25 +63,32 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask, drop, cache: dict | 
     return drop(att) @ v
 
 
-class CausalSelfAttention(Module):
-    cp = None                       # a ContextParallel group (parallel/context.py), if any
+class SelfAttention(Module):
+    """The attention itself, between the projections: (B, T, 3C) -> (B, T, C) over ``n_head``
+    heads, with dropout on the probabilities. A module of its own so that a parallel version
+    (parallel/context.py: each rank a slice of the sequence) can take its place."""
 
+    def __init__(self, n_head: int, dropout: float = 0.0):
+        self.n_head = n_head
+        self.attn_drop = Dropout(dropout)
+
+    def forward(self, qkv: Tensor, cache: dict | None = None) -> Tensor:
+        """``cache``: this layer's KV cache (inference; see ``causal_attention``)."""
+        return attention(qkv, self.n_head, self.attn_drop, cache)
+
+
+class CausalSelfAttention(Module):
     def __init__(self, cfg: GPTConfig):
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias, std=0.02)
+        self.core = SelfAttention(cfg.n_head, cfg.dropout)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias, std=proj_std)
-        self.attn_drop = Dropout(cfg.dropout)
         self.resid_drop = Dropout(cfg.dropout)
-        self.n_head = cfg.n_head
-        xp = backend.xp()
-        # True above the diagonal: position t may not look at t' > t.
-        self.causal_mask = xp.triu(xp.ones((cfg.block_size, cfg.block_size), dtype=bool), k=1)
 
     def forward(self, x: Tensor, cache: dict | None = None, residual: Tensor | None = None):
-        """``cache``: this layer's KV cache (inference; see ``causal_attention``);
-        ``residual``: added to the output (with the projection's bias, in one pass)."""
-        y = attention(self.c_attn(x), self.n_head, self.causal_mask, self.attn_drop, cache,
-                      self.cp)
+        """``cache``: this layer's KV cache (inference); ``residual``: added to the output
+        (with the projection's bias, in one pass)."""
+        y = self.core(self.c_attn(x), cache)
         if residual is not None and not active(self.resid_drop):    # + residual, one pass
             return ops.linear(y, self.c_proj.weight, self.c_proj.bias, residual)
         out = self.resid_drop(self.c_proj(y))
@@ -109,8 +111,21 @@ class Block(Module):
         return self.mlp(self.ln_2(x), residual=x)             # x + mlp(ln(x))
 
 
+class LMLoss(Module):
+    """Logits -> (logits, mean cross-entropy of the targets), or the logits alone without
+    targets. A module of its own so that a parallel version (each rank a slice of the
+    vocabulary, or of the sequence) can take its place."""
+
+    def forward(self, logits: Tensor, targets=None, ignore_index: int = -100):
+        if targets is None:
+            return logits
+        return logits, ops.cross_entropy(logits, targets, ignore_index=ignore_index)
+
+
 class GPT(Module):
-    cp = None                       # a ContextParallel group: each rank a slice of a sequence
+    """The one GPT. Parallel versions of it are this model with some modules swapped for
+    parallel ones in place (parallel/tp/gpt.py, parallel/context.py): its forward, the
+    pieces a pipeline stage runs and its parameter names stay these."""
 
     def __init__(self, cfg: GPTConfig):
         cfg.validate()
@@ -122,6 +137,7 @@ class GPT(Module):
         self.ln_f = LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = None if cfg.tie_weights else \
             Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02)
+        self.lm_loss = LMLoss()
 
     def forward(self, idx, targets=None, ignore_index: int = -100, cache=None):
         """idx (B, T) integer tokens -> logits (B, T, vocab), and the loss when targets given.
@@ -129,14 +145,9 @@ class GPT(Module):
         tokens after those the cache holds; see hpcdist.sample)."""
         if isinstance(idx, Tensor):
             idx = idx.data
-        if cache is not None:
-            x = self.embed(idx, cached_length(cache))
-            for block, layer_cache in zip(self.blocks, cache):
-                x = block(x, layer_cache)
-            return self.head(x, targets, ignore_index)
-        x = self.embed(idx)                                         # (B, T, C)
-        for block in self.blocks:
-            x = self.run_block(block, x, idx.shape[1])
+        x = self.embed(idx, cached_length(cache))                   # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = self.run_block(block, x) if cache is None else block(x, cache[i])
         return self.head(x, targets, ignore_index)
 
     # The pieces a pipeline stage runs (parallel/pipeline.py): embed, blocks, head.
@@ -145,35 +156,18 @@ class GPT(Module):
         if past + T > self.config.block_size:
             raise ValueError(f"sequence length {past + T} exceeds block_size "
                              f"{self.config.block_size}")
-        if self.cp is not None:                                     # this rank's tokens
-            idx, pos = self.cp.take(idx)
-        else:
-            pos = backend.array_module(idx).arange(past, past + T)
+        pos = backend.array_module(idx).arange(past, past + T)
         return self.drop(self.wte(idx) + self.wpe(pos))              # (B, T, C)
 
-    def run_block(self, block, x: Tensor, T: int) -> Tensor:
-        if self.cp is not None:
-            self.cp.begin(T)
+    def run_block(self, block, x: Tensor) -> Tensor:
         recompute = self.config.checkpoint_activations and self.training
         return checkpoint(block, x) if recompute else block(x)
 
-    def head(self, x: Tensor, targets=None, ignore_index: int = -100, T: int | None = None):
-        """(logits, loss) of the final norm and the LM head (``T``: the sequence length, which
-        a sequence-parallel or context-parallel model needs)."""
+    def head(self, x: Tensor, targets=None, ignore_index: int = -100):
+        """(logits, loss) of the final norm and the LM head (logits alone without targets)."""
         x = self.ln_f(x)
-        if self.lm_head is None:
-            logits = x @ self.wte.weight.T                          # (B, T, vocab)
-        else:
-            logits = self.lm_head(x)
-        if self.cp is not None:
-            if T is not None:
-                self.cp.begin(T)
-            loss = None if targets is None else ops.cross_entropy(
-                logits, self.cp.local_targets(targets), ignore_index=ignore_index)
-            return self.cp.finish(logits, loss, targets, ignore_index, self.training)
-        if targets is None:
-            return logits
-        return logits, ops.cross_entropy(logits, targets, ignore_index=ignore_index)
+        logits = self.wte.attend(x) if self.lm_head is None else self.lm_head(x)
+        return self.lm_loss(logits, targets, ignore_index)
 
 
 def active(drop) -> bool:

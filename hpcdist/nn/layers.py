@@ -40,6 +40,10 @@ class Embedding(Module):
     def forward(self, idx) -> Tensor:
         return ops.embedding(self.weight, idx)
 
+    def attend(self, x: Tensor) -> Tensor:
+        """x @ table.T: scores of x against every row (a head tied to this table)."""
+        return x @ self.weight.T
+
 
 class LayerNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):

@@ -40,6 +40,7 @@ class Module:
     """Base class: attributes that are Parameters or Modules are found by ``named_parameters``."""
 
     training = True
+    shard_spec: dict = {}       # parameter name -> how a parallel version cut it (parallel/tp)
 
     def __call__(self, *args, **kwargs):
         around = self.__dict__.get("_around")
@@ -77,9 +78,14 @@ class Module:
 
 
     def named_specs(self):
-        """(name, Parameter, spec) in parameter order: ``spec`` says how a tensor-parallel
-        model cuts the parameter (None: whole, as here)."""
-        return [(n, p, None) for n, p in self.named_parameters()]
+        """(name, Parameter, spec) in parameter order: ``spec`` says how the module holding
+        the parameter cut it (its ``shard_spec``; None: whole)."""
+        spec = {}
+        for m in self.modules():
+            for name, s in m.shard_spec.items():
+                if vars(m).get(name) is not None:
+                    spec[id(vars(m)[name])] = s
+        return [(n, p, spec.get(id(p))) for n, p in self.named_parameters()]
 
     def copies(self) -> set:
         """ids of the parameters held here as copies of another rank's (a pipeline's tied

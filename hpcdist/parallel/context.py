@@ -10,14 +10,19 @@ averaging gradients over DP x CP gives exactly the one-process gradient.
 The rest of this design: docs/context-parallel.md, "hpcdist/parallel/context.py"."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..device import backend
 from ..autograd import ops
 from ..host import timeline
 from ..comm import p2p
+from ..comm.layout import bounds_of
 from ..autograd.tensor import Tensor
-from .ulysses import alltoall, ulysses_attention
+from ..nn.module import Module
+from .sequence import cut_embeddings, sequence_of
+from .ulysses import ulysses_attention
 
 IMPLS = ("ring", "ulysses")
 TAG_KV, TAG_KV_BACK, TAG_DKV = 101, 102, 103
@@ -60,14 +65,6 @@ class ContextParallel:
     def __repr__(self):
         return f"ContextParallel(n={self.n}, rank={self.rank}, impl={self.impl})"
 
-    def attach(self, model) -> None:
-        """Make ``model`` (an nn.GPT or TensorParallelGPT) take this rank's slice of each
-        sequence: the model and its attention layers consult ``cp``."""
-        model.cp = self
-        for m in model.modules():
-            if hasattr(m, "causal_mask"):
-                m.cp = self
-
     # ---- the layout ------------------------------------------------------------------------
     def begin(self, T: int) -> None:
         """The batch in hand has sequences of T positions (every model entry point says so)."""
@@ -109,6 +106,10 @@ class ContextParallel:
             self._memo[key] = (_as_slice(rows), _as_slice(cols), edges)
         return self._memo[key]
 
+    def even(self) -> bool:
+        """Whether every rank holds as many positions as every other (for the current T)."""
+        return len({len(self.positions(r)) for r in range(self.n)}) == 1
+
     def local_length(self, T: int) -> int:
         self.begin(T)
         return len(self.positions())
@@ -145,15 +146,59 @@ class ContextParallel:
             return logits if targets is None else \
                 (logits, self.loss(local_mean, targets, ignore_index))
         xp = backend.array_module(logits.data)
-        parts = alltoall(self.comm, [xp.ascontiguousarray(logits.data)] * self.n)
-        full = xp.empty((logits.shape[0], self.T) + tuple(logits.shape[2:]), dtype=logits.dtype)
-        for r, part in enumerate(parts):
-            full[:, self.index(xp, r)] = part
+        B, rest = logits.shape[0], tuple(logits.shape[2:])
+        counts = [B * len(self.positions(r)) * math.prod(rest) for r in range(self.n)]
+        flat = self.comm.allgather(xp.ascontiguousarray(logits.data).reshape(-1), counts=counts)
+        full = xp.empty((B, self.T) + rest, dtype=logits.dtype)
+        for r, (lo, hi) in enumerate(bounds_of(counts)):
+            full[:, self.index(xp, r)] = flat[lo:hi].reshape((B, -1) + rest)
         if targets is None:
             return Tensor(full)
         share = float(self.loss(local_mean, targets, ignore_index).data) / self.n
         total = self.comm.allreduce(np.array([share]))
         return Tensor(full), Tensor(xp.asarray(total[0]))
+
+
+# ---- the modules swapped into the model ------------------------------------------------------
+class ContextParallelAttention(Module):
+    """The attention between the projections, over the whole sequence when this rank holds a
+    slice of it (in place of ``nn.gpt.SelfAttention``)."""
+
+    def __init__(self, cp: ContextParallel, n_head: int):
+        self.cp, self.n_head = cp, n_head
+
+    def forward(self, qkv: Tensor, cache: dict | None = None) -> Tensor:
+        if cache is not None:
+            raise ValueError("sampling with a KV cache runs without context parallelism")
+        return self.cp.attention(qkv, self.n_head)
+
+
+class ContextParallelLoss(Module):
+    """The model's loss on this rank's positions (``inner``: the loss it wraps), finished by
+    ``ContextParallel.finish``: this rank's share in training, the whole sequence's in
+    evaluation."""
+
+    def __init__(self, cp: ContextParallel, inner):
+        self.cp, self.inner = cp, inner
+
+    def forward(self, logits: Tensor, targets=None, ignore_index: int = -100):
+        if targets is None:
+            return self.cp.finish(self.inner(logits), None, None, ignore_index, self.training)
+        logits, loss = self.inner(logits, self.cp.local_targets(targets), ignore_index)
+        return self.cp.finish(logits, loss, targets, ignore_index, self.training)
+
+
+def apply_context_parallel(model, comm, impl: str = "ring"):
+    """Give each rank of the context-parallel group ``comm`` a slice of every sequence of
+    ``model`` (an ``nn.GPT``, tensor-parallel already or not), in place; returns it."""
+    cp = ContextParallel(comm, impl)
+    seq = sequence_of(model)
+    seq.cp = cp
+    cut_embeddings(model, seq)
+    for block in model.blocks:
+        block.attn.core = ContextParallelAttention(cp, block.attn.core.n_head)
+    model.lm_loss = ContextParallelLoss(cp, model.lm_loss)
+    return model.train(model.training)
 
 
 # ---- ring attention ------------------------------------------------------------------------
@@ -301,16 +346,25 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
 def bytes_per_layer(impl: str, n: int, B: int, T: int, C: int, itemsize: int,
                     backward: bool = True) -> int:
     """Bytes the context-parallel group sends for one layer's attention on B sequences of T
-    positions, summed over its ranks (C: the width of this rank's heads): the payload, and
-    each point-to-point message's header (p2p.HEADER_LEN int64s)."""
+    positions, summed over its ranks (C: the width of this rank's heads). Ring: the payload
+    and each point-to-point message's header (p2p.HEADER_LEN int64s); Ulysses: four
+    all-to-alls (qkv and y, each way), each sending what its algorithm's record says."""
     if n == 1:
         return 0
     if impl == "ring":
         fwd, fwd_msgs = 2 * (n - 1) * B * T * C, n * (n - 1)
         bwd, bwd_msgs = 2 * (n - 1) * B * T * C + 2 * n * B * T * C, n * (n - 1) + n * n
-    else:                             # two all-to-alls each way; each sends (n-1)/n of it
-        fwd = bwd = 4 * (n - 1) * B * T * C // n
-        fwd_msgs = bwd_msgs = 2 * n * (n - 1)
-    header = p2p.HEADER_LEN * 8
-    total = fwd * itemsize + fwd_msgs * header
-    return total + (bwd * itemsize + bwd_msgs * header if backward else 0)
+        header = p2p.HEADER_LEN * 8
+        total = fwd * itemsize + fwd_msgs * header
+        return total + (bwd * itemsize + bwd_msgs * header if backward else 0)
+    from ..comm import algorithm, select
+    lengths = [len(positions(T, n, r)) for r in range(n)]
+    fwd = 0
+    for width in (3 * C, C):                        # qkv to heads; y back to tokens
+        if len(set(lengths)) == 1:                  # equal pieces: "auto" chooses
+            each = B * T * width // n               # elements a rank holds
+            name = select.choose("alltoall", each * itemsize, n, short=False)
+            fwd += n * algorithm.get(name).wire_bytes("alltoall", each, n, itemsize)
+        else:                                       # the v-form: pairwise, every piece once
+            fwd += (n - 1) * B * T * width // n * itemsize
+    return fwd * (2 if backward else 1)

@@ -35,10 +35,12 @@ class _Blocks(Module):
 
 class PipelineChunk(Module):
     """Virtual stage k of K: this chunk's blocks, plus the embeddings (k = 0) or the final
-    norm and head (k = K - 1). ``model`` is an ``nn.GPT`` or a ``TensorParallelGPT``."""
+    norm and head (k = K - 1). ``model`` is an ``nn.GPT``, cut for other dimensions or not
+    (``seq``: its parallel.sequence.Sequence, told the length of each micro-batch)."""
 
-    def __init__(self, model, k: int, K: int, layers: tuple[int, int]):
+    def __init__(self, model, k: int, K: int, layers: tuple[int, int], seq=None):
         self._model = (model,)                 # a tuple: not a child (its parameters are not ours)
+        self.seq = seq
         self.first, self.last = k == 0, k == K - 1
         if self.first:
             self.wte, self.wpe = model.wte, model.wpe
@@ -52,24 +54,26 @@ class PipelineChunk(Module):
 
     def forward(self, x, idx, targets, T: int):
         model = self._model[0]
+        if self.seq is not None:
+            self.seq.begin(T)
         if self.first:
             x = model.embed(idx)
         for block in self.blocks:
-            x = model.run_block(block, x, T)
+            x = model.run_block(block, x)
         if self.last:                          # (logits, loss)
-            return model.head(x, targets, T=T)
+            return model.head(x, targets)
         return x
 
 
 class PipelineModel(Module):
     """This rank's chunks (one, or v when interleaving); parameters named as in the full model."""
 
-    def __init__(self, model, rank: int, P: int, v: int, bounds):
+    def __init__(self, model, rank: int, P: int, v: int, bounds, seq=None):
         K = P * v
         self.config = model.config
-        self.chunks = [PipelineChunk(model, c * P + rank, K, bounds[c * P + rank])
+        self.chunks = [PipelineChunk(model, c * P + rank, K, bounds[c * P + rank], seq)
                        for c in range(v)]
-        self.full = model
+        self.full, self.seq = model, seq
         self.step = None                       # the PipelineStep that runs it (evaluation)
 
     def forward(self, idx, targets=None):
@@ -157,13 +161,11 @@ class PipelineStep(Strategy):
     # -- the executor ------------------------------------------------------------------------
     def _shapes(self, sizes, T: int):
         """The activation shape each micro-batch carries between stages on this rank."""
-        cfg, tp = self.model.config, self.mesh.tp_comm
-        cp = self.model.full.cp                # None without context parallelism
-        rows = T if cp is None else cp.local_length(T)
-        if getattr(self.model.full, "sp", False):
-            from .tp.mappings import sequence_bounds
-            lo, hi = sequence_bounds(rows, tp.size, tp.rank)
-            rows = hi - lo
+        cfg, seq = self.model.config, self.model.seq
+        rows = T
+        if seq is not None:                    # this rank's positions of the sequence
+            seq.begin(T)
+            rows = len(seq.positions(np.arange(T)))
         return [(int(b), rows, cfg.n_embd) for b in sizes]
 
     def verified_schedule(self, sizes, T):

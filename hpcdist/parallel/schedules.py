@@ -27,7 +27,10 @@ class Schedule:
     ``make``); ``stash(P, m, v)``: the most micro-batch chunks each stage may hold, which the
     verifier enforces; ``replan``: whether the plan depends on measured op times (the
     executor measures F, I and W for ``replan_after`` steps, agrees on their means over the
-    pipeline, and generates again); ``virtual``: needs (True) or refuses (False) v > 1."""
+    pipeline, and generates again); ``virtual``: needs (True) or refuses (False) v > 1.
+    What the planner reads (plan/): ``makespan(P, m, v, f, b)``, the step's length in
+    compute units for uniform per-chunk forward f and backward b (None: the simulator
+    walks the schedule instead), and ``plan_v``, the virtual-stage counts it tries."""
     name: str
     generate: object
     stash: object
@@ -35,6 +38,8 @@ class Schedule:
     replan: bool = False
     replan_after: int = 2
     about: str = ""
+    makespan: object = None
+    plan_v: tuple = (1,)
 
 
 REGISTRY: dict = {}
@@ -46,20 +51,34 @@ def register(schedule: Schedule) -> Schedule:
     return schedule
 
 
+def _flush(P, m, v, f, b):
+    """GPipe, 1F1B and interleaved for uniform costs: (mv + P - 1)(f + b) with per-chunk
+    costs (the bubble (P - 1)/(mv + P - 1))."""
+    return (m * v + P - 1) * (f + b)
+
+
 register(Schedule("gpipe", lambda P, m, v, costs: gpipe(P, m), lambda P, m, v: [m * v] * P,
-                  about="all forwards, then all backwards (Huang et al.)"))
+                  makespan=_flush, about="all forwards, then all backwards (Huang et al.)"))
 register(Schedule("1f1b", lambda P, m, v, costs: one_f_one_b(P, m),
-                  lambda P, m, v: [min(P - s, m) for s in range(P)],
+                  lambda P, m, v: [min(P - s, m) for s in range(P)], makespan=_flush,
                   about="one forward, one backward after warm-up (PipeDream-Flush)"))
 register(Schedule("interleaved", lambda P, m, v, costs: interleaved(P, m, v),
                   lambda P, m, v: [min((P - s - 1) * 2 + (v - 1) * P + 1, m * v)
                                    for s in range(P)],
-                  virtual=True, about="1F1B over v chunks per rank (Megatron-LM)"))
+                  virtual=True, makespan=_flush, plan_v=(2, 4),
+                  about="1F1B over v chunks per rank (Megatron-LM)"))
 register(Schedule("zb-h1", lambda P, m, v, costs: zb_h1(P, m, costs),
                   # 1F1B's peak on every stage (inputs are kept until W)
                   lambda P, m, v: [min(P, m)] * P, replan=True,
+                  # Qi et al.: the bubble (P - 1)(T_F + T_I - T_W), with I = W = b/2
+                  makespan=lambda P, m, v, f, b: m * (f + b) + (P - 1) * f,
                   about="zero bubble: B split into I and W, W fills the bubble (Qi et al.)"))
-SCHEDULES = tuple(REGISTRY)
+
+def __getattr__(name):
+    """``SCHEDULES``: the registered names, now (a schedule registered later is in it)."""
+    if name == "SCHEDULES":
+        return tuple(REGISTRY)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get(name: str) -> Schedule:

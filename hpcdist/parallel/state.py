@@ -24,14 +24,13 @@ from ..comm.layout import bounds_of
 def tensor_layout(model, mesh) -> list:
     """[(name, size, cut, logical shape, spec)] of this rank's parameters, in flat order."""
     tp = mesh.tp_comm if mesh is not None else None
-    full = getattr(model, "full", model)
-    logical = getattr(full, "logical_shapes", {})
     out = []
     for name, p, spec in model.named_specs():
         if spec is None or tp is None or tp.size == 1:
             out.append((name, p.size, None, tuple(p.shape), spec))
         else:
-            out.append((name, p.size, (spec[0], spec[1], tp.size, tp.rank), logical[name], spec))
+            out.append((name, p.size, (spec.axis, spec.pieces, tp.size, tp.rank), spec.shape,
+                        spec))
     return out
 
 

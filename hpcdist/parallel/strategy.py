@@ -20,12 +20,13 @@ from ..comm.mesh import ProcessMesh
 from ..comm.nccl import make_communicator
 from .base import GradSum, Norm, Strategy, owned
 from .compression import make_compression
-from .context import ContextParallel
+from .context import apply_context_parallel
 from .ddp import DistributedDataParallel
 from .mixed_precision import LossScaler, MixedPrecision
 from .pipeline import PipelineModel, PipelineStep
 from .schedules import partition
-from .tp import TensorParallelGPT
+from .sequence import sequence_of
+from .tp import apply_tensor_parallel
 from .zero3 import STAGES as ZERO_STAGES
 
 __all__ = ["Strategy", "DataParallelStep", "Norm", "GradSum", "build_strategy"]
@@ -145,10 +146,10 @@ def make_model(cfg, comm, mesh, train_set):
     if cfg.init_from:                              # the same on every rank, before any cut
         model.load_state_dict(hf.gpt2_params(cfg.init_from,
                                              [n for n, _ in model.named_parameters()]))
-    if cfg.tp > 1:
-        model = TensorParallelGPT(model, mesh.tp_comm, cfg.sequence_parallel)
+    if cfg.tp > 1:                                 # modules swapped for parallel ones
+        apply_tensor_parallel(model, mesh.tp_comm, cfg.sequence_parallel)
     if cfg.cp > 1:                                 # each rank: a slice of every sequence
-        ContextParallel(mesh.cp_comm, cfg.cp_impl).attach(model)
+        apply_context_parallel(model, mesh.cp_comm, cfg.cp_impl)
     return model
 
 
@@ -157,7 +158,8 @@ def make_stage(cfg, mesh, full):
     stages that share a tied embedding (None where this rank holds no copy)."""
     split = [int(n) for n in cfg.pp_split.split(",")] if cfg.pp_split else None
     bounds = partition(cfg.n_layer, cfg.pp * cfg.virtual_stages, split)
-    model = PipelineModel(full, mesh.coord.pp, cfg.pp, cfg.virtual_stages, bounds)
+    seq = sequence_of(full) if cfg.cp > 1 or cfg.sequence_parallel else None
+    model = PipelineModel(full, mesh.coord.pp, cfg.pp, cfg.virtual_stages, bounds, seq)
     embed_comm = None
     if cfg.tie_weights:                              # the first and the last stage share wte
         ends = mesh.coord.pp in (0, cfg.pp - 1)
@@ -174,7 +176,10 @@ def norm_and_grad_sum(cfg, mesh, full, model, dp_comm):
     if mesh is None:
         return Norm([dp_comm] if cfg.zero else []), None
     count, ranges, off = [], [], 0
-    partial = {id(p) for p in full.sequence_parallel_params()} if cfg.tp > 1 else set()
+    # under sequence parallelism every replicated parameter (LayerNorms, row-parallel biases,
+    # the position table) sees only this rank's rows: its gradient is partial
+    partial = {id(p) for _, p, spec in full.named_specs() if spec is None} \
+        if cfg.tp > 1 and cfg.sequence_parallel else set()
     for (name, p, spec), once in zip(model.named_specs(), owned(model, mesh)):
         count.append(np.full(p.size, once))
         if id(p) in partial:

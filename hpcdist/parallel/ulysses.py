@@ -6,30 +6,33 @@ tokens of every head become every token of n_head / N heads, and back.
 
 Rank j gets heads [j H/N, (j+1) H/N); the tokens arrive in the group's layout (parallel/
 context.py) and are put in position order, so the attention in the middle is the ordinary
-fused one. Each all-to-all's backward is the reverse all-to-all. Needs N to divide the heads
-this rank holds (n_head / tp): the configuration checks it.
+fused one. Each all-to-all's backward is the reverse all-to-all, and each is the
+Communicator's collective (comm/alltoall.py: numbered, watched, counted). Needs N to divide
+the heads this rank holds (n_head / tp): the configuration checks it.
 """
 from __future__ import annotations
+
+import math
 
 from ..device import backend
 from ..autograd import ops
 from ..host import timeline
 from ..autograd.tensor import Tensor
 
-TAG_A2A = 104
 
-
-def alltoall(comm, sends: list, tag: int = TAG_A2A) -> list:
-    """sends[j] goes to rank j; returns what each rank sent this one, [r] from rank r. All
-    non-blocking point-to-point on ``comm`` (the pipeline's path to the wire)."""
-    n, me = comm.size, comm.rank
+def exchange(cp, sends: list, shapes: list) -> list:
+    """sends[j] to rank j of the group; returns the piece from each rank r, shaped shapes[r].
+    Equal pieces on every rank (T a multiple of the layout's) go as P equal pieces ("auto"
+    may take Bruck's algorithm); else as the v-form, with the sizes coming in known."""
+    xp = backend.array_module(sends[0])
+    flat = xp.concatenate([xp.ascontiguousarray(s).reshape(-1) for s in sends])
+    sizes = [int(s.size) for s in sends]
+    incoming = [math.prod(s) for s in shapes]
+    even = cp.even()
     with timeline.span("cp all-to-all", cat="cp"):
-        recvs = {r: comm.irecv(r, tag) for r in range(n) if r != me}
-        handles = [comm.isend(sends[j], j, tag) for j in range(n) if j != me]
-        out = [sends[me] if r == me else recvs[r].wait() for r in range(n)]
-        for h in handles:
-            h.wait()
-    return out
+        got = cp.comm.alltoall(flat, counts=None if even else sizes,
+                               recv_counts=None if even else incoming)
+    return [g.reshape(s) for g, s in zip(got, shapes)]
 
 
 def _to_heads(cp, a, groups: int):
@@ -37,8 +40,10 @@ def _to_heads(cp, a, groups: int):
     xp = backend.array_module(a)
     B = a.shape[0]
     parts = a.reshape(a.shape[:3] + (groups, -1) + a.shape[4:])
-    got = alltoall(cp.comm, [xp.ascontiguousarray(parts[:, :, :, j]) for j in range(groups)])
-    full = xp.empty((B, cp.T) + got[0].shape[2:], dtype=a.dtype)
+    rest = parts.shape[2:3] + parts.shape[4:]
+    got = exchange(cp, [parts[:, :, :, j] for j in range(groups)],
+                   [(B, len(cp.positions(r))) + rest for r in range(groups)])
+    full = xp.empty((B, cp.T) + rest, dtype=a.dtype)
     for r, part in enumerate(got):
         full[:, cp.index(xp, r)] = part
     return full
@@ -47,8 +52,8 @@ def _to_heads(cp, a, groups: int):
 def _to_tokens(cp, full, groups: int):
     """(B, T, ...) of this rank's heads -> (B, T_r, N, ...): every group's heads, my tokens."""
     xp = backend.array_module(full)
-    got = alltoall(cp.comm, [xp.ascontiguousarray(full[:, cp.index(xp, r)])
-                             for r in range(groups)])
+    mine = (full.shape[0], len(cp.positions())) + full.shape[2:]
+    got = exchange(cp, [full[:, cp.index(xp, r)] for r in range(groups)], [mine] * groups)
     return xp.stack(got, axis=2)
 
 

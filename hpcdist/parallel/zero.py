@@ -19,9 +19,10 @@ from .base import Norm, Strategy
 from .buckets import BucketQueue, make_buckets
 from .mixed_precision import LossScaler
 from .shards import ShardParams, pieces_of_range
+from .capabilities import Zero1Shape, Zero2Shape, ZeroShape
 
 
-class Zero(Strategy):
+class Zero(ZeroShape, Strategy):
     """What every ZeRO stage shares, for ``model`` over ``comm`` (a stage's class is made
     with these arguments: ``STAGES[stage](model, comm, make_optimizer, ...)``).
 
@@ -217,7 +218,7 @@ class Zero(Strategy):
                 "(the last shards are shorter instead)"]
 
 
-class ZeroStage1(Zero):
+class ZeroStage1(Zero, Zero1Shape):
     """Optimizer state sharded: full parameters and gradient, one reduce-scatter a step."""
 
     stage = 1
@@ -246,7 +247,7 @@ class ZeroStage1(Zero):
         return self.compute.data.nbytes, self.compute.grad.nbytes
 
 
-class ZeroStage2(ZeroStage1):
+class ZeroStage2(ZeroStage1, Zero2Shape):
     """Gradients sharded too: buckets reduce-scatter onto the shards as backward finishes
     them; no full gradient buffer (every micro-batch is reduced as it ends)."""
 

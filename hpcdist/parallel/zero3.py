@@ -9,9 +9,10 @@ from ..optim import intersect
 from .buckets import Bucket
 from .shards import identity_hook
 from .zero import Zero, ZeroStage1, ZeroStage2
+from .capabilities import Zero3Shape
 
 
-class ZeroStage3(Zero):
+class ZeroStage3(Zero, Zero3Shape):
     """Parameters sharded too. A transformer block's parameters are gathered just before its
     forward and freed right after (a hook on the block's call); the next block's gather starts
     early, in the progress thread. In backward, an identity node at the block's output

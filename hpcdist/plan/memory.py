@@ -30,15 +30,12 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
     d = L.dp * L.cp
     pb, gb, ob = settings.param_bytes, settings.grad_bytes, settings.optimizer_bytes
 
+    sharded = zero_stage(L.zero).sharded          # what the stage's class says it splits
+
     def state(psi):                       # bytes per parameter, ZeRO's sharding (rank 0's
         shard = -(-int(psi) // d)         # shard: the layout's first, ceil(psi / d))
-        if L.zero == 0:
-            return pb * psi, gb * psi, ob * psi
-        if L.zero == 1:
-            return pb * psi, gb * psi, ob * shard
-        if L.zero == 2:
-            return pb * psi, gb * shard, ob * shard
-        return pb * shard, gb * shard, ob * shard
+        return tuple(b * (shard if kind in sharded else psi) for kind, b in
+                     (("params", pb), ("grads", gb), ("optimizer", ob)))
     out = {}
     for name, psi in held.items():
         p, g, o = state(psi)
@@ -212,3 +209,10 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
         if L.pp > 1:
             ends += act                                    # the input received from before
     return stored, rebuilt, ends
+
+
+def zero_stage(stage: int):
+    """What ZeRO ``stage`` splits and moves, as its class declares it (the ``ZeroShape`` its
+    class inherits: parallel/capabilities.py; 0: plain data parallelism)."""
+    from ..parallel.capabilities import ZERO_SHAPES
+    return ZERO_SHAPES[stage]

@@ -183,7 +183,7 @@ class Settings:
     # what the framework offers (``FEATURES``): SP, ZeRO stages, pipeline schedules
     sequence_parallel: bool = True
     zero_stages: tuple = (0, 1, 2, 3)
-    schedules: tuple = ("1f1b", "gpipe", "zb-h1", "interleaved")
+    schedules: tuple | None = None    # None: every registered one (parallel/schedules.py)
     cp_sizes: tuple = (1, 2, 4, 8)    # context parallelism (ring attention or all-to-all)
     cp_impls: tuple = ("ring", "ulysses")
     uneven_splits: bool = True        # pipeline splits with lighter first and last stages

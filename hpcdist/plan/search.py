@@ -106,10 +106,13 @@ def _mesh_problem(model, tp, pp, dp, cp, per_node, batch, settings) -> str | Non
 
 
 def _schedules(pp: int, allowed=None):
+    """(name, v) of every registered schedule (parallel/schedules.py) the settings allow
+    (None: all), at each virtual-stage count its record asks the planner to try."""
+    from ..parallel import schedules as S
     if pp == 1:
         return [("none", 1)]
-    return [(n, v) for n, v in (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2),
-                                ("interleaved", 4)) if allowed is None or n in allowed]
+    return [(n, v) for n, record in S.REGISTRY.items() for v in record.plan_v
+            if allowed is None or n in allowed]
 
 
 def plan(model: Model, gpu: GPU, gpus: int, per_node: int, batch: int,

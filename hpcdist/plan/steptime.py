@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .memory import hpcdist_layer, memory
+from .memory import hpcdist_layer, memory, zero_stage
 from .model import GB, GPU, Estimate, Layout, Model, Settings
 
 
@@ -15,23 +15,24 @@ _SIM: dict = {}
 
 def pipeline_makespan(name: str, P: int, m: int, v: int, f: float, b: float) -> tuple:
     """(makespan, bubble) of one step's pipeline with per-chunk forward ``f`` and backward
-    ``b`` seconds: closed forms for the schedules whose order does not depend on the costs
-    (exact for uniform costs: checked against the simulator in tests), hpcdist's schedule
-    simulator (schedules.verify) for ZB-H1, replanned from them, where the list is small
-    enough."""
+    ``b`` seconds: the schedule's own closed form (its registry record's ``makespan``, exact
+    for uniform costs: checked against the simulator in tests) where its order does not
+    depend on the costs; else hpcdist's schedule simulator (schedules.verify) on the plan
+    made from these costs, where the list is small enough."""
     from ..parallel import schedules as S
     if P == 1:
         return m * (f + b), 0.0
     ratio = round(b / f * 10) / 10 if f else 2.0    # the shape, to 0.1 (a cache key)
-    if not S.get(name).replan:
+    record = S.get(name)
+    if not record.replan and record.makespan is not None:
         total, bubble = closed_form(name, P, m, v, 1.0, ratio)
         return total * f, bubble
     key = (name, P, m, v, ratio)
     if key not in _SIM:
-        if P * m * v <= 4096:
+        if P * m * v <= 4096 or record.makespan is None:
             costs = {"F": 1.0, "B": ratio, "I": ratio / 2, "W": ratio / 2}
             sched = S.make(name, P, m, v, {"F": 1.0, "I": ratio / 2, "W": ratio / 2}
-                           if S.get(name).replan else None)
+                           if record.replan else None)
             r = S.verify(sched, P, m, v, costs=costs)
             _SIM[key] = (r.makespan, r.bubble)
         else:
@@ -41,15 +42,11 @@ def pipeline_makespan(name: str, P: int, m: int, v: int, f: float, b: float) -> 
 
 
 def closed_form(name: str, P: int, m: int, v: int, f: float, b: float) -> tuple:
-    """Makespan and bubble for uniform op costs: GPipe and 1F1B (m + P - 1)(f + b);
-    interleaved (mv + P - 1)(f + b) with per-chunk costs; ZB-H1 m(f + b) + (P - 1) f
-    (Qi et al.: the bubble (P - 1)(T_F + T_I - T_W), with I = W = b/2)."""
-    if name == "zb-h1":
-        total = m * (f + b) + (P - 1) * f
-        busy = m * (f + b)
-    else:
-        total = (m * v + P - 1) * (f + b)
-        busy = m * v * (f + b)
+    """(makespan, bubble) for uniform op costs, from the schedule's record (``makespan``):
+    the work is m v (f + b) per stage; the rest is bubble."""
+    from ..parallel import schedules as S
+    total = S.get(name).makespan(P, m, v, f, b)
+    busy = m * v * (f + b)
     return total, 1 - busy / total
 
 
@@ -150,11 +147,11 @@ def data_parallel_time(model: Model, L: Layout, gpu: GPU, per_node: int, setting
     grad_bytes = settings.grad_bytes * psi
     n = L.dp * L.cp
     inside = t * n <= per_node
+    stage = zero_stage(L.zero)                  # its traffic and calls, as its class says
     dp = _allreduce(grad_bytes, n, gpu.nvlink if inside else gpu.network,
-                    gpu.nvlink_alpha if inside else gpu.network_alpha) \
-        * (1.5 if L.zero == 3 else 1)
+                    gpu.nvlink_alpha if inside else gpu.network_alpha) * stage.traffic
     if n > 1:                      # a call per 25 MB bucket; ZeRO-3 gathers every block twice
-        calls = max(1, math.ceil(grad_bytes / 25e6)) + (3 * layers if L.zero == 3 else 0)
+        calls = max(1, math.ceil(grad_bytes / 25e6)) + stage.calls_per_block * layers
         dp += calls * settings.call_overhead
     optimizer = 16 * psi / (n if L.zero else 1) / 2e12     # a memory-bound pass over state
     return dp, optimizer

@@ -10,6 +10,8 @@ CPUs, / (the peak per GPU x ranks) on GPUs.
 """
 from __future__ import annotations
 
+import math
+
 import json
 import os
 import platform
@@ -26,7 +28,7 @@ CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hpcdist", "peak.json")
 def model_flops_per_token(model, cfg, seq: int) -> float:
     """``flops_per_token`` of the one logical model (``n_params``: its parameter count)."""
     full = getattr(model, "full", model)
-    params = sum(p.size * (cfg.tp if spec else 1) for _, p, spec in full.named_specs()) \
+    params = sum(math.prod(spec.shape) if spec else p.size for _, p, spec in full.named_specs()) \
         if cfg.tp > 1 else full.num_parameters()
     params -= full.wpe.weight.size                        # the position table: no matmul
     return flops_per_token(params, cfg.n_layer, cfg.n_embd, seq)

@@ -2,6 +2,8 @@
 (held-out accuracy and loss, memory, MFU) or the line of a run stopped by a signal."""
 from __future__ import annotations
 
+import math
+
 import json
 import signal
 import time
@@ -118,7 +120,7 @@ def cfg_parameters(model, cfg) -> int:
     full = getattr(model, "full", model)          # a pipeline stage: the whole model's count
     if cfg.tp == 1:
         return full.num_parameters()
-    return sum(p.size * (cfg.tp if spec else 1) for _, p, spec in full.named_specs())
+    return sum(math.prod(spec.shape) if spec else p.size for _, p, spec in full.named_specs())
 
 
 class Unread:

@@ -300,6 +300,60 @@ def test_fp16_wire_reduces_in_fp32_and_counts_half_the_bytes(comm):
     assert wire16 * 2 == comm.bytes_sent - before
 
 
+def alltoall_oracle(comm, buf, counts):
+    """MPI's Alltoallv (the sizes by MPI's Alltoall first)."""
+    incoming = np.empty(comm.size, dtype=np.int64)
+    comm.mpi.Alltoall(np.array(counts, dtype=np.int64), incoming)
+    out = np.empty(int(incoming.sum()), dtype=buf.dtype)
+    comm.mpi.Alltoallv([buf, counts], [out, incoming])
+    return out, [int(c) for c in incoming]
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "pairwise", "bruck"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alltoall_matches_mpi(comm, algorithm, dtype):
+    """Equal pieces (MPI's Alltoall) of several sizes, and the v-form (Alltoallv) with uneven
+    and zero counts, the sizes exchanged by the call or given by the caller."""
+    P, r = comm.size, comm.rank
+    for per in (0, 1, 3, 1000):
+        x = rank_data(per * P, dtype, r, per)
+        want = np.empty_like(x)
+        comm.mpi.Alltoall(x, want)
+        got = comm.alltoall(x, algorithm=algorithm)
+        assert [g.size for g in got] == [per] * P
+        np.testing.assert_array_equal(np.concatenate(got), want)
+    rng = np.random.default_rng(7 + r)
+    for zeros in (False, True):
+        counts = [int(c) for c in rng.integers(0, 40, P)]
+        if zeros:                                # nothing to the odd ranks, nothing from rank 0
+            counts = [0 if (j % 2 or r == 0) else c for j, c in enumerate(counts)]
+        x = rank_data(sum(counts), dtype, r, 3)
+        want, incoming = alltoall_oracle(comm, x, counts)
+        got = comm.alltoall(x, counts=counts, algorithm=algorithm)
+        assert [g.size for g in got] == incoming
+        np.testing.assert_array_equal(np.concatenate(got) if got else x[:0], want)
+        given = comm.ialltoall(x, counts=counts, recv_counts=incoming, algorithm=algorithm)
+        np.testing.assert_array_equal(np.concatenate(given.wait()), want)
+
+
+def test_alltoall_takes_a_list_and_is_one_numbered_call(comm):
+    """A list of P arrays is the pieces; each call is one collective of the ledger's (a rank
+    that calls another collective meanwhile is named), with its bytes counted."""
+    P, r = comm.size, comm.rank
+    sends = [np.full((2, j + 1), 10 * r + j, np.float32) for j in range(P)]
+    got = comm.alltoall(sends)
+    for j, g in enumerate(got):
+        np.testing.assert_array_equal(g, np.full(2 * (r + 1), 10 * j + r, np.float32))
+    before = comm.bytes_sent
+    comm.alltoall(np.ones(4 * P), algorithm="pairwise")
+    assert comm.bytes_sent - before == (P - 1) * 4 * 8
+    if P > 1:
+        with pytest.raises(ValueError, match="does not split into"):
+            comm.alltoall(np.ones(P + 1))
+        with pytest.raises(CollectiveMismatchError):
+            comm.alltoall(np.ones(P)) if r == 0 else comm.allreduce(np.ones(P))
+
+
 def test_an_algorithm_is_one_record(comm):
     """A new algorithm, added the way every algorithm is (comm/algorithm.py): one record. Here
     the naive allreduce — every rank sends its whole buffer to every other and sums what it
@@ -353,6 +407,38 @@ def test_an_algorithm_is_one_record(comm):
         algorithm.unregister("naive")
 
 
+def test_a_registered_algorithm_is_benchmarked_beside_the_others(comm):
+    """An all-to-all algorithm registered here (each rank posts every piece at once) runs,
+    matches MPI, and ``bench collectives --algorithms`` times it beside pairwise and Bruck's
+    with no file of bench/ touched."""
+    from hpcdist.bench import collectives as bench
+    from hpcdist.comm import algorithm
+    from hpcdist.comm.alltoall import offsets
+    from hpcdist.comm.layout import as_bytes
+
+    def all_at_once(wire, send, counts, out, incoming, uniform=True):
+        P, r = wire.Get_size(), wire.Get_rank()
+        so, ro = offsets(counts), offsets(incoming)
+        reqs = [wire.Irecv(as_bytes(out[ro[j]:ro[j + 1]]), j, 160) for j in range(P)]
+        for j in range(P):
+            wire.Send(as_bytes(send[so[j]:so[j + 1]]), j, 160)
+        MPI.Request.Waitall(reqs)
+
+    algorithm.register(algorithm.Algorithm("at-once", kinds=("alltoall",),
+                                           runs={"alltoall": all_at_once}))
+    try:
+        x = rank_data(4 * comm.size, "float64", comm.rank)
+        want = np.empty_like(x)
+        comm.mpi.Alltoall(x, want)
+        np.testing.assert_array_equal(np.concatenate(comm.alltoall(x, algorithm="at-once")),
+                                      want)
+        rows = bench.by_algorithm(comm, [64], lambda *a: None)
+        row = next(r for r in rows if r["collective"] == "alltoall_by_algorithm")
+        assert {"at-once_us", "pairwise_us", "bruck_us"} <= set(row)
+    finally:
+        algorithm.unregister("at-once")
+
+
 def test_each_algorithm_sends_the_bytes_its_record_says(comm):
     """Every allreduce algorithm's ``wire_bytes`` against the Communicator's count, where the
     formula is exact (a power of two of ranks dividing the length)."""
@@ -401,7 +487,7 @@ def _stage_callers(fn):
 
 @pytest.mark.mpi(min_size=1)
 def test_one_straight_path_enters_every_stage_from_one_place(comm):
-    """check -> choose -> watch -> (fused exchange | algorithm): every stage — the ledger's
+    """check -> choose -> watch -> (short exchange | algorithm): every stage — the ledger's
     numbering and agreement, the choice, the watchdog, the timeline — is entered from
     dispatch.py, on every route (short fused and its memo, each algorithm, non-blocking,
     each kind, with the timeline recording or not); the kinds and the Communicator enter
@@ -422,6 +508,8 @@ def test_one_straight_path_enters_every_stage_from_one_place(comm):
         comm.bcast(big.copy())
         comm.reduce(small.copy())
         comm.allgatherv(np.ones(comm.rank + 1))
+        comm.alltoall(np.ones(2 * comm.size))
+        comm.ialltoall(np.ones(comm.size), counts=[1] * comm.size).wait()
         comm.barrier()
         comm.barrier()
     for recording in (False, True):

@@ -128,6 +128,22 @@ def test_bcast_and_reduce_on_device(comm, algorithm):
             assert got is None
 
 
+@pytest.mark.parametrize("algorithm", ["pairwise", "bruck"])
+def test_alltoall_on_device(comm, algorithm):
+    """Equal and uneven pieces (zeros too) of device arrays against MPI's Alltoallv."""
+    P, r = comm.size, comm.rank
+    counts = [(j + r) % 3 for j in range(P)]
+    for cts in (None, counts):
+        x = rank_data(sum(cts) if cts else 5 * P, "float32", r, 9)
+        c = cts or [5] * P
+        incoming = np.empty(P, dtype=np.int64)
+        comm.mpi.Alltoall(np.array(c, dtype=np.int64), incoming)
+        want = np.empty(int(incoming.sum()), dtype=x.dtype)
+        comm.mpi.Alltoallv([x, c], [want, incoming])
+        got = comm.alltoall(dev(x), counts=cts, algorithm=algorithm)
+        np.testing.assert_array_equal(np.concatenate([host(g) for g in got]), want)
+
+
 def test_point_to_point_and_sparse_on_device(comm):
     P, r = comm.size, comm.rank
     right, left = (r + 1) % P, (r - 1) % P

@@ -75,6 +75,24 @@ def test_nccl_collectives_match_mpi(comm, nccl):
         np.testing.assert_array_equal(backend.to_numpy(y), expect)
 
 
+def test_nccl_alltoall_matches_mpi(comm, nccl):
+    """Grouped sends and receives: equal pieces, and uneven ones with zeros (the sizes over
+    MPI first, or given), against MPI's Alltoallv; blocking and non-blocking."""
+    xp, P, r = backend.xp(), comm.size, comm.rank
+    for counts in (None, [(j * r) % 4 for j in range(P)]):
+        c = counts or [3] * P
+        x = np.random.default_rng(r).integers(-9, 10, sum(c)).astype(np.float32)
+        incoming = np.empty(P, dtype=np.int64)
+        comm.mpi.Alltoall(np.array(c, dtype=np.int64), incoming)
+        want = np.empty(int(incoming.sum()), dtype=np.float32)
+        comm.mpi.Alltoallv([x, c], [want, incoming])
+        got = nccl.alltoall(xp.asarray(x), counts=counts)
+        np.testing.assert_array_equal(np.concatenate([backend.to_numpy(g) for g in got]), want)
+        h = nccl.ialltoall(xp.asarray(x), counts=counts, recv_counts=list(incoming))
+        np.testing.assert_array_equal(np.concatenate([backend.to_numpy(g) for g in h.wait()]),
+                                      want)
+
+
 def test_both_backends_run_one_suite_alike(comm, nccl):
     """The same calls on the MPI Communicator (with GPU arrays) and on NCCL give the same
     arrays: blocking and non-blocking reduce-scatter and allgather, reduce, sendrecv round a

@@ -178,13 +178,14 @@ def test_shards_are_slices_of_the_one_model(comm):
         nn.manual_seed(3)
         full = nn.GPT(nn.GPTConfig(vocab_size=7, block_size=8, **TP_MODEL))
         ref = {n: backend.to_numpy(p.data).copy() for n, p in full.named_parameters()}
-        model = tp.TensorParallelGPT(full, comm)
+        model = tp.apply_tensor_parallel(full, comm)
         C = TP_MODEL["n_embd"]
         for name, p, spec in model.named_specs():
             if spec is None:
                 np.testing.assert_array_equal(p.data, ref[name], err_msg=name)
                 continue
-            axis, pieces = spec
+            axis, pieces, shape = spec
+            assert shape == ref[name].shape, name
             whole = ref[name]
             if name == "wte.weight":
                 whole = np.concatenate([whole, np.zeros((tp.padded_vocab(7, comm.size) - 7, C))])

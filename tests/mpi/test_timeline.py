@@ -7,7 +7,7 @@ import pytest
 
 from hpcdist.host import timeline
 from hpcdist.comm.model import predict
-from hpcdist.comm.select import FUSED, choose_allreduce, is_short
+from hpcdist.comm.select import SHORT, choose_allreduce, is_short
 from hpcdist.train import train
 
 import helpers
@@ -83,7 +83,7 @@ def test_comm_log_counts_calls_bytes_and_models_them(comm, shared_dir):
             return
         assert len(rows) == 1
         row = rows[0]
-        want = FUSED if is_short("allreduce", nbytes, comm.size) else choose_allreduce(nbytes,
+        want = SHORT if is_short("allreduce", nbytes, comm.size) else choose_allreduce(nbytes,
                                                                                         comm.size)
         assert row["calls"] == 6 and row["algorithm"] == want
         assert row["time_us"] > 0 and row["total_s"] > 0

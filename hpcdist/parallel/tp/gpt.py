@@ -1,22 +1,24 @@
-"""A tensor-parallel GPT: the one model of ``nn.GPT(cfg)``, each rank holding its shards.
+"""Tensor parallelism applied to the one GPT: its modules swapped, in place, for parallel ones.
 
 Attention heads and the MLP's hidden width are split over the tensor-parallel group; the token
-embedding (and an untied output head) over the vocabulary; LayerNorms, position embeddings and
-the biases of row-parallel layers are replicated. Parameter names are those of ``nn.GPT``, so
-a checkpoint maps one-to-one, and ``shard_spec`` says how each was cut.
+embedding (and an untied output head) over the vocabulary; the loss becomes the vocabulary-
+parallel cross-entropy; LayerNorms, position embeddings and the biases of row-parallel layers
+stay whole (replicated). The model's forward, its pipeline pieces and its parameter names are
+``nn.GPT``'s, so a checkpoint maps one-to-one, and each parallel module's ``shard_spec`` says
+how it cut its parameters (``layers.Shard``).
 
 The rest of this design: docs/tensor-parallel.md, "hpcdist/parallel/tp/gpt.py"."""
 from __future__ import annotations
 
 from ...device import backend
-from ...nn.gpt import attention, cached_length
-from ...nn.layers import Dropout, LayerNorm
-from ...nn.module import Module, ModuleList, Parameter
-from ...autograd.recompute import checkpoint
+from ...nn.gpt import SelfAttention
+from ...nn.layers import Dropout
+from ...nn.module import Module, ModuleList
 from ...autograd.tensor import Tensor
+from ..sequence import Cut, cut_embeddings, sequence_of
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      vocab_parallel_cross_entropy)
-from .mappings import copy_to_tp, gather_from_sp, sequence_bounds, _allgather_last
+from .mappings import _allgather_last
 
 
 def check_divisible(cfg, tp: int) -> None:
@@ -28,166 +30,85 @@ def check_divisible(cfg, tp: int) -> None:
                          f"choose one of {', '.join(map(str, divisors))}")
 
 
-def _copy_replicated(layer_norm: LayerNorm) -> LayerNorm:
-    ln = LayerNorm.__new__(LayerNorm)
-    ln.weight = Parameter(layer_norm.weight.data.copy())
-    ln.bias = Parameter(layer_norm.bias.data.copy()) if layer_norm.bias is not None else None
-    ln.eps = layer_norm.eps
-    ln.shard_spec = {"weight": None, "bias": None}
-    return ln
+def _bias(linear):
+    return linear.bias.data if linear.bias is not None else None
 
 
 class ParallelAttention(Module):
-    """Causal self-attention with this rank's n_head / tp heads."""
+    """Causal self-attention with this rank's n_head / tp heads (the same forward as
+    ``nn.CausalSelfAttention``'s; ``core`` the attention between the projections)."""
 
-    cp = None                       # a ContextParallel group (parallel/context.py), if any
+    def __init__(self, attn, comm, seq, sp: bool):
+        self.c_attn = ColumnParallelLinear(attn.c_attn.weight.data, _bias(attn.c_attn), comm,
+                                           pieces=3, seq=seq if sp else None)
+        self.core = SelfAttention(attn.core.n_head // comm.size, attn.core.attn_drop.p)
+        self.c_proj = RowParallelLinear(attn.c_proj.weight.data, _bias(attn.c_proj), comm,
+                                        sequence_parallel=sp)
+        self.resid_drop = attn.resid_drop
+        self.sp = sp
 
-    def __init__(self, attn, cfg, comm, sp: bool):
-        self.c_attn = ColumnParallelLinear(attn.c_attn.weight.data,
-                                           attn.c_attn.bias.data if attn.c_attn.bias else None,
-                                           comm, pieces=3, sequence_parallel=sp)
-        self.c_proj = RowParallelLinear(attn.c_proj.weight.data,
-                                        attn.c_proj.bias.data if attn.c_proj.bias else None,
-                                        comm, sequence_parallel=sp)
-        self.attn_drop, self.resid_drop = Dropout(cfg.dropout), Dropout(cfg.dropout)
-        self.n_head = cfg.n_head // comm.size
-        self.causal_mask = attn.causal_mask
-
-    def forward(self, x: Tensor, T: int, cache: dict | None = None) -> Tensor:
-        qkv = self.c_attn(x, T)                                     # (B, T, 3C/tp): q|k|v
-        y = attention(qkv, self.n_head, self.causal_mask, self.attn_drop, cache, self.cp)
-        return self.resid_drop(self.c_proj(y))                     # (B, T or T/tp, C)
+    def forward(self, x: Tensor, cache: dict | None = None, residual: Tensor | None = None):
+        if cache is not None and self.sp:
+            raise ValueError("sampling with a KV cache runs without sequence parallelism")
+        out = self.resid_drop(self.c_proj(self.core(self.c_attn(x), cache)))
+        return out if residual is None else residual + out           # (B, T or T/tp, C)
 
 
 class ParallelMLP(Module):
     """Column-parallel fc (4C split), GELU, row-parallel projection."""
 
-    def __init__(self, mlp, comm, sp: bool):
+    def __init__(self, mlp, comm, seq, sp: bool):
         fc, proj = mlp.layers
         self.layers = ModuleList([
-            ColumnParallelLinear(fc.weight.data, fc.bias.data if fc.bias else None, comm,
-                                 sequence_parallel=sp),
-            RowParallelLinear(proj.weight.data, proj.bias.data if proj.bias else None, comm,
-                              sequence_parallel=sp)])
+            ColumnParallelLinear(fc.weight.data, _bias(fc), comm, seq=seq if sp else None),
+            RowParallelLinear(proj.weight.data, _bias(proj), comm, sequence_parallel=sp)])
         self.act, self.drop = mlp.act, Dropout(mlp.drop.p)
 
-    def forward(self, x: Tensor, T: int) -> Tensor:
-        return self.drop(self.layers[1](self.act(self.layers[0](x, T))))
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        out = self.drop(self.layers[1](self.act(self.layers[0](x))))
+        return out if residual is None else residual + out
 
 
-class ParallelBlock(Module):
-    def __init__(self, block, cfg, comm, sp: bool):
-        self.ln_1 = _copy_replicated(block.ln_1)
-        self.attn = ParallelAttention(block.attn, cfg, comm, sp)
-        self.ln_2 = _copy_replicated(block.ln_2)
-        self.mlp = ParallelMLP(block.mlp, comm, sp)
-        self.T = None
+class VocabParallelLoss(Module):
+    """The loss over logits split by vocabulary (the full logits never exist on one rank in
+    training); in evaluation, or without targets, the logits are gathered (trimmed to the
+    vocabulary) for the caller's argmax."""
 
-    def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), self.T, cache)
-        return x + self.mlp(self.ln_2(x), self.T)
+    def __init__(self, comm, lo: int, vocab_size: int):
+        self.comm, self.lo, self.vocab_size = comm, lo, vocab_size
 
-
-class TensorParallelGPT(Module):
-    """``nn.GPT`` split over the tensor-parallel communicator ``comm``; same forward contract:
-    ``model(idx, targets) -> (logits, loss)``. In training the logits are this rank's
-    vocabulary slice (the full logits never exist on one rank); in eval mode they are
-    gathered (trimmed to the vocabulary) for the caller's argmax."""
-
-    cp = None                       # a ContextParallel group: each rank a slice of a sequence
-
-    def __init__(self, full, comm, sequence_parallel: bool = False):
-        cfg = full.config
-        check_divisible(cfg, comm.size)
-        self.config, self.comm, self.sp = cfg, comm, sequence_parallel
-        # the one model's shapes: a checkpoint names tensors by them (reshard.py)
-        self.logical_shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
-        self.wte = VocabParallelEmbedding(full.wte.weight.data, comm, sequence_parallel)
-        self.wpe = full.wpe
-        self.wpe.shard_spec = {"weight": None}
-        self.drop = Dropout(cfg.dropout)
-        self.blocks = ModuleList([ParallelBlock(b, cfg, comm, sequence_parallel)
-                                  for b in full.blocks])
-        self.ln_f = _copy_replicated(full.ln_f)
-        self.lm_head = None if full.lm_head is None else ColumnParallelLinear(
-            _pad_columns(full.lm_head.weight.data, comm.size), None, comm,
-            sequence_parallel=sequence_parallel)
-
-    def forward(self, idx, targets=None, ignore_index: int = -100, cache=None):
-        """As ``nn.GPT``'s; ``cache``: a KV cache per block (inference, without sequence
-        parallelism: each rank caches its own heads' keys and values)."""
-        if isinstance(idx, Tensor):
-            idx = idx.data
-        if cache is not None:
-            if self.sp:
-                raise ValueError("sampling with a KV cache runs without sequence parallelism")
-            x = self.embed(idx, cached_length(cache))
-            for block, layer_cache in zip(self.blocks, cache):
-                block.T = idx.shape[1]
-                x = block(x, layer_cache)
-            return self.head(x, targets, ignore_index, idx.shape[1])
-        x = self.embed(idx)                                          # (B, T or T/tp, C)
-        for block in self.blocks:
-            x = self.run_block(block, x, idx.shape[1])
-        return self.head(x, targets, ignore_index, idx.shape[1])
-
-    # The pieces a pipeline stage runs (parallel/pipeline.py): embed, blocks, head.
-    def embed(self, idx, past: int = 0) -> Tensor:
-        B, T = idx.shape
-        if past + T > self.config.block_size:
-            raise ValueError(f"sequence length {past + T} exceeds block_size "
-                             f"{self.config.block_size}")
-        if self.cp is not None:                                      # this rank's tokens
-            idx, pos = self.cp.take(idx)
-            T = idx.shape[1]
-        else:
-            pos = backend.array_module(idx).arange(past, past + T)
-        lo, hi = sequence_bounds(T, self.comm.size, self.comm.rank) if self.sp else (0, T)
-        return self.drop(self.wte(idx) + self.wpe(pos[lo:hi]))
-
-    def run_block(self, block, x: Tensor, T: int) -> Tensor:
-        block.T = T if self.cp is None else self.cp.local_length(T)
-        recompute = self.config.checkpoint_activations and self.training
-        return checkpoint(block, x) if recompute else block(x)
-
-    def head(self, x: Tensor, targets=None, ignore_index: int = -100, T: int | None = None):
-        x = self.ln_f(x)
-        full_targets = targets
-        if self.cp is not None:                  # this rank's positions of the sequence
-            T = self.cp.local_length(T) if T is not None else len(self.cp.positions())
-            targets = None if targets is None else self.cp.local_targets(targets)
-        if T is None:
-            T = x.shape[1] if not self.sp else None
-        if self.lm_head is None:                                     # tied: wte's rows
-            x = gather_from_sp(x, T, self.comm) if self.sp else copy_to_tp(x, self.comm)
-            logits = x @ self.wte.weight.T                           # (B, T, Vp/tp)
-        else:
-            logits = self.lm_head(x, T)
+    def forward(self, logits: Tensor, targets=None, ignore_index: int = -100):
         loss = None if targets is None else vocab_parallel_cross_entropy(
-            logits, targets, self.comm, self.wte.lo, self.config.vocab_size, ignore_index)
+            logits, targets, self.comm, self.lo, self.vocab_size, ignore_index)
         if not self.training or targets is None:
-            logits = Tensor(_allgather_last(logits.data, self.comm)[..., :self.config.vocab_size])
-        if self.cp is not None:
-            return self.cp.finish(logits, loss, full_targets, ignore_index, self.training)
+            logits = Tensor(_allgather_last(logits.data, self.comm)[..., :self.vocab_size])
         return logits if targets is None else (logits, loss)
 
-    # ---- which parameters are what -----------------------------------------------------
-    def named_specs(self):
-        """(name, parameter, spec) for every parameter, in ``parameters()`` order: spec is
-        (axis, pieces) for a shard, None for a replicated parameter."""
-        spec = {}
-        for m in self.modules():
-            for name, s in getattr(m, "shard_spec", {}).items():
-                if getattr(m, name, None) is not None:
-                    spec[id(getattr(m, name))] = s
-        return [(n, p, spec.get(id(p))) for n, p in self.named_parameters()]
 
-    def sequence_parallel_params(self):
-        """Replicated parameters whose gradient is partial under sequence parallelism (they
-        see only this rank's sequence rows): LayerNorms, row-parallel biases, position table."""
-        if not self.sp:
-            return []
-        return [p for _, p, spec in self.named_specs() if spec is None]
+def apply_tensor_parallel(model, comm, sequence_parallel: bool = False):
+    """Cut ``model`` (an ``nn.GPT``, built alike on every rank) over the tensor-parallel
+    communicator ``comm``, in place; returns it. Each rank keeps its shards (copies of slices
+    of the whole parameters) and the replicated parameters."""
+    cfg = model.config
+    check_divisible(cfg, comm.size)
+    if isinstance(model.wte, Cut):
+        raise ValueError("cut a model for tensor parallelism before context parallelism "
+                         "(apply_tensor_parallel, then apply_context_parallel)")
+    seq = sequence_of(model)
+    if sequence_parallel:
+        seq.sp = comm
+        cut_embeddings(model, seq)
+    sp = sequence_parallel
+    model.wte = VocabParallelEmbedding(model.wte.weight.data, comm, sp, seq)
+    for block in model.blocks:
+        block.attn = ParallelAttention(block.attn, comm, seq, sp)
+        block.mlp = ParallelMLP(block.mlp, comm, seq, sp)
+    if model.lm_head is not None:
+        model.lm_head = ColumnParallelLinear(
+            _pad_columns(model.lm_head.weight.data, comm.size), None, comm,
+            seq=seq if sp else None, logical=tuple(model.lm_head.weight.shape))
+    model.lm_loss = VocabParallelLoss(comm, model.wte.lo, cfg.vocab_size)
+    return model.train(model.training)
 
 
 def _pad_columns(weight, world):

@@ -13,11 +13,21 @@ summed over the tensor-parallel group (``sequence_parallel_params``).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ...device import backend
 from ...autograd import ops
 from ...nn.module import Module, Parameter
 from ...autograd.tensor import Tensor
 from .mappings import (copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp)
+
+
+class Shard(NamedTuple):
+    """How a parameter was cut: along ``axis``, as ``pieces`` blocks side by side (q, k, v:
+    3) each split over the group; ``shape``: the whole tensor's, in the one model."""
+    axis: int
+    pieces: int
+    shape: tuple
 
 
 def column_pieces(total: int, pieces: int, rank: int, world: int) -> list[tuple[int, int]]:
@@ -41,19 +51,22 @@ def take(array, axis: int, ranges):
 
 class ColumnParallelLinear(Module):
     """y_t = x @ W[:, cols_t] + b[cols_t]: output columns split. The input is replicated (its
-    mapping is copy: backward allreduces dx) or, under sequence parallelism, split along the
-    sequence (allgather, backward reduce-scatter)."""
+    mapping is copy: backward allreduces dx) or, under sequence parallelism (``seq``: the
+    model's parallel.sequence.Sequence), split along the sequence (allgather, backward
+    reduce-scatter). ``logical``: the whole weight's shape where ``weight`` is padded."""
 
-    def __init__(self, weight, bias, comm, pieces: int = 1, sequence_parallel=False):
+    def __init__(self, weight, bias, comm, pieces: int = 1, seq=None, logical=None):
         C_out = weight.shape[1]
         cols = column_pieces(C_out, pieces, comm.rank, comm.size)
         self.weight = Parameter(take(weight, 1, cols))
         self.bias = Parameter(take(bias, 0, cols)) if bias is not None else None
-        self.comm, self.sp = comm, sequence_parallel
-        self.shard_spec = {"weight": (1, pieces), "bias": (0, pieces)}
+        self.comm, self.seq = comm, seq
+        self.shard_spec = {"weight": Shard(1, pieces, logical or tuple(weight.shape)),
+                           "bias": Shard(0, pieces, (C_out,))}
 
-    def forward(self, x: Tensor, T: int | None = None) -> Tensor:
-        x = gather_from_sp(x, T, self.comm) if self.sp else copy_to_tp(x, self.comm)
+    def forward(self, x: Tensor) -> Tensor:
+        x = gather_from_sp(x, self.seq.rows, self.comm) if self.seq is not None else \
+            copy_to_tp(x, self.comm)
         y = x @ self.weight
         return y + self.bias if self.bias is not None else y
 
@@ -69,7 +82,7 @@ class RowParallelLinear(Module):
         self.bias = Parameter(backend.array_module(bias).array(bias)) if bias is not None \
             else None
         self.comm, self.sp = comm, sequence_parallel
-        self.shard_spec = {"weight": (0, 1), "bias": None}
+        self.shard_spec = {"weight": Shard(0, 1, tuple(weight.shape)), "bias": None}
 
     def forward(self, x: Tensor) -> Tensor:
         y = x @ self.weight
@@ -85,9 +98,10 @@ def padded_vocab(V: int, world: int) -> int:
 
 class VocabParallelEmbedding(Module):
     """Each rank holds rows [lo, hi) of the (padded) table; tokens outside are masked to zero
-    and the partial results are summed (allreduce, or reduce-scatter along the sequence)."""
+    and the partial results are summed (allreduce, or reduce-scatter along the sequence).
+    ``attend``: a head tied to the table (this rank's vocabulary columns of the logits)."""
 
-    def __init__(self, weight, comm, sequence_parallel=False):
+    def __init__(self, weight, comm, sequence_parallel=False, seq=None):
         xp = backend.array_module(weight)
         V, C = weight.shape
         Vp = padded_vocab(V, comm.size)
@@ -96,8 +110,8 @@ class VocabParallelEmbedding(Module):
         per = Vp // comm.size
         self.lo, self.hi, self.vocab_size = comm.rank * per, (comm.rank + 1) * per, V
         self.weight = Parameter(xp.ascontiguousarray(full[self.lo:self.hi]))
-        self.comm, self.sp = comm, sequence_parallel
-        self.shard_spec = {"weight": (0, 1)}
+        self.comm, self.sp, self.seq = comm, sequence_parallel, seq
+        self.shard_spec = {"weight": Shard(0, 1, (V, C))}
 
     def forward(self, idx) -> Tensor:
         xp = backend.array_module(idx)
@@ -106,6 +120,10 @@ class VocabParallelEmbedding(Module):
         out = ops.embedding(self.weight, local) * Tensor((~outside)[..., None].astype(
             self.weight.data.dtype))
         return reduce_scatter_to_sp(out, self.comm) if self.sp else reduce_from_tp(out, self.comm)
+
+    def attend(self, x: Tensor) -> Tensor:
+        x = gather_from_sp(x, self.seq.rows, self.comm) if self.sp else copy_to_tp(x, self.comm)
+        return x @ self.weight.T                                     # (B, T, Vp/tp)
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets, comm, lo: int, vocab_size: int,

@@ -1,0 +1,87 @@
+"""How one model's sequences are cut, shared by the parallel modules swapped into it.
+
+Context parallelism gives each rank of its group a slice of every sequence's positions
+(parallel/context.py); sequence parallelism then splits those rows over the tensor-parallel
+group between its regions (parallel/tp). The modules that cut need the length of the batch in
+hand: the model's first module says it (``Cut`` around the embeddings calls ``begin``), and so
+does a pipeline stage that starts mid-model (parallel/pipeline.py, from its micro-batch).
+"""
+from __future__ import annotations
+
+from ..device import backend
+from ..nn.module import Module
+from ..comm.layout import shard_bounds as sequence_bounds   # as tp.mappings cuts rows
+
+
+class Sequence:
+    """``cp``: the ContextParallel group, or None; ``sp``: the tensor-parallel communicator
+    under sequence parallelism, or None; ``T``: the length of the sequences in hand."""
+
+    def __init__(self):
+        self.cp, self.sp, self.T = None, None, None
+
+    def begin(self, T: int) -> None:
+        self.T = T
+        if self.cp is not None:
+            self.cp.begin(T)
+
+    @property
+    def rows(self) -> int:
+        """Positions this rank's tensor-parallel group holds (all T, or its CP slice)."""
+        return self.T if self.cp is None else len(self.cp.positions())
+
+    def tokens(self, idx):
+        """This rank's columns of (B, T) tokens (its context-parallel slice)."""
+        return idx if self.cp is None else idx[:, self.cp.index(backend.array_module(idx))]
+
+    def positions(self, pos):
+        """This rank's positions of ``pos``: its context-parallel slice, then its
+        sequence-parallel rows of that."""
+        if self.cp is not None:
+            pos = pos[self.cp.index(backend.array_module(pos))]
+        if self.sp is not None:
+            lo, hi = sequence_bounds(len(pos), self.sp.size, self.sp.rank)
+            pos = pos[lo:hi]
+        return pos
+
+
+class Cut(Module):
+    """``module`` (an embedding) on this rank's part of its input: ``part`` "tokens" (B, T)
+    or "positions" (T,). Its parameters keep their names (they are this module's own
+    attributes; ``module`` is held, not a child)."""
+
+    def __init__(self, module, seq: Sequence, part: str):
+        self._inner = (module,)
+        for name, value in module._children():
+            setattr(self, name, value)
+        self.shard_spec = module.shard_spec
+        self.seq, self.part = seq, part
+
+    def forward(self, x):
+        self.seq.begin(x.shape[-1])
+        return self._inner[0](self.seq.tokens(x) if self.part == "tokens"
+                              else self.seq.positions(x))
+
+    def attend(self, x):
+        return self._inner[0].attend(x)
+
+    def train(self, mode: bool = True):
+        self._inner[0].train(mode)
+        return super().train(mode)
+
+
+def sequence_of(model) -> Sequence:
+    """The Sequence the model's cut modules share (a new one where nothing is cut yet)."""
+    for m in (model.wte, model.wpe):
+        if isinstance(m, Cut):
+            return m.seq
+    return Sequence()
+
+
+def cut_embeddings(model, seq: Sequence) -> None:
+    """Put the position table (and, under context parallelism, the token table) behind
+    ``Cut`` once: every cut since reads ``seq``."""
+    if not isinstance(model.wpe, Cut):
+        model.wpe = Cut(model.wpe, seq, "positions")
+    if seq.cp is not None and not isinstance(model.wte, Cut):
+        model.wte = Cut(model.wte, seq, "tokens")

@@ -29,6 +29,33 @@ def offsets(counts) -> list[int]:
     return out
 
 
+def pieces_of(buf, counts, P: int):
+    """(one flat array, counts) of an all-to-all's input: a list of P arrays is joined (their
+    sizes are the counts, None where all are equal)."""
+    if not isinstance(buf, (list, tuple)):
+        return buf, counts
+    if len(buf) != P or counts is not None:
+        raise ValueError(f"alltoall takes a list of {P} arrays (one per rank) and no counts, "
+                         f"got {len(buf)} arrays" + (" and counts" if counts is not None else ""))
+    sizes = [int(p.size) for p in buf]
+    flat = backend.array_module(buf[0]).concatenate([p.reshape(-1) for p in buf])
+    return flat, None if len(set(sizes)) == 1 else sizes
+
+
+def unequal_problem(n: int, counts, P: int) -> str | None:
+    """Why ``n`` elements without counts are not P equal pieces (None: they are)."""
+    if counts is None and n % P:
+        return f"buf of {n} elements does not split into {P} equal pieces: give counts " \
+               "(the v-form)"
+    return None
+
+
+def split(out, counts) -> list:
+    """``out`` as the pieces of the given sizes (views), in rank order."""
+    o = offsets(counts)
+    return [out[o[r]:o[r + 1]] for r in range(len(counts))]
+
+
 def pairwise(wire, send, send_counts, out, recv_counts, uniform: bool = True) -> None:
     """``out`` (the pieces from every rank, in rank order) from ``send`` (the pieces for every
     rank): P - 1 rounds, round k to r + k and from r - k."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import backend
-from . import algorithm, ledger, ring, sparse
+from . import algorithm, alltoall, ledger, ring, sparse
 from .layout import bounds_of, check_op, finish, reduce_ufunc, shard_bounds, shard_counts
 
 
@@ -291,10 +291,8 @@ class Alltoall(Kind):
 
     def check(self, buf, a):
         n, P = getattr(buf, "size", 0), a.size
-        problem = ledger.counts_problem(a.counts, n, P)
-        if a.counts is None and n % P:
-            problem = (f"buf of {n} elements does not split into {P} equal pieces: give "
-                       "counts (the v-form)")
+        problem = ledger.counts_problem(a.counts, n, P) or alltoall.unequal_problem(
+            n, a.counts, P)
         if problem is None and a.extra is not None and (
                 len(a.extra) != P or any(int(c) < 0 for c in a.extra)):
             problem = f"recv_counts must give {P} non-negative sizes, got {list(a.extra)}"
@@ -318,11 +316,7 @@ class Alltoall(Kind):
                                                         a.counts is None)
         else:
             out[...] = send
-        if record is not None:
-            record["bytes"] = int(send.nbytes)
-        out = wire.stage_out(out, buf)
-        ends = np.cumsum([0] + incoming)
-        return [out[ends[r]:ends[r + 1]] for r in range(P)]
+        return alltoall.split(wire.stage_out(out, buf), incoming)
 
 
 class SparseExchange(Kind):

@@ -15,6 +15,7 @@ from mpi4py import MPI
 from ..device import backend
 from ..host import threads, timeline
 from . import abort, ledger, p2p, select, sparse, watchdog
+from .alltoall import pieces_of
 from .collectives import (ALLGATHER, ALLGATHERV, ALLREDUCE, ALLTOALL, BARRIER, BCAST,
                           REDUCE, REDUCE_SCATTER, SPARSE)
 from .dispatch import agree_only, collective
@@ -184,14 +185,14 @@ class Communicator:
         (the v-form: any sizes, zeros too) — or a list of P arrays, one per rank.
         ``recv_counts``: the sizes coming in, where the caller knows them (else they are
         exchanged first). Algorithms: pairwise, bruck (comm/alltoall.py)."""
-        buf, counts = _pieces(buf, counts, self.size)
+        buf, counts = pieces_of(buf, counts, self.size)
         return collective(self, ALLTOALL, True, buf, algorithm=algorithm, counts=counts,
                           extra=recv_counts)
 
     def ialltoall(self, buf, counts=None, recv_counts=None, algorithm: str = "auto") -> Handle:
         """Non-blocking ``alltoall``: ``wait()`` -> the list of pieces. Leave ``buf`` alone
         until then."""
-        buf, counts = _pieces(buf, counts, self.size)
+        buf, counts = pieces_of(buf, counts, self.size)
         return collective(self, ALLTOALL, False, buf, algorithm=algorithm, counts=counts,
                           extra=recv_counts)
 
@@ -332,16 +333,3 @@ class Communicator:
             if dup is not None and dup != MPI.COMM_NULL:
                 dup.Free()
                 setattr(self, name, None)
-
-
-def _pieces(buf, counts, P: int):
-    """(one flat array, counts) of ``alltoall``'s input: a list of P arrays is joined (their
-    sizes are the counts, None where all are equal)."""
-    if not isinstance(buf, (list, tuple)):
-        return buf, counts
-    if len(buf) != P or counts is not None:
-        raise ValueError(f"alltoall takes a list of {P} arrays (one per rank) and no counts, "
-                         f"got {len(buf)} arrays" + (" and counts" if counts is not None else ""))
-    sizes = [int(p.size) for p in buf]
-    flat = backend.array_module(buf[0]).concatenate([p.reshape(-1) for p in buf])
-    return flat, None if len(set(sizes)) == 1 else sizes

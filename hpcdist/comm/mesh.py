@@ -73,9 +73,8 @@ class Grid:
     def group(self, rank: int, axes) -> list[int]:
         """The ranks of ``rank``'s group over ``axes``, in group order."""
         color = self.color_key(rank, axes)[0]
-        members = [(self.color_key(r, axes)[1], r) for r in range(self.size)
-                   if self.color_key(r, axes)[0] == color]
-        return [r for _, r in sorted(members)]
+        keyed = (self.color_key(r, axes) + (r,) for r in range(self.size))
+        return [r for _, _, r in sorted(k for k in keyed if k[0] == color)]
 
     def groups(self, axes) -> list[list[int]]:
         """Every group over ``axes``, each in group order, the groups by color."""

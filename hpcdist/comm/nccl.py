@@ -11,6 +11,7 @@ import numpy as np
 
 from ..device import backend
 from . import p2p
+from .alltoall import offsets, pieces_of, split, unequal_problem
 from .layout import check_op, shard_bounds, shard_size
 
 _NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
@@ -203,18 +204,17 @@ class NcclCommunicator:
     def alltoall(self, buf, counts=None, recv_counts=None, algorithm: str = "auto") -> list:
         """As ``Communicator.alltoall``: one NCCL group of a send and a receive per peer (the
         sizes, where the caller does not give them, over MPI first)."""
-        from .communicator import _pieces
-        buf, counts = _pieces(buf, counts, self.size)
+        buf, counts = pieces_of(buf, counts, self.size)
         xp, dt, P = backend.xp(), self._args(buf), self.size
-        if counts is None and buf.size % P:
-            raise ValueError(f"buf of {buf.size} elements does not split into {P} equal "
-                             "pieces: give counts (the v-form)")
+        problem = unequal_problem(buf.size, counts, P)
+        if problem:
+            raise ValueError(problem)
         self._agree("alltoall", buf, length=buf.size if counts is None else -1)
         counts = [buf.size // P] * P if counts is None else [int(c) for c in counts]
         if recv_counts is None:
             recv_counts = [int(p[0]) for p in self.host.alltoall(np.array(counts, np.int64))]
         send, out = buf.reshape(-1), xp.empty(sum(recv_counts), dtype=buf.dtype)
-        so, ro = np.cumsum([0] + counts), np.cumsum([0] + list(recv_counts))
+        so, ro = offsets(counts), offsets(recv_counts)
         item = buf.dtype.itemsize
         self.bytes_sent += (int(so[-1]) - counts[self.rank]) * item
         out[ro[self.rank]:ro[self.rank + 1]] = send[so[self.rank]:so[self.rank + 1]]
@@ -227,7 +227,7 @@ class NcclCommunicator:
                 self.comm.recv(out.data.ptr + int(ro[peer]) * item, int(recv_counts[peer]),
                                dt, peer, self._stream())
         self.nccl.groupEnd()
-        return [out[ro[r]:ro[r + 1]] for r in range(P)]
+        return split(out, recv_counts)
 
     def reduce(self, buf, op: str = "sum", root: int = 0):
         """The reduced array on ``root`` (None elsewhere): NCCL's allreduce, kept on the root

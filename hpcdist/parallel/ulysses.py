@@ -25,7 +25,7 @@ def exchange(cp, sends: list, shapes: list) -> list:
     Equal pieces on every rank (T a multiple of the layout's) go as P equal pieces ("auto"
     may take Bruck's algorithm); else as the v-form, with the sizes coming in known."""
     xp = backend.array_module(sends[0])
-    flat = xp.concatenate([xp.ascontiguousarray(s).reshape(-1) for s in sends])
+    flat = xp.concatenate([s.reshape(-1) for s in sends])
     sizes = [int(s.size) for s in sends]
     incoming = [math.prod(s) for s in shapes]
     even = cp.even()

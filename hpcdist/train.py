@@ -29,7 +29,7 @@ from .comm.model import fit_links  # noqa: E402
 from .device import backend  # noqa: E402
 from .host import signals, threads, timeline  # noqa: E402
 from .parallel import state  # noqa: E402
-from .parallel.strategy import DataParallelStep, build_strategy  # noqa: E402
+from .parallel.strategy import DataParallelStrategy, build_strategy  # noqa: E402
 from .run import mfu, report, runtime, savedir, supervisor  # noqa: E402
 from .run.config import (ConfigError, TrainConfig, parse_config,  # noqa: E402
                          shape_from_pretrained, validate_world)
@@ -39,7 +39,7 @@ from .run.report import (exit_code, final_report, header, progress_line,  # noqa
                          stopped_report)
 
 __all__ = ["TrainConfig", "ConfigError", "parse_config", "train", "main", "evaluate",
-           "EXIT_PREEMPTED", "DataParallelStep"]
+           "EXIT_PREEMPTED", "DataParallelStrategy"]
 
 
 def prepare(cfg: TrainConfig, comm):

@@ -67,7 +67,7 @@ def test_zero_bench(tmp_path):
     bench("zero", "--sizes", "2", "--steps", "2", "--out", str(tmp_path / "z.json"))
     rows = json.load(open(tmp_path / "z.json"))["rows"]
     for r in rows:
-        if r["stage"] > 0:
+        if r["level"] > 0:
             assert r["state_ratio"] == pytest.approx(1.0, abs=1e-9)
         assert r["comm_ratio"] == pytest.approx(1.0, abs=0.01)
     out = bench("zero", "--analytic", "7e9", "--world", "8")

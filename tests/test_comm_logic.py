@@ -1,31 +1,31 @@
-"""Pure logic of the communication layer, without MPI: layout, trees, folding, top-k, costs."""
+"""Pure logic of the communication layer, without MPI: the shard rule, trees, folding, top-k, costs."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcdist.comm import layout, sparse
+from hpcdist.comm import arith, sparse
 from hpcdist.comm.select import choose_allreduce, choose_bcast
 from hpcdist.comm.mesh import Grid, MeshCoord, mesh_coords, mesh_rank, validate_mesh
 
 
 @given(st.integers(0, 10_000), st.integers(1, 64))
 def test_shards_tile_the_array_in_rank_order(L, P):
-    bounds = [layout.shard_bounds(L, P, r) for r in range(P)]
+    bounds = [arith.shard_bounds(L, P, r) for r in range(P)]
     assert bounds[0][0] == 0 and bounds[-1][1] == L
     for (lo, hi), (lo2, _) in zip(bounds, bounds[1:]):
         assert lo <= hi == lo2
-    S = layout.shard_size(L, P)
+    S = arith.shard_size(L, P)
     assert all(hi - lo <= S for lo, hi in bounds)
-    assert sum(layout.shard_counts(L, P)) == L
-    assert layout.padded_length(L, P) % P == 0 and layout.padded_length(L, P) - L < P
+    assert sum(arith.shard_counts(L, P)) == L
+    assert arith.padded_length(L, P) % P == 0 and arith.padded_length(L, P) - L < P
 
 
-def test_shard_layout_examples():
+def test_shard_rule_examples():
     # 10 over 4: S = 3 -> [0,3) [3,6) [6,9) [9,10)
-    assert [layout.shard_bounds(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [arith.shard_bounds(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
     # 2 over 4: S = 1 -> two empty shards at the end
-    assert layout.shard_counts(2, 4) == [1, 1, 0, 0]
+    assert arith.shard_counts(2, 4) == [1, 1, 0, 0]
 
 
 @given(st.integers(1, 100))
@@ -33,10 +33,10 @@ def test_fold_unfold_are_inverse(P):
     pof2 = 1 << (P.bit_length() - 1)
     survivors = []
     for r in range(P):
-        p2, new = layout.fold_rank(r, P)
+        p2, new = arith.fold_rank(r, P)
         assert p2 == pof2
         if new >= 0:
-            assert layout.unfold_rank(new, P) == r
+            assert arith.unfold_rank(new, P) == r
             survivors.append(new)
     assert sorted(survivors) == list(range(pof2))
 
@@ -47,26 +47,26 @@ def test_binomial_tree_reaches_every_rank_once(P):
     frontier = [0]
     while frontier:
         v = frontier.pop()
-        for c in layout.binomial_children(v, P):
-            assert layout.binomial_parent(c) == v and c not in received and c < P
+        for c in arith.binomial_children(v, P):
+            assert arith.binomial_parent(c) == v and c not in received and c < P
             received.add(c)
             frontier.append(c)
     assert received == set(range(P))
 
 
 def test_ring_peers():
-    assert layout.ring_peers(0, 5) == (4, 1) and layout.ring_peers(4, 5) == (3, 0)
+    assert arith.ring_peers(0, 5) == (4, 1) and arith.ring_peers(4, 5) == (3, 0)
 
 
 def test_reduce_into_and_finish():
     a = np.array([1, 5, 3], dtype=np.int32)
-    layout.reduce_into(a, np.array([4, 2, 3], np.int32), "max")
+    arith.reduce_into(a, np.array([4, 2, 3], np.int32), "max")
     assert a.tolist() == [4, 5, 3]
-    layout.reduce_into(a, np.array([1, 1, 1], np.int32), "sum")
-    layout.finish(a, "avg", 2)
+    arith.reduce_into(a, np.array([1, 1, 1], np.int32), "sum")
+    arith.finish(a, "avg", 2)
     assert a.tolist() == [2, 3, 2]      # floor division for integers
     with pytest.raises(ValueError, match="op must be one of"):
-        layout.check_op("prod")
+        arith.check_op("prod")
 
 
 @settings(max_examples=50)

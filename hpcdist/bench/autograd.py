@@ -88,7 +88,7 @@ def mlp_contenders(batch: int, lr: float, seed: int = 0):
 def gpt_contenders(cfg: nn.GPTConfig, batch: int, lr: float, seed: int = 0,
                    dtype: str = "float32"):
     """hpcdist's GPT and its PyTorch twin (the same network written with torch ops on our
-    parameter layout), from the same weights, on the same batch, with AdamW."""
+    parameter shapes), from the same weights, on the same batch, with AdamW."""
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, cfg.vocab_size, size=(batch, cfg.block_size))
     tgt = rng.integers(0, cfg.vocab_size, size=(batch, cfg.block_size))
@@ -133,7 +133,7 @@ def gpt_contenders(cfg: nn.GPTConfig, batch: int, lr: float, seed: int = 0,
 
 
 def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu"):
-    """hpcdist's GPT written with torch ops on our parameter layout (weights in x out):
+    """hpcdist's GPT written with torch ops on our parameter shapes (weights in x out):
     (parameters from the state dict ``sd``, forward(idx, targets) -> mean loss)."""
     import torch
     F = torch.nn.functional

@@ -50,8 +50,8 @@ class CosineProbe:
         self.cosines: list = []
         self._dense: dict = {}
 
-    def attach(self, step) -> None:
-        ddp = step.ddp
+    def attach(self, strategy) -> None:
+        ddp = strategy.ddp
         ddp.on_launch.append(self._launch)
         ddp.on_synced.append(self._synced)
         self._comm = ddp.comm

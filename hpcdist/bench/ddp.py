@@ -36,8 +36,8 @@ def worker(args) -> int:
     # the averaging alone: every bucket of a real gradient, blocking, in launch order
     cfg = TrainConfig(**MODEL, batch_size=args.batch, bucket_mb=args.bucket_mb,
                       first_bucket_mb=args.bucket_mb / 2, out_dir=out)
-    _, step = build(cfg, comm, prepare(cfg, comm)[0])
-    ddp = step.ddp
+    _, strategy = build(cfg, comm, prepare(cfg, comm)[0])
+    ddp = strategy.ddp
     samples = []
     for _ in range(max(args.steps // 2, 3)):
         comm.mpi.Barrier()

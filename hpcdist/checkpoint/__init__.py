@@ -356,7 +356,7 @@ class Reader:
 
 def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
     """What a checkpoint must share with the run that resumes it (checked on --resume); the
-    layout (world size, DP, TP, PP, ZeRO stage) may differ. ``vocabulary``: the data's
+    layout (world size, DP, TP, PP, ZeRO level) may differ. ``vocabulary``: the data's
     (data/vocab.py), named by its fingerprint."""
     from ..data import vocab
     meta = {"task": cfg.task, "length": cfg.length, "num_digits": cfg.num_digits,

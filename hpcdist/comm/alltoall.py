@@ -15,7 +15,7 @@ import numpy as np
 
 from ..device import backend
 from .algorithm import Algorithm, log2_ceil
-from .layout import as_bytes
+from .arith import as_bytes
 from .select import DEFAULT_LINKS
 
 TAG = 110                       # pairwise 110; Bruck's headers 111, its data 112

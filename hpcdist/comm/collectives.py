@@ -15,7 +15,7 @@ import numpy as np
 
 from ..device import backend
 from . import algorithm, alltoall, ledger, ring, sparse
-from .layout import bounds_of, check_op, finish, reduce_ufunc, shard_bounds, shard_counts
+from .arith import bounds_of, check_op, finish, reduce_ufunc, shard_bounds, shard_counts
 
 
 class Args:

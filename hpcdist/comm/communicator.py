@@ -146,7 +146,7 @@ class Communicator:
                                 wire_dtype=wire_dtype)
 
     def reduce_scatter(self, buf, op: str = "sum", counts=None, algorithm: str = "auto"):
-        """This rank's shard of the reduction of ``buf``: the shard layout (layout.py), or
+        """This rank's shard of the reduction of ``buf``: the shard rule (arith.py), or
         ``counts[r]`` elements for rank r, in rank order (e.g. whole sequence rows).
         ``algorithm``: auto, ring or hierarchical (two levels, across nodes)."""
         return collective(self, REDUCE_SCATTER, True, buf, op=op, algorithm=algorithm,
@@ -161,7 +161,7 @@ class Communicator:
                   algorithm: str = "auto"):
         """Concatenation of every rank's 1-D ``shard``.
 
-        With ``total``, shards follow the shard layout of a length-``total`` array (the last
+        With ``total``, shards follow the shard rule of a length-``total`` array (the last
         ones may be shorter or empty); with ``counts``, rank r's shard has ``counts[r]``
         elements; with neither, every shard must have the same length. ``out``: a 1-D array
         of the gathered length to gather into (``shard`` may be a view of its own part).

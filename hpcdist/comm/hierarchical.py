@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..device import backend
 from . import ring
-from .layout import bounds_of, shard_bounds
+from .arith import bounds_of, shard_bounds
 from .algorithm import Algorithm
 
 
@@ -45,16 +45,16 @@ def _permuted(buf, order, P):
     return xp.concatenate(parts) if parts else buf.copy()
 
 
-def _other_layout(bounds, length: int, P: int) -> bool:
-    """Pieces other than the shard layout (the two levels serve that one only)."""
+def _other_pieces(bounds, length: int, P: int) -> bool:
+    """Pieces other than the shard rule (the two levels serve that one only)."""
     return bounds is not None and list(bounds) != [shard_bounds(length, P, c) for c in range(P)]
 
 
 def reduce_scatter_inplace(wire, buf, op: str, bounds=None) -> tuple[int, int]:
-    """As ``ring.reduce_scatter_inplace`` with the shard layout: afterwards ``buf[lo:hi]``
+    """As ``ring.reduce_scatter_inplace`` with the shard rule: afterwards ``buf[lo:hi]``
     (returned) is this rank's reduced shard, the rest scratch (other ``bounds``: the ring)."""
     levels = wire.levels()
-    if levels is None or _other_layout(bounds, buf.size, wire.Get_size()):
+    if levels is None or _other_pieces(bounds, buf.size, wire.Get_size()):
         return ring.reduce_scatter_inplace(wire, buf, op, bounds)
     node, cross, _ = levels
     P, rank = wire.Get_size(), wire.Get_rank()
@@ -69,11 +69,11 @@ def reduce_scatter_inplace(wire, buf, op: str, bounds=None) -> tuple[int, int]:
 
 
 def allgather_inplace(wire, buf, bounds=None) -> None:
-    """Fill every shard of ``buf`` (the shard layout; other ``bounds``: the ring) from its
+    """Fill every shard of ``buf`` (the shard rule; other ``bounds``: the ring) from its
     owner."""
     levels = wire.levels()
     P = wire.Get_size()
-    if levels is None or _other_layout(bounds, buf.size, P):
+    if levels is None or _other_pieces(bounds, buf.size, P):
         return ring.allgather_inplace(wire, buf, bounds or [shard_bounds(buf.size, P, c)
                                                             for c in range(P)])
     node, cross, _ = levels

@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 
 from ..device import backend
-from .layout import OPS
+from .arith import OPS
 from .select import SHORT
 from . import p2p, ring, watchdog
 from .p2p import DTYPE_NAMES, dtype_code

@@ -12,7 +12,7 @@ import numpy as np
 from ..device import backend
 from . import p2p
 from .alltoall import offsets, pieces_of, split, unequal_problem
-from .layout import check_op, shard_bounds, shard_size
+from .arith import check_op, shard_bounds, shard_size
 
 _NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
                 "int32": "NCCL_INT32", "int64": "NCCL_INT64", "uint8": "NCCL_UINT8",
@@ -167,7 +167,7 @@ class NcclCommunicator:
         return out
 
     def reduce_scatter(self, buf, op: str = "sum", counts=None, algorithm: str = "auto"):
-        """Shard layout as everywhere: NCCL needs equal chunks, so pad to P*ceil(L/P)."""
+        """The shard rule as everywhere: NCCL needs equal chunks, so pad to P*ceil(L/P)."""
         _no_counts("reduce_scatter", counts)
         check_op(op)
         self._agree("reduce_scatter", buf, op)

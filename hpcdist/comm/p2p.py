@@ -12,7 +12,7 @@ import numpy as np
 
 from ..device import backend
 from . import watchdog
-from .layout import as_bytes
+from .arith import as_bytes
 
 HEADER_LEN = 16
 MAX_NDIM = HEADER_LEN - 3

@@ -2,7 +2,7 @@
 allgather. Sends 2(P-1)/P of the buffer like the ring, but in 2*log2(P) steps instead of
 2(P-1): the ring's bandwidth with far fewer latencies, for mid-sized and large messages.
 
-The buffer is cut into pof2 pieces by the shard layout. Halving: at distance pof2/2, pof2/4,
+The buffer is cut into pof2 pieces by the shard rule. Halving: at distance pof2/2, pof2/4,
 .., 1 each rank keeps the half of its current piece range on its side of the partner and
 sends the other half; after log2(pof2) steps new rank i holds reduced piece i. Doubling
 reverses it. Non-powers of two fold in and out as in recursive doubling.
@@ -10,7 +10,7 @@ reverses it. Non-powers of two fold in and out as in recursive doubling.
 from __future__ import annotations
 
 from ..device import backend
-from .layout import as_bytes, finish, reduce_into, shard_bounds, unfold_rank
+from .arith import as_bytes, finish, reduce_into, shard_bounds, unfold_rank
 from .recursive_doubling import fold_in, fold_out
 from .algorithm import Algorithm, fold_time, rounds
 from .recursive_doubling import ALLREDUCE_SMALL_BYTES

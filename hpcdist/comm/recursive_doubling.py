@@ -8,7 +8,7 @@ step computes a+b on one side and b+a on the other, and IEEE addition is commuta
 from __future__ import annotations
 
 from ..device import backend
-from .layout import as_bytes, finish, fold_rank, reduce_into, unfold_rank
+from .arith import as_bytes, finish, fold_rank, reduce_into, unfold_rank
 from .algorithm import ALWAYS, Algorithm, fold_time, rounds
 
 TAG = 102

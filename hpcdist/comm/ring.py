@@ -1,13 +1,13 @@
 """Ring reduce-scatter, ring allgather and ring allreduce (reduce-scatter, then allgather).
 
 Bandwidth-optimal: each rank sends 2(P-1)/P of the buffer in 2(P-1) steps of one chunk.
-Chunks follow the shard layout (layout.py), so after the reduce-scatter phase rank r holds the
+Chunks follow the shard rule (arith.py), so after the reduce-scatter phase rank r holds the
 reduced shard r — exactly ``reduce_scatter``'s result — and ZeRO can stop there.
 """
 from __future__ import annotations
 
 from ..device import backend
-from .layout import as_bytes, finish, reduce_into, ring_peers, shard_bounds
+from .arith import as_bytes, finish, reduce_into, ring_peers, shard_bounds
 from .algorithm import ALWAYS, Algorithm
 
 TAG = 101
@@ -17,7 +17,7 @@ def reduce_scatter_inplace(wire, buf, op: str, bounds=None, wire_dtype=None) -> 
     """Reduce ``buf`` across ranks; afterwards ``buf[lo:hi]`` (returned) is this rank's reduced
     piece and the rest of ``buf`` is scratch. ``avg`` is finished on the piece.
 
-    ``bounds[c]`` is rank c's piece (default: the shard layout); pieces may differ in size
+    ``bounds[c]`` is rank c's piece (default: the shard rule); pieces may differ in size
     (ZeRO reduce-scatters a bucket onto the global shards). ``wire_dtype`` (e.g. float16) is
     what travels; the reduction stays in ``buf``'s dtype.
     """

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import watchdog
-from .layout import fold_rank, unfold_rank
+from .arith import fold_rank, unfold_rank
 from .algorithm import Algorithm, fold_time, rounds
 
 HEADER = 16                     # bytes: int64 [max key, -min key]

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..device import backend
 from . import ring
-from .layout import as_bytes
+from .arith import as_bytes
 from .algorithm import Algorithm
 
 

@@ -2,14 +2,14 @@
 
 Ranks are renumbered relative to the root (``vrank = (rank - root) % P``) so the tree is
 always rooted at 0: vrank v receives from v minus its lowest set bit and sends to v + 2^k
-for every 2^k below that bit (layout.binomial_parent / binomial_children).
+for every 2^k below that bit (arith.binomial_parent / binomial_children).
 """
 from __future__ import annotations
 
 from ..device import backend
 from . import ring
 from .algorithm import WHEN_AUTO, Algorithm, log2_ceil
-from .layout import (as_bytes, binomial_children, binomial_parent, finish, reduce_into,
+from .arith import (as_bytes, binomial_children, binomial_parent, finish, reduce_into,
                      shard_bounds)
 
 TAG = 104

@@ -19,7 +19,7 @@ class DigitTask:
     """Sort or reverse a sequence of ``length`` digits in ``[0, num_digits)``.
 
     Example (sort, length 4): input 3 1 2 1 -> output 1 1 2 3. The model reads the input and
-    the output so far, and predicts the output (minGPT's sort demo layout, no separator):
+    the output so far, and predicts the output (minGPT's sort demo format, no separator):
     x = 3 1 2 1 1 1 2, y = - - - 1 1 2 3 (positions marked - are not scored).
     All ``num_digits**length`` sequences are enumerated; a seeded permutation puts
     ``test_fraction`` of them in a held-out split that training never sees.

@@ -7,7 +7,7 @@
     strategy.sync()                 # gradients averaged (DDP buckets, ZeRO reduce-scatter)
     applied, grad_norm = strategy.apply(lr, grad_clip)
 
-The rest of this design: docs/layout.md, "hpcdist/parallel/base.py"."""
+The rest of this design: docs/layers.md, "hpcdist/parallel/base.py"."""
 from __future__ import annotations
 
 import contextlib

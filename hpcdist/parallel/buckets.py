@@ -2,15 +2,15 @@
 bucket counts down -> finished buckets launch their reduction in bucket order (the same order
 on every rank, whatever order backward finished them in) -> the step waits for them all.
 
-A bucket is a contiguous slice [lo, hi) of the flat gradient layout and the parameters that
-fill it, cut from the end of the layout (the last layers, whose gradients backward finishes
+A bucket is a contiguous slice [lo, hi) of the flat gradient vector and the parameters that
+fill it, cut from the end of the vector (the last layers, whose gradients backward finishes
 first): the first one small, so communication starts early, the rest ``bucket_mb``. What a
 launch does is the user's callback: DDP averages the slice (through its compression scheme),
 ZeRO-2 reduce-scatters it onto the shards.
 """
 from __future__ import annotations
 
-from ..comm.layout import bounds_of
+from ..comm.arith import bounds_of
 
 MB = 1 << 20
 

@@ -21,32 +21,32 @@ def _pipeline_plan(c) -> str | None:
 
 
 class ZeroShape:
-    """What a ZeRO stage splits over its group and moves each step, declared by the stage's
+    """What a ZeRO level splits over its group and moves each step, declared by the level's
     class (parallel/zero.py, zero3.py inherit these) and read by the planner (plan/) without
     MPI: ``sharded``, of params, grads and optimizer; ``traffic``, the gradient sync's bytes
     over DDP's allreduce (a reduce-scatter and an allgather move what one allreduce does);
-    ``calls_per_block``, its extra calls per transformer block. Stage 0: plain DDP."""
-    stage = 0
+    ``calls_per_block``, its extra calls per transformer block. Level 0: plain DDP."""
+    level = 0
     sharded: tuple = ()
     traffic: float = 1.0
     calls_per_block: int = 0
 
 
 class Zero1Shape(ZeroShape):
-    stage, sharded = 1, ("optimizer",)
+    level, sharded = 1, ("optimizer",)
 
 
 class Zero2Shape(Zero1Shape):
-    stage, sharded = 2, ("grads", "optimizer")
+    level, sharded = 2, ("grads", "optimizer")
 
 
 class Zero3Shape(ZeroShape):
-    stage, sharded = 3, ("params", "grads", "optimizer")
+    level, sharded = 3, ("params", "grads", "optimizer")
     traffic = 1.5                 # the parameters gathered twice (forward, backward): 3 psi
     calls_per_block = 3           # two allgathers and a reduce-scatter
 
 
-ZERO_SHAPES = {s.stage: s for s in (ZeroShape, Zero1Shape, Zero2Shape, Zero3Shape)}
+ZERO_SHAPES = {s.level: s for s in (ZeroShape, Zero1Shape, Zero2Shape, Zero3Shape)}
 
 
 ZERO = [   # parallel/zero.py: ZeRO 1-3 over the data-parallel group (DP x CP)

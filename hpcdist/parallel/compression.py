@@ -22,7 +22,7 @@ SCHEMES = ("none", "fp16", "topk", "powersgd")
 class NoCompression:
     name = "none"
 
-    def bind(self, layout: dict) -> None:
+    def bind(self, buckets: dict) -> None:
         """``{bucket index: [(offset in the bucket, shape) of each parameter]}``."""
 
     def start(self, comm, grad, key):
@@ -181,11 +181,11 @@ class PowerSGDCompression(_KeyedState):
         self.rank, self.start_step, self.min_rate, self.seed = rank, start_step, min_rate, seed
         self.step = 0
         self.state: dict = {}        # bucket -> {"q<i>": Q, "e<i>": error} per compressed matrix
-        self.layout: dict = {}       # bucket -> ([(offset, n, m, r)], [(offset, size)])
+        self.split: dict = {}       # bucket -> ([(offset, n, m, r)], [(offset, size)])
 
-    def bind(self, layout: dict) -> None:
-        self.layout = {}
-        for key, params in layout.items():
+    def bind(self, buckets: dict) -> None:
+        self.split = {}
+        for key, params in buckets.items():
             mats, dense = [], []
             for off, shape in params:
                 size = int(np.prod(shape))
@@ -196,16 +196,16 @@ class PowerSGDCompression(_KeyedState):
                         mats.append((off, n, m, r))
                         continue
                 dense.append((off, size))
-            self.layout[key] = (sorted(mats), sorted(dense))
+            self.split[key] = (sorted(mats), sorted(dense))
 
     def elements(self, key) -> tuple[int, int]:
         """Values bucket ``key`` sends per step: (P's allreduce, Q's allreduce)."""
-        mats, dense = self.layout[key]
+        mats, dense = self.split[key]
         return (sum(n * r for _, n, _, r in mats) + sum(s for _, s in dense),
                 sum(m * r for _, _, m, r in mats))
 
     def start(self, comm, grad, key):
-        mats, dense = self.layout.get(key, ((), ()))
+        mats, dense = self.split.get(key, ((), ()))
         if self.step < self.start_step or not mats:
             return comm.iallreduce(grad, op="avg", out=grad)
         xp = backend.array_module(grad)
@@ -227,7 +227,7 @@ class PowerSGDCompression(_KeyedState):
     def _finish(self, comm, grad, key, buf, handle) -> None:
         xp = backend.array_module(grad)
         handle.wait()
-        mats, dense = self.layout[key]
+        mats, dense = self.split[key]
         st = self.state[key]
         o, ps = 0, []
         for off, n, m, r in mats:

@@ -18,7 +18,7 @@ from ..device import backend
 from ..autograd import ops
 from ..host import timeline
 from ..comm import p2p
-from ..comm.layout import bounds_of
+from ..comm.arith import bounds_of
 from ..autograd.tensor import Tensor
 from ..nn.module import Module
 from .sequence import cut_embeddings, sequence_of
@@ -65,7 +65,7 @@ class ContextParallel:
     def __repr__(self):
         return f"ContextParallel(n={self.n}, rank={self.rank}, impl={self.impl})"
 
-    # ---- the layout ------------------------------------------------------------------------
+    # ---- the token order ---------------------------------------------------------------------
     def begin(self, T: int) -> None:
         """The batch in hand has sequences of T positions (every model entry point says so)."""
         if T < 2 * self.n:
@@ -92,7 +92,7 @@ class ContextParallel:
     def visible(self, src: int, xp):
         """What this rank's queries see of rank ``src``'s keys under the causal mask, worked
         out once per T in O(T) (every layer and step asks): (the rows and the columns it
-        touches — as slices where contiguous, the balanced layout's always are — or None
+        touches — as slices where contiguous, the balanced order's always are — or None
         where nothing is; None where all of that is visible, else the positions of those rows
         and columns on the device, for ``mask``)."""
         key = ("visible", self.T, src, xp)

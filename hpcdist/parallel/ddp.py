@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..comm.layout import bounds_of
+from ..comm.arith import bounds_of
 from ..optim import FlatParams
 from .buckets import Bucket, BucketQueue, make_buckets, plan_buckets  # noqa: F401 (exports)
 from .compression import NoCompression
@@ -53,9 +53,9 @@ class DistributedDataParallel:
                                  overlap)
         offset = {id(p): lo for p, (lo, _) in zip(params, bounds_of([p.size for p in params]))}
         # {bucket: [(offset in the bucket, shape)]}: what a scheme that needs shapes binds to
-        self.bucket_layout = {b.index: [(offset[id(p)] - b.lo, tuple(p.shape)) for p in b.params]
+        self.bucket_shapes = {b.index: [(offset[id(p)] - b.lo, tuple(p.shape)) for p in b.params]
                               for b in self.buckets}
-        self.compression.bind(self.bucket_layout)
+        self.compression.bind(self.bucket_shapes)
         # Observers (benchmarks' probes): called with (bucket, its gradient) as a bucket is
         # handed to the communicator, and with (the DDP) once every bucket is averaged.
         self.on_launch: list = []

@@ -1,7 +1,7 @@
 """Mixed precision: low-precision compute copies, fp32 master weights, dynamic loss scaling.
 
 The model's Parameters hold fp16 or bf16 compute copies (forward and backward run in that
-dtype); the optimizer owns an fp32 master copy of the same flat layout. Each step: the loss
+dtype); the optimizer owns an fp32 master copy of the same flat vector. Each step: the loss
 is multiplied by the scale before backward; DDP casts each bucket of compute gradients into
 the fp32 master gradient and averages there; the master gradient is unscaled and checked for
 inf/nan — an overflow on any rank (agreed with our allreduce) skips the step on every rank and
@@ -68,7 +68,7 @@ class LossScaler:
 
 
 class MasterParams(FlatParams):
-    """An fp32 copy of a FlatParams' layout, not bound to any Parameter (the optimizer's)."""
+    """An fp32 copy of a FlatParams' vector, not bound to any Parameter (the optimizer's)."""
 
     def __init__(self, compute: FlatParams, dtype="float32"):   # noqa: no super(): no binding
         xp = backend.array_module(compute.data)

@@ -74,11 +74,11 @@ class PipelineModel(Module):
         self.chunks = [PipelineChunk(model, c * P + rank, K, bounds[c * P + rank], seq)
                        for c in range(v)]
         self.full, self.seq = model, seq
-        self.step = None                       # the PipelineStep that runs it (evaluation)
+        self.step = None                       # the PipelineStrategy that runs it (evaluation)
 
     def forward(self, idx, targets=None):
         """Evaluation (no gradients): the batch through every stage; (logits, loss) on every
-        rank. Training goes through ``PipelineStep.forward_backward``."""
+        rank. Training goes through ``PipelineStrategy.forward_backward``."""
         logits, loss = self.step.evaluate_batch(idx, targets)
         return Tensor(logits), Tensor(np.asarray(loss))
 
@@ -119,8 +119,8 @@ class _Batch:
 @delegate("inner", ("zero_grad", "micro_context", "scale_loss", "apply", "eval_context",
                    "memory", "peak_memory", "full_parameters", "flat_state", "optimizer",
                    "loaded", "compression", "holds_state"))
-class PipelineStep(Strategy):
-    """The pipeline strategy: an inner DataParallelStep or Zero (stage 1) over this rank's
+class PipelineStrategy(Strategy):
+    """The pipeline strategy: an inner DataParallelStrategy or Zero (stage 1) over this rank's
     parameters, plus the schedule executor. Same interface as every strategy: the step's
     forward and backward are the schedule's, the gradient sync adds the tied embedding's,
     everything else is the inner strategy's."""

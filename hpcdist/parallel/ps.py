@@ -18,7 +18,7 @@ import numpy as np
 from ..device import backend
 from .. import optim
 from ..comm import watchdog
-from ..comm.layout import shard_bounds
+from ..comm.arith import shard_bounds
 from ..optim import FlatParams, decay_ranges_in
 from .base import Strategy
 from .mixed_precision import LossScaler
@@ -148,7 +148,7 @@ class PSServer(Strategy):
                  max_staleness: int, cfg):
         self.model, self.comm, self.mesh, self.cfg = model, comm, None, cfg
         self.scaler = LossScaler(enabled=False)
-        flat = FlatParams(model.parameters())          # the layout: names, decay ranges
+        flat = FlatParams(model.parameters())          # the flat order: names, decay ranges
         self.workers = roles(comm.size, servers)
         self.index = comm.rank - self.workers
         self.lo, self.hi = shard_bounds(flat.size, servers, self.index)

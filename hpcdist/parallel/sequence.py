@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..device import backend
 from ..nn.module import Module
-from ..comm.layout import shard_bounds as sequence_bounds   # as tp.mappings cuts rows
+from ..comm.arith import shard_bounds as sequence_bounds   # as tp.mappings cuts rows
 
 
 class Sequence:

@@ -3,7 +3,7 @@ each rank owns, groups of parameters moved together, and an identity node that c
 backward reaches it."""
 from __future__ import annotations
 
-from ..comm.layout import shard_bounds
+from ..comm.arith import shard_bounds
 from ..optim import FlatParams, intersect
 from ..autograd.tensor import Tensor
 

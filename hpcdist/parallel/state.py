@@ -2,7 +2,7 @@
 strategy takes it back (checkpoint.py stores it, reshard.py cuts it).
 
 Every strategy keeps its parameters and optimizer state in flat arrays over this rank's
-parameters (``DataParallelStep``: all of them; ``Zero``: the shard [lo, hi)). Each parameter
+parameters (``DataParallelStrategy``: all of them; ``Zero``: the shard [lo, hi)). Each parameter
 of the rank is a tensor-parallel cut of one tensor of the logical model (or the whole of it),
 so the flat arrays split into pieces named ``param/<name>`` and ``opt.<kind>/<name>``. A
 piece is written by one rank only: data-parallel replicas (without ZeRO), tensor-parallel
@@ -18,10 +18,10 @@ from .. import checkpoint
 from ..checkpoint import reshard
 from ..optim import intersect
 from .base import owned
-from ..comm.layout import bounds_of
+from ..comm.arith import bounds_of
 
 
-def tensor_layout(model, mesh) -> list:
+def tensor_entries(model, mesh) -> list:
     """[(name, size, cut, logical shape, spec)] of this rank's parameters, in flat order."""
     tp = mesh.tp_comm if mesh is not None else None
     out = []
@@ -39,11 +39,11 @@ def pieces_to_save(strategy) -> list:
     mesh = strategy.mesh
     if not strategy.holds_state():
         return []                                        # a replica: rank dp 0 writes
-    layout = tensor_layout(strategy.model, mesh)
+    entries = tensor_entries(strategy.model, mesh)
     lo, hi, arrays, _ = strategy.flat_state()
     out = []
     for (name, size, cut, shape, spec), (o, _), mine in zip(
-            layout, bounds_of(l[1] for l in layout), owned(strategy.model, mesh)):
+            entries, bounds_of(l[1] for l in entries), owned(strategy.model, mesh)):
         if not mine:                 # replicated (tensor-parallel rank 0 writes), a tied copy
             continue
         s, e = intersect(o, o + size, lo, hi)
@@ -63,8 +63,8 @@ def load_pieces(strategy, reader) -> None:
         if kind.startswith("opt.") and kind not in arrays:
             arrays[kind] = backend.xp().zeros(hi - lo, dtype=arrays["param"].dtype)
             strategy.add_optimizer_state(kind[len("opt."):], arrays[kind])
-    layout = tensor_layout(strategy.model, strategy.mesh)
-    for (name, size, cut, shape, spec), (off, _) in zip(layout, bounds_of(l[1] for l in layout)):
+    entries = tensor_entries(strategy.model, strategy.mesh)
+    for (name, size, cut, shape, spec), (off, _) in zip(entries, bounds_of(l[1] for l in entries)):
         s, e = intersect(off, off + size, lo, hi)
         if s < e:
             for kind, arr in arrays.items():

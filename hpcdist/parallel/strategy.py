@@ -1,12 +1,12 @@
 """The strategies built from a configuration: ``build_strategy`` makes this rank's mesh,
 model and training step (the interface is parallel/base.py), one concern per function.
 
-Strategies: ``DataParallelStep`` (DDP + mixed precision, ``--zero 0``), ``parallel.zero.Zero``
+Strategies: ``DataParallelStrategy`` (DDP + mixed precision, ``--zero 0``), ``parallel.zero.Zero``
 (stages 1-3), and tensor parallelism, which is either of the first two over the data-parallel
 group of a DP x TP mesh with a tensor-parallel GPT inside, plus two duties of its own:
 ``Norm`` (count each parameter once in the global gradient norm: shards summed over the
 tensor-parallel group, replicated parameters once) and the sum of sequence-parallel gradients
-over that group (``GradSum``); pipelines wrap either in ``pipeline.PipelineStep``.
+over that group (``GradSum``); pipelines wrap either in ``pipeline.PipelineStrategy``.
 """
 from __future__ import annotations
 
@@ -23,16 +23,16 @@ from .compression import make_compression
 from .context import apply_context_parallel
 from .ddp import DistributedDataParallel
 from .mixed_precision import LossScaler, MixedPrecision
-from .pipeline import PipelineModel, PipelineStep
+from .pipeline import PipelineModel, PipelineStrategy
 from .schedules import partition
 from .sequence import sequence_of
 from .tp import apply_tensor_parallel
-from .zero3 import STAGES as ZERO_STAGES
+from .zero3 import LEVELS as ZERO_LEVELS
 
-__all__ = ["Strategy", "DataParallelStep", "Norm", "GradSum", "build_strategy"]
+__all__ = ["Strategy", "DataParallelStrategy", "Norm", "GradSum", "build_strategy"]
 
 
-class DataParallelStep(Strategy):
+class DataParallelStrategy(Strategy):
     """The plain data-parallel path (``--zero 0``): DDP + mixed precision + a full optimizer."""
 
     def __init__(self, model, ddp, opt, mp, dp_comm, norm=None, grad_sum=None, mesh=None):
@@ -203,7 +203,7 @@ def build_parameter_server(cfg, comm, train_set):
 
 
 def build_strategy(cfg, comm, train_set):
-    """The model and the training step for this rank (collective over ``comm``)."""
+    """The model and the training strategy for this rank (collective over ``comm``)."""
     if cfg.strategy == "ps":
         return build_parameter_server(cfg, comm, train_set)
     mesh = make_mesh(cfg, comm)
@@ -217,10 +217,10 @@ def build_strategy(cfg, comm, train_set):
     make_optimizer = make_optimizer_factory(cfg)
     if cfg.zero:
         low = None if cfg.precision == "fp32" else backend.compute_dtype(cfg.precision)
-        step = ZERO_STAGES[cfg.zero](model, dp_comm, make_optimizer, compute_dtype=low,
-                                     scaler=scaler, bucket_mb=cfg.bucket_mb,
-                                     first_bucket_mb=cfg.first_bucket_mb, norm=norm,
-                                     grad_sum=grad_sum, mesh=mesh)
+        strategy = ZERO_LEVELS[cfg.zero](model, dp_comm, make_optimizer, compute_dtype=low,
+                                         scaler=scaler, bucket_mb=cfg.bucket_mb,
+                                         first_bucket_mb=cfg.first_bucket_mb, norm=norm,
+                                         grad_sum=grad_sum, mesh=mesh)
     else:
         mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
         compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
@@ -234,9 +234,10 @@ def build_strategy(cfg, comm, train_set):
                                       first_bucket_mb=cfg.first_bucket_mb,
                                       overlap=cfg.overlap and cfg.pp == 1,
                                       compression=compression)
-        step = DataParallelStep(model, ddp, make_optimizer(mp.master), mp, dp_comm, norm,
-                                grad_sum, mesh)
+        strategy = DataParallelStrategy(model, ddp, make_optimizer(mp.master), mp, dp_comm,
+                                        norm, grad_sum, mesh)
     if cfg.pp > 1:
-        step = PipelineStep(step, model, mesh, cfg.schedule, cfg.micro_batches or 2 * cfg.pp,
-                            cfg.virtual_stages, embed_comm)
-    return model, step
+        strategy = PipelineStrategy(strategy, model, mesh, cfg.schedule,
+                                    cfg.micro_batches or 2 * cfg.pp, cfg.virtual_stages,
+                                    embed_comm)
+    return model, strategy

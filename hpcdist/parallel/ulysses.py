@@ -4,7 +4,7 @@ tokens of every head become every token of n_head / N heads, and back.
     qkv (B, T_r, 3, H, hs) --all-to-all--> (B, T, 3, H/N, hs) --causal attention-->
     y (B, T, H/N * hs) --all-to-all--> (B, T_r, H * hs)
 
-Rank j gets heads [j H/N, (j+1) H/N); the tokens arrive in the group's layout (parallel/
+Rank j gets heads [j H/N, (j+1) H/N); the tokens arrive in the group's order (parallel/
 context.py) and are put in position order, so the attention in the middle is the ordinary
 fused one. Each all-to-all's backward is the reverse all-to-all, and each is the
 Communicator's collective (comm/alltoall.py: numbered, watched, counted). Needs N to divide
@@ -22,7 +22,7 @@ from ..autograd.tensor import Tensor
 
 def exchange(cp, sends: list, shapes: list) -> list:
     """sends[j] to rank j of the group; returns the piece from each rank r, shaped shapes[r].
-    Equal pieces on every rank (T a multiple of the layout's) go as P equal pieces ("auto"
+    Equal pieces on every rank (T a multiple of the order's) go as P equal pieces ("auto"
     may take Bruck's algorithm); else as the v-form, with the sizes coming in known."""
     xp = backend.array_module(sends[0])
     flat = xp.concatenate([s.reshape(-1) for s in sends])

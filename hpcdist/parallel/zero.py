@@ -1,11 +1,12 @@
-"""ZeRO stages 1-3 (Rajbhandari et al., 2020) over the flat parameter layout.
+"""ZeRO-1, -2 and -3 (Rajbhandari et al., 2020) over the flat parameter vector.
 
 The parameters are laid out as one flat vector of L elements (model order) and split over
-the P ranks by the shard layout (comm/layout.py): rank r owns [lo, hi). ``Zero`` is what
-every stage shares: the shard bounds, the master weights and the optimizer on this rank's
+the P ranks by the shard rule (comm/arith.py): rank r owns [lo, hi). ``Zero`` is what
+every level shares: the shard bounds, the master weights and the optimizer on this rank's
 shard, the update (unscale, overflow, clip, step), the reduce-scatter of packed gradient
-ranges and the memory count. A stage is a subclass saying where parameters and gradients
-live — the list goes on in docs/zero.md, "hpcdist/parallel/zero.py"."""
+ranges and the memory count. A level (DeepSpeed's "stage"; in hpcdist a stage is only a
+pipeline's) is a subclass saying where parameters and gradients live — the list goes on in
+docs/zero.md, "hpcdist/parallel/zero.py"."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,7 @@ import contextlib
 import numpy as np
 
 from ..device import backend
-from ..comm.layout import bounds_of, padded_length, shard_bounds, shard_counts
+from ..comm.arith import bounds_of, padded_length, shard_bounds, shard_counts
 from ..optim import FlatParams, decay_ranges_in, intersect
 from .base import Norm, Strategy
 from .buckets import BucketQueue, make_buckets
@@ -23,23 +24,23 @@ from .capabilities import Zero1Shape, Zero2Shape, ZeroShape
 
 
 class Zero(ZeroShape, Strategy):
-    """What every ZeRO stage shares, for ``model`` over ``comm`` (a stage's class is made
-    with these arguments: ``STAGES[stage](model, comm, make_optimizer, ...)``).
+    """What every ZeRO level shares, for ``model`` over ``comm`` (a level's class is made
+    with these arguments: ``LEVELS[level](model, comm, make_optimizer, ...)``).
 
     Args:
-        model: the model (a GPT for stage 3: its ``blocks`` are the gather units).
+        model: the model (a GPT for ZeRO-3: its ``blocks`` are the gather units).
         comm: a Communicator.
         make_optimizer: callable(FlatParams-like) -> optim.Optimizer for the shard.
         compute_dtype: dtype of parameters and gradients in forward/backward (fp16/bf16 for
             mixed precision); the master shard keeps the model's initial dtype.
         scaler: a mixed_precision.LossScaler (disabled for fp32).
-        bucket_mb, first_bucket_mb: stage 2 bucket caps.
+        bucket_mb, first_bucket_mb: ZeRO-2 bucket caps.
         norm (base.Norm): how the global gradient norm is summed (default: over ``comm``);
         grad_sum: gradients summed over another group after the average (sequence
             parallelism); mesh: the process mesh of a model-parallel layout.
     """
 
-    stage = 0
+    level = 0
 
     def __init__(self, model, comm, make_optimizer, compute_dtype=None,
                  scaler=None, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
@@ -72,7 +73,7 @@ class Zero(ZeroShape, Strategy):
         self.opt = make_optimizer(ShardParams(self.master, None,
                                               decay_ranges_in(decay, self.lo, self.hi)))
 
-    # ---- what a stage says ------------------------------------------------------------------
+    # ---- what a level says ------------------------------------------------------------------
     def _place(self, full, bucket_mb: float, first_bucket_mb: float) -> None:
         """Where parameters and gradients live (sets ``master``, ``grad_shard``, ...)."""
         raise NotImplementedError
@@ -212,16 +213,16 @@ class Zero(ZeroShape, Strategy):
         self._rebuild_parameters()
 
     def describe(self) -> list[str]:
-        return [f"ZeRO stage {self.stage}",
-                f"ZeRO stage {self.stage}: rank {self.comm.rank} holds elements [{self.lo}, "
+        return [f"ZeRO-{self.level}",
+                f"ZeRO-{self.level}: rank {self.comm.rank} holds elements [{self.lo}, "
                 f"{self.hi}) of {self.L:,}; padding to equal shards would add {self.padding} "
                 "(the last shards are shorter instead)"]
 
 
-class ZeroStage1(Zero, Zero1Shape):
+class Zero1(Zero, Zero1Shape):
     """Optimizer state sharded: full parameters and gradient, one reduce-scatter a step."""
 
-    stage = 1
+    level = 1
 
     def _place(self, full, bucket_mb: float, first_bucket_mb: float) -> None:
         for p, o in zip(self.params, self.offsets):
@@ -247,11 +248,11 @@ class ZeroStage1(Zero, Zero1Shape):
         return self.compute.data.nbytes, self.compute.grad.nbytes
 
 
-class ZeroStage2(ZeroStage1, Zero2Shape):
+class Zero2(Zero1, Zero2Shape):
     """Gradients sharded too: buckets reduce-scatter onto the shards as backward finishes
     them; no full gradient buffer (every micro-batch is reduced as it ends)."""
 
-    stage = 2
+    level = 2
 
     def _place(self, full, bucket_mb: float, first_bucket_mb: float) -> None:
         super()._place(full, bucket_mb, first_bucket_mb)

@@ -1,4 +1,4 @@
-"""ZeRO stage 3: the parameters sharded too, gathered block by block (zero.py has what the
+"""ZeRO-3: the parameters sharded too, gathered block by block (zero.py has what the
 stages share)."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from ..device import backend
 from ..optim import intersect
 from .buckets import Bucket
 from .shards import identity_hook
-from .zero import Zero, ZeroStage1, ZeroStage2
+from .zero import Zero, Zero1, Zero2
 from .capabilities import Zero3Shape
 
 
-class ZeroStage3(Zero, Zero3Shape):
+class Zero3(Zero, Zero3Shape):
     """Parameters sharded too. A transformer block's parameters are gathered just before its
     forward and freed right after (a hook on the block's call); the next block's gather starts
     early, in the progress thread. In backward, an identity node at the block's output
@@ -21,7 +21,7 @@ class ZeroStage3(Zero, Zero3Shape):
     block's gradients and frees its parameters. Parameters outside the blocks (embeddings,
     final norm) stay gathered for the whole step."""
 
-    stage = 3
+    level = 3
 
     def _place(self, full, bucket_mb: float, first_bucket_mb: float) -> None:
         self.compute = None
@@ -44,7 +44,7 @@ class ZeroStage3(Zero, Zero3Shape):
         """A group per block, and one for the parameters outside the blocks (persistent)."""
         blocks = getattr(self.model, "blocks", None)
         if blocks is None:
-            raise ValueError("ZeRO stage 3 gathers parameters block by block: the model needs "
+            raise ValueError("ZeRO-3 gathers parameters block by block: the model needs "
                              "a `blocks` list (nn.GPT has one)")
         where = {id(p): i for i, p in enumerate(self.params)}
         groups, in_blocks = [], set()
@@ -171,4 +171,4 @@ class ZeroStage3(Zero, Zero3Shape):
                                                     if p.grad is not None)
 
 
-STAGES = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+LEVELS = {1: Zero1, 2: Zero2, 3: Zero3}

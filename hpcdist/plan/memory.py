@@ -30,7 +30,7 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
     d = L.dp * L.cp
     pb, gb, ob = settings.param_bytes, settings.grad_bytes, settings.optimizer_bytes
 
-    sharded = zero_stage(L.zero).sharded          # what the stage's class says it splits
+    sharded = zero_level(L.zero).sharded          # what the level's class says it splits
 
     def state(psi):                       # bytes per parameter, ZeRO's sharding (rank 0's
         shard = -(-int(psi) // d)         # shard: the layout's first, ceil(psi / d))
@@ -211,8 +211,8 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
     return stored, rebuilt, ends
 
 
-def zero_stage(stage: int):
-    """What ZeRO ``stage`` splits and moves, as its class declares it (the ``ZeroShape`` its
+def zero_level(level: int):
+    """What ZeRO ``level`` splits and moves, as its class declares it (the ``ZeroShape`` its
     class inherits: parallel/capabilities.py; 0: plain data parallelism)."""
     from ..parallel.capabilities import ZERO_SHAPES
-    return ZERO_SHAPES[stage]
+    return ZERO_SHAPES[level]

@@ -180,9 +180,9 @@ class Settings:
     memory_headroom: float = 0.95     # of the card usable for the above
     activations: str = "megatron"     # whose layers: "megatron" (Korthikanti) | "hpcdist"
     tp_across_nodes: bool = False
-    # what the framework offers (``FEATURES``): SP, ZeRO stages, pipeline schedules
+    # what the framework offers (``FEATURES``): SP, ZeRO levels, pipeline schedules
     sequence_parallel: bool = True
-    zero_stages: tuple = (0, 1, 2, 3)
+    zero_levels: tuple = (0, 1, 2, 3)
     schedules: tuple | None = None    # None: every registered one (parallel/schedules.py)
     cp_sizes: tuple = (1, 2, 4, 8)    # context parallelism (ring attention or all-to-all)
     cp_impls: tuple = ("ring", "ulysses")
@@ -195,7 +195,7 @@ class Settings:
 # context parallelism, layers divided evenly over the stages.
 FEATURES = {
     "all": {},
-    "megatron-2021": {"sequence_parallel": False, "zero_stages": (0,),
+    "megatron-2021": {"sequence_parallel": False, "zero_levels": (0,),
                       "schedules": ("1f1b", "interleaved"), "cp_sizes": (1,),
                       "uneven_splits": False},
 }

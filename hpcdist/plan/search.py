@@ -54,11 +54,11 @@ def meshes(model: Model, gpus: int, per_node: int, batch: int, settings: Setting
 
 
 def _variants(base, split, b, m, name, v, settings, refused) -> list:
-    """The layouts of one mesh, micro-batch and schedule: ZeRO stage, recompute, sequence
+    """The layouts of one mesh, micro-batch and schedule: ZeRO level, recompute, sequence
     parallelism, the context-parallel variant."""
     out = []
     tp, pp, dp, cp = base["tp"], base["pp"], base["dp"], base["cp"]
-    for zero in settings.zero_stages:
+    for zero in settings.zero_levels:
         if pp > 1 and zero > 1:
             refused.append(({**base, "zero": zero}, f"ZeRO-{zero} shards gradients during "
                             "backward: with a pipeline use ZeRO 0 or 1"))

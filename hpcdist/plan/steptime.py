@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .memory import hpcdist_layer, memory, zero_stage
+from .memory import hpcdist_layer, memory, zero_level
 from .model import GB, GPU, Estimate, Layout, Model, Settings
 
 
@@ -147,11 +147,11 @@ def data_parallel_time(model: Model, L: Layout, gpu: GPU, per_node: int, setting
     grad_bytes = settings.grad_bytes * psi
     n = L.dp * L.cp
     inside = t * n <= per_node
-    stage = zero_stage(L.zero)                  # its traffic and calls, as its class says
+    level = zero_level(L.zero)                  # its traffic and calls, as its class says
     dp = _allreduce(grad_bytes, n, gpu.nvlink if inside else gpu.network,
-                    gpu.nvlink_alpha if inside else gpu.network_alpha) * stage.traffic
+                    gpu.nvlink_alpha if inside else gpu.network_alpha) * level.traffic
     if n > 1:                      # a call per 25 MB bucket; ZeRO-3 gathers every block twice
-        calls = max(1, math.ceil(grad_bytes / 25e6)) + stage.calls_per_block * layers
+        calls = max(1, math.ceil(grad_bytes / 25e6)) + level.calls_per_block * layers
         dp += calls * settings.call_overhead
     optimizer = 16 * psi / (n if L.zero else 1) / 2e12     # a memory-bound pass over state
     return dp, optimizer

@@ -73,7 +73,7 @@ class TrainConfig:
     loss_scale: float = 65536.0   # fp16: initial dynamic loss scale
     tf32: bool = False            # fp32 GEMMs on TF32 tensor cores (GPU, compute capability 8+)
     backend: str = "mpi"          # mpi | nccl (nccl: GPU only)
-    zero: int = 0                 # ZeRO stage: 0 (plain DDP), 1, 2 or 3
+    zero: int = 0                 # ZeRO level: 0 (plain DDP), 1, 2 or 3
     strategy: str = "collective"  # collective (DDP/ZeRO/TP/PP) | ps (parameter servers)
     servers: int = 1              # ps: server ranks (the last ones)
     max_staleness: int = -1       # ps: a worker waits when s clocks ahead of the slowest

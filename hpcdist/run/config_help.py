@@ -61,7 +61,7 @@ HELP = {
               "(data-parallel size = world / (tp x pp x cp))",
         "cp_impl": "context parallelism through attention: ring (K/V blocks round the group) "
                    "| ulysses (all-to-all, heads <-> sequence; cp must divide n_head / tp)",
-        "zero": "ZeRO stage 0 (plain DDP) | 1 (optimizer state) | 2 (+ gradients) | 3 (+ "
+        "zero": "ZeRO level 0 (plain DDP) | 1 (optimizer state) | 2 (+ gradients) | 3 (+ "
                 "parameters), sharded over the data-parallel group",
         "strategy": "collective (DDP, ZeRO, TP, PP) | ps: asynchronous parameter servers",
         "servers": "ps: how many of the last ranks are servers (each holds a shard of the "

@@ -363,7 +363,7 @@ def test_an_algorithm_is_one_record(comm):
     import dataclasses
 
     from hpcdist.comm import algorithm, model, select
-    from hpcdist.comm.layout import as_bytes, finish, reduce_into
+    from hpcdist.comm.arith import as_bytes, finish, reduce_into
 
     def naive_allreduce(wire, buf, op):
         P, r = wire.Get_size(), wire.Get_rank()
@@ -414,7 +414,7 @@ def test_a_registered_algorithm_is_benchmarked_beside_the_others(comm):
     from hpcdist.bench import collectives as bench
     from hpcdist.comm import algorithm
     from hpcdist.comm.alltoall import offsets
-    from hpcdist.comm.layout import as_bytes
+    from hpcdist.comm.arith import as_bytes
 
     def all_at_once(wire, send, counts, out, incoming, uniform=True):
         P, r = wire.Get_size(), wire.Get_rank()

@@ -16,11 +16,11 @@ def quiet(*a, **k):
     pass
 
 
-def full_rank(step):
+def full_rank(strategy):
     """Every matrix compressed at its full rank: PowerSGD's approximation is then exact."""
-    c = step.ddp.compression
+    c = strategy.ddp.compression
     c.rank, c.min_rate = 10 ** 6, 0.0
-    c.bind(step.ddp.bucket_layout)
+    c.bind(strategy.ddp.bucket_shapes)
 
 
 @several
@@ -44,8 +44,8 @@ class Probe:
     def __init__(self):
         self.local, self.sent, self.bytes = {}, {}, []
 
-    def attach(self, step):
-        self.ddp = ddp = step.ddp
+    def attach(self, strategy):
+        self.ddp = ddp = strategy.ddp
         ddp.on_launch.append(self.launch)
         ddp.on_synced.append(self.synced)
 

@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 against stage 0 (plain DDP): same trajectory, exact memory, exact resume."""
+"""ZeRO-1, -2 and -3 against ZeRO-0 (plain DDP): same trajectory, exact memory, exact resume."""
 import numpy as np
 import pytest
 
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.mpi
 
 
 def small(**kw):
-    """Two blocks (stage 3 gathers per block) and small buckets (several per step)."""
+    """Two blocks (ZeRO-3 gathers per block) and small buckets (several per step)."""
     return helpers.small(**{"n_layer": 2, "bucket_mb": 0.004, "first_bucket_mb": 0.002, **kw})
 
 
@@ -20,40 +20,40 @@ def quiet(*a, **k):
 
 
 @pytest.mark.parametrize("extra", [{}, {"grad_clip": 0.05, "grad_accum": 2}])
-def test_stages_follow_stage_zero(comm, tmp_path, extra):
+def test_levels_follow_level_zero(comm, tmp_path, extra):
     ref = train(small(**extra, out_dir=str(tmp_path / "z0")), comm, log=quiet)
-    for stage in (1, 2, 3):
-        got = train(small(**extra, zero=stage, out_dir=str(tmp_path / f"z{stage}")), comm,
+    for level in (1, 2, 3):
+        got = train(small(**extra, zero=level, out_dir=str(tmp_path / f"z{level}")), comm,
                     log=quiet)
         np.testing.assert_allclose(got["params"], ref["params"], rtol=1e-10, atol=1e-10,
-                                   err_msg=f"stage {stage}")
+                                   err_msg=f"ZeRO-{level}")
         assert got["accuracy"] == ref["accuracy"]
 
 
 def test_memory_is_exactly_the_sharded_state_fp32(comm, tmp_path):
     P = comm.size
     psi = None
-    for stage in (0, 1, 2, 3):
-        final = train(small(zero=stage, dtype="fp32", out_dir=str(tmp_path / str(stage))), comm,
+    for level in (0, 1, 2, 3):
+        final = train(small(zero=level, dtype="fp32", out_dir=str(tmp_path / str(level))), comm,
                       log=quiet)
         psi = final["params"].size
         lo, hi = shard_bounds(psi, P, comm.rank)
         n = hi - lo
         peak = final["memory_peak"]
-        expected_opt = {0: 8 * psi, 1: 8 * n, 2: 8 * n, 3: 8 * n}[stage]     # Adam m and v
-        assert peak["optimizer"] == expected_opt, (stage, peak)
-        if stage < 3:
+        expected_opt = {0: 8 * psi, 1: 8 * n, 2: 8 * n, 3: 8 * n}[level]     # Adam m and v
+        assert peak["optimizer"] == expected_opt, (level, peak)
+        if level < 3:
             assert peak["params"] == 4 * psi                 # full fp32 parameters
         else:
             assert peak["params"] >= 4 * n                   # shard + gathered working set
-        if stage <= 1:
+        if level <= 1:
             assert peak["grads"] == 4 * psi                  # the full gradient buffer
 
 
 def test_mixed_precision_and_identical_ranks(comm, tmp_path):
-    for stage in (1, 2, 3):
-        final = train(small(zero=stage, dtype="fp32", precision="bf16", steps=6,
-                            out_dir=str(tmp_path / str(stage))), comm, log=quiet)
+    for level in (1, 2, 3):
+        final = train(small(zero=level, dtype="fp32", precision="bf16", steps=6,
+                            out_dir=str(tmp_path / str(level))), comm, log=quiet)
         p = final["params"]
         assert p.dtype == np.float32 and np.isfinite(p).all()
         everyone = np.empty((comm.size, p.size), p.dtype)
@@ -61,11 +61,11 @@ def test_mixed_precision_and_identical_ranks(comm, tmp_path):
         assert (everyone == everyone[0]).all()
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_resume_is_bit_identical(comm, shared_dir, stage):
-    kw = dict(zero=stage, steps=6, dtype="fp32", dropout=0.1, out_dir=shared_dir + f"/o{stage}")
+@pytest.mark.parametrize("level", [1, 3])
+def test_resume_is_bit_identical(comm, shared_dir, level):
+    kw = dict(zero=level, steps=6, dtype="fp32", dropout=0.1, out_dir=shared_dir + f"/o{level}")
     full = train(small(**kw), comm, log=quiet)["params"].copy()
-    save = shared_dir + f"/ckpt{stage}"
+    save = shared_dir + f"/ckpt{level}"
     train(small(**kw, save_dir=save, save_every=3), comm, log=quiet)
     comm.barrier()
     if comm.rank == 0:
@@ -76,13 +76,13 @@ def test_resume_is_bit_identical(comm, shared_dir, stage):
     np.testing.assert_array_equal(resumed, full)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_non_finite_gradient_skips_the_step_on_every_rank(comm, tmp_path, stage):
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_a_non_finite_gradient_skips_the_step_on_every_rank(comm, tmp_path, level):
     """Without a loss scaler, a NaN in one rank's gradient shard skips the update on every
     rank (seen in the global sum of squares, which is read anyway: no extra device read)."""
     from hpcdist import data
     from hpcdist.parallel.strategy import build_strategy
-    cfg = small(zero=stage, out_dir=str(tmp_path))
+    cfg = small(zero=level, out_dir=str(tmp_path))
     _, strategy = build_strategy(cfg, comm, data.datasets_of(cfg)[0])
     strategy.zero_grad()
     before = np.array(strategy.full_parameters(), copy=True)

@@ -4,7 +4,7 @@ Each op is a few lines, over the tensor-parallel communicator ``comm`` (our own 
 — the list goes on in docs/tensor-parallel.md, "hpcdist/parallel/tp/mappings.py"."""
 from __future__ import annotations
 
-from ...comm.layout import shard_bounds
+from ...comm.arith import shard_bounds
 from ...autograd.tensor import Tensor
 
 # Elements that entered each kind of tensor-parallel collective (bench tp compares them with

@@ -1,6 +1,6 @@
-"""Shard layout and reduction ops: pure logic shared by every collective and by ZeRO.
+"""The arithmetic every collective shares, and ZeRO: the shard rule, reduction ops, rank maps.
 
-The layout, used everywhere in hpcdist: a length-L array over P ranks gives rank r the
+The shard rule, used everywhere in hpcdist: a length-L array over P ranks gives rank r the
 elements ``[r*S, min((r+1)*S, L))`` with ``S = ceil(L/P)`` — empty where that range is empty.
 So every shard but the last non-empty one has exactly S elements, and padding L up to P*S
 makes all shards equal (what ZeRO stores). Ring algorithms cut their chunks the same way.

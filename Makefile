@@ -90,7 +90,8 @@ test-double: venv
 # The GPU code held to the real CuPy, without a GPU: CuPy's wheel (with NCCL's, NVRTC's and cuBLAS's)
 # installs and imports on any machine. test-cupy installs them into .venv when missing (CI
 # does this), then checks every name the device double offers against CuPy (kind and
-# arguments), and NCCL's real unique id through hpcdist's bootstrap at 2 ranks into the
+# arguments) and runs every CUDA kernel on the CPU execution model (device/cudasim.py; also
+# part of test-unit), and NCCL's real unique id through hpcdist's bootstrap at 2 ranks into the
 # constructor call as CuPy declares it. Plain `make test` runs these only where CuPy is
 # installed, and says so in one line where it is not.
 CUPY_WHEELS ?= cupy-cuda12x==14.2.* nvidia-nccl-cu12 nvidia-cuda-nvrtc-cu12 nvidia-cublas-cu12
@@ -106,7 +107,7 @@ test-cupy-if-installed: venv
 	  echo "test-cupy: skipped, CuPy is not installed here (make test-cupy installs it and checks the GPU code against it)"; \
 	  exit 0; fi; \
 	echo "== the device double and the GPU code against the real CuPy (tests/cupy)"; \
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cupy && \
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cupy tests/test_kernels_cpu.py && \
 	echo "== mpiexec -n 2: NCCL's real id through hpcdist's bootstrap" && \
 	timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python -m pytest --with-mpi -q \
 	  -p no:cacheprovider tests/mpi/test_nccl.py

@@ -65,6 +65,7 @@ HOW = {
     "python -m pytest -q tests/test_layers.py": ("python -m pytest -q -p no:cacheprovider "
                                                  "{repo}/tests/test_layers.py",
                                                  "the repository's test file"),
+    "python -m pytest -q tests/test_kernels_cpu.py": (SKIP, "part of make test (unit)"),
     "mpirun -n 8 python -m hpcdist.train --tp": (None, "+ " + SHORT),
     "mpirun -n 8 python -m hpcdist.train --pp 4": (None, "+ " + SHORT),
     "mpirun -n 4 python -m hpcdist.train --pp 2": (None, "+ " + SHORT),

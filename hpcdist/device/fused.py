@@ -24,11 +24,13 @@ class Fused:
     functions it defines; ``launch(mod, *args)``: runs them (``mod(name)`` -> RawKernel) and
     returns the outputs; ``twin(*args)``: the same outputs in xp; ``launches``: how many
     kernels one call starts; ``cases(xp, rng)``: inputs for the self-check; ``tolerance``:
-    the largest error allowed, relative to the twin's largest output."""
+    the largest error allowed, relative to the twin's largest output; ``library``: the
+    library call its launcher makes besides its kernels (cuBLAS), if any."""
 
     def __init__(self, name, source, kernels, launch, twin, cases, launches=1,
-                 tolerance=1e-5, compare=None, dtypes=tuple(DTYPES)):
+                 tolerance=1e-5, compare=None, dtypes=tuple(DTYPES), library=None):
         self.name, self.source, self.kernels = name, source, kernels
+        self.library = library
         self.dtypes = dtypes            # the dtypes it is written for (others: the twin)
         self.launch, self.twin, self.cases = launch, twin, cases
         self.launches, self.tolerance = launches, tolerance
@@ -65,20 +67,25 @@ class Fused:
             mod = self._modules[dtype] = backend.xp().RawModule(code=self.code(dtype))
         return mod.get_function(kernel)
 
-    def self_check(self, dtype: str) -> bool:
-        """Run the kernel and the twin on every case; True when all agree."""
+    def worst_error(self, dtype: str, kernel) -> float:
+        """The largest error of the launch (its kernels from ``kernel(name)``) against the
+        twin over every case, on ``backend.xp()`` arrays."""
         xp, rng = backend.xp(), np.random.default_rng(0)
         worst = 0.0
+        for args in self.cases(xp, rng, np.dtype(dtype)):
+            want = _tuple(self.twin(*[_copy(a) for a in args]))[:self.compare]
+            got = _tuple(self.launch(kernel, *[_copy(a) for a in args]))[:self.compare]
+            for w, g in zip(want, got):
+                w, g = backend.to_numpy(w), backend.to_numpy(g)
+                if w.shape != g.shape:
+                    raise ValueError(f"shape {g.shape}, the twin's {w.shape}")
+                worst = max(worst, _error(w, g))
+        return worst
+
+    def self_check(self, dtype: str) -> bool:
+        """Run the kernel and the twin on every case; True when all agree."""
         try:
-            for args in self.cases(xp, rng, np.dtype(dtype)):
-                want = _tuple(self.twin(*[_copy(a) for a in args]))[:self.compare]
-                got = _tuple(self.launch(lambda k: self._kernel(dtype, k),
-                                         *[_copy(a) for a in args]))[:self.compare]
-                for w, g in zip(want, got):
-                    w, g = backend.to_numpy(w), backend.to_numpy(g)
-                    if w.shape != g.shape:
-                        raise ValueError(f"shape {g.shape}, the twin's {w.shape}")
-                    worst = max(worst, _error(w, g))
+            worst = self.worst_error(dtype, lambda k: self._kernel(dtype, k))
         except Exception as e:                         # compile or launch failure
             _refused[self.name] = f"{type(e).__name__}: {e}"[:200]
             return False
@@ -94,7 +101,8 @@ def _error(want, got) -> float:
     infinities and NaN against NaN agree, a NaN or inf on one side only is inf."""
     want, got = want.astype(np.float64), got.astype(np.float64)
     same = (got == want) | (np.isnan(got) & np.isnan(want))
-    diff = np.where(same, 0.0, np.abs(got - want))
+    with np.errstate(invalid="ignore"):                # inf - inf where both are inf
+        diff = np.where(same, 0.0, np.abs(got - want))
     finite = np.abs(want[np.isfinite(want)])
     err = float(diff.max(initial=0.0)) / max(1.0, float(finite.max(initial=0.0)))
     return err if np.isfinite(err) else float("inf")

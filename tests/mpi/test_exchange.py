@@ -71,7 +71,7 @@ def test_powersgd_error_feedback_loses_nothing(comm, tmp_path, rank):
           on_build=probe.attach)
     c = probe.ddp.compression
     checked = 0
-    for key, (mats, _) in c.layout.items():
+    for key, (mats, _) in c.split.items():
         for i, (off, n, m, r) in enumerate(mats):
             applied = probe.sent[key][off:off + n * m].reshape(n, m)
             own = probe.local[key][off:off + n * m].reshape(n, m)

@@ -7,7 +7,7 @@ tensor cores (gemm.py). elementwise.py, rows.py, attention.py and gemm.py hold t
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
 from .attention import ATTENTION_BWD, ATTENTION_FWD, attention_bwd_twin, attention_twin
 from .common import GELU_C
-from .gemm import BF16_GEMM, configure, describe, gemm_twin, matmul
+from .gemm import BF16_GEMM, TO_BF16, configure, describe, gemm_twin, matmul
 from .elementwise import (ADAMW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
                           adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
                           colsum_add_twin, gelu_bwd_twin, gelu_twin)
@@ -19,7 +19,7 @@ from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNOR
 __all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BF16_GEMM", "BIAS_GELU",
            "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",
            "GELU_BWD", "GELU_C", "GELU_FWD", "LAYERNORM_BWD", "LAYERNORM_FWD",
-           "SOFTMAX_CAUSAL_BWD", "SOFTMAX_CAUSAL_FWD", "adam_step_twin", "adamw_twin",
+           "SOFTMAX_CAUSAL_BWD", "SOFTMAX_CAUSAL_FWD", "TO_BF16", "adam_step_twin", "adamw_twin",
            "attention_bwd_twin", "attention_twin", "bias_gelu_twin",
            "bias_residual_twin", "colsum_add_twin", "configure", "describe",
            "cross_entropy_bwd_twin", "cross_entropy_twin", "gelu_bwd_twin", "gelu_twin",

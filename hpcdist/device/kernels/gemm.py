@@ -116,7 +116,26 @@ def _gemm_cases(xp, rng, dt):
 
 # tolerance: the same bf16 products, summed in another order (relative to the largest output)
 BF16_GEMM = Fused("bf16_gemm", _TO_BF16, ["to_bf16"], _gemm_launch, gemm_twin, _gemm_cases,
-                  launches=3, tolerance=1e-4, dtypes=("float32",))
+                  launches=3, tolerance=1e-4, dtypes=("float32",), library="cuBLAS gemmEx")
+
+
+def _words_launch(k, x):
+    """The conversion alone, its words read back as float32 (the kernel's own check)."""
+    words = _to_bf16(k, backend.xp().ascontiguousarray(x))
+    return (words.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _words_cases(xp, rng, dt):
+    for n in (1, 7, 1000, 100_003):
+        yield xp.asarray((rng.standard_normal(n) * 3).astype(dt)),
+    ties = np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), np.inf, -np.inf, np.nan,
+                     0.0, -0.0, 3.4e38, 1e-40], dtype=dt)       # halfway cases, specials
+    yield xp.asarray(ties),
+
+
+# the conversion kernel on its own, against backend.round_to_bf16 (BF16_GEMM runs it twice)
+TO_BF16 = Fused("to_bf16", _TO_BF16, ["to_bf16"], _words_launch, backend.round_to_bf16,
+                _words_cases, tolerance=0.0, dtypes=("float32",))
 
 
 def matmul(a, b):

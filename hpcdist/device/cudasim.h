@@ -1,0 +1,244 @@
+// cudasim.h: CUDA's execution model on the CPU, for hpcdist's own kernels (cudasim.py).
+//
+// The grid's blocks run one after another; the threads of a block run as fibers (ucontext),
+// each until it reaches __syncthreads, a warp shuffle or its end, in an order the launch
+// chooses (forward, reversed, or a seeded shuffle: a race inside a block shows as a different
+// result). Pointers are bounds-checked (Ptr): a read or write outside an array is reported
+// with the array's name, the index, the thread and the block, and goes to a scratch element
+// instead of memory. What this cannot show: speed, coalescing, races between blocks (blocks
+// never overlap here), and the GPU's own math library (libm's expf is not CUDA's).
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <type_traits>
+#include <vector>
+#include <ucontext.h>
+
+using std::exp; using std::log; using std::sqrt; using std::tanh; using std::fabs;
+using std::max; using std::min;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static          // one copy: the blocks of a grid run one at a time
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+static dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+// ---- what went wrong: the first fault of a launch, in words ---------------------------------
+static char sim_error[1024];
+static int sim_failed = 0;
+static const char* sim_kernel = "";
+
+static void sim_fail(const char* fmt, ...) {
+    if (sim_failed) return;
+    sim_failed = 1;
+    int n = snprintf(sim_error, sizeof sim_error, "%s, block (%u,%u,%u), thread (%u,%u,%u): ",
+                     sim_kernel, blockIdx.x, blockIdx.y, blockIdx.z,
+                     threadIdx.x, threadIdx.y, threadIdx.z);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(sim_error + n, sizeof sim_error - n, fmt, ap);
+    va_end(ap);
+}
+
+// ---- bounds-checked pointers: every T* of a kernel's source becomes a Ptr<T> -----------------
+static unsigned char sim_scratch[64];             // where an out-of-bounds access goes
+
+template <class T> struct Ptr {
+    T* base = nullptr;
+    long long n = 0, off = 0;
+    const char* name = "a null pointer";
+
+    Ptr() = default;
+    Ptr(T* b, long long count, const char* label) : base(b), n(count), name(label) {}
+    template <size_t N> Ptr(T (&a)[N]) : base(a), n(N), name("a __shared__ array") {}
+    template <class U, class = std::enable_if_t<std::is_convertible<U*, T*>::value>>
+    Ptr(const Ptr<U>& o) : base(o.base), n(o.n), off(o.off), name(o.name) {}
+    template <class U, class = std::enable_if_t<!std::is_convertible<U*, T*>::value>, class = void>
+    explicit Ptr(const Ptr<U>& o)                  // (A*)smem: the same bytes, another type
+        : base((T*)(void*)o.base), n(o.n * (long long)sizeof(U) / (long long)sizeof(T)),
+          off(o.off * (long long)sizeof(U) / (long long)sizeof(T)), name(o.name) {}
+
+    T& operator[](long long i) const {
+        long long at = off + i;
+        if (at < 0 || at >= n) {
+            sim_fail("%s[%lld] is outside its %lld elements", name, at, n);
+            return *(T*)(void*)sim_scratch;
+        }
+        return base[at];
+    }
+    T& operator*() const { return (*this)[0]; }
+    Ptr operator+(long long i) const { Ptr p = *this; p.off += i; return p; }
+    Ptr operator-(long long i) const { Ptr p = *this; p.off -= i; return p; }
+    Ptr& operator+=(long long i) { off += i; return *this; }
+};
+
+template <class T> T atomicAdd(Ptr<T> p, T v) { T old = *p; *p = old + v; return old; }
+template <class T> T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+
+// ---- the threads of a block, as fibers ------------------------------------------------------
+enum { READY, AT_SYNC, AT_SHUFFLE, DONE };
+struct Fiber { ucontext_t ctx; std::vector<char> stack; int state; dim3 tid; int src;
+               uint64_t value, result; long barriers; };
+static std::vector<Fiber> sim_fibers;
+static ucontext_t sim_main;
+static int sim_current = 0;
+static std::function<void()> sim_body;
+static Ptr<unsigned char> sim_dynamic;             // extern __shared__ memory of this launch
+
+static void sim_park(int state) {
+    Fiber& f = sim_fibers[sim_current];
+    f.state = state;
+    swapcontext(&f.ctx, &sim_main);
+}
+
+static void __syncthreads() { sim_fibers[sim_current].barriers++; sim_park(AT_SYNC); }
+
+template <class V> V __shfl_down_sync(unsigned mask, V v, int delta) {
+    if (mask != 0xffffffffu) sim_fail("__shfl_down_sync with a partial mask is not modelled");
+    Fiber& f = sim_fibers[sim_current];
+    static_assert(sizeof(V) <= 8, "a shuffle moves at most 8 bytes");
+    f.value = 0;
+    memcpy(&f.value, &v, sizeof(V));
+    f.src = delta;
+    sim_park(AT_SHUFFLE);
+    V out;
+    memcpy(&out, &sim_fibers[sim_current].result, sizeof(V));
+    return out;
+}
+
+static void sim_entry() { sim_body(); sim_fibers[sim_current].state = DONE; }
+
+// A warp whose live lanes all wait at a shuffle gets its values: lane l reads lane l + delta
+// (its own value past the warp's end, as CUDA does); reading a lane that has exited is a fault.
+static bool sim_release_shuffles(int nthreads) {
+    bool any = false;
+    for (int w = 0; w * 32 < nthreads; w++) {
+        int lo = w * 32, hi = std::min(nthreads, lo + 32), waiting = 0, live = 0;
+        for (int t = lo; t < hi; t++) {
+            live += sim_fibers[t].state != DONE;
+            waiting += sim_fibers[t].state == AT_SHUFFLE;
+        }
+        if (!waiting || waiting != live) continue;
+        for (int t = lo; t < hi; t++) {
+            Fiber& f = sim_fibers[t];
+            if (f.state != AT_SHUFFLE) continue;
+            int s = t + f.src;
+            if (s - lo >= 32) f.result = f.value;
+            else if (s >= hi || sim_fibers[s].state != AT_SHUFFLE) {
+                sim_current = t;
+                threadIdx = f.tid;
+                sim_fail("a warp shuffle reads lane %d, which has exited or does not exist",
+                         s - lo);
+                f.result = f.value;
+            } else f.result = sim_fibers[s].value;
+        }
+        for (int t = lo; t < hi; t++)
+            if (sim_fibers[t].state == AT_SHUFFLE) sim_fibers[t].state = READY;
+        any = true;
+    }
+    return any;
+}
+
+static void sim_run_block(const std::vector<int>& order, int nthreads) {
+    for (int t = 0; t < nthreads; t++) {
+        Fiber& f = sim_fibers[t];
+        f.state = READY;
+        f.barriers = 0;
+        f.tid.x = t % blockDim.x;
+        f.tid.y = (t / blockDim.x) % blockDim.y;
+        f.tid.z = t / (blockDim.x * blockDim.y);
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack.data();
+        f.ctx.uc_stack.ss_size = f.stack.size();
+        f.ctx.uc_link = &sim_main;
+        makecontext(&f.ctx, sim_entry, 0);
+    }
+    for (;;) {
+        for (int t : order) {
+            if (sim_fibers[t].state != READY) continue;
+            sim_current = t;
+            threadIdx = sim_fibers[t].tid;
+            swapcontext(&sim_main, &sim_fibers[t].ctx);
+        }
+        if (sim_release_shuffles(nthreads)) continue;
+        int live = 0, at_sync = 0;
+        for (int t = 0; t < nthreads; t++) {
+            live += sim_fibers[t].state != DONE;
+            at_sync += sim_fibers[t].state == AT_SYNC;
+        }
+        if (!live) return;
+        if (at_sync == live) {
+            // CUDA: a barrier must be reached by every thread of the block, or by none
+            long k = -1;
+            for (int t = 0; t < nthreads; t++)
+                if (sim_fibers[t].state == AT_SYNC) k = std::max(k, sim_fibers[t].barriers);
+            for (int t = 0; t < nthreads; t++)
+                if (sim_fibers[t].barriers != k) {
+                    sim_current = t;
+                    threadIdx = sim_fibers[t].tid;
+                    sim_fail("%s __syncthreads number %ld that others wait at (a barrier in "
+                             "divergent code)", sim_fibers[t].state == DONE ? "exited before"
+                             : "is at another barrier than", k);
+                    return;
+                }
+            for (int t = 0; t < nthreads; t++)
+                if (sim_fibers[t].state == AT_SYNC) sim_fibers[t].state = READY;
+            continue;
+        }
+        sim_fail("deadlock: %d threads wait at __syncthreads while %d wait at a shuffle "
+                 "(a barrier in divergent code)", at_sync, live - at_sync);
+        return;                                     // (the parked fibers are dropped)
+    }
+}
+
+// Runs ``body`` (the kernel's call) over the grid. order: 0 threads and blocks in index
+// order, 1 reversed, 2 shuffled with ``seed``.
+static void sim_launch(const char* kernel, dim3 grid, dim3 block, long long shared_bytes,
+                       int order, unsigned long long seed, std::function<void()> body) {
+    static std::vector<unsigned char> dynamic;
+    sim_kernel = kernel;
+    sim_failed = 0;
+    sim_error[0] = 0;
+    gridDim = grid;
+    blockDim = block;
+    int nthreads = (int)(block.x * block.y * block.z);
+    if (nthreads < 1 || nthreads > 1024) {
+        sim_fail("a block of %d threads (CUDA allows 1 to 1024)", nthreads);
+        return;
+    }
+    dynamic.assign((size_t)std::max(shared_bytes, 0LL) + 1, 0xA5);
+    sim_dynamic = Ptr<unsigned char>(dynamic.data(), shared_bytes, "extern __shared__ memory");
+    if ((int)sim_fibers.size() < nthreads) sim_fibers.resize(nthreads);
+    for (int t = 0; t < nthreads; t++)
+        if (sim_fibers[t].stack.empty()) sim_fibers[t].stack.resize(256 * 1024);
+    sim_body = body;
+    std::mt19937_64 rng(seed);
+    std::vector<int> threads(nthreads);
+    for (int t = 0; t < nthreads; t++) threads[t] = order == 1 ? nthreads - 1 - t : t;
+    long long nblocks = (long long)grid.x * grid.y * grid.z;
+    std::vector<long long> blocks(nblocks);
+    for (long long b = 0; b < nblocks; b++) blocks[b] = order == 1 ? nblocks - 1 - b : b;
+    if (order == 2) std::shuffle(blocks.begin(), blocks.end(), rng);
+    for (long long b : blocks) {
+        blockIdx.x = (unsigned)(b % grid.x);
+        blockIdx.y = (unsigned)((b / grid.x) % grid.y);
+        blockIdx.z = (unsigned)(b / ((long long)grid.x * grid.y));
+        if (order == 2) std::shuffle(threads.begin(), threads.end(), rng);
+        std::fill(dynamic.begin(), dynamic.end(), (unsigned char)0xA5);   // not zeros
+        sim_run_block(threads, nthreads);
+        if (sim_failed) return;
+    }
+}

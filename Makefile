@@ -86,6 +86,11 @@ test-double: venv
 	  HPCDIST_DEVICE=double timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
 	    --with-mpi -q -p no:cacheprovider $(DOUBLE_TESTS) || exit 1; \
 	done
+	@for n in 4 8; do \
+	  echo "== mpiexec -n $$n, device double: every layout over MPI and over NCCL (the matrix)"; \
+	  HPCDIST_DEVICE=double timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
+	    --with-mpi -q -p no:cacheprovider tests/mpi/test_device.py -k every_layout || exit 1; \
+	done
 
 # The GPU code held to the real CuPy, without a GPU: CuPy's wheel (with NCCL's, NVRTC's and cuBLAS's)
 # installs and imports on any machine. test-cupy installs them into .venv when missing (CI

@@ -174,3 +174,26 @@ def test_cp_bench(tmp_path):
     over = next(r for r in rows if r["part"] == "overlap")
     assert len(over["block_ms"]) == 2 and all(b > 0 for b in over["block_ms"])
     assert "longest sequence within" in out and "share of ring time computing" in out
+
+
+def test_nccl_bench_counts_what_each_layout_sends(tmp_path):
+    out = tmp_path / "n.json"
+    bench("nccl", "--ranks", "4", "--only", "ddp", "zero1", "zero3", "pp2 1f1b", "cp2 ring",
+          "cp2 ulysses", "--json", str(out))
+    rows = {(r["layout"], r["group"], r["kind"]): r for r in json.load(open(out))["rows"]}
+    ddp, rs, ag = (rows[("ddp", "dp", "allreduce")], rows[("zero1", "dp", "reduce_scatter")],
+                   rows[("zero1", "dp", "allgather")])
+    # a ring allreduce sends twice what its reduce-scatter half does; ZeRO-1 gathers back what
+    # it scattered (pieces padded to the largest: equal up to 4 ranks x 4 bytes)
+    assert ddp["bytes"] == pytest.approx(2 * rs["bytes"], abs=64)
+    assert ag["bytes"] == pytest.approx(rs["bytes"], abs=64) and ag["calls"] == rs["calls"]
+    assert not any(k[0] == "ddp" and k[2] != "allreduce" for k in rows)
+    # ZeRO-3 gathers parameters in the forward and again in the backward: more than ZeRO-1
+    assert rows[("zero3", "dp", "allgather")]["calls"] > ag["calls"]
+    # the pipeline's 4 micro-batches: each stage sends 4 messages a step, receives 4
+    assert rows[("pp2 1f1b", "pp", "send")]["calls"] == 4
+    assert rows[("pp2 1f1b", "pp", "recv")]["calls"] == 4
+    # the ring passes K and V blocks by send/recv; Ulysses moves the same through all-to-all
+    assert ("cp2 ring", "cp", "send") in rows and ("cp2 ring", "cp", "alltoall") not in rows
+    assert rows[("cp2 ulysses", "cp", "alltoall")]["calls"] > 0
+    assert ("cp2 ulysses", "cp", "send") not in rows

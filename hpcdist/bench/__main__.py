@@ -10,6 +10,7 @@ BENCHMARKS = {
     "cp": "hpcdist.bench.cp",
     "ddp": "hpcdist.bench.ddp",
     "exchange": "hpcdist.bench.exchange",
+    "nccl": "hpcdist.bench.nccl",
     "gpu": "hpcdist.bench.gpu",
     "peers": "hpcdist.bench.peers",
     "pipeline": "hpcdist.bench.pipeline",

@@ -208,10 +208,11 @@ class Communicator:
         """Wait until every rank has called it (the agreement round is the barrier)."""
         collective(self, BARRIER, True, None)
 
-    def agree_only(self, kind: str, buf, op=None, root=None, length=None) -> None:
+    def agree_only(self, kind: str, buf, op=None, root=None, length=None) -> int:
         """The ledger's agreement on a collective whose data moves elsewhere (the NCCL
-        backend): numbered, checked and agreed like ours, then nothing is exchanged."""
-        agree_only(self, kind, buf, op, root, length)
+        backend): numbered, checked and agreed like ours, then nothing is exchanged; returns
+        the call's number."""
+        return agree_only(self, kind, buf, op, root, length)
 
     def _progress(self, fn):
         """A future of ``fn(bg_wire)`` in the progress thread (or run now without threads)."""
@@ -273,12 +274,14 @@ class Communicator:
         work, ptag = self._outgoing(arr, dest, tag, fresh=True)
         return p2p.isend(self._p2p_wire, work, dest, tag, ptag)
 
-    def irecv(self, source: int, tag: int = 0) -> p2p.RecvHandle:
-        """Non-blocking receive; ``wait()`` returns the array."""
+    def irecv(self, source: int, tag: int = 0, shape=None, dtype=None) -> p2p.RecvHandle:
+        """Non-blocking receive; ``wait()`` returns the array. ``shape``/``dtype``: what it
+        must be (checked; the NCCL backend needs them to post its buffer)."""
         self._check_peer(source, "source", tag)
         host = self._recv_on_host()
         return p2p.RecvHandle(self._p2p_wire, source, tag, np if host else backend.xp(),
-                              finish=backend.to_device if host else None)
+                              finish=p2p.expecting(shape, dtype, source, tag,
+                                                   backend.to_device if host else None))
 
     def sendrecv(self, arr, dest: int, source: int, sendtag: int = 0, recvtag: int | None = None):
         """Send ``arr`` to ``dest`` while receiving from ``source`` (no deadlock in a ring)."""

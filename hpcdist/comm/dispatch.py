@@ -53,12 +53,14 @@ def collective(c, kind, blocking: bool, buf, op=None, root=None, algorithm="auto
     return Handle(c._progress(run), c._ledger, call)
 
 
-def agree_only(c, kind: str, buf, op=None, root=None, length=None) -> None:
+def agree_only(c, kind: str, buf, op=None, root=None, length=None) -> int:
     """The check and the agreement of a collective whose data moves elsewhere (the NCCL
-    backend): numbered, checked and agreed like ours, then nothing is exchanged. ``length``:
-    what every rank must agree on where it is not ``buf``'s size (an allgather's total)."""
-    c._ledger.agree(c._wire.exchanges, c._ledger.open(kind, buf, op=op, root=root,
-                                                      length=length))
+    backend): numbered, checked and agreed like ours, then nothing is exchanged; returns the
+    call's number. ``length``: what every rank must agree on where it is not ``buf``'s size
+    (an allgather's total)."""
+    call = c._ledger.open(kind, buf, op=op, root=root, length=length)
+    c._ledger.agree(c._wire.exchanges, call)
+    return call.seq
 
 
 def _watched(c, wire, kind, call, buf, a, nbytes: int = 0):

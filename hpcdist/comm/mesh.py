@@ -117,9 +117,11 @@ class ProcessMesh:
     that split one sequence), ``tp_comm`` (one layer), ``pp_comm`` (the stages of a pipeline).
     """
 
-    def __init__(self, comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
+    def __init__(self, comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                 backend: str = "mpi"):
         validate_mesh(comm.size, dp, tp, pp, cp, ep)
         self.world, self.grid = comm, Grid(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        self.backend = backend          # "nccl": every group is an NCCL communicator
         self.dp, self.tp, self.pp, self.cp, self.ep = dp, tp, pp, cp, ep
         self.coord = MeshCoord(**self.grid.coords(comm.rank))
         self._groups: dict = {}
@@ -140,7 +142,11 @@ class ProcessMesh:
         axes = tuple(a for a in AXES if a in axes)
         if axes not in self._groups:
             color, key = self.grid.color_key(self.world.rank, axes)
-            self._groups[axes] = self.world.split(color=color, key=key)
+            sub = self.world.split(color=color, key=key)
+            if self.backend == "nccl":                 # device arrays over NCCL, host over sub
+                from .nccl import NcclCommunicator
+                sub = NcclCommunicator(host=sub, label="+".join(axes))
+            self._groups[axes] = sub
         return self._groups[axes]
 
     def __repr__(self):

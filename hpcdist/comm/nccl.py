@@ -1,18 +1,23 @@
 """NCCL backend through ``cupy.cuda.nccl``, with the Communicator's interface.
 
-The unique id is made on rank 0 and broadcast with our own MPI broadcast; after that every
-collective runs in NCCL on the current CUDA stream. One rank per GPU: NCCL refuses two ranks
-on the same device. Selected with ``backend="nccl"`` (``make_communicator``) or
-``--backend nccl``.
+One NCCL communicator per mesh group, beside its MPI Communicator. The unique id is made on
+rank 0 and broadcast with our own MPI broadcast; after that every call on GPU arrays runs in
+NCCL on the current CUDA stream (calls on host arrays go to MPI). One rank per GPU: NCCL
+refuses two ranks on the same device. Selected with ``backend="nccl"``
+(``make_communicator``, ``ProcessMesh``) or ``--backend nccl``.
 """
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import numpy as np
 
 from ..device import backend
 from . import p2p
+from .nccl_work import Batch, StreamHandle, watched
 from .alltoall import offsets, pieces_of, split, unequal_problem
-from .arith import check_op, shard_bounds, shard_size
+from .arith import check_op, shard_counts
 
 _NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
                 "int32": "NCCL_INT32", "int64": "NCCL_INT64", "uint8": "NCCL_UINT8",
@@ -21,6 +26,7 @@ _NCCL_OPS = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "max": "NCCL_MAX", "min": "NC
 
 
 UID_BYTES = 128      # sizeof(ncclUniqueId)
+_LIVE: list = []     # every NCCL communicator of this process (counts())
 
 
 def pack_unique_id(uid) -> np.ndarray:
@@ -46,20 +52,6 @@ def unpack_unique_id(packed: np.ndarray):
     return tuple(int(b) for b in raw.view(np.int8))
 
 
-class _StreamHandle:
-    """A collective queued on the CUDA stream: done once the stream reaches it."""
-
-    def __init__(self, result):
-        self._result = result
-
-    def test(self) -> bool:
-        return True
-
-    def wait(self):
-        backend.synchronize(self._result)
-        return self._result
-
-
 # The Communicator's calls: the NCCL backend implements each or refuses it by name
 # (``REFUSED``: the call -> why, and what runs it instead).
 PROTOCOL = ("allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather",
@@ -68,12 +60,14 @@ PROTOCOL = ("allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "all
             "sparse_exchange",
             "split", "close", "uncounted")
 REFUSED = {
-    "allgatherv": "pieces of sizes only the ranks know need a size exchange first",
-    "isend": "NCCL's point-to-point calls complete only inside a group with their peer's",
-    "irecv": "NCCL's point-to-point calls complete only inside a group with their peer's",
     "sparse_allreduce": "the Top-K exchange is an allgatherv of (index, value) pairs",
     "sparse_exchange": "the Top-K exchange is an allgatherv of (index, value) pairs",
 }
+# Calls on host (NumPy) arrays — losses, norms, flags, checkpoint bytes — run on the MPI
+# Communicator beside NCCL: NCCL moves device memory only.
+ON_HOST = ("allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather",
+           "iallgather", "allgatherv", "alltoall", "ialltoall", "bcast", "reduce", "send",
+           "sendrecv")
 
 
 def _refusal(name: str):
@@ -86,16 +80,17 @@ def _refusal(name: str):
 
 
 class NcclCommunicator:
-    """The Communicator's calls over NCCL, on GPU arrays: allreduce, reduce_scatter,
-    allgather, bcast, reduce, send/recv and sendrecv (and the non-blocking allreduce,
-    reduce-scatter and allgather: NCCL queues them on the stream); barrier, agreement and
-    split through the MPI communicator beside it; the rest refused by name (``REFUSED``)."""
+    """The Communicator's calls over NCCL, on GPU arrays: every collective (pieces of other
+    sizes padded to the largest), and point-to-point (``isend``/``irecv`` batched into NCCL
+    groups: nccl_work.py); barrier, agreement and split through the MPI Communicator beside
+    it (``host``), which also carries every call on host arrays; the Top-K exchange refused
+    by name (``REFUSED``). ``label`` names the group in the counts (``counts()``)."""
 
-    def __init__(self, mpi_comm=None):
+    def __init__(self, mpi_comm=None, host=None, label: str = "world"):
         from .communicator import Communicator
-        self.host = Communicator(mpi_comm)            # MPI: bootstrap, agreement, barrier
+        self.host = host if host is not None else Communicator(mpi_comm)
         self.rank, self.size = self.host.rank, self.host.size
-        self.local_rank = self.host.local_rank
+        self.local_rank, self.label = self.host.local_rank, label
         self.nccl = backend.nccl_module()              # a clear error without CuPy/NCCL
         uid = np.zeros(UID_BYTES + 1, dtype=np.uint8)  # the id, then how CuPy spells it
         if self.rank == 0:
@@ -103,33 +98,56 @@ class NcclCommunicator:
         self.host.bcast(uid, root=0)
         self.comm = self.nccl.NcclCommunicator(self.size, unpack_unique_id(uid), self.rank)
         self.bytes_sent = 0                            # ring-equivalent payload bytes
+        self.calls: dict = {}                          # kind -> [calls, bytes sent]
+        self.p2p = Batch(self)
+        _LIVE.append(self)
+
+    def count(self, kind: str, nbytes: int) -> None:
+        c = self.calls.setdefault(kind, [0, 0])
+        c[0] += 1
+        c[1] += int(nbytes)
+        self.bytes_sent += int(nbytes)
+
+    @property
+    def mpi(self):
+        return self.host.mpi
 
     def iallreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None,
                    wire_dtype=None):
         """NCCL queues the allreduce on the current stream; ``wait()`` syncs the stream."""
         if wire_dtype is not None:
             raise ValueError("the NCCL backend has no wire dtype; use --compress none")
-        return _StreamHandle(self.allreduce(buf, op=op, out=out))
+        return StreamHandle(self, "allreduce", self.allreduce(buf, op=op, out=out))
 
     def ireduce_scatter(self, buf, op: str = "sum", counts=None, algorithm: str = "auto"):
-        return _StreamHandle(self.reduce_scatter(buf, op=op, counts=counts))
+        return StreamHandle(self, "reduce_scatter",
+                            self.reduce_scatter(buf, op=op, counts=counts))
 
     def iallgather(self, shard, total: int | None = None, counts=None, out=None,
                    algorithm: str = "auto"):
-        return _StreamHandle(self.allgather(shard, total=total, counts=counts, out=out))
+        return StreamHandle(self, "allgather",
+                            self.allgather(shard, total=total, counts=counts, out=out))
 
     def ialltoall(self, buf, counts=None, recv_counts=None, algorithm: str = "auto"):
-        return _StreamHandle(self.alltoall(buf, counts, recv_counts))
+        return StreamHandle(self, "alltoall", self.alltoall(buf, counts, recv_counts))
 
     def split(self, color: int, key: int | None = None):
         """An NCCL communicator over the ranks that pass the same ``color`` (collective)."""
-        return NcclCommunicator(self.host.mpi.Split(color, self.rank if key is None else key))
+        return NcclCommunicator(host=self.host.split(color, key), label=self.label)
 
+    @contextlib.contextmanager
     def uncounted(self):
-        return self.host.uncounted()
+        """Calls inside are left out of ``bytes_sent`` and ``calls`` (a benchmark's probe)."""
+        saved = self.bytes_sent, {k: list(v) for k, v in self.calls.items()}
+        try:
+            with self.host.uncounted():
+                yield
+        finally:
+            self.bytes_sent, self.calls = saved
 
-    def agree_only(self, kind: str, buf, op=None, root=None, length=None) -> None:
-        self.host.agree_only(kind, buf, op=op, root=root, length=length)
+    def agree_only(self, kind: str, buf, op=None, root=None, length=None) -> int:
+        """The ledger's number, check and agreement, over MPI: returns the call's number."""
+        return self.host.agree_only(kind, buf, op=op, root=root, length=length)
 
     @property
     def nodes(self) -> int:
@@ -150,56 +168,74 @@ class NcclCommunicator:
     def _stream():
         return backend.xp().cuda.get_current_stream().ptr
 
-    def _agree(self, kind, buf, op=None, root=None, length=None):
-        self.host.agree_only(kind, buf, op=op, root=root, length=length)
-
     # ---- collectives -----------------------------------------------------------------------
     def allreduce(self, buf, op: str = "sum", algorithm: str = "auto", out=None):
         check_op(op)
-        self._agree("allreduce", buf, op)
+        seq = self.agree_only("allreduce", buf, op)
         dt = self._args(buf)
         out = backend.xp().empty_like(buf) if out is None else out
-        self.bytes_sent += 2 * (self.size - 1) * -(-buf.size // self.size) * buf.dtype.itemsize
-        self.comm.allReduce(buf.data.ptr, out.data.ptr, buf.size, dt,
-                            getattr(self.nccl, _NCCL_OPS[op]), self._stream())
+        sent = 2 * (self.size - 1) * -(-buf.size // self.size) * buf.dtype.itemsize
+        self.count("allreduce", sent)
+        with watched(self, "allreduce", sent, seq):
+            self.comm.allReduce(buf.data.ptr, out.data.ptr, buf.size, dt,
+                                getattr(self.nccl, _NCCL_OPS[op]), self._stream())
         if op == "avg":
             out /= self.size
         return out
 
     def reduce_scatter(self, buf, op: str = "sum", counts=None, algorithm: str = "auto"):
-        """The shard rule as everywhere: NCCL needs equal chunks, so pad to P*ceil(L/P)."""
-        _no_counts("reduce_scatter", counts)
+        """This rank's piece of the reduction: the shard rule, or ``counts`` (pieces of
+        other sizes): NCCL takes equal chunks, so each piece is padded to the largest."""
         check_op(op)
-        self._agree("reduce_scatter", buf, op)
-        xp, dt = backend.xp(), self._args(buf)
-        L, P = buf.size, self.size
-        S = shard_size(L, P)
+        seq = self.agree_only("reduce_scatter", buf, op)
+        xp, dt, P = backend.xp(), self._args(buf), self.size
+        counts = _counts(buf.size if counts is None else None, counts, P)
+        S = max(counts)
         padded = xp.zeros(S * P, dtype=buf.dtype)
-        padded[:L] = buf.reshape(-1)
+        flat, at = buf.reshape(-1), np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        for r in range(P):
+            padded[r * S:r * S + counts[r]] = flat[at[r]:at[r + 1]]
         out = xp.empty(S, dtype=buf.dtype)
-        self.comm.reduceScatter(padded.data.ptr, out.data.ptr, S, dt,
-                                getattr(self.nccl, _NCCL_OPS[op]), self._stream())
+        self.count("reduce_scatter", (P - 1) * S * buf.dtype.itemsize)
+        with watched(self, "reduce_scatter", (P - 1) * S * buf.dtype.itemsize, seq):
+            self.comm.reduceScatter(padded.data.ptr, out.data.ptr, S, dt,
+                                    getattr(self.nccl, _NCCL_OPS[op]), self._stream())
         if op == "avg":
             out /= P
-        lo, hi = shard_bounds(L, P, self.rank)
-        return out[:hi - lo]
+        return out[:counts[self.rank]]
 
     def allgather(self, shard, total: int | None = None, counts=None, out=None,
                   algorithm: str = "auto"):
-        _no_counts("allgather", counts)
-        xp, dt = backend.xp(), self._args(shard)
-        P = self.size
-        S = shard_size(total, P) if total is not None else shard.size
-        self._agree("allgather", shard, length=total if total is not None else S * P)
+        """Every rank's piece, in rank order: equal pieces, the shard rule of ``total``, or
+        ``counts`` (padded to the largest for NCCL, then put end to end)."""
+        xp, dt, P = backend.xp(), self._args(shard), self.size
+        if counts is None and total is None:
+            counts = [shard.size] * P
+        counts = _counts(total, counts, P)
+        S, length = max(counts), sum(counts)
+        seq = self.agree_only("allgather", shard, length=length)
+        if shard.size != counts[self.rank]:
+            raise ValueError(f"allgather: this rank's piece has {shard.size} elements, its "
+                             f"count says {counts[self.rank]}")
         send = xp.zeros(S, dtype=shard.dtype)
-        send[:shard.size] = shard
+        send[:shard.size] = shard.reshape(-1)
         full = xp.empty(S * P, dtype=shard.dtype)
-        self.comm.allGather(send.data.ptr, full.data.ptr, S, dt, self._stream())
-        full = full[:total] if total is not None else full
+        self.count("allgather", (P - 1) * S * shard.dtype.itemsize)
+        with watched(self, "allgather", (P - 1) * S * shard.dtype.itemsize, seq):
+            self.comm.allGather(send.data.ptr, full.data.ptr, S, dt, self._stream())
+        if any(c != S for c in counts):
+            full = xp.concatenate([full[r * S:r * S + counts[r]] for r in range(P)])
+        else:
+            full = full[:length]
         if out is not None:
             out.reshape(-1)[...] = full
             return out
         return full
+
+    def allgatherv(self, buf):
+        """Pieces of any sizes: the sizes over MPI first, then the padded allgather."""
+        sizes = self.host.allgather(np.array([buf.size], dtype=np.int64))
+        return self.allgather(buf.reshape(-1), counts=[int(n) for n in sizes])
 
     def alltoall(self, buf, counts=None, recv_counts=None, algorithm: str = "auto") -> list:
         """As ``Communicator.alltoall``: one NCCL group of a send and a receive per peer (the
@@ -209,24 +245,26 @@ class NcclCommunicator:
         problem = unequal_problem(buf.size, counts, P)
         if problem:
             raise ValueError(problem)
-        self._agree("alltoall", buf, length=buf.size if counts is None else -1)
+        seq = self.agree_only("alltoall", buf, length=buf.size if counts is None else -1)
         counts = [buf.size // P] * P if counts is None else [int(c) for c in counts]
         if recv_counts is None:
             recv_counts = [int(p[0]) for p in self.host.alltoall(np.array(counts, np.int64))]
         send, out = buf.reshape(-1), xp.empty(sum(recv_counts), dtype=buf.dtype)
         so, ro = offsets(counts), offsets(recv_counts)
         item = buf.dtype.itemsize
-        self.bytes_sent += (int(so[-1]) - counts[self.rank]) * item
+        sent = (int(so[-1]) - counts[self.rank]) * item
+        self.count("alltoall", sent)
         out[ro[self.rank]:ro[self.rank + 1]] = send[so[self.rank]:so[self.rank + 1]]
-        self.nccl.groupStart()
-        for peer in range(P):
-            if peer != self.rank and counts[peer]:
-                self.comm.send(send.data.ptr + int(so[peer]) * item, counts[peer], dt, peer,
-                               self._stream())
-            if peer != self.rank and recv_counts[peer]:
-                self.comm.recv(out.data.ptr + int(ro[peer]) * item, int(recv_counts[peer]),
-                               dt, peer, self._stream())
-        self.nccl.groupEnd()
+        with watched(self, "alltoall", sent, seq):
+            self.nccl.groupStart()
+            for peer in range(P):
+                if peer != self.rank and counts[peer]:
+                    self.comm.send(send.data.ptr + int(so[peer]) * item, counts[peer], dt,
+                                   peer, self._stream())
+                if peer != self.rank and recv_counts[peer]:
+                    self.comm.recv(out.data.ptr + int(ro[peer]) * item,
+                                   int(recv_counts[peer]), dt, peer, self._stream())
+            self.nccl.groupEnd()
         return split(out, recv_counts)
 
     def reduce(self, buf, op: str = "sum", root: int = 0):
@@ -236,25 +274,39 @@ class NcclCommunicator:
         return out if self.rank == root else None
 
     def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
-        self._agree("bcast", buf, root=root)
+        seq = self.agree_only("bcast", buf, root=root)
         dt = self._args(buf)
-        self.comm.bcast(buf.data.ptr, buf.size, dt, root, self._stream())
+        self.count("bcast", buf.nbytes if self.rank == root else 0)
+        with watched(self, "bcast", buf.nbytes, seq):
+            self.comm.bcast(buf.data.ptr, buf.size, dt, root, self._stream())
         return buf
 
     def send(self, arr, dest: int, tag: int = 0) -> None:
         """Shape and dtype go over MPI (the p2p header); the payload over NCCL."""
         dt = self._args(arr)
         self.host.send(p2p.make_header(arr, 0), dest, tag)
-        self.nccl.groupStart()
-        self.comm.send(arr.data.ptr, arr.size, dt, dest, self._stream())
-        self.nccl.groupEnd()
+        self.count("send", arr.nbytes)
+        with watched(self, f"send to rank {dest} (tag {tag})", arr.nbytes, peers=f"rank {dest}"):
+            self.nccl.groupStart()
+            self.comm.send(arr.data.ptr, arr.size, dt, dest, self._stream())
+            self.nccl.groupEnd()
 
     def recv(self, source: int, tag: int = 0):
         out, _ = p2p.alloc_from_header(self.host.recv(source, tag), backend.xp())
-        self.nccl.groupStart()
-        self.comm.recv(out.data.ptr, out.size, self._args(out), source, self._stream())
-        self.nccl.groupEnd()
+        with watched(self, f"receive from rank {source} (tag {tag})", out.nbytes,
+                     peers=f"rank {source}"):
+            self.nccl.groupStart()
+            self.comm.recv(out.data.ptr, out.size, self._args(out), source, self._stream())
+            self.nccl.groupEnd()
         return out
+
+    def isend(self, arr, dest: int, tag: int = 0):
+        """Queued; sent with the next group (nccl_work.py). ``wait()`` before reusing arr."""
+        return self.p2p.isend(arr, dest, tag)
+
+    def irecv(self, source: int, tag: int = 0, shape=None, dtype=None):
+        """Queued into a buffer of ``shape`` and ``dtype`` (NCCL needs them up front)."""
+        return self.p2p.irecv(source, tag, shape, dtype)
 
     def sendrecv(self, arr, dest: int, source: int, sendtag: int = 0, recvtag: int | None = None):
         """Send ``arr`` to ``dest`` while receiving from ``source``: the headers over MPI,
@@ -264,10 +316,13 @@ class NcclCommunicator:
         out, _ = p2p.alloc_from_header(
             self.host.recv(source, sendtag if recvtag is None else recvtag), backend.xp())
         head.wait()
-        self.nccl.groupStart()
-        self.comm.send(arr.data.ptr, arr.size, dt, dest, self._stream())
-        self.comm.recv(out.data.ptr, out.size, self._args(out), source, self._stream())
-        self.nccl.groupEnd()
+        self.count("send", arr.nbytes)
+        with watched(self, f"sendrecv to rank {dest}, from rank {source}", arr.nbytes,
+                     peers=f"ranks {dest}, {source}"):
+            self.nccl.groupStart()
+            self.comm.send(arr.data.ptr, arr.size, dt, dest, self._stream())
+            self.comm.recv(out.data.ptr, out.size, self._args(out), source, self._stream())
+            self.nccl.groupEnd()
         return out
 
     def barrier(self) -> None:
@@ -277,24 +332,60 @@ class NcclCommunicator:
     def close(self) -> None:
         self.comm.destroy()
         self.host.close()
+        if self in _LIVE:
+            _LIVE.remove(self)
 
 
-def _no_counts(name: str, counts) -> None:
+def _counts(total, counts, P: int) -> list:
+    """Each rank's piece: ``counts`` as given, or the shard rule of ``total`` elements."""
     if counts is not None:
-        raise NotImplementedError(f"{name} with counts is not in the NCCL backend (NCCL takes "
-                                  "equal pieces): run it on the MPI backend")
+        if len(counts) != P:
+            raise ValueError(f"counts has {len(counts)} entries for {P} ranks")
+        return [int(c) for c in counts]
+    return shard_counts(total, P)
+
+
+def counts() -> dict:
+    """{group label: {kind: [calls, bytes sent]}} over this process's NCCL communicators."""
+    out: dict = {}
+    for nc in _LIVE:
+        mine = out.setdefault(nc.label, {})
+        for kind, (n, b) in nc.calls.items():
+            have = mine.setdefault(kind, [0, 0])
+            have[0] += n
+            have[1] += b
+    return out
+
+
+def _routed(method):
+    """A call on host arrays goes to the MPI Communicator beside NCCL; any other first
+    issues the queued point-to-point group (so the stream keeps the program's order)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        data = args[0] if args else next(iter(kwargs.values()), None)
+        first = data[0] if isinstance(data, (list, tuple)) and data else data
+        if name in ON_HOST and first is not None and not backend.is_gpu_array(first):
+            return getattr(self.host, name)(*args, **kwargs)
+        self.p2p.flush()
+        return method(self, *args, **kwargs)
+    return call
 
 
 for _name in REFUSED:
     setattr(NcclCommunicator, _name, _refusal(_name))
+for _name in ON_HOST + ("recv", "barrier", "close"):
+    setattr(NcclCommunicator, _name, _routed(getattr(NcclCommunicator, _name)))
 
 
-def make_communicator(backend_name: str = "mpi", mpi_comm=None):
+def make_communicator(backend_name: str = "mpi", mpi_comm=None, host=None,
+                      label: str = "world"):
     """``"mpi"``: our collectives over MPI (host staging for GPU arrays where needed);
-    ``"nccl"``: NCCL through CuPy."""
+    ``"nccl"``: NCCL through CuPy, beside ``host`` (a Communicator) or one over mpi_comm."""
     if backend_name == "mpi":
         from .communicator import Communicator
-        return Communicator(mpi_comm)
+        return host if host is not None else Communicator(mpi_comm)
     if backend_name == "nccl":
-        return NcclCommunicator(mpi_comm)
+        return NcclCommunicator(mpi_comm, host=host, label=label)
     raise ValueError(f"unknown communication backend {backend_name!r}: choose mpi or nccl")

@@ -120,6 +120,20 @@ class RecvHandle:
             self._req.Wait()
 
 
+def expecting(shape, dtype, source: int, tag: int, then=None):
+    """A receive's finish: ``then`` (or nothing), after checking the array is of ``shape``
+    and ``dtype`` where they are given."""
+    def finish(arr):
+        if (shape is not None and tuple(arr.shape) != tuple(shape)) or \
+                (dtype is not None and arr.dtype != np.dtype(dtype)):
+            raise ValueError(f"the message from rank {source} (tag {tag}) is "
+                             f"{arr.dtype}{tuple(arr.shape)}, the receive expected "
+                             f"{np.dtype(dtype) if dtype is not None else arr.dtype}"
+                             f"{tuple(shape) if shape is not None else tuple(arr.shape)}")
+        return then(arr) if then else arr
+    return finish
+
+
 def isend(comm, arr, dest: int, tag: int, ptag: int) -> SendHandle:
     h = make_header(arr, ptag)
     reqs = [comm.Isend(h, dest, tag), comm.Isend(as_bytes(arr), dest, ptag)]

@@ -85,7 +85,7 @@ def format_report(me: dict, overdue, statuses: dict, silent: list, deadline: flo
     if silent:
         lines.append(f"  unresponsive: {silent_by_node(silent, hosts)} — no heartbeat answer "
                      f"within {grace_s:g} s (stopped, wedged, dead, or already exited)")
-    if behind:
+    if behind and overdue.seq:         # point-to-point has no number that others share
         lines.append(f"  not in {overdue.comm} call #{overdue.seq}: {_ranks(behind)}")
     for r in sorted(statuses):
         s = statuses[r]

@@ -55,8 +55,6 @@ ZERO = [   # parallel/zero.py: ZeRO 1-3 over the data-parallel group (DP x CP)
     ("zero", lambda c: c.zero and c.compress != "none" and
      f"--zero {c.zero} reduce-scatters dense gradients; gradient compression runs with "
      "--zero 0 only"),
-    ("zero", lambda c: c.zero and c.backend == "nccl" and
-     "--zero runs on the MPI backend; drop --backend nccl"),
     ("zero", lambda c: c.zero == 3 and c.checkpoint_activations and
      "--zero 3 with --checkpoint-activations is not supported yet (recomputation would "
      "gather each block a third time); pick one"),
@@ -70,8 +68,6 @@ TENSOR = [   # parallel/tp: heads, MLP width and vocabulary split over tp ranks
     ("zero", lambda c: c.tp > 1 and c.zero == 3 and
      "--zero 3 with --tp is not supported (ZeRO-3 would gather shards of shards); use "
      "--zero 1 or 2 with --tp"),
-    ("backend", lambda c: c.tp > 1 and c.backend == "nccl" and
-     "--tp runs its collectives over MPI; drop --backend nccl"),
 ]
 
 PIPELINE = [   # parallel/pipeline.py: the stages, a verified schedule
@@ -83,8 +79,6 @@ PIPELINE = [   # parallel/pipeline.py: the stages, a verified schedule
      f"--precision {c.precision} with --pp is not supported yet; use fp32"),
     ("pp", lambda c: c.pp > 1 and c.compress != "none" and
      "--compress with --pp is not supported yet"),
-    ("pp", lambda c: c.pp > 1 and c.backend == "nccl" and
-     "--pp runs over MPI; drop --backend nccl"),
     ("micro_batches", lambda c: c.pp > 1 and c.batch_size < (c.micro_batches or 2 * c.pp) and
      f"--batch-size {c.batch_size} is split into {c.micro_batches or 2 * c.pp} "
      "micro-batches: it must be at least that"),
@@ -114,13 +108,15 @@ CONTEXT = [   # parallel/context.py: each sequence split over cp ranks, attentio
      "--tp > 1"),
 ]
 
-NCCL = [   # comm/nccl.py: gradients over NCCL, GPU memory only
+NCCL = [   # comm/nccl.py: every group's device arrays over NCCL, host values over MPI
     ("backend", lambda c: c.backend == "nccl" and c.device not in ("gpu", "double") and
      "--backend nccl needs --device gpu (NCCL moves GPU memory; --device double runs its "
      "stand-in)"),
-    ("backend", lambda c: c.backend == "nccl" and c.compress != "none" and
-     f"--compress {c.compress} runs on the MPI backend; with --backend nccl use --compress "
-     "none"),
+    ("backend", lambda c: c.backend == "nccl" and c.compress in ("topk", "fp16") and
+     f"--compress {c.compress} runs on the MPI backend ("
+     + ("the Top-K exchange is an allgatherv of (index, value) pairs of sizes only the "
+        "ranks know" if c.compress == "topk" else "NCCL reduces in the array's own dtype: "
+        "no fp16 wire") + "); with --backend nccl use --compress none or powersgd"),
 ]
 
 

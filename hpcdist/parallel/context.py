@@ -10,6 +10,7 @@ averaging gradients over DP x CP gives exactly the one-process gradient.
 The rest of this design: docs/context-parallel.md, "hpcdist/parallel/context.py"."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -284,6 +285,11 @@ def _block_backward(q, k, v, seen, scale, dout, lse, D, dq):
     return dkv
 
 
+def _kv_block(cp: ContextParallel, kv, r: int):
+    """(shape, dtype) of rank r's K|V block: its own number of positions."""
+    return kv.shape[:-2] + (len(cp.positions(r)),) + kv.shape[-1:], kv.dtype
+
+
 def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
     """Causal attention of this rank's tokens over the whole sequence: (B, T_r, 3C) ->
     (B, T_r, C), K/V travelling round the group (rank i sends to i + 1)."""
@@ -295,10 +301,12 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
     out = xp.zeros_like(q)
     lse = xp.full(q.shape[:3], -np.inf, dtype=q.dtype)
     kv = xp.stack([k, v])
+    block = functools.partial(_kv_block, cp, kv)
     for s in range(n):
         nxt = None
         if s < n - 1:                     # the next block is on its way while this one computes
-            nxt = (comm.isend(kv, (i + 1) % n, TAG_KV), comm.irecv((i - 1) % n, TAG_KV))
+            nxt = (comm.isend(kv, (i + 1) % n, TAG_KV),
+                   comm.irecv((i - 1) % n, TAG_KV, *block((i - s - 1) % n)))
         with timeline.span("cp block", cat="cp", step=s):
             _block_forward(q, kv[0], kv[1], cp.visible((i - s) % n, xp), scale, out,
                            lse)
@@ -320,7 +328,7 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
             nxt = None
             if s < n - 1:
                 nxt = (comm.isend(blk, (i - 1) % n, TAG_KV_BACK),
-                       comm.irecv((i + 1) % n, TAG_KV_BACK))
+                       comm.irecv((i + 1) % n, TAG_KV_BACK, *block((i + s + 1) % n)))
             with timeline.span("cp block", cat="cp", step=s):
                 part = _block_backward(q, blk[0], blk[1], cp.visible((i + s) % n, xp),
                                        scale, dout, lse, D, dq)
@@ -330,7 +338,7 @@ def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
                     sent.wait()
             acc = acc + part
             sent = comm.isend(acc, (i - 1) % n, TAG_DKV)
-            incoming = comm.irecv((i + 1) % n, TAG_DKV)
+            incoming = comm.irecv((i + 1) % n, TAG_DKV, *block((i + s + 1) % n))
             if nxt is not None:
                 with timeline.span("cp wait", cat="cp", step=s):
                     blk = nxt[1].wait()

@@ -250,7 +250,8 @@ class PipelineStrategy(Strategy):
                 if op.what == "GRAD":                 # the micro-batch is done on this stage
                     del batch.stash[key]
             else:
-                recvs.append((op, self.pp.irecv(op.peer, self._tag(op))))
+                recvs.append((op, self.pp.irecv(op.peer, self._tag(op), shape=op.shape,
+                                                dtype=backend.default_float())))
         for op, h in recvs:
             arr = h.wait()
             if tuple(arr.shape) != op.shape:

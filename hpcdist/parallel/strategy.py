@@ -122,7 +122,7 @@ def make_mesh(cfg, comm):
     if cfg.tp == 1 and cfg.pp == 1 and cfg.cp == 1:
         return None
     return ProcessMesh(comm, dp=comm.size // (cfg.tp * cfg.pp * cfg.cp), tp=cfg.tp, pp=cfg.pp,
-                       cp=cfg.cp)
+                       cp=cfg.cp, backend=cfg.backend)
 
 
 def make_model(cfg, comm, mesh, train_set):
@@ -207,7 +207,9 @@ def build_strategy(cfg, comm, train_set):
     if cfg.strategy == "ps":
         return build_parameter_server(cfg, comm, train_set)
     mesh = make_mesh(cfg, comm)
-    dp_comm = mesh.dp_comm if mesh else comm
+    # under --backend nccl every group's device arrays go over NCCL (host values over MPI)
+    dp_comm = mesh.dp_comm if mesh else comm if cfg.backend == "mpi" else \
+        make_communicator(cfg.backend, host=comm, label="dp")
     full = model = make_model(cfg, comm, mesh, train_set)
     embed_comm = None
     if cfg.pp > 1:
@@ -226,10 +228,7 @@ def build_strategy(cfg, comm, train_set):
         compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
                                        cfg.compress_clip, cfg.density_warmup, cfg.powersgd_rank,
                                        cfg.powersgd_start)
-        # gradients over NCCL with --backend nccl, everything else over MPI
-        grad_comm = make_communicator(cfg.backend, dp_comm.mpi) if cfg.backend == "nccl" \
-            else dp_comm
-        ddp = DistributedDataParallel(model, grad_comm, flat=mp.master, compute=mp.compute,
+        ddp = DistributedDataParallel(model, dp_comm, flat=mp.master, compute=mp.compute,
                                       bucket_mb=cfg.bucket_mb,
                                       first_bucket_mb=cfg.first_bucket_mb,
                                       overlap=cfg.overlap and cfg.pp == 1,

@@ -45,7 +45,19 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
             f"{threads.choice} | {cfg.precision}{emulated} | {first} | {cfg.steps} steps x batch "
             f"{cfg.batch_size} x {data_size} replicas"
             + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
-    return [line] + lines[1:]
+    return [line] + lines[1:] + comm_paths(cfg, strategy)
+
+
+def comm_paths(cfg, strategy) -> list[str]:
+    """Which path each group's device arrays take, under --backend nccl."""
+    if cfg.backend != "nccl":
+        return []
+    mesh = strategy.mesh
+    groups = ["dp"] + ([f"{a} {getattr(mesh, a)}" for a in ("tp", "pp", "cp")
+                       if getattr(mesh, a) > 1] if mesh is not None else [])
+    return [f"comm: NCCL carries the device arrays of every group ({', '.join(groups)}: "
+            "collectives, and point-to-point batched into NCCL groups); host values "
+            "(losses, norms, flags), agreement and point-to-point headers go over MPI"]
 
 
 def progress_line(rec: dict, steps: int, eta: float) -> str:

@@ -138,6 +138,19 @@ def sigterm_in_collective(comm):
     comm.allreduce(np.ones(4))
 
 
+def nccl_stalled_receive(comm):
+    """Over NCCL (the device double's stand-in), rank 0 waits for a message that rank BAD
+    never sends; the other ranks wait in a barrier."""
+    from hpcdist.device import backend
+    from hpcdist.comm.nccl import NcclCommunicator
+    backend.init("double", comm.local_rank)
+    nc = NcclCommunicator(host=comm)
+    nc.allreduce(backend.xp().ones(4))
+    if comm.rank == 0:
+        nc.irecv(BAD, 3, shape=(4,), dtype=np.float64).wait()
+    comm.barrier()
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     c = Communicator()

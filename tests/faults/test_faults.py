@@ -118,6 +118,17 @@ def test_blocking_against_nonblocking_is_named_at_the_deadline():
     assert took < START_S + DEADLINE + 2
 
 
+def test_a_stalled_nccl_receive_is_named_at_the_deadline():
+    # NCCL work is watched as MPI's is: the rank stuck in an NCCL group names it and its peer
+    rc, out, err, took = scenario("nccl_stalled_receive")
+    assert rc == 124, err[-3000:]
+    assert re.search(r"rank 0 \(host \S+, pid \d+\) waited past its deadline in NCCL world "
+                     r"group of 1 send/recv 32 B with rank 1", err), err[-3000:]
+    assert re.search(r"rank 2 \(host \S+, pid \d+\): waiting [\d.]+ s in world call #\d+ "
+                     r"barrier", err), err[-3000:]
+    assert took < START_S + DEADLINE + 2, f"took {took:.1f} s"
+
+
 @pytest.mark.parametrize("stopped", [0, 2])
 def test_stalled_rank_named_unresponsive(stopped):
     rc, out, err, took = scenario("stall", FAULT_RANK=str(stopped))

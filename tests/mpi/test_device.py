@@ -216,26 +216,37 @@ def _layouts(P):
         out += [dict(tp=2, n_head=4), dict(tp=2, sequence_parallel=True, n_head=4),
                 dict(tp=2, zero=1, n_head=4),
                 dict(pp=2, schedule="1f1b"), dict(pp=2, schedule="gpipe", micro_batches=1),
-                dict(pp=2, schedule="zb-h1"), dict(pp=2, tie_weights=False)]
+                dict(pp=2, schedule="zb-h1"), dict(pp=2, tie_weights=False),
+                dict(cp=2), dict(cp=2, cp_impl="ulysses")]
     if P % 3 == 0:
-        out += [dict(tp=3, n_head=3, n_embd=18)]
+        out += [dict(tp=3, n_head=3, n_embd=18), dict(cp=3, zero=2)]
     if P % 4 == 0:
-        out += [dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=2, n_layer=4)]
+        out += [dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=2, n_layer=4),
+                dict(tp=2, cp=2, n_head=4), dict(pp=2, cp=2, zero=1)]
     if P % 8 == 0:
-        out += [dict(tp=2, pp=2, n_head=4, n_layer=2)]
+        out += [dict(tp=2, pp=2, n_head=4, n_layer=2),
+                dict(tp=2, pp=2, cp=2, n_head=4, sequence_parallel=True)]
     return out
 
 
-@pytest.mark.parametrize("index", range(12))
-def test_every_layout_on_device_follows_the_cpu_run(comm, tmp_path, index):
+@pytest.mark.parametrize("backend_name", ["mpi", "nccl"])
+@pytest.mark.parametrize("index", range(18))
+def test_every_layout_on_device_follows_the_cpu_run(comm, tmp_path, index, backend_name):
+    """fp64: each layout, with its collectives over MPI or over NCCL (the double's stand-in
+    where no GPU is), equals the one-process CPU run to 1e-10."""
     layouts = _layouts(comm.size)
+    assert len(layouts) <= 18, "more layouts than test indices: raise the range"
     if index >= len(layouts):
         pytest.skip(f"{len(layouts)} layouts at {comm.size} ranks")
+    if backend_name == "nccl" and (DEVICE == "cpu" or (
+            DEVICE == "gpu" and backend.gpu_count() < comm.size)):
+        pytest.skip("NCCL needs a device array per rank: --device double, or a GPU per rank")
     kw = {**dict(n_layer=2, n_head=2, n_embd=16), **layouts[index]}
     P = comm.size
-    replicas = P // (kw.get("tp", 1) * kw.get("pp", 1))
+    replicas = P // (kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1))
     batch = 4
-    cfg = small(device=DEVICE, batch_size=batch, grad_clip=1.0, out_dir=str(tmp_path), **kw)
+    cfg = small(device=DEVICE, batch_size=batch, grad_clip=1.0, out_dir=str(tmp_path),
+                backend=backend_name, **kw)
     got = _history(cfg, comm)
     ref = _cpu_reference(batch * replicas, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.tie_weights)
-    np.testing.assert_allclose(got, ref, rtol=1e-9, err_msg=str(layouts[index]))
+    np.testing.assert_allclose(got, ref, rtol=1e-10, err_msg=f"{layouts[index]} {backend_name}")

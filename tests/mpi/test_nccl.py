@@ -125,8 +125,90 @@ def test_both_backends_run_one_suite_alike(comm, nccl):
         mpi_half.close()
     finally:
         half.close()
-    with pytest.raises(NotImplementedError, match="isend is not in the NCCL backend"):
-        nccl.isend(xp.ones(3), (r + 1) % P)
+    with pytest.raises(NotImplementedError, match="sparse_allreduce is not in the NCCL"):
+        nccl.sparse_allreduce(xp.ones(3), k=1)
+
+
+def test_pieces_of_other_sizes_match_mpi(comm, nccl):
+    """reduce_scatter and allgather with counts (zeros included; NCCL pads each piece to the
+    largest), allgatherv, against MPI's built-ins."""
+    xp, P, r = backend.xp(), comm.size, comm.rank
+    for counts in ([1] * P, [(3 * j + 1) % 4 for j in range(P)], [0] * (P - 1) + [5]):
+        n = sum(counts)
+        x = np.random.default_rng(r + n).integers(-9, 10, n).astype(np.float64)
+        ref = np.empty_like(x)
+        comm.mpi.Allreduce(x, ref, op=MPI.SUM)
+        lo = sum(counts[:r])
+        np.testing.assert_array_equal(
+            backend.to_numpy(nccl.reduce_scatter(xp.asarray(x), counts=counts)),
+            ref[lo:lo + counts[r]])
+        mine = ref[lo:lo + counts[r]].copy()
+        np.testing.assert_array_equal(
+            backend.to_numpy(nccl.iallgather(xp.asarray(mine), counts=counts).wait()), ref)
+        np.testing.assert_array_equal(backend.to_numpy(nccl.allgatherv(xp.asarray(mine))), ref)
+
+
+def test_point_to_point_rings_batch_into_groups(comm, nccl):
+    """isend/irecv round a ring both ways, posted before any wait (one NCCL group), with
+    pieces of each rank's own length: what MPI's Sendrecv moves; a receive posted with the
+    wrong shape, or out of the sender's order, is named."""
+    xp, P, r = backend.xp(), comm.size, comm.rank
+    nxt, prev = (r + 1) % P, (r - 1) % P
+    mine = np.arange(r + 2, dtype=np.float32) + 10 * r           # rank r holds r + 2 values
+    want = {}
+    for dest, src in ((nxt, prev), (prev, nxt)):
+        want[src] = np.empty(src + 2, dtype=np.float32)
+        comm.mpi.Sendrecv(mine, dest, 5, want[src], src, 5)
+    hs = [nccl.isend(xp.asarray(mine), nxt, 5), nccl.isend(xp.asarray(mine), prev, 6)]
+    got = [nccl.irecv(prev, 5, shape=(prev + 2,), dtype=np.float32),
+           nccl.irecv(nxt, 6, shape=(nxt + 2,), dtype=np.float32)]
+    np.testing.assert_array_equal(backend.to_numpy(got[0].wait()), want[prev])
+    np.testing.assert_array_equal(backend.to_numpy(got[1].wait()), want[nxt])
+    for h in hs:
+        assert h.wait() is None
+    with pytest.raises(NotImplementedError, match="needs the shape and dtype"):
+        nccl.irecv(prev, 7)
+    if P == 1 or nccl.device == "gpu":     # (the real NCCL may hang on mismatched counts)
+        return
+    # the receiver expects one value more than rank prev sends
+    h = nccl.isend(xp.asarray(mine), nxt, 8)
+    bad = nccl.irecv(prev, 8, shape=(prev + 2,), dtype=np.float32) if r % 2 else \
+        nccl.irecv(prev, 8, shape=(prev + 3,), dtype=np.float32)
+    if r % 2:
+        bad.wait()
+    else:
+        with pytest.raises(RuntimeError, match="NCCL point-to-point mismatch"):
+            bad.wait()
+    h.wait()
+
+
+def test_mismatched_nccl_collectives_are_named_by_the_ledger(comm, nccl):
+    """NCCL calls are numbered and agreed like MPI's: a rank calling with another size, or
+    another collective, is an error on every rank naming both sides, before NCCL moves data."""
+    from hpcdist.comm.ledger import CollectiveMismatchError
+    xp, P = backend.xp(), comm.size
+    if P == 1:
+        pytest.skip("one rank agrees with itself")
+    n = 4 + (comm.rank == 1)
+    with pytest.raises(CollectiveMismatchError, match=r"rank 1: call #\d+ allreduce 5 x float32"):
+        nccl.allreduce(xp.ones(n, dtype=xp.float32))
+    with pytest.raises(CollectiveMismatchError, match=r"bcast .* root 0"):
+        if comm.rank == 1:
+            nccl.bcast(xp.ones(3, dtype=xp.float32), root=0)
+        else:
+            nccl.allgather(xp.ones(3, dtype=xp.float32))
+    np.testing.assert_array_equal(                    # and the communicator goes on
+        backend.to_numpy(nccl.allreduce(xp.ones(2, dtype=xp.float32))), [P, P])
+
+
+def test_host_arrays_take_the_mpi_path(comm, nccl):
+    """Losses, norms and flags are NumPy arrays: the NCCL communicator hands them to MPI."""
+    P = comm.size
+    got = nccl.allreduce(np.array([comm.rank + 1.0]), op="sum")
+    assert isinstance(got, np.ndarray) and got[0] == P * (P + 1) / 2
+    before = sum(n for n, _ in nccl.calls.values())
+    nccl.allgather(np.array([comm.rank], dtype=np.int64))
+    assert sum(n for n, _ in nccl.calls.values()) == before    # no NCCL call made
 
 
 def test_nccl_training_follows_the_cpu_run(comm, tmp_path, nccl):

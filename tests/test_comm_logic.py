@@ -205,6 +205,3 @@ def test_the_nccl_backend_answers_every_call_of_the_protocol():
     for name in N.REFUSED:
         with pytest.raises(NotImplementedError, match=f"^{name} is not in the NCCL backend"):
             getattr(bare, name)(None, 0)
-    for name in ("reduce_scatter", "allgather"):
-        with pytest.raises(NotImplementedError, match=f"^{name} with counts"):
-            getattr(bare, name)(None, counts=[1, 1])

@@ -93,6 +93,7 @@ HOW = {
     "python -m hpcdist.checkpoint": (None, "as shown"),
     "python -c \"import transformers": (None, "as shown (skipped without transformers)"),
     "python -m hpcdist.plan": (None, "as shown"),
+    "python -m hpcdist.run.compositions": (None, "as shown (prints the table of docs/compositions.md)"),
     "python -m hpcdist.data prepare": (None, "as shown"),
     "timeout -s TERM 60 mpirun -n 8 python -m hpcdist.train --task text":
         ("timeout --preserve-status -s TERM 30 mpirun -n 8 python -m hpcdist.train --task "

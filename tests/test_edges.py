@@ -344,15 +344,17 @@ def test_plan_json_gives_every_layout(capsys):
 
 
 @pytest.mark.parametrize("features", ["all", "megatron-2021"])
-def test_the_fastest_layout_is_printed_as_a_command_with_the_reason_it_is_refused(
-        capsys, features):
+def test_the_fastest_layout_of_the_175b_case_is_the_command_to_run(capsys, features):
+    """bf16 pipelines run (issue 41): the planner's fastest layout is the one it prints to
+    run, with every setting of its best row."""
     from hpcdist import plan
     assert plan.main(PLAN + ["--features", features]) == 0
     out = capsys.readouterr().out
-    refused = out.split("the fastest layout, which hpcdist.train does not take yet (")[1]
-    reason, command = refused.split("):\n", 1)
-    assert "use fp32" not in reason and "--pp" in reason
-    assert command.lstrip().startswith("sbatch -N 128") and "--pp " in command.splitlines()[0]
+    assert "does not take yet" not in out
+    best = re.search(r"best: TP (\d+) x PP (\d+) x DP (\d+)", out).groups()
+    command = out.split("run it (DATA: token shards, python -m hpcdist.data prepare):\n")[1]
+    assert command.lstrip().startswith("sbatch -N 128") and "--precision bf16" in command
+    assert f"--pp {best[1]} " in command and (best[0] == "1" or f"--tp {best[0]}" in command)
 
 
 def test_bench_gpu_count_says_what_it_is_doing():

@@ -126,3 +126,25 @@ def test_world_dependent_config_error_on_every_rank(tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "fewer than one global step needs" in lines[0], r.stderr
+
+
+def test_the_composition_table_in_the_docs_is_the_code_s():
+    """docs/compositions.md's matrix is what the trainer's checks say today, every pair."""
+    from hpcdist.run import compositions
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "docs", "compositions.md")).read()
+    block = text.split("<!-- generated: python -m hpcdist.run.compositions -->\n")[1]
+    assert block.split("<!-- end generated -->")[0] == compositions.markdown()
+
+
+def test_the_compositions_of_issue_41_run_and_the_pipeline_refusal_says_why():
+    from hpcdist.run import compositions as C
+    got = C.pairs()
+    for a, b in [("ZeRO-3", "TP"), ("ZeRO-3", "TP + SP"), ("ZeRO-3", "recompute"),
+                 ("bf16", "PP 1F1B"), ("fp16", "PP ZB-H1"), ("bf16", "PP interleaved"),
+                 ("CP ring", "dropout"), ("CP Ulysses", "dropout"), ("PP 1F1B", "Top-K"),
+                 ("PP 1F1B", "PowerSGD"), ("ZeRO-1", "PP 1F1B"), ("NCCL", "ZeRO-3")]:
+        key = (a, b) if (a, b) in got else (b, a)
+        assert got[key] is None, (a, b, got[key])
+    assert "like Megatron-LM and DeepSpeed" in got[("ZeRO-2", "PP 1F1B")]
+    assert got[("ZeRO-1", "ZeRO-3")] == "same"

@@ -57,7 +57,7 @@ BAD = [
     (["--length", "3", "--num-digits", "2", "--batch-size", "64"], "fewer than one global step"),
     (["--zero", "4"], "--zero must be 0, 1, 2 or 3"),
     (["--zero", "2", "--compress", "fp16"], "compression runs with --zero 0 only"),
-    (["--zero", "3", "--checkpoint-activations"], "not supported yet"),
+    (["--pp", "2", "--zero", "2"], "like Megatron-LM and DeepSpeed, pipelines run with"),
     (["--compress", "powersgd"], "compresses nothing"),
     (["--compress", "powersgd", "--powersgd-rank", "0"], "--powersgd-rank (PowerSGD's approximation rank)"),
     (["--compress", "powersgd", "--rank", "0"], "--powersgd-rank (PowerSGD's approximation rank)"),

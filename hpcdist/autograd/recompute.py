@@ -25,6 +25,15 @@ def _grad_mode(enabled: bool):
         _tensor._grad_enabled = prev
 
 
+_RECOMPUTING = [0]           # > 0 while a checkpointed block runs again in backward
+
+
+def recomputing() -> bool:
+    """True while ``checkpoint`` re-runs a block in backward (ZeRO-3 keeps the block's
+    parameters gathered from its recomputation to the end of its backward)."""
+    return _RECOMPUTING[0] > 0
+
+
 def checkpoint(fn, *inputs: Tensor) -> Tensor:
     """``fn(*inputs)`` with its activations recomputed in backward instead of stored."""
     if not _tensor.is_grad_enabled():
@@ -40,8 +49,12 @@ def checkpoint(fn, *inputs: Tensor) -> Tensor:
             s.requires_grad = x.requires_grad
         after = backend.rng_state()
         backend.set_rng_state(rng_state)           # same dropout masks as the forward
-        with _grad_mode(True):
-            redo = fn(*stand_ins)
+        _RECOMPUTING[0] += 1
+        try:
+            with _grad_mode(True):
+                redo = fn(*stand_ins)
+        finally:
+            _RECOMPUTING[0] -= 1
         backend.set_rng_state(after)
         redo.backward(g)
         return tuple(s.grad if x.requires_grad else None for s, x in zip(stand_ins, inputs))

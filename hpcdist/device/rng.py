@@ -1,6 +1,8 @@
 """Dropout's random numbers, owned by hpcdist (backend.seed / rng / rng_state use it)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -34,20 +36,44 @@ class DropoutRNG:
     def bits(self, shape, mod=np):
         """uint64 random bits of ``shape`` in array module ``mod`` (numpy or cupy); advances
         the counter."""
-        n = 1
-        for d in shape:
-            n *= int(d)
-        i = mod.arange(n, dtype=np.uint64)
-        start = (self.key + self.counter * self.GOLDEN) & self.MASK
+        n = math.prod(int(d) for d in shape)
+        z = self._mix(mod.arange(n, dtype=np.uint64), self.counter)
         self.counter += n
+        return z.reshape(shape)
+
+    def bits_at(self, shape, picks: dict, mod=np, counter: int | None = None):
+        """The bits that a draw of ``shape`` at ``counter`` (default: the current one) gives
+        the elements at ``picks`` ({axis: indices along it}; every index along the other
+        axes): a rank's slice of one logical draw (its positions of a sequence, its heads).
+        Advances nothing: the caller ``advance``s past the whole draw once."""
+        index = mod.zeros((1,) * len(shape), dtype=np.uint64)
+        stride = 1
+        for axis in reversed(range(len(shape))):
+            along = picks.get(axis)
+            along = mod.arange(int(shape[axis]), dtype=np.uint64) if along is None else \
+                mod.asarray(along).astype(np.uint64)
+            view = [1] * len(shape)
+            view[axis] = -1
+            index = index + (along * np.uint64(stride)).reshape(view)
+            stride *= int(shape[axis])
+        return self._mix(index, self.counter if counter is None else counter)
+
+    def advance(self, n: int) -> int:
+        """Skip ``n`` numbers (a draw taken with ``bits_at``); returns the counter before."""
+        before = self.counter
+        self.counter += int(n)
+        return before
+
+    def _mix(self, i, counter: int):
+        """Number i of the stream after ``counter`` numbers: splitmix64's finalizer."""
         z = i * np.uint64(self.GOLDEN)
-        z += np.uint64(start)
+        z += np.uint64((self.key + counter * self.GOLDEN) & self.MASK)
         z ^= z >> np.uint64(30)
         z *= np.uint64(0xBF58476D1CE4E5B9)
         z ^= z >> np.uint64(27)
         z *= np.uint64(0x94D049BB133111EB)
         z ^= z >> np.uint64(31)
-        return z.reshape(shape)
+        return z
 
     def random(self, shape, mod=np):
         """Uniform floats in [0, 1) of ``shape`` (53 random bits each, float64)."""
@@ -55,7 +81,11 @@ class DropoutRNG:
 
     def keep_mask(self, shape, p: float, mod=np):
         """Bool array, True with probability 1 - p: dropout's kept elements."""
-        return self.bits(shape, mod) >= np.uint64(min(int(p * 2.0 ** 64), self.MASK))
+        return self.bits(shape, mod) >= self.threshold(p)
+
+    def threshold(self, p: float):
+        """Bits at or above this are kept (probability 1 - p)."""
+        return np.uint64(min(int(p * 2.0 ** 64), self.MASK))
 
 
 def _splitmix64(x: int) -> int:

@@ -55,9 +55,6 @@ ZERO = [   # parallel/zero.py: ZeRO 1-3 over the data-parallel group (DP x CP)
     ("zero", lambda c: c.zero and c.compress != "none" and
      f"--zero {c.zero} reduce-scatters dense gradients; gradient compression runs with "
      "--zero 0 only"),
-    ("zero", lambda c: c.zero == 3 and c.checkpoint_activations and
-     "--zero 3 with --checkpoint-activations is not supported yet (recomputation would "
-     "gather each block a third time); pick one"),
 ]
 
 TENSOR = [   # parallel/tp: heads, MLP width and vocabulary split over tp ranks
@@ -65,20 +62,15 @@ TENSOR = [   # parallel/tp: heads, MLP width and vocabulary split over tp ranks
     ("tp", lambda c: c.n_head % c.tp and
      f"--tp {c.tp} must divide n_head ({c.n_head}): each tensor-parallel rank holds an "
      "equal share of the heads"),
-    ("zero", lambda c: c.tp > 1 and c.zero == 3 and
-     "--zero 3 with --tp is not supported (ZeRO-3 would gather shards of shards); use "
-     "--zero 1 or 2 with --tp"),
 ]
 
 PIPELINE = [   # parallel/pipeline.py: the stages, a verified schedule
     ("pp", lambda c: (c.pp < 1 or c.virtual_stages < 1 or c.micro_batches < 0) and
      "--pp and --virtual-stages must be >= 1, --micro-batches >= 0"),
     ("pp", lambda c: c.pp > 1 and c.zero > 1 and
-     f"--zero {c.zero} shards gradients during backward; with --pp use --zero 0 or 1"),
-    ("pp", lambda c: c.pp > 1 and c.precision != "fp32" and
-     f"--precision {c.precision} with --pp is not supported yet; use fp32"),
-    ("pp", lambda c: c.pp > 1 and c.compress != "none" and
-     "--compress with --pp is not supported yet"),
+     f"--zero {c.zero} with --pp would reduce-scatter each stage's gradients after every "
+     "micro-batch (ZeRO-3: gather its parameters for each too), m times ZeRO-1's traffic; "
+     "like Megatron-LM and DeepSpeed, pipelines run with --zero 0 or 1 (docs/zero.md)"),
     ("micro_batches", lambda c: c.pp > 1 and c.batch_size < (c.micro_batches or 2 * c.pp) and
      f"--batch-size {c.batch_size} is split into {c.micro_batches or 2 * c.pp} "
      "micro-batches: it must be at least that"),
@@ -97,9 +89,6 @@ CONTEXT = [   # parallel/context.py: each sequence split over cp ranks, attentio
      and f"--cp-impl ulysses splits the {c.n_head // max(c.tp, 1)} heads each tensor-parallel "
          f"rank holds (n_head / tp) over --cp {c.cp}: cp must divide them; use --cp-impl "
          f"ring, or a cp dividing {c.n_head // max(c.tp, 1)}"),
-    ("cp", lambda c: c.cp > 1 and c.dropout > 0 and
-     f"--cp {c.cp} does not run with --dropout > 0 (attention dropout on a ring is not "
-     "supported; use --dropout 0)"),
     ("cp", lambda c: c.cp > 1 and c.strategy == "ps" and
      f"--cp {c.cp} does not run with --strategy ps (parameter servers run plain data "
      "parallelism)"),

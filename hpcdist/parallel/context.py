@@ -10,23 +10,20 @@ averaging gradients over DP x CP gives exactly the one-process gradient.
 The rest of this design: docs/context-parallel.md, "hpcdist/parallel/context.py"."""
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
 from ..device import backend
-from ..autograd import ops
-from ..host import timeline
 from ..comm import p2p
 from ..comm.arith import bounds_of
 from ..autograd.tensor import Tensor
 from ..nn.module import Module
-from .sequence import cut_embeddings, sequence_of
+from .sequence import cut_dropout, cut_embeddings, sequence_of
+from .ring_attention import ring_attention
 from .ulysses import ulysses_attention
 
 IMPLS = ("ring", "ulysses")
-TAG_KV, TAG_KV_BACK, TAG_DKV = 101, 102, 103
 
 
 def chunk_bounds(T: int, n: int) -> list[tuple[int, int]]:
@@ -122,12 +119,18 @@ class ContextParallel:
         return idx[:, pos], pos
 
     # ---- the model's hooks -----------------------------------------------------------------
-    def attention(self, qkv: Tensor, n_head: int) -> Tensor:
-        if self.n == 1:
-            return ops.fused_attention(qkv, n_head)
+    def attention(self, qkv: Tensor, n_head: int, p: float = 0.0) -> Tensor:
+        """``p``: dropout on the probabilities, drawn as one process draws it."""
         if self.impl == "ring":
-            return ring_attention(self, qkv, n_head)
-        return ulysses_attention(self, qkv, n_head)
+            return ring_attention(self, qkv, n_head, p)
+        return ulysses_attention(self, qkv, n_head, p)
+
+    def attention_draw(self, B: int, H: int, p: float):
+        """The one-process dropout draw over the probabilities (B, H, T, T) of the layer in
+        hand: (its counter, its shape), the stream advanced past it; None without dropout."""
+        if not p:
+            return None
+        return backend.rng().advance(B * H * self.T * self.T), (B, H, self.T, self.T)
 
     def loss(self, local_mean: Tensor, targets, ignore_index: int) -> Tensor:
         """This rank's share of the sequence-mean loss, times N: the group's average is the
@@ -165,13 +168,13 @@ class ContextParallelAttention(Module):
     """The attention between the projections, over the whole sequence when this rank holds a
     slice of it (in place of ``nn.gpt.SelfAttention``)."""
 
-    def __init__(self, cp: ContextParallel, n_head: int):
-        self.cp, self.n_head = cp, n_head
+    def __init__(self, cp: ContextParallel, n_head: int, p: float = 0.0):
+        self.cp, self.n_head, self.p = cp, n_head, p     # p: dropout on the probabilities
 
     def forward(self, qkv: Tensor, cache: dict | None = None) -> Tensor:
         if cache is not None:
             raise ValueError("sampling with a KV cache runs without context parallelism")
-        return self.cp.attention(qkv, self.n_head)
+        return self.cp.attention(qkv, self.n_head, self.p if self.training else 0.0)
 
 
 class ContextParallelLoss(Module):
@@ -196,159 +199,19 @@ def apply_context_parallel(model, comm, impl: str = "ring"):
     seq = sequence_of(model)
     seq.cp = cp
     cut_embeddings(model, seq)
+    cut_dropout(model, seq)                     # masks drawn at the rows' global positions
     for block in model.blocks:
-        block.attn.core = ContextParallelAttention(cp, block.attn.core.n_head)
+        core = block.attn.core
+        drop = getattr(core, "attn_drop", None)
+        block.attn.core = ContextParallelAttention(cp, core.n_head, drop.p if drop else 0.0)
     model.lm_loss = ContextParallelLoss(cp, model.lm_loss)
     return model.train(model.training)
-
-
-# ---- ring attention ------------------------------------------------------------------------
-def _split_qkv(qkv, n_head: int):
-    """(B, T, 3C) -> q, k, v each (B, H, T, hs), contiguous, in a float type fit to sum in."""
-    B, T, C3 = qkv.shape
-    hs = C3 // 3 // n_head
-    a = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
-    if a.dtype.itemsize < 4:
-        a = a.astype(np.float32)
-    xp = backend.array_module(qkv)
-    return xp.ascontiguousarray(a[0]), xp.ascontiguousarray(a[1]), xp.ascontiguousarray(a[2])
 
 
 def _as_slice(ix: np.ndarray):
     if len(ix) and ix[-1] - ix[0] + 1 == len(ix):
         return slice(int(ix[0]), int(ix[-1]) + 1)
     return ix if len(ix) else None
-
-
-def _scores(qs, ks, scale):
-    """q k^T * scale, (B, H, Tq, Tk): the one block-sized array the forward makes (in place
-    from here on: a block's transient memory is one or two score-sized arrays)."""
-    s = qs @ ks.transpose(0, 1, 3, 2)
-    s *= scale
-    return s
-
-
-def _mask(edges, dtype, seen: float, unseen: float):
-    """(Tq, Tk) of ``dtype``: ``seen`` where a query may look, ``unseen`` where it may not
-    (made on the device from the positions, for the block in hand only)."""
-    xp = backend.array_module(edges[0])
-    return xp.where(edges[0] >= edges[1], seen, unseen).astype(dtype)
-
-
-def _block_forward(q, k, v, seen, scale, out, lse) -> None:
-    """Merge the attention of q over one K/V block into (out, lse), in place (``seen``:
-    ``ContextParallel.visible`` of the block)."""
-    rows, cols, edges = seen
-    if rows is None:
-        return
-    xp = backend.array_module(q)
-    s = _scores(q[:, :, rows], k[:, :, cols], scale)
-    if edges is not None:                # -inf where a query may not look
-        s += _mask(edges, s.dtype, 0.0, -np.inf)
-    m = s.max(axis=-1)
-    s -= m[..., None]
-    p = xp.exp(s, out=s)
-    total = p.sum(axis=-1)
-    ob = p @ v[:, :, cols]
-    del s, p
-    ob /= total[..., None]
-    lb = m + xp.log(total)
-    la = lse[:, :, rows]
-    new = xp.maximum(la, lb)
-    new += xp.log(xp.exp(la - new) + xp.exp(lb - new))
-    out[:, :, rows] = out[:, :, rows] * xp.exp(la - new)[..., None] + \
-        ob * xp.exp(lb - new)[..., None]
-    lse[:, :, rows] = new
-
-
-def _block_backward(q, k, v, seen, scale, dout, lse, D, dq):
-    """dq += this block's part (in place); returns (dk, dv) of the block."""
-    xp = backend.array_module(q)
-    dkv = xp.zeros((2,) + tuple(k.shape), dtype=k.dtype)
-    rows, cols, edges = seen
-    if rows is None:
-        return dkv
-    qs, ks, vs, dos = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
-    p = _scores(qs, ks, scale)
-    p -= lse[:, :, rows][..., None]
-    xp.exp(p, out=p)                     # the probabilities, from the saved log-sum-exp
-    if edges is not None:
-        p *= _mask(edges, p.dtype, 1.0, 0.0)
-    dkv[1][:, :, cols] = p.transpose(0, 1, 3, 2) @ dos
-    ds = dos @ vs.transpose(0, 1, 3, 2)
-    ds -= D[:, :, rows][..., None]
-    ds *= p
-    del p
-    ds *= scale
-    dq[:, :, rows] += ds @ ks
-    dkv[0][:, :, cols] = ds.transpose(0, 1, 3, 2) @ qs
-    return dkv
-
-
-def _kv_block(cp: ContextParallel, kv, r: int):
-    """(shape, dtype) of rank r's K|V block: its own number of positions."""
-    return kv.shape[:-2] + (len(cp.positions(r)),) + kv.shape[-1:], kv.dtype
-
-
-def ring_attention(cp: ContextParallel, qkv: Tensor, n_head: int) -> Tensor:
-    """Causal attention of this rank's tokens over the whole sequence: (B, T_r, 3C) ->
-    (B, T_r, C), K/V travelling round the group (rank i sends to i + 1)."""
-    xp = backend.array_module(qkv.data)
-    comm, n, i = cp.comm, cp.n, cp.rank
-    B, Tl, C3 = qkv.shape
-    q, k, v = _split_qkv(qkv.data, n_head)
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    out = xp.zeros_like(q)
-    lse = xp.full(q.shape[:3], -np.inf, dtype=q.dtype)
-    kv = xp.stack([k, v])
-    block = functools.partial(_kv_block, cp, kv)
-    for s in range(n):
-        nxt = None
-        if s < n - 1:                     # the next block is on its way while this one computes
-            nxt = (comm.isend(kv, (i + 1) % n, TAG_KV),
-                   comm.irecv((i - 1) % n, TAG_KV, *block((i - s - 1) % n)))
-        with timeline.span("cp block", cat="cp", step=s):
-            _block_forward(q, kv[0], kv[1], cp.visible((i - s) % n, xp), scale, out,
-                           lse)
-        if nxt is not None:               # receives first: a send completes once received
-            with timeline.span("cp wait", cat="cp", step=s):
-                kv = nxt[1].wait()
-                nxt[0].wait()
-    y = out.transpose(0, 2, 1, 3).reshape(B, Tl, C3 // 3).astype(qkv.dtype)
-
-    def backward(g):
-        dout = xp.ascontiguousarray(g.reshape(B, Tl, n_head, -1).transpose(0, 2, 1, 3)
-                                    ).astype(q.dtype)
-        D = (dout * out).sum(axis=-1)
-        dq = xp.zeros_like(q)
-        blk = xp.stack([k, v])
-        acc = xp.zeros_like(blk)              # the dK/dV of the block in hand, accumulating
-        incoming = sent = None
-        for s in range(n):                    # rank i holds block i + s; sends go to i - 1
-            nxt = None
-            if s < n - 1:
-                nxt = (comm.isend(blk, (i - 1) % n, TAG_KV_BACK),
-                       comm.irecv((i + 1) % n, TAG_KV_BACK, *block((i + s + 1) % n)))
-            with timeline.span("cp block", cat="cp", step=s):
-                part = _block_backward(q, blk[0], blk[1], cp.visible((i + s) % n, xp),
-                                       scale, dout, lse, D, dq)
-            if incoming is not None:          # receives first: a send completes once received
-                with timeline.span("cp wait", cat="cp", step=s):
-                    acc = incoming.wait()
-                    sent.wait()
-            acc = acc + part
-            sent = comm.isend(acc, (i - 1) % n, TAG_DKV)
-            incoming = comm.irecv((i + 1) % n, TAG_DKV, *block((i + s + 1) % n))
-            if nxt is not None:
-                with timeline.span("cp wait", cat="cp", step=s):
-                    blk = nxt[1].wait()
-                    nxt[0].wait()
-        with timeline.span("cp wait", cat="cp", step=n):
-            dkv = incoming.wait()             # this rank's own block, from every query
-            sent.wait()
-        d = xp.stack([dq, dkv[0], dkv[1]])    # (3, B, H, T_r, hs)
-        return (d.transpose(1, 3, 0, 2, 4).reshape(B, Tl, C3).astype(qkv.dtype),)
-    return Tensor._make(y, (qkv,), backward)
 
 
 def bytes_per_layer(impl: str, n: int, B: int, T: int, C: int, itemsize: int,

@@ -115,13 +115,17 @@ class MixedPrecision:
         if self.mixed:
             self.master.grad[...] = 0
 
-    def unscale_and_check(self, comm) -> bool:
-        """Unscale the (averaged) master gradient; True if any rank saw inf/nan."""
+    def unscale_and_check(self, comms) -> bool:
+        """Unscale the (averaged) master gradient; True if any rank saw inf/nan, agreed over
+        every communicator of ``comms`` (data-parallel, then tensor and pipeline groups: a
+        stage's overflow skips the step on every stage)."""
         g = self.master.grad
         if self.scaler.enabled:
             g *= 1.0 / self.scaler.scale
         bad = not bool(backend.array_module(g).isfinite(g).all())
-        flag = comm.allreduce(np.array([1.0 if bad else 0.0]), op="max")
+        flag = np.array([1.0 if bad else 0.0])
+        for comm in comms:
+            flag = comm.allreduce(flag, op="max")
         return bool(flag[0] > 0)
 
     def copy_master_to_compute(self) -> None:

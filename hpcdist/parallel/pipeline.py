@@ -138,6 +138,9 @@ class PipelineStrategy(Strategy):
         self.recipe = S.get(name)      # the registry's record: generator, stash bound, replan
         self.schedule = S.make(name, self.P, m, v)
         self.peak_stash = 0
+        # activations and their gradients travel in the compute precision (the parameters'
+        # dtype once the inner strategy made its compute copies: bf16, fp16, fp32 or fp64)
+        self.act_dtype = next(iter(pmodel.parameters())).data.dtype
         pmodel.step = self
         # A schedule that replans (ZB-H1) is planned with equal op times until
         # ``recipe.replan_after`` steps were measured, then again from the measured times,
@@ -245,13 +248,13 @@ class PipelineStrategy(Strategy):
             if op.kind == "SEND":
                 inp, out = batch.stash[key]
                 data = out.data if op.what == "ACT" else inp.grad
-                batch.sends.append(self.pp.isend(xp.ascontiguousarray(data), op.peer,
-                                                 self._tag(op)))
+                batch.sends.append(self.pp.isend(xp.ascontiguousarray(data, self.act_dtype),
+                                                 op.peer, self._tag(op)))
                 if op.what == "GRAD":                 # the micro-batch is done on this stage
                     del batch.stash[key]
             else:
                 recvs.append((op, self.pp.irecv(op.peer, self._tag(op), shape=op.shape,
-                                                dtype=backend.default_float())))
+                                                dtype=self.act_dtype)))
         for op, h in recvs:
             arr = h.wait()
             if tuple(arr.shape) != op.shape:
@@ -279,6 +282,8 @@ class PipelineStrategy(Strategy):
         elif a.kind in ("B", "I"):
             inp, out = batch.stash[key]
             seed = None if k == K - 1 else batch.received.pop(("GRAD",) + key)
+            if seed is not None and seed.dtype != out.data.dtype:   # sent in compute precision
+                seed = seed.astype(out.data.dtype)
             if a.kind == "I":                           # weight gradients wait for W
                 batch.deferred[key] = []
                 with split_backward(batch.deferred[key]):
@@ -309,7 +314,8 @@ class PipelineStrategy(Strategy):
             if k < K - 1:
                 self.pp.send(xp.ascontiguousarray(out.data), (k + 1) % self.P, tag=MAX_TAG - 1)
             else:
-                logits, loss = xp.ascontiguousarray(out[0].data), float(out[1].data)
+                logits = xp.ascontiguousarray(out[0].data, backend.default_float())
+                loss = float(out[1].data)
         if logits is None:
             logits = xp.empty(tuple(x.shape) + (self.model.config.vocab_size,),
                               dtype=backend.default_float())

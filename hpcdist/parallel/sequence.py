@@ -8,7 +8,11 @@ does a pipeline stage that starts mid-model (parallel/pipeline.py, from its micr
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..device import backend
+from ..autograd import ops
+from ..nn.layers import Dropout
 from ..nn.module import Module
 from ..comm.arith import shard_bounds as sequence_bounds   # as tp.mappings cuts rows
 
@@ -85,3 +89,38 @@ def cut_embeddings(model, seq: Sequence) -> None:
         model.wpe = Cut(model.wpe, seq, "positions")
     if seq.cp is not None and not isinstance(model.wte, Cut):
         model.wte = Cut(model.wte, seq, "tokens")
+
+
+class SequenceDropout(Module):
+    """Dropout on activations of this rank's rows (B, rows, C) of the sequence: each element
+    kept or dropped as in the one-process draw over all (B, T, C), at its global position,
+    and the stream advanced past the whole draw (so context parallelism equals one process
+    with dropout, and the ranks' streams stay in step)."""
+
+    def __init__(self, p: float, seq: Sequence):
+        self.p, self.seq = p, seq
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        rows = self.seq.positions(np.arange(self.seq.T))
+        B, mine, C = x.shape
+        if mine != len(rows):
+            raise ValueError(f"sequence dropout: {mine} rows in hand, this rank holds "
+                             f"{len(rows)} of {self.seq.T}")
+        rng = backend.rng()
+        keep = rng.bits_at((B, self.seq.T, C), {1: rows}, backend.array_module(x.data)) \
+            >= rng.threshold(self.p)
+        rng.advance(B * self.seq.T * C)
+        return ops.dropout(x, self.p, True, keep)
+
+
+def cut_dropout(model, seq: Sequence) -> None:
+    """The activations' Dropout modules (after the embeddings, each block's attention
+    projection and MLP) drawn at the rows' global positions: ``SequenceDropout``."""
+    owners = [(model, "drop")] + [(b.attn, "resid_drop") for b in model.blocks] + \
+        [(b.mlp, "drop") for b in model.blocks]
+    for owner, name in owners:
+        drop = getattr(owner, name, None)
+        if type(drop) is Dropout:
+            setattr(owner, name, SequenceDropout(drop.p, seq))

@@ -57,7 +57,8 @@ class DataParallelStrategy(Strategy):
             self.grad_sum(self.mp.master.grad)
 
     def apply(self, lr: float, grad_clip: float = 0.0):
-        overflow = self.mp.unscale_and_check(self.dp_comm) if self.scaler.enabled else False
+        overflow = self.mp.unscale_and_check([self.dp_comm] + self.norm.comms) \
+            if self.scaler.enabled else False
         if not self.scaler.update(overflow):
             return False, None
         grad = self.mp.master.grad

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..device import backend
 from ..autograd import ops
 from ..host import timeline
 from ..autograd.tensor import Tensor
+from ..nn.gpt import attention
 
 
 def exchange(cp, sends: list, shapes: list) -> list:
@@ -57,8 +60,25 @@ def _to_tokens(cp, full, groups: int):
     return xp.stack(got, axis=2)
 
 
-def ulysses_attention(cp, qkv: Tensor, n_head: int) -> Tensor:
-    """(B, T_r, 3C) of this rank's tokens -> (B, T_r, C), attention by all-to-all."""
+class _HeadsDropout:
+    """Dropout on the probabilities (B, H/N, T, T) of this rank's heads: their part of the
+    one-process draw over all H heads (``draw``: ContextParallel.attention_draw)."""
+    training = True
+
+    def __init__(self, cp, draw, p: float, heads: int):
+        self.cp, self.draw, self.p, self.heads = cp, draw, p, heads
+
+    def __call__(self, att: Tensor) -> Tensor:
+        rng, (counter, shape) = backend.rng(), self.draw
+        mine = np.arange(self.cp.rank * self.heads, (self.cp.rank + 1) * self.heads)
+        keep = rng.bits_at(shape, {1: mine}, backend.array_module(att.data), counter) \
+            >= rng.threshold(self.p)
+        return ops.dropout(att, self.p, True, keep)
+
+
+def ulysses_attention(cp, qkv: Tensor, n_head: int, p: float = 0.0) -> Tensor:
+    """(B, T_r, 3C) of this rank's tokens -> (B, T_r, C), attention by all-to-all; ``p``:
+    dropout on the probabilities (then the attention goes op by op, as one process's)."""
     n = cp.n
     B, Tl, C3 = qkv.shape
     hs = C3 // 3 // n_head
@@ -71,7 +91,11 @@ def ulysses_attention(cp, qkv: Tensor, n_head: int) -> Tensor:
         back = _to_tokens(cp, g.reshape(B, cp.T, 3, heads, hs), n)    # (B, T_r, N, 3, H/N, hs)
         return (back.transpose(0, 1, 3, 2, 4, 5).reshape(B, Tl, C3),)
     split = Tensor._make(forward(qkv.data), (qkv,), backward)
-    y = ops.fused_attention(split, heads)                                # (B, T, H/N * hs)
+    if p:                                                                # (B, T, H/N * hs)
+        y = attention(split, heads, _HeadsDropout(cp, cp.attention_draw(B, n_head, p), p,
+                                                  heads))
+    else:
+        y = ops.fused_attention(split, heads)
 
     def back_to_heads(g):
         return (_to_heads(cp, g.reshape(B, Tl, 1, n_head, hs), n).reshape(B, cp.T, heads * hs),)

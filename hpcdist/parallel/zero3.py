@@ -6,6 +6,7 @@ import contextlib
 
 from ..device import backend
 from ..optim import intersect
+from ..autograd.recompute import recomputing
 from .buckets import Bucket
 from .shards import identity_hook
 from .zero import Zero, Zero1, Zero2
@@ -102,13 +103,18 @@ class Zero3(Zero, Zero3Shape):
             self._free(p)
 
     def _around(self, group, prev, nxt):
-        """The block's call: gather, prefetch the next, run, free; the backward hooks."""
+        """The block's call: gather, prefetch the next, run, free; the backward hooks. A
+        block recomputed in backward (activation checkpointing) prefetches the block before
+        it instead and stays gathered until its backward is done: two gathers per block per
+        micro-batch, with or without recomputation."""
         def call(forward, x):
+            again = recomputing()
             self._materialize(group)
-            self._prefetch(nxt)                       # overlaps this block's compute
+            self._prefetch(prev if again else nxt)   # overlaps this block's compute
             x_in = identity_hook(x, lambda: self._after_block_backward(group))
             out = forward(x_in)
-            self._release(group)
+            if not again:
+                self._release(group)
             return identity_hook(out, lambda: self._before_block_backward(group, prev))
         return call
 

@@ -60,8 +60,9 @@ def _variants(base, split, b, m, name, v, settings, refused) -> list:
     tp, pp, dp, cp = base["tp"], base["pp"], base["dp"], base["cp"]
     for zero in settings.zero_levels:
         if pp > 1 and zero > 1:
-            refused.append(({**base, "zero": zero}, f"ZeRO-{zero} shards gradients during "
-                            "backward: with a pipeline use ZeRO 0 or 1"))
+            refused.append(({**base, "zero": zero}, f"ZeRO-{zero} with a pipeline would "
+                            "reduce-scatter each stage's gradients every micro-batch: with a "
+                            "pipeline use ZeRO 0 or 1 (as Megatron-LM and DeepSpeed do)"))
             continue
         for impl in settings.cp_impls if cp > 1 else ("ring",):
             for recompute in (False, True):

@@ -33,6 +33,11 @@ CASES = [
     ({"cp": 2, "grad_accum": 2}, 2),
     ({"cp": 2, "tp": 2, "n_head": 4, "sequence_parallel": True, "pp": 2, "micro_batches": 3}, 8),
     ({"cp": 5, "length": 10}, 5),
+    # dropout: each rank draws its rows' (and its attention blocks') part of one process's
+    # masks (one replica: the replicas of DP draw streams of their own)
+    ({"cp": 2, "dropout": 0.2}, 2),
+    ({"cp": 3, "dropout": 0.2}, 3),
+    ({"cp": 2, "dropout": 0.2, "checkpoint_activations": True}, 2),
 ]
 
 

@@ -96,7 +96,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(comm):
     mp.master.grad[...] = 1.0
     if comm.rank == comm.size - 1:
         mp.master.grad[0] = np.inf
-    overflow = mp.unscale_and_check(comm)
+    overflow = mp.unscale_and_check([comm])
     assert overflow
     scale = mp.scaler.scale
     assert not mp.scaler.update(overflow) and mp.scaler.hysteresis_left == 1

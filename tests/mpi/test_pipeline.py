@@ -115,3 +115,90 @@ def test_measured_stash_1f1b_against_gpipe(comm, tmp_path):
         strategy.forward_backward(x, y)
         s = mesh_coords(comm.rank, comm.size // P, 1, P).pp
         assert strategy.peak_stash == bound(s), (schedule, s, strategy.peak_stash)
+
+
+# Mixed precision under pipelines: the same precision without PP is the oracle; the runs part
+# only by rounding (activations cross stages in the compute precision; the micro-batches'
+# gradients add up in another order), so the tolerance is stated, not 1e-10.
+# Measured (2 and 4 ranks, 1F1B, interleaved, ZB-H1): the largest relative loss difference
+# in 20 steps 0.5-4.9% (fp16), 2.7-6.3% (bf16); the mean of the last 5 steps within 0.3-4.7%.
+MP_TOL, MP_TAIL = 0.1, 0.06
+
+
+@functools.lru_cache(maxsize=None)
+def _mp_reference(precision, batch):
+    solo = Communicator(MPI.COMM_SELF)
+    try:
+        cfg = small(**{**_MP, "batch_size": batch}, precision=precision,
+                    out_dir=f"/tmp/hpcdist-pp-mp-{MPI.COMM_WORLD.Get_rank()}")
+        return _history(cfg, solo)
+    finally:
+        solo.close()
+
+
+_MP = dict(n_layer=4, dtype="fp32", steps=20, batch_size=16, lr=3e-3, min_lr=3e-3)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_pipelines_follow_the_same_precision_without_pp(comm, tmp_path,
+                                                                       precision):
+    if comm.size not in (2, 4):
+        pytest.skip("PP 2 (x DP 2) runs at 2 and 4 ranks")
+    replicas = comm.size // 2
+    ref_final, ref = _mp_reference(precision, 16 * replicas)
+    for schedule, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        final, got = _history(small(**_MP, precision=precision, pp=2, schedule=schedule,
+                                    virtual_stages=v, zero=replicas > 1,
+                                    out_dir=str(tmp_path / schedule)), comm)
+        worst = np.max(np.abs(got[:, 0] - ref[:, 0]) / ref[:, 0])
+        assert worst <= MP_TOL, (schedule, worst)
+        assert abs(got[-5:, 0].mean() / ref[-5:, 0].mean() - 1) <= MP_TAIL, schedule
+        assert final["skipped_steps"] == ref_final["skipped_steps"]   # the same overflows
+        p = np.ascontiguousarray(final["params"])       # this stage's parameters
+        stage = comm.mpi.Split(color=comm.rank // replicas)   # rank = pp * DP + dp
+        everyone = np.empty((replicas, p.size), p.dtype)
+        stage.Allgather(p, everyone)
+        stage.Free()
+        assert (everyone == everyone[0]).all()         # the replicas of a stage agree
+
+
+def test_an_overflow_on_one_stage_skips_the_step_on_every_stage(comm, tmp_path):
+    if comm.size % 2:
+        pytest.skip("PP 2 needs an even world")
+    from hpcdist import data
+    from hpcdist.parallel.strategy import build_strategy
+    cfg = small(pp=2, n_layer=2, dtype="fp32", precision="fp16", out_dir=str(tmp_path))
+    _, strategy = build_strategy(cfg, comm, data.datasets_of(cfg)[0])
+    strategy.zero_grad()
+    before = np.array(strategy.full_parameters(), copy=True)
+    scale = strategy.scaler.scale
+    if comm.rank == comm.size - 1:                 # the last stage of the last replica only
+        strategy.inner.mp.master.grad[0] = np.inf
+    assert strategy.apply(1e-2, 0.0) == (False, None)
+    np.testing.assert_array_equal(strategy.full_parameters(), before)
+    assert strategy.scaler.skipped == 1 and strategy.scaler.scale <= scale
+
+
+def test_each_stage_compresses_its_data_parallel_reduction(comm, tmp_path):
+    """PP 2 x DP 2: each stage's DP reduction compressed. The fp16 wire rounds element by
+    element, so it follows the same compression without PP (per-step loss to 1e-3); Top-K and
+    PowerSGD choose per bucket or matrix of a stage (other choices than one model's), so they
+    are held to training: the loss falls and the replicas of a stage stay identical."""
+    if comm.size != 4:
+        pytest.skip("PP 2 x DP 2 needs 4 ranks")
+    sub = Communicator(comm.mpi.Split(color=comm.rank // 2, key=comm.rank))   # one stage's DP
+    try:
+        for method in ("fp16", "topk", "powersgd"):
+            kw = dict(n_layer=2, steps=8, batch_size=6, compress=method, powersgd_start=0,
+                      density=0.3)
+            final, got = _history(small(**kw, pp=2, out_dir=str(tmp_path / method)), comm)
+            if method == "fp16":
+                ref = _history(small(**kw, out_dir=str(tmp_path / f"dp{comm.rank}")), sub)[1]
+                np.testing.assert_allclose(got[:, 0], ref[:, 0], rtol=1e-3)
+            assert got[-3:, 0].mean() < got[:3, 0].mean(), method
+            p = np.ascontiguousarray(final["params"])
+            both = np.empty((2, p.size), p.dtype)
+            sub.mpi.Allgather(p, both)
+            assert (both[0] == both[1]).all(), method
+    finally:
+        sub.close()

@@ -60,7 +60,7 @@ def test_tp_with_zero1_follows_the_one_rank_run(comm, tmp_path):
     if not sizes:
         pytest.skip(f"no tensor-parallel size in 2, 3, 4 divides {comm.size} ranks")
     for t in sizes:
-        for zero in (1, 2):
+        for zero in (1, 2, 3):
             cfg = small(**TP_MODEL, tp=t, zero=zero, sequence_parallel=True, grad_clip=1.0,
                         out_dir=str(tmp_path / f"z{zero}tp{t}"))
             final, got = _history(cfg, comm)

@@ -132,13 +132,16 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     return Tensor._make(out, (x,) + affine, backward)
 
 
-def dropout(a: Tensor, p: float, training: bool = True) -> Tensor:
-    """Zero each element with probability ``p`` and scale the rest by 1/(1-p) (train only)."""
+def dropout(a: Tensor, p: float, training: bool = True, keep=None) -> Tensor:
+    """Zero each element with probability ``p`` and scale the rest by 1/(1-p) (train only).
+    ``keep``: the kept elements, drawn by the caller (a rank's slice of a larger draw);
+    else the next ``a.size`` numbers of the stream decide."""
     if not training or p == 0.0:
         return a
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    keep = backend.rng().keep_mask(a.shape, p, _xp(a))
+    if keep is None:
+        keep = backend.rng().keep_mask(a.shape, p, _xp(a))
     scale = (keep / (1.0 - p)).astype(a.data.dtype)
     return Tensor._make(a.data * scale, (a,), lambda g: (g * scale,))
 

@@ -1,0 +1,178 @@
+"""Ring attention: causal attention of this rank's slice of every sequence over the whole
+sequence, K/V blocks travelling round the context-parallel group (rank i sends to i + 1)
+while the block in hand is scored, merged by their log-sum-exp; the backward sends the
+blocks round the other way with their dK/dV accumulating. Dropout on the probabilities is
+drawn block by block at the global (query, key) positions of the one-process draw.
+The layout and what each rank holds: parallel/context.py."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..device import backend
+from ..host import timeline
+from ..autograd.tensor import Tensor
+
+TAG_KV, TAG_KV_BACK, TAG_DKV = 101, 102, 103
+
+
+def _split_qkv(qkv, n_head: int):
+    """(B, T, 3C) -> q, k, v each (B, H, T, hs), contiguous, in a float type fit to sum in."""
+    B, T, C3 = qkv.shape
+    hs = C3 // 3 // n_head
+    a = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+    if a.dtype.itemsize < 4:
+        a = a.astype(np.float32)
+    xp = backend.array_module(qkv)
+    return xp.ascontiguousarray(a[0]), xp.ascontiguousarray(a[1]), xp.ascontiguousarray(a[2])
+
+
+def _scores(qs, ks, scale):
+    """q k^T * scale, (B, H, Tq, Tk): the one block-sized array the forward makes (in place
+    from here on: a block's transient memory is one or two score-sized arrays)."""
+    s = qs @ ks.transpose(0, 1, 3, 2)
+    s *= scale
+    return s
+
+
+def _mask(edges, dtype, seen: float, unseen: float):
+    """(Tq, Tk) of ``dtype``: ``seen`` where a query may look, ``unseen`` where it may not
+    (made on the device from the positions, for the block in hand only)."""
+    xp = backend.array_module(edges[0])
+    return xp.where(edges[0] >= edges[1], seen, unseen).astype(dtype)
+
+
+def _block_forward(q, k, v, seen, keep, scale, out, lse) -> None:
+    """Merge the attention of q over one K/V block into (out, lse), in place (``seen``:
+    ``ContextParallel.visible`` of the block; ``keep``: its dropout, kept / (1 - p))."""
+    rows, cols, edges = seen
+    if rows is None:
+        return
+    xp = backend.array_module(q)
+    s = _scores(q[:, :, rows], k[:, :, cols], scale)
+    if edges is not None:                # -inf where a query may not look
+        s += _mask(edges, s.dtype, 0.0, -np.inf)
+    m = s.max(axis=-1)
+    s -= m[..., None]
+    p = xp.exp(s, out=s)
+    total = p.sum(axis=-1)
+    if keep is not None:                 # dropout after the softmax: the sum stays
+        p *= keep
+    ob = p @ v[:, :, cols]
+    del s, p
+    ob /= total[..., None]
+    lb = m + xp.log(total)
+    la = lse[:, :, rows]
+    new = xp.maximum(la, lb)
+    new += xp.log(xp.exp(la - new) + xp.exp(lb - new))
+    out[:, :, rows] = out[:, :, rows] * xp.exp(la - new)[..., None] + \
+        ob * xp.exp(lb - new)[..., None]
+    lse[:, :, rows] = new
+
+
+def _block_backward(q, k, v, seen, keep, scale, dout, lse, D, dq):
+    """dq += this block's part (in place); returns (dk, dv) of the block. With dropout
+    (``keep``), D = rowsum(dout * out) of the dropped output is still the softmax's term."""
+    xp = backend.array_module(q)
+    dkv = xp.zeros((2,) + tuple(k.shape), dtype=k.dtype)
+    rows, cols, edges = seen
+    if rows is None:
+        return dkv
+    qs, ks, vs, dos = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
+    p = _scores(qs, ks, scale)
+    p -= lse[:, :, rows][..., None]
+    xp.exp(p, out=p)                     # the probabilities, from the saved log-sum-exp
+    if edges is not None:
+        p *= _mask(edges, p.dtype, 1.0, 0.0)
+    dkv[1][:, :, cols] = (p if keep is None else p * keep).transpose(0, 1, 3, 2) @ dos
+    ds = dos @ vs.transpose(0, 1, 3, 2)
+    if keep is not None:
+        ds *= keep
+    ds -= D[:, :, rows][..., None]
+    ds *= p
+    del p
+    ds *= scale
+    dq[:, :, rows] += ds @ ks
+    dkv[0][:, :, cols] = ds.transpose(0, 1, 3, 2) @ qs
+    return dkv
+
+
+def _kv_block(cp, kv, r: int):
+    """(shape, dtype) of rank r's K|V block: its own number of positions."""
+    return kv.shape[:-2] + (len(cp.positions(r)),) + kv.shape[-1:], kv.dtype
+
+
+def _look(cp, draw, p: float, dtype, xp, src: int):
+    """What this rank's queries see of rank ``src``'s keys (``ContextParallel.visible``), and
+    their dropout there, kept / (1 - p), from the one-process draw (``draw``; None without)."""
+    seen = cp.visible(src, xp)
+    if draw is None or seen[0] is None:
+        return seen, None
+    rows, cols, _ = seen
+    picks = {2: cp.positions()[rows], 3: cp.positions(src)[cols]}
+    rng = backend.rng()
+    kept = rng.bits_at(draw[1], picks, xp, draw[0]) >= rng.threshold(p)
+    return seen, kept.astype(dtype) * dtype.type(1.0 / (1.0 - p))
+
+
+def ring_attention(cp, qkv: Tensor, n_head: int, p: float = 0.0) -> Tensor:
+    """Causal attention of this rank's tokens over the whole sequence: (B, T_r, 3C) ->
+    (B, T_r, C), K/V travelling round the group (rank i sends to i + 1); ``p``: dropout on
+    the probabilities."""
+    xp = backend.array_module(qkv.data)
+    comm, n, i = cp.comm, cp.n, cp.rank
+    B, Tl, C3 = qkv.shape
+    q, k, v = _split_qkv(qkv.data, n_head)
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    out = xp.zeros_like(q)
+    lse = xp.full(q.shape[:3], -np.inf, dtype=q.dtype)
+    kv = xp.stack([k, v])
+    block = functools.partial(_kv_block, cp, kv)
+    look = functools.partial(_look, cp, cp.attention_draw(B, n_head, p), p, q.dtype, xp)
+    for s in range(n):
+        nxt = None
+        if s < n - 1:                     # the next block is on its way while this one computes
+            nxt = (comm.isend(kv, (i + 1) % n, TAG_KV),
+                   comm.irecv((i - 1) % n, TAG_KV, *block((i - s - 1) % n)))
+        with timeline.span("cp block", cat="cp", step=s):
+            _block_forward(q, kv[0], kv[1], *look((i - s) % n), scale, out, lse)
+        if nxt is not None:               # receives first: a send completes once received
+            with timeline.span("cp wait", cat="cp", step=s):
+                kv = nxt[1].wait()
+                nxt[0].wait()
+    y = out.transpose(0, 2, 1, 3).reshape(B, Tl, C3 // 3).astype(qkv.dtype)
+
+    def backward(g):
+        dout = xp.ascontiguousarray(g.reshape(B, Tl, n_head, -1).transpose(0, 2, 1, 3)
+                                    ).astype(q.dtype)
+        D = (dout * out).sum(axis=-1)
+        dq = xp.zeros_like(q)
+        blk = xp.stack([k, v])
+        acc = xp.zeros_like(blk)              # the dK/dV of the block in hand, accumulating
+        incoming = sent = None
+        for s in range(n):                    # rank i holds block i + s; sends go to i - 1
+            nxt = None
+            if s < n - 1:
+                nxt = (comm.isend(blk, (i - 1) % n, TAG_KV_BACK),
+                       comm.irecv((i + 1) % n, TAG_KV_BACK, *block((i + s + 1) % n)))
+            with timeline.span("cp block", cat="cp", step=s):
+                part = _block_backward(q, blk[0], blk[1], *look((i + s) % n), scale, dout,
+                                       lse, D, dq)
+            if incoming is not None:          # receives first: a send completes once received
+                with timeline.span("cp wait", cat="cp", step=s):
+                    acc = incoming.wait()
+                    sent.wait()
+            acc = acc + part
+            sent = comm.isend(acc, (i - 1) % n, TAG_DKV)
+            incoming = comm.irecv((i + 1) % n, TAG_DKV, *block((i + s + 1) % n))
+            if nxt is not None:
+                with timeline.span("cp wait", cat="cp", step=s):
+                    blk = nxt[1].wait()
+                    nxt[0].wait()
+        with timeline.span("cp wait", cat="cp", step=n):
+            dkv = incoming.wait()             # this rank's own block, from every query
+            sent.wait()
+        d = xp.stack([dq, dkv[0], dkv[1]])    # (3, B, H, T_r, hs)
+        return (d.transpose(1, 3, 0, 2, 4).reshape(B, Tl, C3).astype(qkv.dtype),)
+    return Tensor._make(y, (qkv,), backward)

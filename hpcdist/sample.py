@@ -19,6 +19,8 @@ from .device import backend
 from . import checkpoint, nn
 from .data import vocab
 from .autograd.tensor import no_grad
+from .nn.moe import load_balance_bias
+from .parallel.strategy import moe_settings
 
 
 def load(path: str):
@@ -40,8 +42,11 @@ def load(path: str):
     model = nn.GPT(nn.GPTConfig(
         block_size=params["wpe.weight"].shape[0], vocab_size=vocab_size,
         n_layer=int(meta["n_layer"]), n_head=int(meta["n_head"]), n_embd=int(meta["n_embd"]),
-        bias=bool(meta.get("bias", True)), tie_weights=bool(meta.get("tie_weights", True))))
+        bias=bool(meta.get("bias", True)), tie_weights=bool(meta.get("tie_weights", True)),
+        **moe_settings(meta)))
     model.load_state_dict(params)
+    if "moe_bias" in reader.scalars:                  # the sigmoid router's balancing bias
+        load_balance_bias(model, reader.scalars["moe_bias"])
     return model.eval(), reader.scalars.get("vocabulary")
 
 

@@ -23,6 +23,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from . import checkpoint, data, optim  # noqa: E402
+from .nn import moe  # noqa: E402
 from .autograd import memtrace  # noqa: E402
 from .comm import Communicator, watchdog  # noqa: E402
 from .comm.model import fit_links  # noqa: E402
@@ -245,7 +246,8 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
         with timeline.span("gradient sync"):
             strategy.sync()
         with timeline.span("optimizer step"):
-            _, norm = strategy.apply(lr, cfg.grad_clip)
+            applied, norm = strategy.apply(lr, cfg.grad_clip)
+        experts = moe.after_step(strategy.model, applied)    # balancing; load and drops
         if span is not None and counts is not None:   # the device double's counts, per step
             after = backend.device_counts()
             span.update(launches=after[0] - counts[0], device_reads=after[1] - counts[1])
@@ -257,6 +259,7 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
             "tokens_per_s": tokens / dt, "grad_norm": norm,
             "bytes_sent": strategy.comm.bytes_sent - bytes0,
             "loss_scale": strategy.scaler.scale, "skipped_steps": strategy.scaler.skipped,
+            **experts,
             **({"memory_activations": held["activations"], "memory_step_peak": held["peak"]}
                if held else {})}
 

@@ -57,6 +57,9 @@ HOW = {
                                              "--out-dir {tmp}/np4'", "shortened"),
     "mpirun -n 8 python -m hpcdist.train --tp 2 --pp 2": (None, "+ " + SHORT),
     "mpirun -n 4 python -m hpcdist.train --cp": (None, "+ " + SHORT),
+    "mpirun -n 4 python -m hpcdist.train --experts": (None, "+ " + SHORT),
+    "python -m hpcdist.sample runs/ck --ids": (SKIP, "needs a checkpoint in runs/ck; "
+                                               "tests/mpi/test_sample.py samples one"),
     "mpirun -n 8 python -m hpcdist.train --cp": (None, "+ " + SHORT),
     "mpirun -n 8 python -m hpcdist.train --zero": (None, "+ " + SHORT),
     "mpirun -n 8 python -m hpcdist.train --bucket-mb": (None, "+ " + SHORT),

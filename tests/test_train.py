@@ -67,6 +67,13 @@ BAD = [
     (["--max-staleness", "2"], "are for --strategy ps"),
     (["--straggler", "slow"], "--straggler takes RANK:MS"),
     (["--straggler", "3:10"], "is not a rank of a world of 1"),
+    (["--experts", "4", "--top-k", "5"], "--top-k 5 must be between 1 and the 4 experts"),
+    (["--experts", "4", "--ep", "3"], "--ep 3 must divide the 4 experts"),
+    (["--experts", "4", "--ep", "2"], "--ep 2 must divide the data-parallel size 1"),
+    (["--experts", "4", "--capacity-factor", "-1"], "--capacity-factor (0: dropless)"),
+    (["--ep", "2"], "add --experts E"),
+    (["--experts", "4", "--balance", "bias"], "add --router sigmoid"),
+    (["--experts", "4", "--tp", "2"], "--tp with experts is not built yet"),
 ]
 
 

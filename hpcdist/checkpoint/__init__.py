@@ -364,6 +364,10 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
             "n_embd": cfg.n_embd, "bias": cfg.bias, "tie_weights": cfg.tie_weights,
             "dtype": cfg.dtype, "precision": cfg.precision, "optimizer": cfg.optimizer,
             "compress": cfg.compress}
+    if getattr(cfg, "experts", 0):            # (absent without: older checkpoints compare)
+        meta.update({k: getattr(cfg, k) for k in ("experts", "top_k", "moe_every", "router",
+                                                  "shared_experts", "capacity_factor",
+                                                  "balance")})
     if vocabulary is not None:
         meta["vocab"] = vocab.fingerprint(vocabulary)
     return meta

@@ -178,6 +178,10 @@ def export_hf(out: str, params: dict, meta: dict,
     """``out``/model.safetensors and ``out``/config.json: a GPT2LMHeadModel folder; with the
     checkpoint's vocabulary also ``tokenizer.json`` and ``tokenizer_config.json``, so that
     ``transformers.pipeline('text-generation', model=out)`` encodes, generates and decodes."""
+    if int(meta.get("experts", 0)):
+        raise ValueError(f"a mixture-of-experts model ({meta['experts']} experts per MoE "
+                         "layer) has no GPT-2 form: Hugging Face's GPT-2 has no experts "
+                         "(export refuses it; python -m hpcdist.sample reads it)")
     tensors = hf_gpt2_names(params, meta)
     config = hf_gpt2_config(params, meta)
     if config["tie_word_embeddings"]:

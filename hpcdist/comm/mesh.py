@@ -111,10 +111,12 @@ class ProcessMesh:
     """Sub-communicators of ``comm`` over the grid (construction is collective over ``comm``).
 
     ``group(*axes)`` is the one way to make one; the named ones are the strategies':
-    ``dp_comm`` (dp, cp: the ranks that hold the same model part — gradients are averaged over
-    it, ZeRO shards over it), ``batch_comm`` (dp: those of them that read different batches; a
-    context-parallel group reads one batch and splits each sequence), ``cp_comm`` (the ranks
-    that split one sequence), ``tp_comm`` (one layer), ``pp_comm`` (the stages of a pipeline).
+    ``dp_comm`` (dp, ep, cp: the ranks that hold the same model part — gradients are averaged
+    over it, ZeRO shards over it), ``batch_comm`` (dp, ep: those of them that read different
+    batches; a context-parallel group reads one batch and splits each sequence), ``cp_comm``
+    (the ranks that split one sequence), ``tp_comm`` (one layer), ``pp_comm`` (the stages of
+    a pipeline); with ep > 1 ``ep_comm`` (one MoE layer's experts) and ``expert_dp_comm``
+    (dp, cp: the ranks holding the same experts).
     """
 
     def __init__(self, comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
@@ -125,8 +127,13 @@ class ProcessMesh:
         self.dp, self.tp, self.pp, self.cp, self.ep = dp, tp, pp, cp, ep
         self.coord = MeshCoord(**self.grid.coords(comm.rank))
         self._groups: dict = {}
-        self.dp_comm = self.group("dp", "cp")
-        self.batch_comm = self.group("dp") if cp > 1 else self.dp_comm   # the same ranks
+        # expert parallelism folds over data parallelism: the ranks of an EP group read
+        # batches of their own and average the dense gradients with the rest of DP
+        folded = ("dp", "ep") if ep > 1 else ("dp",)
+        self.dp_comm = self.group(*folded, "cp")
+        self.batch_comm = self.group(*folded) if cp > 1 else self.dp_comm   # the same ranks
+        self.ep_comm = self.group("ep") if ep > 1 else None      # an MoE layer's experts
+        self.expert_dp_comm = self.group("dp", "cp") if ep > 1 else None   # the same expert
         self.cp_comm = self.group("cp")
         self.tp_comm = self.group("tp")
         self.pp_comm = self.group("pp")

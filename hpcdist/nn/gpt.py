@@ -10,6 +10,7 @@ from ..autograd.recompute import checkpoint
 from ..autograd.tensor import Tensor
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear
 from .module import Module, ModuleList
+from .moe import MoE
 
 
 @dataclass
@@ -23,6 +24,20 @@ class GPTConfig:
     bias: bool = True
     tie_weights: bool = True  # the output head reuses the token embedding (wte.T)
     checkpoint_activations: bool = False  # recompute each block's activations in backward
+    # mixture of experts (nn/moe.py): experts > 0 puts an MoE MLP in every moe_every-th block
+    experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    router: str = "softmax"          # softmax | sigmoid (with the balancing bias)
+    shared_experts: int = 0
+    capacity_factor: float = 0.0     # 0: dropless
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    balance: str = "aux"             # aux (the Switch loss) | bias (DeepSeek-V3's) | none
+    bias_rate: float = 1e-3
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and layer % self.moe_every == 0
 
     def validate(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -98,13 +113,19 @@ class CausalSelfAttention(Module):
 class Block(Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         self.ln_1 = LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP([cfg.n_embd, 4 * cfg.n_embd, cfg.n_embd], activation="gelu",
-                       dropout=cfg.dropout, bias=cfg.bias, std=0.02,
-                       proj_std=0.02 / math.sqrt(2 * cfg.n_layer))
+        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        if cfg.is_moe(layer):
+            self.mlp = MoE(cfg.n_embd, 4 * cfg.n_embd, cfg.experts, cfg.top_k, cfg.router,
+                           cfg.shared_experts, cfg.capacity_factor, cfg.aux_loss_coef,
+                           cfg.z_loss_coef, cfg.balance, cfg.bias_rate, cfg.bias, 0.02,
+                           proj_std, cfg.dropout)
+        else:
+            self.mlp = MLP([cfg.n_embd, 4 * cfg.n_embd, cfg.n_embd], activation="gelu",
+                           dropout=cfg.dropout, bias=cfg.bias, std=0.02, proj_std=proj_std)
 
     def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
         x = self.attn(self.ln_1(x), cache, residual=x)        # x + attn(ln(x))
@@ -133,7 +154,7 @@ class GPT(Module):
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=0.02)
         self.wpe = Embedding(cfg.block_size, cfg.n_embd, std=0.02)
         self.drop = Dropout(cfg.dropout)
-        self.blocks = ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.blocks = ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
         self.ln_f = LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = None if cfg.tie_weights else \
             Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02)

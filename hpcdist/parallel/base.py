@@ -19,6 +19,7 @@ from ..device import backend
 from .. import optim
 from ..host import timeline
 from ..optim import intersect
+from ..nn.moe import loss_multiplier
 
 
 class StepRole:
@@ -40,7 +41,8 @@ class StepRole:
         of several steps at once, at log steps)."""
         with timeline.span("forward"):
             _, loss = self.model(x, y)
-        with timeline.span("backward"):
+        with timeline.span("backward"), loss_multiplier(scale * self.scaler.scale
+                                                         if self.scaler.enabled else scale):
             self.scale_loss(loss * scale).backward()
         return loss.data
 

@@ -26,6 +26,7 @@ class Bucket:
         self.handle = None          # the collective in flight
         self.launched = False       # ZeRO-3: its gradients are on their way this micro-batch
         self.buffers = None         # ZeRO-3: gathered full values, one array per range
+        self.group = 0              # DDP: 1 for expert parameters (parallel/expert.py)
 
     @property
     def lo(self) -> int:
@@ -60,11 +61,30 @@ def plan_buckets(sizes, itemsize: int, bucket_mb: float, first_bucket_mb: float)
     return buckets
 
 
-def make_buckets(params, itemsize: int, bucket_mb: float, first_bucket_mb: float) -> list:
-    """The buckets over ``params`` (flat order), in launch order."""
-    plan = plan_buckets([p.size for p in params], itemsize, bucket_mb, first_bucket_mb)
-    return [Bucket(i, [(lo, hi)], [params[j] for j in members])
-            for i, (lo, hi, members) in enumerate(plan)]
+def make_buckets(params, itemsize: int, bucket_mb: float, first_bucket_mb: float,
+                 group_of=None) -> list:
+    """The buckets over ``params`` (flat order), in launch order. ``group_of(p)``: which
+    reduction a parameter joins (expert parameters and the rest); a bucket holds one
+    group's parameters only (``bucket.group``)."""
+    group_of = group_of or (lambda p: 0)
+    runs, start = [], 0                     # maximal runs of one group, in flat order
+    for i in range(1, len(params) + 1):
+        if i == len(params) or group_of(params[i]) != group_of(params[start]):
+            runs.append((start, i))
+            start = i
+    out, base = [], [0]
+    for a, b in runs:
+        base.append(base[-1] + sum(p.size for p in params[a:b]))
+    for r in reversed(range(len(runs))):    # the last parameters launch first
+        a, b = runs[r]
+        first = first_bucket_mb if not out else bucket_mb
+        for lo, hi, members in plan_buckets([p.size for p in params[a:b]], itemsize,
+                                            bucket_mb, first):
+            bucket = Bucket(len(out), [(base[r] + lo, base[r] + hi)],
+                            [params[a + j] for j in members])
+            bucket.group = group_of(params[a])
+            out.append(bucket)
+    return out
 
 
 class BucketQueue:

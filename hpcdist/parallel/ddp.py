@@ -28,11 +28,14 @@ class DistributedDataParallel:
         bucket_mb, first_bucket_mb: bucket byte caps.
         overlap: start each bucket's average during backward (False: all at sync time).
         compression: a compression scheme (``compression.make_compression``).
+        experts: parameters held by this rank's expert-parallel share (parallel/expert.py):
+            their buckets are averaged over ``expert_comm`` instead, as a share of all of
+            ``comm`` (summed over ``expert_comm``, divided by ``comm.size``).
     """
 
     def __init__(self, model, comm, flat: FlatParams | None = None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, overlap: bool = True, compression=None,
-                 compute=None):
+                 compute=None, experts=(), expert_comm=None):
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError("bucket sizes must be positive")
         self.module, self.comm = model, comm
@@ -43,12 +46,20 @@ class DistributedDataParallel:
         # non-blocking call per bucket cost ~15 us of bookkeeping each, 18 buckets a step).
         self._identity = comm.size == 1 and type(self.compression) is NoCompression
         self.require_sync = True
-        comm.bcast(self.flat.data, root=0)     # every rank starts from rank 0's weights
+        params = self.flat.params
+        mine = {id(p) for p in experts}
+        self.expert_comm = expert_comm
+        self.buckets = make_buckets(params, self.flat.data.dtype.itemsize, bucket_mb,
+                                    first_bucket_mb, lambda p: int(id(p) in mine))
+        if not mine:                           # every rank starts from rank 0's weights
+            comm.bcast(self.flat.data, root=0)
+        for b in self.buckets if mine else ():  # (an expert's: its group's rank 0)
+            if not b.group:
+                comm.bcast(self.flat.data[b.lo:b.hi], root=0)
+            elif expert_comm.size > 1:
+                expert_comm.bcast(self.flat.data[b.lo:b.hi], root=0)
         if self.compute is not self.flat:
             self.compute.data[...] = self.flat.data.astype(self.compute.data.dtype)
-        params = self.flat.params
-        self.buckets = make_buckets(params, self.flat.data.dtype.itemsize, bucket_mb,
-                                    first_bucket_mb)
         self.queue = BucketQueue(self.buckets, self._launch, lambda b, handle: handle.wait(),
                                  overlap)
         offset = {id(p): lo for p, (lo, _) in zip(params, bounds_of([p.size for p in params]))}
@@ -87,6 +98,11 @@ class DistributedDataParallel:
             grad[...] = self.compute.grad[bucket.lo:bucket.hi]
         for observe in self.on_launch:
             observe(bucket, grad)
+        if bucket.group:                           # an expert's: a share of all of DP
+            grad *= self.expert_comm.size / self.comm.size
+            if self.expert_comm.size == 1:
+                return None
+            return self.compression.start(self.expert_comm, grad, bucket.index)
         if self._identity:
             return None
         return self.compression.start(self.comm, grad, bucket.index)

@@ -19,6 +19,7 @@ from ..checkpoint import reshard
 from ..optim import intersect
 from .base import owned
 from ..comm.arith import bounds_of
+from ..nn.moe import balance_bias, load_balance_bias
 
 
 def tensor_entries(model, mesh) -> list:
@@ -103,6 +104,8 @@ def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None) -> str:
                "schedule": schedule_of(cfg)}
     if vocabulary is not None:
         scalars["vocabulary"] = vocabulary
+    if balance_bias(strategy.model):                  # (the same on every rank)
+        scalars["moe_bias"] = balance_bias(strategy.model)
     return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(strategy), own,
                            meta=checkpoint.checkpoint_meta(cfg, vocabulary), scalars=scalars)
 
@@ -139,6 +142,8 @@ def restore_checkpoint(reader, cfg, comm, strategy, sampler) -> str:
     """Load a checkpoint written by any layout; returns what was done beyond the exact load."""
     load_pieces(strategy, reader)
     sc = reader.scalars
+    if "moe_bias" in sc:
+        load_balance_bias(strategy.model, sc["moe_bias"])
     strategy.scaler.load_state_dict(sc["scaler"])
     g_old, g_new = sc["sampler"]["global_batch"], sampler.batch_size * sampler.world
     samples = sc["sampler"]["position"] * g_old

@@ -23,6 +23,8 @@ from .compression import make_compression
 from .context import apply_context_parallel
 from .ddp import DistributedDataParallel
 from .mixed_precision import LossScaler, MixedPrecision
+from .expert import apply_expert_parallel
+from ..nn.moe import MoE
 from .pipeline import PipelineModel, PipelineStrategy
 from .schedules import partition
 from .sequence import sequence_of
@@ -120,10 +122,10 @@ def make_optimizer_factory(cfg):
 
 def make_mesh(cfg, comm):
     """The DP x CP x TP x PP process mesh (None for plain data parallelism)."""
-    if cfg.tp == 1 and cfg.pp == 1 and cfg.cp == 1:
+    if cfg.tp == 1 and cfg.pp == 1 and cfg.cp == 1 and cfg.ep == 1:
         return None
-    return ProcessMesh(comm, dp=comm.size // (cfg.tp * cfg.pp * cfg.cp), tp=cfg.tp, pp=cfg.pp,
-                       cp=cfg.cp, backend=cfg.backend)
+    return ProcessMesh(comm, dp=comm.size // (cfg.tp * cfg.pp * cfg.cp * cfg.ep), tp=cfg.tp,
+                       pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, backend=cfg.backend)
 
 
 def make_model(cfg, comm, mesh, train_set):
@@ -134,8 +136,8 @@ def make_model(cfg, comm, mesh, train_set):
     backend.reset_precision()
     kernels.configure(cfg.tf32)
     nn.manual_seed(cfg.seed)
-    backend.seed(cfg.seed + 1000 * (mesh.coord.dp * cfg.pp + mesh.coord.pp if mesh
-                                    else comm.rank))
+    replica = mesh.coord.dp * cfg.ep + mesh.coord.ep if mesh else comm.rank   # its batches
+    backend.seed(cfg.seed + 1000 * (replica * cfg.pp + mesh.coord.pp if mesh else replica))
     block = train_set.block_size
     if cfg.init_from:                              # GPT-2's weights: its position table
         from ..checkpoint import hf
@@ -143,7 +145,8 @@ def make_model(cfg, comm, mesh, train_set):
     model = nn.GPT(nn.GPTConfig(
         block_size=block, vocab_size=train_set.vocab_size, n_layer=cfg.n_layer,
         n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-        tie_weights=cfg.tie_weights, checkpoint_activations=cfg.checkpoint_activations))
+        tie_weights=cfg.tie_weights, checkpoint_activations=cfg.checkpoint_activations,
+        **moe_settings(cfg)))
     if cfg.init_from:                              # the same on every rank, before any cut
         model.load_state_dict(hf.gpt2_params(cfg.init_from,
                                              [n for n, _ in model.named_parameters()]))
@@ -152,6 +155,28 @@ def make_model(cfg, comm, mesh, train_set):
     if cfg.cp > 1:                                 # each rank: a slice of every sequence
         apply_context_parallel(model, mesh.cp_comm, cfg.cp_impl)
     return model
+
+
+MOE_FIELDS = ("experts", "top_k", "moe_every", "router", "shared_experts", "capacity_factor",
+              "aux_loss_coef", "z_loss_coef", "balance", "bias_rate")
+
+
+def moe_settings(cfg) -> dict:
+    """The GPTConfig's mixture-of-experts fields from a TrainConfig (or a checkpoint's
+    meta dict)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    return {k: get(k) for k in MOE_FIELDS if get(k) is not None}
+
+
+def place_experts(cfg, mesh, model, batch_comm):
+    """Every MoE layer's load counted over the ranks reading batches; under --ep, this
+    rank's share of the experts (returns the parameters only this rank holds)."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.group = batch_comm
+    if cfg.ep == 1:
+        return []
+    return apply_expert_parallel(model, mesh.ep_comm)[1]
 
 
 def make_stage(cfg, mesh, full):
@@ -171,11 +196,16 @@ def make_stage(cfg, mesh, full):
     return model, embed_comm
 
 
-def norm_and_grad_sum(cfg, mesh, full, model, dp_comm):
+def norm_and_grad_sum(cfg, mesh, full, model, dp_comm, experts=()):
     """How the global gradient norm counts each parameter of the one model once, and which
     gradients are summed over the tensor-parallel group (sequence parallelism)."""
     if mesh is None:
         return Norm([dp_comm] if cfg.zero else []), None
+    if experts:          # EP (alone: the rest is refused): every expert once, the rest on one
+        mine = {id(p) for p in experts}
+        first = mesh.ep_comm.rank == 0
+        return Norm([mesh.ep_comm], np.concatenate([
+            np.full(p.size, first or id(p) in mine) for p in model.parameters()])), None
     count, ranges, off = [], [], 0
     # under sequence parallelism every replicated parameter (LayerNorms, row-parallel biases,
     # the position table) sees only this rank's rows: its gradient is partial
@@ -215,7 +245,8 @@ def build_strategy(cfg, comm, train_set):
     embed_comm = None
     if cfg.pp > 1:
         model, embed_comm = make_stage(cfg, mesh, full)
-    norm, grad_sum = norm_and_grad_sum(cfg, mesh, full, model, dp_comm)
+    experts = place_experts(cfg, mesh, model, mesh.batch_comm if mesh else dp_comm)
+    norm, grad_sum = norm_and_grad_sum(cfg, mesh, full, model, dp_comm, experts)
     scaler = LossScaler(init_scale=cfg.loss_scale, enabled=cfg.precision == "fp16")
     make_optimizer = make_optimizer_factory(cfg)
     if cfg.zero:
@@ -233,7 +264,8 @@ def build_strategy(cfg, comm, train_set):
                                       bucket_mb=cfg.bucket_mb,
                                       first_bucket_mb=cfg.first_bucket_mb,
                                       overlap=cfg.overlap and cfg.pp == 1,
-                                      compression=compression)
+                                      compression=compression, experts=experts,
+                                      expert_comm=mesh.expert_dp_comm if experts else None)
         strategy = DataParallelStrategy(model, ddp, make_optimizer(mp.master), mp, dp_comm,
                                         norm, grad_sum, mesh)
     if cfg.pp > 1:

@@ -88,6 +88,18 @@ class TrainConfig:
     pp_split: str = ""            # blocks per stage, e.g. "2,2,1" ("" = as even as possible)
     cp: int = 1                   # context-parallel size: each sequence split over cp ranks
     cp_impl: str = "ring"         # ring (K/V blocks round a ring) | ulysses (all-to-all)
+    # mixture of experts (nn/moe.py, parallel/expert.py)
+    experts: int = 0              # experts per MoE layer (0: dense MLPs); the rest: --help
+    top_k: int = 2
+    moe_every: int = 1
+    router: str = "softmax"
+    shared_experts: int = 0
+    capacity_factor: float = 0.0  # 0: dropless
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    balance: str = "aux"
+    bias_rate: float = 1e-3
+    ep: int = 1                   # expert-parallel size
     # checkpoints
     save_dir: str = ""            # where checkpoints go ("" = none)
     save_every: int = 0           # steps between checkpoints (0 = only at the end)
@@ -132,7 +144,8 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "compress": ("none", "fp16", "topk", "powersgd"),
            "precision": ("fp32", "fp16", "bf16"),
            "backend": ("mpi", "nccl"), "strategy": ("collective", "ps"),
-           "cp_impl": ("ring", "ulysses")}
+           "cp_impl": ("ring", "ulysses"), "router": ("softmax", "sigmoid"),
+           "balance": ("aux", "bias", "none")}
 
 
 def _encoding_problem(c) -> str | None:
@@ -229,6 +242,9 @@ def validate_world(cfg: TrainConfig, world: int, train_len: int, seq_len: int = 
         raise ConfigError(f"--cp {cfg.cp} cuts each sequence into {2 * cfg.cp} chunks; the "
                           f"sequences here have {seq_len} positions", "cp")
     replicas = world // model
+    if cfg.ep > 1 and replicas % cfg.ep:                 # EP folds over DP
+        raise ConfigError(f"--ep {cfg.ep} must divide the data-parallel size {replicas} "
+                          f"(world {world} / (tp x pp x cp))", "ep")
     if cfg.strategy == "ps":
         replicas = world - cfg.servers
         if replicas < 1:

@@ -31,6 +31,22 @@ HELP = {
         "dtype": "master precision: fp32 | fp64 (fp64 for exactness tests)",
         "device": "cpu | gpu | auto (gpu: one GPU per rank, by node-local rank)",
     },
+    "experts": {
+        "experts": "experts per MoE layer (0: dense MLPs everywhere)",
+        "top_k": "experts each token is sent to",
+        "moe_every": "an MoE MLP in every n-th block, from block 0",
+        "router": "softmax (GShard/Switch; top-k > 1 renormalised) | sigmoid (DeepSeek-V3)",
+        "shared_experts": "always-on expert MLPs beside the routed ones",
+        "capacity_factor": "> 0: an expert keeps ceil(tokens x top-k x factor / experts) "
+                           "assignments, the latest in token order dropped; 0: dropless",
+        "aux_loss_coef": "weight of the Switch load-balancing loss (balance aux)",
+        "z_loss_coef": "weight of the z-loss on the router logits (0: off)",
+        "balance": "aux (the Switch loss) | bias (DeepSeek-V3's auxiliary-loss-free bias, "
+                   "with --router sigmoid) | none",
+        "bias_rate": "balance bias: b += rate x sign(mean load - load) each step",
+        "ep": "expert-parallel size: each MoE layer's experts split over ep ranks, tokens "
+              "moved by all-to-all (folds over data parallelism)",
+    },
     "optimisation": {
         "steps": "optimizer steps", "batch_size": "sequences per data-parallel replica per "
                                                   "micro-batch",

@@ -18,6 +18,9 @@ def evaluate(model, dataset, batch: int, comm=None, max_examples: int = 4096):
     accuracy over up to ``max_examples`` evenly spaced windows.
     """
     xp = backend.xp()
+    if any(getattr(m, "exchange", None) is not None for m in model.modules()):
+        comm = None     # expert parallelism: every rank runs every batch, in step (its
+                        # experts serve the others' tokens)
     n = len(dataset)
     idx = np.arange(n) if n <= max_examples else np.linspace(0, n - 1, max_examples).astype(int)
     if comm is not None:

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from ..device import backend
+from ..nn.moe import MoE
 from ..plan import HARDWARE, flops_per_token  # noqa: F401 (bench gpu uses it too)
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hpcdist", "peak.json")
@@ -31,6 +32,10 @@ def model_flops_per_token(model, cfg, seq: int) -> float:
     params = sum(math.prod(spec.shape) if spec else p.size for _, p, spec in full.named_specs()) \
         if cfg.tp > 1 else full.num_parameters()
     params -= full.wpe.weight.size                        # the position table: no matmul
+    for m in full.modules():                 # experts: a token runs through k of them (active
+        if isinstance(m, MoE) and len(m.experts):          # parameters; this rank's share
+            one = sum(p.size for p in m.experts[0].parameters())   # held under EP)
+            params += (m.k - len(m.experts)) * one
     return flops_per_token(params, cfg.n_layer, cfg.n_embd, seq)
 
 

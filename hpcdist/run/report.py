@@ -22,7 +22,8 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
     own lines (``describe``), steps."""
     data_size = strategy.batch_comm.size
     lines = strategy.describe()
-    layout = f"DP {data_size}" + (f" x CP {cfg.cp} ({cfg.cp_impl})" if cfg.cp > 1 else "") + \
+    layout = f"DP {data_size}" + (f" (EP {cfg.ep} of it)" if cfg.ep > 1 else "") + \
+        (f" x CP {cfg.cp} ({cfg.cp_impl})" if cfg.cp > 1 else "") + \
         f" x TP {cfg.tp} x PP {cfg.pp}" + (" (sequence parallel)" if cfg.sequence_parallel else "")
     if strategy.mesh is not None and not strategy.mesh.tp_within_node:
         layout += (" (TP spans nodes: its collectives cross the slow links; place TP groups "
@@ -38,7 +39,10 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
             "bfloat16)")
     if cfg.tf32:
         emulated += " | " + kernels.describe(cfg.tf32)
-    line = (f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), "
+    moe = (f", {cfg.experts} experts top-{cfg.top_k} ({cfg.router}"
+           f"{', every ' + str(cfg.moe_every) + ' blocks' if cfg.moe_every > 1 else ''})"
+           if cfg.experts else "")
+    line = (f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads{moe}), "
             f"{cfg_parameters(model, cfg):,} parameters | task {cfg.task} "
             f"({len(train_set):,} train / {len(test_set):,} held-out) | device "
             f"{backend.device_label()} | world size {world} on {hosts}: {layout} | BLAS threads "
@@ -63,6 +67,8 @@ def comm_paths(cfg, strategy) -> list[str]:
 def progress_line(rec: dict, steps: int, eta: float) -> str:
     flops = f" | {rec['tflops']:.3g} TFLOP/s" if "tflops" in rec else ""
     flops += f", MFU {rec['mfu'] * 100:.2f}%" if rec.get("mfu") is not None else ""
+    if "moe_load" in rec:                  # the busiest expert over the mean, drops this step
+        flops += f" | experts max/mean {rec['moe_load']:.2f}, {rec['moe_dropped']:,} dropped"
     return (f"step {rec['step']:5d}/{steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
             f"{rec['tokens_per_s']:,.0f} tok/s | {rec['step_ms']:.1f} ms/step{flops} | "
             f"{rec['bytes_sent'] / 1024:,.0f} KiB sent | ETA {eta:.0f} s")
@@ -130,6 +136,10 @@ def final_report(cfg, model, strategy, test_set, history, start, world, t_start,
 def cfg_parameters(model, cfg) -> int:
     """Parameters of the one logical model (a tensor-parallel rank holds only its shards)."""
     full = getattr(model, "full", model)          # a pipeline stage: the whole model's count
+    if cfg.ep > 1:                                # an EP rank holds 1/ep of the experts
+        return full.num_parameters() + sum(
+            (m.E - len(m.experts)) * sum(p.size for p in m.experts[0].parameters())
+            for m in full.modules() if getattr(m, "exchange", None) is not None)
     if cfg.tp == 1:
         return full.num_parameters()
     return sum(math.prod(spec.shape) if spec else p.size for _, p, spec in full.named_specs())

@@ -55,7 +55,7 @@ def test_tp_follows_the_one_rank_run(comm, tmp_path, sp, tie):
         np.testing.assert_allclose(got, ref, rtol=1e-10, err_msg=f"tp {t} sp {sp} tie {tie}")
 
 
-def test_tp_with_zero1_follows_the_one_rank_run(comm, tmp_path):
+def test_tp_with_every_zero_level_follows_the_one_rank_run(comm, tmp_path):
     sizes = _tp_sizes(comm.size)
     if not sizes:
         pytest.skip(f"no tensor-parallel size in 2, 3, 4 divides {comm.size} ranks")

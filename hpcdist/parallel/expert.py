@@ -1,0 +1,103 @@
+"""Expert parallelism (``--ep N``): each MoE layer's E experts split over the N ranks of an
+expert-parallel group, the tokens moved to them and back with the all-to-all.
+
+    rank r keeps experts [r E/N, (r+1) E/N) (names unchanged: ``experts.<global index>``)
+    dispatch: rows per (destination, expert) first, then the rows and their global token
+              order (all-to-all-v), regrouped by local expert: one GEMM pair per expert
+    combine:  the reverse all-to-all-v; each exchange's backward is the reverse exchange
+
+EP folds over data parallelism as Megatron's does: dense gradients averaged over dp x ep, an
+expert's summed over the ranks holding it and divided by dp x ep too (ddp.py's expert
+buckets). The rest: docs/moe.md.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..device import backend
+from ..autograd.tensor import Tensor
+from ..nn.module import Module
+from ..nn.moe import MoE
+
+
+class _Experts(Module):
+    """This rank's experts under their global indices; ``[i]`` is the i-th of them."""
+
+    def __init__(self, experts: dict):
+        for i, e in experts.items():
+            setattr(self, str(i), e)
+        self.order = sorted(experts)
+
+    def __getitem__(self, i: int):
+        return getattr(self, str(self.order[i]))
+
+    def __iter__(self):
+        return (getattr(self, str(i)) for i in self.order)
+
+    def __len__(self):
+        return len(self.order)
+
+
+def _all_to_all(comm, x: Tensor, send_rows, recv_rows) -> Tensor:
+    """Rows of ``x`` to each rank (``send_rows`` each, in rank order) -> the rows from each
+    (``recv_rows``); its backward sends the gradient rows back the same way reversed."""
+    C = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
+    xp = backend.array_module(x.data)
+
+    def move(a, out_rows, in_rows):
+        pieces = comm.alltoall(xp.ascontiguousarray(a).reshape(-1),
+                               counts=[int(n) * C for n in out_rows],
+                               recv_counts=[int(n) * C for n in in_rows])
+        return xp.concatenate(pieces).reshape((-1,) + tuple(x.shape[1:]))
+    return Tensor._make(move(x.data, send_rows, recv_rows), (x,),
+                        lambda g: (move(g, recv_rows, send_rows),))
+
+
+class ExpertExchange:
+    """The dispatch and combine of one MoE layer's tokens over the EP group ``comm``."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def __call__(self, moe: MoE, xs: Tensor, per, keys, tokens: int):
+        """``xs``: this rank's assignment rows sorted by expert (``per[e]`` rows for global
+        expert e, ``keys`` their global token order) -> (their outputs, kept 0/1), rows in
+        the same order; ``tokens``: this rank's tokens."""
+        comm, xp = self.comm, backend.array_module(xs.data)
+        P, E = comm.size, moe.E
+        per = np.asarray(per, dtype=np.int64)
+        send_rows = per.reshape(P, E // P).sum(axis=1)
+        recv_per = np.stack(comm.alltoall(per))                    # (sources, my experts)
+        recv_rows = recv_per.sum(axis=1)
+        xr = _all_to_all(comm, xs, send_rows, recv_rows)            # (source, expert) order
+        kr = xp.concatenate(comm.alltoall(xp.ascontiguousarray(keys), counts=send_rows,
+                                          recv_counts=recv_rows))
+        start = np.cumsum(np.concatenate([[0], recv_per.reshape(-1)]))[:-1].reshape(recv_per.shape)
+        order = np.concatenate([np.arange(start[s, e], start[s, e] + recv_per[s, e])
+                                for e in range(recv_per.shape[1]) for s in range(P)]
+                               ).astype(np.int64)                   # -> (expert, source)
+        order_d = xp.asarray(order)
+        ys, kept = moe.run_experts(xr[order_d], recv_per.sum(axis=0), kr[order_d], tokens * P)
+        back = xp.asarray(np.argsort(order))
+        yr = _all_to_all(comm, ys[back], recv_rows, send_rows)
+        kept = xp.concatenate(comm.alltoall(xp.ascontiguousarray(kept[back]).astype(np.uint8),
+                                            counts=recv_rows, recv_counts=send_rows))
+        return yr, kept.astype(bool)
+
+
+def apply_expert_parallel(model, comm):
+    """Keep this rank's share of every MoE layer's experts (``comm``: the EP group), in
+    place; returns the model and the parameters now held by this rank alone (their
+    gradients are averaged over the expert-data-parallel group)."""
+    experts = []
+    for m in model.modules():
+        if not isinstance(m, MoE):
+            continue
+        if m.E % comm.size:
+            raise ValueError(f"--ep {comm.size} must divide the {m.E} experts")
+        n = m.E // comm.size
+        m.first = comm.rank * n
+        m.experts = _Experts({m.first + i: m.experts[m.first + i] for i in range(n)})
+        m.exchange = ExpertExchange(comm)
+        experts += m.experts.parameters()
+    return model, experts

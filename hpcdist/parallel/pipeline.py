@@ -74,12 +74,12 @@ class PipelineModel(Module):
         self.chunks = [PipelineChunk(model, c * P + rank, K, bounds[c * P + rank], seq)
                        for c in range(v)]
         self.full, self.seq = model, seq
-        self.step = None                       # the PipelineStrategy that runs it (evaluation)
+        self.strategy = None                   # the PipelineStrategy that runs it (evaluation)
 
     def forward(self, idx, targets=None):
         """Evaluation (no gradients): the batch through every stage; (logits, loss) on every
         rank. Training goes through ``PipelineStrategy.forward_backward``."""
-        logits, loss = self.step.evaluate_batch(idx, targets)
+        logits, loss = self.strategy.evaluate_batch(idx, targets)
         return Tensor(logits), Tensor(np.asarray(loss))
 
     def _children(self):
@@ -120,7 +120,7 @@ class _Batch:
                    "memory", "peak_memory", "full_parameters", "flat_state", "optimizer",
                    "loaded", "compression", "holds_state"))
 class PipelineStrategy(Strategy):
-    """The pipeline strategy: an inner DataParallelStrategy or Zero (stage 1) over this rank's
+    """The pipeline strategy: an inner DataParallelStrategy or Zero (ZeRO-1) over this rank's
     parameters, plus the schedule executor. Same interface as every strategy: the step's
     forward and backward are the schedule's, the gradient sync adds the tied embedding's,
     everything else is the inner strategy's."""
@@ -141,7 +141,7 @@ class PipelineStrategy(Strategy):
         # activations and their gradients travel in the compute precision (the parameters'
         # dtype once the inner strategy made its compute copies: bf16, fp16, fp32 or fp64)
         self.act_dtype = next(iter(pmodel.parameters())).data.dtype
-        pmodel.step = self
+        pmodel.strategy = self
         # A schedule that replans (ZB-H1) is planned with equal op times until
         # ``recipe.replan_after`` steps were measured, then again from the measured times,
         # agreed over the pipeline (so every stage gets one plan)

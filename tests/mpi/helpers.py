@@ -12,3 +12,23 @@ def small(**kw) -> TrainConfig:
                 log_every=1000, eval_batch=64, seed=7, grad_clip=0.0)
     base.update(kw)
     return TrainConfig(**base)
+
+
+def history(cfg, comm, **kw):
+    """(final report, per-step [loss, grad norm]) of ``train(cfg, comm)``, quietly."""
+    import numpy as np
+    from hpcdist.train import train
+    final = train(cfg, comm, log=lambda *a: None, **kw)
+    return final, np.array([[r["loss"], r["grad_norm"]] for r in final["history"]])
+
+
+def one_process(cfg, **changes):
+    """``history`` of the same run on this rank alone (every rank computes it), with
+    ``changes`` to its settings: the oracle the parallel layouts are held to."""
+    from mpi4py import MPI
+    from hpcdist.comm import Communicator
+    solo = Communicator(MPI.COMM_SELF)
+    try:
+        return history(cfg.__class__(**{**vars(cfg), **changes}), solo)
+    finally:
+        solo.close()

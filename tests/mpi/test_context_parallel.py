@@ -3,13 +3,11 @@ process (loss and gradient norm per step, to 1e-10), in both variants; the bytes
 sends over the context-parallel group equal the formula; checkpoints load across CP sizes."""
 import numpy as np
 import pytest
-from mpi4py import MPI
 
-from hpcdist.comm import Communicator
 from hpcdist.parallel import context
 from hpcdist.train import train
 
-from helpers import small
+from helpers import history, one_process, small
 
 pytestmark = pytest.mark.mpi
 
@@ -42,19 +40,12 @@ CASES = [
 
 
 def _history(cfg, comm, on_build=None):
-    final = train(cfg, comm, log=lambda *a: None, on_build=on_build)
-    return final, np.array([[r["loss"], r["grad_norm"]] for r in final["history"]])
+    return history(cfg, comm, on_build=on_build)
 
 
 def _reference(cfg, replicas):
-    solo = Communicator(MPI.COMM_SELF)
-    try:
-        return _history(cfg.__class__(**{**vars(cfg), "cp": 1, "cp_impl": "ring", "tp": 1,
-                                          "pp": 1, "zero": 0, "sequence_parallel": False,
-                                          "schedule": "1f1b",
-                                          "batch_size": cfg.batch_size * replicas}), solo)
-    finally:
-        solo.close()
+    return one_process(cfg, cp=1, cp_impl="ring", tp=1, pp=1, zero=0, sequence_parallel=False,
+                       schedule="1f1b", batch_size=cfg.batch_size * replicas)
 
 
 def _cases(world):

@@ -4,31 +4,17 @@ norm every step to 1e-10 — dropless and with a capacity factor (the same assig
 dropped); a rank that receives no tokens; the all-to-all's bytes against the formula."""
 import numpy as np
 import pytest
-from mpi4py import MPI
 
-from hpcdist.comm import Communicator
-from hpcdist.train import train
-
-from helpers import small
+from helpers import history, one_process, small
 
 pytestmark = pytest.mark.mpi
 
 MOE = dict(n_layer=2, n_head=2, n_embd=16, experts=4, top_k=2, grad_clip=1.0, steps=4)
 
 
-def _history(cfg, comm):
-    final = train(cfg, comm, log=lambda *a: None)
-    return final, np.array([[r["loss"], r["grad_norm"]] for r in final["history"]])
-
-
 def _reference(cfg, replicas):
-    solo = Communicator(MPI.COMM_SELF)
-    try:
-        return _history(cfg.__class__(**{**vars(cfg), "ep": 1,
-                                          "batch_size": cfg.batch_size * replicas,
-                                          "out_dir": cfg.out_dir + "-ref"}), solo)
-    finally:
-        solo.close()
+    return one_process(cfg, ep=1, batch_size=cfg.batch_size * replicas,
+                       out_dir=cfg.out_dir + "-ref")
 
 
 def _cases(world):
@@ -52,7 +38,7 @@ def _cases(world):
 def test_expert_parallel_trains_like_one_process(comm, tmp_path):
     for i, extra in enumerate(_cases(comm.size)):
         cfg = small(**{**MOE, **extra}, out_dir=str(tmp_path / str(i)))
-        final, got = _history(cfg, comm)
+        final, got = history(cfg, comm)
         ref_final, ref = _reference(cfg, comm.size)
         np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12, err_msg=str(extra))
         np.testing.assert_allclose(final["test_loss"], ref_final["test_loss"], rtol=1e-10)
@@ -66,7 +52,7 @@ def test_a_capacity_factor_drops_what_one_process_drops(comm, tmp_path):
         pytest.skip("EP = world at 2, 3 and 4 ranks")
     cfg = small(**{**MOE, "experts": 2 * comm.size}, ep=comm.size, capacity_factor=0.5,
                 out_dir=str(tmp_path / "cap"))
-    final, got = _history(cfg, comm)
+    final, got = history(cfg, comm)
     ref_final, ref = _reference(cfg, comm.size)
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
     dropped = [r["moe_dropped"] for r in final["history"]]

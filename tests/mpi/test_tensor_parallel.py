@@ -3,16 +3,14 @@ dual collective in backward), the dense loss for the vocab-parallel one, and —
 1-rank run's per-step loss and gradient norm for every layout."""
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import hpcdist as hd
 from hpcdist.device import backend
-from hpcdist.comm import Communicator
 from hpcdist.comm.mesh import ProcessMesh
 from hpcdist.parallel import tp
 from hpcdist.train import train
 
-from helpers import small
+from helpers import history, one_process, small
 
 pytestmark = pytest.mark.mpi
 
@@ -25,20 +23,10 @@ def _tp_sizes(world):
     return [t for t in (2, 3, 4) if world % t == 0]
 
 
-def _history(cfg, comm):
-    final = train(cfg, comm, log=lambda *a: None)
-    return final, np.array([[r["loss"], r["grad_norm"]] for r in final["history"]])
-
-
 def _reference(cfg, replicas):
     """The same run on one rank with the global batch (every rank computes it)."""
-    solo = Communicator(MPI.COMM_SELF)
-    try:
-        return _history(cfg.__class__(**{**vars(cfg), "tp": 1, "zero": 0,
-                                          "sequence_parallel": False,
-                                          "batch_size": cfg.batch_size * replicas}), solo)[1]
-    finally:
-        solo.close()
+    return one_process(cfg, tp=1, zero=0, sequence_parallel=False,
+                       batch_size=cfg.batch_size * replicas)[1]
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -50,7 +38,7 @@ def test_tp_follows_the_one_rank_run(comm, tmp_path, sp, tie):
     for t in sizes:
         cfg = small(**TP_MODEL, tp=t, sequence_parallel=sp, tie_weights=tie, grad_clip=1.0,
                     out_dir=str(tmp_path / f"tp{t}"))
-        final, got = _history(cfg, comm)
+        final, got = history(cfg, comm)
         ref = _reference(cfg, comm.size // t)
         np.testing.assert_allclose(got, ref, rtol=1e-10, err_msg=f"tp {t} sp {sp} tie {tie}")
 
@@ -63,7 +51,7 @@ def test_tp_with_every_zero_level_follows_the_one_rank_run(comm, tmp_path):
         for zero in (1, 2, 3):
             cfg = small(**TP_MODEL, tp=t, zero=zero, sequence_parallel=True, grad_clip=1.0,
                         out_dir=str(tmp_path / f"z{zero}tp{t}"))
-            final, got = _history(cfg, comm)
+            final, got = history(cfg, comm)
             np.testing.assert_allclose(got, _reference(cfg, comm.size // t), rtol=1e-10,
                                        err_msg=f"tp {t} zero {zero}")
 

@@ -76,7 +76,7 @@ test-mpi: venv
 DOUBLE_SIZES ?= 2 3
 DOUBLE_TESTS = tests/mpi/test_device.py tests/mpi/test_modes.py tests/mpi/test_zero.py \
                tests/mpi/test_ddp.py tests/mpi/test_pipeline.py tests/mpi/test_tensor_parallel.py \
-               tests/mpi/test_context_parallel.py
+               tests/mpi/test_context_parallel.py tests/mpi/test_moe.py
 
 test-double: venv
 	HPCDIST_DEVICE=double $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py \

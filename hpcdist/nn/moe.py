@@ -18,6 +18,7 @@ import numpy as np
 
 from ..device import backend
 from ..autograd import ops
+from ..autograd.recompute import recomputing
 from ..autograd.tensor import Tensor
 from .layers import MLP, Dropout, Linear
 from .module import Module, ModuleList
@@ -130,7 +131,8 @@ class MoE(Module):
         if self.training:
             if self.group is not None and self.group.size > 1:       # every rank's tokens
                 counts = self.group.allreduce(counts)
-            self.load += counts
+            if not recomputing():                 # (a recomputed block counted already)
+                self.load += counts
         gate = self.gates(probs, chosen).reshape(-1)                 # (N k,)
         y = self._dispatch(x2, expert, gate, N)
         for mlp in self.shared:
@@ -183,7 +185,8 @@ class MoE(Module):
             if n > cap:                               # keep the first ``cap`` by token order
                 rank_in = xp.argsort(xp.argsort(keys[at:at + n], kind="stable"), kind="stable")
                 kept[at:at + n] = rank_in < cap
-                self.dropped += n - cap
+                if self.training and not recomputing():
+                    self.dropped += n - cap
             at += n
         sizes = [int(n) for n in per]
         for e, piece in enumerate(ops.split(xs, sizes, axis=0) if len(sizes) > 1 else [xs]):

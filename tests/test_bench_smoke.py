@@ -197,3 +197,18 @@ def test_nccl_bench_counts_what_each_layout_sends(tmp_path):
     assert ("cp2 ring", "cp", "send") in rows and ("cp2 ring", "cp", "alltoall") not in rows
     assert rows[("cp2 ulysses", "cp", "alltoall")]["calls"] > 0
     assert ("cp2 ulysses", "cp", "send") not in rows
+
+
+def test_moe_bench_times_the_expert_all_to_all(tmp_path):
+    out = tmp_path / "m.json"
+    bench("moe", "--ranks", "2", "--steps", "2", "--n-layer", "1", "--experts", "4",
+          "--batch", "8", "--json", str(out), "--png", str(tmp_path / "m.png"))
+    rows = {(r["ep"], r["top_k"], r["capacity_factor"]): r for r in json.load(open(out))}
+    assert set(rows) == {(e, k, c) for e in (1, 2) for k in (1, 2) for c in (0.0, 1.0)}
+    for (ep, k, cap), r in rows.items():
+        assert (r["a2a_kib"] > 0) == (ep > 1) and (r["a2a_ms"] > 0) == (ep > 1)
+        assert 0 <= r["share"] < 1 and r["load"] >= 1.0
+        assert r["dropped"] == 0 or cap > 0                 # dropless drops nothing
+    # top-2 sends every token's row twice: about twice top-1's payload (the counts and the
+    # keys' and flags' small exchanges ride beside it)
+    assert 1.8 < rows[(2, 2, 0.0)]["a2a_kib"] / rows[(2, 1, 0.0)]["a2a_kib"] < 2.1

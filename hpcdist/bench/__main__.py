@@ -11,6 +11,7 @@ BENCHMARKS = {
     "ddp": "hpcdist.bench.ddp",
     "exchange": "hpcdist.bench.exchange",
     "nccl": "hpcdist.bench.nccl",
+    "moe": "hpcdist.bench.moe",
     "gpu": "hpcdist.bench.gpu",
     "peers": "hpcdist.bench.peers",
     "pipeline": "hpcdist.bench.pipeline",

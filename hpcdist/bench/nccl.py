@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--only", nargs="*", default=None, help="layouts to run (default: all)")
-    p.add_argument("--json", default=os.path.join("results", "nccl.json"))
+    p.add_argument("--json", default=os.path.join("runs", "bench_nccl.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

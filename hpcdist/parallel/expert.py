@@ -12,6 +12,8 @@ buckets). The rest: docs/moe.md.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..device import backend
@@ -39,6 +41,7 @@ class _Experts(Module):
 
 
 def _all_to_all(comm, x: Tensor, send_rows, recv_rows) -> Tensor:
+    # ``comm``: anything with ``alltoall`` (the exchange, which may time its calls)
     """Rows of ``x`` to each rank (``send_rows`` each, in rank order) -> the rows from each
     (``recv_rows``); its backward sends the gradient rows back the same way reversed."""
     C = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
@@ -54,17 +57,28 @@ def _all_to_all(comm, x: Tensor, send_rows, recv_rows) -> Tensor:
 
 
 class ExpertExchange:
-    """The dispatch and combine of one MoE layer's tokens over the EP group ``comm``."""
+    """The dispatch and combine of one MoE layer's tokens over the EP group ``comm``.
+    ``calls``: None, or a list that gets (bytes of this rank's buffer, seconds) of every
+    all-to-all it makes, backward ones included (``python -m hpcdist.bench moe`` sets it)."""
 
     def __init__(self, comm):
-        self.comm = comm
+        self.comm, self.calls = comm, None
+
+    def alltoall(self, buf, counts=None, recv_counts=None) -> list:
+        """``comm.alltoall``, timed where ``calls`` asks for it."""
+        if self.calls is None:
+            return self.comm.alltoall(buf, counts=counts, recv_counts=recv_counts)
+        t0 = time.perf_counter()
+        out = self.comm.alltoall(buf, counts=counts, recv_counts=recv_counts)
+        self.calls.append((int(buf.nbytes), time.perf_counter() - t0))
+        return out
 
     def __call__(self, moe: MoE, xs: Tensor, per, keys, tokens: int):
         """``xs``: this rank's assignment rows sorted by expert (``per[e]`` rows for global
         expert e, ``keys`` their global token order) -> (their outputs, kept 0/1), rows in
         the same order; ``tokens``: this rank's tokens."""
-        comm, xp = self.comm, backend.array_module(xs.data)
-        P, E = comm.size, moe.E
+        comm, xp = self, backend.array_module(xs.data)
+        P, E = self.comm.size, moe.E
         per = np.asarray(per, dtype=np.int64)
         send_rows = per.reshape(P, E // P).sum(axis=1)
         recv_per = np.stack(comm.alltoall(per))                    # (sources, my experts)

@@ -19,6 +19,7 @@ from ..nn.module import Module
 from ..autograd.tensor import Tensor, split_backward, weight_gradients
 from . import schedules as S
 from .base import Strategy, delegate
+from ..nn.moe import loss_multiplier
 
 
 class _Blocks(Module):
@@ -280,22 +281,34 @@ class PipelineStrategy(Strategy):
             batch.stash[key] = (inp, out)
             self.peak_stash = max(self.peak_stash, len(batch.stash))
         elif a.kind in ("B", "I"):
-            inp, out = batch.stash[key]
-            seed = None if k == K - 1 else batch.received.pop(("GRAD",) + key)
-            if seed is not None and seed.dtype != out.data.dtype:   # sent in compute precision
-                seed = seed.astype(out.data.dtype)
-            if a.kind == "I":                           # weight gradients wait for W
-                batch.deferred[key] = []
-                with split_backward(batch.deferred[key]):
-                    out.backward(seed)
-            else:
-                out.backward(seed)
-            if k == 0:                                  # nothing to send back
-                del batch.stash[key]
-            else:
-                batch.stash[key] = (inp, None)          # the output is no longer needed
+            with loss_multiplier(self._multiplier(batch, a.mb)):   # MoE's auxiliary losses
+                self._backward(a, batch, key, k, K)
         else:                                           # W
-            weight_gradients(batch.deferred.pop(key))
+            with loss_multiplier(self._multiplier(batch, a.mb)):
+                weight_gradients(batch.deferred.pop(key))
+
+    def _multiplier(self, batch, mb: int) -> float:
+        """What micro-batch ``mb``'s loss was multiplied by before its backward."""
+        scaler = self.inner.scaler
+        return float(batch.weights[mb] * batch.scale) * (scaler.scale if scaler.enabled
+                                                          else 1.0)
+
+    def _backward(self, a, batch, key, k: int, K: int) -> None:
+        """B or I of one micro-batch through one chunk (I: the weight gradients wait)."""
+        inp, out = batch.stash[key]
+        seed = None if k == K - 1 else batch.received.pop(("GRAD",) + key)
+        if seed is not None and seed.dtype != out.data.dtype:   # sent in compute precision
+            seed = seed.astype(out.data.dtype)
+        if a.kind == "I":                               # weight gradients wait for W
+            batch.deferred[key] = []
+            with split_backward(batch.deferred[key]):
+                out.backward(seed)
+        else:
+            out.backward(seed)
+        if k == 0:                                      # nothing to send back
+            del batch.stash[key]
+        else:
+            batch.stash[key] = (inp, None)              # the output is no longer needed
 
     def evaluate_batch(self, x, y):
         """Forward only, no schedule: (logits, mean loss), the same on every rank."""

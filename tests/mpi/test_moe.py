@@ -82,3 +82,28 @@ def test_a_rank_whose_experts_get_no_tokens(comm, tmp_path):
     assert np.isfinite(loss)
     load = moe[0].load
     assert load[0] == load.sum() > 0 and not load[1:].any()
+
+
+def test_experts_in_a_pipeline_train_like_one_process(comm, tmp_path):
+    """PP 2 (x DP where the world allows): each stage's MoE layers, balanced by the bias
+    (torchtitan #1689: balancing under pipeline parallelism) or by nothing, equal one process.
+    A pipeline computes the Switch loss per micro-batch, one process per batch (different
+    losses, both right): with it, the pipeline runs one micro-batch, which must then equal."""
+    if comm.size not in (2, 4):
+        pytest.skip("PP 2 at 2 and 4 ranks")
+    for i, (schedule, extra) in enumerate([
+            ("1f1b", dict(router="sigmoid", balance="bias", bias_rate=0.05)),
+            ("zb-h1", dict(balance="none", top_k=1)),
+            ("interleaved", dict(router="sigmoid", balance="bias", bias_rate=0.05)),
+            ("1f1b", dict(aux_loss_coef=0.05, z_loss_coef=0.01, micro_batches=1,
+                          grad_accum=2))]):
+        cfg = small(**{**MOE, "n_layer": 4, "aux_loss_coef": 0.0, "micro_batches": 2,
+                       **extra}, pp=2, schedule=schedule, batch_size=4,
+                    virtual_stages=2 if schedule == "interleaved" else 1,
+                    out_dir=str(tmp_path / str(i)))
+        final, got = history(cfg, comm)
+        ref_final, ref = one_process(cfg, pp=1, schedule="1f1b", virtual_stages=1,
+                                     micro_batches=0, batch_size=4 * (comm.size // 2),
+                                     out_dir=cfg.out_dir + "-ref")
+        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12, err_msg=schedule)
+        assert all(r["moe_load"] >= 1.0 for r in final["history"])   # this stage's layers

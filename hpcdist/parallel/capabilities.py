@@ -133,12 +133,13 @@ def _moe_drops(c) -> str | None:
         return None
     for bad, why in ((c.tp > 1, "--tp"), (c.pp > 1 and c.ep > 1, "--pp with --ep"),
                      (c.cp > 1, "--cp"),
-                     (c.zero, "--zero"), (c.compress != "none", "--compress"),
+                     (c.zero and c.ep > 1, "--zero with --ep"),
+                     (c.compress != "none", "--compress"),
                      (c.strategy == "ps", "--strategy ps"),
                      (c.ep > 1 and c.backend != "mpi", f"--backend {c.backend} with --ep"),
                      (c.ep > 1 and bool(c.save_dir), "checkpoints (--save-dir) with --ep")):
         if bad:
-            return (f"--experts runs with data and expert parallelism (--ep), pipelines, "
+            return (f"--experts runs with data and expert parallelism (--ep), pipelines, ZeRO, "
                     f"recompute, accumulation and mixed precision; {why} with experts is not "
                     "built yet")
     return None

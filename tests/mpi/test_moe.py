@@ -107,3 +107,15 @@ def test_experts_in_a_pipeline_train_like_one_process(comm, tmp_path):
                                      out_dir=cfg.out_dir + "-ref")
         np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12, err_msg=schedule)
         assert all(r["moe_load"] >= 1.0 for r in final["history"])   # this stage's layers
+
+
+def test_zero_levels_with_experts_follow_level_zero(comm, tmp_path):
+    """Experts replicated over DP (no --ep) are parameters like any other: ZeRO-1, -2 and -3
+    (which gathers an MoE block's experts with the block) end where ZeRO-0 does."""
+    cfg = small(**MOE, out_dir=str(tmp_path / "z0"))
+    ref, ref_h = history(cfg, comm)
+    for level in (1, 2, 3):
+        got, got_h = history(cfg.__class__(**{**vars(cfg), "zero": level,
+                                              "out_dir": str(tmp_path / f"z{level}")}), comm)
+        np.testing.assert_allclose(got_h, ref_h, rtol=1e-10, atol=1e-12, err_msg=str(level))
+        np.testing.assert_allclose(got["params"], ref["params"], rtol=1e-10, atol=1e-10)

@@ -60,9 +60,9 @@ def measure(args, comm, fields: dict, links) -> dict:
         for m in layers:
             if m.exchange is not None:
                 m.exchange.calls = []
-        steps.append([took, sum(t for _, t in calls),
-                      sum(predict("alltoall", n, P, a, b) for n, _ in calls),
-                      sum(n for n, _ in calls)])
+        steps.append([took, sum(c[1] for c in calls),
+                      sum(predict("alltoall", c[0], P, a, b) for c in calls),
+                      sum(c[0] for c in calls)])
         load.append(rec["moe_load"])
         dropped += rec["moe_dropped"]
     steps = np.array(steps)

@@ -63,6 +63,7 @@ class ExpertExchange:
 
     def __init__(self, comm):
         self.comm, self.calls = comm, None
+        self.rows = None          # the last forward's (rows sent to, rows received from) each rank
 
     def alltoall(self, buf, counts=None, recv_counts=None) -> list:
         """``comm.alltoall``, timed where ``calls`` asks for it."""
@@ -70,7 +71,7 @@ class ExpertExchange:
             return self.comm.alltoall(buf, counts=counts, recv_counts=recv_counts)
         t0 = time.perf_counter()
         out = self.comm.alltoall(buf, counts=counts, recv_counts=recv_counts)
-        self.calls.append((int(buf.nbytes), time.perf_counter() - t0))
+        self.calls.append((int(buf.nbytes), time.perf_counter() - t0, counts, buf.itemsize))
         return out
 
     def __call__(self, moe: MoE, xs: Tensor, per, keys, tokens: int):
@@ -83,6 +84,7 @@ class ExpertExchange:
         send_rows = per.reshape(P, E // P).sum(axis=1)
         recv_per = np.stack(comm.alltoall(per))                    # (sources, my experts)
         recv_rows = recv_per.sum(axis=1)
+        self.rows = (send_rows, recv_rows)
         xr = _all_to_all(comm, xs, send_rows, recv_rows)            # (source, expert) order
         kr = xp.concatenate(comm.alltoall(xp.ascontiguousarray(keys), counts=send_rows,
                                           recv_counts=recv_rows))
@@ -97,6 +99,21 @@ class ExpertExchange:
         kept = xp.concatenate(comm.alltoall(xp.ascontiguousarray(kept[back]).astype(np.uint8),
                                             counts=recv_rows, recv_counts=send_rows))
         return yr, kept.astype(bool)
+
+
+def bytes_per_layer(send_rows, recv_rows, rank: int, E: int, C: int, itemsize: int) -> int:
+    """Bytes rank ``rank`` sends over the EP group for one MoE layer's forward and backward,
+    having sent ``send_rows[d]`` assignment rows (width C) to rank d and received
+    ``recv_rows[s]`` from rank s: the counts (E int64, by the algorithm "auto" picks), the rows
+    out and their int64 token order, the outputs back and a kept byte each, and in backward
+    the gradients of both exchanges (the self piece stays local)."""
+    from ..comm import algorithm, select
+    P = len(send_rows)
+    out = sum(int(n) for d, n in enumerate(send_rows) if d != rank)
+    back = sum(int(n) for s, n in enumerate(recv_rows) if s != rank)
+    name = select.choose("alltoall", E * 8, P, short=False)
+    counts = algorithm.get(name).wire_bytes("alltoall", E, P, 8)
+    return counts + out * (2 * C * itemsize + 8) + back * (2 * C * itemsize + 1)
 
 
 def apply_expert_parallel(model, comm):

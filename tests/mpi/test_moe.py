@@ -119,3 +119,27 @@ def test_zero_levels_with_experts_follow_level_zero(comm, tmp_path):
                                               "out_dir": str(tmp_path / f"z{level}")}), comm)
         np.testing.assert_allclose(got_h, ref_h, rtol=1e-10, atol=1e-12, err_msg=str(level))
         np.testing.assert_allclose(got["params"], ref["params"], rtol=1e-10, atol=1e-10)
+
+
+def test_the_all_to_all_sends_what_the_formula_says(comm, tmp_path):
+    """Over one forward and backward, the EP group's byte count (the Communicator's, at the
+    wire) equals parallel.expert.bytes_per_layer summed over the MoE layers, from the rows
+    each layer sent and received."""
+    if comm.size not in (2, 3, 4):
+        pytest.skip("EP = world at 2, 3 and 4 ranks")
+    from hpcdist import data, nn
+    from hpcdist.parallel.expert import bytes_per_layer
+    from hpcdist.parallel.strategy import build_strategy
+    cfg = small(**{**MOE, "experts": 2 * comm.size}, ep=comm.size, out_dir=str(tmp_path))
+    train_set = data.datasets_of(cfg)[0]
+    model, strategy = build_strategy(cfg, comm, train_set)
+    layers = [m for m in model.modules() if isinstance(m, nn.moe.MoE)]
+    ep = layers[0].exchange.comm
+    x, y = train_set.batch(np.arange(comm.rank * 3, comm.rank * 3 + 3))
+    strategy.zero_grad()
+    before = ep.bytes_sent
+    strategy.forward_backward(x, y)
+    sent = ep.bytes_sent - before
+    C = cfg.n_embd
+    want = sum(bytes_per_layer(*m.exchange.rows, comm.rank, m.E, C, 8) for m in layers)
+    assert sent == want > 0

@@ -125,7 +125,6 @@ class MoE(Module):
         x2 = x.reshape(-1, C)
         N = x2.shape[0]
         logits, probs, chosen = self.route(x2)
-        xp = backend.array_module(x2.data)
         expert = chosen.reshape(-1)                                  # (N k,) per assignment
         counts = np.bincount(backend.to_numpy(expert), minlength=self.E).astype(np.float64)
         if self.training:

@@ -14,7 +14,6 @@ import functools
 import numpy as np
 
 from ..device import backend
-from . import p2p
 from .nccl_work import Batch, StreamHandle, watched
 from .alltoall import offsets, pieces_of, split, unequal_problem
 from .arith import check_op, shard_counts
@@ -282,23 +281,13 @@ class NcclCommunicator:
         return buf
 
     def send(self, arr, dest: int, tag: int = 0) -> None:
-        """Shape and dtype go over MPI (the p2p header); the payload over NCCL."""
-        dt = self._args(arr)
-        self.host.send(p2p.make_header(arr, 0), dest, tag)
-        self.count("send", arr.nbytes)
-        with watched(self, f"send to rank {dest} (tag {tag})", arr.nbytes, peers=f"rank {dest}"):
-            self.nccl.groupStart()
-            self.comm.send(arr.data.ptr, arr.size, dt, dest, self._stream())
-            self.nccl.groupEnd()
+        """Shape and dtype go over MPI (the p2p header); the payload over NCCL: an ``isend``
+        waited at once (numbered with the queued ones: NCCL pairs in posting order)."""
+        self.p2p.isend(arr, dest, tag).wait()
 
     def recv(self, source: int, tag: int = 0):
-        out, _ = p2p.alloc_from_header(self.host.recv(source, tag), backend.xp())
-        with watched(self, f"receive from rank {source} (tag {tag})", out.nbytes,
-                     peers=f"rank {source}"):
-            self.nccl.groupStart()
-            self.comm.recv(out.data.ptr, out.size, self._args(out), source, self._stream())
-            self.nccl.groupEnd()
-        return out
+        """The header over MPI first (the shape), then the payload over NCCL."""
+        return self.p2p.take(source, tag, self.host.recv(source, tag)).wait()
 
     def isend(self, arr, dest: int, tag: int = 0):
         """Queued; sent with the next group (nccl_work.py). ``wait()`` before reusing arr."""
@@ -309,20 +298,13 @@ class NcclCommunicator:
         return self.p2p.irecv(source, tag, shape, dtype)
 
     def sendrecv(self, arr, dest: int, source: int, sendtag: int = 0, recvtag: int | None = None):
-        """Send ``arr`` to ``dest`` while receiving from ``source``: the headers over MPI,
-        both payloads in one NCCL group (so a ring of sendrecvs cannot deadlock)."""
-        dt = self._args(arr)
-        head = self.host.isend(p2p.make_header(arr, 0), dest, sendtag)
-        out, _ = p2p.alloc_from_header(
-            self.host.recv(source, sendtag if recvtag is None else recvtag), backend.xp())
-        head.wait()
-        self.count("send", arr.nbytes)
-        with watched(self, f"sendrecv to rank {dest}, from rank {source}", arr.nbytes,
-                     peers=f"ranks {dest}, {source}"):
-            self.nccl.groupStart()
-            self.comm.send(arr.data.ptr, arr.size, dt, dest, self._stream())
-            self.comm.recv(out.data.ptr, out.size, self._args(out), source, self._stream())
-            self.nccl.groupEnd()
+        """Send ``arr`` to ``dest`` while receiving from ``source``: both headers over MPI
+        (this rank's posted before it waits for the peer's), both payloads in one NCCL
+        group (so a ring of sendrecvs cannot deadlock)."""
+        tag = sendtag if recvtag is None else recvtag
+        sent = self.p2p.isend(arr, dest, sendtag)
+        out = self.p2p.take(source, tag, self.host.recv(source, tag)).wait()
+        sent.wait()
         return out
 
     def barrier(self) -> None:

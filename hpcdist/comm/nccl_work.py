@@ -78,10 +78,10 @@ class Handle:
             with watched(self._batch.nc, f"wait for {op.kind} {way} rank {op.peer} (tag "
                          f"{op.tag})", op.arr.nbytes, peers=f"rank {op.peer}"):
                 backend.synchronize(op.arr)
-            if op.kind == "recv":
-                self._batch.check(op)
-            else:
+            if op.kind == "send":
                 op.header.wait()
+            elif op.header is not None:           # (a receive by ``take``: checked already)
+                self._batch.check(op)
             op.done = True
         return op.arr if op.kind == "recv" else None
 
@@ -134,14 +134,29 @@ class Batch:
                 nc.count(op.kind, op.arr.nbytes if op.kind == "send" else 0)
             nc.nccl.groupEnd()
 
+    def take(self, source: int, tag: int, header) -> Handle:
+        """A receive whose header (``header``, received already: a blocking receive learns
+        the shape first) is in hand: queued into a buffer of that shape, numbered as
+        ``irecv``'s are (NCCL pairs messages in posting order)."""
+        arr, seq = p2p.alloc_from_header(header, backend.xp())
+        want = self.received.get(source, 0)
+        self.received[source] = want + 1
+        op = _Op("recv", arr, source, tag, want, None)
+        if seq != want:
+            raise RuntimeError(self._mismatch(op, seq, arr.dtype, arr.shape))
+        self.queue.append(op)
+        return Handle(self, op)
+
+    def _mismatch(self, op: _Op, seq: int, dtype, shape) -> str:
+        return (f"NCCL point-to-point mismatch on {self.nc.host.label}: rank {self.nc.rank}'s "
+                f"receive number {op.seq} from rank {op.peer} (tag {op.tag}) expected "
+                f"{op.arr.dtype}{op.arr.shape}, but rank {op.peer}'s message number {seq} "
+                f"with that tag is {dtype}{shape} (NCCL pairs messages in posting order: "
+                "post sends and receives between two ranks in the same order)")
+
     def check(self, op: _Op) -> None:
         """The sender's header against what this receive expected."""
         h = op.header.wait()
         like, seq = p2p.alloc_from_header(h, np)
         if seq != op.seq or like.shape != op.arr.shape or like.dtype != op.arr.dtype:
-            raise RuntimeError(
-                f"NCCL point-to-point mismatch on {self.nc.host.label}: rank {self.nc.rank}'s "
-                f"receive number {op.seq} from rank {op.peer} (tag {op.tag}) expected "
-                f"{op.arr.dtype}{op.arr.shape}, but rank {op.peer}'s message number {seq} "
-                f"with that tag is {like.dtype}{like.shape} (NCCL pairs messages in posting "
-                "order: post sends and receives between two ranks in the same order)")
+            raise RuntimeError(self._mismatch(op, seq, like.dtype, like.shape))

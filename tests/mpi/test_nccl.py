@@ -182,6 +182,32 @@ def test_point_to_point_rings_batch_into_groups(comm, nccl):
     h.wait()
 
 
+def test_blocking_and_queued_point_to_point_share_one_numbering(comm, nccl):
+    """Blocking sends answered by queued receives and queued sends answered by blocking
+    receives, in turns: each message takes the next number between the two ranks (a blocking
+    send once numbered every message 0, and the second queued receive called it a mismatch)."""
+    if comm.size < 2:
+        pytest.skip("point-to-point needs two ranks")
+    xp, r = backend.xp(), comm.rank
+    if r > 1:
+        return
+    peer = 1 - r
+    for i in range(3):
+        x = xp.asarray(np.full(i + 1, 10.0 * r + i, dtype=np.float32))
+        if r == 0:
+            nccl.send(x, peer, tag=20 + i)
+            got = nccl.irecv(peer, 30 + i, shape=(i + 1,), dtype=np.float32).wait()
+        else:
+            got = nccl.irecv(peer, 20 + i, shape=(i + 1,), dtype=np.float32).wait()
+            nccl.isend(x, peer, 30 + i).wait()
+        np.testing.assert_array_equal(backend.to_numpy(got), np.full(i + 1, 10.0 * peer + i))
+        y = xp.asarray(np.full(2, 5.0 * r + i, dtype=np.float32))
+        h = nccl.isend(y, peer, 40 + i)
+        np.testing.assert_array_equal(backend.to_numpy(nccl.recv(peer, 40 + i)),
+                                      np.full(2, 5.0 * peer + i))
+        h.wait()
+
+
 def test_mismatched_nccl_collectives_are_named_by_the_ledger(comm, nccl):
     """NCCL calls are numbered and agreed like MPI's: a rank calling with another size, or
     another collective, is an error on every rank naming both sides, before NCCL moves data."""

@@ -32,7 +32,7 @@ def measure(args, comm, fields: dict, links) -> dict:
     import numpy as np
     from hpcdist import data as D
     from hpcdist.comm.model import predict
-    from hpcdist.nn.moe import MoE
+    from hpcdist.nn.moe import moe_layers
     from hpcdist.parallel.strategy import build_strategy
     from hpcdist.run.config import TrainConfig
     from hpcdist.train import train_step
@@ -43,7 +43,7 @@ def measure(args, comm, fields: dict, links) -> dict:
     model, strategy = build_strategy(cfg, comm, train_set)
     sampler = D.DistributedSampler(len(train_set), cfg.batch_size, strategy.batch_comm.rank,
                                    strategy.batch_comm.size)
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    layers = moe_layers(model)
     train_step(cfg, strategy, train_set, sampler, 1, 1e-3)        # warm-up
     for m in layers:
         if m.exchange is not None:

@@ -81,6 +81,11 @@ class MoE(Module):
         self.load = np.zeros(experts)             # assignments per expert since the last step
         self.dropped = 0                          # assignments dropped since the last step
 
+    @property
+    def expert_size(self) -> int:
+        """Parameters of one expert (all are alike)."""
+        return sum(p.size for p in self.experts[0].parameters()) if len(self.experts) else 0
+
     # ---- routing ---------------------------------------------------------------------------
     def route(self, x2: Tensor):
         """Scores (N, E) with their graph, and the chosen (N, k) experts (host-free: device)."""
@@ -193,13 +198,18 @@ class MoE(Module):
         return (ops.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]), kept
 
 
+def moe_layers(model) -> list:
+    """The MoE layers of ``model``, in its order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
 def after_step(model, applied: bool) -> dict:
     """After an optimizer step, for every MoE layer of ``model``: the balancing bias moves
     (``balance="bias"``, when the step was applied: ``b += rate * sign(mean load - load)``,
     the load agreed over the ranks, so every rank moves alike) and the step's load and
     drops are read and reset. Returns {} without MoE layers, else {"moe_load": the largest
     max/mean load over experts of any layer, "moe_dropped": assignments dropped}."""
-    layers = [m for m in model.modules() if isinstance(m, MoE)] if model is not None else []
+    layers = moe_layers(model) if model is not None else []
     if not layers:
         return {}
     worst = 0.0
@@ -220,14 +230,14 @@ def after_step(model, applied: bool) -> dict:
 def balance_bias(model) -> list:
     """Every MoE layer's balancing bias (host lists, in the model's order; [] when no layer
     balances by bias): a checkpoint keeps them."""
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    layers = moe_layers(model)
     if not any(m.balance == "bias" for m in layers):
         return []
     return [m.expert_bias.tolist() for m in layers]
 
 
 def load_balance_bias(model, saved: list) -> None:
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    layers = moe_layers(model)
     if len(saved) != len(layers):
         raise ValueError(f"the checkpoint holds {len(saved)} MoE layers' biases, the model "
                          f"has {len(layers)} MoE layers")

@@ -35,14 +35,18 @@ class StepRole:
     def scale_loss(self, loss):
         return loss * self.scaler.scale if self.scaler.enabled else loss
 
+    def multiplier(self, scale: float) -> float:
+        """What ``scale_loss(loss * scale)`` multiplies the loss by (the gradients MoE layers
+        inject for their auxiliary losses get it too)."""
+        return scale * self.scaler.scale if self.scaler.enabled else scale
+
     def forward_backward(self, x, y, scale: float = 1.0):
         """The whole model on this rank: forward, loss (times ``scale``), backward; the loss,
         where it was computed (a device scalar is not read here: train.py reads the losses
         of several steps at once, at log steps)."""
         with timeline.span("forward"):
             _, loss = self.model(x, y)
-        with timeline.span("backward"), loss_multiplier(scale * self.scaler.scale
-                                                         if self.scaler.enabled else scale):
+        with timeline.span("backward"), loss_multiplier(self.multiplier(scale)):
             self.scale_loss(loss * scale).backward()
         return loss.data
 

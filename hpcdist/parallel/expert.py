@@ -19,7 +19,7 @@ import numpy as np
 from ..device import backend
 from ..autograd.tensor import Tensor
 from ..nn.module import Module
-from ..nn.moe import MoE
+from ..nn.moe import MoE, moe_layers
 
 
 class _Experts(Module):
@@ -121,9 +121,7 @@ def apply_expert_parallel(model, comm):
     place; returns the model and the parameters now held by this rank alone (their
     gradients are averaged over the expert-data-parallel group)."""
     experts = []
-    for m in model.modules():
-        if not isinstance(m, MoE):
-            continue
+    for m in moe_layers(model):
         if m.E % comm.size:
             raise ValueError(f"--ep {comm.size} must divide the {m.E} experts")
         n = m.E // comm.size

@@ -280,18 +280,13 @@ class PipelineStrategy(Strategy):
                 out = self.inner.scale_loss(out[1] * float(w * batch.scale))
             batch.stash[key] = (inp, out)
             self.peak_stash = max(self.peak_stash, len(batch.stash))
-        elif a.kind in ("B", "I"):
-            with loss_multiplier(self._multiplier(batch, a.mb)):   # MoE's auxiliary losses
-                self._backward(a, batch, key, k, K)
-        else:                                           # W
-            with loss_multiplier(self._multiplier(batch, a.mb)):
-                weight_gradients(batch.deferred.pop(key))
-
-    def _multiplier(self, batch, mb: int) -> float:
-        """What micro-batch ``mb``'s loss was multiplied by before its backward."""
-        scaler = self.inner.scaler
-        return float(batch.weights[mb] * batch.scale) * (scaler.scale if scaler.enabled
-                                                          else 1.0)
+        else:                                           # B, I or W: MoE's auxiliary losses
+            weight = float(batch.weights[a.mb] * batch.scale)     # get this micro-batch's
+            with loss_multiplier(self.multiplier(weight)):        # multiplier
+                if a.kind == "W":
+                    weight_gradients(batch.deferred.pop(key))
+                else:
+                    self._backward(a, batch, key, k, K)
 
     def _backward(self, a, batch, key, k: int, K: int) -> None:
         """B or I of one micro-batch through one chunk (I: the weight gradients wait)."""

@@ -24,7 +24,7 @@ from .context import apply_context_parallel
 from .ddp import DistributedDataParallel
 from .mixed_precision import LossScaler, MixedPrecision
 from .expert import apply_expert_parallel
-from ..nn.moe import MoE
+from ..nn.moe import moe_layers
 from .pipeline import PipelineModel, PipelineStrategy
 from .schedules import partition
 from .sequence import sequence_of
@@ -171,9 +171,8 @@ def moe_settings(cfg) -> dict:
 def place_experts(cfg, mesh, model, batch_comm):
     """Every MoE layer's load counted over the ranks reading batches; under --ep, this
     rank's share of the experts (returns the parameters only this rank holds)."""
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.group = batch_comm
+    for m in moe_layers(model):
+        m.group = batch_comm
     if cfg.ep == 1:
         return []
     return apply_expert_parallel(model, mesh.ep_comm)[1]

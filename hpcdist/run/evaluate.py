@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import backend
+from ..nn.moe import moe_layers
 from .. import data
 from ..autograd.tensor import no_grad
 
@@ -18,7 +19,7 @@ def evaluate(model, dataset, batch: int, comm=None, max_examples: int = 4096):
     accuracy over up to ``max_examples`` evenly spaced windows.
     """
     xp = backend.xp()
-    if any(getattr(m, "exchange", None) is not None for m in model.modules()):
+    if any(m.exchange is not None for m in moe_layers(model)):
         comm = None     # expert parallelism: every rank runs every batch, in step (its
                         # experts serve the others' tokens)
     n = len(dataset)

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from ..device import backend
-from ..nn.moe import MoE
+from ..nn.moe import moe_layers
 from ..plan import HARDWARE, flops_per_token  # noqa: F401 (bench gpu uses it too)
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hpcdist", "peak.json")
@@ -32,10 +32,8 @@ def model_flops_per_token(model, cfg, seq: int) -> float:
     params = sum(math.prod(spec.shape) if spec else p.size for _, p, spec in full.named_specs()) \
         if cfg.tp > 1 else full.num_parameters()
     params -= full.wpe.weight.size                        # the position table: no matmul
-    for m in full.modules():                 # experts: a token runs through k of them (active
-        if isinstance(m, MoE) and len(m.experts):          # parameters; this rank's share
-            one = sum(p.size for p in m.experts[0].parameters())   # held under EP)
-            params += (m.k - len(m.experts)) * one
+    # experts: a token runs through k of each layer's (of those this rank holds, under EP)
+    params += sum((m.k - len(m.experts)) * m.expert_size for m in moe_layers(full))
     return flops_per_token(params, cfg.n_layer, cfg.n_embd, seq)
 
 

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from ..device import backend, kernels
+from ..nn.moe import moe_layers
 from ..autograd import memtrace
 from ..host import signals, threads, timeline
 from .evaluate import evaluate
@@ -137,9 +138,8 @@ def cfg_parameters(model, cfg) -> int:
     """Parameters of the one logical model (a tensor-parallel rank holds only its shards)."""
     full = getattr(model, "full", model)          # a pipeline stage: the whole model's count
     if cfg.ep > 1:                                # an EP rank holds 1/ep of the experts
-        return full.num_parameters() + sum(
-            (m.E - len(m.experts)) * sum(p.size for p in m.experts[0].parameters())
-            for m in full.modules() if getattr(m, "exchange", None) is not None)
+        return full.num_parameters() + sum((m.E - len(m.experts)) * m.expert_size
+                                           for m in moe_layers(full))
     if cfg.tp == 1:
         return full.num_parameters()
     return sum(math.prod(spec.shape) if spec else p.size for _, p, spec in full.named_specs())

@@ -131,14 +131,15 @@ class MoE(Module):
         N = x2.shape[0]
         logits, probs, chosen = self.route(x2)
         expert = chosen.reshape(-1)                                  # (N k,) per assignment
-        counts = np.bincount(backend.to_numpy(expert), minlength=self.E).astype(np.float64)
+        per = np.bincount(backend.to_numpy(expert), minlength=self.E)   # this rank's, per expert
+        counts = per.astype(np.float64)
         if self.training:
             if self.group is not None and self.group.size > 1:       # every rank's tokens
                 counts = self.group.allreduce(counts)
             if not recomputing():                 # (a recomputed block counted already)
                 self.load += counts
         gate = self.gates(probs, chosen).reshape(-1)                 # (N k,)
-        y = self._dispatch(x2, expert, gate, N)
+        y = self._dispatch(x2, expert, per, gate, N)
         for mlp in self.shared:
             y = y + mlp(x2)
         aux = None
@@ -151,13 +152,12 @@ class MoE(Module):
         y = self.drop(_with_aux(y, aux, 1.0).reshape(*shape))
         return y if residual is None else residual + y
 
-    def _dispatch(self, x2: Tensor, expert, gate: Tensor, N: int) -> Tensor:
-        """Every assignment through its expert, weighted by its gate, added back per token."""
+    def _dispatch(self, x2: Tensor, expert, per, gate: Tensor, N: int) -> Tensor:
+        """Every assignment through its expert (``per[e]`` of them to expert e), weighted by
+        its gate, added back per token."""
         xp = backend.array_module(x2.data)
         token = xp.repeat(xp.arange(N), self.k)                      # (N k,)
         order = xp.argsort(expert, kind="stable")                    # by expert, token order
-        ex = expert[order]
-        per = np.bincount(backend.to_numpy(ex), minlength=self.E)
         xs = x2[token[order]]                                        # (N k, C) sorted
         keys = self.order_keys(token[order])
         if self.exchange is not None:                                # expert parallelism

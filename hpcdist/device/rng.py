@@ -83,6 +83,10 @@ class DropoutRNG:
         """Bool array, True with probability 1 - p: dropout's kept elements."""
         return self.bits(shape, mod) >= self.threshold(p)
 
+    def keep_mask_at(self, shape, picks: dict, p: float, mod=np, counter: int | None = None):
+        """``keep_mask`` of the elements at ``picks`` of a draw of ``shape`` (``bits_at``)."""
+        return self.bits_at(shape, picks, mod, counter) >= self.threshold(p)
+
     def threshold(self, p: float):
         """Bits at or above this are kept (probability 1 - p)."""
         return np.uint64(min(int(p * 2.0 ** 64), self.MASK))

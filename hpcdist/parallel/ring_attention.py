@@ -112,7 +112,7 @@ def _look(cp, draw, p: float, dtype, xp, src: int):
     rows, cols, _ = seen
     picks = {2: cp.positions()[rows], 3: cp.positions(src)[cols]}
     rng = backend.rng()
-    kept = rng.bits_at(draw[1], picks, xp, draw[0]) >= rng.threshold(p)
+    kept = rng.keep_mask_at(draw[1], picks, p, xp, draw[0])
     return seen, kept.astype(dtype) * dtype.type(1.0 / (1.0 - p))
 
 

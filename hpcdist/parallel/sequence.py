@@ -109,8 +109,8 @@ class SequenceDropout(Module):
             raise ValueError(f"sequence dropout: {mine} rows in hand, this rank holds "
                              f"{len(rows)} of {self.seq.T}")
         rng = backend.rng()
-        keep = rng.bits_at((B, self.seq.T, C), {1: rows}, backend.array_module(x.data)) \
-            >= rng.threshold(self.p)
+        keep = rng.keep_mask_at((B, self.seq.T, C), {1: rows}, self.p,
+                                backend.array_module(x.data))
         rng.advance(B * self.seq.T * C)
         return ops.dropout(x, self.p, True, keep)
 

@@ -71,8 +71,8 @@ class _HeadsDropout:
     def __call__(self, att: Tensor) -> Tensor:
         rng, (counter, shape) = backend.rng(), self.draw
         mine = np.arange(self.cp.rank * self.heads, (self.cp.rank + 1) * self.heads)
-        keep = rng.bits_at(shape, {1: mine}, backend.array_module(att.data), counter) \
-            >= rng.threshold(self.p)
+        keep = rng.keep_mask_at(shape, {1: mine}, self.p, backend.array_module(att.data),
+                                counter)
         return ops.dropout(att, self.p, True, keep)
 
 

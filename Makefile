@@ -41,6 +41,9 @@ $(STAMP): pyproject.toml Makefile
 	  *) echo "NVIDIA driver for CUDA $$cuda: no CuPy extra for it; pip install the matching cupy-cuda*x by hand" ;; \
 	esac; \
 	$(BIN)/python -m pip install -q -e ".[$$extras]"
+	@# compile the CPU kernels once (numba caches them): no later process pays for it
+	@$(BIN)/python -c "from hpcdist.device.kernels import cpu; bad = {k: v for k, v in \
+	  cpu.warm().items() if not isinstance(v, float)}; print('CPU kernels:', bad or 'compiled')"
 	@touch $@
 
 # The main job: data-parallel training of the default task on NP ranks (8 share 2 cores

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from .device import backend, kernels
+from .device.kernels import cpu as cpu_kernels
 
 
 class FlatParams:
@@ -93,7 +94,8 @@ def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, beta2=0.999
         state["exp_avg"] = xp.zeros_like(p)
         state["exp_avg_sq"] = xp.zeros_like(p)
     m, v = state["exp_avg"], state["exp_avg_sq"]
-    if backend.is_gpu_array(p) and g.dtype == p.dtype:     # one fused kernel on the device
+    if (backend.is_gpu_array(p) or cpu_kernels.wanted(p)) and g.dtype == p.dtype:
+        # one fused kernel on the device, or a threaded one on a large host buffer
         kernels.ADAMW(p, g, m, v, _decay_mask(p.size, decay_ranges), lr, beta1, beta2, eps,
                       weight_decay, step)
         return

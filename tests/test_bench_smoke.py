@@ -24,6 +24,19 @@ def mpiexec():
     return local if os.path.exists(local) else "mpiexec"
 
 
+def test_autograd_bench_at_training_shapes(tmp_path):
+    out_json = tmp_path / "shapes.json"
+    out = bench("autograd", "--shapes", "1x64:16:50:2,2x64:9:30:3", "--threads", "1",
+                "--steps", "2", "--warmup", "1", "--profile", "--memory", "--out", str(out_json))
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["shape"], r["T"], r["batch"]) for r in rows] == [("1x64", 16, 2), ("2x64", 9, 3)]
+    assert all(r["hpcdist_ms"] > 0 and r["peak_bytes_kernels"] > 0 for r in rows)
+    assert abs(sum(rows[0]["profile_hpcdist"].values()) - 1) < 1e-9
+    assert "where hpcdist's step goes" in out and "one layer's attention" in out
+    if importlib.util.find_spec("torch") is not None:
+        assert all(r["ratio"] > 0 for r in rows) and "median hpcdist / pytorch" in out
+
+
 def test_autograd_bench():
     out = bench("autograd", "--steps", "3", "--warmup", "1")
     assert "MLP 784-128-10" in out and "Tensor overhead" in out

@@ -84,6 +84,12 @@ HOW = {
     "OMP_NUM_THREADS=1 .venv/bin/python -m hpcdist.bench": (SKIP, "a benchmark: "
                                                             "tests/test_bench_smoke.py"),
     "python -m hpcdist.bench schedule": (None, "as shown"),
+    ".venv/bin/python -m hpcdist.bench autograd --shapes": (SKIP, "a benchmark (minutes): "
+                                                           "tests/test_bench_smoke.py runs it "
+                                                           "small"),
+    ".venv/bin/python -m hpcdist.bench peers --train": (SKIP, "a benchmark (minutes) on 8 "
+                                                        "ranks: tests/test_bench_smoke.py "
+                                                        "runs peers small"),
     "python -m hpcdist.bench pipeline": (SKIP, "a benchmark: tests/test_bench_smoke.py"),
     "python -m hpcdist.bench plot runs/trace.json": (None, "as shown"),
     "mpirun -n 2 python -m hpcdist.train --steps 300 --save-dir runs/ck":
@@ -184,7 +190,8 @@ def folder(tmp_path_factory):
     for name, text in SETUP.items():
         (tmp / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCDIST_", "PYTEST"))
-           and k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+           and k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                         "NUMBA_NUM_THREADS")}
     env.update(PATH=f"{VENV_BIN}:{env.get('PATH', '')}", VIRTUAL_ENV=str(VENV_BIN.parent))
     return tmp, env
 

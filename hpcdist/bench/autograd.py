@@ -18,6 +18,7 @@ import hpcdist as hd
 from hpcdist.device import backend
 from hpcdist import nn, optim
 from hpcdist.autograd import ops
+from hpcdist.bench import shapes
 
 
 # ---- MLP 784-128-10 ------------------------------------------------------------------------
@@ -228,8 +229,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench autograd", description=__doc__)
     ap.add_argument("--steps", type=int, default=100, help="timed steps per contender")
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    ap.add_argument("--threads", default=os.environ.get("OMP_NUM_THREADS", "1"),
+                    help="threads per contender; with --shapes a list (1,2): each in turn")
+    ap.add_argument("--shapes", nargs="?", const=shapes.DEFAULT, default=None,
+                    help=f"GPT step at these shapes, LxC:T:vocab:batch,... (alone: "
+                         f"{shapes.DEFAULT}) instead of the default tables")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --shapes: where each step's time goes, side by side")
+    ap.add_argument("--memory", action="store_true",
+                    help="with --shapes: a step's peak bytes, CPU kernels and NumPy twins")
+    ap.add_argument("--out", default="runs/bench_shapes.json", help="with --shapes: the table")
     args = ap.parse_args(argv)
+    counts = [int(n) for n in str(args.threads).split(",")]
+    if args.shapes:
+        from hpcdist.device.kernels import cpu
+        print(f"autograd at training shapes | numpy {np.__version__} | CPU kernels "
+              f"{cpu.describe()}")
+        rows = shapes.run(args.shapes, counts, args.steps, args.warmup, args.profile,
+                          args.memory, gpt_contenders, run_table, args.out)
+        if any("ratio" in r for r in rows):
+            print(f"median hpcdist / pytorch over the table: {shapes.median_ratio(rows):.3f}")
+        return 0
+    args.threads = counts[0]
     try:
         import torch
         torch.set_num_threads(args.threads)

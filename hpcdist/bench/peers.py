@@ -147,7 +147,11 @@ def train_worker(args) -> int:
     comm = Communicator()
     cap = args.bucket_mb                        # None: both libraries' defaults
     buckets = {} if cap is None else {"bucket_mb": cap, "first_bucket_mb": cap}
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch, log_every=10 ** 9,
+    size = {}
+    if args.model:
+        layers, width = (int(v) for v in args.model.lower().split("x"))
+        size = {"n_layer": layers, "n_embd": width, "n_head": max(1, width // 64)}
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch, log_every=10 ** 9, **size,
                       out_dir=comm.mpi.bcast(tempfile.mkdtemp() if comm.rank == 0 else "", 0),
                       **buckets)
     train_set, _ = data.make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits)
@@ -239,6 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="1,2,4,8", help="--train: world sizes")
     ap.add_argument("--steps", type=int, default=100, help="--train: steps")
     ap.add_argument("--batch", type=int, default=64, help="--train: batch per rank")
+    ap.add_argument("--model", default=None,
+                    help="--train: GPT layers x width, LxC (heads of 64; default: train.py's)")
     ap.add_argument("--many-mb", type=float, default=0.0005,
                     help="--train: the bucket cap (MB) of the many-bucket runs (0: skip them)")
     ap.add_argument("--bucket-mb", type=float, default=None, help=argparse.SUPPRESS)
@@ -299,14 +305,16 @@ def main_train(args) -> int:
         rows = []
         for n in (int(x) for x in args.ranks.split(",")):
             extra = [] if cap is None else ["--bucket-mb", str(cap)]
+            model = ["--model", args.model] if args.model else []
             rows += relaunch("peers", n, ["--train", "--steps", str(args.steps), "--batch",
-                                          str(args.batch), *extra])
+                                          str(args.batch), *model, *extra])
         for r in rows:
             r["ratio"] = r["ours_ms"] / r["torch_ms"]
             r["loss_diff"] = abs(r["ours_loss"] - r["torch_loss"])
             if r.get("no_overlap_ms"):
                 r["overlap_cost"] = r["overlap_ms"] / r["no_overlap_ms"]
-        print(f"\nDDP step, default GPT and task, {title}, AdamW, batch {args.batch} per rank, "
+        what = f"GPT {args.model}" if args.model else "default GPT"
+        print(f"\nDDP step, {what} on the default task, {title}, AdamW, batch {args.batch} per rank, "
               f"{args.steps} steps: hpcdist vs PyTorch DDP over gloo (median ms/step after the "
               f"first fifth; {ROUNDS} runs each, taking turns, the faster); at 1 rank also "
               "hpcdist's forward + backward + sync with overlap on and off, step by step in "

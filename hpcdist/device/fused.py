@@ -15,6 +15,7 @@ import numpy as np
 from . import backend
 
 _REGISTRY: dict = {}
+cpu_wanted = None               # kernels/cpu.py's size and dtype rule, set by its attach()
 _refused: dict = {}             # name -> why it is not used
 DTYPES = {"float32": ("float", "float"), "float64": ("double", "double")}
 
@@ -36,8 +37,10 @@ class Fused:
         self.launches, self.tolerance = launches, tolerance
         self.compare = compare      # the first outputs the check compares (the rest: what a
                                     # path keeps for its own backward, None on the other)
+        self.cpu = None             # its CPU kernel (kernels/cpu.py), the twin's signature
         self._modules: dict = {}
         self._checked: dict = {}          # dtype -> passed the self-check
+        self._cpu_checked: dict = {}      # dtype -> the CPU kernel passed it
         _REGISTRY[name] = self
 
     def code(self, dtype: str) -> str:
@@ -47,6 +50,9 @@ class Fused:
     def __call__(self, *args):
         label = backend.device_label()
         if label == "cpu" or not enabled():      # (the CPU first: it pays for no lookups)
+            if self.cpu is not None and label == "cpu" and cpu_wanted(args[0]) \
+                    and enabled() and self._cpu_ok(args[0].dtype.name):
+                return self.cpu(*args)
             return self.twin(*args)
         dtype = args[0].dtype.name
         if label == "double":
@@ -67,20 +73,38 @@ class Fused:
             mod = self._modules[dtype] = backend.xp().RawModule(code=self.code(dtype))
         return mod.get_function(kernel)
 
-    def worst_error(self, dtype: str, kernel) -> float:
-        """The largest error of the launch (its kernels from ``kernel(name)``) against the
-        twin over every case, on ``backend.xp()`` arrays."""
+    def worst_error(self, dtype: str, kernel=None, run=None) -> float:
+        """The largest error of the launch (its kernels from ``kernel(name)``), or of
+        ``run(*args)``, against the twin over every case, on ``backend.xp()`` arrays."""
         xp, rng = backend.xp(), np.random.default_rng(0)
+        run = run or (lambda *a: self.launch(kernel, *a))
         worst = 0.0
         for args in self.cases(xp, rng, np.dtype(dtype)):
             want = _tuple(self.twin(*[_copy(a) for a in args]))[:self.compare]
-            got = _tuple(self.launch(kernel, *[_copy(a) for a in args]))[:self.compare]
+            got = _tuple(run(*[_copy(a) for a in args]))[:self.compare]
             for w, g in zip(want, got):
                 w, g = backend.to_numpy(w), backend.to_numpy(g)
                 if w.shape != g.shape:
                     raise ValueError(f"shape {g.shape}, the twin's {w.shape}")
                 worst = max(worst, _error(w, g))
         return worst
+
+    def _cpu_ok(self, dtype: str) -> bool:
+        """Whether the CPU kernel passed its self-check for ``dtype`` (run on first use; a
+        kernel that fails to compile or to agree is refused, said in ``refusals()``, and
+        the twin runs)."""
+        ok = self._cpu_checked.get(dtype)
+        if ok is None:
+            try:
+                worst = self.worst_error(dtype, run=self.cpu)
+            except Exception as e:                     # numba absent, compile failure
+                worst, _refused[self.name + " (cpu)"] = None, f"{type(e).__name__}: {e}"[:200]
+            ok = worst is not None and worst <= self.tolerance
+            if worst is not None and not ok:
+                _refused[self.name + " (cpu)"] = (f"{dtype}: off by {worst:.2e} (allowed "
+                                                  f"{self.tolerance:.0e})")
+            self._cpu_checked[dtype] = ok
+        return ok
 
     def self_check(self, dtype: str) -> bool:
         """Run the kernel and the twin on every case; True when all agree."""

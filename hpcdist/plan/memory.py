@@ -66,7 +66,9 @@ def activations(model: Model, L: Layout, settings: Settings = Settings(),
     """
     if L.cp > 1:
         local = replace(model, seq=-(-model.seq // L.cp))
-        out = activations(local, replace(L, cp=1), settings, stage)
+        # the ring's (s/c)^2 blocks (or Ulysses' scores) are kept for backward
+        out = activations(local, replace(L, cp=1), replace(settings, attention_probs=True),
+                          stage)
         if L.cp_impl == "ulysses":                  # a/c heads over all s positions
             held, _ = stash_at_peak(L.schedule, L.pp, L.micro_batches, L.virtual,
                                     "first" if stage == "middle" else stage)
@@ -152,8 +154,9 @@ def megatron_layer(model: Model, L: Layout, settings: Settings, stage: str) -> t
 
 def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tuple:
     """The same three for hpcdist's GPT, tensor by tensor. Every op's output stays with the
-    graph until backward, and some ops keep more (LayerNorm its normalised input and 1/std,
-    GELU its tanh). Per layer, in elements (n = b s tokens of the micro-batch):
+    graph until backward, and some ops keep more (LayerNorm its mean and 1/std; the twins
+    x-hat, GELU's tanh, attention's probabilities: ``fused_kernels`` drops those). Per layer,
+    in elements (n = b s tokens of the micro-batch), the twins' count:
 
     - no TP: LN 2nh + 2n (its output, normalised input, mean and 1/std), fused QKV 3nh, the
       fused attention's output nh, probabilities bas^2 and log-sum-exp an, the projection
@@ -172,17 +175,16 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
     the cross-entropy's shifted logits (TP: and their exponentials), its per-token vectors."""
     s, h, a, V, t, b = model.seq, model.hidden, model.heads, model.vocab, L.tp, L.micro_batch
     n, ab = b * s, settings.param_bytes
-    lnb = max(ab, 4)                       # LayerNorm keeps its normalised input in fp32
-    scores = (b * a * s * s + n * a) / t       # the fused attention's probabilities and lse
+    fused, probs = settings.fused_kernels, settings.attention_probs
+    probs = not fused if probs is None else probs
+    lnb, tanh = (0, 0) if fused else (max(ab, 4), 4 * n * h / t)   # x-hat in fp32; the tanh
+    scores = (b * a * s * s * probs + n * a) / t   # the attention's probabilities and lse
     if t == 1:
-        full = 18 * n * h + scores
-        split = 1
+        full, split = 14 * n * h + tanh + scores, 1
     elif not L.sp:
-        full = 8 * n * h + 23 * n * h / t + scores
-        split = 1
+        full, split = 8 * n * h + 19 * n * h / t + tanh + scores, 1
     else:
-        full = 4 * n * h + 29 * n * h / t + scores
-        split = t
+        full, split = 4 * n * h + 25 * n * h / t + tanh + scores, t
     full = full * ab + 2 * (n * h / split) * (lnb + ab) + 2 * 2 * n / split * 4
     act = n * h / split * ab                    # one activation between layers
     # full recompute: the block's output kept, and in backward the rebuilt block beside the

@@ -179,6 +179,10 @@ class Settings:
     ranks_per_core: float = 1.0
     memory_headroom: float = 0.95     # of the card usable for the above
     activations: str = "megatron"     # whose layers: "megatron" (Korthikanti) | "hpcdist"
+    # hpcdist's fused kernels run (a GPU's; the CPU's on ops of >= device/kernels/cpu.py's
+    # MIN_SIZE elements): no LayerNorm x-hat, GELU tanh or attention probabilities kept
+    fused_kernels: bool = True
+    attention_probs: bool | None = None   # kept (None: unless fused_kernels; CP's: kept)
     tp_across_nodes: bool = False
     # what the framework offers (``FEATURES``): SP, ZeRO levels, pipeline schedules
     sequence_parallel: bool = True

@@ -15,6 +15,22 @@ from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNOR
                    SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, cross_entropy_bwd_twin,
                    cross_entropy_twin, layernorm_bwd_twin, layernorm_twin, softmax_causal_bwd_twin,
                    softmax_causal_twin)
+from . import cpu as _cpu
+from .cpu_attention import attention_bwd as _cpu_attention_bwd
+from .cpu_attention import attention_fwd as _cpu_attention_fwd
+from .. import fused as _fused
+
+# Each fused op's CPU kernel (cpu.py): the twin's signature, taken where cpu.wanted says.
+for _op, _fn in ((BIAS_GELU, _cpu.bias_gelu), (GELU_FWD, _cpu.gelu), (GELU_BWD, _cpu.gelu_bwd),
+                 (BIAS_RESIDUAL, _cpu.bias_residual), (COLSUM_ADD, _cpu.colsum_add),
+                 (ADAMW, _cpu.adamw), (LAYERNORM_FWD, _cpu.layernorm),
+                 (LAYERNORM_BWD, _cpu.layernorm_bwd), (SOFTMAX_CAUSAL_FWD, _cpu.softmax_causal),
+                 (SOFTMAX_CAUSAL_BWD, _cpu.softmax_causal_bwd),
+                 (CROSS_ENTROPY_FWD, _cpu.cross_entropy),
+                 (CROSS_ENTROPY_BWD, _cpu.cross_entropy_bwd),
+                 (ATTENTION_FWD, _cpu_attention_fwd), (ATTENTION_BWD, _cpu_attention_bwd)):
+    _op.cpu = _fn
+_fused.cpu_wanted = _cpu.wanted
 
 __all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BF16_GEMM", "BIAS_GELU",
            "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",

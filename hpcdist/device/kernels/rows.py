@@ -98,14 +98,19 @@ def layernorm_bwd_twin(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=Non
     C = x.shape[-1]
     flat_g = g.reshape(-1, C)
     gw = xp.einsum("nc,nc->c", flat_g, xhat.reshape(-1, C))
-    gb = flat_g.sum(axis=0)
+    return (gx,) + added_into(gw, flat_g.sum(axis=0), gw_into, gb_into)
+
+
+def added_into(gw, gb, gw_into, gb_into) -> tuple:
+    """(gw, gb) of LayerNorm's backward, each added into its buffer where one is given (and
+    returned as it)."""
     if gw_into is not None:
         gw_into += gw
         gw = gw_into
     if gb_into is not None:
         gb_into += gb
         gb = gb_into
-    return gx, gw, gb
+    return gw, gb
 
 
 def _layernorm_launch(k, x, w, b, eps):

@@ -1,0 +1,189 @@
+"""The GPT step at the shapes people train, against PyTorch eager (``bench autograd --shapes``).
+
+For each shape and thread count: the median step (forward, backward, AdamW) of hpcdist and of
+its PyTorch twin from the same weights on the same batch, taking turns in rounds; the step's
+peak activation bytes with the CPU kernels and with the NumPy twins (``--memory``); and with
+``--profile`` where the step's time goes, hpcdist and PyTorch side by side. The table goes to
+runs/bench_shapes.json (docs/autograd.md, "At the shapes people train")."""
+from __future__ import annotations
+
+import cProfile
+import json
+import os
+import pstats
+import time
+import tracemalloc
+
+import numpy as np
+
+from hpcdist import nn
+from hpcdist.host import threads as host_threads
+
+DEFAULT = "4x128:128:2048:16,6x384:256:4096:4,12x768:256:4096:2"
+
+# Where a step's time goes. hpcdist: cProfile's own time per function, the first (part, file,
+# function) that matches (attention's GEMMs are NumPy calls inside it, so they count there);
+# PyTorch: the profiler's self time per op, the first part with a matching name.
+HD_PARTS = (("GEMMs", "backend.py", "matmul"), ("attention", "cpu_attention.py", ""),
+            ("attention", "kernels/attention.py", ""), ("optimizer", "cpu_jit.py", "adamw"),
+            ("optimizer", "elementwise.py", "adam"), ("optimizer", "optim.py", ""),
+            ("fused kernels", "cpu_jit.py", ""), ("fused kernels", "elementwise.py", ""),
+            ("fused kernels", "rows.py", ""))
+TORCH_PARTS = (("GEMMs", ("aten::mm", "aten::addmm")),
+               ("attention", ("aten::bmm", "softmax", "masked_fill")),
+               ("optimizer", ("lerp", "addcdiv", "addcmul", "sqrt", "Optimizer", "_foreach")),
+               ("fused kernels", ("gelu", "layer_norm", "log_softmax", "nll_loss")))
+
+
+def parse(spec: str):
+    """"LxC:T:V:B,..." -> [(GPTConfig, batch)] (heads of 64)."""
+    out = []
+    for item in spec.split(","):
+        shape, T, V, B = item.strip().split(":")
+        L, C = (int(v) for v in shape.lower().split("x"))
+        out.append((nn.GPTConfig(block_size=int(T), vocab_size=int(V), n_layer=L,
+                                 n_head=max(1, C // 64), n_embd=C), int(B)))
+    return out
+
+
+def set_threads(n: int) -> None:
+    """BLAS, numba and PyTorch on ``n`` threads."""
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(n)
+    host_threads.threads = n
+    try:
+        import torch
+        torch.set_num_threads(n)
+    except ImportError:
+        pass
+
+
+def peak_bytes(contenders, cfg, batch: int, kernels_on: bool) -> int:
+    """The most bytes one hpcdist step allocates above what it began with (tracemalloc);
+    ``contenders``: bench.autograd.gpt_contenders."""
+    before = os.environ.get("HPCDIST_CPU_KERNELS")
+    os.environ["HPCDIST_CPU_KERNELS"] = "1" if kernels_on else "0"
+    try:
+        step = contenders(cfg, batch, 1e-3)["hpcdist"]
+        step()                                         # optimizer state made
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        step()
+        peak = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
+    finally:
+        if before is None:
+            os.environ.pop("HPCDIST_CPU_KERNELS", None)
+        else:
+            os.environ["HPCDIST_CPU_KERNELS"] = before
+    return peak
+
+
+def attention_bytes(cfg, batch: int, kernels_on: bool) -> tuple:
+    """(bytes one layer's attention keeps from its forward for its backward, the most bytes
+    its forward and backward allocate at once) at this shape, float32."""
+    from hpcdist.device import kernels
+    from hpcdist.device.kernels import cpu
+    rng = np.random.default_rng(0)
+    C, T = cfg.n_embd, cfg.block_size
+    qkv = rng.standard_normal((batch, T, 3 * C)).astype(np.float32)
+    dy = rng.standard_normal((batch, T, C)).astype(np.float32)
+    scale = 1.0 / (C // cfg.n_head) ** 0.5
+    floor = cpu.MIN_SIZE
+    cpu.MIN_SIZE = 0 if kernels_on else 1 << 62
+    try:
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        y, lse, att = kernels.ATTENTION_FWD(qkv, cfg.n_head, scale)
+        kept = lse.nbytes + (att.nbytes if att is not None else 0)
+        kernels.ATTENTION_BWD(qkv, y, dy, lse, cfg.n_head, scale, att)
+        peak = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
+    finally:
+        cpu.MIN_SIZE = floor
+    return kept, peak
+
+
+def hd_profile(step, steps: int = 3) -> dict:
+    """{part: share of the step} of hpcdist's step, by cProfile's own time per function."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    parts, total = {}, 0.0
+    for (path, _, func), (_, _, own, _, _) in pstats.Stats(prof).stats.items():
+        total += own
+        part = next((p for p, f, fn in HD_PARTS if path.endswith(f) and fn in func),
+                    "engine and other")
+        parts[part] = parts.get(part, 0.0) + own
+    return {k: v / total for k, v in sorted(parts.items())}
+
+
+def torch_profile(step, steps: int = 3) -> dict:
+    """{part: share of the step} of PyTorch's step, by the profiler's self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    parts, total = {}, 0.0
+    for ev in prof.key_averages():
+        own = ev.self_cpu_time_total
+        total += own
+        part = next((p for p, names in TORCH_PARTS if any(n in ev.key for n in names)),
+                    "engine and other")
+        parts[part] = parts.get(part, 0.0) + own
+    return {k: v / total for k, v in sorted(parts.items())}
+
+
+def run(spec: str, thread_counts, steps: int, warmup: int, profile: bool, memory: bool,
+        gpt_contenders, run_table, out: str = "runs/bench_shapes.json") -> list:
+    """The table; ``gpt_contenders`` and ``run_table``: bench.autograd's."""
+    rows = []
+    for n in thread_counts:
+        set_threads(n)
+        for cfg, batch in parse(spec):
+            name = (f"GPT {cfg.n_layer}x{cfg.n_embd}, T {cfg.block_size}, vocab "
+                    f"{cfg.vocab_size}, batch {batch}, {n} thread{'s' * (n > 1)}")
+            contenders = gpt_contenders(cfg, batch, 1e-3)
+            table = run_table(name, contenders, steps, warmup)
+            row = {"shape": f"{cfg.n_layer}x{cfg.n_embd}", "T": cfg.block_size,
+                   "vocab": cfg.vocab_size, "batch": batch, "threads": n,
+                   "hpcdist_ms": table["hpcdist"][0] * 1e3}
+            if "pytorch" in table:
+                row["pytorch_ms"] = table["pytorch"][0] * 1e3
+                row["ratio"] = table["hpcdist"][0] / table["pytorch"][0]
+                print(f"  hpcdist / pytorch = {row['ratio']:.3f} (target <= 0.95)")
+            if profile:
+                row["profile_hpcdist"] = hd_profile(contenders["hpcdist"])
+                if "pytorch" in contenders:
+                    row["profile_pytorch"] = torch_profile(contenders["pytorch"])
+                for who in ("hpcdist", "pytorch"):
+                    shares = row.get("profile_" + who, {})
+                    print(f"  where {who}'s step goes: " + ", ".join(
+                        f"{k} {v:.0%}" for k, v in shares.items()))
+            if memory and n == thread_counts[0]:
+                row["peak_bytes_kernels"] = peak_bytes(gpt_contenders, cfg, batch, True)
+                row["peak_bytes_twins"] = peak_bytes(gpt_contenders, cfg, batch, False)
+                print(f"  peak bytes of a step above its start: CPU kernels "
+                      f"{row['peak_bytes_kernels'] / 2**20:.1f} MiB, NumPy twins "
+                      f"{row['peak_bytes_twins'] / 2**20:.1f} MiB")
+                for on, who in ((True, "kernels"), (False, "twins")):
+                    row[f"attention_kept_{who}"], row[f"attention_peak_{who}"] = \
+                        attention_bytes(cfg, batch, on)
+                print(f"  one layer's attention, kept for backward / peak of fwd+bwd: CPU "
+                      f"kernels {row['attention_kept_kernels'] / 2**20:.2f} / "
+                      f"{row['attention_peak_kernels'] / 2**20:.1f} MiB, NumPy twins "
+                      f"{row['attention_kept_twins'] / 2**20:.2f} / "
+                      f"{row['attention_peak_twins'] / 2**20:.1f} MiB ({cfg.n_head} heads)")
+            rows.append(row)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"when": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, f, indent=1)
+    print(f"\nwrote {out}")
+    return rows
+
+
+def median_ratio(rows) -> float:
+    return float(np.median([r["ratio"] for r in rows if "ratio" in r]))

@@ -1,0 +1,230 @@
+"""The CPU path of the fused ops: numba kernels (cpu_jit.py) behind the same calls as the twins.
+
+``Fused.__call__`` takes one when numba imports, the op's first array has ``MIN_SIZE``
+elements or more (smaller: the twin is as fast), its dtype is float32/float64, and it passed
+the self-check against its twin (the GPU's cases). Each returns what the twin returns; what a
+twin keeps for its backward (GELU's tanh, LayerNorm's x-hat, attention's probabilities) the
+kernel does not: its backward recomputes it, as the GPU's does. The kernels run on the
+threads hpcdist gives a rank (host/threads.py), never more: a rank of one thread runs them
+serially. Attention: cpu_attention.py. HPCDIST_CPU_KERNELS=0 turns them off,
+HPCDIST_CPU_KERNELS_MIN sets the size. The rest: docs/autograd.md, "The CPU kernels"."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ...host import threads
+from .. import fused
+from .common import GELU_C
+from .rows import added_into
+
+MIN_SIZE = int(os.environ.get("HPCDIST_CPU_KERNELS_MIN", str(1 << 15)))
+ATTENTION_BYTES = 4 << 20          # scores held at once by causal attention (4 MiB: ~L2)
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_jit = None                        # cpu_jit once imported
+_why_not = None                    # why numba is not used, once known
+_threads = 0                       # the thread count last given to numba
+
+
+def on() -> bool:
+    return os.environ.get("HPCDIST_CPU_KERNELS", "1") != "0" and _why_not is None
+
+
+def wanted(a) -> bool:
+    """Whether the CPU kernel should take an op whose first array is ``a``."""
+    return a.size >= MIN_SIZE and a.dtype in DTYPES and on() and isinstance(a, np.ndarray)
+
+
+def why_not() -> str | None:
+    """None when the kernels are in use, else why not (for the run header and the bench)."""
+    if os.environ.get("HPCDIST_CPU_KERNELS", "1") == "0":
+        return "off (HPCDIST_CPU_KERNELS=0)"
+    return _why_not
+
+
+def describe() -> str:
+    """What runs the fused ops here, in a few words, without importing numba."""
+    if why_not():
+        return f"NumPy twins: {why_not()}"
+    import importlib.metadata
+    import importlib.util
+    if importlib.util.find_spec("numba") is None:
+        return "NumPy twins: numba is not installed (pip install numba)"
+    return (f"numba {importlib.metadata.version('numba')} (ops of >= {MIN_SIZE:,} elements; "
+            f"smaller ones: the NumPy twins)")
+
+
+def jit():
+    """The numba kernels, imported on first use, on this rank's threads."""
+    global _jit, _why_not, _threads
+    if _jit is None:
+        try:
+            import numba
+            if not os.environ.get("NUMBA_THREADING_LAYER"):
+                # numba's default (OpenMP) keeps its threads spinning after a kernel, and
+                # they took the cores from the BLAS GEMM that follows (6x384: 1.9x slower
+                # steps, measured); the work queue's threads sleep
+                numba.config.THREADING_LAYER = "workqueue"
+            from . import cpu_jit
+        except ImportError as e:           # numba absent or broken: the twins run
+            _why_not = f"numba did not import ({e})"
+            raise
+        _jit = cpu_jit
+    n = threads.threads
+    if n and n != _threads:
+        import numba
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+        _threads = n
+    return _jit.SERIAL if n == 1 else _jit.PARALLEL
+
+
+def _c(x, value):
+    return x.dtype.type(value)
+
+
+def _mat(x):
+    """x as a C-contiguous (rows, last axis) matrix (a view when it already is one)."""
+    return np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+
+
+# ---- elementwise -------------------------------------------------------------------------
+
+def bias_gelu(h, b):
+    """twin: elementwise.bias_gelu_twin (h += b in place; gelu(h), no tanh kept)."""
+    if not h.flags.c_contiguous:
+        from .elementwise import bias_gelu_twin
+        return bias_gelu_twin(h, b)
+    y = np.empty_like(h)
+    h2 = h.reshape(-1, h.shape[-1])
+    jit().bias_gelu(h2, np.ascontiguousarray(b, dtype=h.dtype), y.reshape(h2.shape), True,
+                    _c(h, GELU_C), _c(h, 0.044715))
+    return y, None
+
+
+def gelu(x):
+    x2 = _mat(x)
+    y = np.empty(x2.shape, x.dtype)
+    jit().bias_gelu(x2, x2[0], y, False, _c(x, GELU_C), _c(x, 0.044715))
+    return y.reshape(x.shape), None
+
+
+def gelu_bwd(x, g, t=None):
+    x2 = _mat(x)
+    gx = np.empty(x2.shape, x.dtype)
+    jit().gelu_bwd(x2, _mat(g.astype(x.dtype, copy=False)), gx, _c(x, GELU_C),
+                   _c(x, 0.044715))
+    return gx.reshape(x.shape)
+
+
+def bias_residual(out, bias=None, residual=None):
+    if not out.flags.c_contiguous or (residual is not None and residual.dtype != out.dtype):
+        from .elementwise import bias_residual_twin
+        return bias_residual_twin(out, bias, residual)
+    o2 = out.reshape(-1, out.shape[-1])
+    b = o2[0] if bias is None else np.ascontiguousarray(bias, dtype=out.dtype)
+    r = o2 if residual is None else _mat(residual)
+    jit().bias_residual(o2, b, r, bias is not None, residual is not None)
+    return out
+
+
+def _colsum(g2):
+    """The column sums of g2 (R, C), added in a fixed order at any thread count."""
+    part = np.empty((-(-g2.shape[0] // 64), g2.shape[1]), g2.dtype)
+    jit().colsum_partial(g2, part)
+    return part.sum(axis=0)
+
+
+def colsum_add(g, out):
+    out += _colsum(_mat(g))
+    return out
+
+
+def adamw(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):
+    """twin: elementwise.adamw_twin, on flat contiguous buffers."""
+    s = p.dtype.type
+    jit().adamw(p, g, m, v, decay if decay is not None else np.zeros(p.size, np.uint8),
+                bool(wd) and decay is not None, s(lr), s(beta1), s(beta2), s(eps), s(wd),
+                s(1.0 - beta1 ** step), s(np.sqrt(1.0 - beta2 ** step)))
+    return p, m, v
+
+
+# ---- rows ----------------------------------------------------------------------------------
+
+def layernorm(x, w, b, eps):
+    x2 = _mat(x)
+    y = np.empty(x2.shape, x.dtype)
+    mean, rstd = np.empty(x2.shape[0], x.dtype), np.empty(x2.shape[0], x.dtype)
+    jit().layernorm_fwd(x2, np.ascontiguousarray(w, dtype=x.dtype),
+                        np.ascontiguousarray(b, dtype=x.dtype), y, mean, rstd, _c(x, eps))
+    lead = x.shape[:-1]
+    return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead), None
+
+
+def layernorm_bwd(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None):
+    x2 = _mat(x)
+    R, C = x2.shape
+    gx = np.empty(x2.shape, x.dtype)
+    blocks = -(-R // 64)
+    gw_part, gb_part = np.empty((blocks, C), x.dtype), np.empty((blocks, C), x.dtype)
+    jit().layernorm_bwd(_mat(g.astype(x.dtype, copy=False)), x2,
+                        np.ascontiguousarray(w, dtype=x.dtype),
+                        np.ascontiguousarray(mean, dtype=x.dtype).reshape(-1),
+                        np.ascontiguousarray(rstd, dtype=x.dtype).reshape(-1), gx, gw_part,
+                        gb_part, _c(x, 1.0 / C))
+    return (gx.reshape(x.shape),) + added_into(gw_part.sum(axis=0), gb_part.sum(axis=0),
+                                               gw_into, gb_into)
+
+
+def softmax_causal(x, scale, past=0):
+    x2 = _mat(x)
+    y = np.empty(x2.shape, x.dtype)
+    jit().softmax_causal(x2, y, np.empty(x2.shape[0], x.dtype), x.shape[-2] if x.ndim > 1
+                         else 1, past, _c(x, scale))
+    return y.reshape(x.shape)
+
+
+def softmax_causal_bwd(g, y, scale):
+    y2 = _mat(y)
+    gx = np.empty(y2.shape, y.dtype)
+    jit().softmax_bwd(_mat(g.astype(y.dtype, copy=False)), y2, gx, _c(y, scale))
+    return gx.reshape(y.shape)
+
+
+def cross_entropy(z, t, ignore):
+    z2 = _mat(z)
+    nll, lse = np.empty(z2.shape[0], z.dtype), np.empty(z2.shape[0], z.dtype)
+    jit().cross_entropy_fwd(z2, np.ascontiguousarray(t, dtype=np.int64).reshape(-1),
+                            int(ignore), nll, lse, _c(z, 0.0))
+    return nll, lse
+
+
+def cross_entropy_bwd(z, t, lse, ignore, weight):
+    z2 = _mat(z)
+    gz = np.empty(z2.shape, z.dtype)
+    jit().cross_entropy_bwd(z2, np.ascontiguousarray(t, dtype=np.int64).reshape(-1),
+                            np.ascontiguousarray(lse, dtype=z.dtype), int(ignore),
+                            _c(z, float(weight)), gz)
+    return gz
+
+
+def warm() -> dict:
+    """Compile every CPU kernel, threaded and serial, for float32 and float64 (numba caches
+    them on disk, so no later process compiles: ``make venv`` runs this) and check each
+    against its twin; {(op, dtype, variant): largest error, or why it failed}."""
+    global _threads
+    out, saved = {}, threads.threads
+    try:
+        for n, variant in ((1, "serial"), (2, "threaded")):
+            threads.threads = n                    # (jit() picks the variant by it)
+            for name, op in fused.registry().items():
+                if op.cpu is None:
+                    continue
+                for dtype in ("float32", "float64"):
+                    try:
+                        out[name, dtype, variant] = op.worst_error(dtype, run=op.cpu)
+                    except Exception as e:             # numba absent or broken
+                        out[name, dtype, variant] = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        threads.threads, _threads = saved, 0
+    return out

@@ -1,0 +1,90 @@
+"""Causal self-attention on the CPU from the fused q|k|v projection, a block of (sequence,
+head) pairs at a time: BLAS GEMMs for the scores and the weighted sum (strided views of qkv,
+no copies), numba's fused scale + mask + softmax + log-sum-exp between them, and a backward
+that recomputes each block's probabilities from that log-sum-exp instead of keeping every
+head's (T, T) of them from the forward (twins: attention.attention_twin / _bwd_twin)."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import cpu
+
+
+def blocks(B: int, n_head: int, T: int, itemsize: int):
+    """(b0, b1, h0, h1) blocks of sequences x heads whose scores fit cpu.ATTENTION_BYTES
+    (at least one pair)."""
+    pairs = max(1, cpu.ATTENTION_BYTES // max(1, T * T * itemsize))
+    if pairs >= n_head:
+        step = pairs // n_head
+        for b0 in range(0, B, step):
+            yield b0, min(B, b0 + step), 0, n_head
+    else:
+        for b0 in range(B):
+            for h0 in range(0, n_head, pairs):
+                yield b0, b0 + 1, h0, min(n_head, h0 + pairs)
+
+
+def _parts(qkv, n_head, b0, b1, h0, h1):
+    """q (nb, nh, T, hs), k transposed (nb, nh, hs, T), v (nb, nh, T, hs) of one block."""
+    B, T, C3 = qkv.shape
+    r = qkv.reshape(B, T, 3, n_head, C3 // 3 // n_head)[b0:b1, :, :, h0:h1]
+    return (r[:, :, 0].transpose(0, 2, 1, 3), r[:, :, 1].transpose(0, 2, 3, 1),
+            r[:, :, 2].transpose(0, 2, 1, 3))
+
+
+def query_blocks(T: int):
+    """(i0, i1) blocks of queries: block i0..i1 sees keys 0..i1 only, so the GEMMs skip the
+    masked corner (4 blocks: 37.5% of the scores' flops; at most 4, at least 64 rows)."""
+    step = max(64, -(-T // 4))
+    return [(i0, min(T, i0 + step)) for i0 in range(0, T, step)]
+
+
+def attention_fwd(qkv, n_head, scale):
+    """(y (B, T, C), lse (B, nh, T), None): nothing of the probabilities is kept."""
+    qkv = np.ascontiguousarray(qkv)
+    B, T, C3 = qkv.shape
+    hs = C3 // 3 // n_head
+    jit, sc = cpu.jit(), qkv.dtype.type(scale)
+    y = np.empty((B, T, n_head, hs), qkv.dtype)
+    lse = np.empty((B, n_head, T), qkv.dtype)
+    for b0, b1, h0, h1 in blocks(B, n_head, T, qkv.itemsize):
+        q, kt, v = _parts(qkv, n_head, b0, b1, h0, h1)
+        for i0, i1 in query_blocks(T):
+            s = np.matmul(q[:, :, i0:i1], kt[..., :i1])               # (nb, nh, tq, i1)
+            part = np.empty(s.shape[:-1], qkv.dtype)
+            rows = s.reshape(-1, i1)
+            jit.softmax_causal(rows, rows, part.reshape(-1), i1 - i0, i0, sc)
+            lse[b0:b1, h0:h1, i0:i1] = part
+            y[b0:b1, i0:i1, h0:h1] = np.matmul(s, v[:, :, :i1]).transpose(0, 2, 1, 3)
+    return y.reshape(B, T, n_head * hs), lse, None
+
+
+def attention_bwd(qkv, y, dy, lse, n_head, scale, att=None):
+    """dqkv (B, T, 3C) of y = attention_fwd(qkv)[0], block by block as the forward went; a
+    key's gradient adds over the query blocks that see it."""
+    qkv = np.ascontiguousarray(qkv)
+    B, T, C3 = qkv.shape
+    hs = C3 // 3 // n_head
+    jit, sc = cpu.jit(), qkv.dtype.type(scale)
+    g = np.ascontiguousarray(dy, dtype=qkv.dtype).reshape(B, T, n_head, hs)
+    dqkv = np.empty_like(qkv)
+    dr = dqkv.reshape(B, T, 3, n_head, hs)
+    for b0, b1, h0, h1 in blocks(B, n_head, T, qkv.itemsize):
+        q, kt, v = _parts(qkv, n_head, b0, b1, h0, h1)
+        gb = g[b0:b1, :, h0:h1].transpose(0, 2, 1, 3)                 # (nb, nh, T, hs)
+        dk, dv = np.zeros(q.shape, qkv.dtype), np.zeros(q.shape, qkv.dtype)
+        for i0, i1 in query_blocks(T):
+            p = np.matmul(q[:, :, i0:i1], kt[..., :i1])
+            rows = p.reshape(-1, i1)
+            jit.probs_from_lse(rows, np.ascontiguousarray(lse[b0:b1, h0:h1, i0:i1])
+                               .reshape(-1), i1 - i0, i0, sc)
+            gq = gb[:, :, i0:i1]
+            dv[:, :, :i1] += np.matmul(p.swapaxes(-1, -2), gq)
+            ds = np.matmul(gq, v[:, :, :i1].swapaxes(-1, -2))        # d probabilities
+            jit.softmax_bwd(ds.reshape(-1, i1), rows, ds.reshape(-1, i1), sc)
+            dr[b0:b1, i0:i1, 0, h0:h1] = np.matmul(ds, kt[..., :i1].swapaxes(-1, -2)) \
+                .transpose(0, 2, 1, 3)
+            dk[:, :, :i1] += np.matmul(ds.swapaxes(-1, -2), q[:, :, i0:i1])
+        dr[b0:b1, :, 1, h0:h1] = dk.transpose(0, 2, 1, 3)
+        dr[b0:b1, :, 2, h0:h1] = dv.transpose(0, 2, 1, 3)
+    return dqkv

@@ -1,0 +1,317 @@
+"""The fused ops' CPU kernels, compiled by numba: one pass over memory, threads over rows.
+
+Each loop body is written once for float32 and float64 (numba compiles one per dtype, cached
+on disk); constants that float32 cannot hold exactly come in as arguments of the array's type,
+so a float64 call is float64 throughout. ``exp`` of float32 is ours (``_exp32``: Cody-Waite
+range reduction, a degree-6 polynomial and the exponent written into the bits, 2 ulp) because
+LLVM vectorises it, where libm's ``expf`` runs one element at a time (GELU 4x slower
+measured); float64 keeps libm's. Row blocks are fixed (``BLOCK``), not one per thread, so the
+partial sums of a column reduction add in the same order at any thread count.
+
+Only hpcdist/device/kernels/cpu.py imports this (importing numba costs ~0.3 s)."""
+from __future__ import annotations
+
+import math
+import types as pytypes
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+# error_model numpy: x / 0 is inf, as in NumPy (Python's model checks for zero before every
+# division, and the branch stopped LLVM vectorising the serial kernels: 15x slower, measured)
+FLAGS = dict(fastmath=True, cache=True, nogil=True, error_model="numpy")
+BLOCK = 64                      # rows per partial sum of a column reduction
+_F = np.float32
+
+
+@intrinsic
+def _bits_to_f32(typingctx, k):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+def _minmax(name):
+    @intrinsic
+    def op(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            ty = args[0].type
+            fn = builder.module.declare_intrinsic(name, [ty], ir.FunctionType(ty, [ty, ty]))
+            return builder.call(fn, args, fastmath=("fast",))
+        return a(a, b), codegen
+    return op
+
+
+# LLVM's maxnum/minnum: vectorised, where numba's max()/min() compare and branch one element
+# at a time (a row maximum 10x slower, measured)
+fmax, fmin = _minmax("llvm.maxnum"), _minmax("llvm.minnum")
+
+
+@njit(inline="always", fastmath=True, error_model="numpy")
+def _exp32(x):
+    x = fmin(fmax(x, _F(-87.3)), _F(88.0))           # 2^k stays finite (k <= 127)
+    k = np.floor(x * _F(1.442695040888963) + _F(0.5))      # (math.floor: an int64)
+    r = x - k * _F(0.693145751953125) - k * _F(1.428606765330187e-06)
+    p = _F(1.0) + r * (_F(1.0) + r * (_F(0.5) + r * (_F(0.16666667) + r * (
+        _F(0.041666668) + r * (_F(0.008333334) + r * _F(0.0013888889))))))
+    return p * _bits_to_f32((np.int32(k) + np.int32(127)) << np.int32(23))
+
+
+def fexp(x):
+    """exp of a float32 or float64 scalar inside a kernel."""
+    raise NotImplementedError
+
+
+def like(x, value):
+    """``value`` as a scalar of x's type inside a kernel: numba follows NumPy, where float32
+    times a Python number is float64 (measured: every op of a float32 kernel was float64)."""
+    raise NotImplementedError
+
+
+@overload(fexp, inline="always", fastmath=True)
+def _fexp(x):
+    if x == types.float32:
+        return lambda x: _exp32(x)
+    return lambda x: math.exp(x)
+
+
+@overload(like, inline="always")
+def _like(x, value):
+    if x == types.float32:
+        return lambda x, value: np.float32(value)
+    return lambda x, value: np.float64(value)
+
+
+@njit(inline="always", fastmath=True, error_model="numpy")
+def _tanh32(u):
+    """(tanh u, 1 - tanh^2 u) through e = exp(2u): 1 - 2 / (e + 1) and 4 / (e + 2 + 1/e) (the
+    second without the cancellation of 1 - t t, and finite however fastmath reorders the
+    products around it), |u| clipped at 40: GELU's derivative multiplies it by ~x^3."""
+    e = _exp32(fmin(fmax(u + u, _F(-80.0)), _F(80.0)))
+    return _F(1.0) - _F(2.0) / (e + _F(1.0)), _F(4.0) / (e + _F(2.0) + _F(1.0) / e)
+
+
+def ftanh(x):
+    """(tanh x, 1 - tanh^2 x) of a float32 (ours, vectorised) or float64 (libm's) scalar
+    inside a kernel."""
+    raise NotImplementedError
+
+
+def _tanh64(x):
+    t = math.tanh(x)
+    return t, 1.0 - t * t
+
+
+@overload(ftanh, inline="always", fastmath=True)
+def _ftanh(x):
+    if x == types.float32:
+        return lambda x: _tanh32(x)
+    return _tanh64
+
+
+PARALLEL = pytypes.SimpleNamespace()      # each kernel threaded over its rows (prange)
+SERIAL = pytypes.SimpleNamespace()        # the same on the calling thread alone
+
+
+def kernel(fn):
+    """Compile ``fn`` twice: threaded (into PARALLEL) and on the calling thread (SERIAL, for
+    a rank of one thread: a work queue's handoff per call cost 1.6x on 8 ranks sharing 2
+    cores, measured). The serial copy has a name of its own, so numba caches both."""
+    PARALLEL.__dict__[fn.__name__] = njit(parallel=True, **FLAGS)(fn)
+    twin = pytypes.FunctionType(fn.__code__.replace(co_name=fn.__name__ + "_serial"),
+                                fn.__globals__, fn.__name__ + "_serial")
+    twin.__qualname__ = fn.__qualname__ + "_serial"
+    SERIAL.__dict__[fn.__name__] = njit(**FLAGS)(twin)
+    return fn
+
+
+# ---- elementwise -------------------------------------------------------------------------
+
+@kernel
+def bias_gelu(h, b, y, has_bias, c, c3):
+    """h (R, C) += b where has_bias (kept: the backward's input); y = gelu(h)."""
+    half, one = like(c, 0.5), like(c, 1.0)
+    for r in prange(h.shape[0]):
+        if has_bias:                      # (a branch inside the loop stops vectorising)
+            for j in range(h.shape[1]):
+                h[r, j] += b[j]
+        for j in range(h.shape[1]):
+            v = h[r, j]
+            y[r, j] = half * v * (one + ftanh(c * (v + c3 * v * v * v))[0])
+
+
+@kernel
+def gelu_bwd(x, g, gx, c, c3):
+    half, one, c33 = like(c, 0.5), like(c, 1.0), like(c, 3.0) * c3
+    for r in prange(x.shape[0]):
+        for j in range(x.shape[1]):
+            v = x[r, j]
+            t, sech2 = ftanh(c * (v + c3 * v * v * v))
+            d = half * (one + t) + half * v * sech2 * c * (one + c33 * v * v)
+            gx[r, j] = g[r, j] * d
+
+
+@kernel
+def bias_residual(out, bias, res, has_bias, has_res):
+    for r in prange(out.shape[0]):
+        if has_bias and has_res:
+            for j in range(out.shape[1]):
+                out[r, j] = out[r, j] + bias[j] + res[r, j]
+        elif has_bias:
+            for j in range(out.shape[1]):
+                out[r, j] += bias[j]
+        elif has_res:
+            for j in range(out.shape[1]):
+                out[r, j] += res[r, j]
+
+
+@kernel
+def colsum_partial(g, part):
+    """part[k] = the sum of rows BLOCK k .. BLOCK (k + 1) of g (R, C)."""
+    R = g.shape[0]
+    for k in prange(part.shape[0]):
+        part[k, :] = 0
+        for r in range(k * BLOCK, min(R, (k + 1) * BLOCK)):
+            for j in range(g.shape[1]):
+                part[k, j] += g[r, j]
+
+
+@kernel
+def adamw(p, g, m, v, decay, has_decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2):
+    """The twin's operations in its order (elementwise.adamw_twin), in chunks of 4096; the
+    scalars come in as the arrays' type."""
+    n = p.size
+    one = like(lr, 1.0)
+    cut = lr * wd if has_decay else like(lr, 0.0)
+    step, keep1, keep2 = lr / bias1, one - beta1, one - beta2
+    for k in prange((n + 4095) // 4096):
+        for i in range(k * 4096, min(n, (k + 1) * 4096)):
+            # p (1 - lr wd) where decay[i] (0 or 1): no branch in the loop
+            pi = p[i] * (one - cut * decay[i])
+            gi = g[i]
+            vi = v[i] * beta2 + gi * gi * keep2
+            mi = m[i] * beta1 + gi * keep1
+            p[i] = pi - mi / (math.sqrt(vi) / sqrt_bias2 + eps) * step
+            m[i] = mi
+            v[i] = vi
+
+
+# ---- rows ----------------------------------------------------------------------------------
+
+@kernel
+def layernorm_fwd(x, w, b, y, mean, rstd, eps):
+    inv_c, one = like(eps, 1.0 / x.shape[1]), like(eps, 1.0)
+    for r in prange(x.shape[0]):
+        s = like(eps, 0.0)
+        for j in range(x.shape[1]):
+            s += x[r, j]
+        mu = s * inv_c
+        q = like(eps, 0.0)
+        for j in range(x.shape[1]):
+            d = x[r, j] - mu
+            q += d * d
+        rs = one / math.sqrt(q * inv_c + eps)
+        for j in range(x.shape[1]):
+            y[r, j] = (x[r, j] - mu) * rs * w[j] + b[j]
+        mean[r] = mu
+        rstd[r] = rs
+
+
+@kernel
+def layernorm_bwd(g, x, w, mean, rstd, gx, gw_part, gb_part, inv_c):
+    """gx per row; the weight's and bias's gradients as partial sums per BLOCK of rows."""
+    R, C = x.shape
+    for k in prange(gw_part.shape[0]):
+        gw_part[k, :] = 0
+        gb_part[k, :] = 0
+        for r in range(k * BLOCK, min(R, (k + 1) * BLOCK)):
+            mu, rs = mean[r], rstd[r]
+            s1, s2 = like(inv_c, 0.0), like(inv_c, 0.0)
+            for j in range(C):
+                xh = (x[r, j] - mu) * rs
+                gh = g[r, j] * w[j]
+                s1 += gh
+                s2 += gh * xh
+                gw_part[k, j] += g[r, j] * xh
+                gb_part[k, j] += g[r, j]
+            s1 *= inv_c
+            s2 *= inv_c
+            for j in range(C):
+                gx[r, j] = rs * (g[r, j] * w[j] - s1 - (x[r, j] - mu) * rs * s2)
+
+
+@kernel
+def softmax_causal(x, y, lse, tq, past, scale):
+    """y = softmax(scale x) of each row r of x (R, S), query r % tq seeing keys
+    0..past + r % tq (0 beyond); lse[r] its log-sum-exp. y may be x."""
+    S = x.shape[1]
+    one = like(scale, 1.0)
+    for r in prange(x.shape[0]):
+        n = min(S, past + r % tq + 1)
+        top = x[r, 0] * scale
+        for j in range(1, n):
+            top = fmax(top, x[r, j] * scale)
+        s = like(scale, 0.0)
+        for j in range(n):
+            e = fexp(x[r, j] * scale - top)
+            y[r, j] = e
+            s += e
+        inv = one / s
+        for j in range(n):
+            y[r, j] *= inv
+        for j in range(n, S):
+            y[r, j] = 0
+        lse[r] = top + math.log(s)
+
+
+@kernel
+def probs_from_lse(s, lse, tq, past, scale):
+    """s (R, S) := exp(scale s - lse) where query r % tq (after ``past``) sees the key, 0
+    beyond, in place: a flash-style backward recomputes the probabilities from the scores
+    and the forward's log-sum-exp."""
+    S = s.shape[1]
+    for r in prange(s.shape[0]):
+        n = min(S, past + r % tq + 1)
+        for j in range(n):
+            s[r, j] = fexp(s[r, j] * scale - lse[r])
+        for j in range(n, S):
+            s[r, j] = 0
+
+
+@kernel
+def softmax_bwd(g, y, gx, scale):
+    """gx = scale y (g - sum(g y)) per row; gx may be g."""
+    for r in prange(y.shape[0]):
+        d = like(scale, 0.0)
+        for j in range(y.shape[1]):
+            d += g[r, j] * y[r, j]
+        for j in range(y.shape[1]):
+            gx[r, j] = scale * y[r, j] * (g[r, j] - d)
+
+
+@kernel
+def cross_entropy_fwd(z, t, ignore, nll, lse, zero):
+    V = z.shape[1]
+    for r in prange(z.shape[0]):
+        top = z[r, 0]
+        for j in range(1, V):
+            top = fmax(top, z[r, j])
+        s = like(zero, 0.0)
+        for j in range(V):
+            s += fexp(z[r, j] - top)
+        lse[r] = top + math.log(s)
+        nll[r] = zero if t[r] == ignore else lse[r] - z[r, t[r]]
+
+
+@kernel
+def cross_entropy_bwd(z, t, lse, ignore, weight, gz):
+    V = z.shape[1]
+    for r in prange(z.shape[0]):
+        if t[r] == ignore:
+            gz[r, :] = 0
+            continue
+        for j in range(V):
+            gz[r, j] = fexp(z[r, j] - lse[r]) * weight
+        gz[r, t[r]] -= weight

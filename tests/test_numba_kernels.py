@@ -87,7 +87,8 @@ def test_row_edges(dtype):
         scale = float(rstd.max())
         _agree(kernels.LAYERNORM_BWD, (g, x, w, mean, rstd), dtype,
                tol=(1e-6 if dtype == np.float32 else 1e-14) * scale)
-    for shape, past in (((1, 1, 1, 1), 0), ((2, 1, 1, 9), 8), ((1, 3, 7, 7), 0), ((2, 2, 5, 12), 7)):
+    for shape, past in (((1, 1, 1, 1), 0), ((2, 1, 1, 9), 8), ((1, 3, 7, 7), 0),
+                        ((2, 2, 5, 12), 7)):
         x = rng.standard_normal(shape).astype(dtype)
         _agree(kernels.SOFTMAX_CAUSAL_FWD, (x, 0.7, past), dtype)
         y = kernels.SOFTMAX_CAUSAL_FWD.twin(x, 0.7, past)

@@ -314,8 +314,8 @@ def main_train(args) -> int:
             if r.get("no_overlap_ms"):
                 r["overlap_cost"] = r["overlap_ms"] / r["no_overlap_ms"]
         what = f"GPT {args.model}" if args.model else "default GPT"
-        print(f"\nDDP step, {what} on the default task, {title}, AdamW, batch {args.batch} per rank, "
-              f"{args.steps} steps: hpcdist vs PyTorch DDP over gloo (median ms/step after the "
+        print(f"\nDDP step, {what} on the default task, {title}, AdamW, batch {args.batch} "
+              f"per rank, {args.steps} steps: hpcdist vs PyTorch DDP over gloo (median ms/step after the "
               f"first fifth; {ROUNDS} runs each, taking turns, the faster); at 1 rank also "
               "hpcdist's forward + backward + sync with overlap on and off, step by step in "
               "turns")

@@ -15,7 +15,7 @@ import numpy as np
 from . import backend
 
 _REGISTRY: dict = {}
-cpu_wanted = None               # kernels/cpu.py's size and dtype rule, set by its attach()
+cpu_wanted = None               # kernels/cpu.py's size and dtype rule (kernels/__init__.py)
 _refused: dict = {}             # name -> why it is not used
 DTYPES = {"float32": ("float", "float"), "float64": ("double", "double")}
 

@@ -47,8 +47,8 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
             f"{cfg_parameters(model, cfg):,} parameters | task {cfg.task} "
             f"({len(train_set):,} train / {len(test_set):,} held-out) | device "
             f"{backend.device_label()} | world size {world} on {hosts}: {layout} | BLAS threads "
-            f"{threads.choice}{cpu_kernels()} | {cfg.precision}{emulated} | {first} | {cfg.steps} steps x batch "
-            f"{cfg.batch_size} x {data_size} replicas"
+            f"{threads.choice}{cpu_kernels()} | {cfg.precision}{emulated} | {first} | "
+            f"{cfg.steps} steps x batch {cfg.batch_size} x {data_size} replicas"
             + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
     return [line] + lines[1:] + comm_paths(cfg, strategy)
 

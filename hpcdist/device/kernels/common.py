@@ -8,6 +8,7 @@ import numpy as np
 
 
 GELU_C = math.sqrt(2.0 / math.pi)
+ROW_BLOCK = 64       # rows per partial sum of the CPU kernels' column reductions (cpu_jit.py)
 
 _COMMON = r"""
 #define NEG_INF ((A)(-__int_as_float(0x7f800000)))          // -infinity (no <math.h> in NVRTC)

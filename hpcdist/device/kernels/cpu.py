@@ -7,7 +7,8 @@ twin keeps for its backward (GELU's tanh, LayerNorm's x-hat, attention's probabi
 kernel does not: its backward recomputes it, as the GPU's does. The kernels run on the
 threads hpcdist gives a rank (host/threads.py), never more: a rank of one thread runs them
 serially. Attention: cpu_attention.py. HPCDIST_CPU_KERNELS=0 turns them off,
-HPCDIST_CPU_KERNELS_MIN sets the size. The rest: docs/autograd.md, "The CPU kernels"."""
+HPCDIST_CPU_KERNELS_MIN sets the size. The rest: docs/autograd.md, "At the shapes people
+train"."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ import numpy as np
 
 from ...host import threads
 from .. import fused
-from .common import GELU_C
+from .common import GELU_C, ROW_BLOCK
 from .rows import added_into
 
 MIN_SIZE = int(os.environ.get("HPCDIST_CPU_KERNELS_MIN", str(1 << 15)))
@@ -130,7 +131,7 @@ def bias_residual(out, bias=None, residual=None):
 
 def _colsum(g2):
     """The column sums of g2 (R, C), added in a fixed order at any thread count."""
-    part = np.empty((-(-g2.shape[0] // 64), g2.shape[1]), g2.dtype)
+    part = np.empty((-(-g2.shape[0] // ROW_BLOCK), g2.shape[1]), g2.dtype)
     jit().colsum_partial(g2, part)
     return part.sum(axis=0)
 
@@ -165,7 +166,7 @@ def layernorm_bwd(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None):
     x2 = _mat(x)
     R, C = x2.shape
     gx = np.empty(x2.shape, x.dtype)
-    blocks = -(-R // 64)
+    blocks = -(-R // ROW_BLOCK)
     gw_part, gb_part = np.empty((blocks, C), x.dtype), np.empty((blocks, C), x.dtype)
     jit().layernorm_bwd(_mat(g.astype(x.dtype, copy=False)), x2,
                         np.ascontiguousarray(w, dtype=x.dtype),

@@ -1,11 +1,11 @@
 """The fused ops' CPU kernels, compiled by numba: one pass over memory, threads over rows.
 
 Each loop body is written once for float32 and float64 (numba compiles one per dtype, cached
-on disk); constants that float32 cannot hold exactly come in as arguments of the array's type,
-so a float64 call is float64 throughout. ``exp`` of float32 is ours (``_exp32``: Cody-Waite
-range reduction, a degree-6 polynomial and the exponent written into the bits, 2 ulp) because
-LLVM vectorises it, where libm's ``expf`` runs one element at a time (GELU 4x slower
-measured); float64 keeps libm's. Row blocks are fixed (``BLOCK``), not one per thread, so the
+on disk); constants are made in the array's type (``like``) or come in as arguments of it, so
+a float32 call stays float32 and a float64 one float64. ``exp`` of float32 is ours
+(``_exp32``: Cody-Waite range reduction, a degree-6 polynomial and the exponent written into
+the bits, 2 ulp) because LLVM vectorises it, where libm's ``expf`` runs one element at a time
+(GELU 5x slower, measured); float64 keeps libm's. Row blocks are fixed (``BLOCK``), not one per thread, so the
 partial sums of a column reduction add in the same order at any thread count.
 
 Only hpcdist/device/kernels/cpu.py imports this (importing numba costs ~0.3 s)."""
@@ -19,10 +19,12 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from .common import ROW_BLOCK
+
 # error_model numpy: x / 0 is inf, as in NumPy (Python's model checks for zero before every
 # division, and the branch stopped LLVM vectorising the serial kernels: 15x slower, measured)
 FLAGS = dict(fastmath=True, cache=True, nogil=True, error_model="numpy")
-BLOCK = 64                      # rows per partial sum of a column reduction
+BLOCK = ROW_BLOCK                # rows per partial sum of a column reduction
 _F = np.float32
 
 

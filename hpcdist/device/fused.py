@@ -90,32 +90,24 @@ class Fused:
         return worst
 
     def _cpu_ok(self, dtype: str) -> bool:
-        """Whether the CPU kernel passed its self-check for ``dtype`` (run on first use; a
-        kernel that fails to compile or to agree is refused, said in ``refusals()``, and
-        the twin runs)."""
+        """Whether the CPU kernel passed ``self_check`` for ``dtype`` (run on first use; one
+        that fails to compile or to agree is refused as "<name> (cpu)" and the twin runs)."""
         ok = self._cpu_checked.get(dtype)
         if ok is None:
-            try:
-                worst = self.worst_error(dtype, run=self.cpu)
-            except Exception as e:                     # numba absent, compile failure
-                worst, _refused[self.name + " (cpu)"] = None, f"{type(e).__name__}: {e}"[:200]
-            ok = worst is not None and worst <= self.tolerance
-            if worst is not None and not ok:
-                _refused[self.name + " (cpu)"] = (f"{dtype}: off by {worst:.2e} (allowed "
-                                                  f"{self.tolerance:.0e})")
-            self._cpu_checked[dtype] = ok
+            ok = self._cpu_checked[dtype] = self.self_check(dtype, run=self.cpu)
         return ok
 
-    def self_check(self, dtype: str) -> bool:
-        """Run the kernel and the twin on every case; True when all agree."""
+    def self_check(self, dtype: str, run=None) -> bool:
+        """Run the kernel (the CPU kernel ``run`` when given) and the twin on every case;
+        True when all agree, else the reason is kept in ``refusals()``."""
+        name = self.name if run is None else self.name + " (cpu)"
         try:
-            worst = self.worst_error(dtype, lambda k: self._kernel(dtype, k))
+            worst = self.worst_error(dtype, lambda k: self._kernel(dtype, k), run=run)
         except Exception as e:                         # compile or launch failure
-            _refused[self.name] = f"{type(e).__name__}: {e}"[:200]
+            _refused[name] = f"{type(e).__name__}: {e}"[:200]
             return False
         if worst > self.tolerance:
-            _refused[self.name] = (f"{dtype}: off by {worst:.2e} (allowed "
-                                   f"{self.tolerance:.0e})")
+            _refused[name] = f"{dtype}: off by {worst:.2e} (allowed {self.tolerance:.0e})"
             return False
         return True
 

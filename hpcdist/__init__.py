@@ -1,7 +1,8 @@
 """hpcdist: an MPI-native distributed-training toolkit with a small autograd core."""
-from .host import threads
+from .host import floats, threads
 
 threads.early()          # BLAS threads per rank, before NumPy loads its BLAS (threads.py)
+floats.flush_denormals()  # subnormals as zero, inherited by the threads started later
 
 from .device import backend  # noqa: E402
 from .autograd import ops  # noqa: E402

@@ -135,9 +135,12 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
         return strategy.run(stop, save, stopped, start)
     t_start = time.perf_counter()
     bytes_start = strategy.comm.bytes_sent           # the gradient communicator's count
+    inter_start = getattr(strategy.comm, "bytes_inter_node", 0)    # of it, across nodes
     history, step, stopped = _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped,
                                    metrics, meter, (save, held_out), say)
     train_bytes = strategy.comm.bytes_sent - bytes_start    # before evaluation's gathers
+    inter = comm.allreduce(np.array([getattr(strategy.comm, "bytes_inter_node", 0)
+                                     - inter_start], dtype=np.float64))    # every rank's
     extra = strategy.summary()                      # collective where the strategy gathers
     line = extra.pop("line", None)
     if stopped:
@@ -148,7 +151,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
                              t_start, train_bytes, say)
         if line:
             say(line)
-    final.update(extra)
+    final.update(extra, inter_node_bytes=int(inter[0]))
     if metrics is not None:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()
@@ -185,7 +188,7 @@ def _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics
     last step, the signal that stopped the run or 0). ``at``: (save(step), evaluate(step))."""
     save, held_out = at
     if start < cfg.steps and not stopped:
-        strategy.begin(stop)
+        strategy.begin(stop, start)
     lr_scale = strategy.batch_comm.size if cfg.scale_lr else 1
     delay = straggler_delay(cfg, comm.rank)
     t_start = time.perf_counter()

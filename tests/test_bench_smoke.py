@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,3 +226,33 @@ def test_moe_bench_times_the_expert_all_to_all(tmp_path):
     # top-2 sends every token's row twice: about twice top-1's payload (the counts and the
     # keys' and flags' small exchanges ride beside it)
     assert 1.8 < rows[(2, 2, 0.0)]["a2a_kib"] / rows[(2, 1, 0.0)]["a2a_kib"] < 2.1
+
+
+def test_slowlinks_table_from_runs(tmp_path):
+    """``bench slowlinks``'s numbers from made-up runs: bytes against DDP's, the seconds to
+    the target, the computing share; and its corpus, the standard library's docstrings."""
+    from hpcdist.bench import slowlinks as S
+
+    def run(step_ms, losses, inter, extra=None):
+        steps = [{"step": i + 1, "step_ms": ms, "loss": l}
+                 for i, (ms, l) in enumerate(zip(step_ms, losses))]
+        final = {"test_loss": losses[-1], "train_seconds": sum(step_ms) / 1e3,
+                 "inter_node_bytes": inter, **(extra or {})}
+        return {"steps": steps, "final": final}
+    n = 200
+    runs = {"DDP hierarchical": run([30.0] * n, list(np.linspace(3, 2, n)), 1000),
+            "DiLoCo H=100": run([10.0 if i % 100 else 50.0 for i in range(1, n + 1)],
+                                list(np.linspace(3, 2.2, n)), 20,
+                                {"outer_peak_bytes": 10})}
+    rows = {r["contender"]: r for r in S.summarize(runs, n)}
+    assert rows["DiLoCo H=100"]["fewer_bytes"] == 50
+    assert rows["DDP hierarchical"]["compute_share"] == pytest.approx(10 / 30)
+    assert rows["DiLoCo H=100"]["compute_share"] == pytest.approx(2000 / 2080)
+    assert rows["DiLoCo H=100"]["to_target_s"] is None       # 2.2 > 1.05 x ~2.0
+    assert rows["DDP hierarchical"]["to_target_s"] == pytest.approx(30 * n / 1e3, rel=0.1)
+    text = S.markdown([{"nodes": 2, "link": "100mbit", "steps": n, "rows": list(rows.values())}])
+    assert "| DiLoCo H=100 |" in text and "50.0x" in text
+    path = S.corpus(str(tmp_path / "c.txt"), limit=5000)
+    with open(path) as f:
+        body = f.read()
+    assert 4000 < len(body) <= 5000 and body.count(" ") > 500

@@ -104,6 +104,11 @@ HOW = {
     "python -m hpcdist.checkpoint": (None, "as shown"),
     "python -c \"import transformers": (None, "as shown (skipped without transformers)"),
     "python -m hpcdist.plan": (None, "as shown"),
+    "mpirun -n 4 python -m hpcdist.train --strategy diloco": (None, "+ " + SHORT),
+    "python -m hpcdist.bench slowlinks": (SKIP, "as root, ~40 minutes on the cluster in a box; "
+                                                "tests/cluster checks DiLoCo's and hybrid "
+                                                "ZeRO's bytes on a shaped link, "
+                                                "tests/test_bench_smoke.py its table"),
     "python -m hpcdist.run.compositions": (None, "as shown (prints the table of docs/compositions.md)"),
     "python -m hpcdist.data prepare": (None, "as shown"),
     "timeout -s TERM 60 mpirun -n 8 python -m hpcdist.train --task text":

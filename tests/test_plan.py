@@ -327,3 +327,35 @@ def test_the_best_layout_comes_as_a_command_the_trainer_takes(capsys, gpus, seq,
     assert cfg.n_layer == 8 and cfg.block_size == seq
     if seq > 100000:
         assert cfg.cp > 1
+
+
+def test_hybrid_sharding_memory_and_its_two_link_levels():
+    """ZeRO sharded in a node of 8 and replicated over 4 nodes: the state of a shard of 8,
+    the gradient's reduce-scatter on NVLink and only 1/8 of it on the network."""
+    model = P.Model(4, 256, 4, 128, 1000)
+    gpu, settings = P.HARDWARE["a100-80g"], P.Settings()
+    flat = P.Layout(1, 1, 32, 2, 1, 1, "none", 1, False, False)
+    hybrid = P.Layout(1, 1, 32, 2, 1, 1, "none", 1, False, False, shard=8)
+    m_flat, m_hyb = P.memory(model, flat), P.memory(model, hybrid)
+    psi = m_flat["params"] / 2
+    assert m_hyb["optimizer"] == pytest.approx(12 * -(-int(psi) // 8))
+    assert m_flat["optimizer"] == pytest.approx(12 * -(-int(psi) // 32))
+    from hpcdist.plan.steptime import data_parallel_time
+    grad = 4 * (model.layers * 12 * 256 * 256 * (1 + 13 / (12 * 256)) + 1000 * 256 + 128 * 256)
+    dp, _ = data_parallel_time(model, hybrid, gpu, 8, settings, model.layers)
+    want = (2 * 7 / 8 * grad / gpu.nvlink + 14 * gpu.nvlink_alpha) + \
+        (2 * 3 / 4 * grad / 8 / gpu.network + 6 * gpu.network_alpha)
+    assert dp == pytest.approx(want)
+    layouts, _ = P.candidates(model, 32, 8, 32)
+    assert any(L.shard == 8 for L in layouts)
+    assert all(L.zero and L.dp > 8 and L.tp == 1 for L in layouts if L.shard)
+
+
+def test_diloco_advice_by_bandwidth(capsys):
+    assert cli.main(["--layers", "24", "--hidden", "2048", "--heads", "16", "--global-batch",
+                     "512", "--gpus", "64", "--diloco", "100"]) == 0
+    out = capsys.readouterr().out
+    rows = [l.split() for l in out.split("DiLoCo computing\n")[1].splitlines()[:4]]
+    ddp, diloco = [float(r[2][:-1]) for r in rows], [float(r[3][:-1]) for r in rows]
+    assert ddp == sorted(ddp, reverse=True) and all(d >= a for a, d in zip(ddp, diloco))
+    assert ddp[-1] < 50 < diloco[-1]

@@ -74,6 +74,12 @@ BAD = [
     (["--ep", "2"], "add --experts E"),
     (["--experts", "4", "--balance", "bias"], "add --router sigmoid"),
     (["--experts", "4", "--tp", "2"], "--tp with experts is not built yet"),
+    (["--inner-steps", "10"], "--inner-steps is for --strategy diloco"),
+    (["--strategy", "diloco", "--pp", "2"], "--pp inside a group is not built"),
+    (["--strategy", "diloco", "--inner-steps", "8", "--fragments", "4", "--outer-overlap", "2"],
+     "must be below H / fragments = 2"),
+    (["--strategy", "diloco", "--group-size", "3"], "--group-size 3 must divide the world size 1"),
+    (["--shard-group", "node"], "add --zero 1, 2 or 3"),
 ]
 
 

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "schedule": "hpcdist.bench.schedule",
     "shards": "hpcdist.bench.shards",
     "tp": "hpcdist.bench.tp",
+    "slowlinks": "hpcdist.bench.slowlinks",
     "twolevel": "hpcdist.bench.twolevel",
     "zero": "hpcdist.bench.zero",
 }

@@ -63,8 +63,9 @@ class StepRole:
         """Around a forward outside a step (evaluation)."""
         return contextlib.nullcontext()
 
-    def begin(self, stop) -> None:
-        """After a resume, before the first step (``stop``: the run's StopRequest or None)."""
+    def begin(self, stop, start: int = 0) -> None:
+        """After a resume, before the first step (``stop``: the run's StopRequest or None;
+        ``start``: the steps already done)."""
 
 
 class LoopRole:

@@ -171,6 +171,74 @@ PARAMETER_SERVER = [   # parallel/ps.py: workers and servers, plain data paralle
      and "--servers and --max-staleness are for --strategy ps"),
 ]
 
+OUTER = ("group_size", "inner_steps", "outer_lr", "outer_momentum", "outer_nesterov",
+         "fragments", "outer_overlap", "outer_wire", "outer_mix")
+
+
+def _diloco_problem(c) -> str | None:
+    if c.strategy != "diloco":
+        default = type(c)()
+        given = [k for k in OUTER if getattr(c, k) != getattr(default, k)]
+        return given and (f"--{given[0].replace('_', '-')} is for --strategy diloco")
+    if c.inner_steps < 1 or c.fragments < 1 or c.group_size < 0 or c.outer_overlap < 0:
+        return ("--inner-steps and --fragments must be >= 1, --group-size and --outer-overlap "
+                ">= 0")
+    if c.outer_lr <= 0 or not 0 <= c.outer_momentum < 1 or not 0 <= c.outer_mix <= 1:
+        return (f"need --outer-lr > 0, 0 <= --outer-momentum < 1 and 0 <= --outer-mix <= 1, "
+                f"got {c.outer_lr}, {c.outer_momentum}, {c.outer_mix}")
+    if c.fragments > c.inner_steps:
+        return (f"--fragments {c.fragments} meet H / fragments steps apart: at most "
+                f"--inner-steps ({c.inner_steps})")
+    if c.outer_overlap and c.outer_overlap >= c.inner_steps // c.fragments:
+        return (f"--outer-overlap {c.outer_overlap} must be below H / fragments = "
+                f"{c.inner_steps // c.fragments}: one fragment in flight at a time")
+    for bad, why in ((c.pp > 1, "--pp (the loss lives on the last stage: the outer loop's "
+                                "batches and losses are not wired through the stages)"),
+                     (c.cp > 1, "--cp (a context group reads one batch: not wired through "
+                                "the outer loop)"),
+                     (c.ep > 1, "--ep (the experts' groups would cross the replica groups)"),
+                     (c.backend != "mpi", f"--backend {c.backend} (its groups have never run "
+                                          "on a GPU)")):
+        if bad:
+            return (f"--strategy diloco runs DDP, ZeRO or TP inside each group; {why.split(' (')[0]}"
+                    f" inside a group is not built: {why.split(' (', 1)[1][:-1]}")
+    return None
+
+
+def _hybrid_problem(c) -> str | None:
+    if c.shard_group == "all":
+        return c.shard_size and "--shard-size is for --shard-group node"
+    if not c.zero:
+        return "--shard-group node shards ZeRO's state inside each node: add --zero 1, 2 or 3"
+    if c.shard_size < 0:
+        return f"--shard-size must be >= 0 (0: one node's ranks), got {c.shard_size}"
+    for bad, why in ((c.tp > 1, "--tp"), (c.pp > 1, "--pp"), (c.cp > 1, "--cp"),
+                     (c.ep > 1, "--ep"), (c.backend != "mpi", f"--backend {c.backend}")):
+        if bad:
+            return (f"--shard-group node (hybrid sharding) runs ZeRO over data parallelism "
+                    f"only; {why} with it is not built")
+    return None
+
+
+def world_problem(c, world: int):
+    """(message, setting) where the replica groups do not cut this world or the straggler
+    is not in it, else None (config.validate_world)."""
+    if c.straggler and int(c.straggler.split(":")[0]) >= world:
+        return (f"--straggler rank {c.straggler.split(':')[0]} is not a rank of a world of "
+                f"{world}", "straggler")
+    model = c.tp * c.pp * c.cp
+    for name, size in (("group_size", c.group_size), ("shard_size", c.shard_size)):
+        if size and (world % size or size % model):
+            return (f"--{name.replace('_', '-')} {size} must divide the world size {world} "
+                    f"and be a multiple of tp x pp x cp = {model}", name)
+    return None
+
+
+GROUPS = [   # parallel/groups.py, diloco.py: layouts in replica groups
+    ("strategy", _diloco_problem),
+    ("shard_group", _hybrid_problem),
+]
+
 MIXED_PRECISION = [   # parallel/mixed_precision.py: fp32 master weights
     ("precision", lambda c: c.precision != "fp32" and c.dtype == "fp64" and
      f"--precision {c.precision} keeps fp32 master weights; it cannot be combined with "
@@ -178,4 +246,4 @@ MIXED_PRECISION = [   # parallel/mixed_precision.py: fp32 master weights
 ]
 
 REFUSALS = MIXED_PRECISION + NCCL[:1] + ZERO + TENSOR + PIPELINE + CONTEXT + NCCL[1:] + \
-    PARAMETER_SERVER + EXPERTS
+    PARAMETER_SERVER + EXPERTS + GROUPS

@@ -96,7 +96,7 @@ class PSWorker(Strategy):
         self._sends = []
         return True, None
 
-    def begin(self, stop) -> None:
+    def begin(self, stop, start: int = 0) -> None:
         """Before the first step: the servers' parameters (fresh or resumed)."""
         self.stop = stop
         for s, (lo, hi) in zip(self.servers, self.bounds):

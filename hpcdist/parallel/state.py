@@ -64,6 +64,9 @@ def load_pieces(strategy, reader) -> None:
         if kind.startswith("opt.") and kind not in arrays:
             arrays[kind] = backend.xp().zeros(hi - lo, dtype=arrays["param"].dtype)
             strategy.add_optimizer_state(kind[len("opt."):], arrays[kind])
+    # state this run keeps that the checkpoint has none of (DiLoCo's outer momentum in a
+    # checkpoint of DDP) starts as the run made it
+    arrays = {k: v for k, v in arrays.items() if k in kinds or not k.startswith("opt.outer_")}
     entries = tensor_entries(strategy.model, strategy.mesh)
     for (name, size, cut, shape, spec), (off, _) in zip(entries, bounds_of(l[1] for l in entries)):
         s, e = intersect(off, off + size, lo, hi)
@@ -88,6 +91,10 @@ def run_layout(cfg, world: int) -> dict:
               "virtual_stages": cfg.virtual_stages}
     if cfg.cp > 1:                   # (absent at 1: the layouts written before CP compare equal)
         layout["cp"] = cfg.cp
+    if cfg.strategy == "diloco":     # (absent otherwise, likewise)
+        layout["diloco_group"] = cfg.group_size
+    if cfg.shard_group == "node":
+        layout["shard_size"] = cfg.shard_size
     return layout
 
 

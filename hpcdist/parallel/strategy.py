@@ -232,10 +232,34 @@ def build_parameter_server(cfg, comm, train_set):
                            cfg.max_staleness, cfg)
 
 
+def build_groups(cfg, comm, train_set):
+    """``--strategy diloco`` or ``--shard-group node``: a layout in every replica group, the
+    groups joined by DiLoCo's outer loop or by hybrid sharding's gradient average."""
+    from dataclasses import replace
+    from .groups import Replicated, replica_groups, reseed, world_batches
+    diloco = cfg.strategy == "diloco"
+    groups = replica_groups(comm, cfg.group_size if diloco else cfg.shard_size)
+    inside = replace(cfg, strategy="collective") if diloco else replace(cfg, shard_group="all")
+    model, inner = build_strategy(inside, groups.inner, train_set)
+    batches = world_batches(comm, groups, inner)
+    reseed(cfg, batches)
+    if not diloco:
+        return model, Replicated(inner, comm, groups, batches)
+    from .diloco import DiLoCo, Outer
+    # the group's ranks that hold the same elements split each exchange between them
+    replicas = inner.dp_comm if not cfg.zero else inner.cross if cfg.shard_group == "node" \
+        else None
+    return model, DiLoCo(inner, comm, groups, batches, Outer(
+        cfg.inner_steps, cfg.outer_lr, cfg.outer_momentum, cfg.outer_nesterov, cfg.fragments,
+        cfg.outer_overlap, cfg.outer_wire, cfg.outer_mix, cfg.steps), replicas)
+
+
 def build_strategy(cfg, comm, train_set):
     """The model and the training strategy for this rank (collective over ``comm``)."""
     if cfg.strategy == "ps":
         return build_parameter_server(cfg, comm, train_set)
+    if cfg.strategy == "diloco" or cfg.shard_group == "node":
+        return build_groups(cfg, comm, train_set)
     mesh = make_mesh(cfg, comm)
     # under --backend nccl every group's device arrays go over NCCL (host values over MPI)
     dp_comm = mesh.dp_comm if mesh else comm if cfg.backend == "mpi" else \

@@ -77,6 +77,9 @@ def parser() -> argparse.ArgumentParser:
                                 "all)")
     add("--json", action="store_true", help="every layout that fits, ranked, as JSON")
     add("--wide", action="store_true", help="every column of the table (the default is narrow)")
+    add("--diloco", type=int, metavar="H", help="also say when DiLoCo (replica groups a node "
+        "each, meeting every H steps) would pay off against the best layout's DDP, at this "
+        "network bandwidth and slower ones")
     return ap
 
 
@@ -116,12 +119,43 @@ def main(argv=None) -> int:
         return 1
     report(fits, args.top or 10, args.wide)
     print(command(model, fits, args.gpus, args.gpus_per_node, settings))
+    if args.diloco:
+        print(diloco_advice(model, fits, gpu, args.gpus, args.gpus_per_node,
+                            args.global_batch, settings, args.diloco))
     return 0
+
+
+def diloco_advice(model, fits, gpu, gpus: int, per_node: int, batch: int, settings,
+                  H: int) -> str:
+    """The step of the fastest layout with data parallelism across nodes (and no pipeline),
+    at this network and slower ones: the share DDP computes (its gradient exchange,
+    alpha-beta) against DiLoCo's, whose groups (a node each) exchange the same bytes once
+    every H steps (its loss per token is the papers' question, not this one:
+    docs/diloco.md)."""
+    from .steptime import estimate
+    across = [e for e in fits if e.layout.pp == 1 and
+              e.layout.tp * e.layout.cp * e.layout.dp > per_node]
+    if gpus <= per_node or not across:
+        return (f"DiLoCo: no fitting layout without a pipeline has data parallelism across "
+                f"nodes here; DiLoCo's groups (a node each) need it")
+    L = across[0].layout
+    lines = [f"DiLoCo with H = {H} (--strategy diloco --inner-steps {H}) against the fastest "
+             f"layout with DP across nodes (TP {L.tp} x DP {L.dp}"
+             + (f" x CP {L.cp}" if L.cp > 1 else "") + "), by the network's bandwidth per GPU:",
+             "  network GB/s   DDP exchange s   DDP computing   DiLoCo computing"]
+    for factor in (1, 10, 100, 1000):
+        g = replace(gpu, network=gpu.network / factor)
+        e = estimate(model, L, g, gpus, per_node, batch, settings)
+        work = e.step_s - e.parts["dp"]
+        lines.append(f"  {g.network / GB:12.2f} {e.parts['dp']:16.3f} {work / e.step_s:15.0%} "
+                     f"{work / (work + e.parts['dp'] / H):18.0%}")
+    return "\n".join(lines + ["  (it pays off where DDP computes little of its step; "
+                               "DiLoCo's loss at equal tokens is measured in docs/diloco.md)"])
 
 
 # (row key, header, width): the narrow table a person reads, then what --wide adds
 NARROW = [("tp", "TP", 3), ("pp", "PP", 3), ("dp", "DP", 4), ("cp", "CP", 3),
-          ("zero", "ZeRO", 4), ("micro_batch", "mb", 3), ("micro_batches", "m", 4),
+          ("zero", "ZeRO", 4), ("shard", "shard", 5), ("micro_batch", "mb", 3), ("micro_batches", "m", 4),
           ("schedule", "schedule", 14), ("recompute", "recompute", 9), ("sp", "SP", 3),
           ("memory_gb", "GB/GPU", 7), ("step_s", "step s", 7), ("mfu", "MFU", 6),
           ("bubble", "bubble", 6)]
@@ -202,6 +236,7 @@ def train_args(model: Model, L, settings: Settings) -> list:
     a += ["--sequence-parallel"] if L.sp else []
     a += ["--cp", L.cp, "--cp-impl", L.cp_impl] if L.cp > 1 else []
     a += ["--zero", L.zero] if L.zero else []
+    a += ["--shard-group", "node"] if L.shard else []
     a += ["--checkpoint-activations"] if L.recompute else []
     return [str(x) for x in a]
 

@@ -27,7 +27,7 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
             "last": sizes[-1] * block + 2 * h + (table if L.pp > 1 else 0)}
     if L.pp > 2:
         held["middle"] = max(sizes[1:-1]) * block
-    d = L.dp * L.cp
+    d = L.shard or L.dp * L.cp                    # the ranks ZeRO shards over
     pb, gb, ob = settings.param_bytes, settings.grad_bytes, settings.optimizer_bytes
 
     sharded = zero_level(L.zero).sharded          # what the level's class says it splits

@@ -96,6 +96,8 @@ class Layout:
     cp: int = 1                 # context parallel: each sequence split over cp ranks
     cp_impl: str = "ring"       # ring | ulysses
     split: tuple = ()           # blocks per pipeline stage when not even (() = even)
+    shard: int = 0              # ZeRO sharded over groups of this many ranks, replicated
+                                # across them (hybrid sharding; 0: over all of DP x CP)
 
     def stages(self, layers: int) -> tuple:
         """Blocks on each pipeline stage."""
@@ -143,6 +145,7 @@ class Estimate:
         return {"tp": L.tp, "pp": L.pp, "dp": L.dp, "cp": L.cp,
                 "cp_impl": L.cp_impl if L.cp > 1 else "-",
                 "split": ",".join(map(str, L.split)) or "even", "zero": L.zero,
+                "shard": "node" if L.shard else "all",
                 "micro_batch": L.micro_batch, "micro_batches": L.micro_batches,
                 "schedule": L.schedule + (f" v{L.virtual}" if L.virtual > 1 else ""),
                 "recompute": "full" if L.recompute else "none", "sp": L.sp,

@@ -31,7 +31,16 @@ def candidates(model: Model, gpus: int, per_node: int, batch: int,
                     continue
                 ok.extend(_variants(base, split, b, per_replica // b, name, v, settings,
                                     refused))
-    return ok, refused
+    return ok + _hybrid(ok, per_node), refused
+
+
+def _hybrid(layouts, per_node: int) -> list:
+    """ZeRO layouts of plain data parallelism across nodes, sharded inside each node and
+    replicated across them instead (what hpcdist.train's --shard-group node runs)."""
+    from dataclasses import replace
+    return [replace(L, shard=per_node) for L in layouts
+            if L.zero and L.tp == L.pp == L.cp == 1 and L.dp > per_node and
+            L.dp % per_node == 0]
 
 
 def meshes(model: Model, gpus: int, per_node: int, batch: int, settings: Settings):

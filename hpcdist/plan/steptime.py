@@ -148,10 +148,15 @@ def data_parallel_time(model: Model, L: Layout, gpu: GPU, per_node: int, setting
     n = L.dp * L.cp
     inside = t * n <= per_node
     level = zero_level(L.zero)                  # its traffic and calls, as its class says
-    dp = _allreduce(grad_bytes, n, gpu.nvlink if inside else gpu.network,
-                    gpu.nvlink_alpha if inside else gpu.network_alpha) * level.traffic
+    if L.shard:            # hybrid: ZeRO's traffic inside the node, then the shards across
+        groups = n // L.shard
+        dp = _allreduce(grad_bytes, L.shard, gpu.nvlink, gpu.nvlink_alpha) * level.traffic \
+            + _allreduce(grad_bytes / L.shard, groups, gpu.network, gpu.network_alpha)
+    else:
+        dp = _allreduce(grad_bytes, n, gpu.nvlink if inside else gpu.network,
+                        gpu.nvlink_alpha if inside else gpu.network_alpha) * level.traffic
     if n > 1:                      # a call per 25 MB bucket; ZeRO-3 gathers every block twice
         calls = max(1, math.ceil(grad_bytes / 25e6)) + level.calls_per_block * layers
         dp += calls * settings.call_overhead
-    optimizer = 16 * psi / (n if L.zero else 1) / 2e12     # a memory-bound pass over state
+    optimizer = 16 * psi / ((L.shard or n) if L.zero else 1) / 2e12   # a pass over state
     return dp, optimizer

@@ -36,6 +36,8 @@ FEATURES = {                    # name -> the settings that ask for it
     "PowerSGD": {"compress": "powersgd"},
     "NCCL": {"backend": "nccl", "device": "gpu"},
     "param servers": {"strategy": "ps"},
+    "DiLoCo": {"strategy": "diloco"},
+    "hybrid ZeRO": {"zero": 2, "shard_group": "node"},
 }
 
 

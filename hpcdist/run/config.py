@@ -30,8 +30,7 @@ class TrainConfig:
     length: int = 6               # digits per sequence (sort/reverse)
     num_digits: int = 10          # digit alphabet size (sort/reverse)
     block_size: int = 64          # context length (text)
-    tokenizer: str = ""           # text: a Hugging Face tokenizer.json (default: characters;
-                                  # token shards: the one beside them)
+    tokenizer: str = ""           # text: a Hugging Face tokenizer.json (default: characters)
     vocab_size: int = 0           # text: raw uint16 shards' vocabulary size
     # model
     n_layer: int = 2
@@ -62,22 +61,30 @@ class TrainConfig:
     overlap: bool = True          # average buckets during backward
     compress: str = "none"        # none | fp16 | topk | powersgd
     density: float = 0.01         # topk: fraction of each bucket sent
-    compress_momentum: float = 0.9  # topk: DGC momentum correction (the optimizer then runs
-                                  # without momentum of its own)
+    compress_momentum: float = 0.9  # topk: DGC momentum correction (the optimizer: none)
     compress_clip: float = 0.0    # topk: local gradient clipping norm (0 disables)
     density_warmup: int = 0       # topk: steps of DGC's exponential density warm-up
-    powersgd_rank: int = 4        # powersgd: rank of each matrix's approximation (rank 1
-                                  # lost 12 points on the default task, rank 4 none)
+    powersgd_rank: int = 4        # powersgd: rank of each matrix's approximation
     powersgd_start: int = 0       # powersgd: dense steps first (PyTorch's start_powerSGD_iter)
     precision: str = "fp32"       # fp32 | fp16 | bf16 compute (fp32 master weights)
     loss_scale: float = 65536.0   # fp16: initial dynamic loss scale
     tf32: bool = False            # fp32 GEMMs on TF32 tensor cores (GPU, compute capability 8+)
     backend: str = "mpi"          # mpi | nccl (nccl: GPU only)
     zero: int = 0                 # ZeRO level: 0 (plain DDP), 1, 2 or 3
-    strategy: str = "collective"  # collective (DDP/ZeRO/TP/PP) | ps (parameter servers)
+    strategy: str = "collective"  # collective (DDP/ZeRO/TP/PP) | ps | diloco (groups, H steps)
+    shard_group: str = "all"      # ZeRO over all | node (groups of --shard-size: hybrid)
+    shard_size: int = 0           # 0: a node's ranks
+    group_size: int = 0           # diloco (parallel/diloco.py; every field: config_help.py)
+    inner_steps: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    fragments: int = 1
+    outer_overlap: int = 0
+    outer_wire: str = "fp32"
+    outer_mix: float = 0.5
     servers: int = 1              # ps: server ranks (the last ones)
-    max_staleness: int = -1       # ps: a worker waits when s clocks ahead of the slowest
-                                  # (0: synchronous, = DDP; -1: never waits)
+    max_staleness: int = -1       # ps: a worker waits when s clocks ahead (0: sync, -1: never)
     # model parallelism
     tp: int = 1                   # tensor-parallel size (data-parallel size = world / tp)
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence
@@ -105,12 +112,10 @@ class TrainConfig:
     save_every: int = 0           # steps between checkpoints (0 = only at the end)
     keep_last: int = 0            # keep only the newest N checkpoints (0 = all)
     resume: bool = False          # continue from the latest checkpoint in save_dir
-    overwrite: bool = False       # a fresh run into a save_dir holding another run's
-                                  # checkpoints moves them aside (never deletes them)
+    overwrite: bool = False       # move another run's checkpoints in save_dir aside
     # run
     seed: int = 1337
-    timeout: float = 0.0          # seconds any rank may wait on another before the job ends
-                                  # with a report (0: $HPCDIST_TIMEOUT, else 300)
+    timeout: float = 0.0          # seconds a rank may wait on another (0: $HPCDIST_TIMEOUT/300)
     device: str = "cpu"           # cpu | gpu | auto
     dtype: str = "fp32"           # fp32 | fp64 (master precision; fp64 for exactness tests)
     log_every: int = 50
@@ -121,10 +126,8 @@ class TrainConfig:
     trace: str = ""               # write a Chrome trace of every rank to this file
     comm_log: bool = False        # print per-collective timings next to the alpha-beta model
     trace_memory: bool = False    # measure activation memory per step (memtrace; slower)
-    straggler: str = ""           # "RANK:MS": that rank sleeps MS ms in every step (a slow
-                                  # worker, for benchmarks)
-    allow_singletons: bool = False  # run although the launcher promised more ranks than
-                                    # MPI started (each task a world of one)
+    straggler: str = ""           # "RANK:MS": that rank sleeps MS ms in every step
+    allow_singletons: bool = False  # run although MPI started fewer ranks than promised
 
 
 class ConfigError(ValueError):
@@ -143,26 +146,23 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
            "compress": ("none", "fp16", "topk", "powersgd"),
            "precision": ("fp32", "fp16", "bf16"),
-           "backend": ("mpi", "nccl"), "strategy": ("collective", "ps"),
+           "backend": ("mpi", "nccl"), "strategy": ("collective", "ps", "diloco"),
+           "shard_group": ("all", "node"), "outer_wire": ("fp32", "fp16", "bf16", "int8", "int4"),
            "cp_impl": ("ring", "ulysses"), "router": ("softmax", "sigmoid"),
            "balance": ("aux", "bias", "none")}
 
 
 def _encoding_problem(c) -> str | None:
     try:
-        codecs.lookup(c.data_encoding)
+        return codecs.lookup(c.data_encoding) and None
     except LookupError:
         return f"unknown data_encoding {c.data_encoding!r} (e.g. utf-8, latin-1)"
-    return None
 
 
 def _straggler_problem(c) -> str | None:
-    try:
-        r, ms = c.straggler.split(":")
-        if int(r) >= 0 and float(ms) >= 0:
-            return None
-    except ValueError:
-        pass
+    r, _, ms = c.straggler.partition(":")
+    if r.isdigit() and ms.replace(".", "", 1).isdigit():
+        return None
     return f"--straggler takes RANK:MS (e.g. 3:50), got {c.straggler!r}"
 
 
@@ -245,14 +245,14 @@ def validate_world(cfg: TrainConfig, world: int, train_len: int, seq_len: int = 
     if cfg.ep > 1 and replicas % cfg.ep:                 # EP folds over DP
         raise ConfigError(f"--ep {cfg.ep} must divide the data-parallel size {replicas} "
                           f"(world {world} / (tp x pp x cp))", "ep")
+    from ..parallel.capabilities import world_problem
+    if world_problem(cfg, world):
+        raise ConfigError(*world_problem(cfg, world))
     if cfg.strategy == "ps":
         replicas = world - cfg.servers
         if replicas < 1:
             raise ConfigError(f"--strategy ps with --servers {cfg.servers} needs more ranks "
                               f"than servers (world size {world}): at least one worker")
-    if cfg.straggler and int(cfg.straggler.split(":")[0]) >= world:
-        raise ConfigError(f"--straggler rank {cfg.straggler.split(':')[0]} is not a rank of "
-                          f"a world of {world}")
     global_batch = cfg.batch_size * replicas
     if train_len < global_batch * cfg.grad_accum:
         raise ConfigError(f"the training set has {train_len} examples, fewer than one global "

@@ -79,7 +79,11 @@ HELP = {
                    "| ulysses (all-to-all, heads <-> sequence; cp must divide n_head / tp)",
         "zero": "ZeRO level 0 (plain DDP) | 1 (optimizer state) | 2 (+ gradients) | 3 (+ "
                 "parameters), sharded over the data-parallel group",
-        "strategy": "collective (DDP, ZeRO, TP, PP) | ps: asynchronous parameter servers",
+        "strategy": "collective (DDP, ZeRO, TP, PP) | ps: asynchronous parameter servers | "
+                    "diloco: replica groups that meet every --inner-steps",
+        "shard_group": "with --zero: shard over all data-parallel ranks, or over each node "
+                       "(groups of --shard-size), replicated across them (hybrid sharding)",
+        "shard_size": "--shard-group node: ranks in each shard group (0: one node's)",
         "servers": "ps: how many of the last ranks are servers (each holds a shard of the "
                    "parameters and optimizer)",
         "max_staleness": "ps: a worker waits while it is this many clocks ahead of the "
@@ -98,6 +102,23 @@ HELP = {
         "powersgd_start": "powersgd: average densely for this many steps first",
         "timeout": "seconds any rank may wait on another before the job ends with a report "
                    "naming who did not arrive (0: $HPCDIST_TIMEOUT, else 300)",
+    },
+    "low-communication training (DiLoCo; docs/diloco.md)": {
+        "group_size": "diloco: ranks in each replica group (0: the ranks of one node); DDP, "
+                      "ZeRO or TP runs inside a group",
+        "inner_steps": "diloco: H, inner optimizer steps between the groups' meetings",
+        "outer_lr": "diloco: the outer SGD's learning rate on the averaged pseudo-gradient "
+                    "(1 with --outer-momentum 0: federated averaging)",
+        "outer_momentum": "diloco: the outer SGD's momentum", "outer_nesterov":
+        "diloco: Nesterov momentum outside (the paper's choice)",
+        "fragments": "streaming DiLoCo: the model in F fragments meeting in turn, H/F steps "
+                     "apart (1: all at once)",
+        "outer_overlap": "diloco: inner steps a fragment's exchange runs behind, non-blocking "
+                         "(0: the group waits for it); less than H / fragments",
+        "outer_wire": "diloco: the pseudo-gradients on the wire: fp32 (the master dtype) | "
+                      "fp16 | bf16 | int8 | int4 (a scale per 256 values)",
+        "outer_mix": "diloco with --outer-overlap: the local fragment's weight when the "
+                     "average lands (Streaming DiLoCo's alpha)",
     },
     "checkpoints": {
         "save_dir": "where checkpoints go (none without it)",

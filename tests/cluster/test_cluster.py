@@ -163,3 +163,31 @@ def test_a_link_slowed_100x_slows_the_run_without_a_false_alarm(tmp_path):
     after = sorted(s["step_ms"] for s in steps[-10:])
     print(f"step ms median before {before[len(before) // 2]:.1f}, after {after[len(after) // 2]:.1f}")
     assert after[len(after) // 2] > 2 * before[len(before) // 2], (before, after)
+
+
+def _final(out) -> dict:
+    return json.loads(open(out / "metrics.jsonl").read().splitlines()[-1])
+
+
+def test_diloco_and_hybrid_sharding_cross_the_slow_link_as_the_formulas_say(tmp_path):
+    """2 nodes x 2 ranks on 100 Mbit links. Hierarchical DDP moves each step's gradient across
+    the link once (per node, 2 (N - 1) / N of it); hybrid ZeRO-2 (sharded in the node)
+    moves its shards the same bytes; DiLoCo with a group a node moves the pseudo-gradient
+    once a round: 1/H of DDP's bytes, and a round's exchange is split between the node's
+    ranks as DDP's is."""
+    steps, H = 8, 4
+    with box.Cluster(2, 2, link="100mbit", prefix=PREFIX) as c:
+        runs = {"ddp": run(c, train_args(tmp_path / "ddp", steps),
+                           env={"HPCDIST_ALLREDUCE": "hierarchical"}),
+                "hybrid": run(c, train_args(tmp_path / "hybrid", steps, zero=2,
+                                            shard_group="node")),
+                "diloco": run(c, train_args(tmp_path / "diloco", steps, strategy="diloco",
+                                            inner_steps=H))}
+    for name, r in runs.items():
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+    assert "DiLoCo 2 groups x 2 ranks, H 4" in runs["diloco"].stdout
+    assert "hybrid: sharded over 2 ranks, replicated over 2 groups" in runs["hybrid"].stdout
+    inter = {k: _final(tmp_path / k / "out")["inter_node_bytes"] for k in runs}
+    assert inter["ddp"] > 0
+    assert abs(inter["hybrid"] / inter["ddp"] - 1) < 0.02, inter
+    assert abs(inter["ddp"] / inter["diloco"] - H) < 0.05 * H, inter

@@ -139,8 +139,9 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     history, step, stopped = _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped,
                                    metrics, meter, (save, held_out), say)
     train_bytes = strategy.comm.bytes_sent - bytes_start    # before evaluation's gathers
-    inter = comm.allreduce(np.array([getattr(strategy.comm, "bytes_inter_node", 0)
-                                     - inter_start], dtype=np.float64))    # every rank's
+    inter = getattr(strategy.comm, "bytes_inter_node", 0) - inter_start
+    if cfg.strategy != "ps":                 # every rank's (a PS server ran its own loop)
+        inter = comm.allreduce(np.array([inter], dtype=np.float64))[0]
     extra = strategy.summary()                      # collective where the strategy gathers
     line = extra.pop("line", None)
     if stopped:
@@ -151,7 +152,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
                              t_start, train_bytes, say)
         if line:
             say(line)
-    final.update(extra, inter_node_bytes=int(inter[0]))
+    final.update(extra, inter_node_bytes=int(inter))
     if metrics is not None:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()

@@ -160,6 +160,8 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
         logfile.close()
     final["history"] = history                    # every step's record (tests compare them)
     final["params"] = backend.to_numpy(strategy.full_parameters())   # on the host (tests compare)
+    if hasattr(strategy, "close"):                # communicators a strategy made for itself
+        strategy.close()
     return final
 
 

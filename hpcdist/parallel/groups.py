@@ -100,6 +100,16 @@ class AcrossGroups(Strategy):
     def holds_state(self) -> bool:
         return self.groups.index == 0 and self.inner.holds_state()   # group 0 writes
 
+    def close(self) -> None:
+        """Free the communicators the groups made (collective; train() calls it last): a
+        process that trains many times would run out of MPI's communicator ids."""
+        if hasattr(self.inner, "close"):
+            self.inner.close()
+        elif self.inner.mesh is not None:
+            self.inner.mesh.close()
+        for c in {id(c): c for c in (self._batches, self.cross, self.groups.inner)}.values():
+            c.close()
+
 
 class Replicated(AcrossGroups):
     """Hybrid sharding: ``inner`` is ZeRO over the group; after its reduce-scatter, each

@@ -139,7 +139,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     history, step, stopped = _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped,
                                    metrics, meter, (save, held_out), say)
     train_bytes = strategy.comm.bytes_sent - bytes_start    # before evaluation's gathers
-    inter = inter_node(cfg, comm, strategy, inter_start)
+    inter = report.inter_node(cfg, comm, strategy, inter_start)
     extra = strategy.summary()                      # collective where the strategy gathers
     line = extra.pop("line", None)
     if stopped:
@@ -160,14 +160,6 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     final["params"] = backend.to_numpy(strategy.full_parameters())   # on the host (tests compare)
     getattr(strategy, "close", lambda: None)()   # communicators a strategy made for itself
     return final
-
-
-def inter_node(cfg, comm, strategy, start: int) -> float:
-    """The bytes every rank sent across nodes since ``start`` (this rank's count), summed
-    where every rank runs the loop (a parameter server runs its own)."""
-    inter = getattr(strategy.comm, "bytes_inter_node", 0) - start
-    return inter if cfg.strategy == "ps" else \
-        comm.allreduce(np.array([inter], dtype=np.float64))[0]
 
 
 def _actions(cfg, comm, model, strategy, sampler, train_set, test_set, metrics, say):

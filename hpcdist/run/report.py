@@ -199,3 +199,11 @@ class Unread:
         if bad is not None:
             raise FloatingPointError(f"loss became {bad['loss']} at step {bad['step']}; "
                                      "lower --lr")
+
+
+def inter_node(cfg, comm, strategy, start: int) -> float:
+    """The bytes every rank sent across nodes since ``start`` (this rank's count), summed
+    where every rank runs the loop (a parameter server runs its own)."""
+    inter = getattr(strategy.comm, "bytes_inter_node", 0) - start
+    return inter if cfg.strategy == "ps" else \
+        comm.allreduce(np.array([inter], dtype=np.float64))[0]

@@ -165,7 +165,9 @@ def test_verify_fails_naming_a_damaged_newest_step_and_the_tools_say_which_they_
     rc, out, err = py("-m", "hpcdist.checkpoint", "verify", str(saved))
     assert rc == 0 and out.count("verified") == 2, err
     ck = damaged_copy(saved, tmp_path)
+    (ck / "partial.step_00000006").mkdir()               # a save cut off: no checkpoint, noted
     rc, out, err = py("-m", "hpcdist.checkpoint", "verify", str(ck))
+    assert "partial.step_00000006: an interrupted save, not a checkpoint" in err
     assert rc == 1 and "step_00000002: step 2" in out
     assert re.search(r"step_00000004: DAMAGED: .*checksum mismatch", err)
     assert "1 of 2 checkpoint(s) damaged: step_00000004" in err
@@ -209,11 +211,18 @@ def test_a_second_ctrl_c_stops_at_once_and_the_next_start_removes_a_partial_save
     ck = tmp_path / "ck"
     (ck / "step_00000008").mkdir(parents=True)
     (ck / "step_00000008" / "rank_00000.npz.tmp.123").write_bytes(b"0" * 4096)
+    (ck / "partial.step_00000009").mkdir()                     # cut off while being written
+    (ck / "partial.step_00000009" / "rank_00001.npz").write_bytes(b"0" * 4096)
+    (ck / "partial.replaced.step_00000007").mkdir()            # cut off mid-swap: kept
+    (ck / "partial.replaced.step_00000007" / "manifest.json").write_text("{}")
     said = savedir.claim(str(ck), resume=True, overwrite=False)
     savedir.release()
     assert any("removed" in s and "step_00000008" in s and "interrupted save" in s
                for s in said), said
-    assert not (ck / "step_00000008").exists()
+    assert any("removed" in s and "partial.step_00000009" in s for s in said), said
+    assert any("restored" in s and "step_00000007" in s for s in said), said
+    assert sorted(p.name for p in ck.iterdir() if "step" in p.name) == ["step_00000007"]
+    assert (ck / "step_00000007" / "manifest.json").read_text() == "{}"
 
 
 # ---- 3, 10: resume, --init-from, --data ---------------------------------------------------------

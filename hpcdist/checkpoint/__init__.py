@@ -4,6 +4,7 @@ A checkpoint is a folder ``step_00000123/`` under the save directory — the lis
 docs/checkpoints.md, "hpcdist/checkpoint/__init__.py"."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import io
@@ -33,14 +34,10 @@ def _write_atomic(path: str, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with _quiet():
+        with contextlib.suppress(OSError):
             os.remove(tmp)                       # never leave a temporary that fills the disk
         raise
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)                         # the rename itself is durable
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(os.path.dirname(path))
 
 
 def write_json_atomic(path: str, value) -> None:
@@ -66,14 +63,15 @@ def step_dir(save_dir: str, step: int) -> str:
     return os.path.join(save_dir, f"step_{step:08d}")
 
 
-class _quiet:
-    """Ignore OSError (cleanup of what may not exist)."""
+PARTIAL = "partial."                             # a save being written: partial.step_00000123
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, kind, exc, tb):
-        return kind is not None and issubclass(kind, OSError)
+def _fsync_dir(path: str) -> None:                # a rename in it is durable
+    dir_fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _agree_failure(comm, error: str | None) -> str | None:
@@ -116,15 +114,16 @@ def save(save_dir: str, step: int, comm, pieces: list, own: dict, meta: dict | N
     are kept). Raises CheckpointError on every rank if writing failed on any.
     """
     folder = step_dir(save_dir, step)
-    existed = os.path.isdir(folder)
+    stage = os.path.join(save_dir, PARTIAL + os.path.basename(folder))
     name = f"rank_{comm.rank:05d}.npz"
-    path = os.path.join(folder, name)
+    path = os.path.join(stage, name)
     error = None
     if comm.rank == 0:
         try:
-            os.makedirs(folder, exist_ok=True)
+            shutil.rmtree(stage, ignore_errors=True)     # what an interrupted save left
+            os.makedirs(stage)
         except OSError as e:
-            error = _oserror(e, folder)
+            error = _oserror(e, stage)
     error = _agree_failure(comm, error)          # the folder exists before anyone writes
     arrays = {f"p{i}": data for i, (_, _, _, _, data) in enumerate(pieces)}
     arrays.update({f"own/{k}": v for k, v in own.items()})
@@ -144,17 +143,16 @@ def save(save_dir: str, step: int, comm, pieces: list, own: dict, meta: dict | N
         everyone = _gather_json(comm, {"file": name, "digest": digest, "pieces": described})
         if comm.rank == 0:
             try:
-                _write_manifest(save_dir, folder, step, comm.size, everyone, meta, scalars)
+                _write_manifest(stage, step, comm.size, everyone, meta, scalars)
+                _publish(save_dir, stage, folder)
             except OSError as e:
                 error = _oserror(e, folder)
         error = _agree_failure(comm, error)      # complete on disk before anyone goes on
     if error is None:
         return folder
-    with _quiet():
-        os.remove(path)
     comm.barrier()
-    if comm.rank == 0 and not existed:
-        shutil.rmtree(folder, ignore_errors=True)
+    if comm.rank == 0:
+        shutil.rmtree(stage, ignore_errors=True)
     kept = _latest_name(save_dir)
     raise CheckpointError(f"saving checkpoint step {step} failed on {error}; "
                           + (f"the previous checkpoint ({kept}) is still 'latest'" if kept
@@ -162,8 +160,21 @@ def save(save_dir: str, step: int, comm, pieces: list, own: dict, meta: dict | N
                           + " and nothing of the failed one is left")
 
 
-def _write_manifest(save_dir, folder, step, world, everyone, meta, scalars) -> None:
-    """Rank 0: the manifest (every rank's file and pieces), then ``latest`` (atomically)."""
+def _publish(save_dir: str, stage: str, folder: str) -> None:
+    """Rank 0: the complete ``partial.step_…`` takes its name (a rename), then ``latest``
+    names it: a save cut off anywhere (node lost, SIGKILL) leaves no ``step_…`` half-written."""
+    old = os.path.join(save_dir, f"{PARTIAL}replaced.{os.path.basename(folder)}")
+    if os.path.isdir(folder):                    # the same step saved again: swap, then drop
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(folder, old)
+    os.rename(stage, folder)
+    _fsync_dir(save_dir)
+    _write_atomic(os.path.join(save_dir, LATEST), os.path.basename(folder).encode())
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_manifest(folder, step, world, everyone, meta, scalars) -> None:
+    """Rank 0: the manifest (every rank's file and pieces), written last into the folder."""
     files, tensors = {}, {}
     for entry in everyone:
         files[entry["file"]] = entry["digest"]
@@ -175,7 +186,6 @@ def _write_manifest(save_dir, folder, step, world, everyone, meta, scalars) -> N
     manifest = {"format": FORMAT, "step": step, "world": world, "meta": meta or {},
                 "scalars": scalars or {}, "files": files, "tensors": tensors}
     _write_atomic(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1).encode())
-    _write_atomic(os.path.join(save_dir, LATEST), os.path.basename(folder).encode())
 
 
 def _latest_name(save_dir: str) -> str | None:

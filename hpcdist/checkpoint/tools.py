@@ -57,6 +57,9 @@ def verify_all(path: str) -> int:
             damaged.append(os.path.basename(folder))
             print(f"{folder}: DAMAGED: {e}", file=sys.stderr)
     if save_folder:
+        for stage in sorted(glob.glob(os.path.join(path, "partial.*"))):
+            print(f"note: {stage}: an interrupted save, not a checkpoint (the next run in this "
+                  "folder removes it)", file=sys.stderr)
         name = _latest_name(path)                     # a pointer to nothing is damage too
         if name is not None and not os.path.isdir(os.path.join(path, name)):
             print(f"{os.path.join(path, LATEST)} names {name!r}, which does not exist",

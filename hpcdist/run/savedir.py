@@ -207,6 +207,15 @@ def remove_partial_saves(save_dir: str) -> list[str]:
     """Remove what an interrupted save left (a step folder without its manifest, temporary
     files); the lines that say so. Run by the job that holds the folder's lock."""
     said = []
+    for stage in sorted(glob.glob(os.path.join(save_dir, "partial.*"))):
+        step = os.path.join(save_dir, os.path.basename(stage).split(".")[-1])
+        if ".replaced." in stage and not os.path.exists(step):   # cut off mid-swap: put back
+            os.rename(stage, step)
+            said.append(f"restored {step}, moved aside by a save of the same step that was "
+                        "cut off")
+            continue
+        shutil.rmtree(stage, ignore_errors=True)
+        said.append(f"removed {stage}, left incomplete by an interrupted save")
     for folder in sorted(glob.glob(os.path.join(save_dir, "step_*"))):
         if not os.path.isdir(folder):
             continue

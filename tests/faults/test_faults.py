@@ -413,6 +413,29 @@ def test_sigterm_during_saves_stops_cleanly_with_a_verified_latest(tmp_path):
     assert not _no_temporaries(save)
 
 
+def test_a_rank_killed_mid_save_leaves_no_half_checkpoint_and_the_next_run_cleans_up(tmp_path):
+    """Rank 1 is SIGKILLed as the step-6 save begins while rank 0 writes its file: the job
+    ends, and what it leaves is ``partial.step_00000006`` (never a ``step_…`` folder without a
+    manifest), which ``verify`` notes without calling damage and --resume removes."""
+    save = tmp_path / "ck"
+    args = train_args(tmp_path, "--save-dir", str(save), "--save-every", "2", steps=4)
+    rc, out, err, _ = run(args, n=2)
+    assert rc == 0, err[-3000:]
+    args = train_args(tmp_path, "--save-dir", str(save), "--save-every", "2", "--resume",
+                      steps=12)
+    rc, out, err, _ = run(args, n=2, HPCDIST_SIGNAL_AT="1:save:SIGKILL")
+    assert rc != 0
+    left = sorted(n for n in os.listdir(save) if "step" in n)
+    assert left == ["partial.step_00000006", "step_00000002", "step_00000004"], left
+    r = subprocess.run([sys.executable, "-m", "hpcdist.checkpoint", "verify", str(save)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    rc, out, err, _ = run(args, n=2)
+    assert rc == 0, err[-3000:]
+    assert (save / "latest").read_text() == "step_00000012"
+    assert not any(n.startswith("partial.") for n in os.listdir(save))
+
+
 # ---- SIGTERM at every moment of a checkpointing run: the meaning is decided at the entry -----
 
 @pytest.mark.parametrize("moment, rc_expected", [("prepare", 75), ("start", 75), ("save", 75),

@@ -31,9 +31,10 @@ from .device import backend  # noqa: E402
 from .host import signals, threads, timeline  # noqa: E402
 from .parallel import state  # noqa: E402
 from .parallel.strategy import DataParallelStrategy, build_strategy  # noqa: E402
-from .run import mfu, report, runtime, savedir, supervisor  # noqa: E402
-from .run.config import (ConfigError, TrainConfig, parse_config,  # noqa: E402
-                         shape_from_pretrained, validate_world)
+from .comm import ulfm  # noqa: E402
+from .run import mfu, recovery, report, runtime, savedir, supervisor  # noqa: E402
+from .run.config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
+from .run.pretrained import shape_from_pretrained  # noqa: E402
 from .run.evaluate import evaluate  # noqa: E402
 from .run.preemption import EXIT_PREEMPTED, StopRequest  # noqa: E402
 from .run.report import (exit_code, final_report, header, progress_line,  # noqa: E402
@@ -115,7 +116,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     say = runtime.tee(log, logfile) if comm.rank == 0 else (lambda *a, **k: None)
     start = _resume(cfg, comm, strategy, sampler, resume, say)
     hosts = runtime.record_ranks(comm, cfg.out_dir)
-    runtime.test_hooks(comm.rank, "start")
+    runtime.test_hooks("start")
     metrics = runtime.open_run_file(cfg.out_dir, "metrics.jsonl", resumed=start > 0, say=say) \
         if comm.rank == 0 else None
     meter = mfu.Meter(model, cfg, train_set.block_size, comm.size, comm.nodes,
@@ -133,24 +134,15 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
                               say)
     if strategy.brings_loop:                         # a parameter server: answers the workers
         return strategy.run(stop, save, stopped, start)
-    t_start = time.perf_counter()
-    bytes_start = strategy.comm.bytes_sent           # the gradient communicator's count
-    inter_start = getattr(strategy.comm, "bytes_inter_node", 0)    # of it, across nodes
-    history, step, stopped = _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped,
-                                   metrics, meter, (save, held_out), say)
-    train_bytes = strategy.comm.bytes_sent - bytes_start    # before evaluation's gathers
-    inter = report.inter_node(cfg, comm, strategy, inter_start)
-    extra = strategy.summary()                      # collective where the strategy gathers
-    line = extra.pop("line", None)
-    if stopped:
-        final = stopped_report(cfg, stopped, step, start, comm.size, t_start, say)
-    else:
-        runtime.test_hooks(comm.rank, "end")
-        final = final_report(cfg, model, strategy, test_set, history, start, comm.size,
-                             t_start, train_bytes, say)
-        if line:
-            say(line)
-    final.update(extra, inter_node_bytes=int(inter))
+    mark = recovery.Mark()                           # the committed step (--on-failure shrink)
+    try:
+        final, history = _steps(cfg, comm, model, strategy, (train_set, test_set), sampler,
+                                start, stop, stopped, metrics, meter, (save, held_out, mark), say)
+    except Exception as e:                           # a peer died: RankLost, else as it was
+        for f in (metrics, logfile):
+            if f is not None:
+                f.close()
+        raise recovery.caught(e, cfg, strategy, sampler, mark)
     if metrics is not None:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()
@@ -160,6 +152,31 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     final["params"] = backend.to_numpy(strategy.full_parameters())   # on the host (tests compare)
     getattr(strategy, "close", lambda: None)()   # communicators a strategy made for itself
     return final
+
+
+def _steps(cfg, comm, model, strategy, datasets, sampler, start, stop, stopped, metrics, meter,
+           at, say):
+    """The steps, then the final report: (its metrics, every step's record)."""
+    train_set, test_set = datasets
+    t_start = time.perf_counter()
+    bytes_start = strategy.comm.bytes_sent           # the gradient communicator's count
+    inter_start = getattr(strategy.comm, "bytes_inter_node", 0)    # of it, across nodes
+    history, step, stopped = _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped,
+                                   metrics, meter, at, say)
+    train_bytes = strategy.comm.bytes_sent - bytes_start    # before evaluation's gathers
+    inter = report.inter_node(cfg, comm, strategy, inter_start)
+    extra = strategy.summary()                      # collective where the strategy gathers
+    line = extra.pop("line", None)
+    if stopped:
+        final = stopped_report(cfg, stopped, step, start, comm.size, t_start, say)
+    else:
+        runtime.test_hooks("end")
+        final = final_report(cfg, model, strategy, test_set, history, start, comm.size,
+                             t_start, train_bytes, say)
+        if line:
+            say(line)
+    final.update(extra, inter_node_bytes=int(inter))
+    return final, history
 
 
 def _actions(cfg, comm, model, strategy, sampler, train_set, test_set, metrics, say):
@@ -185,8 +202,9 @@ def _actions(cfg, comm, model, strategy, sampler, train_set, test_set, metrics, 
 def _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics, meter, at,
           say):
     """Steps from ``start`` until ``cfg.steps`` or an agreed stop: (every step's record, the
-    last step, the signal that stopped the run or 0). ``at``: (save(step), evaluate(step))."""
-    save, held_out = at
+    last step, the signal that stopped the run or 0). ``at``: (save(step), evaluate(step),
+    the recovery.Mark each step begins at)."""
+    save, held_out, mark = at
     if start < cfg.steps and not stopped:
         strategy.begin(stop, start)
     lr_scale = strategy.batch_comm.size if cfg.scale_lr else 1
@@ -195,8 +213,9 @@ def _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics
     history, step, more = [], start, start < cfg.steps and not stopped
     unread = report.Unread(strategy, meter, metrics)
     while more:
+        mark.at(step, sampler)
         step += 1
-        runtime.test_hooks(comm.rank, step)
+        runtime.test_hooks(step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
         rec = train_step(cfg, strategy, train_set, sampler, step, lr, delay)
         history.append(rec)
@@ -208,7 +227,7 @@ def _loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics
                 eta = (time.perf_counter() - t_start) / (step - start) * (cfg.steps - step)
                 say(progress_line(rec, cfg.steps, eta))
         if save_at is not None:
-            runtime.test_hooks(comm.rank, "save")
+            runtime.test_hooks("save")
             with timeline.span("checkpoint", step=save_at):
                 save(save_at)
         if cfg.eval_every and step % cfg.eval_every == 0 and more:  # (the last: final report)
@@ -305,10 +324,14 @@ def main(argv=None) -> int:
     if cfg is not None:
         signals.checkpoint_on_signal(checkpoint=bool(cfg.save_dir))
     mfu.probe_before_mpi(cfg)                          # the CPU's peak, while nobody spins
+    if cfg is not None and cfg.on_failure == "shrink" and ulfm.problem() is None:
+        ulfm.enable_world()                            # before any communicator is made
     comm = Communicator(abort_on_error=True)           # collective: every rank, always
     supervisor.tell(comm.rank, comm.size)
     if message is None:
         message = runtime.launch_problem(comm.size, cfg.allow_singletons)
+    if message is None and cfg.on_failure == "shrink":
+        message = ulfm.problem()
     if message is None and comm.rank == 0:
         try:                                           # whose folders they are (rank 0 decides)
             if cfg.save_dir:
@@ -323,7 +346,7 @@ def main(argv=None) -> int:
             print(line)
         try:                                           # every check that needs no collective
             watchdog.set_timeout(cfg.timeout or None)
-            runtime.test_hooks(comm.rank, "prepare")
+            runtime.test_hooks("prepare")
             message = savedir.writable_problems(cfg, comm.rank)
             if message is None:
                 prepared = prepare(cfg, comm)
@@ -340,11 +363,8 @@ def main(argv=None) -> int:
             print(f"nothing to do: {resume[0]} is at step {resume[2].step} and --steps is "
                   f"{cfg.steps}; raise --steps to train further")
         return 0
-    try:
-        final = train(cfg, comm, prepared=prepared)
-    except checkpoint.CheckpointError as e:       # raised alike on every rank (agreed)
-        if comm.rank == 0:
-            print(f"hpcdist.train: error: {e}", file=sys.stderr)
+    final = recovery.train_through_failures(train, cfg, comm, prepared)
+    if final is None:
         return 1
     if final.get("event") == "preempted":
         return exit_code(signal.Signals[final["signal"]])

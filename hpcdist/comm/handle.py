@@ -1,7 +1,7 @@
 """Handles of non-blocking collectives: ``wait()`` returns the result, ``test()`` polls."""
 from __future__ import annotations
 
-from . import abort, watchdog
+from . import abort, ulfm, watchdog
 
 
 class Handle:
@@ -43,7 +43,7 @@ class Handle:
             e = self.unretrieved_error()
         except Exception:
             return
-        if e is not None:
+        if e is not None and not ulfm.is_failure(e):      # (a dead peer: recovered from)
             what = f"call #{self.call.seq} {self.call.kind}" if self.call else "a call"
             abort.fatal(f"non-blocking {what} failed and its handle was dropped without "
                         f"wait(): {type(e).__name__}: {e}")

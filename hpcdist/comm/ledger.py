@@ -299,6 +299,10 @@ class Ledger:
             if e is not None:
                 h.waited = True
                 self.release(h)
-                raise type(e)(f"an earlier non-blocking call #{h.call.seq} {h.call.kind} "
-                              f"failed and was not waited for: {e}") from e
+                try:
+                    said = type(e)(f"an earlier non-blocking call #{h.call.seq} "
+                                   f"{h.call.kind} failed and was not waited for: {e}")
+                except TypeError:           # MPI's own errors carry a code, not a message
+                    raise e from None
+                raise said from e
         self._open = [h for h in self._open if not h.test()]

@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..host import signals
+from . import ulfm
 from .stall import Wait, alive, format_report, stacks  # noqa: F401 (Wait: ledger's)
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -70,11 +71,7 @@ class waiting:
         self.wait = Wait(comm, seq, kind, nbytes, peers)
 
     def __enter__(self):
-        tid = threading.get_ident()
-        stack = _waits.get(tid)
-        if stack is None:
-            stack = _waits[tid] = []
-        stack.append(self.wait)
+        _push(self.wait)
         return self.wait
 
     def __exit__(self, *exc):
@@ -252,6 +249,19 @@ class Watchdog(threading.Thread):
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:
+        try:
+            self._run()
+        except MPI.Exception:
+            if not ulfm.enabled():
+                raise
+            # a peer died under --on-failure shrink: the survivors recover, and restart()
+            # starts a watchdog over them
+        finally:
+            for fd in self._pidfds.values():
+                os.close(fd)
+            self._pidfds.clear()
+
+    def _run(self) -> None:
         request = np.zeros(2, dtype=np.int64)
         recv = self.mpi.Irecv(request, MPI.ANY_SOURCE, TAG_REQUEST)
         while not self.stopping.is_set():
@@ -274,8 +284,6 @@ class Watchdog(threading.Thread):
                 self._check_neighbours()
         recv.Cancel()                           # before MPI_Finalize (see stop())
         recv.Wait()
-        for fd in self._pidfds.values():
-            os.close(fd)
 
     def _check_neighbours(self) -> None:
         """End the job naming a rank on this host whose process is gone (the lowest live
@@ -297,6 +305,11 @@ class Watchdog(threading.Thread):
             or "not waiting on another rank"
         names = ", ".join(f"rank {r} (host {self.hosts[r]}, pid {self.neighbours[r]})"
                           for r in dead)
+        if ulfm.enabled():                     # --on-failure shrink: the survivors go on
+            sys.stderr.write(f"[hpcdist watchdog] {names} died: its process is gone; the "
+                             "survivors recover (--on-failure shrink).\n")
+            self.neighbours = {r: p for r, p in self.neighbours.items() if r not in dead}
+            return
         sys.stderr.write(f"[hpcdist watchdog] {names} died: its process is gone (killed by a "
                          f"signal such as SIGKILL, the OOM killer, or a crash outside Python); "
                          f"rank {self.rank} was {where}; ending the job.\n")
@@ -366,6 +379,15 @@ def start(world) -> None:
     _thread.watch_signals()
     _thread.start()
     atexit.register(stop)                       # runs before mpi4py's MPI_Finalize (LIFO)
+
+
+def restart(world) -> None:
+    """A watchdog over ``world`` (the survivors, after a recovery) in place of the one over
+    the world that was (collective over ``world``)."""
+    global _thread
+    stop()
+    _thread = None
+    start(world)
 
 
 def stop() -> None:

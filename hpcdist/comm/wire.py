@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..device import backend, staging
+from . import ulfm
 from .short import Exchanges
 
 
@@ -30,6 +31,7 @@ class Wire:
 
     def __init__(self, mpi, device_ok: bool, agreement: bool = True, node_of=None):
         self.mpi = mpi                  # the mpi4py communicator underneath
+        ulfm.register(mpi)              # revoked when a peer dies (--on-failure shrink)
         self.device_ok = device_ok      # the MPI library reads device memory (CUDA-aware)
         self.sent = 0                   # payload bytes handed to MPI to send
         # the ledger's agreement runs on persistent exchanges made per wire (short.py)

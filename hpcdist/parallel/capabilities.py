@@ -239,6 +239,28 @@ GROUPS = [   # parallel/groups.py, diloco.py: layouts in replica groups
     ("shard_group", _hybrid_problem),
 ]
 
+def _shrink_problem(c) -> str | None:
+    """--on-failure shrink: data parallelism recovers from the state every replica holds;
+    a sharded or model-parallel layout restores from its last checkpoint (needs --save-dir)."""
+    if c.on_failure != "shrink":
+        return c.shrink_batch != "scale" and "--shrink-batch is for --on-failure shrink"
+    for bad, why in ((c.strategy != "collective", f"--strategy {c.strategy}"),
+                     (c.backend != "mpi", f"--backend {c.backend} (NCCL has no ULFM)"),
+                     (c.experts > 0, "--experts")):
+        if bad:
+            return f"--on-failure shrink with {why} is not built; run with --on-failure abort"
+    replicated = c.zero == 0 and c.tp * c.pp * c.cp * c.ep == 1 and c.compress == "none" \
+        and c.shard_group == "all"
+    if not replicated and not c.save_dir:
+        return ("--on-failure shrink: this layout shards its state (ZeRO, TP, PP, CP, "
+                "compression), so the survivors restore from the last checkpoint: add --save-dir")
+    return None
+
+
+FAILURES = [   # comm/ulfm.py, run/recovery.py: in-job recovery
+    ("on_failure", _shrink_problem),
+]
+
 MIXED_PRECISION = [   # parallel/mixed_precision.py: fp32 master weights
     ("precision", lambda c: c.precision != "fp32" and c.dtype == "fp64" and
      f"--precision {c.precision} keeps fp32 master weights; it cannot be combined with "
@@ -246,4 +268,4 @@ MIXED_PRECISION = [   # parallel/mixed_precision.py: fp32 master weights
 ]
 
 REFUSALS = MIXED_PRECISION + NCCL[:1] + ZERO + TENSOR + PIPELINE + CONTEXT + NCCL[1:] + \
-    PARAMETER_SERVER + EXPERTS + GROUPS
+    PARAMETER_SERVER + EXPERTS + GROUPS + FAILURES

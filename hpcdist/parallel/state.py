@@ -103,18 +103,26 @@ def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None) -> str:
     data's (kept whole, for sampling and export, and named in the meta)."""
     own = {"rng": checkpoint.json_array(backend.rng_state())}
     own.update(strategy.own_state())
-    scalars = {"sampler": {"epoch": sampler.epoch, "position": sampler.position,
-                           "global_batch": sampler.batch_size * sampler.world},
-               "scaler": {k: float(v) for k, v in strategy.scaler.state_dict().items()},
-               "opt_step_count": int(strategy.flat_state()[3]),
-               "layout": run_layout(cfg, comm.size),
-               "schedule": schedule_of(cfg)}
+    scalars = scalars_of(cfg, comm.size, strategy, (sampler.epoch, sampler.position),
+                         sampler.batch_size * sampler.world)
     if vocabulary is not None:
         scalars["vocabulary"] = vocabulary
-    if balance_bias(strategy.model):                  # (the same on every rank)
-        scalars["moe_bias"] = balance_bias(strategy.model)
     return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(strategy), own,
                            meta=checkpoint.checkpoint_meta(cfg, vocabulary), scalars=scalars)
+
+
+def scalars_of(cfg, world: int, strategy, sampler: tuple, global_batch: int) -> dict:
+    """A checkpoint's scalars: ``sampler`` (epoch, batches taken), the loss scaler, the
+    optimizer's step count, the layout and schedule, MoE's balancing bias."""
+    scalars = {"sampler": {"epoch": sampler[0], "position": sampler[1],
+                           "global_batch": global_batch},
+               "scaler": {k: float(v) for k, v in strategy.scaler.state_dict().items()},
+               "opt_step_count": int(strategy.flat_state()[3]),
+               "layout": run_layout(cfg, world),
+               "schedule": schedule_of(cfg)}
+    if balance_bias(strategy.model):                  # (the same on every rank)
+        scalars["moe_bias"] = balance_bias(strategy.model)
+    return scalars
 
 
 def schedule_of(cfg) -> dict:

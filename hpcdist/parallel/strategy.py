@@ -16,6 +16,7 @@ import numpy as np
 
 from ..device import backend, kernels
 from .. import nn, optim
+from ..comm import ulfm
 from ..comm.mesh import ProcessMesh
 from ..comm.nccl import make_communicator
 from .base import GradSum, Norm, Strategy, owned
@@ -61,6 +62,7 @@ class DataParallelStrategy(Strategy):
     def apply(self, lr: float, grad_clip: float = 0.0):
         overflow = self.mp.unscale_and_check([self.dp_comm] + self.norm.comms) \
             if self.scaler.enabled else False
+        ulfm.commit()           # every survivor applies this step, or none (--on-failure shrink)
         if not self.scaler.update(overflow):
             return False, None
         grad = self.mp.master.grad

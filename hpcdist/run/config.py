@@ -116,6 +116,8 @@ class TrainConfig:
     # run
     seed: int = 1337
     timeout: float = 0.0          # seconds a rank may wait on another (0: $HPCDIST_TIMEOUT/300)
+    on_failure: str = "abort"     # abort | shrink (a dead rank: end the job | go on without it)
+    shrink_batch: str = "scale"   # after a shrink: scale | keep the global batch
     device: str = "cpu"           # cpu | gpu | auto
     dtype: str = "fp32"           # fp32 | fp64 (master precision; fp64 for exactness tests)
     log_every: int = 50
@@ -149,7 +151,8 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "backend": ("mpi", "nccl"), "strategy": ("collective", "ps", "diloco"),
            "shard_group": ("all", "node"), "outer_wire": ("fp32", "fp16", "bf16", "int8", "int4"),
            "cp_impl": ("ring", "ulysses"), "router": ("softmax", "sigmoid"),
-           "balance": ("aux", "bias", "none")}
+           "balance": ("aux", "bias", "none"), "on_failure": ("abort", "shrink"),
+           "shrink_batch": ("scale", "keep")}
 
 
 def _encoding_problem(c) -> str | None:
@@ -380,20 +383,3 @@ def _against_pretrained(values: dict) -> None:
             raise ConfigError(f"{flag} {values[k]} contradicts --init-from "
                               f"{values['init_from']}, whose {k} is {shape[k]}: the model's "
                               f"shape is the folder's; drop {flag}", k)
-
-
-def shape_from_pretrained(cfg, train_set) -> None:
-    """--init-from: the model's shape is the folder's; the data must speak its vocabulary."""
-    from ..checkpoint import hf
-    shape = hf.gpt2_shape(cfg.init_from)
-    if shape["vocab_size"] != train_set.vocab_size:
-        raise ConfigError(f"--init-from {cfg.init_from} has a vocabulary of "
-                          f"{shape['vocab_size']:,}, the data {train_set.vocab_size:,}: "
-                          "tokenize the data with the model's tokenizer (python -m "
-                          f"hpcdist.data prepare ... --tokenizer {cfg.init_from}/tokenizer.json)")
-    if train_set.block_size > shape["block_size"]:
-        raise ConfigError(f"--block-size {train_set.block_size} exceeds the {shape['block_size']}"
-                          f" positions of --init-from {cfg.init_from}")
-    cfg.n_layer, cfg.n_head, cfg.n_embd = shape["n_layer"], shape["n_head"], shape["n_embd"]
-    cfg.bias, cfg.tie_weights = True, shape["tie_weights"]
-    validate(cfg)

@@ -102,6 +102,11 @@ HELP = {
         "powersgd_start": "powersgd: average densely for this many steps first",
         "timeout": "seconds any rank may wait on another before the job ends with a report "
                    "naming who did not arrive (0: $HPCDIST_TIMEOUT, else 300)",
+        "on_failure": "a rank that dies: abort ends the job (requeue and --resume); shrink "
+                      "goes on without it in the same job (Open MPI's ULFM; docs/failures.md)",
+        "shrink_batch": "after a shrink: scale the global batch with the ranks left (each "
+                        "keeps --batch-size), or keep it (each rank's batch grows, where it "
+                        "divides)",
     },
     "low-communication training (DiLoCo; docs/diloco.md)": {
         "group_size": "diloco: ranks in each replica group (0: the ranks of one node); DDP, "

@@ -96,12 +96,16 @@ def open_run_file(out_dir: str, name: str, resumed: bool, say):
     return open(path, "a")
 
 
-def test_hooks(rank: int, step: int) -> None:
-    """Test hooks: HPCDIST_FAIL_AT=RANK:STEP raises on that rank at that step;
+def test_hooks(step) -> None:
+    """Test hooks, RANK the one the launcher started (MPI_COMM_WORLD's: after a recovery
+    renumbers the ranks, a hook still fires in one process only):
+    HPCDIST_FAIL_AT=RANK:STEP raises on that rank at that step;
     HPCDIST_SIGNAL_AT=RANK:STEP[:SIGNAL] sends that rank SIGNAL (default SIGUSR1) there —
     STEP a step number or a moment: prepare (data preparation), start (before the first
     step), save (as a checkpoint save begins), end (after the last step);
     HPCDIST_FSIZE_AT=RANK:STEP:BYTES limits that rank's file size (a full disk) from there."""
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
     spec = os.environ.get("HPCDIST_FAIL_AT")
     if spec and spec == f"{rank}:{step}":
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (HPCDIST_FAIL_AT)")

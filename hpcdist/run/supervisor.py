@@ -94,10 +94,20 @@ def _supervise(child: int, r: int) -> None:
                else "a crash outside Python" if sig in (signal.SIGSEGV, signal.SIGBUS,
                                                         signal.SIGABRT, signal.SIGFPE,
                                                         signal.SIGILL) else "a signal")
+        then = "the survivors recover (--on-failure shrink)" if _shrinks() else "the job ends"
         os.write(2, f"[hpcdist] rank {rank} of {size} (host {socket.gethostname()}, pid "
-                    f"{child}) was killed by {name}: {why}; the job ends\n".encode())
-        os._exit(128 + sig)
+                    f"{child}) was killed by {name}: {why}; {then}\n".encode())
+        # under --on-failure shrink the job goes on without this rank, and its exit code is
+        # the survivors' (Open MPI's launcher would report this one's 137 otherwise)
+        os._exit(0 if _shrinks() else 128 + sig)
     os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _shrinks() -> bool:
+    """Whether this run recovers in the job (--on-failure shrink on the command line)."""
+    argv = sys.argv[1:]
+    return "--on-failure=shrink" in argv or any(
+        a == "--on-failure" and b == "shrink" for a, b in zip(argv, argv[1:]))
 
 
 def _readable(fd: int) -> bool:

@@ -1,0 +1,128 @@
+"""In-job recovery over MPI's fault-tolerance interface (ULFM): a rank that dies costs the
+survivors one shrink, not the job (``--on-failure shrink``; docs/failures.md, "In-job recovery").
+
+When a peer dies, the survivors' pending calls fail with MPI_ERR_PROC_FAILED (or
+MPI_ERR_REVOKED). A survivor that sees one revokes every communicator hpcdist made, so each
+other survivor's wait ends too, wherever it was. Every step ends in one agreement
+(``MPI_Comm_agree``) on a communicator of its own, just before the optimizer changes any
+state: it is uniform, so either every survivor applies the step or none does, and the last
+committed state is the same everywhere. A failed agreement raises ``RankLost``; the survivors
+then shrink that communicator to themselves (``shrink``) and go on. Open MPI 5 has it
+(``mpirun --with-ft ulfm --mca btl tcp,self``); MPICH's ch4 does not (MPICH #7426).
+"""
+from __future__ import annotations
+
+import os
+
+from mpi4py import MPI
+
+LAUNCH = "mpirun --with-ft ulfm --mca btl tcp,self"
+_comms: list = []                   # every communicator hpcdist made since the last recovery
+_ft = None                          # the agreement's own communicator (None: recovery off)
+_commits = 0                        # steps agreed since the process started
+
+
+class RankLost(Exception):
+    """A peer died: the step in flight is discarded on every survivor. ``committed``: what
+    the survivors resume from (set by train's loop: step, sampler state, the model's state)."""
+
+    def __init__(self, message: str = "a rank died"):
+        super().__init__(message)
+        self.committed = None
+
+
+def problem() -> str | None:
+    """Why in-job recovery cannot run under this MPI (None: it can), in one line."""
+    version = MPI.Get_library_version()
+    if "Open MPI" not in version:
+        name = version.split(",")[0].split("\n")[0].strip()
+        return (f"--on-failure shrink needs MPI's fault-tolerance interface (ULFM), which "
+                f"{name or 'this MPI'} lacks: run under Open MPI 5 (`make venv-ompi`, then "
+                f"`.venv-ompi/bin/{LAUNCH} -n N python -m hpcdist.train ...`)")
+    if os.environ.get("OMPI_MCA_mpi_ft_enable", "") not in ("1", "true"):
+        return (f"--on-failure shrink needs Open MPI's fault tolerance switched on: launch "
+                f"with `{LAUNCH} -n N ...` (the shared-memory transport hangs on a failure)")
+    return None
+
+
+def enable(world) -> None:
+    """Recovery on over ``world``: the agreement gets its own duplicate (collective)."""
+    global _ft
+    _comms.clear()
+    _ft = world.Dup()
+
+
+def enable_world() -> None:
+    """Recovery on over MPI_COMM_WORLD, before hpcdist makes any communicator (collective)."""
+    enable(MPI.COMM_WORLD)
+
+
+def enabled() -> bool:
+    return _ft is not None
+
+
+def rank() -> int:
+    """This rank's place among the ranks alive at the last recovery."""
+    return _ft.Get_rank() if _ft is not None else MPI.COMM_WORLD.Get_rank()
+
+
+def register(mpi_comm) -> None:
+    """A communicator to revoke when a peer dies (every one hpcdist makes)."""
+    if _ft is not None:
+        _comms.append(mpi_comm)
+
+
+def is_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is MPI telling of a dead peer (or of a revoke that followed one)."""
+    if _ft is None or not isinstance(exc, MPI.Exception):
+        return False
+    # (Testall on requests reports a dead peer as MPI_ERR_IN_STATUS: hpcdist's waits test
+    # many at once, and under recovery no other error of theirs is expected)
+    return exc.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING,
+                                     MPI.ERR_REVOKED, MPI.ERR_IN_STATUS)
+
+
+def revoke_all() -> None:
+    """Interrupt every survivor's pending call on every communicator hpcdist made."""
+    for comm in _comms:
+        try:
+            comm.Revoke()
+        except MPI.Exception:
+            pass
+
+
+def commit(ok: bool = True) -> None:
+    """The step's agreement, before any state changes: returns when every rank is alive and
+    ``ok``; else raises RankLost on every survivor alike. A no-op with recovery off."""
+    global _commits
+    if _ft is None:
+        return
+    try:
+        flag = _ft.Agree(1 if ok else 0)
+    except MPI.Exception as e:
+        if not is_failure(e):
+            raise
+        flag = 0
+    if not flag:
+        raise RankLost()
+    _commits += 1
+
+
+def commits() -> int:
+    return _commits
+
+
+def shrink():
+    """(the survivors' communicator, the world ranks that were lost) after a RankLost
+    (collective over the survivors)."""
+    old = _ft
+    try:
+        old.Ack_failed()
+        failed = old.Get_failed()
+        lost = sorted(MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())),
+                                                MPI.COMM_WORLD.Get_group()))
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        lost = []
+    survivors = old.Shrink()
+    _comms.clear()
+    return survivors, lost

@@ -1,0 +1,150 @@
+"""In-job recovery (``--on-failure shrink``): what train's loop does when a peer dies, and
+how the survivors go on in the same job (comm/ulfm.py has the MPI side; docs/failures.md).
+
+A data-parallel run resumes from the state every replica holds (``Snapshot``: the committed
+step's parameters, optimizer state and scalars, read like a checkpoint), so nothing touches
+the filesystem; a layout whose state is sharded (ZeRO, TP, PP, CP, compression) resumes from
+its last checkpoint on disk at the survivors' size. Either way the survivors run the same
+any-layout restore as ``--resume``, so a recovered run equals a run of N-1 ranks started
+from that state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from .. import checkpoint
+from ..comm import Communicator, ulfm, watchdog
+from ..comm.arith import bounds_of
+from ..device import backend
+from ..host import threads
+from ..parallel import state
+from .config import ConfigError, validate_world
+
+
+class Mark:
+    """Where the run stood as the step in flight began: (step, sampler (epoch, position),
+    steps agreed so far)."""
+
+    step, sampler, commits = 0, (0, 0), 0
+
+    def at(self, step: int, sampler) -> None:
+        self.step, self.sampler, self.commits = step, (sampler.epoch, sampler.position), \
+            ulfm.commits()
+
+
+class Snapshot:
+    """A data-parallel run's committed state in memory, with checkpoint.Reader's interface
+    (``step``, ``scalars``, ``tensors``, ``tensor``): what ``state.restore_checkpoint`` reads."""
+
+    def __init__(self, cfg, step: int, strategy, sampler: tuple, global_batch: int, world: int):
+        self.step, self.folder = step, "memory"
+        self.scalars = state.scalars_of(cfg, world, strategy, sampler, global_batch)
+        lo, hi, arrays, _ = strategy.flat_state()
+        entries = state.tensor_entries(strategy.model, None)
+        self._arrays, self.tensors = {}, {}
+        for (name, size, _, shape, _), (o, _) in zip(entries, bounds_of(e[1] for e in entries)):
+            for kind, arr in arrays.items():
+                value = backend.to_numpy(arr[o - lo:o - lo + size]).reshape(shape).copy()
+                self._arrays[f"{kind}/{name}"] = value
+                self.tensors[f"{kind}/{name}"] = {"shape": list(shape), "dtype": str(value.dtype)}
+
+    def tensor(self, name: str):
+        return self._arrays[name]
+
+    def own(self, rank: int) -> dict:      # another world: restore_checkpoint never asks
+        raise checkpoint.CheckpointError("a recovery restores into another world size")
+
+
+def replicated(cfg) -> bool:
+    """Whether every replica holds the whole state (plain data parallelism)."""
+    return cfg.zero == 0 and cfg.tp * cfg.pp * cfg.cp * cfg.ep == 1 and \
+        cfg.compress == "none" and cfg.shard_group == "all"
+
+
+def caught(exc: BaseException, cfg, strategy, sampler, mark: Mark) -> BaseException:
+    """What train's loop raises for ``exc``: ``exc`` itself, unless it says a peer died
+    (under --on-failure shrink); then, after every survivor has agreed so, a RankLost that
+    carries the committed state."""
+    if not ulfm.enabled():
+        return exc
+    if isinstance(exc, ulfm.RankLost):
+        lost = exc
+    elif ulfm.is_failure(exc):
+        ulfm.revoke_all()                      # the others' waits end too, wherever they are
+        try:
+            ulfm.commit(False)
+        except ulfm.RankLost as e:
+            lost = e
+    else:
+        return exc
+    lost.detected = time.time()
+    done = ulfm.commits() > mark.commits       # the step in flight was agreed and applied
+    step = mark.step + 1 if done else mark.step
+    where = (sampler.epoch, sampler.position) if done else mark.sampler
+    replicas = strategy.batch_comm.size
+    snap = Snapshot(cfg, step, strategy, where, sampler.batch_size * replicas, replicas) \
+        if replicated(cfg) else None
+    lost.committed, lost.failed_step, lost.replicas = snap, mark.step + 1, replicas
+    return lost
+
+
+def recover(cfg, lost: ulfm.RankLost, datasets):
+    """The survivors' communicator and what ``train`` resumes from (collective over them)."""
+    survivors, gone = ulfm.shrink()
+    watchdog.restart(survivors)
+    ulfm.enable(survivors)
+    comm = Communicator(survivors)
+    threads.configure(comm.local_size)         # the node's cores, over the ranks left on it
+    notes = []
+    if cfg.shrink_batch == "keep":
+        total = cfg.batch_size * lost.replicas
+        if total % comm.size == 0:
+            cfg.batch_size = total // comm.size
+        else:
+            notes.append(f"the global batch {total} does not divide over {comm.size} ranks: "
+                         f"each keeps --batch-size {cfg.batch_size}")
+    validate_world(cfg, comm.size, len(datasets[0]), datasets[0].block_size)
+    reader = lost.committed
+    if reader is None:
+        folder, _ = checkpoint.find_resume(cfg.save_dir)
+        if folder is None:
+            raise checkpoint.CheckpointError(f"no checkpoint in {cfg.save_dir} to restore "
+                                             "this layout's sharded state from")
+        reader = checkpoint.Reader(folder)
+    source = "the state every replica held" if reader.folder == "memory" else reader.folder
+    took = time.time() - lost.detected
+    names = ", ".join(map(str, gone)) or "?"
+    note = (f"[hpcdist] rank {names} lost in step {lost.failed_step}: {comm.size} ranks go "
+            f"on in this job from step {reader.step} ({source}), rebuilt in {took:.2f} s"
+            + "".join(f"; {n}" for n in notes))
+    if comm.rank == 0 and cfg.out_dir:
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"event": "recovered", "lost": gone, "step": lost.failed_step,
+                                "resumed_from": reader.step, "world": comm.size,
+                                "source": source, "detected": lost.detected,
+                                "recovered": time.time(), "batch_size": cfg.batch_size})
+                    + "\n")
+    return comm, (datasets, (reader.folder, note, reader))
+
+
+def train_through_failures(train, cfg, comm, prepared):
+    """``train(cfg, comm, prepared=...)``'s final metrics, going on in the job when a rank
+    dies under --on-failure shrink; None after an error every rank printed alike."""
+    while True:
+        try:
+            return train(cfg, comm, prepared=prepared)
+        except ulfm.RankLost as lost:             # the survivors go on
+            try:
+                comm, prepared = recover(cfg, lost, prepared[0])
+            except (ConfigError, checkpoint.CheckpointError) as e:
+                if ulfm.rank() == 0:              # of the survivors
+                    print(f"hpcdist.train: error: cannot go on after losing a rank: {e}",
+                          file=sys.stderr)
+                return None
+        except checkpoint.CheckpointError as e:   # raised alike on every rank (agreed)
+            if comm.rank == 0:
+                print(f"hpcdist.train: error: {e}", file=sys.stderr)
+            return None

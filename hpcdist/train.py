@@ -117,7 +117,8 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     start = _resume(cfg, comm, strategy, sampler, resume, say)
     hosts = runtime.record_ranks(comm, cfg.out_dir)
     runtime.test_hooks("start")
-    metrics = runtime.open_run_file(cfg.out_dir, "metrics.jsonl", resumed=start > 0, say=say) \
+    resumed = start > 0 or (resume is not None and resume[0] is not None)   # (a recovery too)
+    metrics = runtime.open_run_file(cfg.out_dir, "metrics.jsonl", resumed=resumed, say=say) \
         if comm.rank == 0 else None
     meter = mfu.Meter(model, cfg, train_set.block_size, comm.size, comm.nodes,
                       threads.usable_cores()) if comm.rank == 0 else None

@@ -21,7 +21,7 @@ from ..comm.arith import bounds_of
 from ..device import backend
 from ..host import threads
 from ..parallel import state
-from .config import ConfigError, validate_world
+from .config import ConfigError, validate, validate_world
 
 
 class Mark:
@@ -106,6 +106,13 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
         else:
             notes.append(f"the global batch {total} does not divide over {comm.size} ranks: "
                          f"each keeps --batch-size {cfg.batch_size}")
+    model = cfg.tp * cfg.pp * cfg.cp
+    if comm.size % model:                      # the survivors cannot hold the same cuts
+        notes.append(f"--tp {cfg.tp} x --pp {cfg.pp} x --cp {cfg.cp} does not divide the "
+                     f"{comm.size} ranks left: going on as data parallelism over them")
+        cfg.tp = cfg.pp = cfg.cp = cfg.virtual_stages = 1
+        cfg.pp_split, cfg.micro_batches = "", 0
+        validate(cfg)
     validate_world(cfg, comm.size, len(datasets[0]), datasets[0].block_size)
     reader = lost.committed
     if reader is None:
@@ -117,9 +124,9 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
     source = "the state every replica held" if reader.folder == "memory" else reader.folder
     took = time.time() - lost.detected
     names = ", ".join(map(str, gone)) or "?"
-    note = (f"[hpcdist] rank {names} lost in step {lost.failed_step}: {comm.size} ranks go "
-            f"on in this job from step {reader.step} ({source}), rebuilt in {took:.2f} s"
-            + "".join(f"; {n}" for n in notes))
+    note = (f"[hpcdist] rank {names} lost in step {lost.failed_step}; {comm.size} ranks go "
+            f"on in this job, rebuilt in {took:.2f} s" + "".join(f"; {n}" for n in notes)
+            + f"; resuming from {source}")
     if comm.rank == 0 and cfg.out_dir:
         with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"event": "recovered", "lost": gone, "step": lost.failed_step,

@@ -80,6 +80,11 @@ BAD = [
      "must be below H / fragments = 2"),
     (["--strategy", "diloco", "--group-size", "3"], "--group-size 3 must divide the world size 1"),
     (["--shard-group", "node"], "add --zero 1, 2 or 3"),
+    (["--on-failure", "shrink"], "lacks: run under Open MPI 5 (`make venv-ompi`"),
+    (["--on-failure", "shrink", "--zero", "1"], "restore from the last checkpoint: add --save-dir"),
+    (["--on-failure", "shrink", "--strategy", "ps"], "with --strategy ps is not built"),
+    (["--shrink-batch", "keep"], "--shrink-batch is for --on-failure shrink"),
+    (["--on-failure", "retry"], "unknown on_failure 'retry'"),
 ]
 
 

@@ -20,6 +20,7 @@ LAUNCH = "mpirun --with-ft ulfm --mca btl tcp,self"
 _comms: list = []                   # every communicator hpcdist made since the last recovery
 _ft = None                          # the agreement's own communicator (None: recovery off)
 _commits = 0                        # steps agreed since the process started
+_era = 0                            # recoveries so far: a wait from an earlier era is dropped
 
 
 class RankLost(Exception):
@@ -74,7 +75,9 @@ def register(mpi_comm) -> None:
 
 def is_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is MPI telling of a dead peer (or of a revoke that followed one)."""
-    if _ft is None or not isinstance(exc, MPI.Exception):
+    if _ft is None or isinstance(exc, RankLost):
+        return _ft is not None
+    if not isinstance(exc, MPI.Exception):
         return False
     # (Testall on requests reports a dead peer as MPI_ERR_IN_STATUS: hpcdist's waits test
     # many at once, and under recovery no other error of theirs is expected)
@@ -112,6 +115,10 @@ def commits() -> int:
     return _commits
 
 
+def era() -> int:
+    return _era
+
+
 def shrink():
     """(the survivors' communicator, the world ranks that were lost) after a RankLost
     (collective over the survivors)."""
@@ -124,5 +131,7 @@ def shrink():
     except (MPI.Exception, NotImplementedError, AttributeError):
         lost = []
     survivors = old.Shrink()
+    global _era
+    _era += 1
     _comms.clear()
     return survivors, lost

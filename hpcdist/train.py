@@ -278,7 +278,7 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
     held = memtrace.finish()
     loss = loss_sum / cfg.grad_accum     # the mean over the replicas: Unread.read
     tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * strategy.batch_comm.size
-    return {"step": step, "loss": loss, "lr": lr, "step_ms": dt * 1e3,
+    return {"step": step, "loss": loss, "lr": lr, "step_ms": dt * 1e3, "time": time.time(),
             "tokens_per_s": tokens / dt, "grad_norm": norm,
             "bytes_sent": strategy.comm.bytes_sent - bytes0,
             "loss_scale": strategy.scaler.scale, "skipped_steps": strategy.scaler.skipped,
@@ -312,6 +312,8 @@ def _resume(cfg, comm, strategy, sampler, resume, say) -> int:
 
 
 def main(argv=None) -> int:
+    if ulfm.spawned():                                 # started by survivors (--respawn)
+        return recovery.join(train, prepare)
     errors = (ConfigError, backend.DeviceError, checkpoint.CheckpointError, OSError, ValueError,
               savedir.SaveDirError)
     message, cfg, said = None, None, []

@@ -101,6 +101,16 @@ hpcdist_preflight() {
 
 hpcdist_launch() {
     local -a launch
+    local shrink=0 a prev=""
+    for a in "$@"; do   # --on-failure shrink: Open MPI's mpirun with its fault tolerance on
+        [[ $a == --on-failure=shrink || ( $prev == --on-failure && $a == shrink ) ]] && shrink=1
+        prev=$a
+    done
+    if [[ $shrink == 1 && $LAUNCHER == srun ]]; then
+        hpcdist_die "--on-failure shrink needs Open MPI's mpirun (submit with" \
+            "--export=ALL,LAUNCHER=mpirun): srun ends the step when a task dies, and Open MPI" \
+            "documents fault tolerance under mpirun only (jobs/README.md, 'In-job recovery')"
+    fi
     if [[ $LAUNCHER == srun ]]; then
         # --mpi=pmi2 (SRUN_MPI): the MPICH wheel speaks PMI-2; without it (MpiDefault=none
         # on many clusters) srun starts N separate 1-rank worlds, which hpcdist refuses.
@@ -111,6 +121,9 @@ hpcdist_launch() {
         local mpirun=mpirun
         command -v mpirun >/dev/null || mpirun=$(dirname "$PYTHON")/mpirun
         launch=("$mpirun" -n "${SLURM_NTASKS:-1}")
+        # ULFM: a dead rank's peers get errors instead of the job ending (the shared-memory
+        # transport hangs on a failure: TCP and self only)
+        [[ $shrink == 1 ]] && launch+=(--with-ft ulfm --mca btl tcp,self)
     fi
     local signalled=0 child="" rc=0 again
     trap 'signalled=1

@@ -67,6 +67,10 @@ HOW = {
     "mpirun -n 8 python -m hpcdist.train --bucket-mb": (None, "+ " + SHORT),
     "make test-cluster": (SKIP, "needs root; part of make test"),
     "make test-faults": (SKIP, "part of make test"),
+    "make venv-ompi": (SKIP, "part of make test (test-ulfm builds it)"),
+    ".venv-ompi/bin/mpirun --with-ft ulfm": (SKIP, "tests/ulfm runs it with a rank killed"),
+    ".venv/bin/python -m hpcdist.bench recovery": (SKIP, "a benchmark (minutes) under Open "
+                                                         "MPI; tests/ulfm covers its runs"),
     "python -m pytest -q tests/test_layers.py": ("python -m pytest -q -p no:cacheprovider "
                                                  "{repo}/tests/test_layers.py",
                                                  "the repository's test file"),

@@ -83,7 +83,8 @@ BAD = [
     (["--on-failure", "shrink"], "lacks: run under Open MPI 5 (`make venv-ompi`"),
     (["--on-failure", "shrink", "--zero", "1"], "restore from the last checkpoint: add --save-dir"),
     (["--on-failure", "shrink", "--strategy", "ps"], "with --strategy ps is not built"),
-    (["--shrink-batch", "keep"], "--shrink-batch is for --on-failure shrink"),
+    (["--shrink-batch", "keep"], "--shrink-batch and --respawn are for --on-failure shrink"),
+    (["--respawn"], "--shrink-batch and --respawn are for --on-failure shrink"),
     (["--on-failure", "retry"], "unknown on_failure 'retry'"),
 ]
 

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "pipeline": "hpcdist.bench.pipeline",
     "plan": "hpcdist.bench.plan",
     "plot": "hpcdist.bench.plot",
+    "recovery": "hpcdist.bench.recovery",
     "schedule": "hpcdist.bench.schedule",
     "shards": "hpcdist.bench.shards",
     "tp": "hpcdist.bench.tp",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..host import timeline
-from . import abort, ledger, select, watchdog
+from . import abort, ledger, select, ulfm, watchdog
 from .collectives import ALLREDUCE, Args
 from .handle import Done, Handle
 
@@ -80,7 +80,9 @@ def _watched(c, wire, kind, call, buf, a, nbytes: int = 0):
             try:
                 return kind.run(wire, buf, a, record)                 # the algorithm, the wire
             except BaseException as e:
-                if not call.blocking:          # peers may be mid-exchange: end the job
+                # peers may be mid-exchange: end the job (a dead peer under --on-failure
+                # shrink: the one who waits for the handle recovers)
+                if not call.blocking and not ulfm.is_failure(e):
                     abort.fatal(f"non-blocking call #{call.seq} {call.kind} failed in the "
                                 f"progress thread: {type(e).__name__}: {e}", e)
                 raise

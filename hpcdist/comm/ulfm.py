@@ -13,6 +13,7 @@ then shrink that communicator to themselves (``shrink``) and go on. Open MPI 5 h
 from __future__ import annotations
 
 import os
+import sys
 
 from mpi4py import MPI
 
@@ -135,3 +136,26 @@ def shrink():
     _era += 1
     _comms.clear()
     return survivors, lost
+
+
+def spawned() -> bool:
+    """Whether the survivors of a job started this process to join them (--respawn)."""
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def respawn(survivors, count: int, argv: list):
+    """Start ``count`` processes of ``python -m hpcdist.train argv`` and merge them in after
+    the survivors (collective over the survivors); the merged communicator."""
+    inter = survivors.Spawn(sys.executable, ["-m", "hpcdist.train", *argv], maxprocs=count,
+                            root=0)
+    merged = inter.Merge(high=False)
+    inter.Disconnect()
+    return merged
+
+
+def join():
+    """In a process ``respawn`` started: the merged communicator (the survivors, then us)."""
+    parent = MPI.Comm.Get_parent()
+    merged = parent.Merge(high=True)
+    parent.Disconnect()
+    return merged

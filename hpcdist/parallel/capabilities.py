@@ -243,7 +243,8 @@ def _shrink_problem(c) -> str | None:
     """--on-failure shrink: data parallelism recovers from the state every replica holds;
     a sharded or model-parallel layout restores from its last checkpoint (needs --save-dir)."""
     if c.on_failure != "shrink":
-        return c.shrink_batch != "scale" and "--shrink-batch is for --on-failure shrink"
+        return (c.shrink_batch != "scale" or c.respawn) and \
+            "--shrink-batch and --respawn are for --on-failure shrink"
     for bad, why in ((c.strategy != "collective", f"--strategy {c.strategy}"),
                      (c.backend != "mpi", f"--backend {c.backend} (NCCL has no ULFM)"),
                      (c.experts > 0, "--experts")):

@@ -38,6 +38,7 @@ FEATURES = {                    # name -> the settings that ask for it
     "param servers": {"strategy": "ps"},
     "DiLoCo": {"strategy": "diloco"},
     "hybrid ZeRO": {"zero": 2, "shard_group": "node"},
+    "in-job recovery": {"on_failure": "shrink", "save_dir": "runs/ck"},
 }
 
 

@@ -118,6 +118,7 @@ class TrainConfig:
     timeout: float = 0.0          # seconds a rank may wait on another (0: $HPCDIST_TIMEOUT/300)
     on_failure: str = "abort"     # abort | shrink (a dead rank: end the job | go on without it)
     shrink_batch: str = "scale"   # after a shrink: scale | keep the global batch
+    respawn: bool = False         # after a shrink: spawn replacements, which join the job
     device: str = "cpu"           # cpu | gpu | auto
     dtype: str = "fp32"           # fp32 | fp64 (master precision; fp64 for exactness tests)
     log_every: int = 50

@@ -104,6 +104,9 @@ HELP = {
                    "naming who did not arrive (0: $HPCDIST_TIMEOUT, else 300)",
         "on_failure": "a rank that dies: abort ends the job (requeue and --resume); shrink "
                       "goes on without it in the same job (Open MPI's ULFM; docs/failures.md)",
+        "respawn": "after a shrink: the survivors start one process per rank lost "
+                   "(MPI_Comm_spawn), which joins at the recovery and takes the state from "
+                   "rank 0 over MPI: the job keeps its size",
         "shrink_batch": "after a shrink: scale the global batch with the ranks left (each "
                         "keeps --batch-size), or keep it (each rank's batch grows, where it "
                         "divides)",

@@ -10,18 +10,21 @@ from that state.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
 
+import numpy as np
+
 from .. import checkpoint
 from ..comm import Communicator, ulfm, watchdog
 from ..comm.arith import bounds_of
 from ..device import backend
-from ..host import threads
+from ..host import signals, threads
 from ..parallel import state
-from .config import ConfigError, validate, validate_world
+from .config import ConfigError, TrainConfig, validate, validate_world
 
 
 class Mark:
@@ -36,26 +39,35 @@ class Mark:
 
 
 class Snapshot:
-    """A data-parallel run's committed state in memory, with checkpoint.Reader's interface
-    (``step``, ``scalars``, ``tensors``, ``tensor``): what ``state.restore_checkpoint`` reads."""
+    """A committed state in memory, with checkpoint.Reader's interface (``step``,
+    ``scalars``, ``tensors``, ``tensor``): what ``state.restore_checkpoint`` reads."""
 
-    def __init__(self, cfg, step: int, strategy, sampler: tuple, global_batch: int, world: int):
-        self.step, self.folder = step, "memory"
-        self.scalars = state.scalars_of(cfg, world, strategy, sampler, global_batch)
-        lo, hi, arrays, _ = strategy.flat_state()
-        entries = state.tensor_entries(strategy.model, None)
-        self._arrays, self.tensors = {}, {}
-        for (name, size, _, shape, _), (o, _) in zip(entries, bounds_of(e[1] for e in entries)):
-            for kind, arr in arrays.items():
-                value = backend.to_numpy(arr[o - lo:o - lo + size]).reshape(shape).copy()
-                self._arrays[f"{kind}/{name}"] = value
-                self.tensors[f"{kind}/{name}"] = {"shape": list(shape), "dtype": str(value.dtype)}
+    folder = "memory"
+
+    def __init__(self, step: int, scalars: dict, arrays: dict):
+        self.step, self.scalars, self._arrays = step, scalars, arrays
+        self.tensors = {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
+                        for k, v in arrays.items()}
 
     def tensor(self, name: str):
         return self._arrays[name]
 
-    def own(self, rank: int) -> dict:      # another world: restore_checkpoint never asks
-        raise checkpoint.CheckpointError("a recovery restores into another world size")
+    def own(self, rank: int) -> dict:      # "after_failure" in its layout: never asked
+        raise checkpoint.CheckpointError("a recovery holds no rank's own state")
+
+
+def snapshot(cfg, step: int, strategy, sampler: tuple, global_batch: int, world: int):
+    """A data-parallel run's committed state (every replica holds it whole)."""
+    scalars = state.scalars_of(cfg, world, strategy, sampler, global_batch)
+    scalars["layout"]["after_failure"] = True      # restored as another layout: reseeded
+    lo, hi, arrays, _ = strategy.flat_state()
+    entries = state.tensor_entries(strategy.model, None)
+    out = {}
+    for (name, size, _, shape, _), (o, _) in zip(entries, bounds_of(e[1] for e in entries)):
+        for kind, arr in arrays.items():
+            out[f"{kind}/{name}"] = backend.to_numpy(arr[o - lo:o - lo + size]).reshape(
+                shape).copy()
+    return Snapshot(step, scalars, out)
 
 
 def replicated(cfg) -> bool:
@@ -85,7 +97,7 @@ def caught(exc: BaseException, cfg, strategy, sampler, mark: Mark) -> BaseExcept
     step = mark.step + 1 if done else mark.step
     where = (sampler.epoch, sampler.position) if done else mark.sampler
     replicas = strategy.batch_comm.size
-    snap = Snapshot(cfg, step, strategy, where, sampler.batch_size * replicas, replicas) \
+    snap = snapshot(cfg, step, strategy, where, sampler.batch_size * replicas, replicas) \
         if replicated(cfg) else None
     lost.committed, lost.failed_step, lost.replicas = snap, mark.step + 1, replicas
     return lost
@@ -94,12 +106,10 @@ def caught(exc: BaseException, cfg, strategy, sampler, mark: Mark) -> BaseExcept
 def recover(cfg, lost: ulfm.RankLost, datasets):
     """The survivors' communicator and what ``train`` resumes from (collective over them)."""
     survivors, gone = ulfm.shrink()
-    watchdog.restart(survivors)
-    ulfm.enable(survivors)
-    comm = Communicator(survivors)
-    threads.configure(comm.local_size)         # the node's cores, over the ranks left on it
-    notes = []
-    if cfg.shrink_batch == "keep":
+    joiners = len(gone) if cfg.respawn and gone else 0
+    comm = _rebuild(ulfm.respawn(survivors, joiners, sys.argv[1:]) if joiners else survivors)
+    notes = [f"{joiners} new rank(s) joined (--respawn)"] if joiners else []
+    if cfg.shrink_batch == "keep" and not joiners:
         total = cfg.batch_size * lost.replicas
         if total % comm.size == 0:
             cfg.batch_size = total // comm.size
@@ -121,6 +131,8 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
             raise checkpoint.CheckpointError(f"no checkpoint in {cfg.save_dir} to restore "
                                              "this layout's sharded state from")
         reader = checkpoint.Reader(folder)
+    if joiners:
+        _share(comm, cfg, reader)
     source = "the state every replica held" if reader.folder == "memory" else reader.folder
     took = time.time() - lost.detected
     names = ", ".join(map(str, gone)) or "?"
@@ -135,6 +147,55 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
                                 "recovered": time.time(), "batch_size": cfg.batch_size})
                     + "\n")
     return comm, (datasets, (reader.folder, note, reader))
+
+
+def _rebuild(world):
+    """hpcdist's machinery over ``world`` (collective, in this order on every rank of it, the
+    ranks that joined too): a watchdog, the agreement's communicator, a Communicator."""
+    watchdog.restart(world)
+    ulfm.enable(world)
+    comm = Communicator(world)
+    threads.configure(comm.local_size)         # the node's cores, over the ranks on it now
+    return comm
+
+
+def _json(comm, value=None):
+    """Rank 0's JSON value on every rank (a length, then the bytes)."""
+    raw = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8) if comm.rank == 0 \
+        else None
+    n = comm.bcast(np.array([raw.size if raw is not None else 0], dtype=np.int64))
+    buf = raw.copy() if raw is not None else np.empty(int(n[0]), dtype=np.uint8)
+    return json.loads(bytes(comm.bcast(buf)).decode())
+
+
+def _share(comm, cfg, reader):
+    """Rank 0 to the ranks that joined: the settings as they are now and the committed
+    state (its arrays over MPI, or the checkpoint folder it is in); what they received."""
+    head = _json(comm, {"cfg": dataclasses.asdict(cfg), "step": reader.step,
+                        "folder": reader.folder, "scalars": reader.scalars,
+                        "tensors": reader.tensors} if comm.rank == 0 else None)
+    if head["folder"] != "memory":
+        return head, checkpoint.Reader(head["folder"])
+    arrays = {}
+    for name in sorted(head["tensors"]):
+        t = head["tensors"][name]
+        buf = reader.tensor(name) if isinstance(reader, Snapshot) else \
+            np.empty(t["shape"], dtype=t["dtype"])
+        arrays[name] = comm.bcast(np.ascontiguousarray(buf))
+    return head, Snapshot(head["step"], head["scalars"], arrays)
+
+
+def join(train, prepare) -> int:
+    """A process the survivors spawned (--respawn): join them, take the settings and the
+    committed state from rank 0 over MPI, train on with them; the exit code."""
+    comm = _rebuild(ulfm.join())
+    head, reader = _share(comm, None, None)
+    cfg = TrainConfig(**head["cfg"])
+    signals.checkpoint_on_signal(checkpoint=bool(cfg.save_dir))    # as main() decides it
+    datasets, _ = prepare(dataclasses.replace(cfg, resume=False), comm)
+    note = f"joined as rank {comm.rank} of {comm.size} at step {reader.step}"
+    final = train_through_failures(train, cfg, comm, (datasets, (reader.folder, note, reader)))
+    return 0 if final is not None else 1
 
 
 def train_through_failures(train, cfg, comm, prepared):

@@ -93,7 +93,7 @@ def open_run_file(out_dir: str, name: str, resumed: bool, say):
             n += 1
         os.replace(path, f"{path}.{n}")
         say(f"moved the earlier {path} to {path}.{n}")
-    return open(path, "a")
+    return open(path, "a", buffering=1)           # a line at a time: tail -f shows each
 
 
 def test_hooks(step) -> None:
@@ -105,6 +105,8 @@ def test_hooks(step) -> None:
     step), save (as a checkpoint save begins), end (after the last step);
     HPCDIST_FSIZE_AT=RANK:STEP:BYTES limits that rank's file size (a full disk) from there."""
     from mpi4py import MPI
+    if MPI.Comm.Get_parent() != MPI.COMM_NULL:      # a process that joined (--respawn): none
+        return
     rank = MPI.COMM_WORLD.Get_rank()
     spec = os.environ.get("HPCDIST_FAIL_AT")
     if spec and spec == f"{rank}:{step}":

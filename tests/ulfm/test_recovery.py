@@ -62,7 +62,7 @@ COMMON = ["--dtype", "fp64", "--steps", "10", "--lr", "3e-3", "--min-lr", "3e-3"
           "0", "--log-every", "1000", "--batch-size", "12"]
 
 
-@pytest.mark.parametrize("n, victim, layout", [(3, 1, ()), (4, 0, ()),
+@pytest.mark.parametrize("n, victim, layout", [(3, 0, ()),
                                                (4, 2, ("--zero", "2", "--save-every", "3"))])
 def test_a_killed_rank_costs_one_step_and_the_rest_equals_n_minus_1_ranks(tmp_path, n, victim,
                                                                            layout):
@@ -98,10 +98,11 @@ def test_a_killed_rank_costs_one_step_and_the_rest_equals_n_minus_1_ranks(tmp_pa
 
 def test_a_kill_from_outside_at_any_moment_is_survived(tmp_path):
     """SIGKILL from outside at an unplanned moment of a 4-rank run (mid-step, in a
-    collective, in the agreement): the three others finish the run in the job."""
+    collective, in the agreement): the three others finish the run in the job, keeping the
+    global batch of 48 (--shrink-batch keep: 16 a rank)."""
     out_dir = tmp_path / "o"
     proc = launch(4, "--steps", "60", "--log-every", "1000", "--on-failure", "shrink",
-                  "--out-dir", str(out_dir))
+                  "--shrink-batch", "keep", "--batch-size", "12", "--out-dir", str(out_dir))
     ranks = out_dir / "ranks.json"
     t0 = time.time()
     while not ranks.exists() and time.time() - t0 < 60:
@@ -113,9 +114,40 @@ def test_a_kill_from_outside_at_any_moment_is_survived(tmp_path):
     assert rc == 0, out[-4000:]
     assert "rank 3 lost in step" in out and "held-out accuracy" in out
     recs = records(out_dir)
-    assert [e["world"] for e in recs if e.get("event") == "recovered"] == [3]
+    assert [(e["world"], e["batch_size"]) for e in recs if e.get("event") == "recovered"] == \
+        [(3, 16)]
     steps = [r["step"] for r in recs if "loss" in r]
     assert steps[-1] == 60 and all(np.isfinite(r["loss"]) for r in recs if "loss" in r)
+
+
+def test_with_respawn_a_new_process_joins_and_the_run_equals_the_one_never_hit(tmp_path):
+    """--respawn: the survivors spawn a replacement for the rank killed as step 5 begins,
+    it takes the settings and the committed state (step 4) from rank 0 over MPI, and the job
+    goes on at 3 ranks: steps 5-8 and the final model equal (fp64, exactly) a 3-rank run
+    resumed from a step-4 checkpoint (no dropout here: a recovery reseeds the dropout
+    streams, a resume at the same layout restores them)."""
+    a, ref = tmp_path / "a", tmp_path / "ref"
+    common = [*COMMON, "--steps", "8"]
+    rc, out = finish(launch(3, *common, "--on-failure", "shrink", "--respawn", "--out-dir",
+                            str(a), "--save-dir", str(a / "ck"), HPCDIST_SIGNAL_AT="1:5:SIGKILL"))
+    assert rc == 0, out[-4000:]
+    assert "rank 1 lost in step 5; 3 ranks go on in this job" in out, out[-3000:]
+    assert "1 new rank(s) joined (--respawn)" in out
+    events = [r for r in records(a) if r.get("event") == "recovered"]
+    assert [(e["lost"], e["resumed_from"], e["world"]) for e in events] == [([1], 4, 3)]
+    rc, out = finish(launch(3, *common, "--steps", "4", "--out-dir", str(ref), "--save-dir",
+                            str(ref / "ck"), ft=False))
+    assert rc == 0, out[-4000:]
+    rc, out = finish(launch(3, *common, "--resume", "--out-dir", str(ref), "--save-dir",
+                            str(ref / "ck"), ft=False))
+    assert rc == 0, out[-4000:]
+    got = {r["step"]: r["loss"] for r in records(a) if "loss" in r and r.get("step", 0) > 4}
+    want = {r["step"]: r["loss"] for r in records(ref) if "loss" in r and r.get("step", 0) > 4}
+    assert sorted(got) == [5, 6, 7, 8] and got == want
+    _, pa = final_params(a / "ck")
+    _, pr = final_params(ref / "ck")
+    for name in pa:
+        np.testing.assert_array_equal(pa[name], pr[name], err_msg=name)
 
 
 def test_without_the_fault_tolerance_switch_the_flag_is_refused_in_one_line(tmp_path):

@@ -321,9 +321,8 @@ def main(argv=None) -> int:
         cfg = _parse_once(argv)
     except errors as e:
         message = str(e)
-    # What a signal means is decided here, once, before anything can be signalled (ranks.json
-    # comes later): SIGINT stops the run after a step; with a checkpoint folder SIGTERM and
-    # SIGUSR1 too, and it saves first.
+    # What a signal means is decided here, once, before anything can be signalled: SIGINT
+    # stops the run after a step; with a checkpoint folder SIGTERM and SIGUSR1 too (saving).
     if cfg is not None:
         signals.checkpoint_on_signal(checkpoint=bool(cfg.save_dir))
     mfu.probe_before_mpi(cfg)                          # the CPU's peak, while nobody spins

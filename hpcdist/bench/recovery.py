@@ -113,7 +113,8 @@ def goodput(n: int, minutes: float, every: float, tmp: str, rng, respawn: bool) 
     wait_steps(out, 20)
     t0, kills = time.time(), []
     while time.time() - t0 < minutes * 60:
-        time.sleep(max(0.0, t0 + every * (len(kills) + 1) - time.time()))
+        time.sleep(max(0.0, min(t0 + every * (len(kills) + 1), t0 + minutes * 60)
+                       - time.time()))
         if time.time() - t0 >= minutes * 60 or (len(kills) >= n - 2 and not respawn):
             break
         kills.append(kill_one(out, rng))

@@ -68,6 +68,11 @@ def rank() -> int:
     return _ft.Get_rank() if _ft is not None else MPI.COMM_WORLD.Get_rank()
 
 
+def rank_count() -> int:
+    """How many ranks the world has now (since the last recovery)."""
+    return _ft.Get_size() if _ft is not None else MPI.COMM_WORLD.Get_size()
+
+
 def register(mpi_comm) -> None:
     """A communicator to revoke when a peer dies (every one hpcdist makes)."""
     if _ft is not None:
@@ -121,14 +126,13 @@ def era() -> int:
 
 
 def shrink():
-    """(the survivors' communicator, the world ranks that were lost) after a RankLost
-    (collective over the survivors)."""
+    """(the survivors' communicator, the ranks lost, numbered as they were in the world
+    before: runs/ranks.json's) after a RankLost (collective over the survivors)."""
     old = _ft
     try:
         old.Ack_failed()
         failed = old.Get_failed()
-        lost = sorted(MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())),
-                                                MPI.COMM_WORLD.Get_group()))
+        lost = sorted(failed.Translate_ranks(list(range(failed.Get_size())), old.Get_group()))
     except (MPI.Exception, NotImplementedError, AttributeError):
         lost = []
     survivors = old.Shrink()

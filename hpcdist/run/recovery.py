@@ -105,6 +105,7 @@ def caught(exc: BaseException, cfg, strategy, sampler, mark: Mark) -> BaseExcept
 
 def recover(cfg, lost: ulfm.RankLost, datasets):
     """The survivors' communicator and what ``train`` resumes from (collective over them)."""
+    before = ulfm.rank_count()
     survivors, gone = ulfm.shrink()
     joiners = len(gone) if cfg.respawn and gone else 0
     comm = _rebuild(ulfm.respawn(survivors, joiners, sys.argv[1:]) if joiners else survivors)
@@ -136,7 +137,8 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
     source = "the state every replica held" if reader.folder == "memory" else reader.folder
     took = time.time() - lost.detected
     names = ", ".join(map(str, gone)) or "?"
-    note = (f"[hpcdist] rank {names} lost in step {lost.failed_step}; {comm.size} ranks go "
+    note = (f"[hpcdist] rank {names} of {before} lost in step {lost.failed_step}; "
+            f"{comm.size} ranks go "
             f"on in this job, rebuilt in {took:.2f} s" + "".join(f"; {n}" for n in notes)
             + f"; resuming from {source}")
     if comm.rank == 0 and cfg.out_dir:

@@ -75,7 +75,8 @@ def test_a_killed_rank_costs_one_step_and_the_rest_equals_n_minus_1_ranks(tmp_pa
                             str(a), "--save-dir", str(a / "ck"),
                             HPCDIST_SIGNAL_AT=f"{victim}:7:SIGKILL"))
     assert rc == 0, out[-4000:]
-    assert f"rank {victim} lost in step 7; {n - 1} ranks go on in this job" in out, out[-3000:]
+    assert f"rank {victim} of {n} lost in step 7; {n - 1} ranks go on in this job" in out, \
+        out[-3000:]
     events = [r for r in records(a) if r.get("event") == "recovered"]
     assert [(e["lost"], e["step"], e["resumed_from"], e["world"]) for e in events] == \
         [([victim], 7, 6, n - 1)]
@@ -112,7 +113,7 @@ def test_a_kill_from_outside_at_any_moment_is_survived(tmp_path):
     os.kill(table[3]["pid"], signal.SIGKILL)
     rc, out = finish(proc)
     assert rc == 0, out[-4000:]
-    assert "rank 3 lost in step" in out and "held-out accuracy" in out
+    assert "rank 3 of 4 lost in step" in out and "held-out accuracy" in out
     recs = records(out_dir)
     assert [(e["world"], e["batch_size"]) for e in recs if e.get("event") == "recovered"] == \
         [(3, 16)]
@@ -131,7 +132,7 @@ def test_with_respawn_a_new_process_joins_and_the_run_equals_the_one_never_hit(t
     rc, out = finish(launch(3, *common, "--on-failure", "shrink", "--respawn", "--out-dir",
                             str(a), "--save-dir", str(a / "ck"), HPCDIST_SIGNAL_AT="1:5:SIGKILL"))
     assert rc == 0, out[-4000:]
-    assert "rank 1 lost in step 5; 3 ranks go on in this job" in out, out[-3000:]
+    assert "rank 1 of 3 lost in step 5; 3 ranks go on in this job" in out, out[-3000:]
     assert "1 new rank(s) joined (--respawn)" in out
     events = [r for r in records(a) if r.get("event") == "recovered"]
     assert [(e["lost"], e["resumed_from"], e["world"]) for e in events] == [([1], 4, 3)]

@@ -58,6 +58,25 @@ def final_params(save_dir):
     return reader.step, {n: reader.tensor(n) for n in reader.tensors}
 
 
+def same_as_resumed(a, ref, sizes, at, steps, args):
+    """Run ``a``'s steps after ``at`` and its final model equal (exactly) the reference: the
+    same run on ``sizes[0]`` ranks to step ``at``, saved, then resumed on ``sizes[1]``."""
+    rc, out = finish(launch(sizes[0], *args, "--steps", str(at), "--out-dir", str(ref),
+                            "--save-dir", str(ref / "ck"), ft=False))
+    assert rc == 0, out[-4000:]
+    rc, out = finish(launch(sizes[1], *args, "--steps", str(steps), "--resume", "--out-dir",
+                            str(ref), "--save-dir", str(ref / "ck"), ft=False))
+    assert rc == 0, out[-4000:]
+    got = {r["step"]: r["loss"] for r in records(a) if "loss" in r and r.get("step", 0) > at}
+    want = {r["step"]: r["loss"] for r in records(ref) if "loss" in r and r.get("step", 0) > at}
+    assert sorted(got) == list(range(at + 1, steps + 1)) and got == want
+    step_a, pa = final_params(a / "ck")
+    step_r, pr = final_params(ref / "ck")
+    assert step_a == step_r == steps and sorted(pa) == sorted(pr)
+    for name in pa:
+        np.testing.assert_array_equal(pa[name], pr[name], err_msg=name)
+
+
 COMMON = ["--dtype", "fp64", "--steps", "10", "--lr", "3e-3", "--min-lr", "3e-3", "--warmup",
           "0", "--log-every", "1000", "--batch-size", "12"]
 
@@ -81,20 +100,7 @@ def test_a_killed_rank_costs_one_step_and_the_rest_equals_n_minus_1_ranks(tmp_pa
     assert [(e["lost"], e["step"], e["resumed_from"], e["world"]) for e in events] == \
         [([victim], 7, 6, n - 1)]
     # the reference: the same to step 6 on N ranks, saved there, then N-1 ranks resume
-    rc, out = finish(launch(n, *COMMON, *layout, "--steps", "6", "--out-dir", str(ref),
-                            "--save-dir", str(ref / "ck"), ft=False))
-    assert rc == 0, out[-4000:]
-    rc, out = finish(launch(n - 1, *COMMON, *layout, "--resume", "--out-dir", str(ref),
-                            "--save-dir", str(ref / "ck"), ft=False))
-    assert rc == 0, out[-4000:]
-    got = {r["step"]: r["loss"] for r in records(a) if "loss" in r and r.get("step", 0) > 6}
-    want = {r["step"]: r["loss"] for r in records(ref) if "loss" in r and r.get("step", 0) > 6}
-    assert sorted(got) == [7, 8, 9, 10] and got == want
-    step_a, pa = final_params(a / "ck")
-    step_r, pr = final_params(ref / "ck")
-    assert step_a == step_r == 10 and sorted(pa) == sorted(pr)
-    for name in pa:
-        np.testing.assert_array_equal(pa[name], pr[name], err_msg=name)
+    same_as_resumed(a, ref, (n, n - 1), 6, 10, [*COMMON, *layout])
 
 
 def test_a_kill_from_outside_at_any_moment_is_survived(tmp_path):
@@ -136,19 +142,7 @@ def test_with_respawn_a_new_process_joins_and_the_run_equals_the_one_never_hit(t
     assert "1 new rank(s) joined (--respawn)" in out
     events = [r for r in records(a) if r.get("event") == "recovered"]
     assert [(e["lost"], e["resumed_from"], e["world"]) for e in events] == [([1], 4, 3)]
-    rc, out = finish(launch(3, *common, "--steps", "4", "--out-dir", str(ref), "--save-dir",
-                            str(ref / "ck"), ft=False))
-    assert rc == 0, out[-4000:]
-    rc, out = finish(launch(3, *common, "--resume", "--out-dir", str(ref), "--save-dir",
-                            str(ref / "ck"), ft=False))
-    assert rc == 0, out[-4000:]
-    got = {r["step"]: r["loss"] for r in records(a) if "loss" in r and r.get("step", 0) > 4}
-    want = {r["step"]: r["loss"] for r in records(ref) if "loss" in r and r.get("step", 0) > 4}
-    assert sorted(got) == [5, 6, 7, 8] and got == want
-    _, pa = final_params(a / "ck")
-    _, pr = final_params(ref / "ck")
-    for name in pa:
-        np.testing.assert_array_equal(pa[name], pr[name], err_msg=name)
+    same_as_resumed(a, ref, (3, 3), 4, 8, common)
 
 
 def test_without_the_fault_tolerance_switch_the_flag_is_refused_in_one_line(tmp_path):

@@ -66,7 +66,7 @@ test: test-unit test-cupy-if-installed test-mpi test-double test-faults test-ulf
 
 test-unit: venv
 	$(BIN)/python -m pytest -q tests --ignore=tests/mpi --ignore=tests/slurm --ignore=tests/faults \
-	  --ignore=tests/cluster --ignore=tests/cupy
+	  --ignore=tests/cluster --ignore=tests/cupy --ignore=tests/ulfm
 
 test-mpi: venv
 	@for n in $(MPI_SIZES); do \

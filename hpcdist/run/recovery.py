@@ -110,20 +110,20 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
     joiners = len(gone) if cfg.respawn and gone else 0
     comm = _rebuild(ulfm.respawn(survivors, joiners, sys.argv[1:]) if joiners else survivors)
     notes = [f"{joiners} new rank(s) joined (--respawn)"] if joiners else []
-    if cfg.shrink_batch == "keep" and not joiners:
-        total = cfg.batch_size * lost.replicas
-        if total % comm.size == 0:
-            cfg.batch_size = total // comm.size
-        else:
-            notes.append(f"the global batch {total} does not divide over {comm.size} ranks: "
-                         f"each keeps --batch-size {cfg.batch_size}")
-    model = cfg.tp * cfg.pp * cfg.cp
-    if comm.size % model:                      # the survivors cannot hold the same cuts
+    if comm.size % (cfg.tp * cfg.pp * cfg.cp):    # the survivors cannot hold the same cuts
         notes.append(f"--tp {cfg.tp} x --pp {cfg.pp} x --cp {cfg.cp} does not divide the "
                      f"{comm.size} ranks left: going on as data parallelism over them")
         cfg.tp = cfg.pp = cfg.cp = cfg.virtual_stages = 1
         cfg.pp_split, cfg.micro_batches = "", 0
         validate(cfg)
+    replicas = comm.size // (cfg.tp * cfg.pp * cfg.cp)
+    if cfg.shrink_batch == "keep" and replicas != lost.replicas:
+        total = cfg.batch_size * lost.replicas
+        if total % replicas == 0:
+            cfg.batch_size = total // replicas
+        else:
+            notes.append(f"the global batch {total} does not divide over {replicas} "
+                         f"replicas: each keeps --batch-size {cfg.batch_size}")
     validate_world(cfg, comm.size, len(datasets[0]), datasets[0].block_size)
     reader = lost.committed
     if reader is None:
@@ -138,9 +138,8 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
     took = time.time() - lost.detected
     names = ", ".join(map(str, gone)) or "?"
     note = (f"[hpcdist] rank {names} of {before} lost in step {lost.failed_step}; "
-            f"{comm.size} ranks go "
-            f"on in this job, rebuilt in {took:.2f} s" + "".join(f"; {n}" for n in notes)
-            + f"; resuming from {source}")
+            f"{comm.size} ranks go on in this job, rebuilt in {took:.2f} s"
+            + "".join(f"; {n}" for n in notes) + f"; resuming from {source}")
     if comm.rank == 0 and cfg.out_dir:
         with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"event": "recovered", "lost": gone, "step": lost.failed_step,

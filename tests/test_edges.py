@@ -388,3 +388,19 @@ def test_docs_gpu_opens_with_what_has_run_on_a_gpu():
     assert "H100" in where or "H200" in where or "never on a GPU" in kernels
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "docs/gpu.md#what-has-run-on-a-gpu" in readme
+
+
+def test_the_supervisor_knows_a_run_that_recovers_from_its_flag_or_its_config(tmp_path,
+                                                                               monkeypatch):
+    """A killed rank's supervisor exits 0 and says the survivors recover when the run has
+    --on-failure shrink, from the command line or from its --config file (the flag wins)."""
+    from hpcdist.run import supervisor
+    toml = tmp_path / "run.toml"
+    toml.write_text('on_failure = "shrink"\n')
+    for argv, want in [(["--on-failure", "shrink"], True), (["--on-failure=shrink"], True),
+                       (["--on-failure", "abort"], False), ([], False),
+                       (["--config", str(toml)], True), ([f"--config={toml}"], True),
+                       (["--config", str(toml), "--on-failure", "abort"], False),
+                       (["--config", str(tmp_path / "missing.toml")], False)]:
+        monkeypatch.setattr("sys.argv", ["train.py", *argv])
+        assert supervisor._shrinks() is want, argv

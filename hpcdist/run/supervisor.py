@@ -104,10 +104,20 @@ def _supervise(child: int, r: int) -> None:
 
 
 def _shrinks() -> bool:
-    """Whether this run recovers in the job (--on-failure shrink on the command line)."""
+    """Whether this run recovers in the job: --on-failure shrink on the command line, or
+    ``on_failure = "shrink"`` in its --config file (the flag wins, as in config.py)."""
     argv = sys.argv[1:]
-    return "--on-failure=shrink" in argv or any(
-        a == "--on-failure" and b == "shrink" for a, b in zip(argv, argv[1:]))
+    flags = dict(zip(argv, argv[1:]))
+    flags.update(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    if "--on-failure" in flags:
+        return flags["--on-failure"] == "shrink"
+    try:
+        import tomllib
+        with open(flags["--config"], "rb") as f:
+            table = tomllib.load(f)
+        return (table.get("on_failure") or table.get("on-failure")) == "shrink"
+    except Exception:                           # no file, no tomllib (3.10), a bad file
+        return False
 
 
 def _readable(fd: int) -> bool:

@@ -239,6 +239,7 @@ GROUPS = [   # parallel/groups.py, diloco.py: layouts in replica groups
     ("shard_group", _hybrid_problem),
 ]
 
+
 def _shrink_problem(c) -> str | None:
     """--on-failure shrink: data parallelism recovers from the state every replica holds;
     a sharded or model-parallel layout restores from its last checkpoint (needs --save-dir)."""

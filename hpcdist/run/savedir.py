@@ -204,8 +204,9 @@ def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
 
 
 def remove_partial_saves(save_dir: str) -> list[str]:
-    """Remove what an interrupted save left (a step folder without its manifest, temporary
-    files); the lines that say so. Run by the job that holds the folder's lock."""
+    """Remove what an interrupted save left (``partial.step_…`` folders, a step folder
+    without its manifest, temporary files; a same-step swap cut off is put back); the lines
+    that say so. Run by the job that holds the folder's lock."""
     said = []
     for stage in sorted(glob.glob(os.path.join(save_dir, "partial.*"))):
         step = os.path.join(save_dir, os.path.basename(stage).split(".")[-1])

@@ -227,7 +227,9 @@ def test_sigterm_during_a_stall_reports_at_once_and_keeps_the_checkpoint(tmp_pat
     assert rc == 124, err[-3000:]
     assert "was asked to stop (SIGTERM) while waiting" in err
     assert re.search(r"unresponsive: rank 2 —", err), err[-3000:]
-    assert took < 60 / 10 + 6, f"{took:.1f} s: the 60 s deadline was not shortened"
+    # the grace period (60 s / 10), then the report, MPI_Abort and the launcher's teardown
+    # (6.0-6.5 s on this 2-core machine at busy times): far below the 60 s deadline
+    assert took < 60 / 10 + 10, f"{took:.1f} s: the 60 s deadline was not shortened"
     from hpcdist import checkpoint
     folder, note = checkpoint.find_resume(str(save))
     assert folder.endswith("step_00000004") and "'latest'" in note

@@ -96,6 +96,19 @@ def open_run_file(out_dir: str, name: str, resumed: bool, say):
     return open(path, "a", buffering=1)           # a line at a time: tail -f shows each
 
 
+_launched = []                                      # [this process's launch rank or None]
+
+
+def _launch_rank():
+    """MPI_COMM_WORLD's rank, None in a process the survivors spawned (asked once: the
+    hooks run in every step)."""
+    if not _launched:
+        from mpi4py import MPI
+        _launched.append(None if MPI.Comm.Get_parent() != MPI.COMM_NULL
+                         else MPI.COMM_WORLD.Get_rank())
+    return _launched[0]
+
+
 def test_hooks(step) -> None:
     """Test hooks, RANK the one the launcher started (MPI_COMM_WORLD's: after a recovery
     renumbers the ranks, a hook still fires in one process only):
@@ -104,10 +117,9 @@ def test_hooks(step) -> None:
     STEP a step number or a moment: prepare (data preparation), start (before the first
     step), save (as a checkpoint save begins), end (after the last step);
     HPCDIST_FSIZE_AT=RANK:STEP:BYTES limits that rank's file size (a full disk) from there."""
-    from mpi4py import MPI
-    if MPI.Comm.Get_parent() != MPI.COMM_NULL:      # a process that joined (--respawn): none
+    rank = _launch_rank()
+    if rank is None:                                # a process that joined (--respawn): none
         return
-    rank = MPI.COMM_WORLD.Get_rank()
     spec = os.environ.get("HPCDIST_FAIL_AT")
     if spec and spec == f"{rank}:{step}":
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (HPCDIST_FAIL_AT)")

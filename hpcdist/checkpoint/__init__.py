@@ -378,6 +378,8 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
         meta.update({k: getattr(cfg, k) for k in ("experts", "top_k", "moe_every", "router",
                                                   "shared_experts", "capacity_factor",
                                                   "balance")})
+        if getattr(cfg, "expert_hidden", 0):  # (likewise)
+            meta["expert_hidden"] = cfg.expert_hidden
     if vocabulary is not None:
         meta["vocab"] = vocab.fingerprint(vocabulary)
     return meta

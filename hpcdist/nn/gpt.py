@@ -30,6 +30,7 @@ class GPTConfig:
     moe_every: int = 1
     router: str = "softmax"          # softmax | sigmoid (with the balancing bias)
     shared_experts: int = 0
+    expert_hidden: int = 0           # each expert's MLP width (0: 4 x n_embd, as a dense MLP)
     capacity_factor: float = 0.0     # 0: dropless
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
@@ -119,7 +120,7 @@ class Block(Module):
         self.ln_2 = LayerNorm(cfg.n_embd, bias=cfg.bias)
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         if cfg.is_moe(layer):
-            self.mlp = MoE(cfg.n_embd, 4 * cfg.n_embd, cfg.experts, cfg.top_k, cfg.router,
+            self.mlp = MoE(cfg.n_embd, cfg.expert_hidden or 4 * cfg.n_embd, cfg.experts, cfg.top_k, cfg.router,
                            cfg.shared_experts, cfg.capacity_factor, cfg.aux_loss_coef,
                            cfg.z_loss_coef, cfg.balance, cfg.bias_rate, cfg.bias, 0.02,
                            proj_std, cfg.dropout)

@@ -143,11 +143,17 @@ class MoE(Module):
         for mlp in self.shared:
             y = y + mlp(x2)
         aux = None
+        # a mean over this rank's tokens, weighted by its share of the group's: the group's
+        # average gradient is then the one over all its tokens (context-parallel slices of an
+        # odd length differ in size; data-parallel replicas' are alike: 1)
+        share = 1.0
+        if self.training and self.group is not None and self.group.size > 1 and counts.sum():
+            share = float(per.sum()) * self.group.size / float(counts.sum())
         if self.training and self.balance == "aux" and self.aux_coef:
-            aux = self.aux_loss(probs, counts) * self.aux_coef
+            aux = self.aux_loss(probs, counts) * (self.aux_coef * share)
         if self.training and self.z_coef:
             z = ops.log(ops.exp(logits).sum(axis=-1))
-            z = (z * z).mean() * self.z_coef
+            z = (z * z).mean() * (self.z_coef * share)
             aux = z if aux is None else aux + z
         y = self.drop(_with_aux(y, aux, 1.0).reshape(*shape))
         return y if residual is None else residual + y
@@ -201,6 +207,13 @@ class MoE(Module):
 def moe_layers(model) -> list:
     """The MoE layers of ``model``, in its order."""
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def held_experts(model) -> set:
+    """ids of the expert parameters this rank alone holds of its EP group (the MoE layers
+    cut by parallel/expert.py; empty without expert parallelism)."""
+    return {id(p) for m in moe_layers(model) if m.exchange is not None
+            for p in m.experts.parameters()}
 
 
 def after_step(model, applied: bool) -> dict:

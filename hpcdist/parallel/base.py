@@ -19,7 +19,7 @@ from ..device import backend
 from .. import optim
 from ..host import timeline
 from ..optim import intersect
-from ..nn.moe import loss_multiplier
+from ..nn.moe import held_experts, loss_multiplier
 
 
 class StepRole:
@@ -201,11 +201,15 @@ def delegate(inner: str, names):
 def owned(model, mesh) -> list:
     """Per parameter, in ``model.named_specs()`` order: whether this rank owns it — counts it
     once in the global gradient norm and writes it into checkpoints. A tensor-parallel shard
-    is every rank's own; a replicated parameter tensor-parallel rank 0's; a copy held for a
-    tied head (``model.copies()``) nobody's here."""
+    is every rank's own; a replicated parameter tensor-parallel rank 0's (and expert-parallel
+    rank 0's); an expert its EP rank's; a copy held for a tied head (``model.copies()``)
+    nobody's here."""
     copies, first_tp = model.copies(), mesh is None or mesh.coord.tp == 0
+    # under expert parallelism the rest of the model is replicated over the EP group: rank
+    # 0 of it owns that; each rank owns the experts it alone holds
+    alone = held_experts(model) if mesh is not None and mesh.coord.ep else None
     return [(spec is not None or first_tp) and id(p) not in copies
-            for _, p, spec in model.named_specs()]
+            and (alone is None or id(p) in alone) for _, p, spec in model.named_specs()]
 
 
 class Norm:
@@ -238,13 +242,16 @@ class Norm:
 
 class GradSum:
     """Sum the gradients of the given flat ranges over ``comm`` (sequence-parallel LayerNorms
-    and biases: each tensor-parallel rank holds a partial gradient)."""
+    and biases: each tensor-parallel rank holds a partial gradient; under ZeRO with expert
+    parallelism, ``scale`` 1/ep first and the dense parameters' ranges over the EP group)."""
 
-    def __init__(self, comm, ranges):
-        self.comm, self.ranges = comm, ranges
+    def __init__(self, comm, ranges, scale: float = 1.0):
+        self.comm, self.ranges, self.scale = comm, ranges, scale
 
     def __call__(self, grad, lo: int = 0) -> None:
         """``grad`` holds the flat elements [lo, lo + grad.size)."""
+        if self.scale != 1.0:
+            grad *= self.scale
         if self.comm is None or self.comm.size == 1 or not self.ranges:
             return
         xp = backend.array_module(grad)

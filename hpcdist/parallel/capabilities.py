@@ -110,11 +110,14 @@ NCCL = [   # comm/nccl.py: every group's device arrays over NCCL, host values ov
 
 
 def _moe_problem(c) -> str | None:
-    if c.experts < 0 or c.ep < 1 or c.moe_every < 1 or c.shared_experts < 0:
-        return "--experts and --shared-experts must be >= 0, --ep and --moe-every >= 1"
+    if c.experts < 0 or c.ep < 1 or c.moe_every < 1 or c.shared_experts < 0 or \
+            c.expert_hidden < 0:
+        return ("--experts, --shared-experts and --expert-hidden must be >= 0, --ep and "
+                "--moe-every >= 1")
     if c.experts == 0:
-        return (c.ep > 1 or c.shared_experts) and \
-            "--ep and --shared-experts are for mixture-of-experts models: add --experts E"
+        return (c.ep > 1 or c.shared_experts or c.expert_hidden) and \
+            "--ep, --shared-experts and --expert-hidden are for mixture-of-experts models: " \
+            "add --experts E"
     if not 1 <= c.top_k <= c.experts:
         return f"--top-k {c.top_k} must be between 1 and the {c.experts} experts"
     if c.ep > 1 and c.experts % c.ep:
@@ -131,17 +134,16 @@ def _moe_drops(c) -> str | None:
     """What mixture of experts does not compose with yet (each: not built, not impossible)."""
     if not c.experts:
         return None
-    for bad, why in ((c.tp > 1, "--tp"), (c.pp > 1 and c.ep > 1, "--pp with --ep"),
-                     (c.cp > 1, "--cp"),
-                     (c.zero and c.ep > 1, "--zero with --ep"),
+    for bad, why in ((c.sequence_parallel, "--sequence-parallel (the experts run whole on "
+                      "every rank of the tensor-parallel group, over all of its tokens)"),
+                     (c.cp > 1 and c.capacity_factor > 0, "--capacity-factor with --cp (drops "
+                      "follow global token order; context-parallel ranks hold slices)"),
                      (c.compress != "none", "--compress"),
-                     (c.strategy == "ps", "--strategy ps"),
-                     (c.ep > 1 and c.backend != "mpi", f"--backend {c.backend} with --ep"),
-                     (c.ep > 1 and bool(c.save_dir), "checkpoints (--save-dir) with --ep")):
+                     (c.strategy == "ps", "--strategy ps")):
         if bad:
-            return (f"--experts runs with data and expert parallelism (--ep), pipelines, ZeRO, "
-                    f"recompute, accumulation and mixed precision; {why} with experts is not "
-                    "built yet")
+            return (f"--experts runs with data, expert, tensor, pipeline and context "
+                    f"parallelism, ZeRO, recompute, accumulation and mixed precision; {why} "
+                    "with experts is not built yet")
     return None
 
 

@@ -91,6 +91,8 @@ def run_layout(cfg, world: int) -> dict:
               "virtual_stages": cfg.virtual_stages}
     if cfg.cp > 1:                   # (absent at 1: the layouts written before CP compare equal)
         layout["cp"] = cfg.cp
+    if cfg.ep > 1:                   # (likewise)
+        layout["ep"] = cfg.ep
     if cfg.strategy == "diloco":     # (absent otherwise, likewise)
         layout["diloco_group"] = cfg.group_size
     if cfg.shard_group == "node":

@@ -25,7 +25,7 @@ from .context import apply_context_parallel
 from .ddp import DistributedDataParallel
 from .mixed_precision import LossScaler, MixedPrecision
 from .expert import apply_expert_parallel
-from ..nn.moe import moe_layers
+from ..nn.moe import held_experts, moe_layers
 from .pipeline import PipelineModel, PipelineStrategy
 from .schedules import partition
 from .sequence import sequence_of
@@ -107,7 +107,9 @@ class DataParallelStrategy(Strategy):
         return self.ddp.compression
 
     def holds_state(self) -> bool:
-        return self.dp_comm.rank == 0        # replicas: rank 0 of the group writes
+        """Replicas: rank 0 of the group writes (under EP: of the ranks holding its experts)."""
+        ep = self.mesh is not None and self.mesh.ep > 1
+        return (self.mesh.expert_dp_comm if ep else self.dp_comm).rank == 0
 
 
 def make_optimizer_factory(cfg):
@@ -159,8 +161,8 @@ def make_model(cfg, comm, mesh, train_set):
     return model
 
 
-MOE_FIELDS = ("experts", "top_k", "moe_every", "router", "shared_experts", "capacity_factor",
-              "aux_loss_coef", "z_loss_coef", "balance", "bias_rate")
+MOE_FIELDS = ("experts", "top_k", "moe_every", "router", "shared_experts", "expert_hidden",
+              "capacity_factor", "aux_loss_coef", "z_loss_coef", "balance", "bias_rate")
 
 
 def moe_settings(cfg) -> dict:
@@ -170,11 +172,12 @@ def moe_settings(cfg) -> dict:
     return {k: get(k) for k in MOE_FIELDS if get(k) is not None}
 
 
-def place_experts(cfg, mesh, model, batch_comm):
-    """Every MoE layer's load counted over the ranks reading batches; under --ep, this
-    rank's share of the experts (returns the parameters only this rank holds)."""
+def place_experts(cfg, mesh, model, dp_comm):
+    """Every MoE layer's load counted over the ranks that hold other tokens (``dp_comm``:
+    data, expert and context parallel; a tensor-parallel group's ranks see the same tokens);
+    under --ep, this rank's share of the experts (returns the parameters only it holds)."""
     for m in moe_layers(model):
-        m.group = batch_comm
+        m.group = dp_comm
     if cfg.ep == 1:
         return []
     return apply_expert_parallel(model, mesh.ep_comm)[1]
@@ -197,28 +200,30 @@ def make_stage(cfg, mesh, full):
     return model, embed_comm
 
 
-def norm_and_grad_sum(cfg, mesh, full, model, dp_comm, experts=()):
-    """How the global gradient norm counts each parameter of the one model once, and which
-    gradients are summed over the tensor-parallel group (sequence parallelism)."""
+def norm_and_grad_sum(cfg, mesh, full, model, shard_comm):
+    """How the global gradient norm counts each parameter of the one model once (ZeRO's
+    shards over ``shard_comm``), and which gradients are summed over another group after
+    the average: over the tensor-parallel group under sequence parallelism, over the
+    expert-parallel group under ZeRO with EP."""
     if mesh is None:
-        return Norm([dp_comm] if cfg.zero else []), None
-    if experts:          # EP (alone: the rest is refused): every expert once, the rest on one
-        mine = {id(p) for p in experts}
-        first = mesh.ep_comm.rank == 0
-        return Norm([mesh.ep_comm], np.concatenate([
-            np.full(p.size, first or id(p) in mine) for p in model.parameters()])), None
-    count, ranges, off = [], [], 0
+        return Norm([shard_comm] if cfg.zero else []), None
+    count, ranges, dense, off = [], [], [], 0
     # under sequence parallelism every replicated parameter (LayerNorms, row-parallel biases,
     # the position table) sees only this rank's rows: its gradient is partial
     partial = {id(p) for _, p, spec in full.named_specs() if spec is None} \
         if cfg.tp > 1 and cfg.sequence_parallel else set()
+    alone = held_experts(model)
     for (name, p, spec), once in zip(model.named_specs(), owned(model, mesh)):
         count.append(np.full(p.size, once))
         if id(p) in partial:
             ranges.append((off, off + p.size))
+        if id(p) not in alone:
+            dense.append((off, off + p.size))
         off += p.size
-    norm = Norm([dp_comm if cfg.zero else None, mesh.tp_comm, mesh.pp_comm],
+    norm = Norm([shard_comm if cfg.zero else None, mesh.tp_comm, mesh.pp_comm, mesh.ep_comm],
                 np.concatenate(count))
+    if cfg.zero and cfg.ep > 1:      # shards over dp x cp, averaged there: the rest over ep
+        return norm, GradSum(mesh.ep_comm, dense, scale=1.0 / cfg.ep)
     return norm, GradSum(mesh.tp_comm, ranges) if ranges else None
 
 
@@ -270,16 +275,25 @@ def build_strategy(cfg, comm, train_set):
     embed_comm = None
     if cfg.pp > 1:
         model, embed_comm = make_stage(cfg, mesh, full)
-    experts = place_experts(cfg, mesh, model, mesh.batch_comm if mesh else dp_comm)
-    norm, grad_sum = norm_and_grad_sum(cfg, mesh, full, model, dp_comm, experts)
+    experts = place_experts(cfg, mesh, model, dp_comm)
+    # ZeRO under EP shards over the ranks holding the same experts (their flat vectors are
+    # alike); the dense parameters' gradients are then summed over the EP group too
+    shard_comm = mesh.expert_dp_comm if cfg.zero and cfg.ep > 1 else dp_comm
+    norm, grad_sum = norm_and_grad_sum(cfg, mesh, full, model, shard_comm)
+    # NCCL runs a stream's calls in the order they are issued; under EP the backward graphs
+    # differ by routing, so gradient buckets launched as they fill would interleave with the
+    # experts' all-to-all differently on each rank (a deadlock): they launch after backward
+    in_order = cfg.backend == "nccl" and cfg.ep > 1
     scaler = LossScaler(init_scale=cfg.loss_scale, enabled=cfg.precision == "fp16")
     make_optimizer = make_optimizer_factory(cfg)
     if cfg.zero:
         low = None if cfg.precision == "fp32" else backend.compute_dtype(cfg.precision)
-        strategy = ZERO_LEVELS[cfg.zero](model, dp_comm, make_optimizer, compute_dtype=low,
+        strategy = ZERO_LEVELS[cfg.zero](model, shard_comm, make_optimizer, compute_dtype=low,
                                          scaler=scaler, bucket_mb=cfg.bucket_mb,
                                          first_bucket_mb=cfg.first_bucket_mb, norm=norm,
                                          grad_sum=grad_sum, mesh=mesh)
+        if in_order and hasattr(strategy, "queue"):          # ZeRO-2's buckets
+            strategy.queue.overlap = False
     else:
         mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
         compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
@@ -288,7 +302,7 @@ def build_strategy(cfg, comm, train_set):
         ddp = DistributedDataParallel(model, dp_comm, flat=mp.master, compute=mp.compute,
                                       bucket_mb=cfg.bucket_mb,
                                       first_bucket_mb=cfg.first_bucket_mb,
-                                      overlap=cfg.overlap and cfg.pp == 1,
+                                      overlap=cfg.overlap and cfg.pp == 1 and not in_order,
                                       compression=compression, experts=experts,
                                       expert_comm=mesh.expert_dp_comm if experts else None)
         strategy = DataParallelStrategy(model, ddp, make_optimizer(mp.master), mp, dp_comm,

@@ -47,7 +47,8 @@ class Zero(ZeroShape, Strategy):
                  norm=None, grad_sum=None, mesh=None):
         self.model, self.comm, self.mesh = model, comm, mesh
         self.norm, self.grad_sum = norm or Norm([comm]), grad_sum
-        self.dp_comm = comm
+        # the ranks whose losses make the step's (under EP, ``comm`` is one expert share's)
+        self.dp_comm = mesh.dp_comm if mesh is not None and mesh.ep > 1 else comm
         self.scaler = scaler or LossScaler(enabled=False)
         self.params = params = model.parameters()
         xp = backend.array_module(params[0].data)

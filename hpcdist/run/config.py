@@ -101,6 +101,7 @@ class TrainConfig:
     moe_every: int = 1
     router: str = "softmax"
     shared_experts: int = 0
+    expert_hidden: int = 0        # each expert's MLP width (0: 4 x n_embd)
     capacity_factor: float = 0.0  # 0: dropless
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0

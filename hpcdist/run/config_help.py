@@ -37,6 +37,8 @@ HELP = {
         "moe_every": "an MoE MLP in every n-th block, from block 0",
         "router": "softmax (GShard/Switch; top-k > 1 renormalised) | sigmoid (DeepSeek-V3)",
         "shared_experts": "always-on expert MLPs beside the routed ones",
+        "expert_hidden": "each expert's (and shared expert's) MLP width (0: 4 x n_embd, as "
+                         "the dense MLP; smaller for fine-grained experts, as DeepSeek's)",
         "capacity_factor": "> 0: an expert keeps ceil(tokens x top-k x factor / experts) "
                            "assignments, the latest in token order dropped; 0: dropless",
         "aux_loss_coef": "weight of the Switch load-balancing loss (balance aux)",

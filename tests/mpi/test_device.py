@@ -198,11 +198,11 @@ def _history(cfg, comm):
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_reference(batch, n_layer, n_head, n_embd, tie):
+def _cpu_reference(batch, n_layer, n_head, n_embd, tie, experts=0):
     solo = Communicator(MPI.COMM_SELF)
     try:
         cfg = small(device="cpu", batch_size=batch, n_layer=n_layer, n_head=n_head,
-                    n_embd=n_embd, tie_weights=tie, grad_clip=1.0,
+                    n_embd=n_embd, tie_weights=tie, grad_clip=1.0, experts=experts,
                     out_dir=f"/tmp/hpcdist-dev-ref-{MPI.COMM_WORLD.Get_rank()}")
         return _history(cfg, solo)
     finally:
@@ -217,12 +217,13 @@ def _layouts(P):
                 dict(tp=2, zero=1, n_head=4),
                 dict(pp=2, schedule="1f1b"), dict(pp=2, schedule="gpipe", micro_batches=1),
                 dict(pp=2, schedule="zb-h1"), dict(pp=2, tie_weights=False),
-                dict(cp=2), dict(cp=2, cp_impl="ulysses")]
+                dict(cp=2), dict(cp=2, cp_impl="ulysses"), dict(ep=2, experts=4, zero=2)]
     if P % 3 == 0:
         out += [dict(tp=3, n_head=3, n_embd=18), dict(cp=3, zero=2)]
     if P % 4 == 0:
         out += [dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=2, n_layer=4),
-                dict(tp=2, cp=2, n_head=4), dict(pp=2, cp=2, zero=1)]
+                dict(tp=2, cp=2, n_head=4), dict(pp=2, cp=2, zero=1),
+                dict(tp=2, ep=2, experts=4, n_head=4)]
     if P % 8 == 0:
         out += [dict(tp=2, pp=2, n_head=4, n_layer=2),
                 dict(tp=2, pp=2, cp=2, n_head=4, sequence_parallel=True)]
@@ -230,12 +231,12 @@ def _layouts(P):
 
 
 @pytest.mark.parametrize("backend_name", ["mpi", "nccl"])
-@pytest.mark.parametrize("index", range(18))
+@pytest.mark.parametrize("index", range(20))
 def test_every_layout_on_device_follows_the_cpu_run(comm, tmp_path, index, backend_name):
     """fp64: each layout, with its collectives over MPI or over NCCL (the double's stand-in
     where no GPU is), equals the one-process CPU run to 1e-10."""
     layouts = _layouts(comm.size)
-    assert len(layouts) <= 18, "more layouts than test indices: raise the range"
+    assert len(layouts) <= 20, "more layouts than test indices: raise the range"
     if index >= len(layouts):
         pytest.skip(f"{len(layouts)} layouts at {comm.size} ranks")
     if backend_name == "nccl" and (DEVICE == "cpu" or (
@@ -248,5 +249,6 @@ def test_every_layout_on_device_follows_the_cpu_run(comm, tmp_path, index, backe
     cfg = small(device=DEVICE, batch_size=batch, grad_clip=1.0, out_dir=str(tmp_path),
                 backend=backend_name, **kw)
     got = _history(cfg, comm)
-    ref = _cpu_reference(batch * replicas, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.tie_weights)
+    ref = _cpu_reference(batch * replicas, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.tie_weights,
+                         cfg.experts)
     np.testing.assert_allclose(got, ref, rtol=1e-10, err_msg=f"{layouts[index]} {backend_name}")

@@ -1,7 +1,11 @@
-"""Mixture of experts over ranks against one process: in fp64, expert parallelism (and data
-parallelism beside it) trains like one process with the global batch — loss and gradient
-norm every step to 1e-10 — dropless and with a capacity factor (the same assignments
-dropped); a rank that receives no tokens; the all-to-all's bytes against the formula."""
+"""Mixture of experts over ranks against one process: in fp64, expert parallelism (and data,
+tensor, pipeline and context parallelism and ZeRO beside it) trains like one process with
+the global batch — loss and gradient norm every step to 1e-10 — dropless and with a capacity
+factor (the same assignments dropped); checkpoints across EP sizes and into dense DP; a rank
+that receives no tokens; the all-to-all's bytes against the formula."""
+import pathlib
+import shutil
+
 import numpy as np
 import pytest
 
@@ -144,3 +148,72 @@ def test_the_all_to_all_sends_what_the_formula_says(comm, tmp_path):
     C = cfg.n_embd
     want = sum(bytes_per_layer(*m.exchange.rows, comm.rank, m.E, C, 8) for m in layers)
     assert sent == want > 0
+
+
+def _compositions(world):
+    """Layouts (settings) with experts each world size runs: EP beside TP (the experts whole
+    on every rank of the group), PP (1F1B and ZB-H1), CP (ring and Ulysses) and ZeRO 1-3."""
+    out = []
+    if world == 2:
+        out += [dict(tp=2, n_head=4), dict(cp=2), dict(ep=2, zero=1), dict(ep=2, zero=3)]
+    if world == 3:
+        out += [dict(ep=3, experts=6, zero=2), dict(cp=3, z_loss_coef=1e-2)]
+    if world == 4:
+        out += [dict(tp=2, ep=2, n_head=4), dict(cp=2, ep=2), dict(cp=2, ep=2, cp_impl="ulysses"),
+                dict(pp=2, ep=2, schedule="1f1b", micro_batches=1, n_layer=4),
+                dict(pp=2, ep=2, schedule="zb-h1", micro_batches=1, n_layer=4, top_k=1,
+                     balance="none"),
+                dict(ep=2, zero=3, checkpoint_activations=True), dict(ep=4, zero=2),
+                dict(tp=2, ep=2, zero=2, n_head=4), dict(pp=2, ep=2, zero=1, micro_batches=1)]
+    if world == 5:
+        out += [dict(ep=5, experts=5, top_k=3, zero=3)]
+    if world == 8:
+        out += [dict(tp=2, pp=2, ep=2, n_head=4, micro_batches=1), dict(ep=2, zero=3),
+                dict(cp=2, ep=4, zero=1)]
+    return out
+
+
+def test_experts_compose_with_every_dimension(comm, tmp_path):
+    """Each layout of ``_compositions`` equals one process with the global batch."""
+    cases = _compositions(comm.size)
+    if not cases:
+        pytest.skip(f"no composition case at {comm.size} ranks")
+    for i, extra in enumerate(cases):
+        cfg = small(**{**MOE, **extra}, out_dir=str(tmp_path / str(i)))
+        final, got = history(cfg, comm)
+        split = cfg.tp * cfg.pp * cfg.cp
+        ref_final, ref = one_process(cfg, tp=1, pp=1, cp=1, ep=1, zero=0,
+                                     checkpoint_activations=False, micro_batches=0,
+                                     schedule="1f1b", batch_size=cfg.batch_size * (comm.size // split),
+                                     out_dir=cfg.out_dir + "-ref")
+        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12, err_msg=str(extra))
+        np.testing.assert_allclose(final["test_loss"], ref_final["test_loss"], rtol=1e-10)
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_checkpoints_load_across_ep_sizes_and_into_dense_dp(comm, shared_dir, zero):
+    """Saved at step 3 of 6 by EP = the largest size dividing 4 experts and the world (ZeRO
+    level ``zero``), resumed at every EP size that divides both (1: the experts whole on every
+    rank, dense data parallelism), with and without ZeRO: the six steps equal one process."""
+    sizes = [e for e in (1, 2, 4) if comm.size % e == 0]
+    shared_dir = pathlib.Path(shared_dir) / f"zero{zero}"
+    cfg = small(**{**MOE, "steps": 6}, save_every=3, ep=max(sizes), zero=zero,
+                save_dir=str(shared_dir / "ck"), out_dir=str(shared_dir / "a"))
+    _, first = history(cfg, comm)
+    ref_final, ref = _reference(cfg.__class__(**{**vars(cfg), "save_dir": "", "zero": 0}),
+                                comm.size)
+    np.testing.assert_allclose(first, ref, rtol=1e-10, atol=1e-12)
+    for ep in sizes:
+        for level in (0, 3):
+            folder = shared_dir / f"ck-{ep}-{level}"
+            if comm.rank == 0:                  # the save at step 3 alone
+                shutil.copytree(shared_dir / "ck", folder)
+                shutil.rmtree(folder / "step_00000006")
+                (folder / "latest").write_text("step_00000003")
+            comm.allreduce(np.zeros(1))
+            c2 = small(**{**MOE, "steps": 6}, ep=ep, zero=level, save_dir=str(folder), resume=True,
+                       out_dir=str(shared_dir / f"b-{ep}-{level}"))
+            final, rest = history(c2, comm)
+            np.testing.assert_allclose(rest, ref[3:], rtol=1e-10, atol=1e-12,
+                                       err_msg=f"ep {ep} zero {level}")
+            np.testing.assert_allclose(final["test_loss"], ref_final["test_loss"], rtol=1e-10)

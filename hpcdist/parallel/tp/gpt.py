@@ -14,6 +14,7 @@ from ...device import backend
 from ...nn.gpt import SelfAttention
 from ...nn.layers import Dropout
 from ...nn.module import Module, ModuleList
+from ...nn.moe import MoE
 from ...autograd.tensor import Tensor
 from ..sequence import Cut, cut_embeddings, sequence_of
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -102,7 +103,8 @@ def apply_tensor_parallel(model, comm, sequence_parallel: bool = False):
     model.wte = VocabParallelEmbedding(model.wte.weight.data, comm, sp, seq)
     for block in model.blocks:
         block.attn = ParallelAttention(block.attn, comm, seq, sp)
-        block.mlp = ParallelMLP(block.mlp, comm, seq, sp)
+        if not isinstance(block.mlp, MoE):     # experts: whole on every rank of the group
+            block.mlp = ParallelMLP(block.mlp, comm, seq, sp)
     if model.lm_head is not None:
         model.lm_head = ColumnParallelLinear(
             _pad_columns(model.lm_head.weight.data, comm.size), None, comm,

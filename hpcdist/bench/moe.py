@@ -125,10 +125,18 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--json", default=os.path.join("runs", "bench_moe.json"))
     p.add_argument("--png", default=os.path.join("runs", "bench_moe.png"))
+    p.add_argument("--quality", action="store_true",
+                   help="instead: MoE against a dense GPT with the same active parameters on "
+                        "real text (bench/moe_quality.py); --steps counts training steps")
+    p.add_argument("--eval-every", type=int, default=100, help="--quality: held-out every N")
+    p.add_argument("--quality-out", default=os.path.join("runs", "moe_quality"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.quality:
+        from hpcdist.bench.moe_quality import quality
+        return quality(args)
     rows = relaunch("moe", args.ranks, argv)
     print(f"MoE GPT {args.n_layer}x{args.n_embd}, {args.experts} experts in every block, "
           f"batch {args.batch} per rank, {args.ranks} ranks (DP {args.ranks}; EP of them), "

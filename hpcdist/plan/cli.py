@@ -52,6 +52,10 @@ def parser() -> argparse.ArgumentParser:
     add("--heads", type=int, required=True, help="attention heads (required)")
     add("--seq", type=int, default=2048, help="sequence length")
     add("--vocab", type=int, default=51200, help="vocabulary size")
+    add("--experts", type=int, default=0, help="routed experts per MoE layer (0: dense)")
+    add("--top-k", type=int, default=2, help="experts each token is sent to")
+    add("--expert-hidden", type=int, default=0, help="an expert's MLP width (0: 4 x hidden)")
+    add("--moe-every", type=int, default=1, help="an MoE MLP in every n-th block")
     add("--global-batch", type=int, required=True, help="sequences per step (required)")
     add("--gpus", type=int, required=True, help="GPUs in all (required)")
     add("--gpus-per-node", type=int, default=8, help="GPUs per node")
@@ -102,7 +106,12 @@ def main(argv=None) -> int:
         settings = replace(settings, sequence_parallel=False)
     if args.calibrate:
         gpu, settings = calibrated(gpu, settings, args.calibrate)
-    model = Model(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+    if args.experts < 0 or (args.experts and not 1 <= args.top_k <= args.experts) or \
+            args.expert_hidden < 0 or args.moe_every < 1:
+        ap.error("--experts >= 0, --top-k between 1 and the experts, --expert-hidden >= 0, "
+                 "--moe-every >= 1")
+    model = Model(args.layers, args.hidden, args.heads, args.seq, args.vocab, args.experts,
+                  args.top_k, args.expert_hidden, args.moe_every)
     fits, refused = plan(model, gpu, args.gpus, args.gpus_per_node, args.global_batch,
                          settings)
     if args.json:
@@ -111,7 +120,10 @@ def main(argv=None) -> int:
             print(nothing_fits(refused), file=sys.stderr)
         return 0 if fits else 1
     print(f"GPT {model.layers} layers x {model.hidden} hidden ({model.heads} heads), "
-          f"{model.parameters / 1e9:.1f} B parameters, seq {model.seq}, global batch "
+          f"{model.parameters / 1e9:.1f} B parameters" + (
+              f" ({model.experts} experts top-{model.top_k} in {model.moe_layers} blocks: "
+              f"{model.active_parameters / 1e9:.1f} B active)" if model.experts else "") +
+          f", seq {model.seq}, global batch "
           f"{args.global_batch} on {args.gpus} x {gpu.name} ({args.gpus_per_node} per node); "
           f"{len(fits)} layouts fit, {len(refused)} refused")
     if not fits:
@@ -154,7 +166,7 @@ def diloco_advice(model, fits, gpu, gpus: int, per_node: int, batch: int, settin
 
 
 # (row key, header, width): the narrow table a person reads, then what --wide adds
-NARROW = [("tp", "TP", 3), ("pp", "PP", 3), ("dp", "DP", 4), ("cp", "CP", 3),
+NARROW = [("tp", "TP", 3), ("pp", "PP", 3), ("dp", "DP", 4), ("cp", "CP", 3), ("ep", "EP", 3),
           ("zero", "ZeRO", 4), ("shard", "shard", 5), ("micro_batch", "mb", 3), ("micro_batches", "m", 4),
           ("schedule", "schedule", 14), ("recompute", "recompute", 9), ("sp", "SP", 3),
           ("memory_gb", "GB/GPU", 7), ("step_s", "step s", 7), ("mfu", "MFU", 6),
@@ -189,6 +201,8 @@ def report(fits: list, top: int, wide: bool = False) -> None:
     p, L = best.parts, best.layout
     print(f"best: TP {L.tp} x PP {L.pp} x DP {L.dp}" + (f" x CP {L.cp} ({L.cp_impl})"
                                                         if L.cp > 1 else "") +
+          (f" (EP {L.ep} of DP: the all-to-alls {p['ep']:.2f} s inside the pipeline)"
+           if L.ep > 1 else "") +
           f": {best.step_s:.2f} s per step = pipeline {p['pipeline']:.2f} s (bubble "
           f"{best.bubble * 100:.1f}%, TP collectives {p['tp']:.2f} s and CP messages "
           f"{p['cp']:.2f} s inside it) + DP gradient reduction {p['dp']:.2f} s + optimizer "
@@ -237,6 +251,11 @@ def train_args(model: Model, L, settings: Settings) -> list:
     a += ["--cp", L.cp, "--cp-impl", L.cp_impl] if L.cp > 1 else []
     a += ["--zero", L.zero] if L.zero else []
     a += ["--shard-group", "node"] if L.shard else []
+    if model.experts:
+        a += ["--experts", model.experts, "--top-k", model.top_k]
+        a += ["--expert-hidden", model.expert_hidden] if model.expert_hidden else []
+        a += ["--moe-every", model.moe_every] if model.moe_every > 1 else []
+        a += ["--ep", L.ep] if L.ep > 1 else []
     a += ["--checkpoint-activations"] if L.recompute else []
     return [str(x) for x in a]
 

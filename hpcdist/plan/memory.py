@@ -20,14 +20,15 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
     two stages) holds the most blocks of the stages between. ZeRO shards over DP x CP (the
     ranks that hold the same parameters)."""
     s, h, V, t = model.seq, model.hidden, model.vocab, L.tp
-    block = (12 * h * h + 7 * h) / t + 6 * h
+    block = (12 * h * h + 7 * h) / t + 6 * h + moe_block(model, L)
     sizes = L.stages(model.layers)
     table = -(-V // t) * h
     held = {"first": sizes[0] * block + table + s * h + (2 * h if L.pp == 1 else 0),
             "last": sizes[-1] * block + 2 * h + (table if L.pp > 1 else 0)}
     if L.pp > 2:
         held["middle"] = max(sizes[1:-1]) * block
-    d = L.shard or L.dp * L.cp                    # the ranks ZeRO shards over
+    # the ranks ZeRO shards over (under EP those holding the same experts: train.py's)
+    d = L.shard or L.dp * L.cp // L.ep
     pb, gb, ob = settings.param_bytes, settings.grad_bytes, settings.optimizer_bytes
 
     sharded = zero_level(L.zero).sharded          # what the level's class says it splits
@@ -43,6 +44,34 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
         out[name] = {"params": p, "grads": g, "optimizer": o, "activations": act,
                      "buffers": settings.buffers, "total": p + g + o + act + settings.buffers}
     return out[stage] if stage else max(out.values(), key=lambda x: x["total"])
+
+
+def moe_block(model: Model, L: Layout) -> float:
+    """Parameters an MoE block holds per GPU beyond a dense block's, averaged over the
+    blocks (one in ``moe_every``): the MLP's (8h^2 + 5h)/t (its biases' h on every rank)
+    replaced by the router (hE) and E/ep experts, whole on every tensor-parallel rank (as
+    hpcdist runs them)."""
+    if not model.experts:
+        return 0.0
+    h, t = model.hidden, L.tp
+    moe = h * model.experts + model.experts // L.ep * model.expert_size
+    dense = (8 * h * h + 4 * h) / t + h
+    return model.moe_layers / model.layers * (moe - dense)
+
+
+def moe_activations(model: Model, L: Layout, settings: Settings) -> float:
+    """Bytes one MoE layer stores in forward beyond the dense MLP's: per token k rows
+    through an expert (the gathered input, the hidden pre-activation and its GELU, f each,
+    the output, its gated copy; under EP the rows received and returned: 2h more) and the
+    router's logits and probabilities (2E), against the dense MLP's 8h/t (4h/t each of its
+    hidden pre-activation and output)."""
+    if not model.experts:
+        return 0.0
+    h, k, E, t = model.hidden, model.top_k, model.experts, L.tp
+    f = model.expert_hidden or 4 * h
+    n = L.micro_batch * model.seq
+    per_row = 2 * f + 3 * h + (2 * h if L.ep > 1 else 0)
+    return settings.param_bytes * n * (k * per_row + 2 * E - 8 * h / t)
 
 
 def activations(model: Model, L: Layout, settings: Settings = Settings(),
@@ -82,6 +111,11 @@ def activations(model: Model, L: Layout, settings: Settings = Settings(),
                                "first" if stage == "middle" else stage)
     per = hpcdist_layer if settings.activations == "hpcdist" else megatron_layer
     stored, rebuilt, ends = per(model, L, settings, "first" if stage == "middle" else stage)
+    moe = moe_activations(model, L, settings)      # an MoE layer's, beyond a dense one's
+    if L.recompute:
+        rebuilt += moe
+    else:
+        stored += moe * model.moe_layers / model.layers
     if stage == "middle":                          # neither the embedding nor the head
         ends = 0.0
     if L.pp == 1:                                   # one stage: both ends

@@ -24,7 +24,9 @@ class GPU:
 # Vendors' datasheets: A100 (SXM) 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 156 tf32; NVLink 3
 # 600 GB/s per GPU (300 each way); HDR InfiniBand 200 Gb/s per GPU in a DGX A100. H100 SXM
 # 989 TFLOP/s bf16 dense, 67 fp32, 80 GB; NVLink 4 900 GB/s (450 each way); NDR 400 Gb/s per
-# GPU in a DGX H100. H200: H100's compute, 141 GB.
+# GPU in a DGX H100. H200: H100's compute, 141 GB. H800: H100's compute with NVLink cut to
+# 400 GB/s; DeepSeek-V3's report (arXiv:2412.19437, section 3.2.2) measured 160 GB/s NVLink and
+# 50 GB/s InfiniBand per GPU on its cluster: those are used.
 HARDWARE = {
     "a100-40g": GPU("A100 40GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
                     40 * GB, 300 * GB, 25 * GB),
@@ -34,6 +36,8 @@ HARDWARE = {
                 80 * GB, 450 * GB, 50 * GB),
     "h200": GPU("H200 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
                 141 * GB, 450 * GB, 50 * GB),
+    "h800": GPU("H800 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+                80 * GB, 160 * GB, 50 * GB),
 }
 
 
@@ -50,6 +54,20 @@ NARAYANAN_TABLE_1 = [
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
 
 
+# DeepSeek-V3 (arXiv:2412.19437): 61 layers, hidden 7168, 128 heads, 4096 positions, 129,280
+# tokens; 256 routed experts of width 2048 (SwiGLU: 3 x 7168 x 2048 weights each) and one shared
+# expert, 8 routed per token; the first 3 blocks dense (width 18432). Trained on 2048 H800 with PP
+# 16, EP 64 (over 8 nodes), ZeRO-1 data parallelism, no TP, global batch 15,360; "180K H800 GPU
+# hours per trillion tokens" (1,543 tokens/s per GPU), FP8 GEMMs, DualPipe overlapping the
+# all-to-all with compute. In hpcdist's GPT (GELU experts, MHA, every block MoE): expert width
+# 3072 (2 x 7168 x 3072 = the SwiGLU expert's weights), top-9 (the shared expert counted as a
+# ninth, always chosen); a dense block's MLP has the active weights of 9 experts, so active
+# parameters match (37.8 B against 37 B) and the total is 701 B against 671 B.
+DEEPSEEK_V3 = dict(layers=61, hidden=7168, heads=128, seq=4096, vocab=129280, experts=256,
+                   top_k=9, expert_hidden=3072, gpus=2048, per_node=8, batch=15360, pp=16,
+                   ep=64, zero=1, tokens_per_gpu_s=1e12 / (180e3 * 3600))
+
+
 @dataclass(frozen=True)
 class Model:
     layers: int
@@ -57,20 +75,50 @@ class Model:
     heads: int
     seq: int
     vocab: int
+    experts: int = 0            # routed experts of an MoE layer (0: dense MLPs)
+    top_k: int = 2
+    expert_hidden: int = 0      # an expert's MLP width (0: 4 x hidden)
+    moe_every: int = 1          # an MoE MLP in every n-th block, from block 0
+
+    @property
+    def moe_layers(self) -> int:
+        return -(-self.layers // self.moe_every) if self.experts else 0
+
+    @property
+    def expert_size(self) -> int:
+        """One expert's parameters: 2hf + f + h (its two linears with their biases)."""
+        h = self.hidden
+        f = self.expert_hidden or 4 * h
+        return 2 * h * f + f + h
+
+    def moe_change(self, experts_per_token: float) -> float:
+        """Parameters the MoE blocks add to a dense model's: each MoE block's MLP (8h^2 +
+        5h) replaced by its router (hE) and ``experts_per_token`` experts."""
+        h = self.hidden
+        return self.moe_layers * (h * self.experts + experts_per_token * self.expert_size
+                                  - (8 * h * h + 5 * h))
 
     @property
     def parameters(self) -> float:
-        """12lh^2(1 + 13/12h) + (V + s)h: blocks, embeddings (the head tied)."""
+        """12lh^2(1 + 13/12h) + (V + s)h: blocks, embeddings (the head tied); with experts,
+        every expert of an MoE block."""
         l, h = self.layers, self.hidden
-        return 12 * l * h * h * (1 + 13 / (12 * h)) + (self.vocab + self.seq) * h
+        return 12 * l * h * h * (1 + 13 / (12 * h)) + (self.vocab + self.seq) * h + \
+            self.moe_change(self.experts)
+
+    @property
+    def active_parameters(self) -> float:
+        """What one token meets: an MoE block's top-k experts of its E."""
+        return self.parameters - self.moe_change(self.experts) + self.moe_change(self.top_k)
 
     def flops(self, batch: int, recompute: bool) -> float:
-        """FLOPs of one iteration on ``batch`` sequences: ``flops_per_token`` (the count the
-        training run reports too; Narayanan et al. 2021's eq. 3 up to the biases), plus one
-        more forward of the blocks under full recompute."""
+        """FLOPs of one iteration on ``batch`` sequences: ``flops_per_token`` of the active
+        parameters (the count the training run reports too; Narayanan et al. 2021's eq. 3 up
+        to the biases), plus one more forward of the blocks under full recompute."""
         B, s, l, h = batch, self.seq, self.layers, self.hidden
-        per_token = flops_per_token(self.parameters - s * h, l, h, s)
-        extra = 24 * l * h * h + 4 * l * h * s if recompute else 0
+        per_token = flops_per_token(self.active_parameters - s * h, l, h, s)
+        extra = 24 * l * h * h + 4 * l * h * s + 2 * self.moe_change(self.top_k) \
+            if recompute else 0
         return B * s * (per_token + extra)
 
 
@@ -98,6 +146,7 @@ class Layout:
     split: tuple = ()           # blocks per pipeline stage when not even (() = even)
     shard: int = 0              # ZeRO sharded over groups of this many ranks, replicated
                                 # across them (hybrid sharding; 0: over all of DP x CP)
+    ep: int = 1                 # expert parallel: each MoE layer's experts over ep of DP
 
     def stages(self, layers: int) -> tuple:
         """Blocks on each pipeline stage."""
@@ -142,7 +191,7 @@ class Estimate:
 
     def row(self) -> dict:
         L = self.layout
-        return {"tp": L.tp, "pp": L.pp, "dp": L.dp, "cp": L.cp,
+        return {"tp": L.tp, "pp": L.pp, "dp": L.dp, "cp": L.cp, "ep": L.ep,
                 "cp_impl": L.cp_impl if L.cp > 1 else "-",
                 "split": ",".join(map(str, L.split)) or "even", "zero": L.zero,
                 "shard": "node" if L.shard else "all",
@@ -153,7 +202,8 @@ class Estimate:
                 "tflops_per_gpu": self.tflops_per_gpu / 1e12, "mfu": self.mfu,
                 "bubble": self.bubble,
                 "comm_share": (self.parts.get("tp", 0) + self.parts.get("pp", 0)
-                               + self.parts.get("dp", 0) + self.parts.get("cp", 0))
+                               + self.parts.get("dp", 0) + self.parts.get("cp", 0)
+                               + self.parts.get("ep", 0))
                 / self.step_s if self.step_s else 0.0}
 
 
@@ -187,6 +237,9 @@ class Settings:
     fused_kernels: bool = True
     attention_probs: bool | None = None   # kept (None: unless fused_kernels; CP's: kept)
     tp_across_nodes: bool = False
+    # the share of the experts' all-to-all hidden behind compute (hpcdist: 0, the dispatch
+    # waits; DeepSeek-V3's DualPipe overlaps all of it)
+    ep_overlap: float = 0.0
     # what the framework offers (``FEATURES``): SP, ZeRO levels, pipeline schedules
     sequence_parallel: bool = True
     zero_levels: tuple = (0, 1, 2, 3)

@@ -29,8 +29,8 @@ def candidates(model: Model, gpus: int, per_node: int, batch: int,
                 if why:
                     refused.append(({**base, "schedule": f"{name} v{v}"}, why))
                     continue
-                ok.extend(_variants(base, split, b, per_replica // b, name, v, settings,
-                                    refused))
+                ok.extend(_variants(model, base, split, b, per_replica // b, name, v,
+                                    settings, refused))
     return ok + _hybrid(ok, per_node), refused
 
 
@@ -39,7 +39,7 @@ def _hybrid(layouts, per_node: int) -> list:
     replicated across them instead (what hpcdist.train's --shard-group node runs)."""
     from dataclasses import replace
     return [replace(L, shard=per_node) for L in layouts
-            if L.zero and L.tp == L.pp == L.cp == 1 and L.dp > per_node and
+            if L.zero and L.tp == L.pp == L.cp == L.ep == 1 and L.dp > per_node and
             L.dp % per_node == 0]
 
 
@@ -62,11 +62,19 @@ def meshes(model: Model, gpus: int, per_node: int, batch: int, settings: Setting
                     yield ({**base, "split": split} if split else base), split, why
 
 
-def _variants(base, split, b, m, name, v, settings, refused) -> list:
+def _expert_sizes(model, dp: int) -> list:
+    """The EP sizes for a DP size: each divides DP and the experts (1 without experts)."""
+    return [e for e in _divisors(dp) if model.experts % e == 0] if model.experts else [1]
+
+
+def _variants(model, base, split, b, m, name, v, settings, refused) -> list:
     """The layouts of one mesh, micro-batch and schedule: ZeRO level, recompute, sequence
-    parallelism, the context-parallel variant."""
+    parallelism, the context-parallel variant, the expert-parallel size."""
     out = []
     tp, pp, dp, cp = base["tp"], base["pp"], base["dp"], base["cp"]
+    if model.experts and tp > 1 and settings.sequence_parallel:
+        refused.append(({**base, "sp": True}, "sequence parallelism with experts: hpcdist runs "
+                        "the experts whole on every tensor-parallel rank, over all its tokens"))
     for zero in settings.zero_levels:
         if pp > 1 and zero > 1:
             refused.append(({**base, "zero": zero}, f"ZeRO-{zero} with a pipeline would "
@@ -75,9 +83,11 @@ def _variants(base, split, b, m, name, v, settings, refused) -> list:
             continue
         for impl in settings.cp_impls if cp > 1 else ("ring",):
             for recompute in (False, True):
-                for sp in (False, True) if tp > 1 and settings.sequence_parallel else (False,):
-                    out.append(Layout(tp, pp, dp, zero, b, m, name, v, recompute, sp, cp,
-                                      impl, split))
+                for sp in (False, True) if tp > 1 and settings.sequence_parallel and \
+                        not model.experts else (False,):
+                    for ep in _expert_sizes(model, dp):
+                        out.append(Layout(tp, pp, dp, zero, b, m, name, v, recompute, sp,
+                                          cp, impl, split, ep=ep))
     return out
 
 
@@ -148,7 +158,7 @@ def best_per_mesh(fits: list) -> list:
     """The fastest estimate of each DP x CP x TP x PP, fastest first (``fits`` sorted)."""
     seen, out = set(), []
     for e in fits:
-        key = (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.cp)
+        key = (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.cp, e.layout.ep)
         if key not in seen:
             seen.add(key)
             out.append(e)

@@ -64,7 +64,7 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
         e.why = (f"needs {e.memory['total'] / GB:.1f} GB per GPU, {usable / GB:.1f} GB usable "
                  f"({(e.memory['total'] - usable) / GB:.1f} GB over)")
         return e                        # refused: no time needed
-    f, bwd, tp_fwd, cp_fwd = layer_times(model, L, gpu, per_node, settings)
+    f, bwd, tp_fwd, cp_fwd, ep_fwd = layer_times(model, L, gpu, per_node, settings)
     sizes = L.stages(model.layers)
     logits = 2 * L.micro_batch * (model.seq / L.cp) * model.hidden * model.vocab / L.tp / \
         (gpu.flops[settings.dtype] * settings.efficiency)          # on the last stage
@@ -94,6 +94,7 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
     e.parts = {"pipeline": pipe, "tp": L.micro_batches * layers * tp_fwd * (3 if L.recompute
                                                                                else 2),
                "cp": L.micro_batches * layers * cp_fwd * (4 if L.recompute else 3),
+               "ep": L.micro_batches * layers * ep_fwd * (3 if L.recompute else 2),
                "pp": 2 * L.micro_batches * L.virtual * pp_send,
                "dp": dp, "optimizer": optimizer}
     e.bubble = bubble
@@ -126,24 +127,55 @@ def layer_times(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Sett
             cp_fwd = (c - 1) * max(0.0, hop - block)
         else:                           # qkv and the output, (c - 1)/c of them each
             cp_fwd = 2 * (c - 1) * (alpha + call) + 4 * act_bytes / t * (c - 1) / c / bw
+    moe, ep_fwd = moe_layer(model, L, gpu, per_node, settings)
+    layer_fwd += moe
     over = settings.layer_overhead
     if settings.byte_cost:
         written = hpcdist_layer(model, replace(L, recompute=False, cp=1), settings,
                                 "first")[0] / c
         over += settings.byte_cost * written
-    f = layer_fwd / peak + tp_fwd + cp_fwd + over
-    bwd = 2 * layer_fwd / peak + tp_fwd + 2 * cp_fwd + 2 * over
+    f = layer_fwd / peak + tp_fwd + cp_fwd + ep_fwd + over
+    bwd = 2 * layer_fwd / peak + tp_fwd + 2 * cp_fwd + ep_fwd + 2 * over
     if L.recompute:
         bwd += f
-    return f, bwd, tp_fwd, cp_fwd
+    return f, bwd, tp_fwd, cp_fwd, ep_fwd
+
+
+def moe_layer(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Settings) -> tuple:
+    """(forward FLOPs an MoE layer adds to a dense layer's, the EP all-to-alls of its
+    forward in seconds), averaged over the layers (one in ``moe_every``). FLOPs: k experts
+    per token (4hf each), whole on every tensor-parallel rank, and the router (2hE), for the
+    dense MLP's 16h^2/t. The all-to-alls: the dispatch and the combine, each moving k rows
+    of h per token, (ep - 1)/ep of them to other ranks (the routing assumed balanced),
+    inside the node when the EP group is (tp x cp x ep ranks), with a latency per peer,
+    less the share ``settings.ep_overlap`` hides; the backward runs the same two again."""
+    if not model.experts:
+        return 0.0, 0.0
+    s, h, t, b, c, k = model.seq, model.hidden, L.tp, L.micro_batch, L.cp, model.top_k
+    f = model.expert_hidden or 4 * h
+    tokens = b * s / c
+    share = model.moe_layers / model.layers
+    flops = tokens * (4 * k * h * f + 2 * h * model.experts - 16 * h * h / t)
+    if L.ep == 1:
+        return share * flops, 0.0
+    inside = t * c * L.ep <= per_node
+    bw, alpha = (gpu.nvlink, gpu.nvlink_alpha) if inside else (gpu.network, gpu.network_alpha)
+    rows = settings.param_bytes * tokens * k * h * (L.ep - 1) / L.ep
+    one = (L.ep - 1) * alpha + rows / bw + settings.call_overhead
+    return share * flops, share * 2 * one * (1 - settings.ep_overlap)
 
 
 def data_parallel_time(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Settings,
                        layers: int) -> tuple:
     """(the gradient reduction over DP x CP, not overlapped, as Megatron-LM ran it; the
     optimizer's memory-bound pass over its state) in seconds."""
+    from .memory import moe_block
     s, h, V, t = model.seq, model.hidden, model.vocab, L.tp
     psi = (layers * 12 * h * h * (1 + 13 / (12 * h)) + V * h + s * h) / t
+    # the experts' gradients are averaged over the ranks holding them (DP x CP / EP)
+    experts = layers * model.moe_layers / model.layers * model.experts // L.ep * \
+        model.expert_size
+    psi += layers * moe_block(model, L) - experts
     grad_bytes = settings.grad_bytes * psi
     n = L.dp * L.cp
     inside = t * n <= per_node
@@ -155,8 +187,14 @@ def data_parallel_time(model: Model, L: Layout, gpu: GPU, per_node: int, setting
     else:
         dp = _allreduce(grad_bytes, n, gpu.nvlink if inside else gpu.network,
                         gpu.nvlink_alpha if inside else gpu.network_alpha) * level.traffic
+    if experts and n // L.ep > 1:
+        e_in = t * n <= per_node
+        dp += _allreduce(settings.grad_bytes * experts, n // L.ep,
+                         gpu.nvlink if e_in else gpu.network,
+                         gpu.nvlink_alpha if e_in else gpu.network_alpha) * level.traffic
     if n > 1:                      # a call per 25 MB bucket; ZeRO-3 gathers every block twice
         calls = max(1, math.ceil(grad_bytes / 25e6)) + level.calls_per_block * layers
         dp += calls * settings.call_overhead
-    optimizer = 16 * psi / ((L.shard or n) if L.zero else 1) / 2e12   # a pass over state
+    psi += experts
+    optimizer = 16 * psi / ((L.shard or n // L.ep) if L.zero else 1) / 2e12   # a pass over state
     return dp, optimizer

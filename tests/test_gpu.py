@@ -175,3 +175,39 @@ def test_no_device_read_inside_a_step(tmp_path, flags):
         assert isinstance(d["loss"], float) and isinstance(d["grad_norm"], float)
         np.testing.assert_allclose([d["loss"], d["grad_norm"]], [c["loss"], c["grad_norm"]],
                                    rtol=2e-2 if "bf16" in flags else 1e-6)
+
+
+def test_the_experts_permutation_and_combine_are_one_launch_each_way():
+    """On the device double (or a GPU): an MoE layer's permutation and its combine are one
+    kernel each, forward and backward (the combine's backward one more for the gates), and
+    their results equal the NumPy twins on the host."""
+    from hpcdist.autograd import ops
+    from hpcdist.device import kernels
+    from hpcdist.device.surface import LAUNCHES
+    if backend.device_label() == "cpu":
+        pytest.skip("counts launches on the device double or a GPU")
+    rng, xp, k = np.random.default_rng(0), backend.xp(), 2
+    x_host = rng.standard_normal((6, 8))
+    order_host = np.argsort(rng.integers(0, 4, 12), kind="stable")
+    inv_host = np.argsort(order_host)
+    order, inv = xp.asarray(order_host), xp.asarray(inv_host)
+    x = hd.Tensor(xp.asarray(x_host), requires_grad=True)
+    w = hd.Tensor(xp.asarray(rng.random(12)), requires_grad=True)
+    before = LAUNCHES.count
+    xs = ops.moe_permute(x, order, inv, k)
+    assert LAUNCHES.count - before == 1
+    before = LAUNCHES.count
+    y = ops.moe_combine(xs, w, order, inv, k)
+    assert LAUNCHES.count - before == 1
+    np.testing.assert_allclose(backend.to_numpy(y.data), kernels.combine_twin(
+        kernels.permute_twin(x_host, order_host, k), backend.to_numpy(w.data), inv_host, k))
+    before = LAUNCHES.count
+    gy = xp.asarray(rng.standard_normal((6, 8)))
+    gys, gw = kernels.MOE_COMBINE_BWD(gy, xs.data, w.data, order, k)
+    gx = kernels.MOE_COMBINE(gys, None, inv, k)
+    assert LAUNCHES.count - before == 2
+    want_gys, want_gw = kernels.combine_bwd_twin(backend.to_numpy(gy), backend.to_numpy(
+        xs.data), backend.to_numpy(w.data), order_host, k)
+    np.testing.assert_allclose(backend.to_numpy(gw), want_gw, rtol=1e-12)
+    np.testing.assert_allclose(backend.to_numpy(gx), kernels.combine_twin(want_gys, None,
+                                                                          inv_host, k))

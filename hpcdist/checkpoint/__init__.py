@@ -377,9 +377,8 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
     if getattr(cfg, "experts", 0):            # (absent without: older checkpoints compare)
         meta.update({k: getattr(cfg, k) for k in ("experts", "top_k", "moe_every", "router",
                                                   "shared_experts", "capacity_factor",
-                                                  "balance")})
-        if getattr(cfg, "expert_hidden", 0):  # (likewise)
-            meta["expert_hidden"] = cfg.expert_hidden
+                                                  "balance", "expert_hidden")
+                     if k != "expert_hidden" or getattr(cfg, k, 0)})   # (likewise)
     if vocabulary is not None:
         meta["vocab"] = vocab.fingerprint(vocabulary)
     return meta

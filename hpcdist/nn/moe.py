@@ -162,16 +162,17 @@ class MoE(Module):
         """Every assignment through its expert (``per[e]`` of them to expert e), weighted by
         its gate, added back per token."""
         xp = backend.array_module(x2.data)
-        token = xp.repeat(xp.arange(N), self.k)                      # (N k,)
-        order = xp.argsort(expert, kind="stable")                    # by expert, token order
-        xs = x2[token[order]]                                        # (N k, C) sorted
-        keys = self.order_keys(token[order])
+        order = xp.argsort(expert, kind="stable")        # assignment t k + j, by expert
+        inv = xp.empty_like(order)
+        inv[order] = xp.arange(order.size)               # where each assignment went
+        xs = ops.moe_permute(x2, order, inv, self.k)     # (N k, C) sorted, token order
+        keys = self.order_keys(order // self.k)
         if self.exchange is not None:                                # expert parallelism
             ys, kept = self.exchange(self, xs, per, keys, N)
         else:
             ys, kept = self.run_experts(xs, per, keys, N)
         w = gate[order] * Tensor(kept.astype(x2.data.dtype))
-        return ops.scatter_rows(ys * w.reshape(-1, 1), token[order], N)
+        return ops.moe_combine(ys, w, order, inv, self.k)
 
     def order_keys(self, token):
         """Each assignment's place in global token order (capacity drops by it): this rank's

@@ -321,15 +321,6 @@ def getitem(a: Tensor, idx) -> Tensor:
     return Tensor._make(out, (a,), backward)
 
 
-def scatter_rows(src: Tensor, index, n: int) -> Tensor:
-    """(n, ...) zeros with each row ``src[i]`` added into row ``index[i]`` (a mixture of
-    experts adding its assignments back per token); the backward gathers ``g[index]``."""
-    xp = _xp(src)
-    out = xp.zeros((n,) + tuple(src.shape[1:]), dtype=src.data.dtype)
-    backend.scatter_add(out, index, src.data)
-    return Tensor._make(out, (src,), lambda g: (g[index],))
-
-
 def concat(tensors, axis: int = 0) -> Tensor:
     tensors = [_lift(t) for t in tensors]
     xp = _xp(tensors[0])

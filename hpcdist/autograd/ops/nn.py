@@ -172,3 +172,20 @@ def masked_fill(a: Tensor, mask, value: float) -> Tensor:
     out = xp.where(mask, xp.asarray(value, dtype=a.data.dtype), a.data)
     zero = xp.zeros((), dtype=a.data.dtype)
     return Tensor._make(out, (a,), lambda g: (_unbroadcast(xp.where(mask, zero, g), a.shape),))
+
+
+def moe_permute(x: Tensor, order, inv, k: int) -> Tensor:
+    """Each token's k assignment rows sorted by expert: row p is token order[p] // k's
+    (``inv`` is order's inverse). One gather kernel on a GPU (kernels.MOE_PERMUTE); the
+    backward adds each token's k row gradients back in slot order (MOE_COMBINE, no gates)."""
+    out = kernels.MOE_PERMUTE(x.data, order, k)
+    return Tensor._make(out, (x,), lambda g: (kernels.MOE_COMBINE(g, None, inv, k),))
+
+
+def moe_combine(ys: Tensor, w: Tensor, order, inv, k: int) -> Tensor:
+    """The inverse: (N, C), token t the sum over its k rows of ys (sorted by expert) times
+    their gates ``w``, in slot order. One kernel each way on a GPU (kernels.MOE_COMBINE,
+    MOE_COMBINE_BWD: the rows' and the gates' gradients)."""
+    out = kernels.MOE_COMBINE(ys.data, w.data, inv, k)
+    return Tensor._make(out, (ys, w),
+                        lambda g: kernels.MOE_COMBINE_BWD(g, ys.data, w.data, order, k))

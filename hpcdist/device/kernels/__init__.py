@@ -1,8 +1,9 @@
 """The fused kernels of a GPT step, each beside its NumPy twin (fused.py says how they run):
 GELU (and bias + GELU), LayerNorm, scale + causal mask + softmax, causal attention from the
 fused q|k|v projection, cross-entropy with its gradient, AdamW over the flat buffer, bias +
-residual, a bias's gradient added into its buffer (forward and backward), and bf16 GEMMs on
-tensor cores (gemm.py). elementwise.py, rows.py, attention.py and gemm.py hold them.
+residual, a bias's gradient added into its buffer (forward and backward), bf16 GEMMs on
+tensor cores (gemm.py), and the mixture of experts' permutation and combine (moe.py).
+elementwise.py, rows.py, attention.py, gemm.py and moe.py hold them.
 
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
 from .attention import ATTENTION_BWD, ATTENTION_FWD, attention_bwd_twin, attention_twin
@@ -15,6 +16,8 @@ from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNOR
                    SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, cross_entropy_bwd_twin,
                    cross_entropy_twin, layernorm_bwd_twin, layernorm_twin, softmax_causal_bwd_twin,
                    softmax_causal_twin)
+from .moe import (MOE_COMBINE, MOE_COMBINE_BWD, MOE_PERMUTE, combine_bwd_twin, combine_twin,
+                  permute_twin)
 from . import cpu as _cpu
 from .cpu_attention import attention_bwd as _cpu_attention_bwd
 from .cpu_attention import attention_fwd as _cpu_attention_fwd
@@ -28,11 +31,14 @@ for _op, _fn in ((BIAS_GELU, _cpu.bias_gelu), (GELU_FWD, _cpu.gelu), (GELU_BWD, 
                  (SOFTMAX_CAUSAL_BWD, _cpu.softmax_causal_bwd),
                  (CROSS_ENTROPY_FWD, _cpu.cross_entropy),
                  (CROSS_ENTROPY_BWD, _cpu.cross_entropy_bwd),
-                 (ATTENTION_FWD, _cpu_attention_fwd), (ATTENTION_BWD, _cpu_attention_bwd)):
+                 (ATTENTION_FWD, _cpu_attention_fwd), (ATTENTION_BWD, _cpu_attention_bwd),
+                 (MOE_PERMUTE, _cpu.moe_permute), (MOE_COMBINE, _cpu.moe_combine),
+                 (MOE_COMBINE_BWD, _cpu.moe_combine_bwd)):
     _op.cpu = _fn
 _fused.cpu_wanted = _cpu.wanted
 
-__all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BF16_GEMM", "BIAS_GELU",
+__all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BF16_GEMM", "BIAS_GELU", "MOE_COMBINE",
+           "MOE_COMBINE_BWD", "MOE_PERMUTE", "combine_bwd_twin", "combine_twin", "permute_twin",
            "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",
            "GELU_BWD", "GELU_C", "GELU_FWD", "LAYERNORM_BWD", "LAYERNORM_FWD",
            "SOFTMAX_CAUSAL_BWD", "SOFTMAX_CAUSAL_FWD", "TO_BF16", "adam_step_twin", "adamw_twin",

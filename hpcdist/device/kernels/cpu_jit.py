@@ -317,3 +317,37 @@ def cross_entropy_bwd(z, t, lse, ignore, weight, gz):
         for j in range(V):
             gz[r, j] = fexp(z[r, j] - lse[r]) * weight
         gz[r, t[r]] -= weight
+
+
+# ---- mixture of experts: rows through the permutation and back (kernels/moe.py) -----------
+
+@kernel
+def moe_permute(x, order, k, xs):
+    for p in prange(order.shape[0]):
+        t = order[p] // k
+        for j in range(x.shape[1]):
+            xs[p, j] = x[t, j]
+
+
+@kernel
+def moe_combine(ys, w, inv, k, y):
+    """y[t] = sum over slots s of w[p] ys[p], p = inv[t k + s], added in slot order."""
+    for t in prange(y.shape[0]):
+        p = inv[t * k]
+        for j in range(y.shape[1]):
+            y[t, j] = ys[p, j] * w[p]
+        for s in range(1, k):
+            p = inv[t * k + s]
+            for j in range(y.shape[1]):
+                y[t, j] += ys[p, j] * w[p]
+
+
+@kernel
+def moe_combine_bwd(g, ys, w, order, k, gys, gw):
+    for p in prange(ys.shape[0]):
+        t = order[p] // k
+        d = like(w[p], 0.0)
+        for j in range(ys.shape[1]):
+            gys[p, j] = g[t, j] * w[p]
+            d += g[t, j] * ys[p, j]
+        gw[p] = d

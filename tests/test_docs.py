@@ -58,6 +58,7 @@ HOW = {
     "mpirun -n 8 python -m hpcdist.train --tp 2 --pp 2": (None, "+ " + SHORT),
     "mpirun -n 4 python -m hpcdist.train --cp": (None, "+ " + SHORT),
     "mpirun -n 4 python -m hpcdist.train --experts": (None, "+ " + SHORT),
+    "mpirun -n 8 python -m hpcdist.train --experts": (None, "+ " + SHORT),
     "python -m hpcdist.bench moe": (SKIP, "a benchmark: tests/test_bench_smoke.py runs it "
                                           "small"),
     "python -m hpcdist.sample runs/ck --ids": (SKIP, "needs a checkpoint in runs/ck; "

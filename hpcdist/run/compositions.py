@@ -39,6 +39,8 @@ FEATURES = {                    # name -> the settings that ask for it
     "DiLoCo": {"strategy": "diloco"},
     "hybrid ZeRO": {"zero": 2, "shard_group": "node"},
     "in-job recovery": {"on_failure": "shrink", "save_dir": "runs/ck"},
+    "experts": {"experts": 4},
+    "EP": {"experts": 4, "ep": 2},
 }
 
 

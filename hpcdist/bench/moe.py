@@ -25,6 +25,10 @@ def configs(ranks: int, experts: int) -> list:
         for k in (1, 2):
             for cap in (0.0, 1.0):
                 out.append({"ep": ep, "top_k": k, "capacity_factor": cap})
+    ep = max(c["ep"] for c in out)
+    if ep > 1:                 # a shared expert, run while the dispatch travels or before it
+        out += [{"ep": ep, "top_k": 2, "capacity_factor": 0.0, "shared_experts": 1,
+                 "overlap": on} for on in (False, True)]
     return out
 
 
@@ -36,9 +40,10 @@ def measure(args, comm, fields: dict, links) -> dict:
     from hpcdist.parallel.strategy import build_strategy
     from hpcdist.run.config import TrainConfig
     from hpcdist.train import train_step
+    settings = {k: v for k, v in fields.items() if k != "overlap"}
     cfg = TrainConfig(task="sort", n_layer=args.n_layer, n_head=4, n_embd=args.n_embd,
                       batch_size=args.batch, experts=args.experts, steps=args.steps + 1,
-                      warmup=0, log_every=10 ** 9, out_dir=tempfile.gettempdir(), **fields)
+                      warmup=0, log_every=10 ** 9, out_dir=tempfile.gettempdir(), **settings)
     train_set, _ = D.datasets_of(cfg)
     model, strategy = build_strategy(cfg, comm, train_set)
     sampler = D.DistributedSampler(len(train_set), cfg.batch_size, strategy.batch_comm.rank,
@@ -48,6 +53,7 @@ def measure(args, comm, fields: dict, links) -> dict:
     for m in layers:
         if m.exchange is not None:
             m.exchange.calls = []
+            m.exchange.overlap = fields.get("overlap", True)
     a, b = links
     P = fields["ep"]
     steps, load, dropped = [], [], 0
@@ -97,7 +103,8 @@ def plot(rows: list, path: str) -> str | None:
         return None
     labels = [f"EP {r['ep']}, k {r['top_k']}" + (f", cap {r['capacity_factor']:g}"
                                                   if r["capacity_factor"] else "")
-              for r in rows]
+              + (f", shared {'overlapped' if r['overlap'] else 'before'}"
+                 if r.get("shared_experts") else "") for r in rows]
     a2a = [r["a2a_ms"] for r in rows]
     rest = [r["step_ms"] - r["a2a_ms"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -146,8 +153,12 @@ def main(argv=None) -> int:
               f"{rows[0]['gbps']:.2f} GB/s")
     for r in rows:
         r["share_pct"] = 100 * r["share"]
+    for r in rows:
+        r["shared"] = ("1, overlapped" if r.get("overlap") else "1, before") \
+            if r.get("shared_experts") else "-"
     print(table(rows, [("EP", "ep", "d"), ("top-k", "top_k", "d"),
-                       ("capacity", "capacity_factor", ".2f"), ("ms/step", "step_ms", ".1f"),
+                       ("capacity", "capacity_factor", ".2f"), ("shared expert", "shared", "s"),
+                       ("ms/step", "step_ms", ".1f"),
                        ("a2a ms", "a2a_ms", ".2f"), ("a2a %", "share_pct", ".1f"),
                        ("predicted ms", "predicted_ms", ".2f"), ("a2a KiB", "a2a_kib", ".1f"),
                        ("load max/mean", "load", ".2f"), ("dropped", "dropped", ".0f")]))

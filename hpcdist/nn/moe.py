@@ -139,9 +139,12 @@ class MoE(Module):
             if not recomputing():                 # (a recomputed block counted already)
                 self.load += counts
         gate = self.gates(probs, chosen).reshape(-1)                 # (N k,)
-        y = self._dispatch(x2, expert, per, gate, N)
-        for mlp in self.shared:
-            y = y + mlp(x2)
+        # the shared experts run while the routed tokens travel (under EP: the dispatch's
+        # all-to-all is in flight meanwhile, parallel/expert.py)
+        y, shared = self._dispatch(x2, expert, per, gate, N,
+                                   lambda: [mlp(x2) for mlp in self.shared])
+        for s in shared:
+            y = y + s
         aux = None
         # a mean over this rank's tokens, weighted by its share of the group's: the group's
         # average gradient is then the one over all its tokens (context-parallel slices of an
@@ -158,9 +161,10 @@ class MoE(Module):
         y = self.drop(_with_aux(y, aux, 1.0).reshape(*shape))
         return y if residual is None else residual + y
 
-    def _dispatch(self, x2: Tensor, expert, per, gate: Tensor, N: int) -> Tensor:
+    def _dispatch(self, x2: Tensor, expert, per, gate: Tensor, N: int, meanwhile):
         """Every assignment through its expert (``per[e]`` of them to expert e), weighted by
-        its gate, added back per token."""
+        its gate, added back per token; and what ``meanwhile()`` returns, run while the
+        tokens are on their way (EP) or before the experts (without)."""
         xp = backend.array_module(x2.data)
         order = xp.argsort(expert, kind="stable")        # assignment t k + j, by expert
         inv = xp.empty_like(order)
@@ -168,11 +172,12 @@ class MoE(Module):
         xs = ops.moe_permute(x2, order, inv, self.k)     # (N k, C) sorted, token order
         keys = self.order_keys(order // self.k)
         if self.exchange is not None:                                # expert parallelism
-            ys, kept = self.exchange(self, xs, per, keys, N)
+            ys, kept, side = self.exchange(self, xs, per, keys, N, meanwhile)
         else:
+            side = meanwhile()
             ys, kept = self.run_experts(xs, per, keys, N)
         w = gate[order] * Tensor(kept.astype(x2.data.dtype))
-        return ops.moe_combine(ys, w, order, inv, self.k)
+        return ops.moe_combine(ys, w, order, inv, self.k), side
 
     def order_keys(self, token):
         """Each assignment's place in global token order (capacity drops by it): this rank's

@@ -172,6 +172,12 @@ class Strategy(StepRole, LoopRole, StateRole, ReportRole):
 
     model = dp_comm = comm = scaler = mesh = None
 
+    def close(self) -> None:
+        """Free the communicators the run's mesh made (collective; train() calls it last):
+        a process that trains many times would run out of MPI's communicator ids."""
+        if self.mesh is not None:
+            self.mesh.close()
+
     @property
     def batch_comm(self):
         """The ranks that read different batches: ``dp_comm`` less its context-parallel

@@ -40,20 +40,29 @@ class _Experts(Module):
         return len(self.order)
 
 
-def _all_to_all(comm, x: Tensor, send_rows, recv_rows) -> Tensor:
-    # ``comm``: anything with ``alltoall`` (the exchange, which may time its calls)
+def _all_to_all(comm, x: Tensor, send_rows, recv_rows, meanwhile=None):
+    # ``comm``: the exchange (its ``alltoall``/``ialltoall`` may time the calls)
     """Rows of ``x`` to each rank (``send_rows`` each, in rank order) -> the rows from each
-    (``recv_rows``); its backward sends the gradient rows back the same way reversed."""
+    (``recv_rows``); its backward sends the gradient rows back the same way reversed. With
+    ``meanwhile``, the exchange is started, ``meanwhile()`` runs while it is in flight (the
+    Communicator's progress thread moves it), and (rows, what meanwhile returned) come back."""
     C = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
     xp = backend.array_module(x.data)
+    shape = (-1,) + tuple(x.shape[1:])
+
+    def args(a, out_rows, in_rows):
+        return (xp.ascontiguousarray(a).reshape(-1), [int(n) * C for n in out_rows],
+                [int(n) * C for n in in_rows])
 
     def move(a, out_rows, in_rows):
-        pieces = comm.alltoall(xp.ascontiguousarray(a).reshape(-1),
-                               counts=[int(n) * C for n in out_rows],
-                               recv_counts=[int(n) * C for n in in_rows])
-        return xp.concatenate(pieces).reshape((-1,) + tuple(x.shape[1:]))
-    return Tensor._make(move(x.data, send_rows, recv_rows), (x,),
-                        lambda g: (move(g, recv_rows, send_rows),))
+        return xp.concatenate(comm.alltoall(*args(a, out_rows, in_rows))).reshape(shape)
+    if meanwhile is None:
+        return Tensor._make(move(x.data, send_rows, recv_rows), (x,),
+                            lambda g: (move(g, recv_rows, send_rows),))
+    handle = comm.ialltoall(*args(x.data, send_rows, recv_rows))
+    side = meanwhile()
+    rows = xp.concatenate(handle.wait()).reshape(shape)
+    return Tensor._make(rows, (x,), lambda g: (move(g, recv_rows, send_rows),)), side
 
 
 class ExpertExchange:
@@ -61,23 +70,39 @@ class ExpertExchange:
     ``calls``: None, or a list that gets (bytes of this rank's buffer, seconds) of every
     all-to-all it makes, backward ones included (``python -m hpcdist.bench moe`` sets it)."""
 
+    overlap = True                # the shared experts run while the dispatch is in flight
+
     def __init__(self, comm):
         self.comm, self.calls = comm, None
         self.rows = None          # the last forward's (rows sent to, rows received from) each rank
 
     def alltoall(self, buf, counts=None, recv_counts=None) -> list:
         """``comm.alltoall``, timed where ``calls`` asks for it."""
-        if self.calls is None:
-            return self.comm.alltoall(buf, counts=counts, recv_counts=recv_counts)
-        t0 = time.perf_counter()
-        out = self.comm.alltoall(buf, counts=counts, recv_counts=recv_counts)
-        self.calls.append((int(buf.nbytes), time.perf_counter() - t0, counts, buf.itemsize))
-        return out
+        return self.ialltoall(buf, counts, recv_counts).wait()
 
-    def __call__(self, moe: MoE, xs: Tensor, per, keys, tokens: int):
+    def ialltoall(self, buf, counts=None, recv_counts=None):
+        """``comm.ialltoall``; where ``calls`` asks, its wait records (bytes, seconds spent
+        starting it and waiting for it — not the work done between —, counts, itemsize)."""
+        t0 = time.perf_counter()
+        handle = self.comm.ialltoall(buf, counts=counts, recv_counts=recv_counts)
+        if self.calls is None:
+            return handle
+        calls, wait, started = self.calls, handle.wait, time.perf_counter() - t0
+
+        def timed():
+            t1 = time.perf_counter()
+            out = wait()
+            calls.append((int(buf.nbytes), started + time.perf_counter() - t1, counts,
+                          buf.itemsize))
+            return out
+        handle.wait = timed
+        return handle
+
+    def __call__(self, moe: MoE, xs: Tensor, per, keys, tokens: int, meanwhile=list):
         """``xs``: this rank's assignment rows sorted by expert (``per[e]`` rows for global
-        expert e, ``keys`` their global token order) -> (their outputs, kept 0/1), rows in
-        the same order; ``tokens``: this rank's tokens."""
+        expert e, ``keys`` their global token order) -> (their outputs, kept 0/1, what
+        ``meanwhile()`` returned: run while the rows travel where ``overlap`` is on), rows
+        in the same order; ``tokens``: this rank's tokens."""
         comm, xp = self, backend.array_module(xs.data)
         P, E = self.comm.size, moe.E
         per = np.asarray(per, dtype=np.int64)
@@ -85,9 +110,13 @@ class ExpertExchange:
         recv_per = np.stack(comm.alltoall(per))                    # (sources, my experts)
         recv_rows = recv_per.sum(axis=1)
         self.rows = (send_rows, recv_rows)
-        xr = _all_to_all(comm, xs, send_rows, recv_rows)            # (source, expert) order
         kr = xp.concatenate(comm.alltoall(xp.ascontiguousarray(keys), counts=send_rows,
                                           recv_counts=recv_rows))
+        if self.overlap:                                            # (source, expert) order
+            xr, side = _all_to_all(comm, xs, send_rows, recv_rows, meanwhile)
+        else:
+            side = meanwhile()
+            xr = _all_to_all(comm, xs, send_rows, recv_rows)
         start = np.cumsum(np.concatenate([[0], recv_per.reshape(-1)]))[:-1].reshape(recv_per.shape)
         order = np.concatenate([np.arange(start[s, e], start[s, e] + recv_per[s, e])
                                 for e in range(recv_per.shape[1]) for s in range(P)]
@@ -98,7 +127,7 @@ class ExpertExchange:
         yr = _all_to_all(comm, ys[back], recv_rows, send_rows)
         kept = xp.concatenate(comm.alltoall(xp.ascontiguousarray(kept[back]).astype(np.uint8),
                                             counts=recv_rows, recv_counts=send_rows))
-        return yr, kept.astype(bool)
+        return yr, kept.astype(bool), side
 
 
 def bytes_per_layer(send_rows, recv_rows, rank: int, E: int, C: int, itemsize: int) -> int:

@@ -150,6 +150,14 @@ class PipelineStrategy(Strategy):
         self._verified = {}            # (micro-batch sizes, T) -> this schedule, verified
 
     # -- the strategy interface: the inner strategy's (``delegate``), but for these -------
+
+    def close(self) -> None:
+        """The tied embedding's communicator, then the mesh's (Strategy.close)."""
+        if self.embed_comm is not None:
+            self.embed_comm.close()
+            self.embed_comm = None
+        super().close()
+
     def describe(self) -> list[str]:
         inner = self.inner.describe()
         virtual = f", {self.v} virtual stages" if self.v > 1 else ""

@@ -217,3 +217,42 @@ def test_checkpoints_load_across_ep_sizes_and_into_dense_dp(comm, shared_dir, ze
             np.testing.assert_allclose(rest, ref[3:], rtol=1e-10, atol=1e-12,
                                        err_msg=f"ep {ep} zero {level}")
             np.testing.assert_allclose(final["test_loss"], ref_final["test_loss"], rtol=1e-10)
+
+
+def test_the_shared_expert_runs_while_the_dispatch_travels(comm, tmp_path, monkeypatch):
+    """EP = world with a shared expert: each MoE layer starts the dispatch's all-to-all,
+    runs the shared expert, then waits (the calls' order, recorded); training with the
+    overlap off gives the same numbers bit for bit."""
+    if comm.size not in (2, 3):
+        pytest.skip("EP = world at 2 and 3 ranks")
+    from hpcdist import data, nn
+    from hpcdist.parallel.expert import ExpertExchange
+    from hpcdist.parallel.strategy import build_strategy
+    cfg = small(**{**MOE, "experts": 2 * comm.size, "shared_experts": 1}, ep=comm.size,
+                out_dir=str(tmp_path / "on"))
+    train_set = data.datasets_of(cfg)[0]
+    model, strategy = build_strategy(cfg, comm, train_set)
+    events = []
+    for m in [m for m in model.modules() if isinstance(m, nn.moe.MoE)]:
+        start = m.exchange.ialltoall
+
+        def traced(buf, counts=None, recv_counts=None, start=start):
+            handle = start(buf, counts, recv_counts)
+            wait = handle.wait
+            events.append("start")
+            handle.wait = lambda: (events.append("wait"), wait())[1]
+            return handle
+        m.exchange.ialltoall = traced
+        forward = m.shared[0].forward
+        m.shared[0].forward = lambda *a, f=forward: (events.append("shared"), f(*a))[1]
+    x, y = train_set.batch(np.arange(comm.rank * 3, comm.rank * 3 + 3))
+    strategy.zero_grad()
+    strategy.forward_backward(x, y)
+    strategy.sync()
+    at = [i for i, e in enumerate(events) if e == "shared"]
+    assert len(at) == cfg.n_layer and all(events[i - 1:i + 2] == ["start", "shared", "wait"]
+                                          for i in at), events
+    _, on = history(cfg, comm)
+    monkeypatch.setattr(ExpertExchange, "overlap", False)
+    _, off = history(small(**{**vars(cfg), "out_dir": str(tmp_path / "off")}), comm)
+    assert np.array_equal(on, off)

@@ -61,7 +61,6 @@ def run(name: str, flags: list, data: str, args, out: str) -> dict:
     loads = [x["moe_load"] for x in steps if "moe_load" in x]
     return {"contender": name, "held_out": final["test_loss"], "evals": evals,
             "train_seconds": final["train_seconds"],
-            "params": final.get("parameters"),
             "step_ms": final["step_ms_median"],
             "load_last": loads[-1] if loads else None}
 

@@ -173,7 +173,7 @@ def data_parallel_time(model: Model, L: Layout, gpu: GPU, per_node: int, setting
     s, h, V, t = model.seq, model.hidden, model.vocab, L.tp
     psi = (layers * 12 * h * h * (1 + 13 / (12 * h)) + V * h + s * h) / t
     # the experts' gradients are averaged over the ranks holding them (DP x CP / EP)
-    experts = layers * model.moe_layers / model.layers * model.experts // L.ep * \
+    experts = layers * model.moe_layers / model.layers * (model.experts // L.ep) * \
         model.expert_size
     psi += layers * moe_block(model, L) - experts
     grad_bytes = settings.grad_bytes * psi

@@ -40,7 +40,7 @@ def measure(args, comm, data, T, cp, impl, steps, record=None) -> dict:
     from hpcdist.autograd import memtrace
     from hpcdist.host import timeline
     from hpcdist.parallel.strategy import build_strategy
-    from hpcdist.train import train_step
+    from hpcdist.run.loop import train_step
     cfg = _config(args, data, T, cp, impl, tempfile.gettempdir())
     train_set, _ = D.datasets_of(cfg)
     _, strategy = build_strategy(cfg, comm, train_set)

@@ -39,7 +39,7 @@ def measure(args, comm, fields: dict, links) -> dict:
     from hpcdist.nn.moe import moe_layers
     from hpcdist.parallel.strategy import build_strategy
     from hpcdist.run.config import TrainConfig
-    from hpcdist.train import train_step
+    from hpcdist.run.loop import train_step
     settings = {k: v for k, v in fields.items() if k != "overlap"}
     cfg = TrainConfig(task="sort", n_layer=args.n_layer, n_head=4, n_embd=args.n_embd,
                       batch_size=args.batch, experts=args.experts, steps=args.steps + 1,

@@ -43,8 +43,8 @@ def prepared(out: str) -> str:
 
 
 def run(name: str, flags: list, data: str, args, out: str) -> dict:
-    folder = os.path.join(out, name.split(" (")[0].replace(" ", "_").replace(",", "")
-                          .replace("+", "plus"))
+    from hpcdist.bench.slowlinks import folder_of
+    folder = folder_of(out, name)
     cmd = [sys.executable, "-m", "hpcdist.train", *MODEL, "--data", data, "--steps",
            str(args.steps), "--eval-every", str(args.eval_every), "--log-every",
            str(args.eval_every), "--out-dir", folder, *flags]

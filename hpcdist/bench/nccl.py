@@ -48,7 +48,7 @@ def measure(args, comm, name: str, fields: dict) -> list:
     from hpcdist import data as D
     from hpcdist.parallel.strategy import build_strategy
     from hpcdist.run.config import TrainConfig
-    from hpcdist.train import train_step
+    from hpcdist.run.loop import train_step
     cfg = TrainConfig(task="sort", n_layer=args.n_layer,
                       n_head=args.n_head, n_embd=args.n_embd, batch_size=args.batch,
                       steps=args.steps + 1, device=args.device, backend="nccl", warmup=0,

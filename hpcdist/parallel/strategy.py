@@ -291,9 +291,7 @@ def build_strategy(cfg, comm, train_set):
         strategy = ZERO_LEVELS[cfg.zero](model, shard_comm, make_optimizer, compute_dtype=low,
                                          scaler=scaler, bucket_mb=cfg.bucket_mb,
                                          first_bucket_mb=cfg.first_bucket_mb, norm=norm,
-                                         grad_sum=grad_sum, mesh=mesh)
-        if in_order and hasattr(strategy, "queue"):          # ZeRO-2's buckets
-            strategy.queue.overlap = False
+                                         grad_sum=grad_sum, mesh=mesh, overlap=not in_order)
     else:
         mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
         compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,

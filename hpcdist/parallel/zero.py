@@ -38,17 +38,20 @@ class Zero(ZeroShape, Strategy):
         norm (base.Norm): how the global gradient norm is summed (default: over ``comm``);
         grad_sum: gradients summed over another group after the average (sequence
             parallelism); mesh: the process mesh of a model-parallel layout.
+        overlap: ZeRO-2 starts each bucket's reduce-scatter during backward (False: after).
     """
 
     level = 0
 
     def __init__(self, model, comm, make_optimizer, compute_dtype=None,
                  scaler=None, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 norm=None, grad_sum=None, mesh=None):
+                 norm=None, grad_sum=None, mesh=None, overlap: bool = True):
         self.model, self.comm, self.mesh = model, comm, mesh
+        self.overlap = overlap            # ZeRO-2: reduce-scatter buckets as backward fills them
         self.norm, self.grad_sum = norm or Norm([comm]), grad_sum
-        # the ranks whose losses make the step's (under EP, ``comm`` is one expert share's)
-        self.dp_comm = mesh.dp_comm if mesh is not None and mesh.ep > 1 else comm
+        # the ranks whose losses make the step's (under EP ``comm`` is narrower: the ranks
+        # holding this rank's experts)
+        self.dp_comm = mesh.dp_comm if mesh is not None else comm
         self.scaler = scaler or LossScaler(enabled=False)
         self.params = params = model.parameters()
         xp = backend.array_module(params[0].data)
@@ -266,7 +269,7 @@ class Zero2(Zero1, Zero2Shape):
                                    first_bucket_mb)
         self.queue = BucketQueue(self.groups,
                                  lambda b: self._reduce_scatter(b.ranges, b.params),
-                                 lambda b, handles: self._add_parts(handles))
+                                 lambda b, handles: self._add_parts(handles), self.overlap)
         for p in self.params:
             p.register_grad_hook(self.queue.ready)
 

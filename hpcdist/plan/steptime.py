@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .memory import hpcdist_layer, memory, zero_level
+from .memory import hpcdist_layer, memory, moe_block, zero_level
 from .model import GB, GPU, Estimate, Layout, Model, Settings
 
 
@@ -169,7 +169,6 @@ def data_parallel_time(model: Model, L: Layout, gpu: GPU, per_node: int, setting
                        layers: int) -> tuple:
     """(the gradient reduction over DP x CP, not overlapped, as Megatron-LM ran it; the
     optimizer's memory-bound pass over its state) in seconds."""
-    from .memory import moe_block
     s, h, V, t = model.seq, model.hidden, model.vocab, L.tp
     psi = (layers * 12 * h * h * (1 + 13 / (12 * h)) + V * h + s * h) / t
     # the experts' gradients are averaged over the ranks holding them (DP x CP / EP)

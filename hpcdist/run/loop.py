@@ -1,0 +1,159 @@
+"""The training loop (``hpcdist.train`` builds the run, then hands it here): the steps from
+the first to ``--steps`` or an agreed stop, each one optimizer step over its micro-batches
+with its metrics record; the checkpoints and held-out evaluations between them; the final
+report."""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import numpy as np
+
+from .. import checkpoint, optim
+from ..nn import moe
+from ..autograd import memtrace
+from ..device import backend
+from ..host import timeline
+from ..parallel import state
+from . import report, runtime
+from .evaluate import evaluate
+from .report import final_report, progress_line, stopped_report
+
+
+def steps(cfg, comm, model, strategy, datasets, sampler, start, stop, stopped, metrics, meter,
+          at, say):
+    """The steps, then the final report: (its metrics, every step's record)."""
+    train_set, test_set = datasets
+    t_start = time.perf_counter()
+    bytes_start = strategy.comm.bytes_sent           # the gradient communicator's count
+    inter_start = getattr(strategy.comm, "bytes_inter_node", 0)    # of it, across nodes
+    history, step, stopped = loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped,
+                                  metrics, meter, at, say)
+    train_bytes = strategy.comm.bytes_sent - bytes_start    # before evaluation's gathers
+    inter = report.inter_node(cfg, comm, strategy, inter_start)
+    extra = strategy.summary()                      # collective where the strategy gathers
+    line = extra.pop("line", None)
+    if stopped:
+        final = stopped_report(cfg, stopped, step, start, comm.size, t_start, say)
+    else:
+        runtime.test_hooks("end")
+        final = final_report(cfg, model, strategy, test_set, history, start, comm.size,
+                             t_start, train_bytes, say)
+        if line:
+            say(line)
+    final.update(extra, inter_node_bytes=int(inter))
+    return final, history
+
+
+def actions(cfg, comm, model, strategy, sampler, train_set, test_set, metrics, say):
+    """(save(step), evaluate(step)): a checkpoint (then --keep-last's pruning) and
+    --eval-every's held-out evaluation, each collective."""
+    def save(at: int) -> None:
+        folder = state.save_checkpoint(cfg, at, comm, strategy, sampler, train_set.vocabulary)
+        say(f"saved {folder}")
+        if cfg.keep_last and comm.rank == 0:
+            for old in checkpoint.prune(cfg.save_dir, cfg.keep_last):
+                say(f"removed {old} (--keep-last {cfg.keep_last})")
+
+    def held_out(at: int) -> None:                   # --eval-every (collective)
+        with strategy.eval_context(), timeline.span("evaluate"):
+            accuracy, loss = evaluate(model, test_set, cfg.eval_batch, strategy.batch_comm)
+        say(f"step {at:5d} | held-out loss {loss:.4f} | held-out accuracy {accuracy * 100:.2f}%")
+        if metrics is not None:
+            metrics.write(json.dumps({"event": "eval", "step": at, "test_loss": float(loss),
+                                      "accuracy": float(accuracy)}) + "\n")
+    return save, held_out
+
+
+def loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics, meter, at,
+         say):
+    """Steps from ``start`` until ``cfg.steps`` or an agreed stop: (every step's record, the
+    last step, the signal that stopped the run or 0). ``at``: (save(step), evaluate(step),
+    the recovery.Mark each step begins at)."""
+    save, held_out, mark = at
+    if start < cfg.steps and not stopped:
+        strategy.begin(stop, start)
+    lr_scale = strategy.batch_comm.size if cfg.scale_lr else 1
+    delay = straggler_delay(cfg, comm.rank)
+    t_start = time.perf_counter()
+    history, step, more = [], start, start < cfg.steps and not stopped
+    unread = report.Unread(strategy, meter, metrics)
+    while more:
+        mark.at(step, sampler)
+        step += 1
+        runtime.test_hooks(step)
+        lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
+        rec = train_step(cfg, strategy, train_set, sampler, step, lr, delay)
+        history.append(rec)
+        unread.add(rec)
+        stopped, save_at, more = strategy.control(step, cfg, stop, comm)
+        if step % cfg.log_every == 0 or not more or save_at is not None:
+            unread.read()                        # the device is waited for here only
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                eta = (time.perf_counter() - t_start) / (step - start) * (cfg.steps - step)
+                say(progress_line(rec, cfg.steps, eta))
+        if save_at is not None:
+            runtime.test_hooks("save")
+            with timeline.span("checkpoint", step=save_at):
+                save(save_at)
+        if cfg.eval_every and step % cfg.eval_every == 0 and more:  # (the last: final report)
+            held_out(step)
+        if save_at is not None or (cfg.eval_every and step % cfg.eval_every == 0):
+            unread.restart_clock()
+    return history, step, stopped
+
+
+def straggler_delay(cfg, rank: int) -> float:
+    """Seconds this rank sleeps in every step (``--straggler RANK:MS``)."""
+    if not cfg.straggler:
+        return 0.0
+    r, ms = cfg.straggler.split(":")
+    return float(ms) / 1e3 if int(r) == rank else 0.0
+
+
+def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
+               delay: float = 0.0) -> dict:
+    """One optimizer step over ``cfg.grad_accum`` micro-batches; its metrics record.
+    ``delay``: seconds this rank sleeps in the step (a straggler)."""
+    xp = backend.xp()
+    t0 = time.perf_counter()
+    bytes0 = strategy.comm.bytes_sent
+    memtrace.start()
+    counts = backend.device_counts()
+    with timeline.span("step", step=step) as span:
+        if delay:
+            time.sleep(delay)
+        strategy.zero_grad()
+        loss_sum = 0.0                                   # stays on the device (Unread)
+        for micro in range(cfg.grad_accum):
+            x, y = train_set.batch(sampler.next_batch())
+            last = micro == cfg.grad_accum - 1           # communicate on the last only
+            with strategy.micro_context(last), _overflow_ok(strategy):
+                loss_sum += strategy.forward_backward(xp.asarray(x), xp.asarray(y),
+                                                     1.0 / cfg.grad_accum)
+        with timeline.span("gradient sync"):
+            strategy.sync()
+        with timeline.span("optimizer step"):
+            applied, norm = strategy.apply(lr, cfg.grad_clip)
+        experts = moe.after_step(strategy.model, applied)    # balancing; load and drops
+        if span is not None and counts is not None:   # the device double's counts, per step
+            after = backend.device_counts()
+            span.update(launches=after[0] - counts[0], device_reads=after[1] - counts[1])
+    dt = time.perf_counter() - t0
+    held = memtrace.finish()
+    loss = loss_sum / cfg.grad_accum     # the mean over the replicas: Unread.read
+    tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * strategy.batch_comm.size
+    return {"step": step, "loss": loss, "lr": lr, "step_ms": dt * 1e3, "time": time.time(),
+            "tokens_per_s": tokens / dt, "grad_norm": norm,
+            "bytes_sent": strategy.comm.bytes_sent - bytes0,
+            "loss_scale": strategy.scaler.scale, "skipped_steps": strategy.scaler.skipped,
+            **experts,
+            **({"memory_activations": held["activations"], "memory_step_peak": held["peak"]}
+               if held else {})}
+
+
+def _overflow_ok(strategy):
+    """fp16 overflows are expected (the scaler skips the step): no warnings for them."""
+    return (np.errstate(over="ignore", invalid="ignore") if strategy.scaler.enabled
+            else contextlib.nullcontext())  # a new one each time: NumPy 2 refuses re-entry

@@ -64,7 +64,7 @@ def numerical_grad(f, arrays, i, weights, eps=1e-6):
 
 def gradcheck(f, *arrays, wrt=None, atol=1e-6, rtol=1e-5, seed=0):
     """Compare autograd's gradient of a random projection of f with central differences."""
-    arrays = [np.array(a, dtype=np.float64) for a in arrays]
+    arrays = [np.array(_host(a), dtype=np.float64) for a in arrays]
     wrt = range(len(arrays)) if wrt is None else wrt
     tensors = [hd.tensor(a.copy(), requires_grad=(i in wrt)) for i, a in enumerate(arrays)]
     out = f(*tensors)

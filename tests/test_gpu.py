@@ -123,8 +123,15 @@ def test_recomputed_dropout_equals_the_forward_on_this_device(float64):
         _, loss = m(idx, idx)
         loss.backward()
         grads.append({n: backend.to_numpy(p.grad) for n, p in m.named_parameters()})
+    # On a GPU the embedding's backward adds token rows with atomics, in no fixed order: the
+    # two runs may differ in the last bit there (seen on an H200: 1.4e-17 in wte.weight).
+    exact = backend.device_label() != "gpu"
     for name in grads[0]:
-        np.testing.assert_array_equal(grads[0][name], grads[1][name], err_msg=name)
+        if exact:
+            np.testing.assert_array_equal(grads[0][name], grads[1][name], err_msg=name)
+        else:
+            np.testing.assert_allclose(grads[0][name], grads[1][name], rtol=1e-13,
+                                       atol=1e-15, err_msg=name)
 
 
 def test_sampling_with_the_kv_cache_runs_on_this_device():
@@ -178,14 +185,18 @@ def test_no_device_read_inside_a_step(tmp_path, flags):
 
 
 def test_the_experts_permutation_and_combine_are_one_launch_each_way():
-    """On the device double (or a GPU): an MoE layer's permutation and its combine are one
-    kernel each, forward and backward (the combine's backward one more for the gates), and
-    their results equal the NumPy twins on the host."""
+    """On the device double or a GPU: an MoE layer's permutation and its combine are one
+    kernel each, forward and backward (the combine's backward one more for the gates; counted
+    where launches are counted, on the double), and their results equal the NumPy twins on
+    the host."""
     from hpcdist.autograd import ops
     from hpcdist.device import kernels
     from hpcdist.device.surface import LAUNCHES
     if backend.device_label() == "cpu":
         pytest.skip("counts launches on the device double or a GPU")
+
+    def launched(before):
+        return LAUNCHES.count - before if backend.device_label() == "double" else None
     rng, xp, k = np.random.default_rng(0), backend.xp(), 2
     x_host = rng.standard_normal((6, 8))
     order_host = np.argsort(rng.integers(0, 4, 12), kind="stable")
@@ -195,17 +206,17 @@ def test_the_experts_permutation_and_combine_are_one_launch_each_way():
     w = hd.Tensor(xp.asarray(rng.random(12)), requires_grad=True)
     before = LAUNCHES.count
     xs = ops.moe_permute(x, order, inv, k)
-    assert LAUNCHES.count - before == 1
+    assert launched(before) in (1, None)
     before = LAUNCHES.count
     y = ops.moe_combine(xs, w, order, inv, k)
-    assert LAUNCHES.count - before == 1
+    assert launched(before) in (1, None)
     np.testing.assert_allclose(backend.to_numpy(y.data), kernels.combine_twin(
         kernels.permute_twin(x_host, order_host, k), backend.to_numpy(w.data), inv_host, k))
     before = LAUNCHES.count
     gy = xp.asarray(rng.standard_normal((6, 8)))
     gys, gw = kernels.MOE_COMBINE_BWD(gy, xs.data, w.data, order, k)
     gx = kernels.MOE_COMBINE(gys, None, inv, k)
-    assert LAUNCHES.count - before == 2
+    assert launched(before) in (2, None)
     want_gys, want_gw = kernels.combine_bwd_twin(backend.to_numpy(gy), backend.to_numpy(
         xs.data), backend.to_numpy(w.data), order_host, k)
     np.testing.assert_allclose(backend.to_numpy(gw), want_gw, rtol=1e-12)

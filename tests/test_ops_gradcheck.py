@@ -26,6 +26,11 @@ _ORDER = np.array([3, 0, 5, 1, 2, 4])            # assignment t k + j at each so
 _INV = np.argsort(_ORDER)
 _WEIGHTS = sym(6, 4)
 
+
+def _dev(a):
+    return hd.backend.to_device(a)
+
+
 CASES = {
     "add": (lambda a, b: a + b, [sym(3, 4), sym(3, 4)]),
     "add_broadcast": (lambda a, b: a + b, [sym(2, 3, 4), sym(4)]),
@@ -89,8 +94,11 @@ CASES = {
     "linear_residual": (lambda x, w, b, r: ops.linear(x, w, b, r),
                         [sym(2, 3, 4), sym(4, 5), sym(5), sym(2, 3, 5)]),
     # 3 tokens, k = 2 assignments each, sorted by a made-up expert order
-    "moe_permute": (lambda x: ops.moe_permute(x, _ORDER, _INV, 2) * _WEIGHTS, [sym(3, 4)]),
-    "moe_combine": (lambda ys, w: ops.moe_combine(ys, w, _ORDER, _INV, 2), [sym(6, 4), sym(6)]),
+    # (the order and its inverse live where the router makes them: on the device)
+    "moe_permute": (lambda x: ops.moe_permute(x, _dev(_ORDER), _dev(_INV), 2) * _WEIGHTS,
+                    [sym(3, 4)]),
+    "moe_combine": (lambda ys, w: ops.moe_combine(ys, w, _dev(_ORDER), _dev(_INV), 2),
+                    [sym(6, 4), sym(6)]),
 }
 
 

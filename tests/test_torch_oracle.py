@@ -123,8 +123,8 @@ def _run_optimizer(make_hd, make_torch, steps=5):
     opt, topt = make_hd([w, b]), make_torch([tw, tb])
     for k, (gw, gb) in enumerate(grads):
         opt.zero_grad()
-        w.grad[...] = gw
-        b.grad[...] = gb
+        w.grad[...] = hd.backend.to_device(gw)
+        b.grad[...] = hd.backend.to_device(gb)
         opt.step(lr=0.1 / (k + 1))
         for group in topt.param_groups:
             group["lr"] = 0.1 / (k + 1)

@@ -109,6 +109,11 @@ def _torch_steps(shape, modes):
     return out
 
 
+def _said(name, rows):
+    """Each row on stderr as it is timed (a run cut short keeps what it measured)."""
+    print(f"  {name}: {rows[name][0]:.2f} ms/step", file=sys.stderr, flush=True)
+
+
 def measure(shape, steps: int, modes) -> dict:
     """hpcdist's step in each mode beside PyTorch's: ms, TFLOP/s, MFU, ratios."""
     from hpcdist.device import backend, fused
@@ -121,6 +126,7 @@ def measure(shape, steps: int, modes) -> dict:
         step, model = _hpcdist_mode(shape, mode)
         flops = mfu.flops_per_token(model.num_parameters() - model.wpe.weight.size, L, C, T)
         rows[f"hpcdist {mode}"] = (_timed(step, steps), mode)
+        _said(f"hpcdist {mode}", rows)
     backend.reset_precision()
     try:
         import torch  # noqa: F401
@@ -131,6 +137,7 @@ def measure(shape, steps: int, modes) -> dict:
         for name, (step, prec) in _torch_steps(shape, torch_modes).items():
             torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
             rows[name] = (_timed(step, steps), prec)
+            _said(name, rows)
         torch.backends.cuda.matmul.allow_tf32 = False
     except ImportError:
         pass

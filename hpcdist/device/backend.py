@@ -219,10 +219,11 @@ def native_bf16() -> bool:
     if _device == "cpu":
         return True
     if _native_bf16 is None:
-        try:
-            a = _xp.ones((2, 2), dtype=bfloat16())
-            _native_bf16 = bool(float((a @ a).astype(np.float32)[0, 0]) == 2.0)
-        except Exception:
+        try:        # what a step does with it: GEMMs 2-D and batched, elementwise, sums
+            a = _xp.ones((2, 2, 2), dtype=bfloat16())
+            b = (a @ a) + a[0] @ a[1] + _xp.exp(a * 0)
+            _native_bf16 = bool(float(b.astype(np.float32).sum()) == 40.0)
+        except Exception:   # CuPy 14.2 on an H200: 2-D worked, batched had no kernel
             _native_bf16 = False
     return _native_bf16
 

@@ -1,46 +1,59 @@
 #!/usr/bin/env bash
-# One lease on a lent GPU machine, batched: `bash tests/gpu/session.sh STEP...` runs the named
-# steps in order, each under its own timeout, with its log in $OUT (or runs/gpu) as STEP.log.
+# One lease on a lent GPU machine, batched: `bash tests/gpu/session.sh [SECONDS]` runs every
+# check of docs/gpu.md's table inside SECONDS (default 520) and leaves its logs in $OUT (or
+# runs/gpu): the correctness checks side by side first (kernel self-checks, the GPU unit
+# suite, the fp64 layout matrix at 2 ranks over MPI and 1 rank over NCCL, short training runs),
+# then the timings alone on the GPU (bench gpu at batch 16 and 64, a profiled step, the step
+# with the fused kernels off). Each step is cut at its own limit and at the deadline.
 # The machine has CuPy and PyTorch but no MPI and no registry: wheels of mpich, mpi4py and
 # pytest-mpi travel in .whl/ (ignored: echo /.whl/ >> .git/info/exclude), fetched here with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl mpich mpi4py pytest-mpi
-# and go into a venv that sees the system's site-packages. A step that fails does not stop
-# the next one. Not run yet: no GPU was lent to the session that wrote it.
-#   smoke    tests/test_gpu.py on the GPU
-#   unit     the op gradchecks and the PyTorch oracles on the GPU
-#   bench16  python -m hpcdist.bench gpu, GPT 12x768, T 256, batch 16 (JSON in bench16.json)
-#   bench64  the same at batch 64
-#   mpi      the layout matrix on the GPU at 2 ranks (host staging) and NCCL's suite at 1
-#   profile  one GPT 12x768 batch-16 step under torch.profiler (kernel table)
+#     --platform manylinux1_x86_64 -d .whl mpich mpi4py pytest-mpi
+# and go beside the image's Python, which holds CuPy and torch.
 set -u
+budget=${1:-520}
 OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if [ ! -x /tmp/v/bin/python ]; then
-  python3 -m venv --system-site-packages /tmp/v
-  /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/*.whl || exit 1
-fi
-export PATH=/tmp/v/bin:$PATH
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/machine.txt" 2>&1
-python -c "import cupy, mpi4py.MPI as M; print('cupy', cupy.__version__, 'gpus', cupy.cuda.runtime.getDeviceCount()); print(M.Get_library_version()[:60])" >> "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=2
+PY=python3; [ -x /opt/torch/.venv/bin/python3 ] && PY=/opt/torch/.venv/bin/python3
+if [ ! -d /tmp/site/mpi4py ]; then          # MPICH from its wheel's files (pip --target drops
+  $PY -m zipfile -e .whl/mpich-*.whl /tmp/mpich && chmod +x /tmp/mpich/*.data/data/bin/* \
+    && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+         --target /tmp/site .whl/mpi4py-*.whl .whl/pytest_mpi-*.whl || exit 1
+fi                                          # its lib/), and mpi4py told to load it, not the
+M=$(echo /tmp/mpich/*.data/data)            # image's Open MPI
+mkdir -p /tmp/bin; printf '#!/bin/sh\nexec %s "$@"\n' "$PY" > /tmp/bin/python; chmod +x /tmp/bin/python
+export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/bin:$M/bin:$PATH MPI4PY_LIBMPI=$M/lib/libmpi.so.12 \
+       LD_LIBRARY_PATH=$M/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python -c "import cupy, numpy, torch, mpi4py.MPI as M; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__, 'gpus', cupy.cuda.runtime.getDeviceCount()); print(M.Get_library_version()[:50])"
+nproc
 
-step() {  # step NAME SECONDS COMMAND...
+left() { echo $((budget - SECONDS)); }
+step() {  # step NAME SECONDS COMMAND: at most SECONDS and never past the deadline
   local name=$1 secs=$2; shift 2
-  echo "== $name (<= ${secs}s): $*"
+  local l; l=$(left); [ "$secs" -gt "$l" ] && secs=$l
+  if [ "$secs" -lt 10 ]; then echo "== $name: not run (deadline)"; return; fi
   local t0=$SECONDS
-  timeout -k 5 "$secs" bash -c "$*" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc in $((SECONDS - t0))s"; tail -n 25 "$OUT/$name.log"
+  echo "== $name (<= ${secs}s) started at ${t0}s" >> "$OUT/$name.log"
+  timeout -k 5 "$secs" bash -c "$*" >> "$OUT/$name.log" 2>&1
+  echo "== $name rc=$? in $((SECONDS - t0))s (at ${SECONDS}s)" | tee -a "$OUT/$name.log"
 }
+PYT="python -m pytest -v -p no:cacheprovider --tb=short"
 
-for s in "$@"; do case $s in
-  smoke)   step smoke 120 "HPCDIST_DEVICE=gpu python -m pytest -x -q -p no:cacheprovider tests/test_gpu.py" ;;
-  unit)    step unit 200 "HPCDIST_DEVICE=gpu python -m pytest -q -p no:cacheprovider tests/test_ops_gradcheck.py tests/test_torch_oracle.py" ;;
-  bench16) step bench16 240 "python -m hpcdist.bench gpu --batch 16 --steps 10 --out $OUT/bench16.json" ;;
-  bench64) step bench64 300 "python -m hpcdist.bench gpu --batch 64 --steps 5 --out $OUT/bench64.json" ;;
-  mpi)     step mpi 240 "HPCDIST_DEVICE=gpu mpiexec -n 2 python -m pytest --with-mpi -q -p no:cacheprovider tests/mpi/test_device.py && HPCDIST_DEVICE=gpu mpiexec -n 1 python -m pytest --with-mpi -q -p no:cacheprovider tests/mpi/test_nccl.py tests/mpi/test_device.py" ;;
-  profile) step profile 200 "python tests/gpu/profile_step.py" ;;
-  *) echo "unknown step $s" ;;
-esac; done
+# 1. correctness, side by side
+step selfcheck 60 "python tests/gpu/selfcheck.py" &
+step tests 120 "HPCDIST_DEVICE=gpu $PYT tests/test_gpu.py tests/test_ops_gradcheck.py tests/test_torch_oracle.py" &
+step mpi2 120 "HPCDIST_DEVICE=gpu mpiexec -n 2 $PYT --with-mpi tests/mpi/test_device.py" &
+step nccl1 120 "HPCDIST_DEVICE=gpu mpiexec -n 1 $PYT --with-mpi tests/mpi/test_nccl.py tests/mpi/test_device.py" &
+step train 120 "python -m hpcdist.train --device gpu --steps 30 --log-every 10 --save-dir /tmp/r1 && mpiexec -n 1 python -m hpcdist.train --device gpu --backend nccl --precision bf16 --experts 4 --steps 30 --log-every 10 --save-dir /tmp/r2" &
+wait
+for f in selfcheck tests mpi2 nccl1 train; do echo "---- $f"; grep -a -E "passed|failed|error|Error|refus|REFUSED|FAILED|step +30|loss" "$OUT/$f.log" | tail -n 12; done
+
+# 2. timings, alone on the GPU
+step bench 110 "python -m hpcdist.bench gpu --batch 16 --steps 10"
+step bench 110 "python -m hpcdist.bench gpu --batch 64 --steps 4"
+step profile 30 "python tests/gpu/profile_step.py"
+step bench 40 "HPCDIST_FUSED=0 python -m hpcdist.bench gpu --batch 16 --steps 10 --modes fp32 --no-torch"
+grep -E "ms/step|rc=" "$OUT/bench.log"

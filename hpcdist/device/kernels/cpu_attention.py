@@ -39,7 +39,7 @@ def query_blocks(T: int):
     return [(i0, min(T, i0 + step)) for i0 in range(0, T, step)]
 
 
-def attention_fwd(qkv, n_head, scale):
+def attention_fwd(qkv, n_head, scale, path=None):
     """(y (B, T, C), lse (B, nh, T), None): nothing of the probabilities is kept."""
     qkv = np.ascontiguousarray(qkv)
     B, T, C3 = qkv.shape

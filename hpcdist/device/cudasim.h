@@ -87,6 +87,7 @@ template <class T> T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old
 
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 
 // ---- the threads of a block, as fibers ------------------------------------------------------
 enum { READY, AT_SYNC, AT_SHUFFLE, DONE };

@@ -8,7 +8,7 @@ elementwise.py, rows.py, attention.py, gemm.py and moe.py hold them.
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
 from .attention import ATTENTION_BWD, ATTENTION_FWD, attention_bwd_twin, attention_twin
 from .common import GELU_C
-from .gemm import BF16_GEMM, TO_BF16, configure, describe, gemm_twin, matmul
+from .gemm import BF16_GEMM, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul
 from .elementwise import (ADAMW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
                           adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
                           colsum_add_twin, gelu_bwd_twin, gelu_twin)
@@ -41,7 +41,7 @@ __all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BF16_GEMM", "BIAS_GELU", 
            "MOE_COMBINE_BWD", "MOE_PERMUTE", "combine_bwd_twin", "combine_twin", "permute_twin",
            "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",
            "GELU_BWD", "GELU_C", "GELU_FWD", "LAYERNORM_BWD", "LAYERNORM_FWD",
-           "SOFTMAX_CAUSAL_BWD", "SOFTMAX_CAUSAL_FWD", "TO_BF16", "adam_step_twin", "adamw_twin",
+           "ROUND_BF16", "SOFTMAX_CAUSAL_BWD", "SOFTMAX_CAUSAL_FWD", "TO_BF16", "adam_step_twin", "adamw_twin",
            "attention_bwd_twin", "attention_twin", "bias_gelu_twin",
            "bias_residual_twin", "colsum_add_twin", "configure", "describe",
            "cross_entropy_bwd_twin", "cross_entropy_twin", "gelu_bwd_twin", "gelu_twin",

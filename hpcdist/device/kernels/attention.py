@@ -9,6 +9,7 @@ import numpy as np
 from .. import backend
 from ..fused import Fused
 from .common import _COMMON, _scalar
+from .gemm import matmul as gemm_matmul
 from .rows import (SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, softmax_causal_bwd_twin,
                    softmax_causal_twin)
 
@@ -98,37 +99,46 @@ def _qkv_heads(qkv, n_head):
             r[:, :, 2].transpose(0, 2, 1, 3))
 
 
-def attention_twin(qkv, n_head, scale, path=None, softmax=softmax_causal_twin):
+def attention_twin(qkv, n_head, scale, path=None):
     """(y (B, T, C), lse (B, nh, T), the probabilities (B, nh, T, T) for the backward).
-    ``path`` names the launcher's way (the twin has one); ``softmax`` is the twin's own or
-    the fused kernel (the GPU's GEMM path)."""
+    ``path`` names the launcher's way (the twin has one)."""
+    return _attention(qkv, n_head, scale, softmax_causal_twin, backend.matmul)
+
+
+def _attention(qkv, n_head, scale, softmax, mm):
+    """The twin's formulation with its softmax and GEMMs given: the twin's own, or the fused
+    softmax and the run's GEMMs (the GPU's GEMM path)."""
     xp = backend.array_module(qkv)
     q, k, v = _qkv_heads(qkv, n_head)
-    s = backend.matmul(q, k)
+    s = mm(q, k)
     att = softmax(s, scale)
     B, nh, T, hs = q.shape
-    y = backend.matmul(att, v).transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
+    y = mm(att, v).transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
     z = xp.where(att > 0, s * scale, xp.asarray(-np.inf, dtype=s.dtype))
     zmax = z.max(axis=-1)
     lse = zmax + xp.log(xp.exp(z - zmax[..., None]).sum(axis=-1))
     return xp.ascontiguousarray(y), lse, att
 
 
-def attention_bwd_twin(qkv, y, dy, lse, n_head, scale, att=None,
-                       softmax_bwd=softmax_causal_bwd_twin):
+def attention_bwd_twin(qkv, y, dy, lse, n_head, scale, att=None):
     """dqkv (B, T, 3C) of y = attention_twin(qkv)[0]."""
+    return _attention_bwd(qkv, dy, lse, n_head, scale, att, softmax_causal_bwd_twin,
+                          backend.matmul)
+
+
+def _attention_bwd(qkv, dy, lse, n_head, scale, att, softmax_bwd, mm):
     xp = backend.array_module(qkv)
     q, k, v = _qkv_heads(qkv, n_head)
     B, nh, T, hs = q.shape
     if att is None:
-        att = xp.exp(backend.matmul(q, k) * scale - lse[..., None])
+        att = xp.exp(mm(q, k) * scale - lse[..., None])
         att = xp.where(xp.arange(T)[None, :] > xp.arange(T)[:, None], 0, att)
     g = dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)            # (B, nh, T, hs)
-    dv = backend.matmul(xp.swapaxes(att, -1, -2), g)              # (B, nh, T, hs)
-    datt = backend.matmul(g, xp.swapaxes(v, -1, -2))               # (B, nh, T, T)
+    dv = mm(xp.swapaxes(att, -1, -2), g)                          # (B, nh, T, hs)
+    datt = mm(g, xp.swapaxes(v, -1, -2))                          # (B, nh, T, T)
     ds = softmax_bwd(datt, att, scale)
-    dq = backend.matmul(ds, xp.swapaxes(k, -1, -2))                # (B, nh, T, hs)
-    dk = backend.matmul(xp.swapaxes(ds, -1, -2), q)                # (B, nh, T, hs)
+    dq = mm(ds, xp.swapaxes(k, -1, -2))                           # (B, nh, T, hs)
+    dk = mm(xp.swapaxes(ds, -1, -2), q)                           # (B, nh, T, hs)
     out = xp.empty(qkv.shape, dtype=qkv.dtype)
     r = out.reshape(B, T, 3, nh, hs)
     for part, grad in enumerate((dq, dk, dv)):
@@ -155,7 +165,7 @@ def _attention_launch(k, qkv, n_head, scale, path=None):
     xp = backend.xp()
     qkv = xp.ascontiguousarray(qkv)
     if _gemm_path(qkv, n_head, path):
-        return attention_twin(qkv, n_head, scale, softmax=SOFTMAX_CAUSAL_FWD)
+        return _attention(qkv, n_head, scale, SOFTMAX_CAUSAL_FWD, gemm_matmul)
     B, T, C3 = qkv.shape
     hs = C3 // 3 // n_head
     acc = np.float64 if qkv.dtype == np.float64 else np.float32
@@ -171,8 +181,8 @@ def _attention_bwd_launch(k, qkv, y, dy, lse, n_head, scale, att=None):
     xp = backend.xp()
     qkv = xp.ascontiguousarray(qkv)
     if att is not None:                     # the forward took the GEMM path
-        return attention_bwd_twin(qkv, y, dy, lse, n_head, scale, att,
-                                  softmax_bwd=SOFTMAX_CAUSAL_BWD)
+        return _attention_bwd(qkv, dy, lse, n_head, scale, att, SOFTMAX_CAUSAL_BWD,
+                              gemm_matmul)
     B, T, C3 = qkv.shape
     hs = C3 // 3 // n_head
     acc = np.float64 if qkv.dtype == np.float64 else np.float32

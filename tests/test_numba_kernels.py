@@ -33,8 +33,9 @@ def _agree(op, args, dtype, tol=None):
 
 
 def test_every_fused_op_but_the_gemms_has_a_cpu_kernel():
+    # (the bf16 conversions serve cuBLAS on a GPU; the CPU rounds with backend.round_to_bf16)
     assert set(OPS) == {n for n, op in fused.registry().items()
-                        if not op.library and n != "to_bf16"}
+                        if not op.library and n not in ("to_bf16", "round_bf16")}
 
 
 @pytest.mark.parametrize("name", OPS)

@@ -80,6 +80,11 @@ def jit():
     return _jit.SERIAL if n == 1 else _jit.PARALLEL
 
 
+def threads_here() -> int:
+    """The threads this rank's kernels use (at least 1)."""
+    return max(1, threads.threads)
+
+
 def _c(x, value):
     return x.dtype.type(value)
 

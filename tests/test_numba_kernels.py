@@ -124,11 +124,14 @@ def test_attention_blocks_cover_every_pair_and_query_once():
                                   (2, 5, 100, 8, 90000), (1, 1, 1, 4, 1)):
         cpu.ATTENTION_BYTES, old = budget, cpu.ATTENTION_BYTES
         try:
-            seen = [(b, h) for b0, b1, h0, h1 in cpu_attention.blocks(B, nh, T, isz)
-                    for b in range(b0, b1) for h in range(h0, h1)]
+            for parts in (1, 2, 3):                      # a block per thread at a time
+                blocks = list(cpu_attention.blocks(B, nh, T, isz, parts))
+                seen = [(b, h) for b0, b1, h0, h1 in blocks
+                        for b in range(b0, b1) for h in range(h0, h1)]
+                assert sorted(seen) == [(b, h) for b in range(B) for h in range(nh)]
+                assert len(blocks) >= min(parts, B * nh)
         finally:
             cpu.ATTENTION_BYTES = old
-        assert sorted(seen) == [(b, h) for b in range(B) for h in range(nh)]
         q = [i for i0, i1 in cpu_attention.query_blocks(T) for i in range(i0, i1)]
         assert q == list(range(T))
 

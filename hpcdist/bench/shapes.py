@@ -47,10 +47,9 @@ def parse(spec: str):
 
 
 def set_threads(n: int) -> None:
-    """BLAS, numba and PyTorch on ``n`` threads."""
-    from threadpoolctl import threadpool_limits
-    threadpool_limits(n)
-    host_threads.threads = n
+    """hpcdist on ``n`` threads as a run of ``n`` threads per rank has them (BLAS, numba and
+    host/pool.py), and PyTorch on ``n``."""
+    host_threads.limit(n)
     try:
         import torch
         torch.set_num_threads(n)

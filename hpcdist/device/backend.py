@@ -15,6 +15,8 @@ import os
 
 import numpy as np
 
+from ..host import pool
+
 DEVICES = ("cpu", "gpu", "auto", "double")
 
 def _tune_malloc() -> bool:
@@ -312,7 +314,13 @@ def matmul(a, b):
     if _bf16_operands and a.dtype == np.float32:
         a, b = round_to_bf16(a), round_to_bf16(b)
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and a.shape[-1]:
-        return (a.reshape(-1, a.shape[-1]) @ b).reshape(a.shape[:-1] + b.shape[-1:])
+        return _gemm(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + b.shape[-1:])
+    return _gemm(a, b)
+
+
+def _gemm(a, b):
+    if _device == "cpu" and pool.wanted(a, b):        # rows over the rank's threads
+        return pool.matmul(a, b)
     return a @ b
 
 

@@ -95,5 +95,28 @@ def _limit(n: int) -> None:
         from threadpoolctl import threadpool_limits
     except ImportError:                                # the environment variables must do
         return
-    threadpool_limits(limits=n)
+    limits = threadpool_limits(limits=n)
     _applied = n
+    _hold_blas(n, limits)
+
+
+blas_single = False    # BLAS held to one thread a call: host/pool.py spreads the work itself
+
+
+def limit(n: int) -> None:
+    """This process on ``n`` threads (a benchmark's contenders): BLAS, OpenMP and numba as a
+    run of ``n`` threads per rank has them."""
+    global threads
+    threads = n
+    _limit(n)
+
+
+def _hold_blas(n: int, limits) -> None:
+    """With more than one thread, BLAS on one thread a call where threadpoolctl can hold it
+    so (host/pool.py says why), unless HPCDIST_CPU_POOL=0."""
+    global blas_single
+    blas = limits.get_original_num_threads().get("blas") is not None
+    blas_single = n > 1 and blas and os.environ.get("HPCDIST_CPU_POOL", "1") != "0"
+    if blas_single:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=1, user_api="blas")

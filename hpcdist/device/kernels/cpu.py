@@ -85,6 +85,14 @@ def threads_here() -> int:
     return max(1, threads.threads)
 
 
+def jit_here():
+    """The kernels for work that host/pool.py may spread over the rank's threads: each
+    thread runs them on itself (numba's work queue takes one caller at a time)."""
+    from ...host import pool
+    kernels = jit()
+    return _jit.SERIAL if pool.on() else kernels
+
+
 def _c(x, value):
     return x.dtype.type(value)
 

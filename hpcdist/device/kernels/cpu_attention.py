@@ -8,20 +8,23 @@ from __future__ import annotations
 import numpy as np
 
 from . import cpu
+from ...host import pool
 
 
-def blocks(B: int, n_head: int, T: int, itemsize: int):
-    """(b0, b1, h0, h1) blocks of sequences x heads whose scores fit cpu.ATTENTION_BYTES
-    (at least one pair)."""
+def blocks(B: int, n_head: int, T: int, itemsize: int, parts: int = 1):
+    """(b0, b1, h0, h1) blocks of sequences x heads whose scores fit cpu.ATTENTION_BYTES (at
+    least one pair), at least ``parts`` of them where there are that many pairs (the rank's
+    threads take a block each at a time: host/pool.py)."""
     pairs = max(1, cpu.ATTENTION_BYTES // max(1, T * T * itemsize))
-    if pairs >= n_head:
-        step = pairs // n_head
+    if pairs >= n_head and B >= parts:                     # whole sequences
+        step = max(1, min(pairs // n_head, -(-B // parts)))
         for b0 in range(0, B, step):
             yield b0, min(B, b0 + step), 0, n_head
-    else:
+    else:                                                  # heads of one sequence
+        step = max(1, min(pairs, n_head, -(-B * n_head // parts)))
         for b0 in range(B):
-            for h0 in range(0, n_head, pairs):
-                yield b0, b0 + 1, h0, min(n_head, h0 + pairs)
+            for h0 in range(0, n_head, step):
+                yield b0, b0 + 1, h0, min(n_head, h0 + step)
 
 
 def _parts(qkv, n_head, b0, b1, h0, h1):
@@ -34,11 +37,13 @@ def _parts(qkv, n_head, b0, b1, h0, h1):
 
 def query_blocks(T: int):
     """(i0, i1) blocks of queries: block i0..i1 sees keys 0..i1 only, so the GEMMs skip the
-    masked corner (4 blocks: 37.5% of the scores' flops; at most 4, at least 64 rows on one
-    thread, 256 on more: BLAS splits each small per-head GEMM over the threads, and at T 256
-    one block of 256 took 13.9 ms a 6x384 layer on 2 threads against 15.9 for four of 64,
-    where on 1 thread four took 17.3 against 22.6, measured beside the step's GEMMs)."""
-    step = max(64 if cpu.threads_here() == 1 else 256, -(-T // 4))
+    masked corner (4 blocks: 37.5% of the scores' flops; at most 4, at least 64 rows where
+    each GEMM runs on one thread, 256 where BLAS splits each small per-head GEMM over the
+    threads (HPCDIST_CPU_POOL=0): at T 256 one block of 256 took 13.9 ms a 6x384 layer on 2
+    threads against 15.9 for four of 64, where on 1 thread four took 17.3 against 22.6,
+    measured beside the step's GEMMs)."""
+    one = cpu.threads_here() == 1 or pool.on()
+    step = max(64 if one else 256, -(-T // 4))
     return [(i0, min(T, i0 + step)) for i0 in range(0, T, step)]
 
 
@@ -47,10 +52,12 @@ def attention_fwd(qkv, n_head, scale, path=None):
     qkv = np.ascontiguousarray(qkv)
     B, T, C3 = qkv.shape
     hs = C3 // 3 // n_head
-    jit, sc = cpu.jit(), qkv.dtype.type(scale)
+    jit, sc = cpu.jit_here(), qkv.dtype.type(scale)
     y = np.empty((B, T, n_head, hs), qkv.dtype)
     lse = np.empty((B, n_head, T), qkv.dtype)
-    for b0, b1, h0, h1 in blocks(B, n_head, T, qkv.itemsize):
+
+    def block(blk):
+        b0, b1, h0, h1 = blk
         q, kt, v = _parts(qkv, n_head, b0, b1, h0, h1)
         for i0, i1 in query_blocks(T):
             s = np.matmul(q[:, :, i0:i1], kt[..., :i1])               # (nb, nh, tq, i1)
@@ -59,6 +66,7 @@ def attention_fwd(qkv, n_head, scale, path=None):
             jit.softmax_causal(rows, rows, part.reshape(-1), i1 - i0, i0, sc)
             lse[b0:b1, h0:h1, i0:i1] = part
             y[b0:b1, i0:i1, h0:h1] = np.matmul(s, v[:, :, :i1]).transpose(0, 2, 1, 3)
+    pool.run(block, blocks(B, n_head, T, qkv.itemsize, cpu.threads_here()))
     return y.reshape(B, T, n_head * hs), lse, None
 
 
@@ -68,11 +76,13 @@ def attention_bwd(qkv, y, dy, lse, n_head, scale, att=None):
     qkv = np.ascontiguousarray(qkv)
     B, T, C3 = qkv.shape
     hs = C3 // 3 // n_head
-    jit, sc = cpu.jit(), qkv.dtype.type(scale)
+    jit, sc = cpu.jit_here(), qkv.dtype.type(scale)
     g = np.ascontiguousarray(dy, dtype=qkv.dtype).reshape(B, T, n_head, hs)
     dqkv = np.empty_like(qkv)
     dr = dqkv.reshape(B, T, 3, n_head, hs)
-    for b0, b1, h0, h1 in blocks(B, n_head, T, qkv.itemsize):
+
+    def block(blk):
+        b0, b1, h0, h1 = blk
         q, kt, v = _parts(qkv, n_head, b0, b1, h0, h1)
         gb = g[b0:b1, :, h0:h1].transpose(0, 2, 1, 3)                 # (nb, nh, T, hs)
         dk, dv = np.zeros(q.shape, qkv.dtype), np.zeros(q.shape, qkv.dtype)
@@ -90,4 +100,5 @@ def attention_bwd(qkv, y, dy, lse, n_head, scale, att=None):
             dk[:, :, :i1] += np.matmul(ds.swapaxes(-1, -2), q[:, :, i0:i1])
         dr[b0:b1, :, 1, h0:h1] = dk.transpose(0, 2, 1, 3)
         dr[b0:b1, :, 2, h0:h1] = dv.transpose(0, 2, 1, 3)
+    pool.run(block, blocks(B, n_head, T, qkv.itemsize, cpu.threads_here()))
     return dqkv

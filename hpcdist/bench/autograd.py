@@ -239,8 +239,15 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", action="store_true",
                     help="with --shapes: a step's peak bytes, CPU kernels and NumPy twins")
     ap.add_argument("--out", default="runs/bench_shapes.json", help="with --shapes: the table")
+    ap.add_argument("--pool-ab", type=int, default=0, metavar="ROUNDS",
+                    help="with --shapes: hpcdist with host/pool.py on and off in turn beside "
+                         "PyTorch, ROUNDS rounds at each thread count (no table)")
     args = ap.parse_args(argv)
     counts = [int(n) for n in str(args.threads).split(",")]
+    if args.shapes and args.pool_ab:
+        for n in counts:
+            shapes.pool_ab(args.shapes, n, args.pool_ab, gpt_contenders)
+        return 0
     if args.shapes:
         from hpcdist.device.kernels import cpu
         print(f"autograd at training shapes | numpy {np.__version__} | CPU kernels "

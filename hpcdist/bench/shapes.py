@@ -186,3 +186,37 @@ def run(spec: str, thread_counts, steps: int, warmup: int, profile: bool, memory
 
 def median_ratio(rows) -> float:
     return float(np.median([r["ratio"] for r in rows if "ratio" in r]))
+
+
+def pool_ab(spec: str, n: int, rounds: int, contenders) -> list:
+    """hpcdist with host/pool.py on and off in turn beside PyTorch, in one process on ``n``
+    threads (``rounds`` of 3 steps each): [(shape, {who: median ms})]. A shared machine's
+    drift falls on all three alike."""
+    out = []
+    for cfg, batch in parse(spec):
+        def mode(pool):
+            os.environ["HPCDIST_CPU_POOL"] = "1" if pool else "0"
+            set_threads(n)
+        mode(True)
+        c = contenders(cfg, batch, 1e-3)
+        runs = (("pool", c["hpcdist"], True), ("no pool", c["hpcdist"], False),
+                ("pytorch", c["pytorch"], None))
+        times = {who: [] for who, _, _ in runs}
+        for r in range(rounds + 1):                      # the first round warms up
+            for who, step, pool in runs:
+                if pool is not None:
+                    mode(pool)
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    step()
+                    if r:
+                        times[who].append(time.perf_counter() - t0)
+        med = {who: float(np.median(v)) * 1e3 for who, v in times.items()}
+        name = f"{cfg.n_layer}x{cfg.n_embd}:{cfg.block_size}:{cfg.vocab_size}:{batch}"
+        print(f"GPT {name}, {n} threads: " + ", ".join(f"{k} {v:.1f} ms" for k, v in med.items())
+              + f" | pool / pytorch {med['pool'] / med['pytorch']:.3f}, no pool / pytorch "
+              f"{med['no pool'] / med['pytorch']:.3f}", flush=True)
+        out.append((name, med))
+    os.environ.pop("HPCDIST_CPU_POOL", None)
+    set_threads(n)
+    return out

@@ -1,16 +1,13 @@
 """One set of threads per rank for the CPU's parallel work: GEMMs split by rows, attention's
 blocks of heads, with BLAS on one thread each.
 
-Why: NumPy's OpenBLAS keeps its own threads spinning after every GEMM (about 0.1 s), and the
-fused kernels' threads (numba) that follow a GEMM found a core taken: at 2 threads a GELU
-backward after a GEMM ran at one thread's speed (measured, docs/autograd.md "At the shapes
-people train"), and attention's small per-head GEMMs, each split over the BLAS threads, took as
-long on 2 threads as on 1. With BLAS held to one thread per call (host/threads.py) nothing
-spins: a GEMM's rows go to this rank's threads (the calling one among them), each calling BLAS
-alone, and numba's threads — which sleep when idle — get the cores for the kernels between.
-
-``HPCDIST_CPU_POOL=0`` turns it off (BLAS keeps the rank's threads, as before). Only where the
-BLAS can be held to one thread (threadpoolctl sees it) and a rank has more than one thread."""
+Why: NumPy's OpenBLAS keeps its threads spinning after every GEMM (about 0.1 s), and the fused
+kernels' threads (numba) that follow found a core taken: at 2 threads a GELU backward after a
+GEMM ran at one thread's speed, and attention's small per-head GEMMs, each split over the BLAS
+threads, took as long on 2 threads as on 1. With BLAS held to one thread a call
+(host/threads.py) nothing spins: a GEMM's rows go to this rank's threads (the caller's among
+them), and numba's threads, which sleep when idle, get the cores for the kernels between.
+``HPCDIST_CPU_POOL=0`` turns it off. The rest: docs/autograd.md, "At the shapes people train"."""
 from __future__ import annotations
 
 import os

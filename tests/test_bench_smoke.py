@@ -38,6 +38,24 @@ def test_autograd_bench_at_training_shapes(tmp_path):
         assert all(r["ratio"] > 0 for r in rows) and "median hpcdist / pytorch" in out
 
 
+def test_autograd_bench_pool_on_and_off():
+    out = bench("autograd", "--shapes", "1x64:16:50:2", "--threads", "2", "--pool-ab", "1")
+    if importlib.util.find_spec("torch") is not None:
+        m = re.search(r"pool ([0-9.]+) ms, no pool ([0-9.]+) ms, pytorch ([0-9.]+) ms", out)
+        assert m and all(float(v) > 0 for v in m.groups()), out[-500:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="compares with PyTorch")
+def test_nanogpt_bench_trains_the_same_model_on_the_same_batches(tmp_path):
+    """hpcdist's run and the nanoGPT-style loop from the same weights on the same batches:
+    the same loss after the same steps (float32; attention's and the sums' order differ)."""
+    out = bench("nanogpt", "--steps", "4", "--batch", "4", "--threads", "1", "--out",
+                str(tmp_path), timeout=600)
+    losses = [float(v) for v in re.findall(r"loss after 4 steps ([0-9.]+)", out)]
+    assert len(losses) == 2 and abs(losses[0] - losses[1]) < 1e-3, out[-800:]
+    assert json.loads((tmp_path / "results.json").read_text())["hpcdist"]["tokens_per_s"] > 0
+
+
 def test_autograd_bench():
     out = bench("autograd", "--steps", "3", "--warmup", "1")
     assert "MLP 784-128-10" in out and "Tensor overhead" in out

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "exchange": "hpcdist.bench.exchange",
     "nccl": "hpcdist.bench.nccl",
     "moe": "hpcdist.bench.moe",
+    "nanogpt": "hpcdist.bench.nanogpt",
     "gpu": "hpcdist.bench.gpu",
     "peers": "hpcdist.bench.peers",
     "pipeline": "hpcdist.bench.pipeline",

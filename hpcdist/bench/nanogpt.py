@@ -1,0 +1,133 @@
+"""A whole training run on real text against a nanoGPT-style PyTorch loop, on the same token
+shards: ``python -m hpcdist.bench nanogpt [--steps 300] [--batch 32]``.
+
+hpcdist: ``python -m hpcdist.train`` on one rank, as a user runs it (its own process). PyTorch:
+nanoGPT's loop in a process of its own — the same GPT from the same initial weights (hpcdist's
+initialisation, carried over by name; weight tying, tanh GELU, no dropout), attention through
+``scaled_dot_product_attention(is_causal=True)`` as nanoGPT has it, AdamW with decay on the
+matrices only, the same warmup + cosine schedule and gradient clipping, and the same batches
+(hpcdist's sampler over hpcdist's reading of the shards). The corpus: the standard library's
+docstrings, BPE 2,048 (``bench.moe_quality.prepared``). Each reports tokens per second over
+its whole run (every step, the first included) and its median step; the loss after the same
+steps should agree. Threads: both take the machine's (``--threads``, default all cores)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+SHAPE = dict(n_layer=4, n_embd=128, n_head=2, block_size=128)
+
+
+def hpcdist_run(data: str, args, out: str) -> dict:
+    folder = os.path.join(out, "hpcdist")
+    cmd = [sys.executable, "-m", "hpcdist.train", "--task", "text", "--data", data,
+           "--block-size", str(SHAPE["block_size"]), "--n-layer", str(SHAPE["n_layer"]),
+           "--n-embd", str(SHAPE["n_embd"]), "--n-head", str(SHAPE["n_head"]),
+           "--batch-size", str(args.batch), "--steps", str(args.steps),
+           "--log-every", str(args.steps), "--out-dir", folder]
+    env = dict(os.environ, HPCDIST_THREADS=str(args.threads))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"hpcdist failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        final = [json.loads(x) for x in f][-1]
+    tokens = args.steps * args.batch * SHAPE["block_size"]
+    return {"tokens_per_s": tokens / final["train_seconds"], "step_ms": final["step_ms_median"],
+            "loss": final["train_loss"]}
+
+
+def torch_run(data: str, steps: int, batch: int) -> dict:
+    """nanoGPT's loop (run in its own process by ``main``)."""
+    import torch
+    F = torch.nn.functional
+    from hpcdist import data as hdata, nn, optim
+    from hpcdist.run.config import TrainConfig
+    d = TrainConfig()
+    cfg = TrainConfig(task="text", data=data, block_size=SHAPE["block_size"])
+    train_set, _ = hdata.datasets_of(cfg)
+    sampler = hdata.DistributedSampler(len(train_set), batch, 0, 1, seed=d.seed)
+    nn.manual_seed(d.seed)
+    model = nn.GPT(nn.GPTConfig(vocab_size=train_set.vocab_size, **SHAPE))
+    p = {k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in model.state_dict().items()}
+    T, C, nh = SHAPE["block_size"], SHAPE["n_embd"], SHAPE["n_head"]
+
+    def forward(idx, tgt):
+        x = p["wte.weight"][idx] + p["wpe.weight"][:T]
+        for i in range(SHAPE["n_layer"]):
+            b = f"blocks.{i}."
+            h = F.layer_norm(x, (C,), p[b + "ln_1.weight"], p[b + "ln_1.bias"])
+            q, k, v = (h @ p[b + "attn.c_attn.weight"] + p[b + "attn.c_attn.bias"]).split(C, 2)
+            q, k, v = (t.view(batch, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + y.transpose(1, 2).reshape(batch, T, C) @ p[b + "attn.c_proj.weight"] \
+                + p[b + "attn.c_proj.bias"]
+            h = F.layer_norm(x, (C,), p[b + "ln_2.weight"], p[b + "ln_2.bias"])
+            h = F.gelu(h @ p[b + "mlp.layers.0.weight"] + p[b + "mlp.layers.0.bias"],
+                       approximate="tanh")
+            x = x + h @ p[b + "mlp.layers.1.weight"] + p[b + "mlp.layers.1.bias"]
+        x = F.layer_norm(x, (C,), p["ln_f.weight"], p["ln_f.bias"])
+        return F.cross_entropy((x @ p["wte.weight"].T).reshape(-1, train_set.vocab_size),
+                               tgt.reshape(-1))
+    groups = [{"params": [t for t in p.values() if t.ndim >= 2], "weight_decay": d.weight_decay},
+              {"params": [t for t in p.values() if t.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=d.lr, betas=(d.beta1, d.beta2))
+    times, t0 = [], time.perf_counter()
+    for step in range(1, steps + 1):
+        s0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = optim.lr_at(step, d.lr, d.warmup, steps, d.min_lr)
+        x, y = train_set.batch(sampler.next_batch())
+        loss = forward(torch.from_numpy(np.asarray(x, np.int64)), torch.from_numpy(np.asarray(y, np.int64)))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(p.values()), d.grad_clip)
+        opt.step()
+        times.append(time.perf_counter() - s0)
+    total = time.perf_counter() - t0
+    return {"tokens_per_s": steps * batch * T / total,
+            "step_ms": float(np.median(times)) * 1e3, "loss": float(loss)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench nanogpt", description=__doc__)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--out", default="runs/bench_nanogpt")
+    ap.add_argument("--torch-side", default="", help=argparse.SUPPRESS)   # the child process
+    args = ap.parse_args(argv)
+    if args.torch_side:
+        import torch
+        torch.set_num_threads(args.threads)
+        print(json.dumps(torch_run(args.torch_side, args.steps, args.batch)))
+        return 0
+    from hpcdist.bench.moe_quality import prepared
+    data = prepared(args.out)
+    print(f"GPT {SHAPE['n_layer']}x{SHAPE['n_embd']}, block {SHAPE['block_size']}, batch "
+          f"{args.batch}, {args.steps} steps, {args.threads} threads, one process each", flush=True)
+    rows = {"hpcdist": hpcdist_run(data, args, args.out)}
+    r = subprocess.run([sys.executable, "-m", "hpcdist.bench", "nanogpt", "--torch-side", data,
+                        "--steps", str(args.steps), "--batch", str(args.batch), "--threads",
+                        str(args.threads)], capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    if r.returncode != 0:
+        raise RuntimeError(f"the PyTorch loop failed:\n{r.stderr[-3000:]}")
+    rows["nanoGPT-style PyTorch"] = json.loads(r.stdout.strip().splitlines()[-1])
+    for who, row in rows.items():
+        print(f"{who:22s} {row['tokens_per_s']:10,.0f} tok/s   median step {row['step_ms']:7.1f} ms"
+              f"   loss after {args.steps} steps {row['loss']:.4f}")
+    ratio = rows["hpcdist"]["tokens_per_s"] / rows["nanoGPT-style PyTorch"]["tokens_per_s"]
+    print(f"hpcdist / PyTorch tokens per second: {ratio:.3f} (issue 46's target >= 1.05)")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench nanogpt", description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    from hpcdist.host.threads import usable_cores
+    ap.add_argument("--threads", type=int, default=usable_cores())
     ap.add_argument("--out", default="runs/bench_nanogpt")
     ap.add_argument("--torch-side", default="", help=argparse.SUPPRESS)   # the child process
     args = ap.parse_args(argv)

@@ -192,7 +192,7 @@ def pool_ab(spec: str, n: int, rounds: int, contenders) -> list:
     """hpcdist with host/pool.py on and off in turn beside PyTorch, in one process on ``n``
     threads (``rounds`` of 3 steps each): [(shape, {who: median ms})]. A shared machine's
     drift falls on all three alike."""
-    out = []
+    out, before = [], os.environ.get("HPCDIST_CPU_POOL")
     for cfg, batch in parse(spec):
         def mode(pool):
             os.environ["HPCDIST_CPU_POOL"] = "1" if pool else "0"
@@ -217,6 +217,9 @@ def pool_ab(spec: str, n: int, rounds: int, contenders) -> list:
               + f" | pool / pytorch {med['pool'] / med['pytorch']:.3f}, no pool / pytorch "
               f"{med['no pool'] / med['pytorch']:.3f}", flush=True)
         out.append((name, med))
-    os.environ.pop("HPCDIST_CPU_POOL", None)
+    if before is None:                                   # as the caller had it
+        os.environ.pop("HPCDIST_CPU_POOL", None)
+    else:
+        os.environ["HPCDIST_CPU_POOL"] = before
     set_threads(n)
     return out

@@ -133,9 +133,11 @@ def gpt_contenders(cfg: nn.GPTConfig, batch: int, lr: float, seed: int = 0,
     return out
 
 
-def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu"):
+def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu", sdpa=False):
     """hpcdist's GPT written with torch ops on our parameter shapes (weights in x out):
-    (parameters from the state dict ``sd``, forward(idx, targets) -> mean loss)."""
+    (parameters from the state dict ``sd``, forward(idx, targets) -> mean loss). Attention
+    as eager's math path, or with ``sdpa`` as nanoGPT has it
+    (``scaled_dot_product_attention(is_causal=True)``)."""
     import torch
     F = torch.nn.functional
     p = {k: torch.tensor(v, requires_grad=True, device=device) for k, v in sd.items()}
@@ -149,8 +151,13 @@ def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu"):
             h = F.layer_norm(x, (C,), p[b + "ln_1.weight"], p[b + "ln_1.bias"])
             q, k, v = (h @ p[b + "attn.c_attn.weight"] + p[b + "attn.c_attn.bias"]).split(C, 2)
             q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
-            att = ((q @ k.transpose(-2, -1)) / (C // nh) ** 0.5).masked_fill(mask, float("-inf"))
-            y = (att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+            if sdpa:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                att = ((q @ k.transpose(-2, -1)) / (C // nh) ** 0.5).masked_fill(
+                    mask, float("-inf"))
+                y = att.softmax(-1) @ v
+            y = y.transpose(1, 2).reshape(B, T, C)
             x = x + y @ p[b + "attn.c_proj.weight"] + p[b + "attn.c_proj.bias"]
             h = F.layer_norm(x, (C,), p[b + "ln_2.weight"], p[b + "ln_2.bias"])
             h = F.gelu(h @ p[b + "mlp.layers.0.weight"] + p[b + "mlp.layers.0.bias"],

@@ -45,8 +45,8 @@ def hpcdist_run(data: str, args, out: str) -> dict:
 def torch_run(data: str, steps: int, batch: int) -> dict:
     """nanoGPT's loop (run in its own process by ``main``)."""
     import torch
-    F = torch.nn.functional
     from hpcdist import data as hdata, nn, optim
+    from hpcdist.bench.autograd import torch_gpt
     from hpcdist.run.config import TrainConfig
     d = TrainConfig()
     cfg = TrainConfig(task="text", data=data, block_size=SHAPE["block_size"])
@@ -54,26 +54,8 @@ def torch_run(data: str, steps: int, batch: int) -> dict:
     sampler = hdata.DistributedSampler(len(train_set), batch, 0, 1, seed=d.seed)
     nn.manual_seed(d.seed)
     model = nn.GPT(nn.GPTConfig(vocab_size=train_set.vocab_size, **SHAPE))
-    p = {k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in model.state_dict().items()}
-    T, C, nh = SHAPE["block_size"], SHAPE["n_embd"], SHAPE["n_head"]
-
-    def forward(idx, tgt):
-        x = p["wte.weight"][idx] + p["wpe.weight"][:T]
-        for i in range(SHAPE["n_layer"]):
-            b = f"blocks.{i}."
-            h = F.layer_norm(x, (C,), p[b + "ln_1.weight"], p[b + "ln_1.bias"])
-            q, k, v = (h @ p[b + "attn.c_attn.weight"] + p[b + "attn.c_attn.bias"]).split(C, 2)
-            q, k, v = (t.view(batch, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + y.transpose(1, 2).reshape(batch, T, C) @ p[b + "attn.c_proj.weight"] \
-                + p[b + "attn.c_proj.bias"]
-            h = F.layer_norm(x, (C,), p[b + "ln_2.weight"], p[b + "ln_2.bias"])
-            h = F.gelu(h @ p[b + "mlp.layers.0.weight"] + p[b + "mlp.layers.0.bias"],
-                       approximate="tanh")
-            x = x + h @ p[b + "mlp.layers.1.weight"] + p[b + "mlp.layers.1.bias"]
-        x = F.layer_norm(x, (C,), p["ln_f.weight"], p["ln_f.bias"])
-        return F.cross_entropy((x @ p["wte.weight"].T).reshape(-1, train_set.vocab_size),
-                               tgt.reshape(-1))
+    sd = {k: np.asarray(v) for k, v in model.state_dict().items()}
+    p, forward = torch_gpt(model.config, sd, batch, sdpa=True)
     groups = [{"params": [t for t in p.values() if t.ndim >= 2], "weight_decay": d.weight_decay},
               {"params": [t for t in p.values() if t.ndim < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=d.lr, betas=(d.beta1, d.beta2))
@@ -83,14 +65,14 @@ def torch_run(data: str, steps: int, batch: int) -> dict:
         for g in opt.param_groups:
             g["lr"] = optim.lr_at(step, d.lr, d.warmup, steps, d.min_lr)
         x, y = train_set.batch(sampler.next_batch())
-        loss = forward(torch.from_numpy(np.asarray(x, np.int64)), torch.from_numpy(np.asarray(y, np.int64)))
+        loss = forward(*(torch.from_numpy(np.asarray(a, np.int64)) for a in (x, y)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(p.values()), d.grad_clip)
         opt.step()
         times.append(time.perf_counter() - s0)
     total = time.perf_counter() - t0
-    return {"tokens_per_s": steps * batch * T / total,
+    return {"tokens_per_s": steps * batch * SHAPE["block_size"] / total,
             "step_ms": float(np.median(times)) * 1e3, "loss": float(loss)}
 
 

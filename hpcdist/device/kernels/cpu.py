@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from ...host import threads
+from ...host import pool, threads
 from .. import fused
 from .common import GELU_C, ROW_BLOCK
 from .rows import added_into
@@ -88,7 +88,6 @@ def threads_here() -> int:
 def jit_here():
     """The kernels for work that host/pool.py may spread over the rank's threads: each
     thread runs them on itself (numba's work queue takes one caller at a time)."""
-    from ...host import pool
     kernels = jit()
     return _jit.SERIAL if pool.on() else kernels
 

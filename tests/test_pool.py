@@ -1,14 +1,16 @@
-"""hpcdist/host/pool.py: a rank's CPU work spread over its threads with BLAS on one thread
-each — GEMMs split by rows equal one call, attention's blocks over the threads equal the twin,
-an exception in any part reaches the caller after every part ran, and with the pool off (one
-thread, HPCDIST_CPU_POOL=0) the work runs in turn on the caller."""
-import threading
-
+"""hpcdist/host/pool.py and blas.py: a rank's CPU work on one set of threads (numba's) with
+NumPy's BLAS called from inside the kernels on one thread each — GEMMs split by rows equal one
+call for every layout BLAS takes, attention's pairs over two threads equal the twin, and the
+pool is off (BLAS on its own threads again) with one thread, when asked, or where NumPy's BLAS
+cannot be called."""
 import numpy as np
 import pytest
 
 from hpcdist.device import backend
-from hpcdist.host import pool, threads
+from hpcdist.device.kernels import cpu
+from hpcdist.host import blas, pool, threads
+
+needs_pool = pytest.mark.skipif(not blas.split_here(), reason="numba or a callable BLAS missing")
 
 
 @pytest.fixture
@@ -18,78 +20,124 @@ def two_threads(monkeypatch):
     assert pool.on()
 
 
-@pytest.mark.parametrize("shape", [(1024, 384, 1152), (97, 5, 3), (64 * 2, 7, 1), (1000, 1, 13)])
-def test_gemm_split_by_rows_equals_one_call(two_threads, shape, monkeypatch):
+def test_numpys_blas_is_found_with_its_integer_width():
+    g = blas.find()
+    if g is None:
+        pytest.skip(f"not here: {blas.why_not}")
+    assert g.sgemm and g.dgemm and g.int_bits in (32, 64) and g.where
+
+
+@needs_pool
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", [(1024, 384, 1152), (97, 5, 3), (64 * 2, 7, 1), (1000, 1, 13),
+                                   (67, 300, 2)])
+def test_gemm_split_by_rows_equals_one_call(two_threads, shape, dtype, monkeypatch):
     monkeypatch.setattr(pool, "MIN_FLOPS", 0)
     M, K, N = shape
     rng = np.random.default_rng(0)
-    for a in (rng.standard_normal((M, K)), rng.standard_normal((K, M)).T):    # a view too
-        b = rng.standard_normal((K, N))
-        if pool.wanted(a, b):
-            np.testing.assert_allclose(pool.matmul(a, b), a @ b, rtol=1e-13, atol=1e-13)
-        np.testing.assert_allclose(backend.matmul(a, b), a @ b, rtol=1e-13, atol=1e-13)
+    tol = 1e-13 if dtype == np.float64 else 1e-4
+    wide = rng.standard_normal((M, K + 3)).astype(dtype)
+    for a in (rng.standard_normal((M, K)).astype(dtype),            # rows
+              rng.standard_normal((K, M)).astype(dtype).T,          # stored by columns
+              wide[:, 1:K + 1]):                                    # rows apart by K + 3
+        for b in (rng.standard_normal((K, N)).astype(dtype),
+                  rng.standard_normal((N, K)).astype(dtype).T):
+            assert pool.wanted(a, b)
+            want = a.astype(np.float64) @ b.astype(np.float64)
+            np.testing.assert_allclose(cpu.gemm(a, b), want, rtol=tol, atol=tol * K)
+            np.testing.assert_allclose(backend.matmul(a, b), want, rtol=tol, atol=tol * K)
+
+
+def test_what_is_split(two_threads, monkeypatch):
+    monkeypatch.setattr(pool, "MIN_FLOPS", 0)
+    if not blas.split_here():
+        assert not pool.wanted(np.zeros((64, 4)), np.zeros((4, 4)))
+        return
     assert pool.wanted(np.zeros((64, 4)), np.zeros((4, 4)))
     assert not pool.wanted(np.zeros((63, 4)), np.zeros((4, 4)))     # under 32 rows a thread
     assert not pool.wanted(np.zeros((64, 4), np.float16), np.zeros((4, 4), np.float16))
+    assert not pool.wanted(np.zeros((64, 8))[:, ::2], np.zeros((4, 4)))   # no BLAS layout
+    assert not pool.wanted(np.zeros((64, 4)), np.zeros((4, 4), np.float32))
 
 
-def test_work_goes_to_every_thread_and_errors_come_back(two_threads):
-    seen, lock = set(), threading.Lock()
-
-    def note(i):
-        with lock:
-            seen.add(threading.get_ident())
-        if i == 3:
-            raise ValueError("part 3")
-    with pytest.raises(ValueError, match="part 3"):
-        pool.run(note, range(8))
-    assert len(seen) == 2 and threading.get_ident() in seen      # the caller is one of them
-    done = []
-    pool.run(done.append, range(5))
-    assert sorted(done) == list(range(5))
-
-
-def test_off_with_one_thread_or_when_asked(monkeypatch):
+def test_off_with_one_thread_when_asked_or_without_a_callable_blas(monkeypatch):
     monkeypatch.setattr(threads, "blas_single", True)
     monkeypatch.setattr(threads, "threads", 1)
     assert not pool.on()
     monkeypatch.setattr(threads, "threads", 2)
-    monkeypatch.setenv("HPCDIST_CPU_POOL", "0")
-    assert not pool.on()
-    seen = []
-    pool.run(lambda i: seen.append(threading.get_ident()), range(4))
-    assert set(seen) == {threading.get_ident()}
+    for var in ("HPCDIST_CPU_POOL", "HPCDIST_CPU_KERNELS"):
+        monkeypatch.setenv(var, "0")
+        assert not pool.on() and not blas.split_here()
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(blas, "find", lambda: None)
+    assert not blas.split_here()
 
 
-def test_attention_over_two_threads_equals_the_twin(two_threads, monkeypatch):
-    pytest.importorskip("numba")
+def test_blas_keeps_its_own_threads_where_the_pool_cannot_run(monkeypatch):
+    """threads.limit holds BLAS to one thread only where the pool will split its work."""
+    from threadpoolctl import threadpool_info
+    saved = threads.threads
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    try:
+        monkeypatch.setattr(blas, "find", lambda: None)
+        threads.limit(2)
+        assert not threads.blas_single and set(blas_threads()) == {2}
+        monkeypatch.undo()
+        if blas.split_here():
+            threads.limit(2)
+            assert threads.blas_single and set(blas_threads()) == {1}
+            threads.release_blas()
+            assert not threads.blas_single and set(blas_threads()) == {2}
+    finally:
+        threads.limit(saved or 1)
+
+
+@needs_pool
+@pytest.mark.parametrize("n", [2, 1])
+def test_attention_over_the_threads_equals_the_twin(n, monkeypatch):
     from hpcdist.device import kernels
     from hpcdist.device.kernels import attention, cpu
+    monkeypatch.setattr(threads, "threads", n)
     monkeypatch.setattr(cpu, "MIN_SIZE", 0)
-    monkeypatch.setattr(cpu, "ATTENTION_BYTES", 3 * 37 * 37 * 8)      # several blocks
     rng = np.random.default_rng(1)
-    B, T, nh, hs = 3, 37, 4, 8
-    qkv = rng.standard_normal((B, T, 3 * nh * hs))
-    dy = rng.standard_normal((B, T, nh * hs))
-    y, lse, _ = kernels.ATTENTION_FWD(qkv, nh, 0.3)
-    want_y, want_lse, att = attention.attention_twin(qkv, nh, 0.3)
-    np.testing.assert_allclose(y, want_y, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
-    got = kernels.ATTENTION_BWD(qkv, y, dy, lse, nh, 0.3, None)
-    want = attention.attention_bwd_twin(qkv, want_y, dy, want_lse, nh, 0.3, att)
-    np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11)
+    for B, T, nh, hs in ((3, 37, 4, 8), (1, 1, 1, 3), (1, 200, 1, 16), (2, 65, 3, 2)):
+        qkv = rng.standard_normal((B, T, 3 * nh * hs))
+        dy = rng.standard_normal((B, T, nh * hs))
+        y, lse, _ = kernels.ATTENTION_FWD(qkv, nh, 0.3)
+        want_y, want_lse, att = attention.attention_twin(qkv, nh, 0.3)
+        np.testing.assert_allclose(y, want_y, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+        got = kernels.ATTENTION_BWD(qkv, y, dy, lse, nh, 0.3, None)
+        want = attention.attention_bwd_twin(qkv, want_y, dy, want_lse, nh, 0.3, att)
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11)
+    monkeypatch.setattr(cpu, "_threads", 0)
+    if n == 2:                   # one set of threads: OpenMP's (or TBB's), not the work queue
+        import numba
+        assert numba.threading_layer() in ("omp", "tbb")
 
 
-def test_a_part_that_spreads_work_runs_it_in_turn(two_threads):
-    """Work spread from inside a part runs on that part's thread (a worker waiting on the
-    pool it belongs to would wait forever)."""
-    inner = []
-
-    def part(i):
-        pool.run(lambda j: inner.append((i, threading.get_ident())), range(3))
-    pool.run(part, range(2))
-    assert len(inner) == 6
-    by_part = {}
-    for i, ident in inner:
-        by_part.setdefault(i, set()).add(ident)
-    assert all(len(idents) == 1 for idents in by_part.values())
+@needs_pool
+@pytest.mark.parametrize("n", [2, 1])
+def test_a_gemm_adds_into_a_buffer_in_place(n, monkeypatch):
+    """cpu.gemm_add: into += a @ b by BLAS's beta (a weight's gradient into its buffer), split
+    over the threads or in one call; refused (False, into untouched) where BLAS cannot."""
+    monkeypatch.setattr(threads, "threads", n)
+    monkeypatch.setattr(threads, "blas_single", True)
+    monkeypatch.setattr(pool, "MIN_FLOPS", 0)
+    rng = np.random.default_rng(3)
+    for M, K, N in ((300, 70, 5), (1, 3, 2), (64, 1, 64)):
+        for a in (rng.standard_normal((M, K)), rng.standard_normal((K, M)).T):
+            b = rng.standard_normal((K, N))
+            buf = rng.standard_normal((M, N))
+            want = buf + a @ b
+            view = buf.view()
+            assert cpu.gemm_add(a, b, view) and view.base is buf
+            np.testing.assert_allclose(buf, want, rtol=1e-13, atol=1e-13)
+    buf = np.zeros((4, 4))
+    assert not cpu.gemm_add(np.ones((4, 4), np.float32), np.ones((4, 4), np.float32), buf)
+    assert not cpu.gemm_add(np.ones((4, 4)), np.ones((4, 4)), np.zeros((8, 4))[::2])
+    assert not cpu.gemm_add(np.ones((4, 8))[:, ::2], np.ones((4, 4)), buf)
+    assert not buf.any()
+    monkeypatch.setattr(cpu, "_threads", 0)

@@ -112,11 +112,22 @@ def limit(n: int) -> None:
 
 
 def _hold_blas(n: int, limits) -> None:
-    """With more than one thread, BLAS on one thread a call where threadpoolctl can hold it
-    so (host/pool.py says why), unless HPCDIST_CPU_POOL=0."""
+    """With more than one thread, BLAS on one thread a call where host/pool.py spreads the
+    work itself (it says why and when)."""
     global blas_single
+    from . import blas as callable_blas
     blas = limits.get_original_num_threads().get("blas") is not None
-    blas_single = n > 1 and blas and os.environ.get("HPCDIST_CPU_POOL", "1") != "0"
+    blas_single = n > 1 and blas and callable_blas.split_here()
     if blas_single:
         from threadpoolctl import threadpool_limits
         threadpool_limits(limits=1, user_api="blas")
+
+
+def release_blas() -> None:
+    """BLAS back on this rank's threads (the kernels that would have split its work did not
+    load)."""
+    global blas_single
+    if blas_single:
+        blas_single = False
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=threads, user_api="blas")

@@ -162,7 +162,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
         if needs_grad(w) or (b is not None and needs_grad(b)):
             g2 = g.reshape(-1, m)
             if needs_grad(w):
-                gw = mm(x.data.reshape(-1, k).T, g2)
+                gw = _weight_grad(x.data.reshape(-1, k).T, g2, w)
             if b is not None and needs_grad(b):
                 gb = _bias_grad(g2, b)
         grads = (gx, gw) if b is None else (gx, gw, gb)
@@ -182,9 +182,19 @@ def linear_gelu(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
         gh = kernels.GELU_BWD(h, g, t)
         gx = mm(gh, w.data.T) if needs_grad(x) else None
         g2 = gh.reshape(-1, m)
-        gw = mm(x.data.reshape(-1, k).T, g2) if needs_grad(w) else None
+        gw = _weight_grad(x.data.reshape(-1, k).T, g2, w) if needs_grad(w) else None
         return gx, gw, _bias_grad(g2, b) if needs_grad(b) else None
     return Tensor._make(out, (x, w, b), backward)
+
+
+def _weight_grad(xt, g2, w: Tensor):
+    """``xt @ g2``, w's gradient: added by the GEMM itself into w's gradient buffer where it has
+    one and the device can (kernels.matmul_add: no product array, no addition by the
+    engine), else returned."""
+    into = grad_buffer(w)
+    if into is not None and kernels.matmul_add(xt, g2, into):
+        return ACCUMULATED
+    return kernels.matmul(xt, g2)
 
 
 def _bias_grad(g2, b: Tensor):

@@ -8,7 +8,8 @@ elementwise.py, rows.py, attention.py, gemm.py and moe.py hold them.
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
 from .attention import ATTENTION_BWD, ATTENTION_FWD, attention_bwd_twin, attention_twin
 from .common import GELU_C
-from .gemm import BF16_GEMM, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul
+from .gemm import (BF16_GEMM, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
+                   matmul_add)
 from .elementwise import (ADAMW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
                           adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
                           colsum_add_twin, gelu_bwd_twin, gelu_twin)
@@ -45,5 +46,5 @@ __all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BF16_GEMM", "BIAS_GELU", 
            "attention_bwd_twin", "attention_twin", "bias_gelu_twin",
            "bias_residual_twin", "colsum_add_twin", "configure", "describe",
            "cross_entropy_bwd_twin", "cross_entropy_twin", "gelu_bwd_twin", "gelu_twin",
-           "gemm_twin", "layernorm_bwd_twin", "layernorm_twin", "matmul",
+           "gemm_twin", "layernorm_bwd_twin", "layernorm_twin", "matmul", "matmul_add",
            "softmax_causal_bwd_twin", "softmax_causal_twin"]

@@ -11,11 +11,12 @@ HPCDIST_CPU_KERNELS_MIN sets the size. The rest: docs/autograd.md, "At the shape
 train"."""
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
 
-from ...host import pool, threads
+from ...host import blas, pool, threads
 from .. import fused
 from .common import GELU_C, ROW_BLOCK
 from .rows import added_into
@@ -63,13 +64,13 @@ def jit():
         try:
             import numba
             if not os.environ.get("NUMBA_THREADING_LAYER"):
-                # numba's default (OpenMP) keeps its threads spinning after a kernel, and
-                # they took the cores from the BLAS GEMM that follows (6x384: 1.9x slower
-                # steps, measured); the work queue's threads sleep
-                numba.config.THREADING_LAYER = "workqueue"
+                numba.config.THREADING_LAYER = _layer()
             from . import cpu_jit
+            if blas.find() is not None:
+                from . import cpu_gemm  # noqa: F401  (its kernels join cpu_jit's)
         except ImportError as e:           # numba absent or broken: the twins run
             _why_not = f"numba did not import ({e})"
+            threads.release_blas()
             raise
         _jit = cpu_jit
     n = threads.threads
@@ -80,16 +81,55 @@ def jit():
     return _jit.SERIAL if n == 1 else _jit.PARALLEL
 
 
+def _layer() -> str:
+    """numba's threads: OpenMP where the GEMMs run inside the kernels (host/pool.py: one set of
+    threads, waiting spinning between regions); else the work queue, whose threads sleep:
+    OpenMP's spinning took the cores from BLAS's own threads (6x384 steps 1.9x slower)."""
+    if not blas.split_here():
+        return "workqueue"
+    for layer in ("omp", "tbb"):
+        try:
+            importlib.import_module(f"numba.np.ufunc.{layer}pool")
+            return layer
+        except (ImportError, OSError):      # its runtime (libgomp, libtbb) is not there
+            continue
+    return "workqueue"
+
+
 def threads_here() -> int:
     """The threads this rank's kernels use (at least 1)."""
     return max(1, threads.threads)
 
 
-def jit_here():
-    """The kernels for work that host/pool.py may spread over the rank's threads: each
-    thread runs them on itself (numba's work queue takes one caller at a time)."""
-    kernels = jit()
-    return _jit.SERIAL if pool.on() else kernels
+def gemm(a, b, into=None):
+    """``a @ b`` (host/pool.py: wanted) with a's rows split over this rank's threads (bounds
+    on 16-row lines), each part one BLAS call into its rows of the result, the inner
+    dimension whole (cpu_gemm.gemm_rows); ``into``: ``into += a @ b`` instead (BLAS's beta =
+    1), split where pool.wanted, else one call."""
+    out = np.empty((a.shape[0], b.shape[1]), a.dtype) if into is None else into
+    (ta, lda), (tb, ldb) = pool.layout(a), pool.layout(b)
+    g = blas.find()
+    kernels, parts = jit(), threads.threads
+    if into is not None and not pool.wanted(a, b):
+        kernels, parts = _jit.SERIAL, 1
+    kernels.gemm_rows(g.sgemm if a.dtype == np.float32 else g.dgemm, blas.int_type()(0),
+                      a, ta, lda, b, tb, ldb, out, a.dtype.type(into is not None), parts)
+    return out
+
+
+def gemm_add(a, b, into) -> bool:
+    """``into += a @ b`` in the GEMM itself (no product array, no pass to add it) where NumPy's
+    BLAS is callable and the operands are float32/float64 arrays it takes; False: not done."""
+    if not (blas.split_here() and isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+            and isinstance(into, np.ndarray) and a.ndim == b.ndim == into.ndim == 2
+            and a.dtype == b.dtype == into.dtype and a.dtype in DTYPES
+            and into.shape == (a.shape[0], b.shape[1]) and a.shape[1] == b.shape[0]
+            and into.flags.c_contiguous and into.size and a.shape[1]
+            and pool.layout(a) is not None and pool.layout(b) is not None):
+        return False
+    jit()
+    gemm(a, b, into)
+    return True
 
 
 def _c(x, value):

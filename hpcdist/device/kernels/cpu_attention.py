@@ -1,27 +1,30 @@
-"""Causal self-attention on the CPU from the fused q|k|v projection, a block of (sequence,
-head) pairs at a time: BLAS GEMMs for the scores and the weighted sum (strided views of qkv,
-no copies), numba's fused scale + mask + softmax + log-sum-exp between them, and a backward
-that recomputes each block's probabilities from that log-sum-exp instead of keeping every
-head's (T, T) of them from the forward (twins: attention.attention_twin / _bwd_twin)."""
+"""Causal self-attention on the CPU from the fused q|k|v projection, a (sequence, head) pair
+at a time: BLAS GEMMs for the scores and the weighted sum (strided views of qkv, no copies),
+numba's fused scale + mask + softmax + log-sum-exp between them, and a backward that
+recomputes each block's probabilities from that log-sum-exp instead of keeping every head's
+(T, T) of them from the forward (twins: attention.attention_twin / _bwd_twin).
+
+Where NumPy's BLAS can be called from numba (host/blas.py) the whole of it is one kernel
+(cpu_gemm.py), its pairs over the rank's threads; else blocks of pairs in turn, NumPy's
+batched GEMMs between numba's row kernels (BLAS's own threads split each GEMM)."""
 from __future__ import annotations
 
 import numpy as np
 
 from . import cpu
-from ...host import pool
+from ...host import blas
 
 
-def blocks(B: int, n_head: int, T: int, itemsize: int, parts: int = 1):
+def blocks(B: int, n_head: int, T: int, itemsize: int):
     """(b0, b1, h0, h1) blocks of sequences x heads whose scores fit cpu.ATTENTION_BYTES (at
-    least one pair), at least ``parts`` of them where there are that many pairs (the rank's
-    threads take a block each at a time: host/pool.py)."""
+    least one pair)."""
     pairs = max(1, cpu.ATTENTION_BYTES // max(1, T * T * itemsize))
-    if pairs >= n_head and B >= parts:                     # whole sequences
-        step = max(1, min(pairs // n_head, -(-B // parts)))
+    if pairs >= n_head:                                    # whole sequences
+        step = max(1, pairs // n_head)
         for b0 in range(0, B, step):
             yield b0, min(B, b0 + step), 0, n_head
     else:                                                  # heads of one sequence
-        step = max(1, min(pairs, n_head, -(-B * n_head // parts)))
+        step = max(1, min(pairs, n_head))
         for b0 in range(B):
             for h0 in range(0, n_head, step):
                 yield b0, b0 + 1, h0, min(n_head, h0 + step)
@@ -37,14 +40,18 @@ def _parts(qkv, n_head, b0, b1, h0, h1):
 
 def query_blocks(T: int):
     """(i0, i1) blocks of queries: block i0..i1 sees keys 0..i1 only, so the GEMMs skip the
-    masked corner (4 blocks: 37.5% of the scores' flops; at most 4, at least 64 rows where
-    each GEMM runs on one thread, 256 where BLAS splits each small per-head GEMM over the
-    threads (HPCDIST_CPU_POOL=0): at T 256 one block of 256 took 13.9 ms a 6x384 layer on 2
-    threads against 15.9 for four of 64, where on 1 thread four took 17.3 against 22.6,
-    measured beside the step's GEMMs)."""
-    one = cpu.threads_here() == 1 or pool.on()
-    step = max(64 if one else 256, -(-T // 4))
+    masked corner (4 blocks: 37.5% of the scores' flops; at least 64 rows: at T 256 on one
+    thread four of 64 took 17.3 ms a 6x384 layer against 22.6 for one of 256, measured)."""
+    step = max(64, -(-T // 4))
     return [(i0, min(T, i0 + step)) for i0 in range(0, T, step)]
+
+
+def _gemm(dtype):
+    """(the BLAS GEMM's address, an integer of its width) for the kernels, None without one."""
+    g = blas.find()
+    if g is None or dtype not in cpu.DTYPES:
+        return None
+    return g.sgemm if dtype == np.float32 else g.dgemm, blas.int_type()(0)
 
 
 def attention_fwd(qkv, n_head, scale, path=None):
@@ -52,9 +59,14 @@ def attention_fwd(qkv, n_head, scale, path=None):
     qkv = np.ascontiguousarray(qkv)
     B, T, C3 = qkv.shape
     hs = C3 // 3 // n_head
-    jit, sc = cpu.jit_here(), qkv.dtype.type(scale)
-    y = np.empty((B, T, n_head, hs), qkv.dtype)
+    jit, sc = cpu.jit(), qkv.dtype.type(scale)
     lse = np.empty((B, n_head, T), qkv.dtype)
+    fp = _gemm(qkv.dtype)
+    if fp is not None:
+        y = np.empty((B, T, n_head * hs), qkv.dtype)
+        jit.attention_fwd(*fp, qkv, y, lse, n_head, sc, query_blocks(T)[0][1])
+        return y, lse, None
+    y = np.empty((B, T, n_head, hs), qkv.dtype)
 
     def block(blk):
         b0, b1, h0, h1 = blk
@@ -66,7 +78,8 @@ def attention_fwd(qkv, n_head, scale, path=None):
             jit.softmax_causal(rows, rows, part.reshape(-1), i1 - i0, i0, sc)
             lse[b0:b1, h0:h1, i0:i1] = part
             y[b0:b1, i0:i1, h0:h1] = np.matmul(s, v[:, :, :i1]).transpose(0, 2, 1, 3)
-    pool.run(block, blocks(B, n_head, T, qkv.itemsize, cpu.threads_here()))
+    for blk in blocks(B, n_head, T, qkv.itemsize):
+        block(blk)
     return y.reshape(B, T, n_head * hs), lse, None
 
 
@@ -76,9 +89,14 @@ def attention_bwd(qkv, y, dy, lse, n_head, scale, att=None):
     qkv = np.ascontiguousarray(qkv)
     B, T, C3 = qkv.shape
     hs = C3 // 3 // n_head
-    jit, sc = cpu.jit_here(), qkv.dtype.type(scale)
+    jit, sc = cpu.jit(), qkv.dtype.type(scale)
     g = np.ascontiguousarray(dy, dtype=qkv.dtype).reshape(B, T, n_head, hs)
     dqkv = np.empty_like(qkv)
+    fp = _gemm(qkv.dtype)
+    if fp is not None:
+        jit.attention_bwd(*fp, qkv, g.reshape(B, T, -1), np.ascontiguousarray(lse), dqkv,
+                          n_head, sc, query_blocks(T)[0][1])
+        return dqkv
     dr = dqkv.reshape(B, T, 3, n_head, hs)
 
     def block(blk):
@@ -100,5 +118,6 @@ def attention_bwd(qkv, y, dy, lse, n_head, scale, att=None):
             dk[:, :, :i1] += np.matmul(ds.swapaxes(-1, -2), q[:, :, i0:i1])
         dr[b0:b1, :, 1, h0:h1] = dk.transpose(0, 2, 1, 3)
         dr[b0:b1, :, 2, h0:h1] = dv.transpose(0, 2, 1, 3)
-    pool.run(block, blocks(B, n_head, T, qkv.itemsize, cpu.threads_here()))
+    for blk in blocks(B, n_head, T, qkv.itemsize):
+        block(blk)
     return dqkv

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .device import backend, kernels
 from .device.kernels import cpu as cpu_kernels
 
@@ -218,6 +220,11 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr: float = 0.
 def grad_norm_sq(flat_grad):
     """Sum of squared gradient entries (ranks add theirs up for a global norm): a 0-d array
     where the gradient lives (not read from a device here)."""
+    if flat_grad.ndim == 1 and cpu_kernels.wanted(flat_grad) and flat_grad.flags.c_contiguous:
+        try:
+            return np.asarray(cpu_kernels.sumsq(flat_grad))   # one pass in float64, no copy
+        except ImportError:                                    # numba broken: as below
+            pass
     g = flat_grad.astype("float64", copy=False) if flat_grad.dtype.itemsize < 4 else flat_grad
     return (g * g).sum()
 

@@ -188,6 +188,14 @@ def _colsum(g2):
     return part.sum(axis=0)
 
 
+def sumsq(x) -> float:
+    """The sum of squares of a 1-D x's elements, added in float64 in blocks of 65536 (the
+    same sum at any thread count): one pass, no squared copy."""
+    part = np.empty(-(-x.size // 65536), np.float64)
+    jit().sumsq_partial(x, part)
+    return float(part.sum())
+
+
 def colsum_add(g, out):
     out += _colsum(_mat(g))
     return out

@@ -180,6 +180,18 @@ def colsum_partial(g, part):
                 part[k, j] += g[r, j]
 
 
+@kernel
+def sumsq_partial(x, part):
+    """part[k] = the sum of squares of x's elements 65536 k .. 65536 (k + 1), in float64."""
+    n = x.size
+    for k in prange(part.shape[0]):
+        s = 0.0
+        for i in range(k * 65536, min(n, (k + 1) * 65536)):
+            v = np.float64(x[i])
+            s += v * v
+        part[k] = s
+
+
 @njit(**FLAGS)
 def _adamw_chunk(p, g, m, v, decay, cut, beta1, beta2, eps, step, keep1, keep2, sqrt_bias2):
     """One chunk, indexed from 0: LLVM vectorises this loop, where indices running from a

@@ -25,6 +25,9 @@ def steps(cfg, comm, model, strategy, datasets, sampler, start, stop, stopped, m
           at, say):
     """The steps, then the final report: (its metrics, every step's record)."""
     train_set, test_set = datasets
+    if backend.device_label() == "cpu":               # the CPU kernels loaded before the clock
+        from ..device.kernels import cpu
+        cpu.ready(backend.default_float())
     t_start = time.perf_counter()
     bytes_start = strategy.comm.bytes_sent           # the gradient communicator's count
     inter_start = getattr(strategy.comm, "bytes_inter_node", 0)    # of it, across nodes

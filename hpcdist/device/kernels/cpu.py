@@ -295,6 +295,25 @@ def moe_combine_bwd(g, ys, w, order, k):
     return gys, gw
 
 
+def ready(dtype) -> None:
+    """Load and self-check, now, every CPU kernel this rank will run for ``dtype`` (what the
+    first use of each would do inside the first step: ~1.4 s there at GPT 4x128)."""
+    dtype = np.dtype(dtype)
+    if dtype not in DTYPES or not on() or threads.threads < 1:
+        return
+    try:
+        for op in fused.registry().values():
+            if op.cpu is not None:
+                op._cpu_ok(dtype.name)
+        a = np.ones((64 * threads_here(), 256), dtype)       # the GEMMs, split and whole
+        if pool.wanted(a, a.T):
+            gemm(a, a.T)
+        gemm_add(a.T, a, np.zeros((256, 256), dtype))
+        gemm_add(a[:2].T, a[:2], np.zeros((256, 256), dtype))
+    except ImportError:                  # numba absent or broken: the twins will run
+        pass
+
+
 def warm() -> dict:
     """Compile every CPU kernel, threaded and serial, for float32 and float64 (numba caches
     them on disk, so no later process compiles: ``make venv`` runs this) and check each

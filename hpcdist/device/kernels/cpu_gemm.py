@@ -77,10 +77,14 @@ def gemm_rows(fp, bits, a, ta, lda, b, tb, ldb, c, beta, parts):
 
 
 @njit(**FLAGS)
-def _pair(b, h, T, C, hs):
-    """Element offsets of pair (b, h)'s q, k, v in qkv (B, T, 3C), its y in (B, T, C)."""
-    base = b * T * 3 * C + h * hs
-    return base, base + C, base + 2 * C, b * T * C + h * hs
+def _pair(qkv, n_head, pair):
+    """(sequence, head, element offsets of its q, k, v in qkv (B, T, 3C), of its y in
+    (B, T, C)) of pair number ``pair``."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    b, h = pair // n_head, pair % n_head
+    base = b * T * C3 + h * (C // n_head)
+    return b, h, base, base + C, base + 2 * C, b * T * C + h * (C // n_head)
 
 
 @kernel
@@ -88,11 +92,9 @@ def attention_fwd(fp, bits, qkv, y, lse, n_head, scale, qstep):
     """y (B, T, C), lse (B, nh, T) of causal attention; every (sequence, head) pair on one
     thread, its queries in blocks of ``qstep`` that see keys up to their last only."""
     B, T, C3 = qkv.shape
-    C = C3 // 3
-    hs = C // n_head
+    C, hs = C3 // 3, C3 // 3 // n_head
     for pair in prange(B * n_head):
-        b, h = pair // n_head, pair % n_head
-        oq, ok, ov, oy = _pair(b, h, T, C, hs)
+        b, h, oq, ok, ov, oy = _pair(qkv, n_head, pair)
         buf = np.empty(qstep * T, qkv.dtype)
         for i0 in range(0, T, qstep):
             i1 = min(T, i0 + qstep)
@@ -110,11 +112,9 @@ def attention_bwd(fp, bits, qkv, g, lse, dqkv, n_head, scale, qstep):
     """dqkv of attention_fwd, the probabilities recomputed from lse a block of queries at a
     time; a key's gradient adds over the blocks that see it (BLAS's beta = 1)."""
     B, T, C3 = qkv.shape
-    C = C3 // 3
-    hs = C // n_head
+    C, hs = C3 // 3, C3 // 3 // n_head
     for pair in prange(B * n_head):
-        b, h = pair // n_head, pair % n_head
-        oq, ok, ov, og = _pair(b, h, T, C, hs)
+        b, h, oq, ok, ov, og = _pair(qkv, n_head, pair)
         for t in range(T):
             for j in range(hs):
                 dqkv[b, t, C + h * hs + j] = 0

@@ -220,7 +220,8 @@ def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr: float = 0.
 def grad_norm_sq(flat_grad):
     """Sum of squared gradient entries (ranks add theirs up for a global norm): a 0-d array
     where the gradient lives (not read from a device here)."""
-    if flat_grad.ndim == 1 and cpu_kernels.wanted(flat_grad) and flat_grad.flags.c_contiguous:
+    if backend.device_label() == "cpu" and flat_grad.ndim == 1 \
+            and cpu_kernels.wanted(flat_grad) and flat_grad.flags.c_contiguous:
         try:
             return np.asarray(cpu_kernels.sumsq(flat_grad))   # one pass in float64, no copy
         except ImportError:                                    # numba broken: as below

@@ -126,6 +126,7 @@ def test_a_gemm_adds_into_a_buffer_in_place(n, monkeypatch):
     monkeypatch.setattr(threads, "threads", n)
     monkeypatch.setattr(threads, "blas_single", True)
     monkeypatch.setattr(pool, "MIN_FLOPS", 0)
+    monkeypatch.setattr(cpu, "MIN_SIZE", 0)
     rng = np.random.default_rng(3)
     for M, K, N in ((300, 70, 5), (1, 3, 2), (64, 1, 64)):
         for a in (rng.standard_normal((M, K)), rng.standard_normal((K, M)).T):
@@ -137,6 +138,8 @@ def test_a_gemm_adds_into_a_buffer_in_place(n, monkeypatch):
             np.testing.assert_allclose(buf, want, rtol=1e-13, atol=1e-13)
     buf = np.zeros((4, 4))
     assert not cpu.gemm_add(np.ones((4, 4), np.float32), np.ones((4, 4), np.float32), buf)
+    monkeypatch.setattr(cpu, "MIN_SIZE", 17)               # smaller: NumPy's GEMM, + by caller
+    assert not cpu.gemm_add(np.ones((4, 4)), np.ones((4, 4)), buf)
     assert not cpu.gemm_add(np.ones((4, 4)), np.ones((4, 4)), np.zeros((8, 4))[::2])
     assert not cpu.gemm_add(np.ones((4, 8))[:, ::2], np.ones((4, 4)), buf)
     assert not buf.any()

@@ -119,8 +119,10 @@ def gemm(a, b, into=None):
 
 def gemm_add(a, b, into) -> bool:
     """``into += a @ b`` in the GEMM itself (no product array, no pass to add it) where NumPy's
-    BLAS is callable and the operands are float32/float64 arrays it takes; False: not done."""
-    if not (blas.split_here() and isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+    BLAS is callable, ``into`` has MIN_SIZE elements or more (as the other kernels) and the
+    operands are float32/float64 arrays BLAS takes; False: not done."""
+    if not (wanted(into) and blas.split_here() and isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
             and isinstance(into, np.ndarray) and a.ndim == b.ndim == into.ndim == 2
             and a.dtype == b.dtype == into.dtype and a.dtype in DTYPES
             and into.shape == (a.shape[0], b.shape[1]) and a.shape[1] == b.shape[0]

@@ -248,7 +248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/bench_shapes.json", help="with --shapes: the table")
     ap.add_argument("--pool-ab", type=int, default=0, metavar="ROUNDS",
                     help="with --shapes: hpcdist with host/pool.py on and off in turn beside "
-                         "PyTorch, ROUNDS rounds at each thread count (no table)")
+                         "PyTorch, ROUNDS rounds at each thread count (no table; numba's "
+                         "threads stay OpenMP's in the off arm, as they started)")
     args = ap.parse_args(argv)
     counts = [int(n) for n in str(args.threads).split(",")]
     if args.shapes and args.pool_ab:

@@ -192,7 +192,9 @@ def median_ratio(rows) -> float:
 def pool_ab(spec: str, n: int, rounds: int, contenders) -> list:
     """hpcdist with host/pool.py on and off in turn beside PyTorch, in one process on ``n``
     threads (``rounds`` of 3 steps each): [(shape, {who: median ms})]. A shared machine's
-    drift falls on all three alike."""
+    drift falls on all three alike. numba's threading layer is chosen once a process: the off
+    arm runs BLAS's own threads beside OpenMP's (a run with HPCDIST_CPU_POOL=0 from the start
+    has the work queue's), so this A/B leans against "off"."""
     out, before = [], os.environ.get("HPCDIST_CPU_POOL")
     for cfg, batch in parse(spec):
         def mode(pool):

@@ -53,8 +53,11 @@ def describe() -> str:
     import importlib.util
     if importlib.util.find_spec("numba") is None:
         return "NumPy twins: numba is not installed (pip install numba)"
+    g = blas.find()
+    gemms = (f"GEMMs and attention call {g.where} from the kernels" if g is not None
+             else f"attention on NumPy's GEMMs: {blas.why_not}")
     return (f"numba {importlib.metadata.version('numba')} (ops of >= {MIN_SIZE:,} elements; "
-            f"smaller ones: the NumPy twins)")
+            f"smaller ones: the NumPy twins; {gemms})")
 
 
 def jit():

@@ -52,8 +52,8 @@ def test_elementwise_edges(dtype, blas_inside, monkeypatch):
     """(attention: BLAS called from inside the kernel, cpu_gemm.py, and NumPy's GEMMs
     between numba's row kernels where NumPy's BLAS cannot be called so)"""
     if not blas_inside:
-        monkeypatch.setattr(cpu_attention, "_gemm", lambda dtype: None)
-    elif cpu_attention._gemm(np.dtype(dtype)) is None:
+        monkeypatch.setattr(cpu_attention, "_blas_args", lambda dtype: None)
+    elif cpu_attention._blas_args(np.dtype(dtype)) is None:
         pytest.skip("NumPy's BLAS cannot be called from numba here (host/blas.py)")
     rng = np.random.default_rng(1)
     for shape in ((1,), (1, 1), (2, 3, 129), (4097,)):

@@ -22,6 +22,8 @@ class Gemm(NamedTuple):
     where: str           # the library, for the run header
 
 
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112        # CBLAS's enums
+
 # (prefix, suffix, integer bits) in the order tried
 NAMES = (("scipy_", "64_", 64), ("", "64_", 64), ("", "_64", 64), ("scipy_", "", 32), ("", "", 32))
 

@@ -37,7 +37,7 @@ def layout(x):
     cannot (x's rows or columns are not unit-strided)."""
     s0, s1, size = x.strides[0], x.strides[1], x.itemsize
     if s1 == size and s0 % size == 0 and s0 >= max(1, x.shape[1]) * size:
-        return 111, s0 // size                   # CblasNoTrans, rows apart by s0
+        return blas.NO_TRANS, s0 // size         # rows apart by s0
     if s0 == size and s1 % size == 0 and s1 >= max(1, x.shape[0]) * size:
-        return 112, s1 // size                   # CblasTrans: stored by columns
+        return blas.TRANS, s1 // size            # stored by columns
     return None

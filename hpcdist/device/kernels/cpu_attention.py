@@ -46,7 +46,7 @@ def query_blocks(T: int):
     return [(i0, min(T, i0 + step)) for i0 in range(0, T, step)]
 
 
-def _gemm(dtype):
+def _blas_args(dtype):
     """(the BLAS GEMM's address, an integer of its width) for the kernels, None without one."""
     g = blas.find()
     if g is None or dtype not in cpu.DTYPES:
@@ -61,7 +61,7 @@ def attention_fwd(qkv, n_head, scale, path=None):
     hs = C3 // 3 // n_head
     jit, sc = cpu.jit(), qkv.dtype.type(scale)
     lse = np.empty((B, n_head, T), qkv.dtype)
-    fp = _gemm(qkv.dtype)
+    fp = _blas_args(qkv.dtype)
     if fp is not None:
         y = np.empty((B, T, n_head * hs), qkv.dtype)
         jit.attention_fwd(*fp, qkv, y, lse, n_head, sc, query_blocks(T)[0][1])
@@ -92,7 +92,7 @@ def attention_bwd(qkv, y, dy, lse, n_head, scale, att=None):
     jit, sc = cpu.jit(), qkv.dtype.type(scale)
     g = np.ascontiguousarray(dy, dtype=qkv.dtype).reshape(B, T, n_head, hs)
     dqkv = np.empty_like(qkv)
-    fp = _gemm(qkv.dtype)
+    fp = _blas_args(qkv.dtype)
     if fp is not None:
         jit.attention_bwd(*fp, qkv, g.reshape(B, T, -1), np.ascontiguousarray(lse), dqkv,
                           n_head, sc, query_blocks(T)[0][1])

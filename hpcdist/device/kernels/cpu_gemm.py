@@ -17,11 +17,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from ...host.blas import NO_TRANS, ROW_MAJOR, TRANS
 from .cpu_jit import FLAGS, SERIAL, kernel
 
 _softmax, _probs, _softmax_bwd = SERIAL.softmax_causal, SERIAL.probs_from_lse, SERIAL.softmax_bwd
-
-ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 
 
 @intrinsic

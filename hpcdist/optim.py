@@ -14,6 +14,7 @@ import numpy as np
 
 from .device import backend, kernels
 from .device.kernels import cpu as cpu_kernels
+from .autograd.tensor import forget_grads, settle_grads
 
 
 class FlatParams:
@@ -50,6 +51,18 @@ class FlatParams:
             off += n
         self.decay_ranges = ranges
         self.size = total
+        self._views = [p.grad for p in params]      # what zero_grad(lazy) checks is still so
+
+    def zero_grad(self, lazy: bool = False) -> None:
+        """Every gradient zero: by a pass over ``grad``, or (``lazy``) by its next write —
+        autograd's ``forget_grads``, no pass; until the next backward() or step() ends, the
+        ``.grad`` arrays hold the last step's values: for the training loop, which reads and
+        writes them only through autograd. Lazy where each ``.grad`` is still its view here."""
+        views = getattr(self, "_views", None)      # (a shard's or master copy's: none)
+        if lazy and views and all(p.grad is v for p, v in zip(self.params, views)):
+            forget_grads(self.params)
+        else:
+            self.grad[...] = 0
 
 
 def intersect(a: int, b: int, lo: int, hi: int) -> tuple[int, int]:
@@ -151,11 +164,13 @@ class Optimizer:
         self.state: dict = {}
         self.step_count = 0
 
-    def zero_grad(self) -> None:
-        self.flat.grad[...] = 0
+    def zero_grad(self, lazy: bool = False) -> None:
+        """FlatParams.zero_grad (``lazy``: zero by the next write, as the training loop has it)."""
+        self.flat.zero_grad(lazy)
 
     def step(self, lr: float | None = None) -> None:
         """Apply one update with ``lr`` (the base lr unless a schedule passes one)."""
+        settle_grads()                       # zero_grad with no backward since: zeros
         self.step_count += 1
         self.update(self.flat.data, self.flat.grad, self.state, self.step_count,
                     self.lr if lr is None else lr, self.flat.decay_ranges)

@@ -184,14 +184,17 @@ class Tensor:
     def backward(self, grad=None, retain_graph: bool = False) -> None:
         """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` that requires it (inside
         ``split_backward``: the zero-bubble I pass only)."""
-        global _split
+        global _split, _depth
         defer_weights, _split = _split, None       # a backward nested in an op's runs whole
         memtrace.sample()                          # the graph is whole: what it holds
+        _depth += 1
         try:
             with _engine_pass(None):
                 self._run_backward(grad, retain_graph, defer_weights)
         finally:
-            _split = defer_weights
+            _split, _depth = defer_weights, _depth - 1
+            if not _depth:
+                settle_grads()
 
     def _run_backward(self, grad, retain_graph: bool, defer_weights) -> None:
         if not self.requires_grad:
@@ -294,16 +297,51 @@ def _consumer_counts(root: Tensor) -> dict:
 
 
 ACCUMULATED = object()   # an op's backward returns this for a leaf whose .grad it added into
+_stale: dict = {}        # id -> leaf whose .grad still holds the last step's values (forget_grads)
+_depth = 0               # backward() calls running (one nests in recompute's)
+
+
+def forget_grads(params) -> None:
+    """Zeroing without the pass (optim's ``zero_grad``): each gradient's next write overwrites
+    it (the engine copies instead of adding; a weight's GEMM writes with BLAS's beta = 0), and
+    the outermost backward() zeroes what it did not reach when it ends (``settle_grads``).
+    Saves a pass over every gradient a step: 40 ms of a 1.3 s step at GPT 12x768."""
+    for p in params:
+        if p.grad is not None:
+            _stale[id(p)] = p
+
+
+def settle_grads() -> None:
+    """Zero the gradients ``forget_grads`` marked that nothing wrote since (unused parameters):
+    after it every ``.grad`` holds its true value."""
+    for p in _stale.values():
+        p.grad[...] = 0
+    _stale.clear()
+
+
+def grad_target(t: Tensor):
+    """(the array an op's backward may write ``t``'s gradient into directly, True when it must
+    overwrite rather than add: its values are the last step's), or (None, False): ``t`` is no
+    leaf needing its gradient now, or has no buffer yet. The op then returns ``ACCUMULATED``
+    (after ``written(t)``): no separate addition by the engine, one pass less a parameter."""
+    if t._backward is None and t.grad is not None and needs_grad(t) and \
+            t.grad.dtype == t.data.dtype:
+        return t.grad, id(t) in _stale
+    return None, False
+
+
+def written(t: Tensor) -> None:
+    """``t``'s gradient buffer now holds this step's values (grad_target's write happened)."""
+    _stale.pop(id(t), None)
 
 
 def grad_buffer(t: Tensor):
-    """The array an op's backward may add ``t``'s gradient into directly (then returning
-    ``ACCUMULATED``), or None: ``t`` is no leaf needing its gradient now, or has no buffer
-    yet. Saves the engine's separate addition: one pass (a kernel launch) per parameter."""
-    if t._backward is None and t.grad is not None and needs_grad(t) and \
-            t.grad.dtype == t.data.dtype:
-        return t.grad
-    return None
+    """grad_target's array for an op that can only add into it (zeroed first if stale)."""
+    into, stale = grad_target(t)
+    if stale:
+        into[...] = 0
+        written(t)
+    return into
 
 
 def _finalize_leaf(leaf: Tensor, g, accumulated: bool = False) -> None:
@@ -316,6 +354,8 @@ def _finalize_leaf(leaf: Tensor, g, accumulated: bool = False) -> None:
         return
     if leaf.grad is None:
         leaf.grad = g.astype(leaf.data.dtype, copy=True)
+    elif _stale.pop(id(leaf), None) is not None:
+        leaf.grad[...] = g
     else:
         leaf.grad += g
     if leaf._hooks:

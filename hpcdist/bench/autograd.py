@@ -34,7 +34,7 @@ def mlp_contenders(batch: int, lr: float, seed: int = 0):
     out = {}
 
     def hd_step():
-        opt.zero_grad()
+        opt.zero_grad(lazy=True)                     # as the training loop zeroes
         loss = ops.cross_entropy(model(hd.tensor(x)), y)
         loss.backward()
         opt.step()
@@ -105,7 +105,7 @@ def gpt_contenders(cfg: nn.GPTConfig, batch: int, lr: float, seed: int = 0,
     out = {}
 
     def hd_step():
-        opt.zero_grad()
+        opt.zero_grad(lazy=True)                     # as the training loop zeroes
         _, loss = model(idx, tgt)
         loss.backward()
         opt.step()

@@ -49,20 +49,23 @@ def parse(spec: str):
 
 def set_threads(n: int) -> None:
     """hpcdist on ``n`` threads as a run of ``n`` threads per rank has them (BLAS, numba and
-    host/pool.py), and PyTorch on ``n``. numba's threads start first: starting them sets
-    OpenMP's thread count, and PyTorch's OpenMP then ran on 2 threads where it was set to 1
-    (measured: its step's CPU time 1.9x its wall time)."""
+    host/pool.py), and PyTorch on ``n``. The order matters twice. PyTorch is imported first:
+    its OpenMP library and numba's share a name (libgomp.so.1), the first loaded serves both,
+    and PyTorch's steps ran 8-10% slower on the system's copy numba loads (6x384: 443-458 ms
+    against 407-416). numba's threads start before anyone's count is set: starting them sets
+    OpenMP's count, and PyTorch set to 1 then ran on 2 (its CPU time 1.9x its wall time)."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
     try:
         from hpcdist.device.kernels import cpu
         cpu.jit()
     except ImportError:                                # numba absent: nothing to start
         pass
     host_threads.limit(n)
-    try:
-        import torch
+    if torch is not None:
         torch.set_num_threads(n)
-    except ImportError:
-        pass
 
 
 def peak_bytes(contenders, cfg, batch: int, kernels_on: bool) -> int:

@@ -111,7 +111,7 @@ class MixedPrecision:
         return loss * self.scaler.scale if self.scaler.enabled else loss
 
     def zero_grad(self) -> None:
-        self.compute.grad[...] = 0
+        self.compute.zero_grad(lazy=True)       # the training loop's: by the next write
         if self.mixed:
             self.master.grad[...] = 0
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..device import backend, kernels
 from .. import nn, optim
+from ..autograd.tensor import settle_grads
 from ..comm import ulfm
 from ..comm.mesh import ProcessMesh
 from ..comm.nccl import make_communicator
@@ -55,6 +56,7 @@ class DataParallelStrategy(Strategy):
         return self.mp.scale_loss(loss)
 
     def sync(self):
+        settle_grads()                 # (zero_grad is lazy: a step with no backward reads zeros)
         self.ddp.sync_gradients()
         if self.grad_sum is not None:
             self.grad_sum(self.mp.master.grad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 
 from ...device import backend, kernels
-from ..tensor import ACCUMULATED, Tensor, grad_buffer, needs_grad
+from ..tensor import ACCUMULATED, Tensor, grad_buffer, grad_target, needs_grad, written
 
 
 def _lift(x, like: Tensor | None = None) -> Tensor:
@@ -191,8 +191,9 @@ def _weight_grad(xt, g2, w: Tensor):
     """``xt @ g2``, w's gradient: added by the GEMM itself into w's gradient buffer where it has
     one and the device can (kernels.matmul_add: no product array, no addition by the
     engine), else returned."""
-    into = grad_buffer(w)
-    if into is not None and kernels.matmul_add(xt, g2, into):
+    into, stale = grad_target(w)
+    if into is not None and kernels.matmul_add(xt, g2, into, overwrite=stale):
+        written(w)
         return ACCUMULATED
     return kernels.matmul(xt, g2)
 

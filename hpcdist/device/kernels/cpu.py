@@ -104,11 +104,11 @@ def threads_here() -> int:
     return max(1, threads.threads)
 
 
-def gemm(a, b, into=None):
+def gemm(a, b, into=None, beta: float = 1.0):
     """``a @ b`` (host/pool.py: wanted) with a's rows split over this rank's threads (bounds
     on 16-row lines), each part one BLAS call into its rows of the result, the inner
-    dimension whole (cpu_gemm.gemm_rows); ``into``: ``into += a @ b`` instead (BLAS's beta =
-    1), split where pool.wanted, else one call."""
+    dimension whole (cpu_gemm.gemm_rows); ``into``: ``into = a @ b + beta * into`` instead
+    (BLAS's beta), split where pool.wanted, else one call."""
     out = np.empty((a.shape[0], b.shape[1]), a.dtype) if into is None else into
     (ta, lda), (tb, ldb) = pool.layout(a), pool.layout(b)
     g = blas.find()
@@ -116,14 +116,16 @@ def gemm(a, b, into=None):
     if into is not None and not pool.wanted(a, b):
         kernels, parts = _jit.SERIAL, 1
     kernels.gemm_rows(g.sgemm if a.dtype == np.float32 else g.dgemm, blas.int_type()(0),
-                      a, ta, lda, b, tb, ldb, out, a.dtype.type(into is not None), parts)
+                      a, ta, lda, b, tb, ldb, out, a.dtype.type(0 if into is None else beta),
+                      parts)
     return out
 
 
-def gemm_add(a, b, into) -> bool:
-    """``into += a @ b`` in the GEMM itself (no product array, no pass to add it) where NumPy's
-    BLAS is callable, ``into`` has MIN_SIZE elements or more (as the other kernels) and the
-    operands are float32/float64 arrays BLAS takes; False: not done."""
+def gemm_add(a, b, into, overwrite: bool = False) -> bool:
+    """``into += a @ b`` (``overwrite``: ``into = a @ b``) in the GEMM itself (no product
+    array, no pass to add it) where NumPy's BLAS is callable, ``into`` has MIN_SIZE elements or
+    more (as the other kernels) and the operands are float32/float64 arrays BLAS takes;
+    False: not done."""
     if not (wanted(into) and blas.split_here() and isinstance(a, np.ndarray)
             and isinstance(b, np.ndarray)
             and isinstance(into, np.ndarray) and a.ndim == b.ndim == into.ndim == 2
@@ -133,7 +135,7 @@ def gemm_add(a, b, into) -> bool:
             and pool.layout(a) is not None and pool.layout(b) is not None):
         return False
     jit()
-    gemm(a, b, into)
+    gemm(a, b, into, 0.0 if overwrite else 1.0)
     return True
 
 

@@ -165,14 +165,15 @@ def matmul(a, b):
     return out.reshape(a.shape[:-1] + b.shape[-1:])
 
 
-def matmul_add(a, b, into) -> bool:
-    """``into += a @ b`` inside the GEMM where it can be (the CPU in float32/float64, NumPy's
-    BLAS callable: kernels/cpu.py gemm_add), saving the product's array and the pass that adds
-    it (a weight's gradient into its buffer); False: not done, the caller adds."""
+def matmul_add(a, b, into, overwrite: bool = False) -> bool:
+    """``into += a @ b`` (``overwrite``: ``into = a @ b``) inside the GEMM where it can be (the
+    CPU in float32/float64, NumPy's BLAS callable: kernels/cpu.py gemm_add), saving the
+    product's array and the pass that adds it (a weight's gradient into its buffer); False:
+    not done, the caller adds."""
     if backend.device_label() != "cpu" or (backend.bf16_emulated() and a.dtype == np.float32):
         return False
     from . import cpu
-    return cpu.gemm_add(a, b, into)
+    return cpu.gemm_add(a, b, into, overwrite)
 
 
 def _round_launch(k, x):

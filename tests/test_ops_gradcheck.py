@@ -152,14 +152,25 @@ def test_gradcheck_catches_a_wrong_backward(float64):
         gradcheck(bad_square, sym(3))
 
 
-def test_scatter_add_matches_numpy_add_at_with_repeats_and_negative_indices():
+@pytest.mark.parametrize("kernel_threads", [0, 1, 2])      # 0: NumPy's reduceat path
+def test_scatter_add_matches_numpy_add_at_with_repeats_and_negative_indices(kernel_threads,
+                                                                            monkeypatch):
     from hpcdist.device import backend
+    if kernel_threads:
+        pytest.importorskip("numba")
+        from hpcdist.device.kernels import cpu
+        from hpcdist.host import threads
+        monkeypatch.setattr(cpu, "MIN_SIZE", 0)
+        monkeypatch.setattr(threads, "threads", kernel_threads)
     rng = np.random.default_rng(1)
     for _ in range(200):
-        V, C = int(rng.integers(1, 8)), int(rng.integers(1, 4))
+        V, C = int(rng.integers(1, 8)), int(rng.choice([1, 3, 64, 70]))
         idx = rng.integers(-V, V, size=int(rng.integers(0, 30)))
         vals = rng.standard_normal((idx.size, C))
         want, got = np.zeros((V, C)), np.zeros((V, C))
         np.add.at(want, idx, vals)
         backend.scatter_add(got, idx, vals)
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    for bad in ([0, 3], [-4, 0]):                    # out of range for 3 rows: refused
+        with pytest.raises(IndexError):
+            backend.scatter_add(np.zeros((3, 2)), np.array(bad), np.ones((2, 2)))

@@ -342,9 +342,15 @@ def scatter_add(target, idx, values) -> None:
     idx = idx.reshape(-1)
     if idx.size == 0:
         return
+    n = target.shape[0]
     if idx.min() < 0:                          # -1 and n-1 are one row: make them one index
-        idx = np.where(idx < 0, idx + target.shape[0], idx)
+        idx = np.where(idx < 0, idx + n, idx)
+    if idx.min() < 0 or idx.max() >= n:
+        raise IndexError(f"an index is out of bounds for {n} rows")
     values = values.reshape((idx.size,) + target.shape[1:])
+    from .kernels import cpu                   # rows: one CPU kernel where it runs
+    if cpu.scatter_rows(target, idx, values):
+        return
     order = np.argsort(idx, kind="stable")
     sidx = idx[order]
     starts = np.flatnonzero(np.concatenate(([True], sidx[1:] != sidx[:-1])))

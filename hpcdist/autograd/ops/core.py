@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 
 from ...device import backend, kernels
-from ..tensor import ACCUMULATED, Tensor, grad_buffer, grad_target, needs_grad, written
+from ..tensor import ACCUMULATED, Tensor, needs_grad, stale, written
 
 
 def _lift(x, like: Tensor | None = None) -> Tensor:
@@ -185,6 +185,26 @@ def linear_gelu(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
         gw = _weight_grad(x.data.reshape(-1, k).T, g2, w) if needs_grad(w) else None
         return gx, gw, _bias_grad(g2, b) if needs_grad(b) else None
     return Tensor._make(out, (x, w, b), backward)
+
+
+def grad_target(t: Tensor):
+    """(the array an op's backward may write ``t``'s gradient into, True when it must
+    overwrite: it holds the last step's), or (None, False): ``t`` is no leaf needing its
+    gradient now, or has no buffer. The op then returns ``ACCUMULATED`` (after ``written``):
+    no addition by the engine, one pass less a parameter."""
+    if t._backward is None and t.grad is not None and needs_grad(t) and \
+            t.grad.dtype == t.data.dtype:
+        return t.grad, stale(t)
+    return None, False
+
+
+def grad_buffer(t: Tensor):
+    """grad_target's array for an op that can only add into it (zeroed first if stale)."""
+    into, stale = grad_target(t)
+    if stale:
+        into[...] = 0
+        written(t)
+    return into
 
 
 def _weight_grad(xt, g2, w: Tensor):

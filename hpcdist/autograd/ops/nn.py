@@ -7,8 +7,8 @@ import builtins
 import numpy as np
 
 from ...device import backend, kernels
-from ..tensor import ACCUMULATED, Tensor, grad_buffer, needs_grad
-from .core import _lift, _unbroadcast, _xp
+from ..tensor import ACCUMULATED, Tensor, needs_grad
+from .core import _lift, _unbroadcast, _xp, grad_buffer
 
 
 # ---- neural-net ops --------------------------------------------------------------------------

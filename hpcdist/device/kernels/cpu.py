@@ -276,6 +276,18 @@ def cross_entropy_bwd(z, t, lse, ignore, weight):
     return gz
 
 
+def scatter_rows(target, idx, values) -> bool:
+    """``target[idx] += values`` for 2-D ``target`` and ``values`` (one row each ``idx``,
+    in range and non-negative) in one kernel; False: not taken (backend.scatter_add's sort
+    and ``add.reduceat`` run, 1.9 ms a step of GPT 4x128 on one thread against ~0.2)."""
+    if not (wanted(values) and target.dtype == values.dtype and target.ndim == values.ndim == 2
+            and target.flags.c_contiguous and isinstance(target, np.ndarray)):
+        return False
+    jit().scatter_rows(target, np.ascontiguousarray(idx, dtype=np.int64),
+                       np.ascontiguousarray(values))
+    return True
+
+
 # ---- mixture of experts ------------------------------------------------------------------
 
 def moe_permute(x, order, k):
@@ -317,6 +329,7 @@ def ready(dtype) -> None:
             gemm(a, a.T)
         gemm_add(a.T, a, np.zeros((256, 256), dtype))
         gemm_add(a[:2].T, a[:2], np.zeros((256, 256), dtype))
+        jit().scatter_rows(np.zeros((2, 256), dtype), np.zeros(2, np.int64), a[:2])
     except ImportError:                  # numba absent or broken: the twins will run
         pass
 

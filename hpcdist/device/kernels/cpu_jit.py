@@ -343,6 +343,18 @@ def cross_entropy_bwd(z, t, lse, ignore, weight, gz):
         gz[r, t[r]] -= weight
 
 
+@kernel
+def scatter_rows(target, idx, values):
+    """target[idx[i]] += values[i] in order of i (repeats accumulate: an embedding's backward);
+    the columns in blocks of 64 over the threads, so no two threads write one element."""
+    C = values.shape[1]
+    for c in prange((C + 63) // 64):
+        for i in range(idx.shape[0]):
+            r = idx[i]
+            for j in range(c * 64, min(C, c * 64 + 64)):
+                target[r, j] += values[i, j]
+
+
 # ---- mixture of experts: rows through the permutation and back (kernels/moe.py) -----------
 
 @kernel

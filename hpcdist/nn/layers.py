@@ -42,7 +42,7 @@ class Embedding(Module):
 
     def attend(self, x: Tensor) -> Tensor:
         """x @ table.T: scores of x against every row (a head tied to this table)."""
-        return x @ self.weight.T
+        return ops.attend(x, self.weight)
 
 
 class LayerNorm(Module):

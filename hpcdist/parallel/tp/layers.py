@@ -123,7 +123,7 @@ class VocabParallelEmbedding(Module):
 
     def attend(self, x: Tensor) -> Tensor:
         x = gather_from_sp(x, self.seq.rows, self.comm) if self.sp else copy_to_tp(x, self.comm)
-        return x @ self.weight.T                                     # (B, T, Vp/tp)
+        return ops.attend(x, self.weight)                            # (B, T, Vp/tp)
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets, comm, lo: int, vocab_size: int,

@@ -3,7 +3,6 @@ same gradients as a pass of zeros, whatever backward reaches or not."""
 import numpy as np
 import pytest
 
-import hpcdist as hd
 from hpcdist import nn, optim
 from hpcdist.autograd import ops
 from hpcdist.autograd import tensor

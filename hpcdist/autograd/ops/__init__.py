@@ -8,5 +8,5 @@ from .core import (_lift, _unbroadcast, _xp, add, sub, mul, div, neg, pow, exp, 
                    relu, sigmoid, gelu, linear, linear_gelu, _bias_grad, matmul, _norm_axes,
                    _expand_to, sum, mean, max, reshape, transpose, _has_array_index, getitem,
                    concat, split)
-from .nn import (embedding, attend, softmax, causal_softmax, fused_attention, log_softmax, cross_entropy,
-                 layer_norm, dropout, where, masked_fill, moe_permute, moe_combine)
+from .nn import (embedding, attend, softmax, causal_softmax, fused_attention, log_softmax,
+                 cross_entropy, layer_norm, dropout, where, masked_fill, moe_permute, moe_combine)

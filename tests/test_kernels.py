@@ -29,6 +29,39 @@ def test_a_kernel_is_used_only_when_it_equals_its_twin():
         fused._REGISTRY.pop(name)
 
 
+def test_the_self_check_compares_at_the_arrays_own_precision(monkeypatch):
+    """Checked first inside a bf16-emulated run, a right fp32 kernel against a twin whose
+    GEMM would round its operands to bf16: passed, and the run is still emulated after."""
+    monkeypatch.setattr(backend, "_bf16_operands", True)
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((8, 8)).astype(np.float32)
+    op = fused.Fused("test-fp32", "", [], lambda k, x: np.matmul(x, m),
+                     lambda x: backend.matmul(x, m),
+                     lambda xp, rng, dt: [(rng.standard_normal((4, 8)).astype(dt),)])
+    assert not np.array_equal(backend.matmul(m, m), m @ m)        # the run does round
+    assert op.self_check("float32") and backend.bf16_emulated()
+    fused._REGISTRY.pop("test-fp32")
+
+
+def test_an_output_left_out_is_refused_unless_the_case_allows_it():
+    """Attention's GEMM path returns no lse (it keeps the probabilities): the check lets that
+    case leave it out, and refuses a launch that leaves it out anywhere else."""
+    cases = lambda xp, rng, dt: [(xp.arange(5.0).astype(dt), "gemms"),       # noqa: E731
+                                 (xp.arange(5.0).astype(dt), "kernels")]
+    twin = lambda x, path: (x * 2.0, x + 1.0)                                  # noqa: E731
+    for name, skip, ok in (("one", lambda a: a[-1] == "gemms", True),
+                           ("none", lambda a: False, False)):
+        op = fused.Fused(f"test-{name}", "", [], lambda k, x, path: (
+            x * 2.0, None if path == "gemms" else x + 1.0), twin, cases, compare=2,
+            may_skip=skip)
+        assert op.self_check("float32") is ok
+        fused._REGISTRY.pop(f"test-{name}"), fused._refused.pop(f"test-{name}", None)
+    wrong = fused.Fused("test-wrong", "", [], lambda k, x, path: (x * 2.0, None), twin, cases,
+                        compare=2, may_skip=lambda a: a[-1] == "gemms")
+    assert not wrong.self_check("float32")
+    fused._REGISTRY.pop("test-wrong"), fused._refused.pop("test-wrong")
+
+
 def test_every_kernel_has_a_twin_cases_and_source_for_both_dtypes():
     ops = fused.registry()
     assert {"gelu_fwd", "gelu_bwd", "bias_gelu_fwd", "layernorm_fwd", "layernorm_bwd",

@@ -114,8 +114,27 @@ def _said(name, rows):
     print(f"  {name}: {rows[name][0]:.2f} ms/step", file=sys.stderr, flush=True)
 
 
-def measure(shape, steps: int, modes) -> dict:
-    """hpcdist's step in each mode beside PyTorch's: ms, TFLOP/s, MFU, ratios."""
+def _peer_rows(shape, steps: int) -> dict:
+    """PyTorch's step, eager and compiled, in each precision (none without torch)."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    rows = {}
+    torch_modes = [("torch eager fp32", "fp32"), ("torch eager tf32", "tf32"),
+                   ("torch eager bf16 autocast", "bf16"), ("torch.compile fp32", "fp32"),
+                   ("torch.compile bf16 autocast", "bf16")]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for name, (step, prec) in _torch_steps(shape, torch_modes).items():
+        torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
+        rows[name] = (_timed(step, steps), prec)
+        _said(name, rows)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return rows
+
+
+def measure(shape, steps: int, modes, peers: bool = True) -> dict:
+    """hpcdist's step in each mode beside PyTorch's (``peers``): ms, TFLOP/s, MFU, ratios."""
     from hpcdist.device import backend, fused
     from hpcdist.run import mfu
     backend.init("gpu")
@@ -128,19 +147,8 @@ def measure(shape, steps: int, modes) -> dict:
         rows[f"hpcdist {mode}"] = (_timed(step, steps), mode)
         _said(f"hpcdist {mode}", rows)
     backend.reset_precision()
-    try:
-        import torch  # noqa: F401
-        torch_modes = [("torch eager fp32", "fp32"), ("torch eager tf32", "tf32"),
-                       ("torch eager bf16 autocast", "bf16"), ("torch.compile fp32", "fp32"),
-                       ("torch.compile bf16 autocast", "bf16")]
-        torch.backends.cuda.matmul.allow_tf32 = False
-        for name, (step, prec) in _torch_steps(shape, torch_modes).items():
-            torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
-            rows[name] = (_timed(step, steps), prec)
-            _said(name, rows)
-        torch.backends.cuda.matmul.allow_tf32 = False
-    except ImportError:
-        pass
+    if peers:
+        rows.update(_peer_rows(shape, steps))
     res = {"model": f"GPT {L}x{C}, T {T}, batch {B}", "refused": fused.refusals(), "rows": {}}
     for name, (ms, prec) in rows.items():
         peak, source = mfu.gpu_peak(prec)
@@ -178,7 +186,7 @@ def main(argv=None) -> int:
         if backend.gpu_count() == 0:
             print("no GPU visible: run with --count to count launches on the device double")
             return 0
-        res = measure(shape, args.steps, args.modes.split(","))
+        res = measure(shape, args.steps, args.modes.split(","), peers=not args.no_torch)
         print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:

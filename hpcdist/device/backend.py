@@ -248,10 +248,11 @@ def bf16_emulated() -> bool:
     return _bf16_operands
 
 
-def reset_precision() -> None:
-    """Forget an earlier run's bf16 emulation (each run decides its own precision)."""
+def reset_precision(emulated: bool = False) -> None:
+    """Forget an earlier run's bf16 emulation (each run decides its own precision), or set
+    it back (``emulated``: what ``bf16_emulated()`` said before)."""
     global _bf16_operands
-    _bf16_operands = False
+    _bf16_operands = bool(emulated)
 
 
 def round_to_bf16(x):

@@ -67,9 +67,9 @@ def attention(qkv: Tensor, n_head: int, drop, cache: dict | None = None) -> Tens
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, drop, cache: dict | None = None):
     """softmax(q k / sqrt(hs), causal) v for q (B, nh, T, hs), k (B, nh, hs, T), v (B, nh, T,
-    hs) -> (B, nh, T, hs). ``cache`` (inference): the keys and values of the tokens before these, extended with theirs (a KV cache: each new
-    token attends to all before it)."""
-    past, T = 0, q.shape[2]
+    hs) -> (B, nh, T, hs). ``cache`` (inference): the keys and values of the tokens before
+    these, extended with theirs (a KV cache: each new token attends to all before it)."""
+    past = 0
     if cache is not None:
         if cache.get("k") is not None:
             past = cache["k"].shape[-1]

@@ -148,8 +148,8 @@ def diloco_advice(model, fits, gpu, gpus: int, per_node: int, batch: int, settin
     across = [e for e in fits if e.layout.pp == 1 and
               e.layout.tp * e.layout.cp * e.layout.dp > per_node]
     if gpus <= per_node or not across:
-        return (f"DiLoCo: no fitting layout without a pipeline has data parallelism across "
-                f"nodes here; DiLoCo's groups (a node each) need it")
+        return ("DiLoCo: no fitting layout without a pipeline has data parallelism across "
+                "nodes here; DiLoCo's groups (a node each) need it")
     L = across[0].layout
     lines = [f"DiLoCo with H = {H} (--strategy diloco --inner-steps {H}) against the fastest "
              f"layout with DP across nodes (TP {L.tp} x DP {L.dp}"

@@ -238,3 +238,43 @@ def _counting(fn, name, calls):
         calls[name] = calls.get(name, 0) + 1
         return fn(*args)
     return run
+
+
+_NO_LOADS_IN_STEPS = r"""
+import sys
+import numpy as np
+from hpcdist import nn, optim
+from hpcdist.device.kernels import cpu, cpu_gemm, cpu_jit
+from hpcdist.host import threads
+threads.threads = 2                            # (both variants: split GEMMs and whole ones)
+def signatures():
+    return {(id(mod), k): set(v.signatures) for mod in (cpu_jit.PARALLEL, cpu_jit.SERIAL,
+            cpu_jit, cpu_gemm) for k, v in vars(mod).items() if hasattr(v, "signatures")}
+cpu.ready("float32")
+before = signatures()
+nn.manual_seed(0)
+model = nn.GPT(nn.GPTConfig(block_size=64, vocab_size=512, n_layer=1, n_head=2, n_embd=64))
+flat = optim.FlatParams(model.parameters())
+opt = optim.AdamW(flat, lr=1e-3)
+idx = np.random.default_rng(0).integers(0, 512, (8, 64))
+for _ in range(2):                             # as the training loop: clipped, then stepped
+    opt.zero_grad(lazy=True)
+    _, loss = model(idx, idx)
+    loss.backward()
+    optim.clip_grad_norm(flat.grad, 1.0)
+    opt.step()
+new = {k: s - before.get(k, set()) for k, s in signatures().items()}
+print({k[1]: [str(t) for t in s] for k, s in new.items() if s})
+"""
+
+
+def test_ready_loads_every_kernel_signature_a_training_step_uses():
+    """After cpu.ready, a step loads no kernel (numba compiles one per dtype and layout; a
+    pair first met inside the first step cost 80 ms there). Its own process: this one's
+    kernels are loaded already by the tests before."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _NO_LOADS_IN_STEPS], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "{}"

@@ -3,12 +3,24 @@
 Only rank 0 reports. A failure on any rank prints that rank's traceback to stderr and aborts
 the whole job, so a rank that fails can never leave the others waiting in a collective.
 """
+import os
 import sys
+import tempfile
 
 import pytest
 from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
+
+# Each rank's temporary folders under a root of its own (PYTEST_DEBUG_TEMPROOT, read at the
+# first tmp_path). By default the job's N pytest processes share /tmp/pytest-of-USER: each
+# prunes the others' numbered folders and moves one `pytest-current` link, and a rank's
+# cleanup at exit once met the link another had just removed (FileNotFoundError: the job
+# aborted after every test had passed; make test, 2026-11-26).
+if WORLD.Get_size() > 1 and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
+    _root = os.path.join(tempfile.gettempdir(), f"pytest-mpi-rank{WORLD.Get_rank()}")
+    os.makedirs(_root, exist_ok=True)
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = _root
 
 
 @pytest.hookimpl(trylast=True)

@@ -55,11 +55,13 @@ def test_an_output_left_out_is_refused_unless_the_case_allows_it():
             x * 2.0, None if path == "gemms" else x + 1.0), twin, cases, compare=2,
             may_skip=skip)
         assert op.self_check("float32") is ok
-        fused._REGISTRY.pop(f"test-{name}"), fused._refused.pop(f"test-{name}", None)
+        fused._REGISTRY.pop(f"test-{name}")
+        fused._refused.pop(f"test-{name}", None)
     wrong = fused.Fused("test-wrong", "", [], lambda k, x, path: (x * 2.0, None), twin, cases,
                         compare=2, may_skip=lambda a: a[-1] == "gemms")
     assert not wrong.self_check("float32")
-    fused._REGISTRY.pop("test-wrong"), fused._refused.pop("test-wrong")
+    fused._REGISTRY.pop("test-wrong")
+    fused._refused.pop("test-wrong")
 
 
 def test_every_kernel_has_a_twin_cases_and_source_for_both_dtypes():

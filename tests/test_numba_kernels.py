@@ -241,7 +241,6 @@ def _counting(fn, name, calls):
 
 
 _NO_LOADS_IN_STEPS = r"""
-import sys
 import numpy as np
 from hpcdist import nn, optim
 from hpcdist.device.kernels import cpu, cpu_gemm, cpu_jit

@@ -78,20 +78,31 @@ class Fused:
 
     def worst_error(self, dtype: str, kernel=None, run=None) -> float:
         """The largest error of the launch (its kernels from ``kernel(name)``), or of
-        ``run(*args)``, against the twin over every case, on ``backend.xp()`` arrays."""
-        xp, rng = backend.xp(), np.random.default_rng(0)
+        ``run(*args)``, against the twin over every case, on ``backend.xp()`` arrays. Both
+        sides run at the arrays' own precision: inside a bf16-emulated run (matmul operands
+        rounded to bf16) the twin's GEMMs would round and the kernel's not, and a right
+        kernel be refused (attention ran op by op in bf16 on an H100 so, 2026-11-26)."""
         run = run or (lambda *a: self.launch(kernel, *a))
+        emulated = backend.bf16_emulated()
+        backend.reset_precision()
+        try:
+            return max((self._case_error(run, args) for args in
+                        self.cases(backend.xp(), np.random.default_rng(0), np.dtype(dtype))),
+                       default=0.0)
+        finally:
+            backend.reset_precision(emulated)
+
+    def _case_error(self, run, args) -> float:
+        want = _tuple(self.twin(*[_copy(a) for a in args]))[:self.compare]
+        got = _tuple(run(*[_copy(a) for a in args]))[:self.compare]
         worst = 0.0
-        for args in self.cases(xp, rng, np.dtype(dtype)):
-            want = _tuple(self.twin(*[_copy(a) for a in args]))[:self.compare]
-            got = _tuple(run(*[_copy(a) for a in args]))[:self.compare]
-            for w, g in zip(want, got):
-                if g is None and self.may_skip(args):
-                    continue
-                w, g = backend.to_numpy(w), backend.to_numpy(g)
-                if w.shape != g.shape:
-                    raise ValueError(f"shape {g.shape}, the twin's {w.shape}")
-                worst = max(worst, _error(w, g))
+        for w, g in zip(want, got):
+            if g is None and self.may_skip(args):
+                continue
+            w, g = backend.to_numpy(w), backend.to_numpy(g)
+            if w.shape != g.shape:
+                raise ValueError(f"shape {g.shape}, the twin's {w.shape}")
+            worst = max(worst, _error(w, g))
         return worst
 
     def _cpu_ok(self, dtype: str) -> bool:
@@ -104,20 +115,13 @@ class Fused:
 
     def self_check(self, dtype: str, run=None) -> bool:
         """Run the kernel (the CPU kernel ``run`` when given) and the twin on every case;
-        True when all agree, else the reason is kept in ``refusals()``. Both sides run at the
-        arrays' own precision: a first call inside a bf16-emulated run (matmul operands
-        rounded to bf16) would round in the twin's GEMMs and not in the kernel's, and refuse
-        a right kernel (so attention ran op by op in bf16 on an H100, 2026-11-26)."""
+        True when all agree, else the reason is kept in ``refusals()``."""
         name = self.name if run is None else self.name + " (cpu)"
-        emulated = backend.bf16_emulated()
-        backend.reset_precision()
         try:
             worst = self.worst_error(dtype, lambda k: self._kernel(dtype, k), run=run)
         except Exception as e:                         # compile or launch failure
             _refused[name] = f"{type(e).__name__}: {e}"[:200]
             return False
-        finally:
-            backend.reset_precision(emulated)
         if worst > self.tolerance:
             _refused[name] = f"{dtype}: off by {worst:.2e} (allowed {self.tolerance:.0e})"
             return False

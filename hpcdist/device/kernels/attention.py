@@ -105,7 +105,7 @@ def attention_twin(qkv, n_head, scale, path=None):
     return _attention(qkv, n_head, scale, softmax_causal_twin, backend.matmul)
 
 
-def _attention(qkv, n_head, scale, softmax, mm, lse=True):
+def _attention(qkv, n_head, scale, softmax, mm, with_lse=True):
     """The twin's formulation with its softmax and GEMMs given: the twin's own, or the fused
     softmax and the run's GEMMs (the GPU's GEMM path, which keeps the probabilities and so
     skips lse: five elementwise passes over the scores, 4.3 ms of an 86 ms H200 step)."""
@@ -115,7 +115,7 @@ def _attention(qkv, n_head, scale, softmax, mm, lse=True):
     att = softmax(s, scale)
     B, nh, T, hs = q.shape
     y = mm(att, v).transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
-    if not lse:
+    if not with_lse:
         return xp.ascontiguousarray(y), None, att
     z = xp.where(att > 0, s * scale, xp.asarray(-np.inf, dtype=s.dtype))
     zmax = z.max(axis=-1)
@@ -168,7 +168,7 @@ def _attention_launch(k, qkv, n_head, scale, path=None):
     xp = backend.xp()
     qkv = xp.ascontiguousarray(qkv)
     if _gemm_path(qkv, n_head, path):
-        return _attention(qkv, n_head, scale, SOFTMAX_CAUSAL_FWD, gemm_matmul, lse=False)
+        return _attention(qkv, n_head, scale, SOFTMAX_CAUSAL_FWD, gemm_matmul, with_lse=False)
     B, T, C3 = qkv.shape
     hs = C3 // 3 // n_head
     acc = np.float64 if qkv.dtype == np.float64 else np.float32

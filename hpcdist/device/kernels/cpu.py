@@ -12,6 +12,7 @@ train"."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 
 import numpy as np
@@ -325,8 +326,8 @@ def ready(dtype) -> None:
             if op.cpu is not None:
                 op._cpu_ok(dtype.name)
         _ready_gemms(dtype)
-        jit().scatter_rows(np.zeros((2, 256), dtype), np.zeros(2, np.int64), np.ones((2, 256),
-                                                                                     dtype))
+        rows = np.ones((2, 256), dtype)
+        jit().scatter_rows(np.zeros_like(rows), np.zeros(2, np.int64), rows)
         sumsq(np.ones(8, dtype))                          # the gradient clipping's norm
     except ImportError:                  # numba absent or broken: the twins will run
         pass
@@ -338,13 +339,12 @@ def _ready_gemms(dtype) -> None:
     loaded there (+80 ms of a 4x128 step's 350, 2026-11-26)."""
     def both(rows, cols):                      # C and F order (a slice would be 'A')
         return np.ones((rows, cols), dtype), np.ones((cols, rows), dtype).T
-    for split, rows in ((True, 64 * threads_here()), (False, 2)):
-        for left in both(rows, 256):
-            for right in both(256, 256):
-                if not split:                  # whole (one BLAS call)
-                    gemm(left, right, np.zeros((rows, 256), dtype))
-                elif pool.wanted(left, right):
-                    gemm(left, right)
+    n = 64 * threads_here()
+    for left, right in itertools.product(both(n, 256), both(256, 256)):
+        if pool.wanted(left, right):           # split over threads
+            gemm(left, right)
+    for left, right in itertools.product(both(2, 256), both(256, 256)):
+        gemm(left, right, np.zeros((2, 256), dtype))                # whole (one BLAS call)
 
 
 def warm() -> dict:

@@ -23,7 +23,7 @@ from . import checkpoint, data  # noqa: E402
 from .autograd import memtrace  # noqa: E402
 from .comm import Communicator, watchdog  # noqa: E402
 from .comm.model import fit_links  # noqa: E402
-from .device import backend  # noqa: E402
+from .device import backend, kernels  # noqa: E402
 from .host import signals, threads, timeline  # noqa: E402
 from .parallel import state  # noqa: E402
 from .parallel.strategy import DataParallelStrategy, build_strategy  # noqa: E402
@@ -140,6 +140,8 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
             if f is not None:
                 f.close()
         raise recovery.caught(e, cfg, strategy, sampler, mark)
+    if backend.device_label() == "gpu" and cfg.attention == "auto":
+        say(f"attention (auto): {kernels.attention.choice()}")
     if metrics is not None:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()

@@ -67,7 +67,7 @@ def test_an_output_left_out_is_refused_unless_the_case_allows_it():
 def test_every_kernel_has_a_twin_cases_and_source_for_both_dtypes():
     ops = fused.registry()
     assert {"gelu_fwd", "gelu_bwd", "bias_gelu_fwd", "layernorm_fwd", "layernorm_bwd",
-            "softmax_causal_fwd", "softmax_causal_bwd", "attention_fwd", "attention_bwd",
+            "softmax_causal_fwd", "softmax_causal_bwd", "flash_fwd", "flash_bwd",
             "cross_entropy_fwd", "cross_entropy_bwd", "adamw", "colsum_add",
             "bias_residual"} <= set(ops)
     rng = np.random.default_rng(0)

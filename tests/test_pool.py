@@ -105,11 +105,11 @@ def test_attention_over_the_threads_equals_the_twin(n, monkeypatch):
     for B, T, nh, hs in ((3, 37, 4, 8), (1, 1, 1, 3), (1, 200, 1, 16), (2, 65, 3, 2)):
         qkv = rng.standard_normal((B, T, 3 * nh * hs))
         dy = rng.standard_normal((B, T, nh * hs))
-        y, lse, _ = kernels.ATTENTION_FWD(qkv, nh, 0.3)
+        y, lse, _ = kernels.attention_fwd(qkv, nh, nh, 0.3)
         want_y, want_lse, att = attention.attention_twin(qkv, nh, 0.3)
         np.testing.assert_allclose(y, want_y, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
-        got = kernels.ATTENTION_BWD(qkv, y, dy, lse, nh, 0.3, None)
+        got = kernels.attention_bwd(qkv, y, dy, lse, nh, nh, 0.3, None)
         want = attention.attention_bwd_twin(qkv, want_y, dy, want_lse, nh, 0.3, att)
         np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11)
     monkeypatch.setattr(cpu, "_threads", 0)

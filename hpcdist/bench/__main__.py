@@ -3,6 +3,7 @@ import importlib
 import sys
 
 BENCHMARKS = {
+    "attention": "hpcdist.bench.attention",
     "autograd": "hpcdist.bench.autograd",
     "checkpoint": "hpcdist.bench.checkpoint",
     "collectives": "hpcdist.bench.collectives",

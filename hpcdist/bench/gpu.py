@@ -1,4 +1,6 @@
-"""The GPU step: ``python -m hpcdist.bench gpu [--count] [--layers 12 --embd 768 --seq 256]``.
+"""The GPU step: ``python -m hpcdist.bench gpu [--count] [--layers 12 --embd 768 --heads 12
+--seq 256 --batch 16]``, hpcdist beside PyTorch eager (its math attention and SDPA's flash
+kernels), autocast and torch.compile: ms, tokens/s, TFLOP/s, MFU, peak memory, ratio to each.
 
 ``--count`` (any machine): the device operations one GPT training step issues — forward,
 backward, AdamW — counted on the device double, where every array operation is one launch and
@@ -17,12 +19,17 @@ import time
 import numpy as np
 
 
-def _step_fn(L, C, T, B, V, seed=0):
+def _config(L, C, T, B, V, H=0):
+    from hpcdist import nn
+    return nn.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H or max(1, C // 64),
+                        n_embd=C)
+
+
+def _step_fn(L, C, T, B, V, H=0, seed=0):
     from hpcdist.device import backend
     from hpcdist import nn, optim
     nn.manual_seed(seed)
-    model = nn.GPT(nn.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=max(1, C // 64),
-                                n_embd=C))
+    model = nn.GPT(_config(L, C, T, B, V, H))
     flat = optim.FlatParams(model.parameters())
     opt = optim.AdamW(flat, lr=1e-4)
     rng = np.random.default_rng(seed)
@@ -37,7 +44,7 @@ def _step_fn(L, C, T, B, V, seed=0):
     return step, model
 
 
-def count(L, C, T, B, V) -> dict:
+def count(L, C, T, B, V, H=0) -> dict:
     """Launches of one step, fused and op by op (on the device double)."""
     from hpcdist.device import backend, double as device_double
     backend.init("double")
@@ -47,7 +54,7 @@ def count(L, C, T, B, V) -> dict:
         print(f"counting the launches of two GPT {L}x{C} steps on the device double, "
               f"{'fused' if fused == '1' else 'op by op'} (about a minute each)...",
               file=sys.stderr, flush=True)
-        step, _ = _step_fn(L, C, T, B, V)
+        step, _ = _step_fn(L, C, T, B, V, H)
         step()                                        # first step: buffers made once
         device_double.LAUNCHES.count = 0
         step()
@@ -73,30 +80,42 @@ def _timed(step, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
-def _hpcdist_mode(shape, mode: str):
+def _hpcdist_mode(shape, mode: str, attention: str = "auto"):
     from hpcdist.device import backend, kernels
     backend.reset_precision()
     kernels.configure(mode == "tf32")
+    kernels.attention.configure(attention)
     if mode == "bf16":
         backend.compute_dtype("bf16")          # this CuPy: fp32 storage, bf16 GEMMs
     return _step_fn(*shape)
 
 
+# PyTorch's rows: (name, precision, attention: "math" (eager's unfused) or "sdpa", compiled)
+PEERS = {"eager": [("torch eager fp32", "fp32", "math", False),
+                   ("torch eager tf32", "tf32", "math", False),
+                   ("torch eager bf16 autocast", "bf16", "math", False)],
+         "sdpa": [("torch sdpa fp32", "fp32", "sdpa", False),
+                  ("torch sdpa tf32", "tf32", "sdpa", False),
+                  ("torch sdpa bf16 autocast", "bf16", "sdpa", False)],
+         "compile": [("torch.compile fp32", "fp32", "sdpa", True),
+                     ("torch.compile bf16 autocast", "bf16", "sdpa", True)]}
+
+
 def _torch_steps(shape, modes):
-    """PyTorch on the same network and weights: {name: (step, precision)}."""
+    """PyTorch on the same network and weights: {name: (step, precision)}, made one at a
+    time (a generator: the last one's memory goes before the next is built)."""
     import torch
     from hpcdist import nn
     from hpcdist.bench.autograd import torch_gpt
-    L, C, T, B, V = shape
-    cfg = nn.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=max(1, C // 64), n_embd=C)
+    L, C, T, B, V, H = shape
+    cfg = _config(*shape)
     nn.manual_seed(0)
     sd = {k: np.asarray(v) for k, v in nn.GPT(cfg).state_dict().items()}
     idx = torch.tensor(np.random.default_rng(0).integers(0, V, (B, T)), device="cuda")
-    out = {}
-    for name, prec in modes:
-        p, forward = torch_gpt(cfg, sd, B, device="cuda")
+    for name, prec, attention, compiled in modes:
+        p, forward = torch_gpt(cfg, sd, B, device="cuda", sdpa=attention == "sdpa")
         opt = torch.optim.AdamW(list(p.values()), lr=1e-4, fused=True)
-        fwd = torch.compile(forward) if "compile" in name else forward
+        fwd = torch.compile(forward) if compiled else forward
         bf16 = prec == "bf16"
 
         def step(fwd=fwd, opt=opt, bf16=bf16):
@@ -105,59 +124,88 @@ def _torch_steps(shape, modes):
                 loss = fwd(idx, idx)
             loss.backward()
             opt.step()
-        out[name] = (step, prec)
-    return out
+        yield name, step, prec
 
 
 def _said(name, rows):
     """Each row on stderr as it is timed (a run cut short keeps what it measured)."""
-    print(f"  {name}: {rows[name][0]:.2f} ms/step", file=sys.stderr, flush=True)
+    ms, _, peak = rows[name]
+    print(f"  {name}: {ms:.2f} ms/step, peak memory {peak / 2**30:.2f} GiB", file=sys.stderr,
+          flush=True)
 
 
-def _peer_rows(shape, steps: int) -> dict:
-    """PyTorch's step, eager and compiled, in each precision (none without torch)."""
+def _peer_rows(shape, steps: int, peers) -> dict:
+    """PyTorch's step in each of ``peers`` (eager, sdpa, compile; none without torch)."""
     try:
         import torch
     except ImportError:
         return {}
     rows = {}
-    torch_modes = [("torch eager fp32", "fp32"), ("torch eager tf32", "tf32"),
-                   ("torch eager bf16 autocast", "bf16"), ("torch.compile fp32", "fp32"),
-                   ("torch.compile bf16 autocast", "bf16")]
+    modes = [m for p in peers for m in PEERS[p]]
     torch.backends.cuda.matmul.allow_tf32 = False
-    for name, (step, prec) in _torch_steps(shape, torch_modes).items():
+    for name, step, prec in _torch_steps(shape, modes):
         torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
-        rows[name] = (_timed(step, steps), prec)
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            ms = _timed(step, steps)
+        except torch.OutOfMemoryError:
+            print(f"  {name}: out of GPU memory", file=sys.stderr, flush=True)
+            continue
+        finally:
+            del step
+        rows[name] = (ms, prec, torch.cuda.max_memory_reserved())
         _said(name, rows)
+        torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
     return rows
 
 
-def measure(shape, steps: int, modes, peers: bool = True) -> dict:
-    """hpcdist's step in each mode beside PyTorch's (``peers``): ms, TFLOP/s, MFU, ratios."""
+def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float]:
+    from hpcdist.device import backend, kernels
+    from hpcdist.run import mfu
+    pool = backend.xp().get_default_memory_pool()
+    free = getattr(pool, "free_all_blocks", lambda: None)     # (the double's pool: none)
+    rows, flops = {}, 0.0
+    L, C, T = shape[:3]
+    for mode in modes:
+        free()
+        step, model = _hpcdist_mode(shape, mode, attention)
+        flops = mfu.flops_per_token(model.num_parameters() - model.wpe.weight.size, L, C, T)
+        name = f"hpcdist {mode}"
+        ms = _timed(step, steps)
+        rows[name] = (ms, mode, getattr(pool, "total_bytes", lambda: 0)())
+        _said(name, rows)
+        print(f"    attention: {kernels.attention.choice()}", file=sys.stderr, flush=True)
+        del step, model
+    backend.reset_precision()
+    free()
+    return rows, flops
+
+
+def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
+            attention: str = "auto") -> dict:
+    """hpcdist's step in each mode beside PyTorch's (``peers``): ms, tokens/s, TFLOP/s, MFU,
+    peak memory (hpcdist: CuPy's pool; PyTorch: its allocator's reserved high-water mark) and
+    each hpcdist row's ratio to every peer of its precision (> 1: hpcdist is slower)."""
     from hpcdist.device import backend, fused
     from hpcdist.run import mfu
     backend.init("gpu")
-    L, C, T, B, V = shape
-    rows = {}
-    flops = None
-    for mode in modes:
-        step, model = _hpcdist_mode(shape, mode)
-        flops = mfu.flops_per_token(model.num_parameters() - model.wpe.weight.size, L, C, T)
-        rows[f"hpcdist {mode}"] = (_timed(step, steps), mode)
-        _said(f"hpcdist {mode}", rows)
-    backend.reset_precision()
-    if peers:
-        rows.update(_peer_rows(shape, steps))
-    res = {"model": f"GPT {L}x{C}, T {T}, batch {B}", "refused": fused.refusals(), "rows": {}}
-    for name, (ms, prec) in rows.items():
+    L, C, T, B, V, H = shape
+    rows, flops = _hpcdist_rows(shape, steps, modes, attention)
+    rows.update(_peer_rows(shape, steps, peers))
+    res = {"model": f"GPT {L}x{C}, {H or max(1, C // 64)} heads, T {T}, batch {B}, vocab {V}",
+           "refused": fused.refusals(), "rows": {}}
+    for name, (ms, prec, peak_bytes) in rows.items():
         peak, source = mfu.gpu_peak(prec)
         rate = flops * B * T / (ms / 1e3)
-        eager = rows.get(f"torch eager {prec}" + (" autocast" if prec == "bf16" else ""))
-        res["rows"][name] = {"ms_per_step": round(ms, 2), "tflops": round(rate / 1e12, 2),
-                             "mfu": round(rate / peak, 4) if peak else None,
-                             "peak_from": source,
-                             "vs_torch_eager": round(ms / eager[0], 3) if eager else None}
+        row = {"ms_per_step": round(ms, 2), "tokens_per_s": round(B * T / (ms / 1e3)),
+               "tflops": round(rate / 1e12, 2),
+               "mfu": round(rate / peak, 4) if peak and rate <= peak else None,
+               "peak_from": source, "peak_memory_gib": round(peak_bytes / 2**30, 2)}
+        if name.startswith("hpcdist"):
+            row["vs"] = {other: round(ms / o[0], 3) for other, o in rows.items()
+                         if not other.startswith("hpcdist") and o[1] == prec}
+        res["rows"][name] = row
     return res
 
 
@@ -166,6 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("--count", action="store_true", help="count launches on the device double")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--embd", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=0, help="attention heads (0: embd / 64)")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=50257)
@@ -173,9 +222,13 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="fp32,tf32,bf16",
                     help="hpcdist's precisions to time: fp32, tf32, bf16")
     ap.add_argument("--no-torch", action="store_true", help="time hpcdist only")
+    ap.add_argument("--peers", default="eager,sdpa,compile",
+                    help="PyTorch's rows: eager (math attention), sdpa, compile")
+    ap.add_argument("--attention", default="auto", choices=("auto", "flash", "gemms"),
+                    help="hpcdist's attention (auto: the faster on this shape, measured)")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     args = ap.parse_args(argv)
-    shape = (args.layers, args.embd, args.seq, args.batch, args.vocab)
+    shape = (args.layers, args.embd, args.seq, args.batch, args.vocab, args.heads)
     if args.count:
         res = {"model": f"GPT {args.layers}x{args.embd}, T {args.seq}, batch {args.batch}",
                **count(*shape)}
@@ -186,7 +239,8 @@ def main(argv=None) -> int:
         if backend.gpu_count() == 0:
             print("no GPU visible: run with --count to count launches on the device double")
             return 0
-        res = measure(shape, args.steps, args.modes.split(","), peers=not args.no_torch)
+        peers = () if args.no_torch else [p for p in args.peers.split(",") if p]
+        res = measure(shape, args.steps, args.modes.split(","), peers, args.attention)
         print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:

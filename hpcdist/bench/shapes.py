@@ -110,9 +110,9 @@ def attention_bytes(cfg, batch: int, kernels_on: bool) -> tuple:
     try:
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        y, lse, att = kernels.ATTENTION_FWD(qkv, cfg.n_head, scale)
+        y, lse, att = kernels.attention_fwd(qkv, cfg.n_head, cfg.n_head, scale)
         kept = lse.nbytes + (att.nbytes if att is not None else 0)
-        kernels.ATTENTION_BWD(qkv, y, dy, lse, cfg.n_head, scale, att)
+        kernels.attention_bwd(qkv, y, dy, lse, cfg.n_head, cfg.n_head, scale, att)
         peak = tracemalloc.get_traced_memory()[1] - base
         tracemalloc.stop()
     finally:

@@ -302,8 +302,9 @@ def set_default_float(dt) -> None:
 
 # ---- matmul ---------------------------------------------------------------------------------
 
-def matmul(a, b):
-    """``a @ b``. On NumPy, 2-byte floats (fp16, bf16) multiply in fp32 and round back: NumPy
+def matmul(a, b, rounding: bool = True):
+    """``a @ b`` (``rounding``: bf16 emulation rounds the operands; False: they are rounded
+    already). On NumPy, 2-byte floats (fp16, bf16) multiply in fp32 and round back: NumPy
     has no BLAS for them (fp16 measured 190x slower than fp32 here) — and fp32 accumulation is
     what tensor cores do. On CuPy fp16 runs natively.
 
@@ -312,7 +313,7 @@ def matmul(a, b):
     attention input: 248 us against 135 us folded)."""
     if a.dtype.itemsize == 2 and a.dtype.kind in "fV" and not is_gpu_array(a):
         return matmul(a.astype(np.float32), b.astype(np.float32)).astype(a.dtype)
-    if _bf16_operands and a.dtype == np.float32:
+    if _bf16_operands and rounding and a.dtype == np.float32:
         a, b = round_to_bf16(a), round_to_bf16(b)
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and a.shape[-1]:
         return _gemm(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + b.shape[-1:])

@@ -21,6 +21,7 @@
 #include <ucontext.h>
 
 using std::exp; using std::log; using std::sqrt; using std::tanh; using std::fabs;
+using std::exp2; using std::log2;
 using std::max; using std::min;
 
 #define __global__
@@ -90,9 +91,11 @@ static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4);
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 
 // ---- the threads of a block, as fibers ------------------------------------------------------
-enum { READY, AT_SYNC, AT_SHUFFLE, DONE };
+enum { READY, AT_SYNC, AT_SHUFFLE, AT_MMA, DONE };
+enum { MMA_BF16_16816 = 1, MMA_TF32_1688 = 2 };
 struct Fiber { ucontext_t ctx; std::vector<char> stack; int state; dim3 tid; int src;
-               uint64_t value, result; long barriers; };
+               bool xor_lane; uint64_t value, result; long barriers;
+               int mma; uint32_t a[4], b[2]; float c[4]; };
 static std::vector<Fiber> sim_fibers;
 static ucontext_t sim_main;
 static int sim_current = 0;
@@ -107,36 +110,170 @@ static void sim_park(int state) {
 
 static void __syncthreads() { sim_fibers[sim_current].barriers++; sim_park(AT_SYNC); }
 
-template <class V> V __shfl_down_sync(unsigned mask, V v, int delta) {
-    if (mask != 0xffffffffu) sim_fail("__shfl_down_sync with a partial mask is not modelled");
+template <class V> V sim_shuffle(unsigned mask, V v, int lane, bool xor_lane) {
+    if (mask != 0xffffffffu) sim_fail("a warp shuffle with a partial mask is not modelled");
     Fiber& f = sim_fibers[sim_current];
     static_assert(sizeof(V) <= 8, "a shuffle moves at most 8 bytes");
     f.value = 0;
     memcpy(&f.value, &v, sizeof(V));
-    f.src = delta;
+    f.src = lane;
+    f.xor_lane = xor_lane;
     sim_park(AT_SHUFFLE);
     V out;
     memcpy(&out, &sim_fibers[sim_current].result, sizeof(V));
     return out;
 }
+template <class V> V __shfl_down_sync(unsigned mask, V v, int delta) {
+    return sim_shuffle(mask, v, delta, false);
+}
+template <class V> V __shfl_xor_sync(unsigned mask, V v, int lane_mask) {
+    return sim_shuffle(mask, v, lane_mask, true);
+}
+static void __syncwarp(unsigned mask = 0xffffffffu) { sim_shuffle(mask, 0, 0, false); }
+
+// ---- the warp's matrix instructions (mma.sync), as the PTX ISA lays out their fragments ----
+// A lane of group g = lane / 4, index t = lane % 4 holds, of m16n8k16 (bf16, two a register):
+// A rows g and g + 8 at columns 2t, 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3); B (k x n) rows 2t,
+// 2t+1 and 2t+8, 2t+9 of column g (b0, b1); C/D rows g, g+8 at columns 2t, 2t+1. Of m16n8k8
+// (tf32, one value a register): A (g, t) (g+8, t) (g, t+4) (g+8, t+4); B (t, g) (t+4, g).
+// The products are summed in double and rounded once (the hardware's order and rounding
+// inside the instruction are its own: the kernels' tolerance covers the difference).
+static void sim_mma(int kind, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                    uint32_t b0, uint32_t b1, float& c0, float& c1, float& c2, float& c3) {
+    Fiber& f = sim_fibers[sim_current];
+    f.mma = kind;
+    f.a[0] = a0; f.a[1] = a1; f.a[2] = a2; f.a[3] = a3; f.b[0] = b0; f.b[1] = b1;
+    f.c[0] = c0; f.c[1] = c1; f.c[2] = c2; f.c[3] = c3;
+    sim_park(AT_MMA);
+    Fiber& d = sim_fibers[sim_current];
+    c0 = d.c[0]; c1 = d.c[1]; c2 = d.c[2]; c3 = d.c[3];
+}
+static inline float sim_bf16(uint32_t word, int half) {
+    return __uint_as_float(((word >> (16 * half)) & 0xffffu) << 16);
+}
+static inline float sim_tf32(uint32_t word) { return __uint_as_float(word & 0xffffe000u); }
+static void mma_bf16_16816(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
+                           unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    sim_mma(MMA_BF16_16816, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
+}
+static void mma_tf32_1688(float& c0, float& c1, float& c2, float& c3, unsigned a0, unsigned a1,
+                          unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    sim_mma(MMA_TF32_1688, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
+}
+// two fp32 -> bf16x2 as cvt.rn.bf16x2.f32: to nearest even, lo in the low half (a NaN stays
+// a NaN)
+static inline unsigned sim_bf16_bits(float x) {
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return u >> 16;
+}
+static inline unsigned pack_bf16x2(float lo, float hi) {
+    return sim_bf16_bits(lo) | (sim_bf16_bits(hi) << 16);
+}
+// fp32 -> tf32 as cvt.rna.tf32.f32: to nearest, ties away from zero (10 bits of mantissa)
+static inline float to_tf32(float x) {
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7f800000u) != 0x7f800000u) u += 0x1000u;
+    return __uint_as_float(u & 0xffffe000u);
+}
+// two 16-bit words at an even index as one 32-bit register (the low half first)
+static inline unsigned ld_u32(Ptr<const unsigned short> p) {
+    if ((p.off & 1) || ((uintptr_t)p.base & 3))
+        sim_fail("%s: a 32-bit load at element %lld, not 4-byte aligned", p.name, p.off);
+    return (unsigned)p[0] | ((unsigned)p[1] << 16);
+}
+static inline unsigned ld_u32(Ptr<unsigned short> p) { return ld_u32(Ptr<const unsigned short>(p)); }
+
+// 16 bytes from src to dst (uint4 loads and stores on the device): both 16-byte aligned
+template <class X> static void sim_check16(const Ptr<X>& p, const char* what) {
+    if ((((uintptr_t)(p.base + p.off)) & 15) != 0)
+        sim_fail("%s: a 16-byte %s at element %lld, not 16-byte aligned", p.name, what, p.off);
+}
+template <class X> static void copy16(Ptr<X> dst, Ptr<const X> src) {
+    sim_check16(dst, "store");
+    sim_check16(src, "load");
+    for (int i = 0; i < (int)(16 / sizeof(X)); i++) dst[i] = src[i];
+}
+template <class X> static void copy16(Ptr<X> dst, Ptr<X> src) { copy16(dst, Ptr<const X>(src)); }
+template <class X> static void zero16(Ptr<X> dst) {
+    sim_check16(dst, "store");
+    for (int i = 0; i < (int)(16 / sizeof(X)); i++) dst[i] = (X)0;
+}
+
+static void sim_warp_mma(int lo) {
+    double A[16][16] = {}, Bm[16][8] = {}, C[16][8];
+    int kind = sim_fibers[lo].mma;
+    for (int l = 0; l < 32; l++) {
+        Fiber& f = sim_fibers[lo + l];
+        int g = l / 4, t = l % 4;
+        if (kind == MMA_BF16_16816) {
+            for (int h = 0; h < 2; h++) {
+                A[g][2 * t + h] = sim_bf16(f.a[0], h);     A[g + 8][2 * t + h] = sim_bf16(f.a[1], h);
+                A[g][2 * t + 8 + h] = sim_bf16(f.a[2], h); A[g + 8][2 * t + 8 + h] = sim_bf16(f.a[3], h);
+                Bm[2 * t + h][g] = sim_bf16(f.b[0], h);    Bm[2 * t + 8 + h][g] = sim_bf16(f.b[1], h);
+            }
+        } else {
+            A[g][t] = sim_tf32(f.a[0]);     A[g + 8][t] = sim_tf32(f.a[1]);
+            A[g][t + 4] = sim_tf32(f.a[2]); A[g + 8][t + 4] = sim_tf32(f.a[3]);
+            Bm[t][g] = sim_tf32(f.b[0]);    Bm[t + 4][g] = sim_tf32(f.b[1]);
+        }
+        C[g][2 * t] = f.c[0]; C[g][2 * t + 1] = f.c[1];
+        C[g + 8][2 * t] = f.c[2]; C[g + 8][2 * t + 1] = f.c[3];
+    }
+    int K = kind == MMA_BF16_16816 ? 16 : 8;
+    for (int l = 0; l < 32; l++) {
+        Fiber& f = sim_fibers[lo + l];
+        int g = l / 4, t = l % 4, rows[4] = {g, g, g + 8, g + 8};
+        for (int i = 0; i < 4; i++) {
+            int r = rows[i], c = 2 * t + (i & 1);
+            double acc = C[r][c];
+            for (int k = 0; k < K; k++) acc += A[r][k] * Bm[k][c];
+            f.c[i] = (float)acc;
+        }
+    }
+}
 
 static void sim_entry() { sim_body(); sim_fibers[sim_current].state = DONE; }
 
 // A warp whose live lanes all wait at a shuffle gets its values: lane l reads lane l + delta
-// (its own value past the warp's end, as CUDA does); reading a lane that has exited is a fault.
-static bool sim_release_shuffles(int nthreads) {
+// (its own value past the warp's end, as CUDA does) or lane l ^ mask; reading a lane that has
+// exited is a fault. A warp whose 32 lanes all wait at the same matrix instruction gets its
+// products; a matrix instruction with lanes missing, or lanes at another instruction, is a fault.
+static bool sim_release_warps(int nthreads) {
     bool any = false;
     for (int w = 0; w * 32 < nthreads; w++) {
-        int lo = w * 32, hi = std::min(nthreads, lo + 32), waiting = 0, live = 0;
+        int lo = w * 32, hi = std::min(nthreads, lo + 32), shuffle = 0, mma = 0, live = 0;
         for (int t = lo; t < hi; t++) {
             live += sim_fibers[t].state != DONE;
-            waiting += sim_fibers[t].state == AT_SHUFFLE;
+            shuffle += sim_fibers[t].state == AT_SHUFFLE;
+            mma += sim_fibers[t].state == AT_MMA;
         }
-        if (!waiting || waiting != live) continue;
+        if (!(shuffle + mma) || shuffle + mma != live) continue;
+        if (mma) {
+            int kind = -1;
+            for (int t = lo; t < hi; t++) {
+                Fiber& f = sim_fibers[t];
+                if (f.state == DONE) continue;
+                if (f.state != AT_MMA || (kind >= 0 && f.mma != kind) || live != 32) {
+                    sim_current = t;
+                    threadIdx = f.tid;
+                    sim_fail("a warp matrix instruction (mma.sync) reached by %d of its 32 lanes%s",
+                             mma, f.state == AT_MMA ? " (or by lanes at another shape)"
+                             : ", the others at a shuffle");
+                    return false;
+                }
+                kind = f.mma;
+            }
+            sim_warp_mma(lo);
+            for (int t = lo; t < hi; t++) sim_fibers[t].state = READY;
+            any = true;
+            continue;
+        }
         for (int t = lo; t < hi; t++) {
             Fiber& f = sim_fibers[t];
             if (f.state != AT_SHUFFLE) continue;
-            int s = t + f.src;
+            int s = f.xor_lane ? lo + ((t - lo) ^ f.src) : t + f.src;
             if (s - lo >= 32) f.result = f.value;
             else if (s >= hi || sim_fibers[s].state != AT_SHUFFLE) {
                 sim_current = t;
@@ -174,7 +311,8 @@ static void sim_run_block(const std::vector<int>& order, int nthreads) {
             threadIdx = sim_fibers[t].tid;
             swapcontext(&sim_main, &sim_fibers[t].ctx);
         }
-        if (sim_release_shuffles(nthreads)) continue;
+        if (sim_release_warps(nthreads)) continue;
+        if (sim_failed) return;
         int live = 0, at_sync = 0;
         for (int t = 0; t < nthreads; t++) {
             live += sim_fibers[t].state != DONE;
@@ -199,8 +337,8 @@ static void sim_run_block(const std::vector<int>& order, int nthreads) {
                 if (sim_fibers[t].state == AT_SYNC) sim_fibers[t].state = READY;
             continue;
         }
-        sim_fail("deadlock: %d threads wait at __syncthreads while %d wait at a shuffle "
-                 "(a barrier in divergent code)", at_sync, live - at_sync);
+        sim_fail("deadlock: %d threads wait at __syncthreads while %d wait at a shuffle or a "
+                 "matrix instruction (a barrier in divergent code)", at_sync, live - at_sync);
         return;                                     // (the parked fibers are dropped)
     }
 }

@@ -30,7 +30,7 @@ _C_TYPES = {"float": np.float32, "double": np.float64, "long long": np.int64, "i
             "unsigned int": np.uint32, "char": np.int8}
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
 _POINTER = re.compile(r"\b((?:const\s+)?(?:unsigned\s+char|unsigned\s+short|unsigned\s+int|"
-                      r"long\s+long|unsigned|float|double|int|char|T|A))\s*\*")
+                      r"long\s+long|unsigned|float|double|int|char|T|A|S))\s*\*")
 _DYNAMIC = re.compile(r"extern\s+__shared__\s+unsigned\s+char\s+(\w+)\s*\[\s*\]\s*;")
 
 
@@ -112,10 +112,12 @@ def _compile(cpp: str) -> str:
 class RawModule:
     """CuPy's ``RawModule(code=...)`` for the CPU: ``get_function(name)`` -> a Kernel."""
 
-    def __init__(self, code: str, dtype: str = "float32", order: int = 0, seed: int = 0):
+    def __init__(self, code: str, dtype: str = "float32", order: int = 0, seed: int = 0,
+                 types: dict | None = None):
         cpp, self.kernels = translate(code)
         self.lib = ctypes.CDLL(_compile(cpp))
-        self.types = {"T": np.dtype(dtype), "A": np.dtype(_C_TYPES[DTYPES[dtype][1]])}
+        self.types = {"T": np.dtype(dtype), "A": np.dtype(_C_TYPES[DTYPES[dtype][1]]),
+                      **{k: np.dtype(v) for k, v in (types or {}).items()}}
         self.order, self.seed = order, seed
 
     def get_function(self, name: str) -> "Kernel":
@@ -176,9 +178,17 @@ class Kernel:
 
 
 def kernels(op, dtype: str, order: int = 0, seed: int = 0):
-    """``k(name)`` -> that kernel of ``op``'s source on the CPU model (one compile per dtype)."""
-    module = RawModule(op.code(dtype), dtype, order, seed)
-    return module.get_function
+    """``k(name, defines=None)`` -> that kernel of ``op``'s source on the CPU model (one
+    compile per dtype and set of compile-time constants)."""
+    modules: dict = {}
+
+    def get(name, defines=None):
+        key = tuple(sorted((defines or {}).items()))
+        if key not in modules:
+            modules[key] = RawModule(op.code(dtype, defines), dtype, order, seed,
+                                     op.ctypes(dtype, defines or {}))
+        return modules[key].get_function(name)
+    return get
 
 
 def check(op, dtype: str, orders=tuple(ORDERS), seed: int = 1) -> dict:

@@ -30,7 +30,7 @@ class Fused:
 
     def __init__(self, name, source, kernels, launch, twin, cases, launches=1,
                  tolerance=1e-5, compare=None, dtypes=tuple(DTYPES), library=None,
-                 may_skip=lambda args: False):
+                 may_skip=lambda args: False, ctypes=lambda dtype, defines: {}):
         self.name, self.source, self.kernels = name, source, kernels
         self.library = library
         self.dtypes = dtypes            # the dtypes it is written for (others: the twin)
@@ -40,15 +40,20 @@ class Fused:
                                     # path keeps for its own backward, None on the other)
         self.may_skip = may_skip    # may_skip(case): the launch may leave a compared output
                                     # as None there (a path that has no use for it)
+        self.ctypes = ctypes        # ctypes(dtype, defines): {a typedef of the source: its
+                                    # NumPy dtype} for what kernel arguments name (cudasim)
         self.cpu = None             # its CPU kernel (kernels/cpu.py), the twin's signature
         self._modules: dict = {}
         self._checked: dict = {}          # dtype -> passed the self-check
         self._cpu_checked: dict = {}      # dtype -> the CPU kernel passed it
         _REGISTRY[name] = self
 
-    def code(self, dtype: str) -> str:
+    def code(self, dtype: str, defines: dict | None = None) -> str:
+        """The source for ``dtype``; ``defines``: compile-time constants of one variant (a
+        head size, a kind of arithmetic), each a ``#define`` ahead of the source."""
         t, a = DTYPES[dtype]
-        return f"typedef {t} T;\ntypedef {a} A;\n" + self.source
+        macros = "".join(f"#define {k} {v}\n" for k, v in sorted((defines or {}).items()))
+        return f"typedef {t} T;\ntypedef {a} A;\n" + macros + self.source
 
     def __call__(self, *args):
         label = backend.device_label()
@@ -68,12 +73,22 @@ class Fused:
             self._checked[dtype] = self.self_check(dtype)
         if not self._checked[dtype]:
             return self.twin(*args)
-        return self.launch(lambda kernel: self._kernel(dtype, kernel), *args)
+        return self.launch(lambda kernel, defines=None: self._kernel(dtype, kernel, defines),
+                           *args)
 
-    def _kernel(self, dtype: str, kernel: str):
-        mod = self._modules.get(dtype)
+    def ready(self, dtype: str) -> bool:
+        """Whether the GPU kernel runs for ``dtype`` (its self-check, run now if it has not)."""
+        if backend.device_label() != "gpu" or not enabled() or dtype not in self.dtypes:
+            return False
+        if dtype not in self._checked:
+            self._checked[dtype] = self.self_check(dtype)
+        return self._checked[dtype]
+
+    def _kernel(self, dtype: str, kernel: str, defines: dict | None = None):
+        key = (dtype, tuple(sorted((defines or {}).items())))
+        mod = self._modules.get(key)
         if mod is None:
-            mod = self._modules[dtype] = backend.xp().RawModule(code=self.code(dtype))
+            mod = self._modules[key] = backend.xp().RawModule(code=self.code(dtype, defines))
         return mod.get_function(kernel)
 
     def worst_error(self, dtype: str, kernel=None, run=None) -> float:
@@ -118,7 +133,7 @@ class Fused:
         True when all agree, else the reason is kept in ``refusals()``."""
         name = self.name if run is None else self.name + " (cpu)"
         try:
-            worst = self.worst_error(dtype, lambda k: self._kernel(dtype, k), run=run)
+            worst = self.worst_error(dtype, lambda k, d=None: self._kernel(dtype, k, d), run=run)
         except Exception as e:                         # compile or launch failure
             _refused[name] = f"{type(e).__name__}: {e}"[:200]
             return False

@@ -141,6 +141,9 @@ def make_model(cfg, comm, mesh, train_set):
     backend.set_default_float("float64" if cfg.dtype == "fp64" else "float32")
     backend.reset_precision()
     kernels.configure(cfg.tf32)
+    kernels.attention.configure(cfg.attention)
+    if cfg.attention == "cudnn" and kernels.cudnn_attention.why_not():
+        raise backend.DeviceError(f"--attention cudnn: {kernels.cudnn_attention.why_not()}")
     nn.manual_seed(cfg.seed)
     replica = mesh.coord.dp * cfg.ep + mesh.coord.ep if mesh else comm.rank   # its batches
     backend.seed(cfg.seed + 1000 * (replica * cfg.pp + mesh.coord.pp if mesh else replica))

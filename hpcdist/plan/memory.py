@@ -189,11 +189,13 @@ def megatron_layer(model: Model, L: Layout, settings: Settings, stage: str) -> t
 def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tuple:
     """The same three for hpcdist's GPT, tensor by tensor. Every op's output stays with the
     graph until backward, and some ops keep more (LayerNorm its mean and 1/std; the twins
-    x-hat, GELU's tanh, attention's probabilities: ``fused_kernels`` drops those). Per layer,
-    in elements (n = b s tokens of the micro-batch), the twins' count:
+    x-hat, GELU's tanh: ``fused_kernels`` drops those). Attention is tiled (flash) on every
+    device and keeps no probabilities; ``attention_probs`` counts the (s, s) of the GPU's
+    ``--attention gemms``. Per layer, in elements (n = b s tokens of the micro-batch), the
+    twins' count:
 
     - no TP: LN 2nh + 2n (its output, normalised input, mean and 1/std), fused QKV 3nh, the
-      fused attention's output nh, probabilities bas^2 and log-sum-exp an, the projection
+      fused attention's output nh, (probabilities bas^2) and log-sum-exp an, the projection
       with the residual added in place nh, LN 2nh + 2n, fc + bias + GELU 12nh (the
       pre-activation, the output and the tanh), the projection with the residual nh:
       22nh + bas^2 + an + 4n;
@@ -209,8 +211,7 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
     the cross-entropy's shifted logits (TP: and their exponentials), its per-token vectors."""
     s, h, a, V, t, b = model.seq, model.hidden, model.heads, model.vocab, L.tp, L.micro_batch
     n, ab = b * s, settings.param_bytes
-    fused, probs = settings.fused_kernels, settings.attention_probs
-    probs = not fused if probs is None else probs
+    fused, probs = settings.fused_kernels, bool(settings.attention_probs)
     lnb, tanh = (0, 0) if fused else (max(ab, 4), 4 * n * h / t)   # x-hat in fp32; the tanh
     scores = (b * a * s * s * probs + n * a) / t   # the attention's probabilities and lse
     if t == 1:

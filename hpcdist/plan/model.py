@@ -235,7 +235,9 @@ class Settings:
     # hpcdist's fused kernels run (a GPU's; the CPU's on ops of >= device/kernels/cpu.py's
     # MIN_SIZE elements): no LayerNorm x-hat, GELU tanh or attention probabilities kept
     fused_kernels: bool = True
-    attention_probs: bool | None = None   # kept (None: unless fused_kernels; CP's: kept)
+    # attention's (s, s) probabilities kept for backward: only by the GPU's --attention
+    # gemms (tiled attention, every device's default, keeps the log-sum-exp); CP's: kept
+    attention_probs: bool | None = None
     tp_across_nodes: bool = False
     # the share of the experts' all-to-all hidden behind compute (hpcdist: 0, the dispatch
     # waits; DeepSeek-V3's DualPipe overlaps all of it)

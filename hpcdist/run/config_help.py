@@ -63,6 +63,10 @@ HELP = {
         "tf32": "fp32 GEMMs on TF32 tensor cores (GPU with compute capability 8 or more; "
                 "10-bit mantissa inputs, fp32 accumulation; no effect on the CPU)",
         "loss_scale": "fp16: initial dynamic loss scale", "seed": "seed of the model and data",
+        "attention": "attention's implementation: auto (the fastest that can run, measured on "
+                     "the run's shape on a GPU) | flash (tiled, every device) | gemms (GPU: "
+                     "cuBLAS around the fused softmax, T x T kept) | cudnn (GPU, bf16: "
+                     "cuDNN's fused attention, pip install 'hpcdist[cudnn]')",
     },
     "parallelism": {
         "tp": "tensor-parallel size: heads, MLP width and vocabulary split over tp neighbouring "

@@ -116,8 +116,19 @@ def probe_before_mpi(cfg) -> None:
         time.sleep(0.05)
 
 
+def peak_mode(cfg) -> str:
+    """The arithmetic a run's GEMMs use, for its peak: fp32, tf32 (``--tf32`` on fp32), bf16,
+    fp16 or fp64 (a tf32 run against the fp32 peak read "MFU 113.43%" on an H100)."""
+    if cfg.dtype == "fp64":
+        return "fp64"
+    if cfg.precision in ("bf16", "fp16"):
+        return cfg.precision
+    return "tf32" if getattr(cfg, "tf32", False) else "fp32"
+
+
 def gpu_peak(precision: str) -> tuple[float, str]:
-    """(dense FLOP/s of this GPU at ``precision``, where from); (0, why) if unknown."""
+    """(dense FLOP/s of this GPU at ``precision`` — fp32, tf32, bf16, fp16; fp64 counts as
+    fp32's, no card's fp64 being above it — where from); (0, why) if unknown."""
     name = backend.xp().cuda.runtime.getDeviceProperties(0)["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
     for key, card in HARDWARE.items():
@@ -143,7 +154,7 @@ class Meter:
         if backend.device_label() == "double":
             one, self.source = 0.0, "the device double has no peak"
         elif backend.device() == "gpu":
-            one, self.source = gpu_peak(cfg.precision)
+            one, self.source = gpu_peak(peak_mode(cfg))
         else:
             self.cpu = (cores_per_node, np.float64 if cfg.dtype == "fp64" else np.float32)
             one, self.source = cpu_peak(*self.cpu)
@@ -151,12 +162,16 @@ class Meter:
         self.peak = one * self.per_peak
 
     def rate(self, tokens_per_s: float) -> tuple[float, float | None]:
+        """(TFLOP/s, MFU); MFU is None where the peak is unknown or would be exceeded (a
+        peak that a run beats is the wrong peak: it is not reported, never above 100%)."""
         flops = self.per_token * tokens_per_s
         if self.cpu is not None and self.peak and flops / self.peak > self.REPROBE:
             one, _ = cpu_peak(*self.cpu, again=True)
             self.peak = max(self.peak, one * self.per_peak)
             self.cpu = None                           # once a run
-        return flops / 1e12, (flops / self.peak if self.peak else None)
+        if not self.peak or flops > self.peak:
+            return flops / 1e12, None
+        return flops / 1e12, flops / self.peak
 
     def describe(self) -> str:
         if not self.peak:

@@ -40,6 +40,7 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
             "bfloat16)")
     if cfg.tf32:
         emulated += " | " + kernels.describe(cfg.tf32)
+    emulated += " | " + attention_words(cfg)
     moe = (f", {cfg.experts} experts top-{cfg.top_k} ({cfg.router}"
            f"{', every ' + str(cfg.moe_every) + ' blocks' if cfg.moe_every > 1 else ''})"
            if cfg.experts else "")
@@ -51,6 +52,18 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
             f"{cfg.steps} steps x batch {cfg.batch_size} x {data_size} replicas"
             + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
     return [line] + lines[1:] + comm_paths(cfg, strategy)
+
+
+def attention_words(cfg) -> str:
+    """The header's word on attention: which way, in which arithmetic."""
+    way = {"auto": "auto (the fastest way that runs, measured on the first step's shape; the "
+                   "run's end says which)", "flash": "flash (tiled)",
+           "gemms": "gemms (cuBLAS around the fused softmax)", "cudnn": "cuDNN's fused"}
+    if backend.device_label() != "gpu":
+        return "attention flash (tiled" + (", numba + BLAS)" if backend.device_label() == "cpu"
+                                            else ")")
+    kind = kernels.attention.kind(np.float64 if cfg.dtype == "fp64" else np.float32)
+    return f"attention {way[cfg.attention]}, flash kernels {kind}"
 
 
 def cpu_kernels() -> str:

@@ -1,5 +1,6 @@
-"""One GPT 12x768, T 256, batch 16 fp32 training step under torch.profiler: the kernel table
-(CUPTI sees CuPy's kernels too). Run by tests/gpu/session.sh on a lent GPU."""
+"""Two GPT training steps under torch.profiler: the kernel table (CUPTI sees CuPy's kernels
+too). ``python tests/gpu/profile_step.py [MODE [LAYERS EMBD SEQ BATCH VOCAB]]`` (default fp32
+12 768 256 16 50257). Run by tests/gpu/session.sh on a lent GPU."""
 import sys
 
 from torch.profiler import ProfilerActivity, profile
@@ -8,11 +9,14 @@ from hpcdist.bench.gpu import _step_fn
 from hpcdist.device import backend
 
 
-def main(batch=16, mode=sys.argv[1] if len(sys.argv) > 1 else "fp32"):
+def main(mode=sys.argv[1] if len(sys.argv) > 1 else "fp32",
+         shape=tuple(int(a) for a in sys.argv[2:7]) or (12, 768, 256, 16, 50257)):
+    from hpcdist.device import kernels
     backend.init("gpu")
+    kernels.configure(mode == "tf32")
     if mode == "bf16":
         backend.compute_dtype("bf16")
-    step, _ = _step_fn(12, 768, 256, batch, 50257)
+    step, _ = _step_fn(*shape)
     for _ in range(3):
         step()
     backend.synchronize()

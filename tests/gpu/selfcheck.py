@@ -14,7 +14,7 @@ def main():
             t0 = time.perf_counter()
             ok = op.self_check(dt)
             try:
-                worst = f"{op.worst_error(dt, lambda k, op=op, dt=dt: op._kernel(dt, k)):.2e}"
+                worst = f"{op.worst_error(dt, lambda k, d=None, op=op, dt=dt: op._kernel(dt, k, d)):.2e}"
             except Exception as e:                     # the reason is in refusals()
                 worst = type(e).__name__
             bad += not ok

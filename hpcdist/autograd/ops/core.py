@@ -143,13 +143,15 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
            residual: Tensor | None = None) -> Tensor:
     """``x @ w + b (+ residual)`` as one node: the bias (and a residual stream) added into
     the product in place, one fused pass on a GPU (kernels.BIAS_RESIDUAL); the bias's
-    gradient one row sum, added straight into its buffer where it has one (COLSUM_ADD)."""
+    gradient one row sum, added straight into its buffer where it has one (COLSUM_ADD).
+    x and the gradient are converted once (kernels.operand: bf16 runs) for the products they
+    enter; w where it is used (kept, it would hold ZeRO-3's gathered weights alive)."""
     if x.ndim < 2:
         y = matmul(x, w)
         y = y if b is None else add(y, b)
         return y if residual is None else add(y, residual)
-    mm = kernels.matmul
-    out = mm(x.data, w.data)
+    xo = kernels.operand(x.data)
+    out = kernels.product(xo, kernels.operand(w.data))
     if b is not None or residual is not None:
         kernels.BIAS_RESIDUAL(out, None if b is None else b.data,
                               None if residual is None else residual.data)
@@ -157,12 +159,13 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
 
     def backward(g):
         gx = gw = gb = None
-        if needs_grad(x):
-            gx = mm(g, w.data.T)
+        go = kernels.operand(g)
+        if needs_grad(x):                   # (w read now: ZeRO-3 gathers it again)
+            gx = kernels.product(go, kernels.operand(w.data).T)
         if needs_grad(w) or (b is not None and needs_grad(b)):
             g2 = g.reshape(-1, m)
             if needs_grad(w):
-                gw = _weight_grad(x.data.reshape(-1, k).T, g2, w)
+                gw = _weight_grad(xo.reshape(-1, k).T, go.reshape(-1, m), w)
             if b is not None and needs_grad(b):
                 gb = _bias_grad(g2, b)
         grads = (gx, gw) if b is None else (gx, gw, gb)
@@ -174,16 +177,17 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
 def linear_gelu(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """``gelu(x @ w + b)`` as one node: the bias and the GELU in one pass after the GEMM
     (kernels.BIAS_GELU), the GELU's backward in one more (GELU_BWD)."""
-    mm, (k, m) = kernels.matmul, w.shape
-    h = mm(x.data, w.data)
+    k, m = w.shape
+    xo = kernels.operand(x.data)
+    h = kernels.product(xo, kernels.operand(w.data))
     out, t = kernels.BIAS_GELU(h, b.data)                 # h now holds x @ w + b
 
     def backward(g):
         gh = kernels.GELU_BWD(h, g, t)
-        gx = mm(gh, w.data.T) if needs_grad(x) else None
-        g2 = gh.reshape(-1, m)
-        gw = _weight_grad(x.data.reshape(-1, k).T, g2, w) if needs_grad(w) else None
-        return gx, gw, _bias_grad(g2, b) if needs_grad(b) else None
+        go = kernels.operand(gh)
+        gx = kernels.product(go, kernels.operand(w.data).T) if needs_grad(x) else None
+        gw = _weight_grad(xo.reshape(-1, k).T, go.reshape(-1, m), w) if needs_grad(w) else None
+        return gx, gw, _bias_grad(gh.reshape(-1, m), b) if needs_grad(b) else None
     return Tensor._make(out, (x, w, b), backward)
 
 
@@ -208,14 +212,14 @@ def grad_buffer(t: Tensor):
 
 
 def _weight_grad(xt, g2, w: Tensor):
-    """``xt @ g2``, w's gradient: added by the GEMM itself into w's gradient buffer where it has
-    one and the device can (kernels.matmul_add: no product array, no addition by the
-    engine), else returned."""
+    """``xt @ g2`` (two ``kernels.operand``s), w's gradient: added by the GEMM itself into w's
+    gradient buffer where it has one and the device can (kernels.matmul_add: no product
+    array, no addition by the engine), else returned."""
     into, stale = grad_target(w)
     if into is not None and kernels.matmul_add(xt, g2, into, overwrite=stale):
         written(w)
         return ACCUMULATED
-    return kernels.matmul(xt, g2)
+    return kernels.product(xt, g2)
 
 
 def _bias_grad(g2, b: Tensor):

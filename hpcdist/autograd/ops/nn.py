@@ -33,12 +33,14 @@ def attend(x: Tensor, w: Tensor) -> Tensor:
     to the embedding — as one node: w's gradient ``g^T x`` goes into its buffer inside the
     GEMM where it can (``_weight_grad``), not through a transposed (V, C) array added with
     strides (3.5 ms of a GPT 6x384 step on 2 threads)."""
-    mm, (V, C) = kernels.matmul, w.shape
-    out = mm(x.data, w.data.T)
+    V, C = w.shape
+    xo = kernels.operand(x.data)
+    out = kernels.product(xo, kernels.operand(w.data).T)
 
     def backward(g):
-        gx = mm(g, w.data) if needs_grad(x) else None
-        gw = _weight_grad(g.reshape(-1, V).T, x.data.reshape(-1, C), w) \
+        go = kernels.operand(g)
+        gx = kernels.product(go, kernels.operand(w.data)) if needs_grad(x) else None
+        gw = _weight_grad(go.reshape(-1, V).T, xo.reshape(-1, C), w) \
             if needs_grad(w) else None
         return gx, gw
     return Tensor._make(out, (x, w), backward)
@@ -62,15 +64,17 @@ def causal_softmax(a: Tensor, scale: float, past: int = 0) -> Tensor:
     return Tensor._make(out, (a,), lambda g: (kernels.SOFTMAX_CAUSAL_BWD(g, out, scale),))
 
 
-def fused_attention(qkv: Tensor, n_head: int) -> Tensor:
-    """Causal self-attention straight from the fused projection qkv (B, T, 3C) -> (B, T, C):
-    scores, mask, softmax and the weighted sum as one kernel on a GPU, the gradient dqkv as
-    one more (kernels.ATTENTION_FWD / _BWD); no dropout on the probabilities, no KV cache
-    (nn.gpt.attention takes the op-by-op path for those)."""
-    scale = 1.0 / (qkv.shape[-1] // 3 // n_head) ** 0.5
-    y, lse, att = kernels.ATTENTION_FWD(qkv.data, n_head, scale)
+def fused_attention(qkv: Tensor, n_head: int, n_kv_head: int | None = None) -> Tensor:
+    """Causal self-attention straight from the fused projection qkv (B, T, (nh + 2 nkv) hs)
+    -> (B, T, nh hs), ``n_kv_head`` key/value heads (default ``n_head``; fewer: grouped-query
+    attention, each shared by n_head / n_kv_head query heads): tiled (flash) attention, one
+    kernel forward and three backward on a GPU (kernels.attention_fwd / _bwd); no dropout on
+    the probabilities, no KV cache (nn.gpt.attention takes the op-by-op path for those)."""
+    n_kv_head = n_kv_head or n_head
+    scale = 1.0 / kernels.flash.head_size(qkv.shape[-1], n_head, n_kv_head) ** 0.5
+    y, lse, saved = kernels.attention_fwd(qkv.data, n_head, n_kv_head, scale)
     return Tensor._make(y, (qkv,), lambda g: (
-        kernels.ATTENTION_BWD(qkv.data, y, g, lse, n_head, scale, att),))
+        kernels.attention_bwd(qkv.data, y, g, lse, n_head, n_kv_head, scale, saved),))
 
 
 def log_softmax(a: Tensor, axis: int = -1) -> Tensor:

@@ -1,14 +1,17 @@
 """The fused kernels of a GPT step, each beside its NumPy twin (fused.py says how they run):
 GELU (and bias + GELU), LayerNorm, scale + causal mask + softmax, causal attention from the
-fused q|k|v projection, cross-entropy with its gradient, AdamW over the flat buffer, bias +
+fused q|k|v projection (tiled: flash.py), cross-entropy with its gradient, AdamW over the flat buffer, bias +
 residual, a bias's gradient added into its buffer (forward and backward), bf16 GEMMs on
 tensor cores (gemm.py), and the mixture of experts' permutation and combine (moe.py).
 elementwise.py, rows.py, attention.py, gemm.py and moe.py hold them.
 
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
-from .attention import ATTENTION_BWD, ATTENTION_FWD, attention_bwd_twin, attention_twin
+from .attention import attention_bwd, attention_bwd_twin, attention_fwd, attention_twin
+from .flash import FLASH_BWD, FLASH_FWD, flash_bwd_twin, flash_twin
+from .cudnn_attention import CUDNN_BWD, CUDNN_FWD
 from .common import GELU_C
-from .gemm import (BF16_GEMM, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
+from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
+                   operand, product,
                    matmul_add)
 from .elementwise import (ADAMW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
                           adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
@@ -20,8 +23,7 @@ from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNOR
 from .moe import (MOE_COMBINE, MOE_COMBINE_BWD, MOE_PERMUTE, combine_bwd_twin, combine_twin,
                   permute_twin)
 from . import cpu as _cpu
-from .cpu_attention import attention_bwd as _cpu_attention_bwd
-from .cpu_attention import attention_fwd as _cpu_attention_fwd
+from . import cpu_attention as _cpu_attention
 from .. import fused as _fused
 
 # Each fused op's CPU kernel (cpu.py): the twin's signature, taken where cpu.wanted says.
@@ -32,18 +34,21 @@ for _op, _fn in ((BIAS_GELU, _cpu.bias_gelu), (GELU_FWD, _cpu.gelu), (GELU_BWD, 
                  (SOFTMAX_CAUSAL_BWD, _cpu.softmax_causal_bwd),
                  (CROSS_ENTROPY_FWD, _cpu.cross_entropy),
                  (CROSS_ENTROPY_BWD, _cpu.cross_entropy_bwd),
-                 (ATTENTION_FWD, _cpu_attention_fwd), (ATTENTION_BWD, _cpu_attention_bwd),
                  (MOE_PERMUTE, _cpu.moe_permute), (MOE_COMBINE, _cpu.moe_combine),
                  (MOE_COMBINE_BWD, _cpu.moe_combine_bwd)):
     _op.cpu = _fn
+for _kind in ("exact", "bf16"):                  # (TF32 is the GPU's alone)
+    FLASH_FWD[_kind].cpu = _cpu_attention.flash_fwd(_kind)
+    FLASH_BWD[_kind].cpu = _cpu_attention.flash_bwd(_kind)
 _fused.cpu_wanted = _cpu.wanted
 
-__all__ = ["ADAMW", "ATTENTION_BWD", "ATTENTION_FWD", "BF16_GEMM", "BIAS_GELU", "MOE_COMBINE",
+__all__ = ["ADAMW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD", "BIAS_GELU", "MOE_COMBINE",
            "MOE_COMBINE_BWD", "MOE_PERMUTE", "combine_bwd_twin", "combine_twin", "permute_twin",
            "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",
            "GELU_BWD", "GELU_C", "GELU_FWD", "LAYERNORM_BWD", "LAYERNORM_FWD",
-           "ROUND_BF16", "SOFTMAX_CAUSAL_BWD", "SOFTMAX_CAUSAL_FWD", "TO_BF16", "adam_step_twin", "adamw_twin",
-           "attention_bwd_twin", "attention_twin", "bias_gelu_twin",
+           "FROM_BF16", "ROUND_BF16", "SOFTMAX_CAUSAL_BWD", "operand", "product", "SOFTMAX_CAUSAL_FWD", "TO_BF16", "adam_step_twin", "adamw_twin",
+           "attention_bwd", "attention_bwd_twin", "attention_fwd", "attention_twin",
+           "bias_gelu_twin", "flash_bwd_twin", "flash_twin",
            "bias_residual_twin", "colsum_add_twin", "configure", "describe",
            "cross_entropy_bwd_twin", "cross_entropy_twin", "gelu_bwd_twin", "gelu_twin",
            "gemm_twin", "layernorm_bwd_twin", "layernorm_twin", "matmul", "matmul_add",

@@ -1,93 +1,28 @@
-"""Causal self-attention straight from the fused q|k|v projection: one kernel each way, or on a
-GPU where the scores fit, batched GEMMs around the fused causal softmax (GEMM_BYTES)."""
+"""Causal self-attention from the fused q|k|v projection: which implementation runs, where.
+
+Everywhere, tiled (flash) attention (flash.py): O(T) memory at any context length, its kind of
+arithmetic (exact, bf16 or TF32 tensor cores) following the run's precision; on the CPU its
+numba + BLAS kernels (cpu_attention.py). On a GPU two more ways: ``gemms``, PyTorch eager's
+(batched cuBLAS GEMMs around the fused causal softmax, the (T, T) probabilities kept for the
+backward), and ``cudnn``, cuDNN's fused attention (bf16; cudnn_attention.py). ``--attention
+auto`` times the ways that can run on the run's own shape on its first call and keeps the
+fastest (``choice()`` says which, for the run header)."""
 from __future__ import annotations
 
-import math
+import time
 
 import numpy as np
 
 from .. import backend
-from ..fused import Fused
-from .common import _COMMON, _scalar
+from . import cudnn_attention, gemm
+from .flash import FLASH_BWD, FLASH_FWD, head_size
 from .gemm import matmul as gemm_matmul
 from .rows import (SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, softmax_causal_bwd_twin,
                    softmax_causal_twin)
 
-# ---- causal attention from the fused q|k|v projection ---------------------------------------
-
-_ATTENTION = _COMMON + r"""
-// qkv (B, T, 3C): q, k, v side by side, C = nh * hs; one block per (batch, head, query i).
-// y (B, T, C) = softmax(scale q_i k_j, j <= i) v_j; lse (B, nh, T) = the softmax's log-sum-exp.
-// Dynamic shared memory: T values of A (the row's scores, then probabilities).
-extern "C" __global__ void attention_fwd(const T* qkv, T* y, A* lse, int B, int Tn, int nh,
-                                         int hs, A scale) {
-    extern __shared__ unsigned char smem[];
-    A* p = (A*)smem;
-    __shared__ A shared[32];
-    long long row = blockIdx.x;                     // ((b * nh) + h) * T + i
-    if (row >= (long long)B * nh * Tn) return;
-    int i = (int)(row % Tn), h = (int)((row / Tn) % nh);
-    long long b = row / ((long long)Tn * nh);
-    long long C = (long long)nh * hs, C3 = 3 * C;
-    const T* q = qkv + (b * Tn + i) * C3 + (long long)h * hs;
-    A mx = NEG_INF;
-    for (int j = threadIdx.x; j <= i; j += blockDim.x) {
-        const T* k = qkv + (b * Tn + j) * C3 + C + (long long)h * hs;
-        A s = 0;
-        for (int d = 0; d < hs; d++) s += (A)q[d] * (A)k[d];
-        s *= scale;
-        p[j] = s;
-        mx = max(mx, s);
-    }
-    mx = block_max(mx, shared);
-    A sum = 0;
-    for (int j = threadIdx.x; j <= i; j += blockDim.x) { A e = exp(p[j] - mx); p[j] = e; sum += e; }
-    sum = block_sum(sum, shared);                   // (its barrier also publishes p)
-    for (int d = threadIdx.x; d < hs; d += blockDim.x) {
-        A acc = 0;
-        for (int j = 0; j <= i; j++) acc += p[j] * (A)qkv[(b * Tn + j) * C3 + 2 * C + (long long)h * hs + d];
-        y[(b * Tn + i) * C + (long long)h * hs + d] = (T)(acc / sum);
-    }
-    if (threadIdx.x == 0) lse[row] = mx + log(sum);
-}
-// The gradient dqkv (zeroed by the caller): per query i, D = dy_i . y_i;
-// p_j = exp(scale q_i k_j - lse_i), ds_j = p_j (dy_i . v_j - D);
-// dq_i = scale sum_j ds_j k_j; dk_j += scale ds_j q_i; dv_j += p_j dy_i (atomic over i).
-extern "C" __global__ void attention_bwd(const T* qkv, const T* y, const T* dy, const A* lse,
-                                         T* dqkv, int B, int Tn, int nh, int hs, A scale) {
-    extern __shared__ unsigned char smem[];
-    A* ds = (A*)smem;
-    __shared__ A shared[32];
-    long long row = blockIdx.x;
-    if (row >= (long long)B * nh * Tn) return;
-    int i = (int)(row % Tn), h = (int)((row / Tn) % nh);
-    long long b = row / ((long long)Tn * nh);
-    long long C = (long long)nh * hs, C3 = 3 * C;
-    long long qo = (b * Tn + i) * C3 + (long long)h * hs, yo = (b * Tn + i) * C + (long long)h * hs;
-    A D = 0;
-    for (int d = threadIdx.x; d < hs; d += blockDim.x) D += (A)dy[yo + d] * (A)y[yo + d];
-    D = block_sum(D, shared);
-    A l = lse[row];
-    for (int j = threadIdx.x; j <= i; j += blockDim.x) {
-        long long ko = (b * Tn + j) * C3 + C + (long long)h * hs, vo = ko + C;
-        A s = 0, dp = 0;
-        for (int d = 0; d < hs; d++) { s += (A)qkv[qo + d] * (A)qkv[ko + d]; dp += (A)dy[yo + d] * (A)qkv[vo + d]; }
-        A pj = exp(s * scale - l);
-        A dsj = pj * (dp - D);
-        ds[j] = dsj;
-        for (int d = 0; d < hs; d++) {
-            atomicAdd(dqkv + ko + d, (T)(scale * dsj * (A)qkv[qo + d]));
-            atomicAdd(dqkv + vo + d, (T)(pj * (A)dy[yo + d]));
-        }
-    }
-    __syncthreads();
-    for (int d = threadIdx.x; d < hs; d += blockDim.x) {
-        A acc = 0;
-        for (int j = 0; j <= i; j++) acc += ds[j] * (A)qkv[(b * Tn + j) * C3 + C + (long long)h * hs + d];
-        dqkv[qo + d] = (T)(scale * acc);
-    }
-}
-"""
+PATHS = ("auto", "flash", "gemms", "cudnn")
+_path = "auto"
+_chosen: dict = {}              # (shape, dtype, kind) -> the path auto measured fastest
 
 
 def _qkv_heads(qkv, n_head):
@@ -99,9 +34,9 @@ def _qkv_heads(qkv, n_head):
             r[:, :, 2].transpose(0, 2, 1, 3))
 
 
-def attention_twin(qkv, n_head, scale, path=None):
-    """(y (B, T, C), lse (B, nh, T), the probabilities (B, nh, T, T) for the backward).
-    ``path`` names the launcher's way (the twin has one)."""
+def attention_twin(qkv, n_head, scale):
+    """(y (B, T, C), lse (B, nh, T), the probabilities (B, nh, T, T)): the whole (T, T) at
+    once, the plain definition (the tests' oracle for the tiled twin and kernels)."""
     return _attention(qkv, n_head, scale, softmax_causal_twin, backend.matmul)
 
 
@@ -149,73 +84,129 @@ def _attention_bwd(qkv, dy, lse, n_head, scale, att, softmax_bwd, mm):
     return out
 
 
-# On a GPU, attention whose scores fit GEMM_BYTES per call runs as batched GEMMs (cuBLAS)
-# around the fused causal softmax, keeping the probabilities for the backward (PyTorch eager's
-# way); larger ones run the one-kernel-each-way row kernels above, which keep only lse. The
-# row kernels read q and k once per query and add dk, dv with atomics: on an H200 at GPT
-# 12x768, T 256, batch 16 the backward took 12 ms a layer, the GEMM path well under one.
-GEMM_BYTES = 256 << 20
+
+# ---- which way runs -------------------------------------------------------------------------
+
+def configure(path: str = "auto") -> None:
+    """The run's ``--attention``: auto | flash | gemms | cudnn. gemms and cudnn where they can
+    run (a GPU; gemms: n_kv_head == n_head; cudnn: bf16 and a head size it takes), flash
+    elsewhere; ``check`` says in one line when the run's settings rule the asked one out."""
+    global _path
+    if path not in PATHS:
+        raise ValueError(f"--attention must be one of {', '.join(PATHS)}, got {path!r}")
+    _path = path
+    _chosen.clear()
 
 
-def _gemm_path(qkv, n_head, path) -> bool:
-    if path is not None:
-        return path == "gemms"
-    B, T = qkv.shape[:2]
-    return B * n_head * T * T * qkv.dtype.itemsize <= GEMM_BYTES
+def check(path: str, precision: str, head: int, device: str) -> str | None:
+    """Why ``--attention path`` cannot run with these settings (None: it can)."""
+    if path in ("auto", "flash"):
+        return None
+    if device != "gpu":
+        return f"--attention {path} runs on a GPU (this run: --device {device}); flash runs here"
+    if path == "cudnn":
+        if precision != "bf16":
+            return (f"--attention cudnn takes bf16 (cuDNN's fused attention has no {precision}"
+                    f" kernel): use --precision bf16 or --attention flash")
+        if not cudnn_attention.takes(head):
+            return f"--attention cudnn: cuDNN takes head sizes of a multiple of 8 up to 128, not {head}"
+        return cudnn_attention.why_not()
+    return None
 
 
-def _attention_launch(k, qkv, n_head, scale, path=None):
-    xp = backend.xp()
-    qkv = xp.ascontiguousarray(qkv)
-    if _gemm_path(qkv, n_head, path):
-        return _attention(qkv, n_head, scale, SOFTMAX_CAUSAL_FWD, gemm_matmul, with_lse=False)
-    B, T, C3 = qkv.shape
-    hs = C3 // 3 // n_head
-    acc = np.float64 if qkv.dtype == np.float64 else np.float32
-    y = xp.empty((B, T, C3 // 3), dtype=qkv.dtype)
-    lse = xp.empty((B, n_head, T), dtype=acc)
-    k("attention_fwd")((max(B * n_head * T, 1),), (128,),
-                       (qkv, y, lse, np.int32(B), np.int32(T), np.int32(n_head), np.int32(hs),
-                        _scalar(acc, scale)), shared_mem=T * np.dtype(acc).itemsize)
-    return y, lse.astype(qkv.dtype, copy=False), None
+def kind(dtype) -> str:
+    """The flash kernels' arithmetic for arrays of ``dtype`` in this run."""
+    if np.dtype(dtype) != np.float32:
+        return "exact"
+    if backend.bf16_emulated():
+        return "bf16"
+    return "tf32" if gemm.tf32_on() and backend.device_label() == "gpu" else "exact"
 
 
-def _attention_bwd_launch(k, qkv, y, dy, lse, n_head, scale, att=None):
-    xp = backend.xp()
-    qkv = xp.ascontiguousarray(qkv)
-    if att is not None:                     # the forward took the GEMM path
-        return _attention_bwd(qkv, dy, lse, n_head, scale, att, SOFTMAX_CAUSAL_BWD,
-                              gemm_matmul)
-    B, T, C3 = qkv.shape
-    hs = C3 // 3 // n_head
-    acc = np.float64 if qkv.dtype == np.float64 else np.float32
-    dqkv = xp.zeros_like(qkv)
-    k("attention_bwd")((max(B * n_head * T, 1),), (128,),
-                       (qkv, xp.ascontiguousarray(y), xp.ascontiguousarray(dy),
-                        xp.ascontiguousarray(lse, dtype=acc), dqkv, np.int32(B), np.int32(T),
-                        np.int32(n_head), np.int32(hs), _scalar(acc, scale)),
-                       shared_mem=T * np.dtype(acc).itemsize)
-    return dqkv
+def candidates(qkv, n_head, n_kv_head) -> list:
+    """The ways this call can run: flash everywhere; on a GPU the GEMM path (n_kv_head ==
+    n_head) and cuDNN's (bf16, a head size it takes, the frontend installed)."""
+    ways = ["flash"]
+    if backend.device_label() != "gpu":
+        return ways
+    if n_kv_head == n_head:
+        ways.append("gemms")
+    hs = head_size(qkv.shape[-1], n_head, n_kv_head)
+    if kind(qkv.dtype) == "bf16" and cudnn_attention.takes(hs) and \
+            cudnn_attention.why_not() is None:
+        ways.append("cudnn")
+    return ways
 
 
-def _attention_cases(xp, rng, dt, backward=False):
-    """Each shape on both paths: the row kernels, and GEMMs around the fused softmax."""
-    for B, T, nh, hs in ((1, 1, 1, 1), (2, 5, 3, 4), (1, 17, 2, 64), (2, 64, 4, 16)):
-        qkv = xp.asarray(rng.standard_normal((B, T, 3 * nh * hs)).astype(dt))
-        scale = 1.0 / math.sqrt(hs)
-        if not backward:
-            yield qkv, nh, scale, "kernels"
-            yield qkv, nh, scale, "gemms"
-        else:
-            y, lse, att = attention_twin(qkv, nh, scale)
-            dy = xp.asarray(rng.standard_normal(y.shape).astype(dt))
-            yield qkv, y, dy, lse, nh, scale
-            yield qkv, y, dy, lse, nh, scale, att
+def path_for(qkv, n_head, n_kv_head, scale) -> str:
+    """The way this call runs (auto: measured once per shape, dtype and kind)."""
+    ways = candidates(qkv, n_head, n_kv_head)
+    if _path != "auto":
+        return _path if _path in ways else "flash"
+    key = (tuple(qkv.shape), n_head, n_kv_head, qkv.dtype.name, kind(qkv.dtype))
+    if key not in _chosen:
+        _chosen[key] = _measure(qkv, n_head, n_kv_head, scale, ways) if len(ways) > 1 \
+            else ways[0]
+    return _chosen[key]
 
 
-ATTENTION_FWD = Fused("attention_fwd", _ATTENTION, ["attention_fwd"], _attention_launch,
-                      attention_twin, lambda xp, rng, dt: _attention_cases(xp, rng, dt),
-                      compare=2, may_skip=lambda args: args[-1] == "gemms")
-ATTENTION_BWD = Fused("attention_bwd", _ATTENTION, ["attention_bwd"], _attention_bwd_launch,
-                      attention_bwd_twin,
-                      lambda xp, rng, dt: _attention_cases(xp, rng, dt, True), tolerance=1e-4)
+def choice() -> str:
+    """What ``auto`` picked so far, in words (the run header and the bench)."""
+    if _path != "auto":
+        return _path
+    if not _chosen:
+        return "auto"
+    return "; ".join(f"{path} at B, T = {shape[0]}, {shape[1]}"
+                     for (shape, *_), path in _chosen.items())
+
+
+def _measure(qkv, n_head, n_kv_head, scale, ways) -> str:
+    """The fastest of ``ways`` on this shape: forward + backward, best of 3 after one."""
+    dy = backend.xp().ones(qkv.shape[:2] + (head_size(qkv.shape[-1], n_head, n_kv_head)
+                                            * n_head,), dtype=qkv.dtype)
+    best = {}
+    for path in ways:
+        times = []
+        for _ in range(4):
+            backend.synchronize()
+            t0 = time.perf_counter()
+            y, lse, saved = _forward(path, qkv, n_head, n_kv_head, scale)
+            _backward(qkv, y, dy, lse, n_head, n_kv_head, scale, saved)
+            backend.synchronize()
+            times.append(time.perf_counter() - t0)
+        best[path] = min(times[1:])            # (the first compiles and self-checks)
+    return min(best, key=best.get)
+
+
+def _forward(path, qkv, n_head, n_kv_head, scale):
+    """(y, lse, what the backward needs to know: None for flash, or (path, its arrays))."""
+    if path == "gemms":
+        y, lse, att = _attention(backend.xp().ascontiguousarray(qkv), n_head, scale,
+                                 SOFTMAX_CAUSAL_FWD, gemm_matmul, with_lse=False)
+        return y, lse, ("gemms", att)
+    if path == "cudnn":
+        y, stats = cudnn_attention.CUDNN_FWD(qkv, n_head, n_kv_head, scale)
+        return y, stats, ("cudnn", None)
+    y, lse = FLASH_FWD[kind(qkv.dtype)](qkv, n_head, n_kv_head, scale)
+    return y, lse, None
+
+
+def _backward(qkv, y, dy, lse, n_head, n_kv_head, scale, saved):
+    if saved is not None and saved[0] == "gemms":
+        return _attention_bwd(backend.xp().ascontiguousarray(qkv), dy, lse, n_head, scale,
+                              saved[1], SOFTMAX_CAUSAL_BWD, gemm_matmul)
+    if saved is not None and saved[0] == "cudnn":
+        return cudnn_attention.CUDNN_BWD(qkv, y, dy, lse, n_head, n_kv_head, scale)
+    return FLASH_BWD[kind(qkv.dtype)](qkv, y, dy, lse, n_head, n_kv_head, scale)
+
+
+def attention_fwd(qkv, n_head: int, n_kv_head: int, scale: float):
+    """(y (B, T, n_head hs), lse (B, n_head, T), what the backward needs) of causal attention
+    over qkv (B, T, (n_head + 2 n_kv_head) hs): the arguments ``attention_bwd`` takes."""
+    head_size(qkv.shape[-1], n_head, n_kv_head)
+    return _forward(path_for(qkv, n_head, n_kv_head, scale), qkv, n_head, n_kv_head, scale)
+
+
+def attention_bwd(qkv, y, dy, lse, n_head: int, n_kv_head: int, scale: float, saved=None):
+    """dqkv (the shape of qkv) of y = attention_fwd(qkv)[0] against dy."""
+    return _backward(qkv, y, dy, lse, n_head, n_kv_head, scale, saved)

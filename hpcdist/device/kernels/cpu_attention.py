@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import cpu
+from .flash import ROUNDING, flash_bwd_twin, flash_twin
 from ...host import blas
 
 
@@ -121,3 +122,28 @@ def attention_bwd(qkv, y, dy, lse, n_head, scale, att=None):
     for blk in blocks(B, n_head, T, qkv.itemsize):
         block(blk)
     return dqkv
+
+
+def flash_fwd(kind: str):
+    """The flash op's CPU kernel for ``kind`` (the twin's signature: (y, lse)): the kernels
+    above on q, k, v rounded as the twin rounds them; grouped-query attention: the twin."""
+    rounding = ROUNDING[kind]
+
+    def run(qkv, nh, nkv, scale):
+        if nkv != nh:
+            return flash_twin(qkv, nh, nkv, scale, rounding)
+        y, lse, _ = attention_fwd(qkv if rounding is None else rounding(qkv), nh, scale)
+        return y, lse
+    return run
+
+
+def flash_bwd(kind: str):
+    rounding = ROUNDING[kind]
+
+    def run(qkv, y, dy, lse, nh, nkv, scale):
+        if nkv != nh:
+            return flash_bwd_twin(qkv, y, dy, lse, nh, nkv, scale, rounding)
+        if rounding is not None:
+            qkv, dy = rounding(qkv), rounding(dy)
+        return attention_bwd(qkv, y, dy, lse, nh, scale)
+    return run

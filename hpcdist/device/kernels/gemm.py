@@ -25,6 +25,11 @@ extern "C" __global__ void to_bf16(const T* x, unsigned short* y, long long n) {
     u += 0x7fffu + ((u >> 16) & 1u);
     y[i] = (unsigned short)(u >> 16);
 }
+// bf16 words back to float (exact)
+extern "C" __global__ void from_bf16(const unsigned short* x, T* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = (T)__uint_as_float((unsigned)x[i] << 16);
+}
 // the same rounding, kept as float32 (a batched GEMM's operands: cuBLAS has no batched gemmEx
 // in CuPy's surface, so they are rounded here and multiplied in fp32)
 extern "C" __global__ void round_bf16(const T* x, T* y, long long n) {
@@ -51,9 +56,19 @@ def lib(dotted: str):
     return getattr(backend.cupy_library(_ROOTS[module]), name)
 
 
+_tf32 = False
+
+
+def tf32_on() -> bool:
+    """Whether this run asked for TF32 (``--tf32``): its fp32 GEMMs and attention use it."""
+    return _tf32
+
+
 def configure(tf32: bool) -> None:
     """The GEMM modes of this run on a GPU: TF32 for fp32 or not, fp16 accumulating in fp32
     (no-op elsewhere)."""
+    global _tf32
+    _tf32 = bool(tf32)
     if backend.device_label() != "gpu":
         return
     fp32 = lib("linalg.COMPUTE_TYPE_TF32") if tf32 else lib("linalg.COMPUTE_TYPE_DEFAULT")
@@ -86,18 +101,25 @@ def _to_bf16(k, x):
 
 
 def _gemm_launch(k, a, b):
-    """(n, k) @ (k, m) in bf16 on tensor cores, fp32 out. cuBLAS is column-major: the
-    row-major product C = A B is C^T = B^T A^T, so B goes first."""
+    """(n, k) @ (k, m) in bf16 on tensor cores, fp32 out."""
+    (ab, at), (bb, bt) = _operand(a), _operand(b)
+    words = (lambda x, t: _to_bf16(k, x).T if t else _to_bf16(k, x))
+    return _gemm_words(words(ab, at), words(bb, bt))
+
+
+def _gemm_words(aw, bw):
+    """(n, k) @ (k, m) of bf16 words (uint16; each C-contiguous or the transpose of one), fp32
+    out. cuBLAS is column-major: the row-major product C = A B is C^T = B^T A^T, so B goes
+    first."""
     xp = backend.xp()
-    (n, kk), m = a.shape, b.shape[1]
+    (n, kk), m = aw.shape, bw.shape[1]
     out = xp.empty((n, m), dtype=xp.float32)
     if not (n and m):
         return out
     if not kk:
         out.fill(0)
         return out
-    (ab, at), (bb, bt) = _operand(a), _operand(b)
-    aw, bw = _to_bf16(k, ab), _to_bf16(k, bb)
+    (aw, at), (bw, bt) = _operand(aw), _operand(bw)
     one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
     cublas, bf16 = lib("cublas.gemmEx"), lib("runtime.CUDA_R_16BF")
     trans = (lib("cublas.CUBLAS_OP_N"), lib("cublas.CUBLAS_OP_T"))
@@ -130,6 +152,18 @@ BF16_GEMM = Fused("bf16_gemm", _TO_BF16, ["to_bf16"], _gemm_launch, gemm_twin, _
                   launches=3, tolerance=1e-4, dtypes=("float32",), library="cuBLAS gemmEx")
 
 
+def _from_bf16(k, words):
+    xp = backend.xp()
+    out = xp.empty(words.shape, dtype=np.float32)
+    k("from_bf16")(*grid(words.size), (words, out, np.int64(words.size)))
+    return out
+
+
+def _round_trip_launch(k, x):
+    """float32 -> bf16 words -> float32: both conversion kernels, against round_to_bf16."""
+    return _from_bf16(k, _to_bf16(k, backend.xp().ascontiguousarray(x)))
+
+
 def _words_launch(k, x):
     """The conversion alone, its words read back as float32 (the kernel's own check)."""
     words = _to_bf16(k, backend.xp().ascontiguousarray(x))
@@ -149,6 +183,12 @@ TO_BF16 = Fused("to_bf16", _TO_BF16, ["to_bf16"], _words_launch, backend.round_t
                 _words_cases, tolerance=0.0, dtypes=("float32",))
 
 
+# the way back from words (cuDNN's attention outputs bf16: kernels/cudnn_attention.py)
+FROM_BF16 = Fused("from_bf16", _TO_BF16, ["to_bf16", "from_bf16"], _round_trip_launch,
+                  backend.round_to_bf16, _words_cases, launches=2, tolerance=0.0,
+                  dtypes=("float32",))
+
+
 def matmul(a, b):
     """``a @ b`` as the run's precision asks: bf16 emulated in float32 storage runs each
     2-D-foldable GEMM through ``BF16_GEMM`` (tensor cores on a GPU) and, on a GPU, rounds a
@@ -163,6 +203,33 @@ def matmul(a, b):
         return backend.matmul(a, b)
     out = BF16_GEMM(a.reshape(-1, a.shape[-1]), b)
     return out.reshape(a.shape[:-1] + b.shape[-1:])
+
+
+def operand(x):
+    """``x`` as this run's GEMMs take it, converted once for every product it enters (an op
+    keeps it for its backward): under bf16 emulation, bf16 words on a GPU whose BF16_GEMM
+    passed its check (one TO_BF16 pass), else its bf16 values in float32; otherwise x. A
+    linear layer's six conversions a step (x and w for y, dy and w for dx, x and dy for dw)
+    become three: x, w, dy."""
+    if not (backend.bf16_emulated() and x.dtype == np.float32):
+        return x
+    if BF16_GEMM.ready("float32"):
+        xp = backend.xp()
+        base, t = _operand(x) if x.ndim == 2 else (xp.ascontiguousarray(x), False)
+        words = _to_bf16(lambda name: BF16_GEMM._kernel("float32", name), base)
+        return words.T if t else words
+    return backend.round_to_bf16(x)
+
+
+def product(a, b):
+    """``a @ b`` of two ``operand`` results: (..., k) @ (k, m), any leading axes on a
+    contiguous left side, or 2-D views (transposes too)."""
+    if a.dtype == np.uint16:
+        if a.ndim > 2:
+            out = _gemm_words(a.reshape(-1, a.shape[-1]), b)
+            return out.reshape(a.shape[:-1] + b.shape[-1:])
+        return _gemm_words(a, b)
+    return backend.matmul(a, b, rounding=False)
 
 
 def matmul_add(a, b, into, overwrite: bool = False) -> bool:

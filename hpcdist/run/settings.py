@@ -1,0 +1,94 @@
+"""The training settings checked one at a time, before any rank does any work: positive
+numbers, the choices each setting takes, and the checks no feature owns (``SETTINGS``:
+(setting, check -> a one-line message or falsy); what each feature runs with is declared
+in parallel/capabilities.py). config.validate applies them in order."""
+from __future__ import annotations
+
+import codecs
+
+from ..device import backend
+
+POSITIVE = ("length", "num_digits", "block_size", "n_layer", "n_head", "n_embd", "steps",
+            "batch_size", "log_every", "eval_batch", "grad_accum", "bucket_mb", "first_bucket_mb",
+            "loss_scale")
+CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
+           "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
+           "compress": ("none", "fp16", "topk", "powersgd"),
+           "precision": ("fp32", "fp16", "bf16"),
+           "backend": ("mpi", "nccl"), "strategy": ("collective", "ps", "diloco"),
+           "shard_group": ("all", "node"), "outer_wire": ("fp32", "fp16", "bf16", "int8", "int4"),
+           "cp_impl": ("ring", "ulysses"), "router": ("softmax", "sigmoid"),
+           "balance": ("aux", "bias", "none"), "on_failure": ("abort", "shrink"),
+           "shrink_batch": ("scale", "keep"), "attention": ("auto", "flash", "gemms", "cudnn")}
+
+
+def _encoding_problem(c) -> str | None:
+    try:
+        return codecs.lookup(c.data_encoding) and None
+    except LookupError:
+        return f"unknown data_encoding {c.data_encoding!r} (e.g. utf-8, latin-1)"
+
+
+def _attention_problem(c) -> str | None:
+    """What --attention asks that these settings rule out (the GPU's own checks at start)."""
+    if c.attention in ("auto", "flash"):
+        return None
+    if c.device == "cpu":
+        return (f"--attention {c.attention} runs on a GPU (this run: --device cpu); use "
+                "--attention flash or auto")
+    if c.attention == "cudnn" and (c.precision != "bf16" or c.dtype == "fp64"):
+        return (f"--attention cudnn takes bf16 (cuDNN's fused attention has no {c.precision} "
+                "kernel): add --precision bf16, or use --attention flash")
+    return None
+
+
+def _straggler_problem(c) -> str | None:
+    r, _, ms = c.straggler.partition(":")
+    if r.isdigit() and ms.replace(".", "", 1).isdigit():
+        return None
+    return f"--straggler takes RANK:MS (e.g. 3:50), got {c.straggler!r}"
+
+
+# Settings one at a time (and the pairs no feature owns): (setting, check -> message or falsy),
+# as parallel/capabilities.py declares what each feature runs with.
+SETTINGS = [
+    ("timeout", lambda c: c.timeout < 0 and
+     f"timeout must be >= 0 seconds (0: the default), got {c.timeout}"),
+    ("data_encoding", _encoding_problem),
+    ("attention", lambda c: _attention_problem(c)),
+    ("n_embd", lambda c: c.n_embd % c.n_head and
+     f"n_embd ({c.n_embd}) must be divisible by n_head ({c.n_head})"),
+    ("dropout", lambda c: not 0.0 <= c.dropout < 1.0 and
+     f"dropout must be in [0, 1), got {c.dropout}"),
+    ("lr", lambda c: (c.lr <= 0 or c.min_lr < 0 or c.min_lr > c.lr) and
+     f"need 0 <= min_lr <= lr and lr > 0, got lr={c.lr} min_lr={c.min_lr}"),
+    ("warmup", lambda c: (c.warmup < 0 or c.grad_clip < 0 or c.weight_decay < 0) and
+     "warmup, grad_clip and weight_decay must be non-negative"),
+    ("task", lambda c: c.task == "text" and not c.data and
+     "task 'text' needs a data file: --data PATH"),
+    ("vocab_size", lambda c: c.vocab_size < 0 and f"--vocab-size must be >= 0, got {c.vocab_size}"),
+    ("tokenizer", lambda c: (c.tokenizer or c.vocab_size) and c.task != "text" and
+     "--tokenizer and --vocab-size are for --task text"),
+    ("data", lambda c: c.data and c.task != "text" and
+     f"--data is for task 'text'; task {c.task!r} is generated, drop --data or pass --task text"),
+    ("density", lambda c: not 0.0 < c.density <= 1.0 and
+     f"density must be in (0, 1], got {c.density}"),
+    ("compress_momentum", lambda c: not 0.0 <= c.compress_momentum < 1.0 and
+     f"compress_momentum must be in [0, 1), got {c.compress_momentum}"),
+    ("save_every", lambda c: (c.save_every < 0 or c.density_warmup < 0 or c.compress_clip < 0
+                              or c.powersgd_start < 0) and
+     "save_every, density_warmup, compress_clip and powersgd_start must be non-negative"),
+    ("powersgd_rank", lambda c: c.powersgd_rank < 1 and
+     f"--powersgd-rank (PowerSGD's approximation rank) must be >= 1, got {c.powersgd_rank}"),
+    ("save_every", lambda c: (c.save_every or c.resume or c.overwrite or c.keep_last)
+     and not c.save_dir and "--save-every, --keep-last, --resume and --overwrite need --save-dir"),
+    ("eval_every", lambda c: c.eval_every and c.strategy == "ps" and
+     "--eval-every runs with the collective strategies; --strategy ps evaluates at the end"),
+    ("keep_last", lambda c: (c.keep_last < 0 or c.eval_every < 0) and
+     "--keep-last and --eval-every must be >= 0 (0: keep all, evaluate at the end only)"),
+    ("overwrite", lambda c: c.resume and c.overwrite and
+     "--resume continues the run in --save-dir and --overwrite moves it aside: pick one"),
+    ("straggler", lambda c: c.straggler and _straggler_problem(c)),
+]
+
+

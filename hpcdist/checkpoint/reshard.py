@@ -11,15 +11,33 @@ import numpy as np
 from ..optim import intersect
 
 
-def padded(length: int, blocks: int, tp: int) -> int:
-    """``length`` rounded up to a multiple of blocks x tp."""
+def padded(length: int, blocks, tp: int) -> int:
+    """``length`` rounded up to a multiple of blocks x tp (``blocks``: a count of equal
+    blocks, or the widths of unequal ones — grouped-query attention's q | k | v — which
+    split over tp unpadded)."""
+    if not isinstance(blocks, int):
+        return length
     unit = blocks * tp
     return -(-length // unit) * unit
+
+
+def normal(cut):
+    """A cut as a hashable tuple (a checkpoint's JSON holds unequal widths as a list)."""
+    if cut is None:
+        return None
+    axis, blocks, tp, rank = cut
+    return (axis, blocks if isinstance(blocks, int) else tuple(blocks), tp, rank)
 
 
 def ranges(cut, logical_shape) -> list[tuple[int, int]]:
     """[lo, hi) along the cut axis, in padded logical coordinates, that the local block holds."""
     axis, blocks, tp, rank = cut
+    if not isinstance(blocks, int):
+        out, at = [], 0
+        for width in blocks:
+            out.append((at + rank * (width // tp), at + (rank + 1) * (width // tp)))
+            at += width
+        return out
     block = padded(logical_shape[axis], blocks, tp) // blocks
     part = block // tp
     return [(j * block + rank * part, j * block + (rank + 1) * part) for j in range(blocks)]
@@ -55,7 +73,7 @@ def assemble(logical_shape, dtype, pieces) -> np.ndarray:
     logical_shape = tuple(logical_shape)
     blocks: dict = {}                           # cut -> (local block, filled mask)
     for cut, (a, b), data in pieces:
-        key = tuple(cut) if cut is not None else None
+        key = normal(cut)
         if key not in blocks:
             shape = local_shape(key, logical_shape)
             blocks[key] = (np.zeros(int(np.prod(shape)), dtype=dtype),

@@ -27,8 +27,15 @@ class Linear(Module):
         else:
             self.bias = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return ops.linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """``residual``: added to the output with the bias, in one pass."""
+        return ops.linear(x, self.weight, self.bias, residual)
+
+    def gelu(self, x: Tensor) -> Tensor:
+        """gelu(x @ weight + bias): the bias and the GELU in one pass after the GEMM."""
+        if self.bias is not None and x.ndim >= 2:
+            return ops.linear_gelu(x, self.weight, self.bias)
+        return ops.gelu(self(x))
 
 
 class Embedding(Module):
@@ -94,12 +101,9 @@ class MLP(Module):
         """``residual``: added to the output (with the last layer's bias, in one pass)."""
         n = len(self.layers)
         for layer in list(self.layers)[:-1]:
-            if self.act is ops.gelu and layer.bias is not None and x.ndim >= 2:
-                x = ops.linear_gelu(x, layer.weight, layer.bias)   # bias + GELU: one pass
-            else:
-                x = self.act(layer(x))
+            x = layer.gelu(x) if self.act is ops.gelu else self.act(layer(x))
         last = self.layers[n - 1]
         if residual is not None and not (self.drop.p and self.drop.training):
-            return ops.linear(x, last.weight, last.bias, residual)
+            return last(x, residual)                     # + residual with the bias: one pass
         x = self.drop(last(x))
         return x if residual is None else residual + x

@@ -151,3 +151,6 @@ class ModuleList(Module):
 
     def __getitem__(self, i):
         return getattr(self, str(range(self._n)[i]))
+
+    def __setitem__(self, i, module):
+        setattr(self, str(range(self._n)[i]), module)

@@ -52,14 +52,15 @@ def _with_aux(out: Tensor, aux: Tensor | None, coef: float) -> Tensor:
 
 
 class MoE(Module):
-    """E expert MLPs (C -> H -> C, GELU) behind a top-k router, with ``shared`` always-on
-    expert MLPs beside them. ``forward(x, residual)`` -> residual + the mixture, like MLP."""
+    """E expert MLPs (C -> H -> C: GELU, or what ``expert()`` makes — Mixtral's SwiGLU) behind
+    a top-k router, with ``shared`` always-on expert MLPs beside them. ``forward(x,
+    residual)`` -> residual + the mixture, like MLP."""
 
     def __init__(self, C: int, H: int, experts: int, top_k: int = 2, score: str = "softmax",
                  shared: int = 0, capacity_factor: float = 0.0, aux_loss_coef: float = 0.01,
                  z_loss_coef: float = 0.0, balance: str = "aux", bias_rate: float = 1e-3,
                  bias: bool = True, std: float = 0.02, proj_std: float = 0.02,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, expert=None):
         if score not in SCORES:
             raise ValueError(f"unknown router score {score!r}: one of {SCORES}")
         if not 1 <= top_k <= experts:
@@ -69,10 +70,9 @@ class MoE(Module):
             z_loss_coef
         self.balance, self.bias_rate = balance, bias_rate
         self.router = Linear(C, experts, bias=False, std=std)
-        self.experts = ModuleList([MLP([C, H, C], "gelu", 0.0, bias, std, proj_std)
-                                   for _ in range(experts)])
-        self.shared = ModuleList([MLP([C, H, C], "gelu", 0.0, bias, std, proj_std)
-                                  for _ in range(shared)])
+        expert = expert or (lambda: MLP([C, H, C], "gelu", 0.0, bias, std, proj_std))
+        self.experts = ModuleList([expert() for _ in range(experts)])
+        self.shared = ModuleList([expert() for _ in range(shared)])
         self.drop = Dropout(dropout)
         self.expert_bias = np.zeros(experts)      # selection only (balance "bias"), host
         self.first = 0                            # the global index of experts[0] (EP)

@@ -62,7 +62,15 @@ TENSOR = [   # parallel/tp: heads, MLP width and vocabulary split over tp ranks
     ("tp", lambda c: c.n_head % c.tp and
      f"--tp {c.tp} must divide n_head ({c.n_head}): each tensor-parallel rank holds an "
      "equal share of the heads"),
+    ("tp", lambda c: _kv_heads(c) % c.tp and
+     f"--tp {c.tp} must divide n_kv_head ({_kv_heads(c)}): each tensor-parallel rank holds "
+     f"whole kv heads (Megatron's rule); use a --tp dividing {_kv_heads(c)}, or more kv "
+     "heads"),
 ]
+
+
+def _kv_heads(c) -> int:
+    return getattr(c, "n_kv_head", 0) or c.n_head
 
 PIPELINE = [   # parallel/pipeline.py: the stages, a verified schedule
     ("pp", lambda c: (c.pp < 1 or c.virtual_stages < 1 or c.micro_batches < 0) and
@@ -85,10 +93,12 @@ CONTEXT = [   # parallel/context.py: each sequence split over cp ranks, attentio
     ("cp", lambda c: c.cp < 1 and f"--cp must be >= 1, got {c.cp}"),
     ("cp", lambda c: c.cp == 1 and c.cp_impl != "ring" and
      "--cp-impl is for context parallelism: add --cp N (N > 1)"),
-    ("cp", lambda c: c.cp > 1 and c.cp_impl == "ulysses" and (c.n_head // max(c.tp, 1)) % c.cp
-     and f"--cp-impl ulysses splits the {c.n_head // max(c.tp, 1)} heads each tensor-parallel "
-         f"rank holds (n_head / tp) over --cp {c.cp}: cp must divide them; use --cp-impl "
-         f"ring, or a cp dividing {c.n_head // max(c.tp, 1)}"),
+    ("cp", lambda c: c.cp > 1 and c.cp_impl == "ulysses" and
+     (_kv_heads(c) // max(c.tp, 1)) % c.cp
+     and f"--cp-impl ulysses splits the {_kv_heads(c) // max(c.tp, 1)} kv heads each "
+         f"tensor-parallel rank holds (n_kv_head / tp; each with its queries) over --cp "
+         f"{c.cp}: cp must divide them; use --cp-impl ring, or a cp dividing "
+         f"{_kv_heads(c) // max(c.tp, 1)}"),
     ("cp", lambda c: c.cp > 1 and c.strategy == "ps" and
      f"--cp {c.cp} does not run with --strategy ps (parameter servers run plain data "
      "parallelism)"),

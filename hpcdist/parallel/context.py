@@ -17,7 +17,9 @@ import numpy as np
 from ..device import backend
 from ..comm import p2p
 from ..comm.arith import bounds_of
+from ..autograd import ops
 from ..autograd.tensor import Tensor
+from ..nn.family import replace, resolve
 from ..nn.module import Module
 from .sequence import cut_dropout, cut_embeddings, sequence_of
 from .ring_attention import ring_attention
@@ -119,11 +121,12 @@ class ContextParallel:
         return idx[:, pos], pos
 
     # ---- the model's hooks -----------------------------------------------------------------
-    def attention(self, qkv: Tensor, n_head: int, p: float = 0.0) -> Tensor:
-        """``p``: dropout on the probabilities, drawn as one process draws it."""
+    def attention(self, qkv: Tensor, shape, p: float = 0.0) -> Tensor:
+        """Attention of this rank's rows of qkv over ``shape``'s heads (an AttentionShape);
+        ``p``: dropout on the probabilities, drawn as one process draws it."""
         if self.impl == "ring":
-            return ring_attention(self, qkv, n_head, p)
-        return ulysses_attention(self, qkv, n_head, p)
+            return ring_attention(self, qkv, shape, p)
+        return ulysses_attention(self, qkv, shape, p)
 
     def attention_draw(self, B: int, H: int, p: float):
         """The one-process dropout draw over the probabilities (B, H, T, T) of the layer in
@@ -166,15 +169,19 @@ class ContextParallel:
 # ---- the modules swapped into the model ------------------------------------------------------
 class ContextParallelAttention(Module):
     """The attention between the projections, over the whole sequence when this rank holds a
-    slice of it (in place of ``nn.gpt.SelfAttention``)."""
+    slice of it (in place of ``nn.attention.SelfAttention``: its heads, dropout and rotary
+    embeddings, q and k rotated at the rows' global positions)."""
 
-    def __init__(self, cp: ContextParallel, n_head: int, p: float = 0.0):
-        self.cp, self.n_head, self.p = cp, n_head, p     # p: dropout on the probabilities
+    def __init__(self, cp: ContextParallel, core):
+        self.cp, self.shape, self.rotary = cp, core.shape, core.rotary
+        self.p = core.attn_drop.p                        # dropout on the probabilities
 
-    def forward(self, qkv: Tensor, cache: dict | None = None) -> Tensor:
+    def forward(self, qkv: Tensor, pos=None, cache: dict | None = None) -> Tensor:
         if cache is not None:
             raise ValueError("sampling with a KV cache runs without context parallelism")
-        return self.cp.attention(qkv, self.n_head, self.p if self.training else 0.0)
+        if self.rotary is not None:
+            qkv = ops.rotary(qkv, pos, self.shape, self.rotary.theta)
+        return self.cp.attention(qkv, self.shape, self.p if self.training else 0.0)
 
 
 class ContextParallelLoss(Module):
@@ -194,17 +201,16 @@ class ContextParallelLoss(Module):
 
 def apply_context_parallel(model, comm, impl: str = "ring"):
     """Give each rank of the context-parallel group ``comm`` a slice of every sequence of
-    ``model`` (an ``nn.GPT``, tensor-parallel already or not), in place; returns it."""
+    ``model`` (a family's DecoderLM, tensor-parallel already or not), in place; returns it."""
     cp = ContextParallel(comm, impl)
     seq = sequence_of(model)
     seq.cp = cp
     cut_embeddings(model, seq)
     cut_dropout(model, seq)                     # masks drawn at the rows' global positions
     for block in model.blocks:
-        core = block.attn.core
-        drop = getattr(core, "attn_drop", None)
-        block.attn.core = ContextParallelAttention(cp, core.n_head, drop.p if drop else 0.0)
-    model.lm_loss = ContextParallelLoss(cp, model.lm_loss)
+        replace(block, block.attention,
+                ContextParallelAttention(cp, resolve(block, block.attention)[2]))
+    model.set_part("loss", ContextParallelLoss(cp, model.part("loss")))
     return model.train(model.training)
 
 

@@ -34,24 +34,28 @@ class _Blocks(Module):
         return (getattr(self, str(i)) for i in self.order)
 
 
+FIRST, LAST = ("tokens", "positions"), ("norm", "head")     # a model's parts by role
+
+
 class PipelineChunk(Module):
     """Virtual stage k of K: this chunk's blocks, plus the embeddings (k = 0) or the final
-    norm and head (k = K - 1). ``model`` is an ``nn.GPT``, cut for other dimensions or not
-    (``seq``: its parallel.sequence.Sequence, told the length of each micro-batch)."""
+    norm and head (k = K - 1), found by role (``DecoderLM.part``) and held under the model's
+    own names. ``model`` is a family's DecoderLM, cut for other dimensions or not (``seq``:
+    its parallel.sequence.Sequence, told the length of each micro-batch)."""
 
     def __init__(self, model, k: int, K: int, layers: tuple[int, int], seq=None):
         self._model = (model,)                 # a tuple: not a child (its parameters are not ours)
         self.seq = seq
         self.first, self.last = k == 0, k == K - 1
-        if self.first:
-            self.wte, self.wpe = model.wte, model.wpe
+        roles = (FIRST if self.first else ()) + (LAST if self.last else ())
+        if self.last and not self.first and model.part("head") is None:
+            roles += ("tokens",)               # the tied head: a copy of the first stage's table
+        for role in roles:
+            if model.part(role) is not None:
+                setattr(self, model.PARTS[role], model.part(role))
+        self.tied = self.last and not self.first and model.part("head") is None
+        self.tokens = model.PARTS["tokens"]
         self.blocks = _Blocks({i: model.blocks[i] for i in range(*layers)})
-        if self.last:
-            self.ln_f = model.ln_f
-            if model.lm_head is not None:
-                self.lm_head = model.lm_head
-            elif not self.first:
-                self.wte = model.wte           # the tied head: a copy of the first stage's table
 
     def forward(self, x, idx, targets, T: int):
         model = self._model[0]
@@ -59,11 +63,16 @@ class PipelineChunk(Module):
             self.seq.begin(T)
         if self.first:
             x = model.embed(idx)
+        pos = model.positions(T)
         for block in self.blocks:
-            x = model.run_block(block, x)
+            x = model.run_block(block, x, pos)
         if self.last:                          # (logits, loss)
             return model.head(x, targets)
         return x
+
+    def table(self):
+        """The token table this chunk holds (the first's own, the last's tied copy), or None."""
+        return getattr(self, self.tokens, None) if self.first or self.tied else None
 
 
 class PipelineModel(Module):
@@ -96,8 +105,7 @@ class PipelineModel(Module):
 
     def copies(self) -> set:
         """The tied table a last chunk holds for the head: the first stage's is the one."""
-        return {id(c.wte.weight) for c in self.chunks
-                if c.last and not c.first and "wte" in vars(c)}
+        return {id(c.table().weight) for c in self.chunks if c.tied}
 
     def named_specs(self):
         specs = {id(p): spec for _, p, spec in self.full.named_specs()}
@@ -165,8 +173,8 @@ class PipelineStrategy(Strategy):
 
     def sync(self):
         if self.embed_comm is not None and self.embed_comm.size > 1:   # tied embedding
-            g = self.model.chunks[0].wte.weight.grad if self.model.chunks[0].first else \
-                self.model.chunks[-1].wte.weight.grad
+            g = (self.model.chunks[0] if self.model.chunks[0].first else
+                 self.model.chunks[-1]).table().weight.grad
             self.embed_comm.allreduce(g, out=g)
         self.inner.sync()
 

@@ -17,21 +17,24 @@ from ..autograd.tensor import Tensor
 TAG_KV, TAG_KV_BACK, TAG_DKV = 101, 102, 103
 
 
-def _split_qkv(qkv, n_head: int):
-    """(B, T, 3C) -> q, k, v each (B, H, T, hs), contiguous, in a float type fit to sum in."""
-    B, T, C3 = qkv.shape
-    hs = C3 // 3 // n_head
-    a = qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
-    if a.dtype.itemsize < 4:
-        a = a.astype(np.float32)
+def _split_qkv(qkv, shape):
+    """(B, T, shape.width) -> q (B, nkv, G, T, hs), k and v (B, nkv, 1, T, hs): each kv head
+    and the G query heads it serves (multi-head: G = 1), contiguous, in a float type fit to
+    sum in."""
     xp = backend.array_module(qkv)
-    return xp.ascontiguousarray(a[0]), xp.ascontiguousarray(a[1]), xp.ascontiguousarray(a[2])
+    B, T = qkv.shape[:2]
+    nkv, G = shape.n_kv_head, shape.n_head // shape.n_kv_head
+    q, k, v = shape.views(qkv)
+    out = (q.reshape(B, T, nkv, G, -1).transpose(0, 2, 3, 1, 4),
+           k[:, :, :, None].transpose(0, 2, 3, 1, 4), v[:, :, :, None].transpose(0, 2, 3, 1, 4))
+    return tuple(xp.ascontiguousarray(a.astype(np.float32) if a.dtype.itemsize < 4 else a)
+                 for a in out)
 
 
 def _scores(qs, ks, scale):
-    """q k^T * scale, (B, H, Tq, Tk): the one block-sized array the forward makes (in place
-    from here on: a block's transient memory is one or two score-sized arrays)."""
-    s = qs @ ks.transpose(0, 1, 3, 2)
+    """q k^T * scale, (B, nkv, G, Tq, Tk): the one block-sized array the forward makes (in
+    place from here on: a block's transient memory is one or two score-sized arrays)."""
+    s = qs @ backend.array_module(ks).swapaxes(ks, -1, -2)
     s *= scale
     return s
 
@@ -50,7 +53,7 @@ def _block_forward(q, k, v, seen, keep, scale, out, lse) -> None:
     if rows is None:
         return
     xp = backend.array_module(q)
-    s = _scores(q[:, :, rows], k[:, :, cols], scale)
+    s = _scores(q[..., rows, :], k[..., cols, :], scale)
     if edges is not None:                # -inf where a query may not look
         s += _mask(edges, s.dtype, 0.0, -np.inf)
     m = s.max(axis=-1)
@@ -59,16 +62,16 @@ def _block_forward(q, k, v, seen, keep, scale, out, lse) -> None:
     total = p.sum(axis=-1)
     if keep is not None:                 # dropout after the softmax: the sum stays
         p *= keep
-    ob = p @ v[:, :, cols]
+    ob = p @ v[..., cols, :]
     del s, p
     ob /= total[..., None]
     lb = m + xp.log(total)
-    la = lse[:, :, rows]
+    la = lse[..., rows]
     new = xp.maximum(la, lb)
     new += xp.log(xp.exp(la - new) + xp.exp(lb - new))
-    out[:, :, rows] = out[:, :, rows] * xp.exp(la - new)[..., None] + \
+    out[..., rows, :] = out[..., rows, :] * xp.exp(la - new)[..., None] + \
         ob * xp.exp(lb - new)[..., None]
-    lse[:, :, rows] = new
+    lse[..., rows] = new
 
 
 def _block_backward(q, k, v, seen, keep, scale, dout, lse, D, dq):
@@ -79,22 +82,24 @@ def _block_backward(q, k, v, seen, keep, scale, dout, lse, D, dq):
     rows, cols, edges = seen
     if rows is None:
         return dkv
-    qs, ks, vs, dos = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
+    qs, ks, vs, dos = q[..., rows, :], k[..., cols, :], v[..., cols, :], dout[..., rows, :]
     p = _scores(qs, ks, scale)
-    p -= lse[:, :, rows][..., None]
+    p -= lse[..., rows][..., None]
     xp.exp(p, out=p)                     # the probabilities, from the saved log-sum-exp
     if edges is not None:
         p *= _mask(edges, p.dtype, 1.0, 0.0)
-    dkv[1][:, :, cols] = (p if keep is None else p * keep).transpose(0, 1, 3, 2) @ dos
-    ds = dos @ vs.transpose(0, 1, 3, 2)
+    # a kv head's gradient: the sum over the G query heads it serves
+    dkv[1][..., cols, :] = (xp.swapaxes(p if keep is None else p * keep, -1, -2) @ dos).sum(
+        axis=2, keepdims=True)
+    ds = dos @ xp.swapaxes(vs, -1, -2)
     if keep is not None:
         ds *= keep
-    ds -= D[:, :, rows][..., None]
+    ds -= D[..., rows][..., None]
     ds *= p
     del p
     ds *= scale
-    dq[:, :, rows] += ds @ ks
-    dkv[0][:, :, cols] = ds.transpose(0, 1, 3, 2) @ qs
+    dq[..., rows, :] += ds @ ks
+    dkv[0][..., cols, :] = (xp.swapaxes(ds, -1, -2) @ qs).sum(axis=2, keepdims=True)
     return dkv
 
 
@@ -103,7 +108,7 @@ def _kv_block(cp, kv, r: int):
     return kv.shape[:-2] + (len(cp.positions(r)),) + kv.shape[-1:], kv.dtype
 
 
-def _look(cp, draw, p: float, dtype, xp, src: int):
+def _look(cp, draw, p: float, dtype, xp, groups: int, src: int):
     """What this rank's queries see of rank ``src``'s keys (``ContextParallel.visible``), and
     their dropout there, kept / (1 - p), from the one-process draw (``draw``; None without)."""
     seen = cp.visible(src, xp)
@@ -112,24 +117,27 @@ def _look(cp, draw, p: float, dtype, xp, src: int):
     rows, cols, _ = seen
     picks = {2: cp.positions()[rows], 3: cp.positions(src)[cols]}
     rng = backend.rng()
-    kept = rng.keep_mask_at(draw[1], picks, p, xp, draw[0])
+    kept = rng.keep_mask_at(draw[1], picks, p, xp, draw[0])          # (B, H, rows, cols)
+    B, H = kept.shape[:2]
+    kept = kept.reshape((B, groups, H // groups) + kept.shape[2:])   # (B, nkv, G, ...)
     return seen, kept.astype(dtype) * dtype.type(1.0 / (1.0 - p))
 
 
-def ring_attention(cp, qkv: Tensor, n_head: int, p: float = 0.0) -> Tensor:
-    """Causal attention of this rank's tokens over the whole sequence: (B, T_r, 3C) ->
-    (B, T_r, C), K/V travelling round the group (rank i sends to i + 1); ``p``: dropout on
-    the probabilities."""
+def ring_attention(cp, qkv: Tensor, shape, p: float = 0.0) -> Tensor:
+    """Causal attention of this rank's tokens over the whole sequence: (B, T_r, shape.width)
+    -> (B, T_r, shape.out_width), K/V (only the kv heads) travelling round the group (rank i
+    sends to i + 1); ``p``: dropout on the probabilities."""
     xp = backend.array_module(qkv.data)
     comm, n, i = cp.comm, cp.n, cp.rank
-    B, Tl, C3 = qkv.shape
-    q, k, v = _split_qkv(qkv.data, n_head)
+    B, Tl, W = qkv.shape
+    q, k, v = _split_qkv(qkv.data, shape)
     scale = 1.0 / np.sqrt(q.shape[-1])
     out = xp.zeros_like(q)
-    lse = xp.full(q.shape[:3], -np.inf, dtype=q.dtype)
+    lse = xp.full(q.shape[:4], -np.inf, dtype=q.dtype)
     kv = xp.stack([k, v])
     block = functools.partial(_kv_block, cp, kv)
-    look = functools.partial(_look, cp, cp.attention_draw(B, n_head, p), p, q.dtype, xp)
+    look = functools.partial(_look, cp, cp.attention_draw(B, shape.n_head, p), p, q.dtype, xp,
+                             shape.n_kv_head)
     for s in range(n):
         nxt = None
         if s < n - 1:                     # the next block is on its way while this one computes
@@ -141,11 +149,11 @@ def ring_attention(cp, qkv: Tensor, n_head: int, p: float = 0.0) -> Tensor:
             with timeline.span("cp wait", cat="cp", step=s):
                 kv = nxt[1].wait()
                 nxt[0].wait()
-    y = out.transpose(0, 2, 1, 3).reshape(B, Tl, C3 // 3).astype(qkv.dtype)
+    y = out.transpose(0, 3, 1, 2, 4).reshape(B, Tl, shape.out_width).astype(qkv.dtype)
 
     def backward(g):
-        dout = xp.ascontiguousarray(g.reshape(B, Tl, n_head, -1).transpose(0, 2, 1, 3)
-                                    ).astype(q.dtype)
+        dout = xp.ascontiguousarray(g.reshape(q.shape[:1] + (Tl,) + q.shape[1:3] + q.shape[4:])
+                                    .transpose(0, 2, 3, 1, 4)).astype(q.dtype)
         D = (dout * out).sum(axis=-1)
         dq = xp.zeros_like(q)
         blk = xp.stack([k, v])
@@ -173,6 +181,7 @@ def ring_attention(cp, qkv: Tensor, n_head: int, p: float = 0.0) -> Tensor:
         with timeline.span("cp wait", cat="cp", step=n):
             dkv = incoming.wait()             # this rank's own block, from every query
             sent.wait()
-        d = xp.stack([dq, dkv[0], dkv[1]])    # (3, B, H, T_r, hs)
-        return (d.transpose(1, 3, 0, 2, 4).reshape(B, Tl, C3).astype(qkv.dtype),)
+        heads = lambda a: a.transpose(0, 3, 1, 2, 4).reshape(B, Tl, -1)     # noqa: E731
+        d = xp.concatenate([heads(dq), heads(dkv[0]), heads(dkv[1])], axis=-1)
+        return (d.astype(qkv.dtype),)
     return Tensor._make(y, (qkv,), backward)

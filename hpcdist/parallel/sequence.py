@@ -38,6 +38,11 @@ class Sequence:
         """This rank's columns of (B, T) tokens (its context-parallel slice)."""
         return idx if self.cp is None else idx[:, self.cp.index(backend.array_module(idx))]
 
+    def context_rows(self, pos):
+        """This rank's context-parallel slice of positions ``pos`` (all rows of its tensor-
+        parallel group: what attention sees; rotary embeddings rotate by them)."""
+        return pos if self.cp is None else pos[self.cp.index(backend.array_module(pos))]
+
     def positions(self, pos):
         """This rank's positions of ``pos``: its context-parallel slice, then its
         sequence-parallel rows of that."""
@@ -75,20 +80,23 @@ class Cut(Module):
 
 
 def sequence_of(model) -> Sequence:
-    """The Sequence the model's cut modules share (a new one where nothing is cut yet)."""
-    for m in (model.wte, model.wpe):
-        if isinstance(m, Cut):
-            return m.seq
-    return Sequence()
+    """The Sequence the model's cut modules share (a new one, the model's from now on, where
+    nothing is cut yet)."""
+    if model.seq is None:
+        model.seq = Sequence()
+    return model.seq
 
 
 def cut_embeddings(model, seq: Sequence) -> None:
-    """Put the position table (and, under context parallelism, the token table) behind
-    ``Cut`` once: every cut since reads ``seq``."""
-    if not isinstance(model.wpe, Cut):
-        model.wpe = Cut(model.wpe, seq, "positions")
-    if seq.cp is not None and not isinstance(model.wte, Cut):
-        model.wte = Cut(model.wte, seq, "tokens")
+    """Put the position table (learned positions; rotary ones are cut through
+    ``DecoderLM.positions``) and, under context parallelism, the token table behind ``Cut``
+    once: every cut since reads ``seq``."""
+    table = model.part("positions")
+    if table is not None and not isinstance(table, Cut):
+        model.set_part("positions", Cut(table, seq, "positions"))
+    tokens = model.part("tokens")
+    if seq.cp is not None and not isinstance(tokens, Cut):
+        model.set_part("tokens", Cut(tokens, seq, "tokens"))
 
 
 class SequenceDropout(Module):
@@ -118,8 +126,7 @@ class SequenceDropout(Module):
 def cut_dropout(model, seq: Sequence) -> None:
     """The activations' Dropout modules (after the embeddings, each block's attention
     projection and MLP) drawn at the rows' global positions: ``SequenceDropout``."""
-    owners = [(model, "drop")] + [(b.attn, "resid_drop") for b in model.blocks] + \
-        [(b.mlp, "drop") for b in model.blocks]
+    owners = [(model, model.PARTS["drop"])] + [o for b in model.blocks for o in b.dropouts()]
     for owner, name in owners:
         drop = getattr(owner, name, None)
         if type(drop) is Dropout:

@@ -151,11 +151,8 @@ def make_model(cfg, comm, mesh, train_set):
     if cfg.init_from:                              # GPT-2's weights: its position table
         from ..checkpoint import hf
         block = hf.gpt2_shape(cfg.init_from)["block_size"]
-    model = nn.GPT(nn.GPTConfig(
-        block_size=block, vocab_size=train_set.vocab_size, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
-        tie_weights=cfg.tie_weights, checkpoint_activations=cfg.checkpoint_activations,
-        **moe_settings(cfg)))
+    model = nn.build(getattr(cfg, "arch", "gpt"), **model_fields(
+        cfg, getattr(cfg, "arch", "gpt"), block_size=block, vocab_size=train_set.vocab_size))
     if cfg.init_from:                              # the same on every rank, before any cut
         model.load_state_dict(hf.gpt2_params(cfg.init_from,
                                              [n for n, _ in model.named_parameters()]))
@@ -164,6 +161,18 @@ def make_model(cfg, comm, mesh, train_set):
     if cfg.cp > 1:                                 # each rank: a slice of every sequence
         apply_context_parallel(model, mesh.cp_comm, cfg.cp_impl)
     return model
+
+
+def model_fields(cfg, arch: str, **given) -> dict:
+    """The fields of family ``arch``'s config that a TrainConfig (or a checkpoint's meta
+    dict) sets, with ``given`` on top."""
+    import dataclasses
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    config_cls = nn.FAMILIES[arch][0]
+    out = {f.name: get(f.name) for f in dataclasses.fields(config_cls)
+           if get(f.name) is not None}
+    out.update(given)
+    return out
 
 
 MOE_FIELDS = ("experts", "top_k", "moe_every", "router", "shared_experts", "expert_hidden",

@@ -1,14 +1,16 @@
 """Context parallelism by all-to-all (DeepSpeed-Ulysses' idea): around attention, this rank's
-tokens of every head become every token of n_head / N heads, and back.
+tokens of every head become every token of a 1/N share of the heads, and back.
 
-    qkv (B, T_r, 3, H, hs) --all-to-all--> (B, T, 3, H/N, hs) --causal attention-->
-    y (B, T, H/N * hs) --all-to-all--> (B, T_r, H * hs)
+    qkv (B, T_r, nkv, G + 2, hs) --all-to-all--> (B, T, nkv/N, G + 2, hs) --causal attention-->
+    y (B, T, nh/N * hs) --all-to-all--> (B, T_r, nh * hs)
 
-Rank j gets heads [j H/N, (j+1) H/N); the tokens arrive in the group's order (parallel/
-context.py) and are put in position order, so the attention in the middle is the ordinary
-fused one. Each all-to-all's backward is the reverse all-to-all, and each is the
-Communicator's collective (comm/alltoall.py: numbered, watched, counted). Needs N to divide
-the heads this rank holds (n_head / tp): the configuration checks it.
+The fused projection is regrouped per kv head (its G query heads, its k, its v: a unit that
+stays together; multi-head attention: G = 1), and rank j gets units [j nkv/N, (j+1) nkv/N);
+the tokens arrive in the group's order (parallel/context.py) and are put in position order,
+so the attention in the middle is the ordinary fused one. Each all-to-all's backward is the
+reverse all-to-all, and each is the Communicator's collective (comm/alltoall.py: numbered,
+watched, counted). Needs N to divide the kv heads this rank holds (n_kv_head / tp): the
+configuration checks it.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from ..device import backend
 from ..autograd import ops
 from ..host import timeline
 from ..autograd.tensor import Tensor
-from ..nn.gpt import attention
+from ..nn.attention import attention
+from ..nn.family import AttentionShape
 
 
 def exchange(cp, sends: list, shapes: list) -> list:
@@ -73,31 +76,53 @@ class _HeadsDropout:
         mine = np.arange(self.cp.rank * self.heads, (self.cp.rank + 1) * self.heads)
         keep = rng.keep_mask_at(shape, {1: mine}, self.p, backend.array_module(att.data),
                                 counter)
-        return ops.dropout(att, self.p, True, keep)
+        return ops.dropout(att, self.p, True, keep.reshape(att.shape))
 
 
-def ulysses_attention(cp, qkv: Tensor, n_head: int, p: float = 0.0) -> Tensor:
-    """(B, T_r, 3C) of this rank's tokens -> (B, T_r, C), attention by all-to-all; ``p``:
-    dropout on the probabilities (then the attention goes op by op, as one process's)."""
+def _units(qkv, shape):
+    """(B, T, shape.width) -> (B, T, nkv, G + 2, hs): each kv head's unit (its G query
+    heads, its k, its v) together."""
+    B, T = qkv.shape[:2]
+    xp = backend.array_module(qkv)
+    q, k, v = shape.views(qkv)
+    G = shape.n_head // shape.n_kv_head
+    return xp.concatenate([q.reshape(B, T, shape.n_kv_head, G, -1), k[:, :, :, None],
+                           v[:, :, :, None]], axis=3)
+
+
+def _fused(units):
+    """(B, T, nkv, G + 2, hs) units -> (B, T, width) q | k | v, the fused layout."""
+    B, T, nkv, G2, hs = units.shape
+    xp = backend.array_module(units)
+    return xp.concatenate([units[:, :, :, :G2 - 2].reshape(B, T, -1),
+                           units[:, :, :, G2 - 2].reshape(B, T, -1),
+                           units[:, :, :, G2 - 1].reshape(B, T, -1)], axis=-1)
+
+
+def ulysses_attention(cp, qkv: Tensor, shape, p: float = 0.0) -> Tensor:
+    """(B, T_r, shape.width) of this rank's tokens -> (B, T_r, shape.out_width), attention by
+    all-to-all; ``p``: dropout on the probabilities (then the attention goes op by op, as
+    one process's)."""
     n = cp.n
-    B, Tl, C3 = qkv.shape
-    hs = C3 // 3 // n_head
-    heads = n_head // n
+    B, Tl, W = qkv.shape
+    hs, nkv, G = shape.head_dim, shape.n_kv_head, shape.n_head // shape.n_kv_head
+    local = AttentionShape(shape.n_head // n, nkv // n, hs)
 
     def forward(a):                              # sequence-split -> head-split
-        return _to_heads(cp, a.reshape(B, Tl, 3, n_head, hs), n).reshape(B, cp.T, 3 * heads * hs)
+        return _fused(_to_heads(cp, _units(a, shape)[:, :, None], n)[:, :, 0])
 
-    def backward(g):
-        back = _to_tokens(cp, g.reshape(B, cp.T, 3, heads, hs), n)    # (B, T_r, N, 3, H/N, hs)
-        return (back.transpose(0, 1, 3, 2, 4, 5).reshape(B, Tl, C3),)
+    def backward(g):                             # (B, T, local.width) -> (B, T_r, W)
+        back = _to_tokens(cp, _units(g, local), n)           # (B, T_r, N, nkv/N, G + 2, hs)
+        return (_fused(back.reshape(B, Tl, nkv, G + 2, hs)),)
     split = Tensor._make(forward(qkv.data), (qkv,), backward)
-    if p:                                                                # (B, T, H/N * hs)
-        y = attention(split, heads, _HeadsDropout(cp, cp.attention_draw(B, n_head, p), p,
-                                                  heads))
+    if p:                                                        # (B, T, local.out_width)
+        y = attention(split, local, _HeadsDropout(cp, cp.attention_draw(B, shape.n_head, p),
+                                                  p, local.n_head))
     else:
-        y = ops.fused_attention(split, heads)
+        y = ops.fused_attention(split, local.n_head, local.n_kv_head)
 
     def back_to_heads(g):
-        return (_to_heads(cp, g.reshape(B, Tl, 1, n_head, hs), n).reshape(B, cp.T, heads * hs),)
-    out = _to_tokens(cp, y.data, n).reshape(B, Tl, C3 // 3)
+        return (_to_heads(cp, g.reshape(B, Tl, 1, shape.n_head, hs), n)
+                .reshape(B, cp.T, local.out_width),)
+    out = _to_tokens(cp, y.data, n).reshape(B, Tl, shape.out_width)
     return Tensor._make(out, (y,), back_to_heads)

@@ -107,12 +107,12 @@ class Zero3(Zero, Zero3Shape):
         block recomputed in backward (activation checkpointing) prefetches the block before
         it instead and stays gathered until its backward is done: two gathers per block per
         micro-batch, with or without recomputation."""
-        def call(forward, x):
+        def call(forward, x, *rest, **kwargs):     # (rest: the rows' positions, a cache)
             again = recomputing()
             self._materialize(group)
             self._prefetch(prev if again else nxt)   # overlaps this block's compute
             x_in = identity_hook(x, lambda: self._after_block_backward(group))
-            out = forward(x_in)
+            out = forward(x_in, *rest, **kwargs)
             if not again:
                 self._release(group)
             return identity_hook(out, lambda: self._before_block_backward(group, prev))

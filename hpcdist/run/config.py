@@ -32,12 +32,17 @@ class TrainConfig:
     tokenizer: str = ""           # text: a Hugging Face tokenizer.json (default: characters)
     vocab_size: int = 0           # text: raw uint16 shards' vocabulary size
     # model
+    arch: str = "gpt"             # gpt | llama: the model family (nn/family.py)
     n_layer: int = 2
     n_head: int = 4
+    n_kv_head: int = 0            # llama: key/value heads (0: n_head; 1: multi-query)
     n_embd: int = 64
+    ffn_hidden: int = 0           # llama: SwiGLU's width (0: 8/3 n_embd up to a multiple of 64)
+    rope_theta: float = 10000.0   # llama: rotary embeddings' base
+    norm_eps: float = 1e-5        # llama: RMSNorm's epsilon
     dropout: float = 0.0
-    bias: bool = True
-    tie_weights: bool = True
+    bias: bool = None             # None: the family's (gpt: biases; llama: none)
+    tie_weights: bool = None      # None: the family's (gpt: tied; llama: untied)
     checkpoint_activations: bool = False  # recompute each block's activations in backward
     init_from: str = ""           # a Hugging Face GPT-2 folder: its shape and weights
     # optimization
@@ -132,6 +137,18 @@ class TrainConfig:
     trace_memory: bool = False    # measure activation memory per step (memtrace; slower)
     straggler: str = ""           # "RANK:MS": that rank sleeps MS ms in every step
     allow_singletons: bool = False  # run although MPI started fewer ranks than promised
+
+
+    def __post_init__(self):
+        """A family's defaults where the settings left them open (bias, tie_weights)."""
+        for name, value in FAMILY_DEFAULTS.get(self.arch, FAMILY_DEFAULTS["gpt"]).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
+
+# what a family's model is unless the settings say otherwise
+FAMILY_DEFAULTS = {"gpt": {"bias": True, "tie_weights": True},
+                   "llama": {"bias": False, "tie_weights": False}}
 
 
 class ConfigError(ValueError):
@@ -251,8 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
             f = known[name]
             flag = "--" + name.replace("_", "-")
             if f.type == "bool":
+                said = "" if f.default is None else f" (default {f.default})"
                 g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                               default=None, help=f"{text} (default {f.default})")
+                               default=None, help=text + said)
             else:
                 g.add_argument(flag, dest=name, default=None,
                                type={"int": int, "float": float, "str": str}[f.type],

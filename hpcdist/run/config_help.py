@@ -19,10 +19,18 @@ HELP = {
                       "tokenizer)",
     },
     "model": {
+        "arch": "the model family: gpt (GPT-2: LayerNorm, learned positions, GELU) | llama "
+                "(RMSNorm, rotary positions, SwiGLU, grouped-query attention; with --experts: "
+                "Mixtral)",
         "n_layer": "transformer blocks", "n_head": "attention heads per block",
+        "n_kv_head": "llama: key/value heads, each shared by n_head / n_kv_head query heads "
+                     "(0: n_head; 1: multi-query)",
         "n_embd": "embedding width", "dropout": "dropout probability (0 disables)",
-        "bias": "biases in linear layers and LayerNorms",
-        "tie_weights": "the output head reuses the token embedding",
+        "ffn_hidden": "llama: the SwiGLU MLP's width (0: 8/3 of n_embd, up to a multiple of 64)",
+        "rope_theta": "llama: the rotary embeddings' base", "norm_eps": "llama: RMSNorm's epsilon",
+        "bias": "biases in linear layers and norms (default: the family's, gpt yes, llama no)",
+        "tie_weights": "the output head reuses the token embedding (default: the family's, gpt "
+                       "tied, llama untied)",
         "checkpoint_activations": "recompute each block's activations in backward (less "
                                   "memory, one more forward)",
         "init_from": "start from a Hugging Face GPT-2 folder (config.json + "

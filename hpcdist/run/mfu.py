@@ -31,7 +31,8 @@ def model_flops_per_token(model, cfg, seq: int) -> float:
     full = getattr(model, "full", model)
     params = sum(math.prod(spec.shape) if spec else p.size for _, p, spec in full.named_specs()) \
         if cfg.tp > 1 else full.num_parameters()
-    params -= full.wpe.weight.size                        # the position table: no matmul
+    table = full.part("positions")                        # a learned position table: no
+    params -= table.weight.size if table is not None else 0   # matmul (rotary: no table)
     # experts: a token runs through k of each layer's (of those this rank holds, under EP)
     params += sum((m.k - len(m.experts)) * m.expert_size for m in moe_layers(full))
     return flops_per_token(params, cfg.n_layer, cfg.n_embd, seq)

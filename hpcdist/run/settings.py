@@ -19,7 +19,8 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "shard_group": ("all", "node"), "outer_wire": ("fp32", "fp16", "bf16", "int8", "int4"),
            "cp_impl": ("ring", "ulysses"), "router": ("softmax", "sigmoid"),
            "balance": ("aux", "bias", "none"), "on_failure": ("abort", "shrink"),
-           "shrink_batch": ("scale", "keep"), "attention": ("auto", "flash", "gemms", "cudnn")}
+           "shrink_batch": ("scale", "keep"), "attention": ("auto", "flash", "gemms", "cudnn"),
+           "arch": ("gpt", "llama")}
 
 
 def _encoding_problem(c) -> str | None:
@@ -58,6 +59,18 @@ SETTINGS = [
     ("attention", lambda c: _attention_problem(c)),
     ("n_embd", lambda c: c.n_embd % c.n_head and
      f"n_embd ({c.n_embd}) must be divisible by n_head ({c.n_head})"),
+    ("n_kv_head", lambda c: (c.n_kv_head < 0 or c.n_head % (c.n_kv_head or c.n_head)) and
+     f"n_head ({c.n_head}) must be divisible by n_kv_head ({c.n_kv_head}): each kv head serves "
+     "a whole group of query heads"),
+    ("n_kv_head", lambda c: c.arch == "gpt" and (c.n_kv_head or c.ffn_hidden or
+                                                  c.rope_theta != 10000.0 or c.norm_eps != 1e-5)
+     and "--n-kv-head, --ffn-hidden, --rope-theta and --norm-eps are the Llama family's: add "
+         "--arch llama"),
+    ("n_embd", lambda c: c.arch == "llama" and (c.n_embd // c.n_head) % 2 and
+     f"--arch llama rotates pairs of each head's {c.n_embd // c.n_head} dimensions: the head "
+     "size n_embd / n_head must be even"),
+    ("rope_theta", lambda c: (c.rope_theta <= 0 or c.norm_eps <= 0 or c.ffn_hidden < 0) and
+     "--rope-theta and --norm-eps must be positive, --ffn-hidden >= 0"),
     ("dropout", lambda c: not 0.0 <= c.dropout < 1.0 and
      f"dropout must be in [0, 1), got {c.dropout}"),
     ("lr", lambda c: (c.lr <= 0 or c.min_lr < 0 or c.min_lr > c.lr) and

@@ -10,3 +10,4 @@ from .core import (_lift, _unbroadcast, _xp, add, sub, mul, div, neg, pow, exp, 
                    concat, split)
 from .nn import (embedding, attend, softmax, causal_softmax, fused_attention, log_softmax,
                  cross_entropy, layer_norm, dropout, where, masked_fill, moe_permute, moe_combine)
+from .llama import rms_norm, rotary, swiglu

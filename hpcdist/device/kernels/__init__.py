@@ -9,6 +9,8 @@ The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
 from .attention import attention_bwd, attention_bwd_twin, attention_fwd, attention_twin
 from .flash import FLASH_BWD, FLASH_FWD, flash_bwd_twin, flash_twin
 from .cudnn_attention import CUDNN_BWD, CUDNN_FWD
+from .llama import (RMSNORM_BWD, RMSNORM_FWD, ROTARY, SWIGLU_BWD, SWIGLU_FWD, rmsnorm_bwd_twin,
+                    rmsnorm_twin, rotary_tables, rotary_twin, swiglu_bwd_twin, swiglu_twin)
 from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
                    operand, product,
@@ -37,12 +39,19 @@ for _op, _fn in ((BIAS_GELU, _cpu.bias_gelu), (GELU_FWD, _cpu.gelu), (GELU_BWD, 
                  (MOE_PERMUTE, _cpu.moe_permute), (MOE_COMBINE, _cpu.moe_combine),
                  (MOE_COMBINE_BWD, _cpu.moe_combine_bwd)):
     _op.cpu = _fn
+from . import cpu_llama as _cpu_llama  # noqa: E402  (numba is imported on first use only)
+for _op, _fn in ((RMSNORM_FWD, _cpu_llama.rmsnorm), (RMSNORM_BWD, _cpu_llama.rmsnorm_bwd),
+                 (SWIGLU_FWD, _cpu_llama.swiglu), (SWIGLU_BWD, _cpu_llama.swiglu_bwd),
+                 (ROTARY, _cpu_llama.rotary)):
+    _op.cpu = _fn
 for _kind in ("exact", "bf16"):                  # (TF32 is the GPU's alone)
     FLASH_FWD[_kind].cpu = _cpu_attention.flash_fwd(_kind)
     FLASH_BWD[_kind].cpu = _cpu_attention.flash_bwd(_kind)
 _fused.cpu_wanted = _cpu.wanted
 
-__all__ = ["ADAMW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD", "BIAS_GELU", "MOE_COMBINE",
+__all__ = ["ADAMW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
+           "RMSNORM_BWD", "RMSNORM_FWD", "ROTARY", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
+           "rmsnorm_twin", "rotary_tables", "rotary_twin", "swiglu_bwd_twin", "swiglu_twin", "BIAS_GELU", "MOE_COMBINE",
            "MOE_COMBINE_BWD", "MOE_PERMUTE", "combine_bwd_twin", "combine_twin", "permute_twin",
            "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",
            "GELU_BWD", "GELU_C", "GELU_FWD", "LAYERNORM_BWD", "LAYERNORM_FWD",

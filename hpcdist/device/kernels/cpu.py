@@ -70,6 +70,7 @@ def jit():
             if not os.environ.get("NUMBA_THREADING_LAYER"):
                 numba.config.THREADING_LAYER = _layer()
             from . import cpu_jit
+            from . import cpu_llama_jit  # noqa: F401  (its kernels join cpu_jit's)
             if blas.find() is not None:
                 from . import cpu_gemm  # noqa: F401  (its kernels join cpu_jit's)
         except ImportError as e:           # numba absent or broken: the twins run
@@ -323,7 +324,7 @@ def ready(dtype) -> None:
         return
     try:
         for op in fused.registry().values():
-            if op.cpu is not None:
+            if op.cpu is not None and dtype.name in op.dtypes:
                 op._cpu_ok(dtype.name)
         _ready_gemms(dtype)
         rows = np.ones((2, 256), dtype)
@@ -359,7 +360,7 @@ def warm() -> dict:
             for name, op in fused.registry().items():
                 if op.cpu is None:
                     continue
-                for dtype in ("float32", "float64"):
+                for dtype in op.dtypes:
                     try:
                         out[name, dtype, variant] = op.worst_error(dtype, run=op.cpu)
                     except Exception as e:             # numba absent or broken

@@ -23,19 +23,35 @@ from .mappings import (copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatte
 
 
 class Shard(NamedTuple):
-    """How a parameter was cut: along ``axis``, as ``pieces`` blocks side by side (q, k, v:
-    3) each split over the group; ``shape``: the whole tensor's, in the one model."""
+    """How a parameter was cut: along ``axis``, as ``pieces`` blocks side by side each split
+    over the group — a count of equal blocks (q, k, v of multi-head attention: 3), or their
+    widths where they differ (grouped-query attention's q | k | v); ``shape``: the whole
+    tensor's, in the one model."""
     axis: int
-    pieces: int
+    pieces: int | tuple
     shape: tuple
 
 
-def column_pieces(total: int, pieces: int, rank: int, world: int) -> list[tuple[int, int]]:
-    """Ranges of a dimension that holds ``pieces`` blocks side by side (q, k, v: 3) which this
+def piece_spec(widths: tuple):
+    """A fused output's pieces as a Shard records them: their count where all are alike (the
+    checkpoints of multi-head models keep their form), else their widths."""
+    widths = tuple(int(w) for w in widths)
+    return len(widths) if len(set(widths)) == 1 else widths
+
+
+def piece_widths(total: int, pieces) -> list[int]:
+    return [total // pieces] * pieces if isinstance(pieces, int) else [int(w) for w in pieces]
+
+
+def column_pieces(total: int, pieces, rank: int, world: int) -> list[tuple[int, int]]:
+    """Ranges of a dimension that holds ``pieces`` blocks side by side (q, k, v) which this
     rank takes: the rank-th of ``world`` equal parts of each block."""
-    block = total // pieces
-    part = block // world
-    return [(j * block + rank * part, j * block + (rank + 1) * part) for j in range(pieces)]
+    out, at = [], 0
+    for width in piece_widths(total, pieces):
+        part = width // world
+        out.append((at + rank * part, at + (rank + 1) * part))
+        at += width
+    return out
 
 
 def take(array, axis: int, ranges):
@@ -55,8 +71,13 @@ class ColumnParallelLinear(Module):
     model's parallel.sequence.Sequence), split along the sequence (allgather, backward
     reduce-scatter). ``logical``: the whole weight's shape where ``weight`` is padded."""
 
-    def __init__(self, weight, bias, comm, pieces: int = 1, seq=None, logical=None):
+    def __init__(self, weight, bias, comm, pieces=1, seq=None, logical=None):
         C_out = weight.shape[1]
+        pieces = piece_spec(piece_widths(C_out, pieces))
+        for width in piece_widths(C_out, pieces):
+            if width % comm.size:
+                raise ValueError(f"a column-parallel output of width {width} does not split "
+                                 f"over a tensor-parallel group of {comm.size}")
         cols = column_pieces(C_out, pieces, comm.rank, comm.size)
         self.weight = Parameter(take(weight, 1, cols))
         self.bias = Parameter(take(bias, 0, cols)) if bias is not None else None
@@ -64,11 +85,19 @@ class ColumnParallelLinear(Module):
         self.shard_spec = {"weight": Shard(1, pieces, logical or tuple(weight.shape)),
                            "bias": Shard(0, pieces, (C_out,))}
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = gather_from_sp(x, self.seq.rows, self.comm) if self.seq is not None else \
+    def _input(self, x: Tensor) -> Tensor:
+        return gather_from_sp(x, self.seq.rows, self.comm) if self.seq is not None else \
             copy_to_tp(x, self.comm)
-        y = x @ self.weight
-        return y + self.bias if self.bias is not None else y
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(self._input(x), self.weight, self.bias)
+
+    def gelu(self, x: Tensor) -> Tensor:
+        """gelu(x @ W + b) of this rank's columns: the bias and the GELU in one pass."""
+        x = self._input(x)
+        if self.bias is not None and x.ndim >= 2:
+            return ops.linear_gelu(x, self.weight, self.bias)
+        return ops.gelu(ops.linear(x, self.weight, self.bias))
 
 
 class RowParallelLinear(Module):
@@ -84,10 +113,12 @@ class RowParallelLinear(Module):
         self.comm, self.sp = comm, sequence_parallel
         self.shard_spec = {"weight": Shard(0, 1, tuple(weight.shape)), "bias": None}
 
-    def forward(self, x: Tensor) -> Tensor:
-        y = x @ self.weight
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """``residual``: added after the reduction, as the bias is."""
+        y = ops.linear(x, self.weight)
         y = reduce_scatter_to_sp(y, self.comm) if self.sp else reduce_from_tp(y, self.comm)
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y if residual is None else residual + y
 
 
 def padded_vocab(V: int, world: int) -> int:

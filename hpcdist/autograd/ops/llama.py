@@ -1,0 +1,56 @@
+"""The Llama family's ops: RMSNorm, SwiGLU from the fused gate | up projection, rotary position
+embeddings on the fused q|k|v. One fused kernel each way (device/kernels/llama.py; numba's on
+the CPU); the weight's gradient straight into its buffer where it has one."""
+from __future__ import annotations
+
+from ...device import backend, kernels
+from ..tensor import ACCUMULATED, Tensor, needs_grad
+from .core import grad_buffer
+
+_TABLES: list = []            # [(pos, hd, theta, dtype, (cos, sin))]: the last few position sets
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (kernels.RMSNORM_FWD / _BWD).
+    2-byte floats are normalised in float32 and rounded back."""
+    xp = backend.array_module(x.data)
+    dt = x.data.dtype
+    low = dt.itemsize < 4 and dt.kind in "fV"
+    f32 = (lambda a: a.astype(xp.float32)) if low else (lambda a: a)
+    xd = f32(x.data)
+    out, rstd, xhat = kernels.RMSNORM_FWD(xd, f32(weight.data), eps)
+
+    def backward(g):
+        into = grad_buffer(weight) if not low else None   # (the weight read again: ZeRO-3)
+        gx, gw = kernels.RMSNORM_BWD(f32(g), xd, f32(weight.data), rstd, xhat, into)
+        gw = None if not needs_grad(weight) else ACCUMULATED if into is not None else \
+            gw.astype(weight.data.dtype, copy=False)
+        return gx.astype(dt, copy=False), gw
+    return Tensor._make(out.astype(dt, copy=False), (x, weight), backward)
+
+
+def swiglu(h: Tensor) -> Tensor:
+    """silu(gate) * up of h (..., 2H) = [gate | up] -> (..., H) (kernels.SWIGLU_FWD / _BWD)."""
+    out = kernels.SWIGLU_FWD(h.data)
+    return Tensor._make(out, (h,), lambda g: (kernels.SWIGLU_BWD(h.data, g),))
+
+
+def rotary(qkv: Tensor, pos, shape, theta: float) -> Tensor:
+    """qkv (B, T, shape.width) with its q and k heads rotated by their rows' global positions
+    ``pos`` (T,) (kernels.ROTARY; the backward rotates the gradient back)."""
+    cos, sin = tables(pos, shape.head_dim, theta, qkv.data.dtype)
+    nq, nk, hd = shape.n_head, shape.n_kv_head, shape.head_dim
+    out = kernels.ROTARY(qkv.data, cos, sin, nq, nk, hd, 1.0)
+    return Tensor._make(out, (qkv,), lambda g: (kernels.ROTARY(g, cos, sin, nq, nk, hd, -1.0),))
+
+
+def tables(pos, hd: int, theta: float, dtype):
+    """(cos, sin) of ``pos``: made once for the position array every block of a step shares
+    (the last few kept, with the array itself, so an id is never reused meanwhile)."""
+    for p, h, th, dt, both in _TABLES:
+        if p is pos and h == hd and th == theta and dt == dtype:
+            return both
+    both = kernels.rotary_tables(pos, hd, theta, dtype)
+    _TABLES.insert(0, (pos, hd, theta, dtype, both))
+    del _TABLES[8:]
+    return both

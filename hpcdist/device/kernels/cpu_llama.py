@@ -1,0 +1,56 @@
+"""The Llama family's ops on the CPU: the numba kernels of cpu_llama_jit.py behind the twins'
+calls (llama.py), on this rank's threads."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import cpu
+from .common import ROW_BLOCK as BLOCK
+
+
+def rmsnorm(x, w, eps):
+    """twin: llama.rmsnorm_twin (no x-hat kept: the backward recomputes it)."""
+    x2 = cpu._mat(x)
+    y = np.empty(x2.shape, x.dtype)
+    rstd = np.empty(x2.shape[0], x.dtype)
+    cpu.jit().rmsnorm_fwd(x2, np.ascontiguousarray(w, dtype=x.dtype), y, rstd, cpu._c(x, eps))
+    return y.reshape(x.shape), rstd.reshape(x.shape[:-1]), None
+
+
+def rmsnorm_bwd(g, x, w, rstd, xhat=None, gw_into=None):
+    x2 = cpu._mat(x)
+    R, C = x2.shape
+    gx = np.empty(x2.shape, x.dtype)
+    part = np.empty((-(-R // BLOCK), C), x.dtype)
+    cpu.jit().rmsnorm_bwd(cpu._mat(g.astype(x.dtype, copy=False)), x2,
+                          np.ascontiguousarray(w, dtype=x.dtype),
+                          np.ascontiguousarray(rstd, dtype=x.dtype).reshape(-1), gx, part,
+                          cpu._c(x, 1.0 / C))
+    gw = part.sum(axis=0)
+    if gw_into is not None:
+        gw_into += gw
+        gw = gw_into
+    return gx.reshape(x.shape), gw
+
+
+def swiglu(h):
+    h2 = cpu._mat(h)
+    y = np.empty((h2.shape[0], h2.shape[1] // 2), h.dtype)
+    cpu.jit().swiglu_fwd(h2, y)
+    return y.reshape(h.shape[:-1] + (y.shape[1],))
+
+
+def swiglu_bwd(h, g):
+    h2 = cpu._mat(h)
+    dh = np.empty(h2.shape, h.dtype)
+    cpu.jit().swiglu_bwd(h2, cpu._mat(g.astype(h.dtype, copy=False)), dh)
+    return dh.reshape(h.shape)
+
+
+def rotary(x, cos, sin, nq, nk, hd, sign=1.0):
+    x2 = cpu._mat(x)
+    out = np.empty(x2.shape, x.dtype)
+    cpu.jit().rotary(x2, out, np.ascontiguousarray(cos, dtype=x.dtype),
+                     np.ascontiguousarray(sin, dtype=x.dtype), x.shape[1], nq + nk, hd,
+                     cpu._c(x, sign))
+    return out.reshape(x.shape)

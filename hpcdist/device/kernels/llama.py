@@ -1,0 +1,272 @@
+"""The Llama family's fused kernels, each beside its NumPy twin: RMSNorm (forward, backward),
+SwiGLU from the fused gate | up projection (forward, backward) and rotary position
+embeddings on the fused q|k|v (forward; the backward is the rotation back). Their CPU
+kernels: cpu_llama.py."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..fused import ROW_THREADS, Fused, grid
+from .common import _COMMON, _rows, _scalar
+
+# ---- RMSNorm -------------------------------------------------------------------------------
+
+_RMSNORM = _COMMON + r"""
+// one block per row of C: y = x rstd w, rstd = 1 / sqrt(mean(x^2) + eps), kept for backward
+extern "C" __global__ void rmsnorm_fwd(const T* x, const T* w, T* y, A* rstd, long long rows,
+                                       int C, A eps) {
+    __shared__ A shared[32];
+    long long r = blockIdx.x;
+    if (r >= rows) return;
+    const T* xr = x + r * C;
+    A q = 0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) { A v = (A)xr[c]; q += v * v; }
+    A rs = (A)1 / sqrt(block_sum(q, shared) / (A)C + eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) y[r * C + c] = (T)((A)xr[c] * rs * (A)w[c]);
+    if (threadIdx.x == 0) rstd[r] = rs;
+}
+// one block per row: gx = rstd (g w - xhat mean(g w xhat)), xhat = x rstd; the weight's
+// gradient added over rows into gw (zeros, or its own gradient buffer)
+extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const A* rstd, T* gx,
+                                       T* gw, long long rows, int C) {
+    __shared__ A shared[32];
+    long long r = blockIdx.x;
+    if (r >= rows) return;
+    const T* gr = g + r * C;
+    const T* xr = x + r * C;
+    A rs = rstd[r], s = 0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        A xhat = (A)xr[c] * rs;
+        s += (A)gr[c] * (A)w[c] * xhat;
+        atomicAdd(gw + c, (T)((A)gr[c] * xhat));
+    }
+    s = block_sum(s, shared) / (A)C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        gx[r * C + c] = (T)(rs * ((A)gr[c] * (A)w[c] - (A)xr[c] * rs * s));
+}
+"""
+
+
+def rmsnorm_twin(x, w, eps):
+    """(y, rstd, xhat) over the last axis; rstd of shape x.shape[:-1]."""
+    xp = backend.array_module(x)
+    ms = (x * x).sum(axis=-1, keepdims=True) * (1.0 / x.shape[-1])
+    rstd = 1.0 / xp.sqrt(ms + eps)
+    xhat = x * rstd
+    return xhat * w, rstd[..., 0], xhat
+
+
+def rmsnorm_bwd_twin(g, x, w, rstd, xhat=None, gw_into=None):
+    """(gx, gw) of y = x rstd w; ``gw_into``: the weight's gradient added into it."""
+    if xhat is None:
+        xhat = x * rstd[..., None]
+    gxhat = g * w
+    m = (gxhat * xhat).sum(axis=-1, keepdims=True) * (1.0 / x.shape[-1])
+    gx = (gxhat - xhat * m) * rstd[..., None]
+    C = x.shape[-1]
+    gw = (g.reshape(-1, C) * xhat.reshape(-1, C)).sum(axis=0)
+    if gw_into is not None:
+        gw_into += gw
+        gw = gw_into
+    return gx, gw
+
+
+def _rmsnorm_launch(k, x, w, eps):
+    xp = backend.xp()
+    x = xp.ascontiguousarray(x)
+    rows, C = _rows(x)
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    y = xp.empty_like(x)
+    rstd = xp.empty(rows, dtype=acc)
+    k("rmsnorm_fwd")((max(rows, 1),), (ROW_THREADS,),
+                     (x, xp.ascontiguousarray(w), y, rstd, np.int64(rows), np.int32(C),
+                      _scalar(acc, eps)))
+    return y, rstd.reshape(x.shape[:-1]).astype(x.dtype, copy=False), None
+
+
+def _rmsnorm_bwd_launch(k, g, x, w, rstd, xhat=None, gw_into=None):
+    xp = backend.xp()
+    x = xp.ascontiguousarray(x)
+    rows, C = _rows(x)
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    gx = xp.empty_like(x)
+    gw = gw_into if gw_into is not None else xp.zeros(C, dtype=x.dtype)
+    k("rmsnorm_bwd")((max(rows, 1),), (ROW_THREADS,),
+                     (xp.ascontiguousarray(g, dtype=x.dtype), x, xp.ascontiguousarray(w),
+                      xp.ascontiguousarray(rstd, dtype=acc).reshape(-1), gx, gw,
+                      np.int64(rows), np.int32(C)))
+    return gx, gw
+
+
+def _rmsnorm_cases(xp, rng, dt, backward=False):
+    for shape in ((1, 1), (3, 7), (2, 5, 64), (4, 1000)):
+        x = xp.asarray((rng.standard_normal(shape) * 3).astype(dt))
+        w = xp.asarray(rng.standard_normal(shape[-1]).astype(dt))
+        if not backward:
+            yield x, w, 1e-5
+        else:
+            _, rstd, _ = rmsnorm_twin(x, w, 1e-5)
+            yield xp.asarray(rng.standard_normal(shape).astype(dt)), x, w, rstd
+    x = xp.zeros((2, 8), dtype=dt)                  # all-zero rows: rstd = 1/sqrt(eps)
+    yield (x, xp.ones(8, dtype=dt), 1e-6) if not backward else \
+        (xp.ones((2, 8), dtype=dt), x, xp.ones(8, dtype=dt), rmsnorm_twin(x, x[0], 1e-6)[1])
+
+
+RMSNORM_FWD = Fused("rmsnorm_fwd", _RMSNORM, ["rmsnorm_fwd"], _rmsnorm_launch, rmsnorm_twin,
+                    lambda xp, rng, dt: _rmsnorm_cases(xp, rng, dt), compare=2)
+RMSNORM_BWD = Fused("rmsnorm_bwd", _RMSNORM, ["rmsnorm_bwd"], _rmsnorm_bwd_launch,
+                    rmsnorm_bwd_twin, lambda xp, rng, dt: _rmsnorm_cases(xp, rng, dt, True),
+                    tolerance=1e-4)
+
+# ---- SwiGLU --------------------------------------------------------------------------------
+
+_SWIGLU = r"""
+// h (N, 2H) = [gate | up] -> y (N, H) = silu(gate) up, silu(a) = a sigmoid(a)
+extern "C" __global__ void swiglu_fwd(const T* h, T* y, long long n, long long H) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    long long r = i / H, c = i % H;
+    A a = (A)h[r * 2 * H + c], u = (A)h[r * 2 * H + H + c];
+    y[i] = (T)(a / ((A)1 + exp(-a)) * u);
+}
+// dh = [g up silu'(gate) | g silu(gate)], silu'(a) = s (1 + a (1 - s)), s = sigmoid(a)
+extern "C" __global__ void swiglu_bwd(const T* h, const T* g, T* dh, long long n, long long H) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    long long r = i / H, c = i % H;
+    A a = (A)h[r * 2 * H + c], u = (A)h[r * 2 * H + H + c], gi = (A)g[i];
+    A s = (A)1 / ((A)1 + exp(-a));
+    dh[r * 2 * H + c] = (T)(gi * u * s * ((A)1 + a * ((A)1 - s)));
+    dh[r * 2 * H + H + c] = (T)(gi * a * s);
+}
+"""
+
+
+def _sigmoid(a):
+    """1 / (1 + e^-a) without overflow (e^-|a| <= 1)."""
+    xp = backend.array_module(a)
+    e = xp.exp(-xp.abs(a))
+    return xp.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def swiglu_twin(h):
+    """silu(gate) * up of h (..., 2H) = [gate | up]."""
+    H = h.shape[-1] // 2
+    a, u = h[..., :H], h[..., H:]
+    return a * _sigmoid(a) * u
+
+
+def swiglu_bwd_twin(h, g):
+    xp = backend.array_module(h)
+    H = h.shape[-1] // 2
+    a, u = h[..., :H], h[..., H:]
+    s = _sigmoid(a)
+    return xp.concatenate([g * u * s * (1.0 + a * (1.0 - s)), g * a * s], axis=-1)
+
+
+def _swiglu_launch(k, h):
+    xp = backend.xp()
+    h = xp.ascontiguousarray(h)
+    H = h.shape[-1] // 2
+    y = xp.empty(h.shape[:-1] + (H,), dtype=h.dtype)
+    k("swiglu_fwd")(*grid(y.size), (h, y, np.int64(y.size), np.int64(H)))
+    return y
+
+
+def _swiglu_bwd_launch(k, h, g):
+    xp = backend.xp()
+    h = xp.ascontiguousarray(h)
+    H = h.shape[-1] // 2
+    dh = xp.empty_like(h)
+    k("swiglu_bwd")(*grid(g.size), (h, xp.ascontiguousarray(g, dtype=h.dtype), dh,
+                                     np.int64(g.size), np.int64(H)))
+    return dh
+
+
+def _swiglu_cases(xp, rng, dt, backward=False):
+    for shape in ((1, 2), (3, 14), (2, 5, 128), (7, 2 * 688)):
+        h = xp.asarray((rng.standard_normal(shape) * 4).astype(dt))
+        if not backward:
+            yield h,
+        else:
+            yield h, xp.asarray(rng.standard_normal(shape[:-1] + (shape[-1] // 2,)).astype(dt))
+    big = xp.asarray(np.array([[-90.0, 0.0, 90.0, 1.0, -1.0, 2.0]], dtype=dt))   # saturated
+    yield (big,) if not backward else (big, xp.ones((1, 3), dtype=dt))
+
+
+SWIGLU_FWD = Fused("swiglu_fwd", _SWIGLU, ["swiglu_fwd"], _swiglu_launch, swiglu_twin,
+                   lambda xp, rng, dt: _swiglu_cases(xp, rng, dt))
+SWIGLU_BWD = Fused("swiglu_bwd", _SWIGLU, ["swiglu_bwd"], _swiglu_bwd_launch, swiglu_bwd_twin,
+                   lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True))
+
+# ---- rotary position embeddings ------------------------------------------------------------
+
+_ROTARY = r"""
+// the q and k heads of x (B, T, W) (heads h < nq: q at h hd; then nk k heads), each pair
+// (i, i + hd/2) rotated by the angle of (t, i): cos/sin (T, hd/2), ``sign`` 1 (forward) or
+// -1 (backward: the rotation back); the v heads copied. One thread a (b, t, head, i).
+extern "C" __global__ void rotary(const T* x, T* out, const T* cs, const T* sn, long long n,
+                                  int T_, int W, int nq, int nk, int hd, A sign) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;                              // n = B T W / 2: half of each head
+    int half = hd / 2;
+    long long row = i / (W / 2);
+    int j = (int)(i % (W / 2)), head = j / half, p = j % half, t = (int)(row % T_);
+    long long a = row * W + (long long)head * hd + p, b = a + half;
+    if (head >= nq + nk) { out[a] = x[a]; out[b] = x[b]; return; }
+    A c = (A)cs[t * half + p], s = sign * (A)sn[t * half + p];
+    A x1 = (A)x[a], x2 = (A)x[b];
+    out[a] = (T)(x1 * c - x2 * s);
+    out[b] = (T)(x2 * c + x1 * s);
+}
+"""
+
+
+def rotary_tables(pos, hd: int, theta: float, dtype):
+    """cos, sin (T, hd/2) of position x theta^(-2i/hd), in ``dtype`` on pos's device."""
+    xp = backend.array_module(pos)
+    inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    ang = xp.asarray(pos).astype(np.float64)[:, None] * xp.asarray(inv)[None, :]
+    return xp.cos(ang).astype(dtype), xp.sin(ang).astype(dtype)
+
+
+def rotary_twin(x, cos, sin, nq: int, nk: int, hd: int, sign: float = 1.0):
+    """x (B, T, W) with its first nq + nk heads rotated (cos, sin: (T, hd/2))."""
+    xp = backend.array_module(x)
+    B, T, W = x.shape
+    out = x.copy()
+    heads = out[..., :(nq + nk) * hd].reshape(B, T, nq + nk, hd)
+    x1, x2 = heads[..., :hd // 2].copy(), heads[..., hd // 2:].copy()
+    c, s = cos[None, :, None, :], sin[None, :, None, :] * sign
+    heads[..., :hd // 2] = x1 * c - x2 * s
+    heads[..., hd // 2:] = x2 * c + x1 * s
+    return xp.ascontiguousarray(out)
+
+
+def _rotary_launch(k, x, cos, sin, nq, nk, hd, sign=1.0):
+    xp = backend.xp()
+    x = xp.ascontiguousarray(x)
+    B, T, W = x.shape
+    out = xp.empty_like(x)
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    n = x.size // 2
+    k("rotary")(*grid(n), (x, out, xp.ascontiguousarray(cos, dtype=x.dtype),
+                           xp.ascontiguousarray(sin, dtype=x.dtype), np.int64(n), np.int32(T),
+                           np.int32(W), np.int32(nq), np.int32(nk), np.int32(hd),
+                           _scalar(acc, sign)))
+    return out
+
+
+def _rotary_cases(xp, rng, dt):
+    for B, T, nq, nk, hd in ((1, 1, 1, 1, 2), (2, 5, 4, 2, 8), (1, 17, 3, 1, 64),
+                             (2, 9, 2, 2, 128)):
+        W = (nq + 2 * nk) * hd
+        x = xp.asarray(rng.standard_normal((B, T, W)).astype(dt))
+        pos = xp.asarray(np.arange(3, 3 + T))
+        cos, sin = rotary_tables(pos, hd, 10000.0, dt)
+        for sign in (1.0, -1.0):
+            yield x, cos, sin, nq, nk, hd, sign
+
+
+ROTARY = Fused("rotary", _ROTARY, ["rotary"], _rotary_launch, rotary_twin, _rotary_cases)

@@ -1,0 +1,185 @@
+"""A model family is a declaration: the parts of a decoder-only language model by role, each
+block's projections by the way tensor parallelism cuts them, and one attention shape that
+every attention site reads. Tensor, sequence, context, pipeline and expert parallelism,
+ZeRO-3, recompute, checkpoints and the planner read these, never a family's attribute
+names (torchtitan's model specs; picotron's module swapping). A family is a module of nn/
+(gpt.py, llama.py) registered in ``FAMILIES``; docs/models.md has the contract."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..device import backend
+from ..autograd.recompute import checkpoint
+from ..autograd.tensor import Tensor
+from .module import Module
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """``n_head`` query heads, ``n_kv_head`` key/value heads (each shared by n_head //
+    n_kv_head queries: grouped-query attention; 1: multi-query) of ``head_dim`` each. The
+    fused projection's output is q | k | v: ``pieces`` wide."""
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+
+    def __post_init__(self):
+        if min(self.n_head, self.n_kv_head, self.head_dim) < 1:
+            raise ValueError(f"attention needs positive heads and head size, got {self}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head "
+                             f"({self.n_kv_head}): each kv head serves a whole group")
+
+    @property
+    def pieces(self) -> tuple:
+        hd = self.head_dim
+        return (self.n_head * hd, self.n_kv_head * hd, self.n_kv_head * hd)
+
+    @property
+    def width(self) -> int:
+        """The fused q|k|v projection's output width."""
+        return sum(self.pieces)
+
+    @property
+    def out_width(self) -> int:
+        """Attention's output width (the output projection's input)."""
+        return self.n_head * self.head_dim
+
+    def split_problem(self, n: int, what: str = "the tensor-parallel size") -> str | None:
+        """Why the heads cannot be split ``n`` ways (None: they can)."""
+        if self.n_head % n or self.n_kv_head % n:
+            both = [d for d in range(1, self.n_kv_head + 1)
+                    if self.n_head % d == 0 and self.n_kv_head % d == 0]
+            return (f"{what} {n} must divide n_head ({self.n_head}) and n_kv_head "
+                    f"({self.n_kv_head}): each rank takes whole kv heads; choose one of "
+                    f"{', '.join(map(str, both))}")
+        return None
+
+    def split(self, n: int) -> "AttentionShape":
+        """The heads one of ``n`` ranks holds (``split_problem`` must be None)."""
+        why = self.split_problem(n)
+        if why:
+            raise ValueError(why)
+        return AttentionShape(self.n_head // n, self.n_kv_head // n, self.head_dim)
+
+    def views(self, qkv):
+        """q (B, T, n_head, hd), k and v (B, T, n_kv_head, hd): views of qkv's last axis."""
+        B, T = qkv.shape[:2]
+        q, k, _ = self.pieces
+        return (qkv[..., :q].reshape(B, T, self.n_head, self.head_dim),
+                qkv[..., q:q + k].reshape(B, T, self.n_kv_head, self.head_dim),
+                qkv[..., q + k:].reshape(B, T, self.n_kv_head, self.head_dim))
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One linear layer of a block and how tensor parallelism cuts it: ``path`` in the block
+    ("attn.c_attn"), ``role`` "column" (outputs split: each of ``pieces``, the widths of the
+    fused outputs side by side, split alike) or "row" (inputs split, outputs summed)."""
+    path: str
+    role: str
+    pieces: tuple = ()
+
+
+def resolve(module, path: str):
+    """(owner, attribute, the module at ``path``): "attn.c_attn", "mlp.layers.0"."""
+    *head, last = path.split(".")
+    owner = module
+    for name in head:
+        owner = owner[int(name)] if name.isdigit() else getattr(owner, name)
+    value = owner[int(last)] if last.isdigit() else getattr(owner, last)
+    return owner, last, value
+
+
+def replace(module, path: str, new) -> None:
+    owner, last, _ = resolve(module, path)
+    if last.isdigit():
+        owner[int(last)] = new
+    else:
+        setattr(owner, last, new)
+
+
+class DecoderLM(Module):
+    """The decoder-only language model every family builds: tokens -> [positions] -> blocks
+    -> norm -> head -> loss. ``PARTS`` names each role's attribute ("tokens", "positions" —
+    None where positions are rotary, applied inside attention —, "drop", "norm", "head" —
+    None for a head tied to the token table —, "loss"); ``blocks`` holds the blocks, each
+    declaring ``projections()`` and ``attention`` (the path of its attention core)."""
+
+    PARTS: dict = {}         # (a part's attribute must not be one of the methods below)
+    seq = None               # parallel.sequence.Sequence once a parallel dimension cuts it
+
+    def part(self, role: str):
+        name = self.PARTS.get(role)
+        return getattr(self, name, None) if name else None
+
+    def set_part(self, role: str, module) -> None:
+        setattr(self, self.PARTS[role], module)
+
+    def forward(self, idx, targets=None, ignore_index: int = -100, cache=None):
+        """idx (B, T) tokens -> logits (B, T, vocab), and the loss when targets given.
+        ``cache``: one dict per block (inference with a KV cache: ``idx`` are the tokens
+        after those the cache holds; see hpcdist.sample)."""
+        if isinstance(idx, Tensor):
+            idx = idx.data
+        past = cached_length(cache)
+        x = self.embed(idx, past)                                    # (B, T, C)
+        pos = self.positions(idx.shape[1], past)
+        for i, block in enumerate(self.blocks):
+            x = self.run_block(block, x, pos) if cache is None else block(x, pos, cache[i])
+        return self.head(x, targets, ignore_index)
+
+    # The pieces a pipeline stage runs (parallel/pipeline.py): embed, blocks, head.
+    def embed(self, idx, past: int = 0) -> Tensor:
+        B, T = idx.shape
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence length {past + T} exceeds block_size "
+                             f"{self.config.block_size}")
+        x = self.part("tokens")(idx)
+        table = self.part("positions")
+        if table is not None:
+            x = x + table(backend.array_module(idx).arange(past, past + T))
+        drop = self.part("drop")
+        return drop(x) if drop is not None else x                   # (B, T, C)
+
+    def positions(self, T: int, past: int = 0):
+        """The global positions of the rows attention sees (under context parallelism this
+        rank's slice); rotary embeddings rotate q and k by them."""
+        pos = backend.xp().arange(past, past + T)
+        return pos if self.seq is None else self.seq.context_rows(pos)
+
+    def run_block(self, block, x: Tensor, pos) -> Tensor:
+        if self.config.checkpoint_activations and self.training:
+            return checkpoint(lambda h: block(h, pos), x)
+        return block(x, pos)
+
+    def head(self, x: Tensor, targets=None, ignore_index: int = -100):
+        """(logits, loss) of the final norm and the LM head (logits alone without targets)."""
+        x = self.part("norm")(x)
+        head = self.part("head")
+        logits = self.part("tokens").attend(x) if head is None else head(x)
+        return self.part("loss")(logits, targets, ignore_index)
+
+    @property
+    def attention_shape(self) -> AttentionShape:
+        return self.config.attention_shape()
+
+
+def cached_length(cache) -> int:
+    """Tokens a KV cache (one dict per block) holds."""
+    return cache[0]["k"].shape[-1] if cache and cache[0].get("k") is not None else 0
+
+
+FAMILIES: dict = {}          # arch -> (config class, model class): filled by nn/__init__.py
+
+
+def register(arch: str, config_cls, model_cls) -> None:
+    FAMILIES[arch] = (config_cls, model_cls)
+
+
+def build(arch: str, **fields):
+    """The model of family ``arch`` from its config's fields (unknown arch: ValueError)."""
+    if arch not in FAMILIES:
+        raise ValueError(f"unknown --arch {arch!r}: one of {', '.join(sorted(FAMILIES))}")
+    config_cls, model_cls = FAMILIES[arch]
+    return model_cls(config_cls(**fields))

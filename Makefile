@@ -81,7 +81,7 @@ test-mpi: venv
 DOUBLE_SIZES ?= 2 3
 DOUBLE_TESTS = tests/mpi/test_device.py tests/mpi/test_modes.py tests/mpi/test_zero.py \
                tests/mpi/test_ddp.py tests/mpi/test_pipeline.py tests/mpi/test_tensor_parallel.py \
-               tests/mpi/test_context_parallel.py tests/mpi/test_moe.py
+               tests/mpi/test_context_parallel.py tests/mpi/test_moe.py tests/mpi/test_llama.py
 
 test-double: venv
 	HPCDIST_DEVICE=double $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
@@ -94,7 +94,8 @@ test-double: venv
 	@for n in 4 8; do \
 	  echo "== mpiexec -n $$n, device double: every layout over MPI and over NCCL (the matrix)"; \
 	  HPCDIST_DEVICE=double timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
-	    --with-mpi -q -p no:cacheprovider tests/mpi/test_device.py -k every_layout || exit 1; \
+	    --with-mpi -q -p no:cacheprovider tests/mpi/test_device.py tests/mpi/test_llama.py \
+	    -k every_layout || exit 1; \
 	done
 
 # The GPU code held to the real CuPy, without a GPU: CuPy's wheel (with NCCL's, NVRTC's and cuBLAS's)

@@ -1,8 +1,8 @@
 """Generate text from a model: ``python -m hpcdist.sample CKPT_OR_HF_DIR --prompt TEXT``.
 
 CKPT_OR_HF_DIR is an hpcdist save folder or checkpoint (any layout wrote it: the tensors are
-assembled from its pieces) or a Hugging Face GPT-2 folder (config.json + model.safetensors
-and its tokenizer). The prompt is encoded with the vocabulary the checkpoint kept (its
+assembled from its pieces) or a Hugging Face folder of GPT-2, Llama, Mistral or Mixtral
+(config.json + model.safetensors, or its shards, and its tokenizer). The prompt is encoded with the vocabulary the checkpoint kept (its
 characters or its tokenizer), and tokens are drawn one at a time with a KV cache: each new
 token runs through the model alone, attending to the cached keys and values of all before it.
 
@@ -20,30 +20,34 @@ from . import checkpoint, nn
 from .data import vocab
 from .autograd.tensor import no_grad
 from .nn.moe import load_balance_bias
-from .parallel.strategy import moe_settings
+from .parallel.strategy import model_fields
 
 
 def load(path: str):
-    """(nn.GPT in eval mode, vocabulary dict or None) of a save folder, a checkpoint or a
-    Hugging Face GPT-2 folder."""
-    if os.path.isfile(os.path.join(path, "config.json")) and \
-            os.path.isfile(os.path.join(path, "model.safetensors")):
+    """(the model in eval mode, vocabulary dict or None) of a save folder, a checkpoint or a
+    Hugging Face folder (GPT-2, Llama, Mistral, Mixtral)."""
+    if os.path.isfile(os.path.join(path, "config.json")) and (
+            os.path.isfile(os.path.join(path, "model.safetensors")) or
+            os.path.isfile(os.path.join(path, "model.safetensors.index.json"))):
         from .checkpoint import hf
-        model, v = hf.load_gpt2(path)
+        model, v = hf.load(path)
         return model.eval(), v
     from .checkpoint.tools import choose
     reader = checkpoint.Reader(choose(path, say=lambda line: print(line, file=sys.stderr)))
     meta = reader.manifest.get("meta") or {}
     params = {n[len("param/"):]: reader.tensor(n) for n in reader.tensors
               if n.startswith("param/")}
-    vocab_size, _ = params["wte.weight"].shape
+    arch = meta.get("arch", "gpt")
+    table = "wte.weight" if arch == "gpt" else "embed_tokens.weight"
+    vocab_size, _ = params[table].shape
     dtype = "float64" if meta.get("dtype") == "fp64" else "float32"
     backend.set_default_float(dtype)
-    model = nn.GPT(nn.GPTConfig(
-        block_size=params["wpe.weight"].shape[0], vocab_size=vocab_size,
-        n_layer=int(meta["n_layer"]), n_head=int(meta["n_head"]), n_embd=int(meta["n_embd"]),
-        bias=bool(meta.get("bias", True)), tie_weights=bool(meta.get("tie_weights", True)),
-        **moe_settings(meta)))
+    block = params["wpe.weight"].shape[0] if "wpe.weight" in params else \
+        int(meta.get("block_size", 1024))
+    model = nn.build(arch, **model_fields(
+        {**meta, "bias": bool(meta.get("bias", arch == "gpt")),
+         "tie_weights": bool(meta.get("tie_weights", arch == "gpt"))}, arch,
+        block_size=block, vocab_size=vocab_size))
     model.load_state_dict(params)
     if "moe_bias" in reader.scalars:                  # the sigmoid router's balancing bias
         load_balance_bias(model, reader.scalars["moe_bias"])

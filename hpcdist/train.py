@@ -46,7 +46,7 @@ def prepare(cfg: TrainConfig, comm):
     backend.init(cfg.device, comm.local_rank)
     datasets = data.datasets_of(cfg)
     if cfg.init_from:
-        shape_from_pretrained(cfg, datasets[0])
+        shape_from_pretrained(cfg, datasets[0], datasets[0].vocabulary)
     validate_world(cfg, comm.size, len(datasets[0]), datasets[0].block_size)
     if not cfg.resume:
         return datasets, None

@@ -101,19 +101,21 @@ def test_command_line_json(capsys):
             "step_s", "tflops_per_gpu", "bubble"} <= set(rows[0])
 
 
-def test_memory_per_rank_is_what_training_runs_hold(tmp_path):
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_memory_per_rank_is_what_training_runs_hold(tmp_path, arch):
     """``bench plan --memory``: 4-rank ``--trace-memory`` runs (DP, ZeRO 1-3, TP 2 with and
     without SP, PP 2 and 4 with three schedules, recompute) hold the parameter, gradient and
     optimizer bytes the planner predicts for rank 0 exactly, and activations within 10%
-    (ZeRO-3 once kept every block's gathered parameters alive through the graph: 1.33x)."""
+    (ZeRO-3 once kept every block's gathered parameters alive through the graph: 1.33x);
+    for GPT and for Llama (GQA, SwiGLU, an untied head)."""
     import json
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "hpcdist.bench", "plan", "--memory", "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=root,
-                       env=dict(os.environ, PYTHONPATH=root))
+                        str(tmp_path), "--memory-arch", arch], capture_output=True, text=True,
+                       timeout=900, cwd=root, env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.load(open(tmp_path / "bench_plan_memory.json"))
     from hpcdist.bench.plan import MEMORY_LAYOUTS

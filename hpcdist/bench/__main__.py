@@ -3,6 +3,7 @@ import importlib
 import sys
 
 BENCHMARKS = {
+    "arch": "hpcdist.bench.arch",
     "attention": "hpcdist.bench.attention",
     "autograd": "hpcdist.bench.autograd",
     "checkpoint": "hpcdist.bench.checkpoint",

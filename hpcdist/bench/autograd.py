@@ -86,10 +86,10 @@ def mlp_contenders(batch: int, lr: float, seed: int = 0):
 
 # ---- GPT -------------------------------------------------------------------------------------
 
-def gpt_contenders(cfg: nn.GPTConfig, batch: int, lr: float, seed: int = 0,
-                   dtype: str = "float32"):
-    """hpcdist's GPT and its PyTorch twin (the same network written with torch ops on our
-    parameter shapes), from the same weights, on the same batch, with AdamW."""
+def gpt_contenders(cfg, batch: int, lr: float, seed: int = 0, dtype: str = "float32"):
+    """hpcdist's model (a GPTConfig's GPT, or a LlamaConfig's Llama) and its PyTorch twin (the
+    same network written with torch ops on our parameter shapes), from the same weights, on
+    the same batch, with AdamW."""
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, cfg.vocab_size, size=(batch, cfg.block_size))
     tgt = rng.integers(0, cfg.vocab_size, size=(batch, cfg.block_size))
@@ -97,7 +97,7 @@ def gpt_contenders(cfg: nn.GPTConfig, batch: int, lr: float, seed: int = 0,
     before = backend.default_float()
     backend.set_default_float(dtype)
     try:
-        model = nn.GPT(cfg)
+        model = nn.FAMILIES[cfg.arch][1](cfg)
     finally:
         backend.set_default_float(before)
     sd = model.state_dict()
@@ -116,7 +116,8 @@ def gpt_contenders(cfg: nn.GPTConfig, batch: int, lr: float, seed: int = 0,
         import torch
     except ImportError:
         return out
-    p, torch_forward_of = torch_gpt(cfg, sd, batch)
+    twin = torch_llama if cfg.arch == "llama" else torch_gpt
+    p, torch_forward_of = twin(cfg, sd, batch)
     topt = torch.optim.AdamW(list(p.values()), lr=lr, weight_decay=0.0)
     tidx, ttgt = torch.tensor(idx), torch.tensor(tgt)
 
@@ -166,6 +167,45 @@ def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu", sdpa
         x = F.layer_norm(x, (C,), p["ln_f.weight"], p["ln_f.bias"])
         return F.cross_entropy((x @ p["wte.weight"].T).reshape(-1, cfg.vocab_size),
                                ttgt.reshape(-1))
+    return p, forward
+
+
+def torch_llama(cfg, sd: dict, batch: int, device: str = "cpu"):
+    """hpcdist's Llama written with torch ops on our parameter shapes, as torch_gpt is:
+    RMSNorm, rotary embeddings (the half-split layout) on q and k, grouped-query attention
+    (SDPA with the kv heads expanded), SwiGLU, an untied head."""
+    import torch
+    F = torch.nn.functional
+    p = {k: torch.tensor(v, requires_grad=True, device=device) for k, v in sd.items()}
+    B, T, C, nh = batch, cfg.block_size, cfg.n_embd, cfg.n_head
+    nkv, hd = cfg.kv_heads, C // nh
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = (a.to(p["embed_tokens.weight"].dtype).to(device) for a in (ang.cos(), ang.sin()))
+
+    def rope(x):                                      # (B, H, T, hd)
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def rms(x, w):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    def forward(tidx, ttgt):
+        x = p["embed_tokens.weight"][tidx]
+        for i in range(cfg.n_layer):
+            b = f"blocks.{i}."
+            h = rms(x, p[b + "attn_norm.weight"])
+            q, k, v = (h @ p[b + "attn.qkv.weight"]).split([nh * hd, nkv * hd, nkv * hd], 2)
+            q = rope(q.view(B, T, nh, hd).transpose(1, 2))
+            k = rope(k.view(B, T, nkv, hd).transpose(1, 2)).repeat_interleave(nh // nkv, 1)
+            v = v.view(B, T, nkv, hd).transpose(1, 2).repeat_interleave(nh // nkv, 1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + y.transpose(1, 2).reshape(B, T, C) @ p[b + "attn.proj.weight"]
+            g, u = (rms(x, p[b + "mlp_norm.weight"]) @ p[b + "mlp.gate_up.weight"]).chunk(2, -1)
+            x = x + (F.silu(g) * u) @ p[b + "mlp.down.weight"]
+        x = rms(x, p["norm.weight"])
+        head = p["lm_head.weight"] if "lm_head.weight" in p else p["embed_tokens.weight"].T
+        return F.cross_entropy((x @ head).reshape(-1, cfg.vocab_size), ttgt.reshape(-1))
     return p, forward
 
 
@@ -246,6 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", action="store_true",
                     help="with --shapes: a step's peak bytes, CPU kernels and NumPy twins")
     ap.add_argument("--out", default="runs/bench_shapes.json", help="with --shapes: the table")
+    ap.add_argument("--arch", default="gpt", choices=("gpt", "llama"),
+                    help="with --shapes: the family (llama: a quarter of the heads kv heads)")
     ap.add_argument("--pool-ab", type=int, default=0, metavar="ROUNDS",
                     help="with --shapes: hpcdist with host/pool.py on and off in turn beside "
                          "PyTorch, ROUNDS rounds at each thread count (no table; numba's "
@@ -261,7 +303,7 @@ def main(argv=None) -> int:
         print(f"autograd at training shapes | numpy {np.__version__} | CPU kernels "
               f"{cpu.describe()}")
         rows = shapes.run(args.shapes, counts, args.steps, args.warmup, args.profile,
-                          args.memory, gpt_contenders, run_table, args.out)
+                          args.memory, gpt_contenders, run_table, args.out, args.arch)
         if any("ratio" in r for r in rows):
             print(f"median hpcdist / pytorch over the table: {shapes.median_ratio(rows):.3f}")
         return 0

@@ -118,40 +118,6 @@ def memory_rows(model, base: dict, tmp: str, n: int = 4) -> list:
     return rows
 
 
-def published_comparison(gpu_name: str = "a100-80g") -> list:
-    """Narayanan et al.'s Table 1 beside the planner: per row the published layout's estimate
-    (as they ran it: micro-batch 1, full recompute, no ZeRO, its best schedule), that mesh's
-    rank among the planner's meshes — searching all of hpcdist's features, and only what
-    Megatron-LM offered then (``plan.FEATURES["megatron-2021"]``) — and the best mesh."""
-    from hpcdist import plan as P
-    gpu, rows = P.HARDWARE[gpu_name], []
-    then = P.Settings(**P.FEATURES["megatron-2021"])
-    for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in P.NARAYANAN_TABLE_1:
-        model = P.Model(layers, hidden, heads, 2048, 51200)
-        ranks = {}
-        for name, settings in (("all", P.Settings()), ("2021", then)):
-            meshes = P.best_per_mesh(P.plan(model, gpu, gpus, 8, batch, settings)[0])
-            keys = [(e.layout.tp, e.layout.pp) for e in meshes]
-            ranks[name] = (keys.index((tp, pp)) + 1 if (tp, pp) in keys else None, meshes[0])
-        mine = None
-        m = batch // (gpus // (tp * pp))
-        for schedule, v in P._schedules(pp, then.schedules):
-            if v > 1 and ((layers // pp) % v or m % pp):
-                continue
-            e = P.estimate(model, P.Layout(tp, pp, gpus // (tp * pp), 0, 1, m, schedule, v, True,
-                                       False), gpu, gpus, 8, batch)
-            if e.fits and (mine is None or e.step_s < mine.step_s):
-                mine = e
-        best = ranks["all"][1]
-        rows.append({"model": f"{billions}B", "published": f"TP {tp} x PP {pp}, {gpus} GPUs",
-                     "published_tflops": tflops,
-                     "estimate_tflops": mine.tflops_per_gpu / 1e12 if mine else None,
-                     "rank": ranks["all"][0], "rank_2021": ranks["2021"][0],
-                     "best": f"TP {best.layout.tp} x PP {best.layout.pp}",
-                     "best_tflops": best.tflops_per_gpu / 1e12})
-    return rows
-
-
 def _links(n: int) -> tuple:
     """(alpha s, bytes/s, seconds per small collective call) with ``n`` ranks running:
     a ping-pong between two of them, and the median of 200 1-KiB allreduces over all."""
@@ -222,14 +188,19 @@ def _sync_cost(n: int) -> float:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _model(args):
-    """The planner's view of the GPT these runs train (the default task's sequences)."""
+def _model(args, arch: str = "gpt"):
+    """The planner's view of the model these runs train (the default task's sequences): a
+    GPT, or a Llama with two kv heads (``LLAMA``'s settings)."""
     from hpcdist import plan as P
     cfg = TrainConfig()
     train_set = make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
                           block_size=cfg.block_size)[0]
+    extra = dict(arch="llama", kv_heads=LLAMA["n_kv_head"]) if arch == "llama" else {}
     return P.Model(args.n_layer, args.n_embd, args.n_head, train_set.block_size,
-                   train_set.vocab_size)
+                   train_set.vocab_size, **extra)
+
+
+LLAMA = dict(arch="llama", n_kv_head=2)      # the Llama runs of --memory-arch llama
 
 
 def main(argv=None) -> int:
@@ -248,6 +219,8 @@ def main(argv=None) -> int:
                     help="only the memory per rank (model state, activations), planner vs "
                          "--trace-memory training runs (4 ranks, 4 layers)")
     ap.add_argument("--memory-embd", type=int, default=256, help="--memory: n_embd")
+    ap.add_argument("--memory-arch", default="gpt", choices=("gpt", "llama"),
+                    help="--memory: the family (llama: two kv heads, SwiGLU, untied)")
     ap.add_argument("--published", action="store_true",
                     help="only the comparison with Narayanan et al.'s Table 1 (no runs)")
     args = ap.parse_args(argv)
@@ -255,9 +228,10 @@ def main(argv=None) -> int:
         # wider and shorter than the timing runs: activations dominate the Python objects
         # of the graph (a few hundred bytes per op) as they do at any real size
         args.n_embd, args.n_layer = args.memory_embd, 4
-        model = _model(args)
+        model = _model(args, args.memory_arch)
         base = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                    log_every=10 ** 6, batch_size=32)
+                    log_every=10 ** 6, batch_size=32,
+                    **(LLAMA if args.memory_arch == "llama" else {}))
         rows = memory_rows(model, base, tempfile.mkdtemp())
         print(table(rows, [("layout", "layout", "s"), ("state", "kind", "s"),
                            ("planner B", "planner", "d"), ("run B", "run", "d"),
@@ -265,6 +239,7 @@ def main(argv=None) -> int:
         write_json(os.path.join(args.out, "bench_plan_memory.json"), rows)
         return 0
     if args.published:
+        from hpcdist.bench.plan_published import llama_published, published_comparison
         rows = published_comparison()
         print(table(rows, [("model", "model", "s"), ("published", "published", "s"),
                            ("TFLOP/s", "published_tflops", "d"),
@@ -273,6 +248,10 @@ def main(argv=None) -> int:
                            ("rank, 2021 features", "rank_2021", "d"),
                            ("planner's best", "best", "s"),
                            ("best TFLOP/s", "best_tflops", ".0f")]))
+        print(table(llama_published(), [("model", "model", "s"), ("published", "published", "s"),
+                                        ("its layout", "layout", "s"),
+                                        ("planner's estimate", "estimate", "s"),
+                                        ("planner's best", "best", "s")]))
         return 0
     n, B = args.ranks, args.global_batch
     model = _model(args)

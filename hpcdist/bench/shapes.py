@@ -41,14 +41,17 @@ TORCH_PARTS = (("GEMMs", ("aten::mm", "aten::addmm")),
                ("fused kernels", ("gelu", "layer_norm", "log_softmax", "nll_loss")))
 
 
-def parse(spec: str):
-    """"LxC:T:V:B,..." -> [(GPTConfig, batch)] (heads of 64)."""
+def parse(spec: str, arch: str = "gpt"):
+    """"LxC:T:V:B,..." -> [(the family's config, batch)] (heads of 64; Llama: a quarter of
+    them kv heads, at least one)."""
     out = []
     for item in spec.split(","):
         shape, T, V, B = item.strip().split(":")
         L, C = (int(v) for v in shape.lower().split("x"))
-        out.append((nn.GPTConfig(block_size=int(T), vocab_size=int(V), n_layer=L,
-                                 n_head=max(1, C // 64), n_embd=C), int(B)))
+        heads = max(1, C // 64)
+        extra = dict(n_kv_head=max(1, heads // 4)) if arch == "llama" else {}
+        out.append((nn.FAMILIES[arch][0](block_size=int(T), vocab_size=int(V), n_layer=L,
+                                         n_head=heads, n_embd=C, **extra), int(B)))
     return out
 
 
@@ -153,17 +156,20 @@ def torch_profile(step, steps: int = 3) -> dict:
 
 
 def run(spec: str, thread_counts, steps: int, warmup: int, profile: bool, memory: bool,
-        gpt_contenders, run_table, out: str = "runs/bench_shapes.json") -> list:
-    """The table; ``gpt_contenders`` and ``run_table``: bench.autograd's."""
+        gpt_contenders, run_table, out: str = "runs/bench_shapes.json",
+        arch: str = "gpt") -> list:
+    """The table; ``gpt_contenders`` and ``run_table``: bench.autograd's; ``arch``: the
+    family (llama: a quarter of the heads kv heads)."""
     rows = []
     for n in thread_counts:
         set_threads(n)
-        for cfg, batch in parse(spec):
-            name = (f"GPT {cfg.n_layer}x{cfg.n_embd}, T {cfg.block_size}, vocab "
+        for cfg, batch in parse(spec, arch):
+            family = "Llama" if arch == "llama" else "GPT"
+            name = (f"{family} {cfg.n_layer}x{cfg.n_embd}, T {cfg.block_size}, vocab "
                     f"{cfg.vocab_size}, batch {batch}, {n} thread{'s' * (n > 1)}")
             contenders = gpt_contenders(cfg, batch, LR)
             table = run_table(name, contenders, steps, warmup)
-            row = {"shape": f"{cfg.n_layer}x{cfg.n_embd}", "T": cfg.block_size,
+            row = {"arch": arch, "shape": f"{cfg.n_layer}x{cfg.n_embd}", "T": cfg.block_size,
                    "vocab": cfg.vocab_size, "batch": batch, "threads": n,
                    "hpcdist_ms": table["hpcdist"][0] * 1e3}
             if "pytorch" in table:

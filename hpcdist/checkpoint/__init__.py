@@ -15,14 +15,12 @@ import shutil
 import numpy as np
 
 from . import reshard
+from .errors import CheckpointError
+from .meta import check_meta, checkpoint_meta  # noqa: F401  (checkpoint.check_meta, ...)
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "hpcdist-checkpoint-2"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -362,38 +360,3 @@ class Reader:
     def verify(self) -> None:
         for name in self.manifest["files"]:
             self._file(name)
-
-
-def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
-    """What a checkpoint must share with the run that resumes it (checked on --resume); the
-    layout (world size, DP, TP, PP, ZeRO level) may differ. ``vocabulary``: the data's
-    (data/vocab.py), named by its fingerprint."""
-    from ..data import vocab
-    meta = {"task": cfg.task, "length": cfg.length, "num_digits": cfg.num_digits,
-            "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-            "n_embd": cfg.n_embd, "bias": cfg.bias, "tie_weights": cfg.tie_weights,
-            "dtype": cfg.dtype, "precision": cfg.precision, "optimizer": cfg.optimizer,
-            "compress": cfg.compress}
-    if getattr(cfg, "experts", 0):            # (absent without: older checkpoints compare)
-        meta.update({k: getattr(cfg, k) for k in ("experts", "top_k", "moe_every", "router",
-                                                  "shared_experts", "capacity_factor",
-                                                  "balance", "expert_hidden")
-                     if k != "expert_hidden" or getattr(cfg, k, 0)})   # (likewise)
-    if vocabulary is not None:
-        meta["vocab"] = vocab.fingerprint(vocabulary)
-    return meta
-
-
-def check_meta(manifest: dict, meta: dict, folder: str) -> None:
-    """Refuse, in one line, a checkpoint written by a run that differs from this one; another
-    vocabulary first (ids would mean other tokens), naming both."""
-    saved = manifest.get("meta") or {}
-    if "vocab" in saved and "vocab" in meta and saved["vocab"] != meta["vocab"]:
-        raise CheckpointError(f"{folder} was trained on another vocabulary: {saved['vocab']}; "
-                              f"this run's data gives {meta['vocab']}. Resume with the same "
-                              "--data and --tokenizer, or start a new run in another --save-dir")
-    diffs = [f"{k} {saved[k]!r} there, {v!r} here" for k, v in meta.items()
-             if k in saved and saved[k] != v]
-    if diffs:
-        raise CheckpointError(f"{folder} was written by a different run: " + "; ".join(diffs)
-                              + ". Resume with the same settings, or use another --save-dir")

@@ -1,54 +1,26 @@
-"""Hugging Face GPT-2 folders in: ``config.json`` + ``model.safetensors`` (read here, without
-torch) and the tokenizer beside them, as hpcdist's parameter names, model shape and vocabulary.
+"""Hugging Face folders in: ``config.json`` + ``model.safetensors`` (read here, without torch)
+and the tokenizer beside them, as hpcdist's parameter names, model shape and vocabulary — GPT-2
+here, the Llama family (Llama, Mistral, Mixtral) in hf_llama.py; ``family``, ``shape``,
+``params`` and ``load`` choose by the folder's ``model_type``.
 
 The names follow the same table as the export (tools.py, ``_NANOGPT``): GPT-2's Conv1D
 weights are stored (in, out) as ours are; an untied ``lm_head`` is a torch Linear (out, in).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 
 import numpy as np
 
-_DTYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I64": "<i8", "I32": "<i4",
-           "BF16": "bf16"}
+from .hf_files import folder_vocabulary, read_config, read_safetensors
 
-
-def read_safetensors(path: str) -> dict:
-    """name -> array of a safetensors file (memory-mapped, copied on use)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = info["data_offsets"]
-        dt = _DTYPES.get(info["dtype"])
-        if dt is None:
-            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}, not one of "
-                             f"{sorted(_DTYPES)}")
-        if dt == "bf16":                                  # bfloat16: the high half of fp32
-            half = np.frombuffer(raw[a:b], dtype="<u2").astype(np.uint32) << 16
-            arr = half.view(np.float32)
-        else:
-            arr = np.frombuffer(raw[a:b], dtype=dt)
-        out[name] = arr.reshape(info["shape"])
-    return out
+gpt2_vocabulary = folder_vocabulary       # (the name other modules used)
 
 
 def gpt2_shape(folder: str) -> dict:
     """The model shape of a GPT-2 ``config.json`` in hpcdist's words."""
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face GPT-2 folder has "
-                                "config.json and model.safetensors)")
-    with open(path) as f:
-        c = json.load(f)
+    c = read_config(folder)
     if c.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"{folder}: model_type {c.get('model_type')!r}, only gpt2 loads")
     if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -83,23 +55,6 @@ def gpt2_params(folder: str, names) -> dict:
     return out
 
 
-def gpt2_vocabulary(folder: str) -> dict | None:
-    """The tokenizer of a GPT-2 folder as a vocabulary (tokenizer.json, or GPT-2's vocab.json
-    + merges.txt), None when the folder has none."""
-    from ..data import vocab
-    path = os.path.join(folder, "tokenizer.json")
-    if os.path.isfile(path):
-        return vocab.tokenizer_file(path)
-    v, m = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
-    if os.path.isfile(v) and os.path.isfile(m):
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-        tok = Tokenizer(models.BPE.from_file(v, m))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        return {"kind": "tokenizer", "size": tok.get_vocab_size(), "tokenizer": tok.to_str()}
-    return None
-
-
 def load_gpt2(folder: str):
     """(nn.GPT with the folder's weights, its vocabulary or None), on the active device."""
     from .. import nn
@@ -111,3 +66,45 @@ def load_gpt2(folder: str):
             m.eps = eps
     model.load_state_dict(gpt2_params(folder, [n for n, _ in model.named_parameters()]))
     return model, gpt2_vocabulary(folder)
+
+
+def family(folder: str) -> str:
+    """hpcdist's family (``--arch``) for a Hugging Face folder: gpt or llama; an unknown
+    architecture is refused in one line."""
+    from .hf_llama import ARCHS
+    kind = read_config(folder).get("model_type", "gpt2")
+    if kind == "gpt2":
+        return "gpt"
+    if kind in ARCHS:
+        return "llama"
+    raise ValueError(f"{folder}: model_type {kind!r} is not a family hpcdist reads (gpt2, "
+                     f"{', '.join(sorted(ARCHS))})")
+
+
+def shape(folder: str) -> dict:
+    """The folder's model as TrainConfig fields: arch and the family's shape (the same keys a
+    flag would set)."""
+    arch = family(folder)
+    if arch == "gpt":
+        out = gpt2_shape(folder)
+        out.pop("eps")
+    else:
+        from .hf_llama import llama_shape
+        out = llama_shape(folder)
+    return {"arch": arch, **out}
+
+
+def params(folder: str, arch: str, names, n_layer: int, experts: int = 0) -> dict:
+    """hpcdist name -> array of the folder's weights for a model of ``arch``."""
+    if arch == "gpt":
+        return gpt2_params(folder, names)
+    from .hf_llama import llama_params
+    return llama_params(folder, names, n_layer, experts)
+
+
+def load(folder: str):
+    """(the folder's model with its weights, its vocabulary or None), on the active device."""
+    if family(folder) == "gpt":
+        return load_gpt2(folder)
+    from .hf_llama import load_llama
+    return load_llama(folder)

@@ -9,19 +9,10 @@ import os
 
 import numpy as np
 
-from .hf import read_safetensors
+from .hf_files import folder_vocabulary, read_config, read_safetensors
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "mixtral": "MixtralForCausalLM"}
-
-
-def read_config(folder: str) -> dict:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face model folder has "
-                                "config.json and model.safetensors)")
-    with open(path) as f:
-        return json.load(f)
 
 
 def _theta(c: dict) -> float:
@@ -148,13 +139,12 @@ def llama_params(folder: str, names, n_layer: int, experts: int = 0) -> dict:
 def load_llama(folder: str):
     """(nn.Llama with the folder's weights, its vocabulary or None), on the active device."""
     from .. import nn
-    from .hf import gpt2_vocabulary
     shape = llama_shape(folder)
     model = nn.Llama(nn.LlamaConfig(**shape))
     names = [n for n, _ in model.named_parameters()]
     model.load_state_dict(llama_params(folder, names, shape["n_layer"],
                                        shape.get("experts", 0)))
-    return model, gpt2_vocabulary(folder)
+    return model, folder_vocabulary(folder)
 
 
 def hf_llama_names(params: dict, meta: dict) -> dict:

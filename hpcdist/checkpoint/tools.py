@@ -178,6 +178,31 @@ def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) ->
 
 def export_hf(out: str, params: dict, meta: dict,
               vocabulary: dict | None = None) -> dict:
+    """A Hugging Face folder of the checkpoint's family: GPT-2 (``export_gpt2``) or Llama /
+    Mixtral (hf_llama.py's names and config), with the tokenizer."""
+    if meta.get("arch", "gpt") == "gpt":
+        return export_gpt2(out, params, meta, vocabulary)
+    from .hf_llama import hf_llama_config, hf_llama_names
+    tensors = hf_llama_names(params, meta)
+    config = hf_llama_config(params, meta)
+    if config["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight", None)
+    os.makedirs(out, exist_ok=True)
+    tokenizer = hf_tokenizer(vocabulary) if vocabulary else None
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(out, "tokenizer.json"))
+        with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
+                       "model_max_length": config["max_position_embeddings"]}, f, indent=1)
+    config["bos_token_id"] = config["eos_token_id"] = None
+    write_safetensors(os.path.join(out, "model.safetensors"), tensors, {"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return tensors
+
+
+def export_gpt2(out: str, params: dict, meta: dict,
+                vocabulary: dict | None = None) -> dict:
     """``out``/model.safetensors and ``out``/config.json: a GPT2LMHeadModel folder; with the
     checkpoint's vocabulary also ``tokenizer.json`` and ``tokenizer_config.json``, so that
     ``transformers.pipeline('text-generation', model=out)`` encodes, generates and decodes."""
@@ -237,7 +262,7 @@ def main(argv=None) -> int:
     ex.add_argument("dir")
     ex.add_argument("out")
     ex.add_argument("--names", choices=("hpcdist", "nanogpt"), default="hpcdist",
-                    help=".npz names (safetensors always uses Hugging Face GPT-2's)")
+                    help=".npz names (safetensors always uses Hugging Face's for the family)")
     ex.add_argument("--format", choices=("npz", "safetensors"), default="npz")
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an existing export at OUT (refused without it)")
@@ -261,9 +286,10 @@ def main(argv=None) -> int:
                                 vocabulary)
             said = " and the tokenizer" if vocabulary and vocabulary.get("kind") in (
                 "chars", "tokenizer") else ""
+            kind = {"gpt": "GPT2LMHeadModel"}.get((reader.manifest.get("meta") or {}).get(
+                "arch", "gpt"), "AutoModelForCausalLM")
             print(f"wrote {args.out}/model.safetensors, config.json{said}: {len(tensors)} tensors "
-                  f"(Hugging Face GPT-2 names; transformers.GPT2LMHeadModel.from_pretrained "
-                  f"loads the folder)")
+                  f"(Hugging Face names; transformers.{kind}.from_pretrained loads the folder)")
             return 0
         if args.names == "nanogpt":
             params = nanogpt_names(params)

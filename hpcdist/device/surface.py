@@ -37,6 +37,7 @@ MODULE = {
     "zeros_like": ("function", "(a, dtype=None, order='K', subok=None, shape=None)"),
     "abs": ("ufunc", "(x)"), "add": ("ufunc", "(x1, x2)"),
     "bitwise_or": ("ufunc", "(x1, x2)"), "divide": ("ufunc", "(x1, x2)"),
+    "cos": ("ufunc", "(x)"), "sin": ("ufunc", "(x)"),
     "exp": ("ufunc", "(x)"), "isfinite": ("ufunc", "(x)"), "isnan": ("ufunc", "(x)"),
     "log": ("ufunc", "(x)"), "maximum": ("ufunc", "(x1, x2)"),
     "minimum": ("ufunc", "(x1, x2)"), "multiply": ("ufunc", "(x1, x2)"),

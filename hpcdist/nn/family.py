@@ -135,6 +135,8 @@ class DecoderLM(Module):
         if past + T > self.config.block_size:
             raise ValueError(f"sequence length {past + T} exceeds block_size "
                              f"{self.config.block_size}")
+        if self.seq is not None:            # the batch's length, for every cut module
+            self.seq.begin(T)
         x = self.part("tokens")(idx)
         table = self.part("positions")
         if table is not None:

@@ -66,11 +66,21 @@ TENSOR = [   # parallel/tp: heads, MLP width and vocabulary split over tp ranks
      f"--tp {c.tp} must divide n_kv_head ({_kv_heads(c)}): each tensor-parallel rank holds "
      f"whole kv heads (Megatron's rule); use a --tp dividing {_kv_heads(c)}, or more kv "
      "heads"),
+    ("tp", lambda c: c.experts == 0 and _ffn(c) % c.tp and
+     f"--tp {c.tp} must divide the MLP's width {_ffn(c)} (its columns split over the "
+     "tensor-parallel ranks): set --ffn-hidden to a multiple of it"),
 ]
 
 
 def _kv_heads(c) -> int:
     return getattr(c, "n_kv_head", 0) or c.n_head
+
+
+def _ffn(c) -> int:
+    """The MLP's width: Llama's SwiGLU (ffn_hidden, or 8/3 n_embd up to 64), GPT's 4 n_embd."""
+    if getattr(c, "arch", "gpt") == "llama":
+        return c.ffn_hidden or 64 * -(-8 * c.n_embd // (3 * 64))
+    return 4 * c.n_embd
 
 PIPELINE = [   # parallel/pipeline.py: the stages, a verified schedule
     ("pp", lambda c: (c.pp < 1 or c.virtual_stages < 1 or c.micro_batches < 0) and

@@ -31,6 +31,18 @@ def _split_qkv(qkv, shape):
                  for a in out)
 
 
+def _tokens(a):
+    """(B, nkv, G, T, hs) -> (B, T, nkv G hs): the heads back in their tokens' rows."""
+    B, T = a.shape[0], a.shape[3]
+    return a.transpose(0, 3, 1, 2, 4).reshape(B, T, -1)
+
+
+def _heads(a, shape):
+    """(B, T, nkv G hs) -> ``shape`` (B, nkv, G, T, hs): ``_tokens`` undone."""
+    B, nkv, G, T, hs = shape
+    return a.reshape(B, T, nkv, G, hs).transpose(0, 2, 3, 1, 4)
+
+
 def _scores(qs, ks, scale):
     """q k^T * scale, (B, nkv, G, Tq, Tk): the one block-sized array the forward makes (in
     place from here on: a block's transient memory is one or two score-sized arrays)."""
@@ -149,11 +161,10 @@ def ring_attention(cp, qkv: Tensor, shape, p: float = 0.0) -> Tensor:
             with timeline.span("cp wait", cat="cp", step=s):
                 kv = nxt[1].wait()
                 nxt[0].wait()
-    y = out.transpose(0, 3, 1, 2, 4).reshape(B, Tl, shape.out_width).astype(qkv.dtype)
+    y = _tokens(out).astype(qkv.dtype)
 
     def backward(g):
-        dout = xp.ascontiguousarray(g.reshape(q.shape[:1] + (Tl,) + q.shape[1:3] + q.shape[4:])
-                                    .transpose(0, 2, 3, 1, 4)).astype(q.dtype)
+        dout = xp.ascontiguousarray(_heads(g, q.shape)).astype(q.dtype)
         D = (dout * out).sum(axis=-1)
         dq = xp.zeros_like(q)
         blk = xp.stack([k, v])
@@ -181,7 +192,6 @@ def ring_attention(cp, qkv: Tensor, shape, p: float = 0.0) -> Tensor:
         with timeline.span("cp wait", cat="cp", step=n):
             dkv = incoming.wait()             # this rank's own block, from every query
             sent.wait()
-        heads = lambda a: a.transpose(0, 3, 1, 2, 4).reshape(B, Tl, -1)     # noqa: E731
-        d = xp.concatenate([heads(dq), heads(dkv[0]), heads(dkv[1])], axis=-1)
+        d = xp.concatenate([_tokens(dq), _tokens(dkv[0]), _tokens(dkv[1])], axis=-1)
         return (d.astype(qkv.dtype),)
     return Tensor._make(y, (qkv,), backward)

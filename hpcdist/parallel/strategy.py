@@ -148,14 +148,15 @@ def make_model(cfg, comm, mesh, train_set):
     replica = mesh.coord.dp * cfg.ep + mesh.coord.ep if mesh else comm.rank   # its batches
     backend.seed(cfg.seed + 1000 * (replica * cfg.pp + mesh.coord.pp if mesh else replica))
     block = train_set.block_size
-    if cfg.init_from:                              # GPT-2's weights: its position table
+    if cfg.init_from:                              # a pretrained folder: its positions
         from ..checkpoint import hf
-        block = hf.gpt2_shape(cfg.init_from)["block_size"]
-    model = nn.build(getattr(cfg, "arch", "gpt"), **model_fields(
-        cfg, getattr(cfg, "arch", "gpt"), block_size=block, vocab_size=train_set.vocab_size))
+        block = hf.shape(cfg.init_from)["block_size"]
+    model = nn.build(cfg.arch, **model_fields(cfg, cfg.arch, block_size=block,
+                                              vocab_size=train_set.vocab_size))
     if cfg.init_from:                              # the same on every rank, before any cut
-        model.load_state_dict(hf.gpt2_params(cfg.init_from,
-                                             [n for n, _ in model.named_parameters()]))
+        model.load_state_dict(hf.params(cfg.init_from, cfg.arch,
+                                        [n for n, _ in model.named_parameters()],
+                                        cfg.n_layer, cfg.experts))
     if cfg.tp > 1:                                 # modules swapped for parallel ones
         apply_tensor_parallel(model, mesh.tp_comm, cfg.sequence_parallel)
     if cfg.cp > 1:                                 # each rank: a slice of every sequence

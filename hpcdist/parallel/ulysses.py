@@ -5,13 +5,11 @@ tokens of every head become every token of a 1/N share of the heads, and back.
     y (B, T, nh/N * hs) --all-to-all--> (B, T_r, nh * hs)
 
 The fused projection is regrouped per kv head (its G query heads, its k, its v: a unit that
-stays together; multi-head attention: G = 1), and rank j gets units [j nkv/N, (j+1) nkv/N);
-the tokens arrive in the group's order (parallel/context.py) and are put in position order,
-so the attention in the middle is the ordinary fused one. Each all-to-all's backward is the
+stays together; multi-head: G = 1), and rank j gets units [j nkv/N, (j+1) nkv/N); the
+tokens arrive in the group's order (parallel/context.py) and are put in position order, so
+the attention in the middle is the ordinary fused one. Each all-to-all's backward is the
 reverse all-to-all, and each is the Communicator's collective (comm/alltoall.py: numbered,
-watched, counted). Needs N to divide the kv heads this rank holds (n_kv_head / tp): the
-configuration checks it.
-"""
+watched, counted). N must divide the kv heads this rank holds (the configuration checks)."""
 from __future__ import annotations
 
 import math

@@ -8,7 +8,7 @@ import re
 import sys
 from dataclasses import replace
 
-from .model import FEATURES, GB, GPU, HARDWARE, Model, Settings
+from .model import FEATURES, GB, GPU, HARDWARE, PRESETS, Model, Settings
 from .search import best_per_mesh, plan
 
 
@@ -34,6 +34,12 @@ def calibrated(gpu: GPU, settings: Settings, path: str) -> tuple:
     return gpu, settings
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):          # one line, exit 2 (argparse prints its usage first)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The package docstring as written, and every option's default."""
 
@@ -43,21 +49,26 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
 def parser() -> argparse.ArgumentParser:
     doc = sys.modules[__package__].__doc__
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.plan", description=doc.split("\n\n")[0],
+    ap = _Parser(prog="python -m hpcdist.plan", description=doc.split("\n\n")[0],
                                  formatter_class=_Help, epilog=doc.split("\n\n", 1)[1])
     add = ap.add_argument
-    add("--model", default="gpt", choices=("gpt",), help="the model family")
-    add("--layers", type=int, required=True, help="transformer blocks (required)")
-    add("--hidden", type=int, required=True, help="model width (required)")
-    add("--heads", type=int, required=True, help="attention heads (required)")
+    add("--preset", choices=sorted(PRESETS), help="a published model's shape (and, where "
+        "the command line gives none, a run to plan: GPUs, batch, card)")
+    add("--model", default="gpt", choices=("gpt", "llama"), help="the model family")
+    add("--layers", type=int, help="transformer blocks (required without --preset)")
+    add("--hidden", type=int, help="model width (required without --preset)")
+    add("--heads", type=int, help="attention heads (required without --preset)")
+    add("--kv-heads", type=int, default=0, help="llama: key/value heads (0: --heads)")
+    add("--ffn", type=int, default=0, help="llama: SwiGLU's width (0: 8/3 hidden up to 64)")
+    add("--untied", action="store_true", help="an untied head (llama's default)")
     add("--seq", type=int, default=2048, help="sequence length")
     add("--vocab", type=int, default=51200, help="vocabulary size")
     add("--experts", type=int, default=0, help="routed experts per MoE layer (0: dense)")
     add("--top-k", type=int, default=2, help="experts each token is sent to")
     add("--expert-hidden", type=int, default=0, help="an expert's MLP width (0: 4 x hidden)")
     add("--moe-every", type=int, default=1, help="an MoE MLP in every n-th block")
-    add("--global-batch", type=int, required=True, help="sequences per step (required)")
-    add("--gpus", type=int, required=True, help="GPUs in all (required)")
+    add("--global-batch", type=int, help="sequences per step (required without --preset)")
+    add("--gpus", type=int, help="GPUs in all (required without --preset)")
     add("--gpus-per-node", type=int, default=8, help="GPUs per node")
     add("--gpu", default="a100-80g", choices=sorted(HARDWARE) + ["custom"], help="the card")
     add("--peak-tflops", type=float, help="custom: dense TFLOP/s of --dtype")
@@ -87,9 +98,45 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _with_preset(ap, args, argv) -> None:
+    """--preset's shape and run in ``args`` where the command line said nothing."""
+    given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])
+             if a.startswith("--")}
+    if args.preset:
+        p = PRESETS[args.preset]
+        names = {"arch": "model", "kv_heads": "kv_heads", "batch": "global_batch"}
+        for key, value in p.items():
+            name = names.get(key, key)
+            if "--" + name.replace("_", "-") not in given:
+                setattr(args, name, value)
+    missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads",
+                                                     "global_batch", "gpus")
+               if getattr(args, n) is None]
+    if missing:
+        ap.error(f"{', '.join(missing)} required (or --preset NAME: {', '.join(sorted(PRESETS))})")
+    for name in ("layers", "hidden", "heads", "seq", "vocab", "global_batch", "gpus",
+                 "gpus_per_node"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.hidden % args.heads:
+        ap.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
+    if args.kv_heads < 0 or args.ffn < 0 or args.heads % (args.kv_heads or args.heads):
+        ap.error(f"--kv-heads must divide --heads {args.heads} (got {args.kv_heads}), --ffn "
+                 ">= 0")
+    if args.model == "gpt" and (args.kv_heads or args.ffn):
+        ap.error("--kv-heads and --ffn are the Llama family's: add --model llama")
+
+
+def model_of(args) -> Model:
+    return Model(args.layers, args.hidden, args.heads, args.seq, args.vocab, args.experts,
+                 args.top_k, args.expert_hidden, args.moe_every, args.model, args.kv_heads,
+                 args.ffn, False if args.untied else None)
+
+
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    _with_preset(ap, args, argv)
     if args.gpu == "custom":
         if not (args.peak_tflops and args.memory_gb and args.nvlink_gbs and args.network_gbs):
             ap.error("--gpu custom needs --peak-tflops, --memory-gb, --nvlink-gbs, --network-gbs")
@@ -110,8 +157,7 @@ def main(argv=None) -> int:
             args.expert_hidden < 0 or args.moe_every < 1:
         ap.error("--experts >= 0, --top-k between 1 and the experts, --expert-hidden >= 0, "
                  "--moe-every >= 1")
-    model = Model(args.layers, args.hidden, args.heads, args.seq, args.vocab, args.experts,
-                  args.top_k, args.expert_hidden, args.moe_every)
+    model = model_of(args)
     fits, refused = plan(model, gpu, args.gpus, args.gpus_per_node, args.global_batch,
                          settings)
     if args.json:
@@ -119,7 +165,10 @@ def main(argv=None) -> int:
         if not fits:
             print(nothing_fits(refused), file=sys.stderr)
         return 0 if fits else 1
-    print(f"GPT {model.layers} layers x {model.hidden} hidden ({model.heads} heads), "
+    heads = f"{model.heads} heads" + (f", {model.kv_heads} kv heads" if model.kv_heads and
+                                        model.kv_heads != model.heads else "")
+    print(f"{'Llama' if model.llama else 'GPT'} {model.layers} layers x {model.hidden} hidden "
+          f"({heads}), "
           f"{model.parameters / 1e9:.1f} B parameters" + (
               f" ({model.experts} experts top-{model.top_k} in {model.moe_layers} blocks: "
               f"{model.active_parameters / 1e9:.1f} B active)" if model.experts else "") +
@@ -236,6 +285,11 @@ def train_args(model: Model, L, settings: Settings) -> list:
     """hpcdist.train's options for layout ``L`` (the data: token shards named DATA)."""
     a = ["--task", "text", "--data", "DATA", "--n-layer", model.layers, "--n-embd",
          model.hidden, "--n-head", model.heads, "--block-size", model.seq]
+    if model.llama:
+        a += ["--arch", "llama"]
+        a += ["--n-kv-head", model.kv_heads] if model.kv_heads else []
+        a += ["--ffn-hidden", model.ffn] if model.ffn else []
+        a += ["--tie-weights"] if model.head_tied else []
     if settings.dtype != "fp32":
         a += ["--precision", settings.dtype]
     if L.pp > 1:

@@ -12,19 +12,23 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
            stage: str | None = None) -> dict:
     """Bytes per GPU on the ``stage`` "first" or "last" (None: the fuller of the two).
 
-    Parameters counted as a GPT-2 block holds them under tensor parallelism: 12h^2 + 7h split
-    over the TP ranks (QKV, the projections, the MLP and their column-parallel biases), 6h
-    on every rank (the row-parallel biases and two LayerNorms); the vocabulary-parallel table
-    padded to a multiple of TP and the position table on the first stage; the final
-    LayerNorm and the tied head's copy on the last; a middle stage ("middle", with more than
-    two stages) holds the most blocks of the stages between. ZeRO shards over DP x CP (the
-    ranks that hold the same parameters)."""
-    s, h, V, t = model.seq, model.hidden, model.vocab, L.tp
-    block = (12 * h * h + 7 * h) / t + 6 * h + moe_block(model, L)
+    Parameters counted as a block holds them under tensor parallelism (``Model.block_split``
+    over the TP ranks: GPT-2's 12h^2 + 7h, QKV, the projections, the MLP and their column-
+    parallel biases; ``block_whole`` on every rank: GPT's 6h of row-parallel biases and two
+    LayerNorms, Llama's two RMSNorms); the vocabulary-parallel table padded to a multiple of
+    TP and a learned position table on the first stage; the final norm and the head (the tied
+    table's copy, or an untied head split over TP) on the last; a middle stage ("middle",
+    with more than two stages) holds the most blocks of the stages between. ZeRO shards over
+    DP x CP (the ranks that hold the same parameters)."""
+    h, V, t = model.hidden, model.vocab, L.tp
+    block = model.block_split / t + model.block_whole + moe_block(model, L)
     sizes = L.stages(model.layers)
     table = -(-V // t) * h
-    held = {"first": sizes[0] * block + table + s * h + (2 * h if L.pp == 1 else 0),
-            "last": sizes[-1] * block + 2 * h + (table if L.pp > 1 else 0)}
+    norm = h if model.llama else 2 * h
+    head = table if model.head_tied else -(-V // t) * h
+    held = {"first": sizes[0] * block + table + model.positions +
+            (norm + (0 if model.head_tied else head) if L.pp == 1 else 0),
+            "last": sizes[-1] * block + norm + (head if L.pp > 1 else 0)}
     if L.pp > 2:
         held["middle"] = max(sizes[1:-1]) * block
     # the ranks ZeRO shards over (under EP those holding the same experts: train.py's)
@@ -55,7 +59,7 @@ def moe_block(model: Model, L: Layout) -> float:
         return 0.0
     h, t = model.hidden, L.tp
     moe = h * model.experts + model.experts // L.ep * model.expert_size
-    dense = (8 * h * h + 4 * h) / t + h
+    dense = model.mlp_params / t if model.llama else (8 * h * h + 4 * h) / t + h
     return model.moe_layers / model.layers * (moe - dense)
 
 
@@ -68,10 +72,12 @@ def moe_activations(model: Model, L: Layout, settings: Settings) -> float:
     if not model.experts:
         return 0.0
     h, k, E, t = model.hidden, model.top_k, model.experts, L.tp
-    f = model.expert_hidden or 4 * h
+    f = model.expert_hidden or model.mlp_width
     n = L.micro_batch * model.seq
-    per_row = 2 * f + 3 * h + (2 * h if L.ep > 1 else 0)
-    return settings.param_bytes * n * (k * per_row + 2 * E - 8 * h / t)
+    hidden = 3 * f if model.llama else 2 * f        # SwiGLU's gate|up and its product
+    dense = 3 * model.mlp_width / t if model.llama else 8 * h / t
+    per_row = hidden + 3 * h + (2 * h if L.ep > 1 else 0)
+    return settings.param_bytes * n * (k * per_row + 2 * E - dense)
 
 
 def activations(model: Model, L: Layout, settings: Settings = Settings(),
@@ -175,9 +181,17 @@ def stash_at_peak(name: str, P: int, m: int, v: int, stage: str) -> tuple:
 
 def megatron_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tuple:
     """(bytes stored per layer, the layer rebuilt in backward, embedding / head per
-    micro-batch): Korthikanti et al.'s Table 2 for Megatron-LM's 16-bit layers."""
+    micro-batch): Korthikanti et al.'s Table 2 for Megatron-LM's 16-bit layers. A Llama layer
+    by the same accounting with fused attention (no s^2 term, the log-sum-exp) and no
+    dropout: the norms' inputs 4sbh, q, k, v 2sb(h + 2k), attention's output 2sbh, the MLP's
+    input 2sbh, its gate|up 4sbf and their product 2sbf (k: kv width, f: SwiGLU's)."""
     s, h, a, V, t, b = model.seq, model.hidden, model.heads, model.vocab, L.tp, L.micro_batch
-    full = s * b * h * ((34 / t) if L.sp else (10 + 24 / t)) + 5 * a * s * s * b / t
+    if model.llama:                       # bytes per token: split over TP, or whole
+        inner = 2 * (h + 2 * model.kv_width) + 2 * h + 6 * model.mlp_width + 4 * a
+        whole = 8 * h                     # the norms' and the column-parallel inputs
+        full = s * b * ((whole + inner) / t if L.sp else whole + inner / t)
+    else:
+        full = s * b * h * ((34 / t) if L.sp else (10 + 24 / t)) + 5 * a * s * s * b / t
     if L.recompute:
         stored, rebuilt = 2 * s * b * h / (t if L.sp else 1), full
     else:
@@ -189,10 +203,9 @@ def megatron_layer(model: Model, L: Layout, settings: Settings, stage: str) -> t
 def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tuple:
     """The same three for hpcdist's GPT, tensor by tensor. Every op's output stays with the
     graph until backward, and some ops keep more (LayerNorm its mean and 1/std; the twins
-    x-hat, GELU's tanh: ``fused_kernels`` drops those). Attention is tiled (flash) on every
-    device and keeps no probabilities; ``attention_probs`` counts the (s, s) of the GPU's
-    ``--attention gemms``. Per layer, in elements (n = b s tokens of the micro-batch), the
-    twins' count:
+    x-hat, GELU's tanh: ``fused_kernels`` drops those); tiled attention keeps no (s, s)
+    (``attention_probs``: the GPU's ``--attention gemms`` does). Per layer, in elements (n =
+    b s tokens of the micro-batch), the twins' count (Llama: ``_llama_layer``):
 
     - no TP: LN 2nh + 2n (its output, normalised input, mean and 1/std), fused QKV 3nh, the
       fused attention's output nh, (probabilities bas^2) and log-sum-exp an, the projection
@@ -206,14 +219,15 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
       are full, the rest split: 4nh + 33nh/t + (bas^2 + an)/t + 4n/t.
 
     Full recompute keeps each block's output (nh, or nh/t with SP) and rebuilds one layer.
-    First stage: the token and position embeddings and their sum (TP: the masked rows and
-    the reduced sum; SP: reduce-scattered). Last stage: the final LayerNorm, the logits and
-    the cross-entropy's shifted logits (TP: and their exponentials), its per-token vectors."""
+    First stage: the embeddings and their sum (TP: the masked rows, the reduced sum; SP:
+    reduce-scattered). Last: the final LayerNorm, the logits, the cross-entropy's (TP: its
+    shifted logits' exponentials too), its per-token vectors."""
     s, h, a, V, t, b = model.seq, model.hidden, model.heads, model.vocab, L.tp, L.micro_batch
     n, ab = b * s, settings.param_bytes
-    fused, probs = settings.fused_kernels, bool(settings.attention_probs)
-    lnb, tanh = (0, 0) if fused else (max(ab, 4), 4 * n * h / t)   # x-hat in fp32; the tanh
-    scores = (b * a * s * s * probs + n * a) / t   # the attention's probabilities and lse
+    scores = (b * a * s * s * bool(settings.attention_probs) + n * a) / t   # (s, s) and lse
+    if model.llama:
+        return _llama_layer(model, L, settings, stage, scores)
+    lnb, tanh = (0, 0) if settings.fused_kernels else (max(ab, 4), 4 * n * h / t)
     if t == 1:
         full, split = 14 * n * h + tanh + scores, 1
     elif not L.sp:
@@ -253,3 +267,47 @@ def zero_level(level: int):
     class inherits: parallel/capabilities.py; 0: plain data parallelism)."""
     from ..parallel.capabilities import ZERO_SHAPES
     return ZERO_SHAPES[level]
+
+
+def _llama_layer(model: Model, L: Layout, settings: Settings, stage: str, scores: float):
+    """``hpcdist_layer`` for the Llama family, tensor by tensor (k: the kv width, f: SwiGLU's):
+
+    - no TP: RMSNorm nh + n (its output and 1/std), q|k|v n(h + 2k) and rotated again,
+      attention's output nh (and log-sum-exp an), the projection with the residual nh,
+      RMSNorm nh + n, gate|up 2nf, their SwiGLU product nf, the projection with the residual
+      nh: 5nh + 2n(h + 2k) + 3nf + an + 2n;
+    - TP t: the norms whole, the column-parallel outputs split, each row-parallel output three
+      times whole (the partial sums, the allreduced result, the residual added):
+      8nh + (2(h + 2k) + h + 3f + a)n/t + 2n;
+    - and sequence parallel: the norms split, the two gathered inputs whole, the row outputs'
+      partial sums whole and the rest split: 4nh + (7h + 2(h + 2k) + 3f + a)n/t + 2n/t.
+
+    (The twins keep RMSNorm's x-hat too: nh each; ``fused_kernels`` drops it.) First stage:
+    the token table's rows (TP: masked, reduced); last: as GPT's, an RMSNorm's."""
+    s, h, V, t, b = model.seq, model.hidden, model.vocab, L.tp, L.micro_batch
+    n, ab, k, f = b * s, settings.param_bytes, model.kv_width, model.mlp_width
+    xhat = 0 if settings.fused_kernels else 2 * n * h / (t if L.sp else 1)
+    qkv = 2 * (h + 2 * k)
+    if t == 1:
+        full, split = 5 * n * h + qkv * n + 3 * n * f + 2 * n + xhat, 1
+    elif not L.sp:
+        full, split = 8 * n * h + (qkv + h + 3 * f) * n / t + 2 * n + xhat, 1
+    else:
+        full, split = 4 * n * h + (7 * h + qkv + 3 * f) * n / t + 2 * n / t + xhat, t
+    full = (full + scores) * ab
+    act = n * h / split * ab
+    stored, rebuilt = (act, full + act) if L.recompute else (full, 0.0)
+    if L.pp > 1:
+        rebuilt += 2 * act
+    Vt = -(-V // t)
+    if stage == "first":
+        ends = (n * h if t == 1 else 3 * n * h + n if not L.sp else
+                2 * n * h + n + n * h / t) * ab + 2 * n * 8
+    else:
+        norm = (n * h + n) / split * ab
+        if t == 1:
+            logits, per_token = n * Vt * ab, n * (ab + 8)
+        else:
+            logits, per_token = n * Vt * 3 * ab + (n * h * ab if L.sp else 0), n * 21
+        ends = norm + logits + per_token + (act if L.pp > 1 else 0)
+    return stored, rebuilt, ends

@@ -68,8 +68,42 @@ DEEPSEEK_V3 = dict(layers=61, hidden=7168, heads=128, seq=4096, vocab=129280, ex
                    ep=64, zero=1, tokens_per_gpu_s=1e12 / (180e3 * 3600))
 
 
+# Model presets (``python -m hpcdist.plan --preset NAME``): the published shapes, and a run to
+# plan for where the command line gives none. Llama 3 (arXiv:2407.21783, Table 3): 8B 32 x 4096,
+# 32 heads, 8 kv heads, SwiGLU 14336; 70B 80 x 8192, 64 / 8, 28672; 405B 126 x 16384, 128 / 8,
+# 53248; vocabulary 128,256, rotary base 500,000, pretraining at 8,192 positions. Mixtral
+# 8x7B (arXiv:2401.04088): 32 x 4096, 32 / 8 heads, 8 SwiGLU experts of 14336, top-2,
+# vocabulary 32,000.
+PRESETS = {
+    "llama3-8b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
+                      vocab=128256, seq=8192, gpus=8, batch=8, gpu="h100"),
+    "llama3-70b": dict(arch="llama", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
+                       vocab=128256, seq=8192, gpus=512, batch=512, gpu="h100"),
+    "llama3-405b": dict(arch="llama", layers=126, hidden=16384, heads=128, kv_heads=8,
+                        ffn=53248, vocab=128256, seq=8192, gpus=16384, batch=2048,
+                        gpu="h100"),
+    "mixtral-8x7b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8,
+                         ffn=14336, vocab=32000, seq=4096, experts=8, top_k=2, gpus=64,
+                         batch=256, gpu="h100"),
+}
+
+# Published Llama runs the planner is held to (bench plan --published): Llama 3 405B on
+# 16,384 H100s at 8,192 positions, TP 8 x PP 16 x DP 128, 16M-token batches (2048
+# sequences), 38-43% bf16 MFU (the Llama 3 paper, Table 4: 43% at 8,192 GPUs, 41% and 38%
+# at 16,384); torchtitan's Llama 3.1 8B on 8 H100s, FSDP (ZeRO-3) over all 8, one sequence
+# of 8,192 a GPU: 5,762 tokens/s per GPU (torchtitan's benchmarks, bf16, torch.compile).
+LLAMA_PUBLISHED = [
+    dict(preset="llama3-405b", tp=8, pp=16, zero=1, gpus=16384, batch=2048,
+         mfu=(0.38, 0.43)),
+    dict(preset="llama3-8b", tp=1, pp=1, zero=3, gpus=8, batch=8, tokens_per_gpu_s=5762),
+]
+
+
 @dataclass(frozen=True)
 class Model:
+    """A model of a family: ``arch`` "gpt" (GPT-2: LayerNorm, learned positions, a GELU MLP
+    of 4h, biases, a tied head) or "llama" (RMSNorm, rotary positions, ``kv_heads`` key/value
+    heads, a SwiGLU MLP of ``ffn``, no biases, an untied head unless ``tied``)."""
     layers: int
     hidden: int
     heads: int
@@ -77,8 +111,60 @@ class Model:
     vocab: int
     experts: int = 0            # routed experts of an MoE layer (0: dense MLPs)
     top_k: int = 2
-    expert_hidden: int = 0      # an expert's MLP width (0: 4 x hidden)
+    expert_hidden: int = 0      # an expert's MLP width (0: the dense MLP's)
     moe_every: int = 1          # an MoE MLP in every n-th block, from block 0
+    arch: str = "gpt"
+    kv_heads: int = 0           # llama: key/value heads (0: heads)
+    ffn: int = 0                # llama: SwiGLU's width (0: 8/3 h up to a multiple of 64)
+    tied: bool | None = None    # the head tied to the token table (None: the family's)
+
+    @property
+    def llama(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def head_tied(self) -> bool:
+        return (not self.llama) if self.tied is None else self.tied
+
+    @property
+    def kv_width(self) -> int:
+        """k's (and v's) width: kv heads x head size."""
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
+    def mlp_width(self) -> int:
+        if self.llama:
+            return self.ffn or 64 * -(-8 * self.hidden // (3 * 64))
+        return 4 * self.hidden
+
+    @property
+    def matmul_weights(self) -> int:
+        """A dense block's weights in matmuls: GPT 12h^2; Llama q|k|v, o and SwiGLU's three."""
+        h = self.hidden
+        if self.llama:
+            return h * (h + 2 * self.kv_width) + h * h + 3 * h * self.mlp_width
+        return 12 * h * h
+
+    @property
+    def block_split(self) -> int:
+        """A dense block's parameters tensor parallelism splits (matmuls, column biases)."""
+        return self.matmul_weights + (0 if self.llama else 7 * self.hidden)
+
+    @property
+    def block_whole(self) -> int:
+        """... and those every TP rank holds whole (norms, row-parallel biases)."""
+        return 2 * self.hidden if self.llama else 6 * self.hidden
+
+    @property
+    def mlp_params(self) -> int:
+        """A dense block's MLP: GPT 8h^2 + 5h (with biases), Llama's SwiGLU 3hF."""
+        h = self.hidden
+        return 3 * h * self.mlp_width if self.llama else 8 * h * h + 5 * h
+
+    @property
+    def positions(self) -> int:
+        """The learned position table's parameters (rotary: none)."""
+        return 0 if self.llama else self.seq * self.hidden
 
     @property
     def moe_layers(self) -> int:
@@ -86,24 +172,30 @@ class Model:
 
     @property
     def expert_size(self) -> int:
-        """One expert's parameters: 2hf + f + h (its two linears with their biases)."""
+        """One expert's parameters: GPT's 2hf + f + h (two linears with biases), Llama's
+        SwiGLU 3hf."""
         h = self.hidden
-        f = self.expert_hidden or 4 * h
-        return 2 * h * f + f + h
+        f = self.expert_hidden or self.mlp_width
+        return 3 * h * f if self.llama else 2 * h * f + f + h
 
     def moe_change(self, experts_per_token: float) -> float:
-        """Parameters the MoE blocks add to a dense model's: each MoE block's MLP (8h^2 +
-        5h) replaced by its router (hE) and ``experts_per_token`` experts."""
+        """Parameters the MoE blocks add to a dense model's: each MoE block's MLP replaced by
+        its router (hE) and ``experts_per_token`` experts."""
         h = self.hidden
         return self.moe_layers * (h * self.experts + experts_per_token * self.expert_size
-                                  - (8 * h * h + 5 * h))
+                                  - self.mlp_params)
 
     @property
     def parameters(self) -> float:
-        """12lh^2(1 + 13/12h) + (V + s)h: blocks, embeddings (the head tied); with experts,
-        every expert of an MoE block."""
-        l, h = self.layers, self.hidden
-        return 12 * l * h * h * (1 + 13 / (12 * h)) + (self.vocab + self.seq) * h + \
+        """GPT: 12lh^2(1 + 13/12h) + (V + s)h: blocks, embeddings (the head tied). Llama: the
+        blocks, the token table, the final norm and an untied head. With experts, every
+        expert of an MoE block."""
+        l, h, V = self.layers, self.hidden, self.vocab
+        head = 0 if self.head_tied else V * h
+        if self.llama:
+            return l * (self.block_split + self.block_whole) + V * h + h + head + \
+                self.moe_change(self.experts)
+        return 12 * l * h * h * (1 + 13 / (12 * h)) + (V + self.seq) * h + head + \
             self.moe_change(self.experts)
 
     @property
@@ -114,11 +206,12 @@ class Model:
     def flops(self, batch: int, recompute: bool) -> float:
         """FLOPs of one iteration on ``batch`` sequences: ``flops_per_token`` of the active
         parameters (the count the training run reports too; Narayanan et al. 2021's eq. 3 up
-        to the biases), plus one more forward of the blocks under full recompute."""
+        to the biases; torchtitan's for Llama), plus one more forward of the blocks under
+        full recompute."""
         B, s, l, h = batch, self.seq, self.layers, self.hidden
-        per_token = flops_per_token(self.active_parameters - s * h, l, h, s)
-        extra = 24 * l * h * h + 4 * l * h * s + 2 * self.moe_change(self.top_k) \
-            if recompute else 0
+        per_token = flops_per_token(self.active_parameters - self.positions, l, h, s)
+        extra = 2 * l * self.matmul_weights + 4 * l * h * s + \
+            2 * self.moe_change(self.top_k) if recompute else 0
         return B * s * (per_token + extra)
 
 

@@ -118,6 +118,11 @@ def _mesh_problem(model, tp, pp, dp, cp, per_node, batch, settings) -> str | Non
         return f"TP {tp} does not divide the {per_node} GPUs of a node"
     if model.heads % tp or model.hidden % tp:
         return f"TP {tp} does not divide the heads ({model.heads}) and hidden ({model.hidden})"
+    kv = model.kv_heads or model.heads
+    if kv % tp:
+        return f"TP {tp} does not divide the {kv} kv heads (each rank takes whole ones)"
+    if model.mlp_width % tp:
+        return f"TP {tp} does not divide the MLP's width {model.mlp_width}"
     if model.seq < 2 * cp:
         return f"CP {cp} cuts each sequence into {2 * cp} chunks; it has {model.seq} positions"
     if batch % dp:
@@ -141,9 +146,10 @@ def plan(model: Model, gpu: GPU, gpus: int, per_node: int, batch: int,
     layouts, refused = candidates(model, gpus, per_node, batch, settings)
     fits = []
     for L in layouts:
-        if L.cp_impl == "ulysses" and (model.heads // L.tp) % L.cp:
-            refused.append((asdict(L), f"ulysses splits the {model.heads // L.tp} heads a TP "
-                            f"rank holds over CP {L.cp}: it must divide them"))
+        kv = (model.kv_heads or model.heads) // L.tp
+        if L.cp_impl == "ulysses" and kv % L.cp:
+            refused.append((asdict(L), f"ulysses splits the {kv} kv heads a TP rank holds "
+                            f"over CP {L.cp}: it must divide them"))
             continue
         e = estimate(model, L, gpu, gpus, per_node, batch, settings)
         if e.fits:

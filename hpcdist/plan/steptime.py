@@ -111,7 +111,7 @@ def layer_times(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Sett
     calibrated CPU terms."""
     s, h, t, b, c = model.seq, model.hidden, L.tp, L.micro_batch, L.cp
     peak = gpu.flops[settings.dtype] * settings.efficiency
-    layer_fwd = 24 * b * s * h * h * (1 + s / (6 * h)) / t / c
+    layer_fwd = (2 * b * s * model.matmul_weights + 4 * b * s * s * h) / t / c
     tp_bw, tp_alpha = (gpu.nvlink, gpu.nvlink_alpha) if t <= per_node else \
         (gpu.network, gpu.network_alpha)
     act_bytes = settings.param_bytes * b * s / c * h
@@ -152,10 +152,12 @@ def moe_layer(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Settin
     if not model.experts:
         return 0.0, 0.0
     s, h, t, b, c, k = model.seq, model.hidden, L.tp, L.micro_batch, L.cp, model.top_k
-    f = model.expert_hidden or 4 * h
+    f = model.expert_hidden or model.mlp_width
     tokens = b * s / c
     share = model.moe_layers / model.layers
-    flops = tokens * (4 * k * h * f + 2 * h * model.experts - 16 * h * h / t)
+    mats = 3 if model.llama else 2                 # an expert's matmuls (SwiGLU: three)
+    dense = 2 * (model.mlp_params - (0 if model.llama else 5 * h))
+    flops = tokens * (2 * mats * k * h * f + 2 * h * model.experts - dense / t)
     if L.ep == 1:
         return share * flops, 0.0
     inside = t * c * L.ep <= per_node
@@ -169,8 +171,9 @@ def data_parallel_time(model: Model, L: Layout, gpu: GPU, per_node: int, setting
                        layers: int) -> tuple:
     """(the gradient reduction over DP x CP, not overlapped, as Megatron-LM ran it; the
     optimizer's memory-bound pass over its state) in seconds."""
-    s, h, V, t = model.seq, model.hidden, model.vocab, L.tp
-    psi = (layers * 12 * h * h * (1 + 13 / (12 * h)) + V * h + s * h) / t
+    h, V, t = model.hidden, model.vocab, L.tp
+    psi = (layers * (model.block_split + model.block_whole) + V * h + model.positions +
+           (0 if model.head_tied else V * h)) / t
     # the experts' gradients are averaged over the ranks holding them (DP x CP / EP)
     experts = layers * model.moe_layers / model.layers * (model.experts // L.ep) * \
         model.expert_size

@@ -314,7 +314,8 @@ def parse_config(argv=None) -> TrainConfig:
     return cfg
 
 
-SHAPE = ("n_layer", "n_head", "n_embd", "bias", "tie_weights")
+SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "rope_theta",
+         "norm_eps", "bias", "tie_weights", "experts", "top_k")
 
 
 def _against_pretrained(values: dict) -> None:
@@ -324,11 +325,11 @@ def _against_pretrained(values: dict) -> None:
         return
     from ..checkpoint import hf
     try:
-        shape = hf.gpt2_shape(values["init_from"])
+        shape = hf.shape(values["init_from"])
     except (OSError, ValueError, KeyError):
         return                                  # prepare() reports the folder itself
     for k in SHAPE:
-        if k in values and values[k] != shape[k]:
+        if k in values and k in shape and values[k] != shape[k]:
             flag = "--" + k.replace("_", "-")
             raise ConfigError(f"{flag} {values[k]} contradicts --init-from "
                               f"{values['init_from']}, whose {k} is {shape[k]}: the model's "

@@ -1,14 +1,17 @@
-"""--init-from: a run that starts from a pretrained GPT-2 folder takes its shape from it
-(checkpoint/hf.py reads the folder; config.py refuses a shape flag that contradicts it)."""
+"""--init-from: a run that starts from a pretrained Hugging Face folder (GPT-2, Llama, Mistral,
+Mixtral) takes its family and shape from it (checkpoint/hf.py reads the folder; config.py
+refuses a shape flag that contradicts it), and its data must speak the folder's tokenizer."""
 from __future__ import annotations
 
 from .config import ConfigError, validate
 
 
-def shape_from_pretrained(cfg, train_set) -> None:
-    """--init-from: the model's shape is the folder's; the data must speak its vocabulary."""
+def shape_from_pretrained(cfg, train_set, vocabulary=None) -> None:
+    """--init-from: the model's shape is the folder's; the data must speak its vocabulary
+    (the same size, and where both have one, the same tokenizer: its fingerprint, as
+    --resume compares them)."""
     from ..checkpoint import hf
-    shape = hf.gpt2_shape(cfg.init_from)
+    shape = hf.shape(cfg.init_from)
     if shape["vocab_size"] != train_set.vocab_size:
         raise ConfigError(f"--init-from {cfg.init_from} has a vocabulary of "
                           f"{shape['vocab_size']:,}, the data {train_set.vocab_size:,}: "
@@ -17,6 +20,24 @@ def shape_from_pretrained(cfg, train_set) -> None:
     if train_set.block_size > shape["block_size"]:
         raise ConfigError(f"--block-size {train_set.block_size} exceeds the {shape['block_size']}"
                           f" positions of --init-from {cfg.init_from}")
-    cfg.n_layer, cfg.n_head, cfg.n_embd = shape["n_layer"], shape["n_head"], shape["n_embd"]
-    cfg.bias, cfg.tie_weights = True, shape["tie_weights"]
+    _same_tokenizer(cfg.init_from, vocabulary)
+    for name, value in shape.items():
+        if name not in ("vocab_size", "block_size") and hasattr(cfg, name):
+            setattr(cfg, name, value)
     validate(cfg)
+
+
+def _same_tokenizer(folder: str, vocabulary) -> None:
+    """Refuse, naming both, data tokenized by another tokenizer of the same size."""
+    from ..checkpoint import hf
+    from ..data import vocab
+    theirs = hf.gpt2_vocabulary(folder)
+    if theirs is None or vocabulary is None or vocabulary.get("kind") not in ("tokenizer",
+                                                                              "chars"):
+        return                               # (bare token ids: nothing to compare them by)
+    a, b = vocab.fingerprint(theirs), vocab.fingerprint(vocabulary)
+    if a != b:
+        raise ConfigError(f"--init-from {folder} speaks another tokenizer than the data: the "
+                          f"folder's is {a}, the data's {b}; tokenize the data with the "
+                          f"folder's (python -m hpcdist.data prepare ... --tokenizer "
+                          f"{folder}/tokenizer.json)")

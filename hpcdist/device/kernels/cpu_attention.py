@@ -32,7 +32,8 @@ def blocks(B: int, n_head: int, T: int, itemsize: int):
 
 
 def _parts(qkv, n_head, b0, b1, h0, h1):
-    """q (nb, nh, T, hs), k transposed (nb, nh, hs, T), v (nb, nh, T, hs) of one block."""
+    """q (nb, nh, T, hs), k transposed (nb, nh, hs, T), v (nb, nh, T, hs) of one block
+    (multi-head attention only: the BLAS kernel takes grouped queries)."""
     B, T, C3 = qkv.shape
     r = qkv.reshape(B, T, 3, n_head, C3 // 3 // n_head)[b0:b1, :, :, h0:h1]
     return (r[:, :, 0].transpose(0, 2, 1, 3), r[:, :, 1].transpose(0, 2, 3, 1),
@@ -55,17 +56,22 @@ def _blas_args(dtype):
     return g.sgemm if dtype == np.float32 else g.dgemm, blas.int_type()(0)
 
 
-def attention_fwd(qkv, n_head, scale, path=None):
-    """(y (B, T, C), lse (B, nh, T), None): nothing of the probabilities is kept."""
+def attention_fwd(qkv, n_head, scale, path=None, n_kv_head=None):
+    """(y (B, T, C), lse (B, nh, T), None): nothing of the probabilities is kept.
+    ``n_kv_head``: grouped-query attention (the BLAS kernel; elsewhere the twin)."""
     qkv = np.ascontiguousarray(qkv)
-    B, T, C3 = qkv.shape
-    hs = C3 // 3 // n_head
+    nkv = n_kv_head or n_head
+    B, T, W = qkv.shape
+    hs = W // (n_head + 2 * nkv)
     jit, sc = cpu.jit(), qkv.dtype.type(scale)
     lse = np.empty((B, n_head, T), qkv.dtype)
     fp = _blas_args(qkv.dtype)
     if fp is not None:
         y = np.empty((B, T, n_head * hs), qkv.dtype)
-        jit.attention_fwd(*fp, qkv, y, lse, n_head, sc, query_blocks(T)[0][1])
+        jit.attention_fwd(*fp, qkv, y, lse, n_head, nkv, sc, query_blocks(T)[0][1])
+        return y, lse, None
+    if nkv != n_head:
+        y, lse = flash_twin(qkv, n_head, nkv, scale)
         return y, lse, None
     y = np.empty((B, T, n_head, hs), qkv.dtype)
 
@@ -84,20 +90,23 @@ def attention_fwd(qkv, n_head, scale, path=None):
     return y.reshape(B, T, n_head * hs), lse, None
 
 
-def attention_bwd(qkv, y, dy, lse, n_head, scale, att=None):
+def attention_bwd(qkv, y, dy, lse, n_head, scale, att=None, n_kv_head=None):
     """dqkv (B, T, 3C) of y = attention_fwd(qkv)[0], block by block as the forward went; a
     key's gradient adds over the query blocks that see it."""
     qkv = np.ascontiguousarray(qkv)
-    B, T, C3 = qkv.shape
-    hs = C3 // 3 // n_head
+    nkv = n_kv_head or n_head
+    B, T, W = qkv.shape
+    hs = W // (n_head + 2 * nkv)
     jit, sc = cpu.jit(), qkv.dtype.type(scale)
     g = np.ascontiguousarray(dy, dtype=qkv.dtype).reshape(B, T, n_head, hs)
     dqkv = np.empty_like(qkv)
     fp = _blas_args(qkv.dtype)
     if fp is not None:
         jit.attention_bwd(*fp, qkv, g.reshape(B, T, -1), np.ascontiguousarray(lse), dqkv,
-                          n_head, sc, query_blocks(T)[0][1])
+                          n_head, nkv, sc, query_blocks(T)[0][1])
         return dqkv
+    if nkv != n_head:
+        return flash_bwd_twin(qkv, y, dy, lse, n_head, nkv, scale)
     dr = dqkv.reshape(B, T, 3, n_head, hs)
 
     def block(blk):
@@ -130,9 +139,8 @@ def flash_fwd(kind: str):
     rounding = ROUNDING[kind]
 
     def run(qkv, nh, nkv, scale):
-        if nkv != nh:
-            return flash_twin(qkv, nh, nkv, scale, rounding)
-        y, lse, _ = attention_fwd(qkv if rounding is None else rounding(qkv), nh, scale)
+        y, lse, _ = attention_fwd(qkv if rounding is None else rounding(qkv), nh, scale,
+                                  n_kv_head=nkv)
         return y, lse
     return run
 
@@ -141,9 +149,7 @@ def flash_bwd(kind: str):
     rounding = ROUNDING[kind]
 
     def run(qkv, y, dy, lse, nh, nkv, scale):
-        if nkv != nh:
-            return flash_bwd_twin(qkv, y, dy, lse, nh, nkv, scale, rounding)
         if rounding is not None:
             qkv, dy = rounding(qkv), rounding(dy)
-        return attention_bwd(qkv, y, dy, lse, nh, scale)
+        return attention_bwd(qkv, y, dy, lse, nh, scale, n_kv_head=nkv)
     return run

@@ -76,62 +76,70 @@ def gemm_rows(fp, bits, a, ta, lda, b, tb, ldb, c, beta, parts):
 
 
 @njit(**FLAGS)
-def _pair(qkv, n_head, pair):
-    """(sequence, head, element offsets of its q, k, v in qkv (B, T, 3C), of its y in
-    (B, T, C)) of pair number ``pair``."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    b, h = pair // n_head, pair % n_head
-    base = b * T * C3 + h * (C // n_head)
-    return b, h, base, base + C, base + 2 * C, b * T * C + h * (C // n_head)
+def _heads(qkv, n_head, n_kv_head, b, h):
+    """Element offsets of query head h's q, its kv head's k and v in qkv (B, T, (nh + 2 nkv)
+    hs), and of its y in (B, T, nh hs), for sequence b."""
+    B, T, W = qkv.shape
+    hs = W // (n_head + 2 * n_kv_head)
+    kh = h // (n_head // n_kv_head)
+    base = b * T * W
+    return (base + h * hs, base + (n_head + kh) * hs, base + (n_head + n_kv_head + kh) * hs,
+            b * T * n_head * hs + h * hs)
 
 
 @kernel
-def attention_fwd(fp, bits, qkv, y, lse, n_head, scale, qstep):
-    """y (B, T, C), lse (B, nh, T) of causal attention; every (sequence, head) pair on one
-    thread, its queries in blocks of ``qstep`` that see keys up to their last only."""
-    B, T, C3 = qkv.shape
-    C, hs = C3 // 3, C3 // 3 // n_head
+def attention_fwd(fp, bits, qkv, y, lse, n_head, n_kv_head, scale, qstep):
+    """y (B, T, nh hs), lse (B, nh, T) of causal attention (query head h reads kv head
+    h // (nh / nkv)); every (sequence, head) pair on one thread, its queries in blocks of
+    ``qstep`` that see keys up to their last only."""
+    B, T, W = qkv.shape
+    hs = W // (n_head + 2 * n_kv_head)
+    C = n_head * hs
     for pair in prange(B * n_head):
-        b, h, oq, ok, ov, oy = _pair(qkv, n_head, pair)
+        b, h = pair // n_head, pair % n_head
+        oq, ok, ov, oy = _heads(qkv, n_head, n_kv_head, b, h)
         buf = np.empty(qstep * T, qkv.dtype)
         for i0 in range(0, T, qstep):
             i1 = min(T, i0 + qstep)
             tq = i1 - i0
             s = buf[:tq * i1].reshape((tq, i1))
-            _gemm(fp, bits, NO_TRANS, TRANS, tq, i1, hs, 1.0, qkv, oq + i0 * C3, C3, qkv, ok,
-                  C3, 0.0, s, 0, i1)
+            _gemm(fp, bits, NO_TRANS, TRANS, tq, i1, hs, 1.0, qkv, oq + i0 * W, W, qkv, ok,
+                  W, 0.0, s, 0, i1)
             _softmax(s, s, lse[b, h, i0:i1], tq, i0, scale)
-            _gemm(fp, bits, NO_TRANS, NO_TRANS, tq, hs, i1, 1.0, s, 0, i1, qkv, ov, C3, 0.0,
+            _gemm(fp, bits, NO_TRANS, NO_TRANS, tq, hs, i1, 1.0, s, 0, i1, qkv, ov, W, 0.0,
                   y, oy + i0 * C, C)
 
 
 @kernel
-def attention_bwd(fp, bits, qkv, g, lse, dqkv, n_head, scale, qstep):
+def attention_bwd(fp, bits, qkv, g, lse, dqkv, n_head, n_kv_head, scale, qstep):
     """dqkv of attention_fwd, the probabilities recomputed from lse a block of queries at a
-    time; a key's gradient adds over the blocks that see it (BLAS's beta = 1)."""
-    B, T, C3 = qkv.shape
-    C, hs = C3 // 3, C3 // 3 // n_head
-    for pair in prange(B * n_head):
-        b, h, oq, ok, ov, og = _pair(qkv, n_head, pair)
+    time; every (sequence, kv head) on one thread with the query heads it serves in turn, so
+    a key's gradient adds over its queries on that thread alone (BLAS's beta = 1)."""
+    B, T, W = qkv.shape
+    hs = W // (n_head + 2 * n_kv_head)
+    C, G = n_head * hs, n_head // n_kv_head
+    for pair in prange(B * n_kv_head):
+        b, kh = pair // n_kv_head, pair % n_kv_head
         for t in range(T):
             for j in range(hs):
-                dqkv[b, t, C + h * hs + j] = 0
-                dqkv[b, t, 2 * C + h * hs + j] = 0
+                dqkv[b, t, (n_head + kh) * hs + j] = 0
+                dqkv[b, t, (n_head + n_kv_head + kh) * hs + j] = 0
         pbuf, dbuf = np.empty(qstep * T, qkv.dtype), np.empty(qstep * T, qkv.dtype)
-        for i0 in range(0, T, qstep):
-            i1 = min(T, i0 + qstep)
-            tq = i1 - i0
-            p, ds = pbuf[:tq * i1].reshape((tq, i1)), dbuf[:tq * i1].reshape((tq, i1))
-            _gemm(fp, bits, NO_TRANS, TRANS, tq, i1, hs, 1.0, qkv, oq + i0 * C3, C3, qkv, ok,
-                  C3, 0.0, p, 0, i1)
-            _probs(p, lse[b, h, i0:i1], tq, i0, scale)
-            _gemm(fp, bits, TRANS, NO_TRANS, i1, hs, tq, 1.0, p, 0, i1, g, og + i0 * C, C,
-                  1.0, dqkv, ov, C3)                                        # dv += p^T g
-            _gemm(fp, bits, NO_TRANS, TRANS, tq, i1, hs, 1.0, g, og + i0 * C, C, qkv, ov, C3,
-                  0.0, ds, 0, i1)                                           # d probabilities
-            _softmax_bwd(ds, p, ds, scale)
-            _gemm(fp, bits, NO_TRANS, NO_TRANS, tq, hs, i1, 1.0, ds, 0, i1, qkv, ok, C3, 0.0,
-                  dqkv, oq + i0 * C3, C3)                                   # dq
-            _gemm(fp, bits, TRANS, NO_TRANS, i1, hs, tq, 1.0, ds, 0, i1, qkv, oq + i0 * C3,
-                  C3, 1.0, dqkv, ok, C3)                                    # dk += ds^T q
+        for h in range(kh * G, (kh + 1) * G):
+            oq, ok, ov, og = _heads(qkv, n_head, n_kv_head, b, h)
+            for i0 in range(0, T, qstep):
+                i1 = min(T, i0 + qstep)
+                tq = i1 - i0
+                p, ds = pbuf[:tq * i1].reshape((tq, i1)), dbuf[:tq * i1].reshape((tq, i1))
+                _gemm(fp, bits, NO_TRANS, TRANS, tq, i1, hs, 1.0, qkv, oq + i0 * W, W, qkv,
+                      ok, W, 0.0, p, 0, i1)
+                _probs(p, lse[b, h, i0:i1], tq, i0, scale)
+                _gemm(fp, bits, TRANS, NO_TRANS, i1, hs, tq, 1.0, p, 0, i1, g, og + i0 * C, C,
+                      1.0, dqkv, ov, W)                                     # dv += p^T g
+                _gemm(fp, bits, NO_TRANS, TRANS, tq, i1, hs, 1.0, g, og + i0 * C, C, qkv, ov,
+                      W, 0.0, ds, 0, i1)                                    # d probabilities
+                _softmax_bwd(ds, p, ds, scale)
+                _gemm(fp, bits, NO_TRANS, NO_TRANS, tq, hs, i1, 1.0, ds, 0, i1, qkv, ok, W,
+                      0.0, dqkv, oq + i0 * W, W)                            # dq
+                _gemm(fp, bits, TRANS, NO_TRANS, i1, hs, tq, 1.0, ds, 0, i1, qkv,
+                      oq + i0 * W, W, 1.0, dqkv, ok, W)                     # dk += ds^T q

@@ -1,0 +1,44 @@
+"""What a checkpoint must share with the run that resumes it (its meta: the task, the model's
+family and shape, the precision, the data's vocabulary), and the one-line refusal of a
+checkpoint written by another run."""
+from __future__ import annotations
+
+from .errors import CheckpointError
+
+
+def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
+    """What a checkpoint must share with the run that resumes it (checked on --resume); the
+    layout (world size, DP, TP, PP, ZeRO level) may differ. ``vocabulary``: the data's
+    (data/vocab.py), named by its fingerprint."""
+    from ..data import vocab
+    meta = {"task": cfg.task, "length": cfg.length, "num_digits": cfg.num_digits,
+            "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_embd": cfg.n_embd, "bias": cfg.bias, "tie_weights": cfg.tie_weights,
+            "dtype": cfg.dtype, "precision": cfg.precision, "optimizer": cfg.optimizer,
+            "compress": cfg.compress}
+    if getattr(cfg, "arch", "gpt") != "gpt":  # (absent for GPT: older checkpoints compare)
+        meta.update({k: getattr(cfg, k) for k in ("arch", "n_kv_head", "ffn_hidden",
+                                                  "rope_theta", "norm_eps")})
+    if getattr(cfg, "experts", 0):            # (absent without: older checkpoints compare)
+        meta.update({k: getattr(cfg, k) for k in ("experts", "top_k", "moe_every", "router",
+                                                  "shared_experts", "capacity_factor",
+                                                  "balance", "expert_hidden")
+                     if k != "expert_hidden" or getattr(cfg, k, 0)})   # (likewise)
+    if vocabulary is not None:
+        meta["vocab"] = vocab.fingerprint(vocabulary)
+    return meta
+
+
+def check_meta(manifest: dict, meta: dict, folder: str) -> None:
+    """Refuse, in one line, a checkpoint written by a run that differs from this one; another
+    vocabulary first (ids would mean other tokens), naming both."""
+    saved = manifest.get("meta") or {}
+    if "vocab" in saved and "vocab" in meta and saved["vocab"] != meta["vocab"]:
+        raise CheckpointError(f"{folder} was trained on another vocabulary: {saved['vocab']}; "
+                              f"this run's data gives {meta['vocab']}. Resume with the same "
+                              "--data and --tokenizer, or start a new run in another --save-dir")
+    diffs = [f"{k} {saved[k]!r} there, {v!r} here" for k, v in meta.items()
+             if k in saved and saved[k] != v]
+    if diffs:
+        raise CheckpointError(f"{folder} was written by a different run: " + "; ".join(diffs)
+                              + ". Resume with the same settings, or use another --save-dir")

@@ -2,6 +2,7 @@
 layer), and no two modules import each other (ops <-> tensor, micrograd's way of attaching
 operators to Tensor, is the one exception)."""
 import ast
+import re
 import os
 
 import pytest
@@ -79,6 +80,48 @@ def test_no_two_modules_import_each_other():
     assert pairs <= MUTUAL_OK, sorted(tuple(sorted(p)) for p in pairs - MUTUAL_OK)
 
 
+def _circles(edges) -> list:
+    """The import circles of any length: strongly connected groups of two or more modules."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(frozenset(group))
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_circle_of_imports_but_the_engines():
+    """A registry its members do not import (comm/registry.py), an engine handed what it
+    calls (backend's CPU kernels installed by kernels/__init__.py): the one circle left is the
+    autograd's (a Tensor's methods are its ops; its ops make Tensors)."""
+    allowed = {m for pair in MUTUAL_OK for m in pair}
+    bad = [sorted(c) for c in _circles(EDGES) if not c <= {m for m in c if m in allowed or
+                                                           m.startswith("hpcdist.autograd.ops")}]
+    assert not bad, bad
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        frozenset({"a", "b", "c"})]                      # the finder finds a long circle
+
+
 def test_the_top_holds_entry_points_and_packages_only():
     """Modules are grouped by layer in packages (device, host, autograd, nn, checkpoint,
     comm, parallel, run, ...); what stays at the top is a command (train, sample, cluster,
@@ -107,3 +150,19 @@ def test_sizes_a_newcomer_can_read():
                 if lines > 60:
                     too_long.append(f"{name}.{node.name}: {lines} lines")
     assert not too_long, too_long
+
+
+def test_the_parallel_layer_reads_declarations_not_a_familys_names():
+    """parallel/ cuts any family by what it declares (nn/family.py: parts by role, projections
+    by their roles, one attention shape): no GPT-2 attribute name and no q|k|v arithmetic of
+    its own (the packed split lives in nn.family.AttentionShape)."""
+    gpt2 = re.compile(r"\b(c_attn|c_proj|wte|wpe|ln_f|lm_head|ln_1|ln_2)\b|mlp\.layers|"
+                      r"\.attn\.|// 3 // ")
+    found = []
+    for name, path in MODS.items():
+        if name.startswith("hpcdist.parallel"):
+            for i, line in enumerate(open(path), 1):
+                code = line.split("#", 1)[0]
+                if gpt2.search(code):
+                    found.append(f"{path}:{i}: {line.strip()}")
+    assert not found, found

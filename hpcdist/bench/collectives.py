@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from hpcdist.comm import Communicator, shard_bounds
 from hpcdist.comm.model import busbw_factor, fit_alpha_beta, predict
-from hpcdist.comm.algorithm import serving
+from hpcdist.comm.registry import serving
 from hpcdist.comm.select import choose
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "bcast", "alltoall", "sendrecv")

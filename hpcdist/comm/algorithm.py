@@ -1,4 +1,5 @@
-"""What a collective algorithm is: one record, declared in the file that implements it.
+"""What a collective algorithm is: one record, declared in the file that implements it (the
+registry that serves them by name is comm/registry.py: the records never import it).
 
 The rest of this design: docs/communication.md, "hpcdist/comm/algorithm.py"."""
 from __future__ import annotations
@@ -8,6 +9,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 ALWAYS, WHEN_AUTO = "always", "auto"
+# The links an algorithm's "auto" rule compares on unless told otherwise (alpha seconds, beta
+# seconds per byte): a shared-memory node and a 10 Gbit/s network (comm/select.py has the rest)
+DEFAULT_LINKS = {"intra": (2e-6, 1 / 5e9), "inter": (30e-6, 1 / 1.25e9)}
 
 
 @dataclass(frozen=True)
@@ -25,50 +29,6 @@ class Algorithm:
 
     def serves(self, kind: str) -> bool:
         return kind in self.kinds
-
-
-REGISTRY: dict = {}
-
-
-_SERVING: dict = {}                 # kind -> [Algorithm]: every call chooses; cached
-CHANGES = [0]                       # bumped on every change: select's memo is keyed by it
-
-
-def register(algorithm: Algorithm) -> Algorithm:
-    """Add (or replace, by name) an algorithm."""
-    registry()
-    REGISTRY[algorithm.name] = algorithm
-    _SERVING.clear()
-    CHANGES[0] += 1
-    return algorithm
-
-
-def unregister(name: str) -> None:
-    REGISTRY.pop(name, None)
-    _SERVING.clear()
-    CHANGES[0] += 1
-
-
-def registry() -> dict:
-    """name -> Algorithm: the table (comm/table.py, read on first use), then whatever
-    ``register`` added or replaced."""
-    if not REGISTRY:
-        from .table import TABLE
-        for a in TABLE:
-            REGISTRY.setdefault(a.name, a)
-    return REGISTRY
-
-
-def serving(kind: str) -> list:
-    """The algorithms that serve collective ``kind``, in registration order."""
-    found = _SERVING.get(kind)
-    if found is None:
-        found = _SERVING[kind] = [a for a in registry().values() if a.serves(kind)]
-    return found
-
-
-def get(name: str) -> Algorithm:
-    return registry()[name]
 
 
 # ---- helpers the records share -------------------------------------------------------------

@@ -14,9 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import backend
-from .algorithm import Algorithm, log2_ceil
+from .algorithm import DEFAULT_LINKS, Algorithm, log2_ceil
 from .arith import as_bytes
-from .select import DEFAULT_LINKS
 
 TAG = 110                       # pairwise 110; Bruck's headers 111, its data 112
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import backend
-from . import algorithm, alltoall, ledger, ring, sparse
+from . import alltoall, ledger, registry, ring, sparse
 from .arith import bounds_of, check_op, finish, reduce_ufunc, shard_bounds, shard_counts
 
 
@@ -100,7 +100,7 @@ class Allreduce(Kind):
             if a.wire_dtype is not None:
                 ring.allreduce_inplace(wire, work, a.op, a.wire_dtype)
             else:
-                algorithm.get(a.algorithm).runs["allreduce"](wire, work, a.op)
+                registry.get(a.algorithm).runs["allreduce"](wire, work, a.op)
         return wire.result(work, buf, out) if staged else target
 
 
@@ -129,7 +129,7 @@ class ReduceScatter(Kind):
         lo, hi = self._mine(work.size, a)
         if a.size > 1 and work.size:
             bounds = bounds_of(a.counts) if a.counts is not None else None
-            algorithm.get(a.algorithm).runs["reduce_scatter"](wire, work, a.op, bounds)
+            registry.get(a.algorithm).runs["reduce_scatter"](wire, work, a.op, bounds)
         return wire.stage_out(work[lo:hi].copy(), buf)
 
 
@@ -189,7 +189,7 @@ def gather_pieces(a, wire, piece, counts, out=None, name: str = "ring"):
         backend.array_module(work).empty(length, dtype=work.dtype)
     full[bounds[a.rank][0]:bounds[a.rank][1]] = work
     if a.size > 1 and length:
-        algorithm.get(name).runs["allgather"](wire, full, bounds)
+        registry.get(name).runs["allgather"](wire, full, bounds)
     if in_place:
         return out
     return wire.stage_out(full, piece, out)
@@ -243,7 +243,7 @@ class Bcast(Kind):
     def run(self, wire, buf, a, record):
         work = wire.stage_in(buf)
         if a.size > 1 and work.size:
-            algorithm.get(a.algorithm).runs["bcast"](wire, work, a.root)
+            registry.get(a.algorithm).runs["bcast"](wire, work, a.root)
         if wire.staged(buf):
             buf[...] = wire.stage_out(work, buf).reshape(buf.shape)
         return buf
@@ -259,7 +259,7 @@ class Reduce(Kind):
     def run(self, wire, buf, a, record):
         work = wire.stage_in(buf).copy()
         if a.size > 1 and work.size:
-            algorithm.get(a.algorithm).runs["reduce"](wire, work, a.root, a.op)
+            registry.get(a.algorithm).runs["reduce"](wire, work, a.root, a.op)
         return wire.stage_out(work, buf).reshape(buf.shape) if a.rank == a.root else None
 
 
@@ -307,12 +307,12 @@ class Alltoall(Kind):
         incoming = counts if a.counts is None else a.extra
         if incoming is None:                    # the sizes first: one number per peer
             incoming = np.empty(P, dtype=np.int64)
-            algorithm.get(a.algorithm).runs["alltoall"](
+            registry.get(a.algorithm).runs["alltoall"](
                 wire, np.array(counts, dtype=np.int64), [1] * P, incoming, [1] * P)
         incoming = [int(c) for c in incoming]
         out = backend.array_module(send).empty(sum(incoming), dtype=send.dtype)
         if P > 1:
-            algorithm.get(a.algorithm).runs["alltoall"](wire, send, counts, out, incoming,
+            registry.get(a.algorithm).runs["alltoall"](wire, send, counts, out, incoming,
                                                         a.counts is None)
         else:
             out[...] = send

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from .algorithm import get, serving
+from .registry import get, serving
 from .select import SHORT, choose, forced_by_env, is_short
 
 MiB = 1 << 20

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .algorithm import ALWAYS, CHANGES, get, serving
+from .algorithm import ALWAYS, DEFAULT_LINKS
+from .registry import CHANGES, get, serving
 from .short import SHORT, SHORT_LIMITS
 
 # what "auto" means may be set per collective by an environment variable
@@ -58,7 +59,7 @@ def __getattr__(name):
 # two-level algorithms. The defaults are a shared-memory node and a 10 Gbit/s network;
 # HPCDIST_LINKS="intra=ALPHA_US:GBPS,inter=ALPHA_US:GBPS" gives measured ones
 # (``python -m hpcdist.bench collectives --hierarchical`` measures both on the machine).
-DEFAULT_LINKS = {"intra": (2e-6, 1 / 5e9), "inter": (30e-6, 1 / 1.25e9)}
+# (DEFAULT_LINKS lives with the record, comm/algorithm.py: the algorithms' rules read it too)
 
 
 def parse_links(text: str | None) -> dict:

@@ -1,7 +1,7 @@
 """Every collective algorithm, by name, in one list: what ``select`` chooses among (in this
 order), what ``python -m hpcdist.bench collectives`` and the planner price. An algorithm is a
 record in the file that implements it (comm/algorithm.py says what a record holds) and a line
-here; ``algorithm.register`` adds one at run time (a test, a user's experiment).
+here; ``registry.register`` adds one at run time (a test, a user's experiment).
 """
 from __future__ import annotations
 

@@ -15,34 +15,11 @@ import os
 
 import numpy as np
 
-from ..host import pool
+from ..host import malloc, pool
 
 DEVICES = ("cpu", "gpu", "auto", "double")
 
-def _tune_malloc() -> bool:
-    """Keep freed large NumPy temporaries in the heap instead of returning them to the OS.
-
-    glibc serves allocations above 128 KiB with fresh mmap pages and trims the heap top on
-    free, so every activation-sized temporary is page-faulted in again: measured here, GELU on
-    a (64, 11, 256) float32 array took 1.43 ms with the defaults and 0.22 ms with these
-    settings, and the default GPT step went from 1.75x to 1.06x PyTorch's time
-    (``python -m hpcdist.bench autograd``). PyTorch's own CPU allocator avoids the same cost.
-    Set HPCDIST_MALLOC_TUNE=0 to leave malloc alone. No-op off glibc.
-    """
-    if os.environ.get("HPCDIST_MALLOC_TUNE", "1") == "0":
-        return False
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        ok = libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)      # mmap only above 64 MiB
-        ok &= libc.mallopt(M_TRIM_THRESHOLD, 512 << 20)    # trim only past 512 MiB free
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False
-
-
-MALLOC_TUNED = _tune_malloc()
+MALLOC_TUNED = malloc.tune()   # (host/malloc.py: freed temporaries stay in the heap)
 
 _xp = np          # the active array module
 _device = "cpu"   # "cpu" or "gpu", after init()
@@ -320,10 +297,21 @@ def matmul(a, b, rounding: bool = True):
     return _gemm(a, b)
 
 
+# The CPU kernels this module hands work to, installed by device/kernels/__init__.py (this
+# module imports none of them: the engine is handed what it calls)
+_cpu_kernels: dict = {"gemm": None, "scatter_rows": None}
+
+
+def install_cpu_kernels(gemm, scatter_rows) -> None:
+    """The CPU's GEMM over the rank's threads (``gemm(a, b)``) and its row scatter-add
+    (``scatter_rows(target, idx, values) -> bool``: False where it does not take the call)."""
+    _cpu_kernels.update(gemm=gemm, scatter_rows=scatter_rows)
+
+
 def _gemm(a, b):
-    if _device == "cpu" and pool.wanted(a, b):        # rows over the rank's threads
-        from .kernels import cpu
-        return cpu.gemm(a, b)
+    gemm = _cpu_kernels["gemm"]
+    if _device == "cpu" and gemm is not None and pool.wanted(a, b):   # over the rank's threads
+        return gemm(a, b)
     return a @ b
 
 
@@ -350,8 +338,8 @@ def scatter_add(target, idx, values) -> None:
     if idx.min() < 0 or idx.max() >= n:
         raise IndexError(f"an index is out of bounds for {n} rows")
     values = values.reshape((idx.size,) + target.shape[1:])
-    from .kernels import cpu                   # rows: one CPU kernel where it runs
-    if cpu.scatter_rows(target, idx, values):
+    rows = _cpu_kernels["scatter_rows"]        # rows: one CPU kernel where it runs
+    if rows is not None and rows(target, idx, values):
         return
     order = np.argsort(idx, kind="stable")
     sidx = idx[order]

@@ -234,14 +234,14 @@ def bytes_per_layer(impl: str, n: int, B: int, T: int, C: int, itemsize: int,
         header = p2p.HEADER_LEN * 8
         total = fwd * itemsize + fwd_msgs * header
         return total + (bwd * itemsize + bwd_msgs * header if backward else 0)
-    from ..comm import algorithm, select
+    from ..comm import registry, select
     lengths = [len(positions(T, n, r)) for r in range(n)]
     fwd = 0
     for width in (3 * C, C):                        # qkv to heads; y back to tokens
         if len(set(lengths)) == 1:                  # equal pieces: "auto" chooses
             each = B * T * width // n               # elements a rank holds
             name = select.choose("alltoall", each * itemsize, n, short=False)
-            fwd += n * algorithm.get(name).wire_bytes("alltoall", each, n, itemsize)
+            fwd += n * registry.get(name).wire_bytes("alltoall", each, n, itemsize)
         else:                                       # the v-form: pairwise, every piece once
             fwd += (n - 1) * B * T * width // n * itemsize
     return fwd * (2 if backward else 1)

@@ -138,12 +138,12 @@ def bytes_per_layer(send_rows, recv_rows, rank: int, E: int, C: int, itemsize: i
     ``recv_rows[s]`` from rank s: the counts (E int64, by the algorithm "auto" picks), the rows
     out and their int64 token order, the outputs back and a kept byte each, and in backward
     the gradients of both exchanges (the self piece stays local)."""
-    from ..comm import algorithm, select
+    from ..comm import registry, select
     P = len(send_rows)
     out = sum(int(n) for d, n in enumerate(send_rows) if d != rank)
     back = sum(int(n) for s, n in enumerate(recv_rows) if s != rank)
     name = select.choose("alltoall", E * 8, P, short=False)
-    counts = algorithm.get(name).wire_bytes("alltoall", E, P, 8)
+    counts = registry.get(name).wire_bytes("alltoall", E, P, 8)
     return counts + out * (2 * C * itemsize + 8) + back * (2 * C * itemsize + 1)
 
 

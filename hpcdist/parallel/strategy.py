@@ -206,7 +206,7 @@ def make_stage(cfg, mesh, full):
     seq = sequence_of(full) if cfg.cp > 1 or cfg.sequence_parallel else None
     model = PipelineModel(full, mesh.coord.pp, cfg.pp, cfg.virtual_stages, bounds, seq)
     embed_comm = None
-    if cfg.tie_weights:                              # the first and the last stage share wte
+    if cfg.tie_weights:                              # the first and the last stage share the table
         ends = mesh.coord.pp in (0, cfg.pp - 1)
         embed_comm = mesh.pp_comm.split(color=0 if ends else 1)   # collective over pp
         if not ends:                                   # the middle stages hold no table

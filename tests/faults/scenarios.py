@@ -86,13 +86,13 @@ def exception_main(comm):
 def _break_ring(comm):
     import dataclasses
 
-    from hpcdist.comm import algorithm
+    from hpcdist.comm import registry
 
     def broken(mpi, buf, op):
         raise MemoryError(f"injected failure inside the ring on rank {comm.rank}")
     if comm.rank == BAD:
-        ring = algorithm.get("ring")
-        algorithm.register(dataclasses.replace(ring, runs={**ring.runs, "allreduce": broken}))
+        ring = registry.get("ring")
+        registry.register(dataclasses.replace(ring, runs={**ring.runs, "allreduce": broken}))
 
 
 def exception_progress_waited(comm):

@@ -362,7 +362,7 @@ def test_an_algorithm_is_one_record(comm):
     its wire bytes are the Communicator's count, with no other file touched."""
     import dataclasses
 
-    from hpcdist.comm import algorithm, model, select
+    from hpcdist.comm import algorithm, model, registry, select
     from hpcdist.comm.arith import as_bytes, finish, reduce_into
 
     def naive_allreduce(wire, buf, op):
@@ -382,7 +382,7 @@ def test_an_algorithm_is_one_record(comm):
         "naive", kinds=("allreduce",), runs={"allreduce": naive_allreduce},
         wire_bytes=lambda kind, n, P, itemsize: (P - 1) * n * itemsize,
         cost=lambda kind, nbytes, P, a, b: (P - 1) * (a + nbytes * b))
-    algorithm.register(naive)
+    registry.register(naive)
     try:
         x = np.arange(5000, dtype=np.float64) * (comm.rank + 1)
         before = comm.bytes_sent
@@ -404,7 +404,7 @@ def test_an_algorithm_is_one_record(comm):
         assert select.choose("allreduce", x.nbytes, comm.size) != "naive"
         assert dataclasses.asdict(naive)["name"] == "naive"
     finally:
-        algorithm.unregister("naive")
+        registry.unregister("naive")
 
 
 def test_a_registered_algorithm_is_benchmarked_beside_the_others(comm):
@@ -412,7 +412,7 @@ def test_a_registered_algorithm_is_benchmarked_beside_the_others(comm):
     matches MPI, and ``bench collectives --algorithms`` times it beside pairwise and Bruck's
     with no file of bench/ touched."""
     from hpcdist.bench import collectives as bench
-    from hpcdist.comm import algorithm
+    from hpcdist.comm import algorithm, registry
     from hpcdist.comm.alltoall import offsets
     from hpcdist.comm.arith import as_bytes
 
@@ -424,7 +424,7 @@ def test_a_registered_algorithm_is_benchmarked_beside_the_others(comm):
             wire.Send(as_bytes(send[so[j]:so[j + 1]]), j, 160)
         MPI.Request.Waitall(reqs)
 
-    algorithm.register(algorithm.Algorithm("at-once", kinds=("alltoall",),
+    registry.register(algorithm.Algorithm("at-once", kinds=("alltoall",),
                                            runs={"alltoall": all_at_once}))
     try:
         x = rank_data(4 * comm.size, "float64", comm.rank)
@@ -436,14 +436,14 @@ def test_a_registered_algorithm_is_benchmarked_beside_the_others(comm):
         row = next(r for r in rows if r["collective"] == "alltoall_by_algorithm")
         assert {"at-once_us", "pairwise_us", "bruck_us"} <= set(row)
     finally:
-        algorithm.unregister("at-once")
+        registry.unregister("at-once")
 
 
 def test_each_algorithm_sends_the_bytes_its_record_says(comm):
     """Every allreduce algorithm's ``wire_bytes`` against the Communicator's count, where the
     formula is exact (a power of two of ranks dividing the length)."""
     from hpcdist.comm import select
-    from hpcdist.comm.algorithm import serving
+    from hpcdist.comm.registry import serving
     P = comm.size
     if P & (P - 1) or P == 1:
         pytest.skip("exact at a power of two of ranks")

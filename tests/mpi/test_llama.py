@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from hpcdist.device.backend import gpu_count
 from hpcdist.run.config import ConfigError
 from hpcdist.run.settings import CHOICES
 from hpcdist import nn
@@ -35,13 +36,19 @@ def _layouts(P):
     return out
 
 
+@pytest.mark.parametrize("backend_name", ["mpi", "nccl"])
 @pytest.mark.parametrize("index", range(20))
-def test_every_llama_layout_follows_one_process(comm, tmp_path, index):
+def test_every_llama_layout_follows_one_process(comm, tmp_path, index, backend_name):
+    """... over MPI, and over NCCL where each rank has a device array (the double's stand-in
+    where no GPU is; a GPU each on a GPU machine)."""
     layouts = _layouts(comm.size)
     assert len(layouts) <= 20, "more layouts than test indices: raise the range"
     if index >= len(layouts):
         pytest.skip(f"{len(layouts)} layouts at {comm.size} ranks")
-    kw = {**LLAMA, **layouts[index]}
+    if backend_name == "nccl" and (DEVICE == "cpu" or (
+            DEVICE == "gpu" and gpu_count() < comm.size)):
+        pytest.skip("NCCL needs a device array per rank: --device double, or a GPU per rank")
+    kw = {**LLAMA, **layouts[index], "backend": backend_name}
     if kw.pop("tp_ok", 1) == 0:                       # MQA over TP 2: refused in one line
         with pytest.raises(ConfigError, match="must divide n_kv_head"):
             small(device=DEVICE, out_dir=str(tmp_path), **kw)
@@ -52,7 +59,8 @@ def test_every_llama_layout_follows_one_process(comm, tmp_path, index):
     cfg = small(device=DEVICE, batch_size=4, grad_clip=1.0, out_dir=str(tmp_path), **kw)
     _, got = history(cfg, comm)
     _, want = one_process(cfg, tp=1, pp=1, cp=1, ep=1, zero=0, sequence_parallel=False,
-                          cp_impl="ring", batch_size=4 * replicas, out_dir=str(tmp_path / "one"))
+                          cp_impl="ring", batch_size=4 * replicas, backend="mpi",
+                          out_dir=str(tmp_path / "one"))
     np.testing.assert_allclose(got, want, rtol=1e-10, err_msg=str(layouts[index]))
 
 

@@ -48,6 +48,8 @@ for _kind in ("exact", "bf16"):                  # (TF32 is the GPU's alone)
     FLASH_FWD[_kind].cpu = _cpu_attention.flash_fwd(_kind)
     FLASH_BWD[_kind].cpu = _cpu_attention.flash_bwd(_kind)
 _fused.cpu_wanted = _cpu.wanted
+from .. import backend as _backend  # noqa: E402
+_backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows)
 
 __all__ = ["ADAMW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "RMSNORM_BWD", "RMSNORM_FWD", "ROTARY", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",

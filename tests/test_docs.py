@@ -56,6 +56,11 @@ HOW = {
     "NP=4 ARGS=\"--steps 200\" make train": ("make -C {repo} train NP=4 ARGS='--steps 12 "
                                              "--out-dir {tmp}/np4'", "shortened"),
     "mpirun -n 8 python -m hpcdist.train --tp 2 --pp 2": (None, "+ " + SHORT),
+    "mpirun -n 8 python -m hpcdist.train --arch llama": (None, "+ " + SHORT),
+    "mpirun -n 4 python -m hpcdist.train --arch llama": (None, "+ " + SHORT),
+    "python -m hpcdist.train --arch llama": (None, "as shown"),
+    "pip install -e '.[hf]'": (SKIP, "CI installs transformers and PyTorch (.ci/run); the "
+                                     "transformers lines skip without them"),
     "mpirun -n 4 python -m hpcdist.train --cp": (None, "+ " + SHORT),
     "mpirun -n 4 python -m hpcdist.train --experts": (None, "+ " + SHORT),
     "mpirun -n 8 python -m hpcdist.train --experts": (None, "+ " + SHORT),

@@ -236,3 +236,34 @@ def test_a_bf16_run_multiplies_through_the_bf16_gemm(monkeypatch):
         backend.reset_precision()
     kernels.matmul(x, w)
     assert seen == [(6, 4)]
+
+
+def test_the_tiled_twins_are_attention_as_written(float64):
+    """The flash twins (a block of queries at a time, O(T) memory) against the whole (T, T)
+    definition; grouped-query attention against multi-head attention on repeated kv heads;
+    a block at positions against the same rows of the whole; the backward against finite
+    differences of the forward."""
+    from hpcdist.device.kernels import flash, flash_blocks
+    rng = np.random.default_rng(3)
+    B, T, nh, nkv, hs = 2, 37, 6, 2, 4
+    qkv = rng.standard_normal((B, T, (nh + 2 * nkv) * hs))
+    q, k, v = (a.reshape(B, T, -1) for a in flash._split(qkv, nh, nkv))
+    rep = lambda a: np.repeat(a.reshape(B, T, nkv, hs), nh // nkv, axis=2).reshape(B, T, -1)  # noqa: E731
+    mha = np.concatenate([q, rep(k), rep(v)], axis=-1)
+    want_y, want_lse, _ = kernels.attention_twin(mha, nh, 0.4)
+    y, lse = kernels.flash_twin(qkv, nh, nkv, 0.4)
+    np.testing.assert_allclose(y, want_y, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12)
+    by, bl = flash_blocks.block_twin(q[:, 20:], k, v, nh, nkv, 0.4, 20, 0)
+    np.testing.assert_allclose(by, want_y[:, 20:], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(bl, want_lse[:, :, 20:], rtol=1e-12)
+    none, nl = flash_blocks.block_twin(q[:, :5], k[:, 10:], v[:, 10:], nh, nkv, 0.4, 0, 10)
+    assert not none.any() and np.isneginf(nl).all()                 # keys all after: none seen
+    dy = rng.standard_normal(y.shape)
+    d = kernels.flash_bwd_twin(qkv, y, dy, lse, nh, nkv, 0.4)
+    for idx in ((0, 3, 1), (1, 30, nh * hs + 5), (0, 36, (nh + nkv) * hs + 2)):
+        e = np.zeros_like(qkv)
+        e[idx] = 1e-6
+        fd = ((kernels.flash_twin(qkv + e, nh, nkv, 0.4)[0] -
+               kernels.flash_twin(qkv - e, nh, nkv, 0.4)[0]) * dy).sum() / 2e-6
+        assert abs(fd - d[idx]) < 1e-6 * max(1.0, abs(fd)), (idx, fd, d[idx])

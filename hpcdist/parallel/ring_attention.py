@@ -1,9 +1,10 @@
 """Ring attention: causal attention of this rank's slice of every sequence over the whole
 sequence, K/V blocks travelling round the context-parallel group (rank i sends to i + 1)
 while the block in hand is scored, merged by their log-sum-exp; the backward sends the
-blocks round the other way with their dK/dV accumulating. Dropout on the probabilities is
-drawn block by block at the global (query, key) positions of the one-process draw.
-The layout and what each rank holds: parallel/context.py."""
+blocks round the other way with their dK/dV accumulating (``rotate_forward`` /
+``rotate_backward``, the rings both block kinds share). Without dropout each block is the
+flash kernels' (ring_flash.py); with it, NumPy's here, drawn block by block at the global
+(query, key) positions of the one-process draw. The layout: parallel/context.py."""
 from __future__ import annotations
 
 import functools
@@ -135,63 +136,81 @@ def _look(cp, draw, p: float, dtype, xp, groups: int, src: int):
     return seen, kept.astype(dtype) * dtype.type(1.0 / (1.0 - p))
 
 
-def ring_attention(cp, qkv: Tensor, shape, p: float = 0.0) -> Tensor:
-    """Causal attention of this rank's tokens over the whole sequence: (B, T_r, shape.width)
-    -> (B, T_r, shape.out_width), K/V (only the kv heads) travelling round the group (rank i
-    sends to i + 1); ``p``: dropout on the probabilities."""
-    xp = backend.array_module(qkv.data)
+def rotate_forward(cp, kv, step) -> None:
+    """The forward's ring: ``step(k, v, src)`` on the block in hand (rank ``src``'s) while the
+    next one is on its way (rank i sends to i + 1); ``kv`` (2, ..., T_r, width) this rank's."""
     comm, n, i = cp.comm, cp.n, cp.rank
-    B, Tl, W = qkv.shape
-    q, k, v = _split_qkv(qkv.data, shape)
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    out = xp.zeros_like(q)
-    lse = xp.full(q.shape[:4], -np.inf, dtype=q.dtype)
-    kv = xp.stack([k, v])
-    block = functools.partial(_kv_block, cp, kv)
-    look = functools.partial(_look, cp, cp.attention_draw(B, shape.n_head, p), p, q.dtype, xp,
-                             shape.n_kv_head)
     for s in range(n):
         nxt = None
         if s < n - 1:                     # the next block is on its way while this one computes
             nxt = (comm.isend(kv, (i + 1) % n, TAG_KV),
-                   comm.irecv((i - 1) % n, TAG_KV, *block((i - s - 1) % n)))
+                   comm.irecv((i - 1) % n, TAG_KV, *_kv_block(cp, kv, (i - s - 1) % n)))
         with timeline.span("cp block", cat="cp", step=s):
-            _block_forward(q, kv[0], kv[1], *look((i - s) % n), scale, out, lse)
+            step(kv[0], kv[1], (i - s) % n)
         if nxt is not None:               # receives first: a send completes once received
             with timeline.span("cp wait", cat="cp", step=s):
                 kv = nxt[1].wait()
                 nxt[0].wait()
+
+
+def rotate_backward(cp, blk, step):
+    """The backward's ring: blocks go round the other way (to i - 1), ``step(k, v, src)``
+    returning the block's dK|dV part, which travels with it and accumulates; returns this
+    rank's own block's, from every query."""
+    xp = backend.array_module(blk)
+    comm, n, i = cp.comm, cp.n, cp.rank
+    acc = xp.zeros_like(blk)              # the dK/dV of the block in hand, accumulating
+    incoming = sent = None
+    for s in range(n):                    # rank i holds block i + s; sends go to i - 1
+        nxt = None
+        if s < n - 1:
+            nxt = (comm.isend(blk, (i - 1) % n, TAG_KV_BACK),
+                   comm.irecv((i + 1) % n, TAG_KV_BACK, *_kv_block(cp, blk, (i + s + 1) % n)))
+        with timeline.span("cp block", cat="cp", step=s):
+            part = step(blk[0], blk[1], (i + s) % n)
+        if incoming is not None:          # receives first: a send completes once received
+            with timeline.span("cp wait", cat="cp", step=s):
+                acc = incoming.wait()
+                sent.wait()
+        acc = acc + part
+        sent = comm.isend(acc, (i - 1) % n, TAG_DKV)
+        incoming = comm.irecv((i + 1) % n, TAG_DKV, *_kv_block(cp, blk, (i + s + 1) % n))
+        if nxt is not None:
+            with timeline.span("cp wait", cat="cp", step=s):
+                blk = nxt[1].wait()
+                nxt[0].wait()
+    with timeline.span("cp wait", cat="cp", step=n):
+        dkv = incoming.wait()
+        sent.wait()
+    return dkv
+
+
+def ring_attention(cp, qkv: Tensor, shape, p: float = 0.0) -> Tensor:
+    """Causal attention of this rank's tokens over the whole sequence: (B, T_r, shape.width)
+    -> (B, T_r, shape.out_width), K/V (only the kv heads) travelling round the group;
+    ``p``: dropout on the probabilities (then each block in NumPy here, drawn as one
+    process draws; without, the flash kernels of each chunk pair: parallel/ring_flash.py)."""
+    if not p:
+        from .ring_flash import ring_flash
+        return ring_flash(cp, qkv, shape)
+    xp = backend.array_module(qkv.data)
+    B = qkv.shape[0]
+    q, k, v = _split_qkv(qkv.data, shape)
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    out = xp.zeros_like(q)
+    lse = xp.full(q.shape[:4], -np.inf, dtype=q.dtype)
+    look = functools.partial(_look, cp, cp.attention_draw(B, shape.n_head, p), p, q.dtype, xp,
+                             shape.n_kv_head)
+    rotate_forward(cp, xp.stack([k, v]), lambda kb, vb, src: _block_forward(
+        q, kb, vb, *look(src), scale, out, lse))
     y = _tokens(out).astype(qkv.dtype)
 
     def backward(g):
         dout = xp.ascontiguousarray(_heads(g, q.shape)).astype(q.dtype)
         D = (dout * out).sum(axis=-1)
         dq = xp.zeros_like(q)
-        blk = xp.stack([k, v])
-        acc = xp.zeros_like(blk)              # the dK/dV of the block in hand, accumulating
-        incoming = sent = None
-        for s in range(n):                    # rank i holds block i + s; sends go to i - 1
-            nxt = None
-            if s < n - 1:
-                nxt = (comm.isend(blk, (i - 1) % n, TAG_KV_BACK),
-                       comm.irecv((i + 1) % n, TAG_KV_BACK, *block((i + s + 1) % n)))
-            with timeline.span("cp block", cat="cp", step=s):
-                part = _block_backward(q, blk[0], blk[1], *look((i + s) % n), scale, dout,
-                                       lse, D, dq)
-            if incoming is not None:          # receives first: a send completes once received
-                with timeline.span("cp wait", cat="cp", step=s):
-                    acc = incoming.wait()
-                    sent.wait()
-            acc = acc + part
-            sent = comm.isend(acc, (i - 1) % n, TAG_DKV)
-            incoming = comm.irecv((i + 1) % n, TAG_DKV, *block((i + s + 1) % n))
-            if nxt is not None:
-                with timeline.span("cp wait", cat="cp", step=s):
-                    blk = nxt[1].wait()
-                    nxt[0].wait()
-        with timeline.span("cp wait", cat="cp", step=n):
-            dkv = incoming.wait()             # this rank's own block, from every query
-            sent.wait()
+        dkv = rotate_backward(cp, xp.stack([k, v]), lambda kb, vb, src: _block_backward(
+            q, kb, vb, *look(src), scale, dout, lse, D, dq))
         d = xp.concatenate([_tokens(dq), _tokens(dkv[0]), _tokens(dkv[1])], axis=-1)
         return (d.astype(qkv.dtype),)
     return Tensor._make(y, (qkv,), backward)

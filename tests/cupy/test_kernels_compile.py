@@ -21,3 +21,24 @@ def test_the_kernel_compiles(key, source, arch):
     ptx = nvrtc.getPTX(prog)
     for kernel in fused.registry()[key[0]].kernels:
         assert kernel.encode() in (ptx if isinstance(ptx, bytes) else ptx.encode())
+
+
+VARIANTS = [(name, dt, hs) for name, op in sorted(fused.registry().items())
+            if name.startswith(("flash_fwd", "flash_bwd")) for dt in op.dtypes for hs in (64, 128)]
+
+
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+@pytest.mark.parametrize("name,dtype,hs", VARIANTS, ids=[f"{n}-{d}-{h}" for n, d, h in VARIANTS])
+def test_each_kind_of_tiled_attention_compiles(name, dtype, hs, arch):
+    """The tiled attention as it runs: compiled per head size and kind of arithmetic (FMA,
+    bf16's and TF32's mma.sync), not only the source's defaults."""
+    from cupy_backends.cuda.libs import nvrtc
+    from hpcdist.device.kernels import flash
+    kind = "bf16" if name.endswith("bf16") else "tf32" if name.endswith("tf32") else "exact"
+    op = fused.registry()[name]
+    prog = nvrtc.createProgram(op.code(dtype, flash._defines(kind, hs)), f"{name}.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [f"-arch={arch}"])
+    except nvrtc.NVRTCError:
+        pytest.fail(f"{name} {dtype} head {hs} does not compile for {arch}:\n"
+                    f"{nvrtc.getProgramLog(prog)}")

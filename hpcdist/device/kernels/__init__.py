@@ -9,6 +9,7 @@ The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
 from .attention import attention_bwd, attention_bwd_twin, attention_fwd, attention_twin
 from .flash import FLASH_BWD, FLASH_FWD, flash_bwd_twin, flash_twin
 from .cudnn_attention import CUDNN_BWD, CUDNN_FWD
+from .flash_blocks import FLASH_BLOCK_BWD, FLASH_BLOCK_FWD, block_bwd_twin, block_twin
 from .llama import (RMSNORM_BWD, RMSNORM_FWD, ROTARY, SWIGLU_BWD, SWIGLU_FWD, rmsnorm_bwd_twin,
                     rmsnorm_twin, rotary_tables, rotary_twin, swiglu_bwd_twin, swiglu_twin)
 from .common import GELU_C
@@ -52,6 +53,7 @@ from .. import backend as _backend  # noqa: E402
 _backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows)
 
 __all__ = ["ADAMW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
+           "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",
            "RMSNORM_BWD", "RMSNORM_FWD", "ROTARY", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
            "rmsnorm_twin", "rotary_tables", "rotary_twin", "swiglu_bwd_twin", "swiglu_twin", "BIAS_GELU", "MOE_COMBINE",
            "MOE_COMBINE_BWD", "MOE_PERMUTE", "combine_bwd_twin", "combine_twin", "permute_twin",

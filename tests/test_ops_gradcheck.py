@@ -4,6 +4,7 @@ import pytest
 
 import hpcdist as hd
 from hpcdist.autograd import ops
+from hpcdist.nn.family import AttentionShape
 from conftest import gradcheck
 
 R = np.random.default_rng(42)
@@ -93,6 +94,13 @@ CASES = {
     "causal_softmax": (lambda a: ops.causal_softmax(a, 0.7), [sym(2, 4, 4)]),
     "causal_softmax_past": (lambda a: ops.causal_softmax(a, 0.7, past=2), [sym(1, 3, 5)]),
     "fused_attention": (lambda qkv: ops.fused_attention(qkv, 2), [sym(2, 5, 12)]),
+    "fused_attention_gqa": (lambda qkv: ops.fused_attention(qkv, 4, 2), [sym(2, 6, 32)]),
+    "fused_attention_mqa": (lambda qkv: ops.fused_attention(qkv, 3, 1), [sym(1, 7, 20)]),
+    # the Llama family's (hpcdist/device/kernels/llama.py)
+    "rms_norm": (lambda x, w: ops.rms_norm(x, w, 1e-5), [sym(2, 3, 5), sym(5)]),
+    "swiglu": (lambda h: ops.swiglu(h), [sym(2, 3, 8)]),
+    "rotary": (lambda qkv: ops.rotary(qkv, _dev(np.arange(3, 8)), AttentionShape(2, 1, 4), 50.0),
+               [sym(2, 5, 16)]),
     "linear_gelu": (lambda x, w, b: ops.linear_gelu(x, w, b), [sym(2, 3, 4), sym(4, 5), sym(5)]),
     "linear_residual": (lambda x, w, b, r: ops.linear(x, w, b, r),
                         [sym(2, 3, 4), sym(4, 5), sym(5), sym(2, 3, 5)]),

@@ -114,6 +114,28 @@ def test_gpt_forward_and_backward_match_torch(float64):
                                    err_msg=name)
 
 
+def test_llama_forward_and_backward_match_torch(float64):
+    """The Llama family (GQA 4 / 2, rotary, RMSNorm, SwiGLU, untied head) against its PyTorch
+    transcription (bench.autograd.torch_llama): the loss and every parameter's gradient."""
+    from hpcdist.bench.autograd import torch_llama
+    nn.manual_seed(2)
+    cfg = nn.LlamaConfig(block_size=9, vocab_size=13, n_layer=2, n_head=4, n_kv_head=2,
+                         n_embd=16, ffn_hidden=24, rope_theta=100.0)
+    model = nn.Llama(cfg)
+    idx = R.integers(0, 13, size=(3, 9))
+    targets = R.integers(0, 13, size=(3, 9))
+    _, loss = model(hd.backend.to_device(idx), hd.backend.to_device(targets))
+    loss.backward()
+    sd = {k: hd.backend.to_numpy(v) for k, v in model.state_dict().items()}
+    p, forward = torch_llama(cfg, sd, 3)
+    ref = forward(torch.tensor(idx), torch.tensor(targets))
+    ref.backward()
+    assert abs(float(loss.data) - ref.item()) < 1e-10
+    for name, param in model.named_parameters():
+        np.testing.assert_allclose(hd.backend.to_numpy(param.grad), p[name].grad.numpy(),
+                                   rtol=1e-7, atol=1e-10, err_msg=name)
+
+
 def _run_optimizer(make_hd, make_torch, steps=5):
     w0 = R.standard_normal((4, 3))
     b0 = R.standard_normal(3)

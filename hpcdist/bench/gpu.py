@@ -19,17 +19,28 @@ import time
 import numpy as np
 
 
+ARCH = ["gpt"]          # the family the bench times (--arch; llama: a quarter kv heads)
+
+
 def _config(L, C, T, B, V, H=0):
     from hpcdist import nn
-    return nn.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H or max(1, C // 64),
-                        n_embd=C)
+    heads = H or max(1, C // 64)
+    if ARCH[0] == "llama":
+        return nn.LlamaConfig(block_size=T, vocab_size=V, n_layer=L, n_head=heads,
+                              n_kv_head=max(1, heads // 4), n_embd=C)
+    return nn.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=heads, n_embd=C)
+
+
+def _family() -> str:
+    return {"gpt": "GPT", "llama": "Llama"}[ARCH[0]]
 
 
 def _step_fn(L, C, T, B, V, H=0, seed=0):
     from hpcdist.device import backend
     from hpcdist import nn, optim
     nn.manual_seed(seed)
-    model = nn.GPT(_config(L, C, T, B, V, H))
+    cfg = _config(L, C, T, B, V, H)
+    model = nn.FAMILIES[cfg.arch][1](cfg)
     flat = optim.FlatParams(model.parameters())
     opt = optim.AdamW(flat, lr=1e-4)
     rng = np.random.default_rng(seed)
@@ -51,7 +62,7 @@ def count(L, C, T, B, V, H=0) -> dict:
     out, before = {}, os.environ.get("HPCDIST_FUSED")
     for fused in ("0", "1"):
         os.environ["HPCDIST_FUSED"] = fused
-        print(f"counting the launches of two GPT {L}x{C} steps on the device double, "
+        print(f"counting the launches of two {_family()} {L}x{C} steps on the device double, "
               f"{'fused' if fused == '1' else 'op by op'} (about a minute each)...",
               file=sys.stderr, flush=True)
         step, _ = _step_fn(L, C, T, B, V, H)
@@ -106,14 +117,19 @@ def _torch_steps(shape, modes):
     time (a generator: the last one's memory goes before the next is built)."""
     import torch
     from hpcdist import nn
-    from hpcdist.bench.autograd import torch_gpt
+    from hpcdist.bench.autograd import torch_gpt, torch_llama
     L, C, T, B, V, H = shape
     cfg = _config(*shape)
     nn.manual_seed(0)
-    sd = {k: np.asarray(v) for k, v in nn.GPT(cfg).state_dict().items()}
+    sd = {k: np.asarray(v) for k, v in nn.FAMILIES[cfg.arch][1](cfg).state_dict().items()}
     idx = torch.tensor(np.random.default_rng(0).integers(0, V, (B, T)), device="cuda")
     for name, prec, attention, compiled in modes:
-        p, forward = torch_gpt(cfg, sd, B, device="cuda", sdpa=attention == "sdpa")
+        if cfg.arch == "llama":
+            if attention != "sdpa":
+                continue                       # (its twin has SDPA's attention only)
+            p, forward = torch_llama(cfg, sd, B, device="cuda")
+        else:
+            p, forward = torch_gpt(cfg, sd, B, device="cuda", sdpa=attention == "sdpa")
         opt = torch.optim.AdamW(list(p.values()), lr=1e-4, fused=True)
         fwd = torch.compile(forward) if compiled else forward
         bf16 = prec == "bf16"
@@ -136,6 +152,8 @@ def _said(name, rows):
 
 def _peer_rows(shape, steps: int, peers) -> dict:
     """PyTorch's step in each of ``peers`` (eager, sdpa, compile; none without torch)."""
+    if not peers:
+        return {}
     try:
         import torch
     except ImportError:
@@ -170,7 +188,9 @@ def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float]:
     for mode in modes:
         free()
         step, model = _hpcdist_mode(shape, mode, attention)
-        flops = mfu.flops_per_token(model.num_parameters() - model.wpe.weight.size, L, C, T)
+        table = model.part("positions")
+        flops = mfu.flops_per_token(model.num_parameters() -
+                                    (table.weight.size if table is not None else 0), L, C, T)
         name = f"hpcdist {mode}"
         ms = _timed(step, steps)
         rows[name] = (ms, mode, getattr(pool, "total_bytes", lambda: 0)())
@@ -193,7 +213,8 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
     L, C, T, B, V, H = shape
     rows, flops = _hpcdist_rows(shape, steps, modes, attention)
     rows.update(_peer_rows(shape, steps, peers))
-    res = {"model": f"GPT {L}x{C}, {H or max(1, C // 64)} heads, T {T}, batch {B}, vocab {V}",
+    res = {"model": f"{_family()} {L}x{C}, "
+                    f"{H or max(1, C // 64)} heads, T {T}, batch {B}, vocab {V}",
            "refused": fused.refusals(), "rows": {}}
     for name, (ms, prec, peak_bytes) in rows.items():
         peak, source = mfu.gpu_peak(prec)
@@ -215,6 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--embd", type=int, default=768)
     ap.add_argument("--heads", type=int, default=0, help="attention heads (0: embd / 64)")
+    ap.add_argument("--arch", default="gpt", choices=("gpt", "llama"),
+                    help="the family (llama: a quarter of the heads kv heads; its PyTorch twin "
+                         "runs SDPA)")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=50257)
@@ -229,8 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="", help="write the results as JSON here")
     args = ap.parse_args(argv)
     shape = (args.layers, args.embd, args.seq, args.batch, args.vocab, args.heads)
+    ARCH[0] = args.arch
     if args.count:
-        res = {"model": f"GPT {args.layers}x{args.embd}, T {args.seq}, batch {args.batch}",
+        res = {"model": f"{_family()} {args.layers}x{args.embd}, T {args.seq}, batch {args.batch}",
                **count(*shape)}
         print(f"{res['model']}: launches per training step, op by op {res['op by op']:,}, "
               f"fused {res['fused']:,} ({res['ratio']:.2f}x fewer)")

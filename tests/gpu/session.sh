@@ -2,12 +2,12 @@
 # One lease on a lent GPU machine, batched: `bash tests/gpu/session.sh [SECONDS]` runs the
 # speed table of docs/gpu.md first, then every correctness check, inside SECONDS (default 560),
 # and leaves its logs in $OUT (or runs/gpu). 1. the kernels' self-check (every fused kernel, the
-# tiled attention in its three kinds of arithmetic); 2. the table, alone on the GPU: attention
-# alone (hpcdist's kinds and paths beside PyTorch's SDPA), the step at GPT-2 medium T 1024, GPT
-# 12x768 at T 1024 and at T 256 (vocab 50257) beside PyTorch eager and eager + SDPA, T 8192
-# batch 1, a profiled bf16 step; 3. correctness side by side: the GPU unit suite, the fp64
-# layout matrix at 2 ranks over MPI and 1 rank over NCCL, short training runs. Each step is cut
-# at its own limit and at the deadline.
+# tiled attention in its three kinds of arithmetic, whole and by blocks for the ring); 2. the
+# table, alone on the GPU: attention alone (hpcdist's kinds and paths beside PyTorch's SDPA), the
+# step at GPT-2 medium T 1024, GPT 12x768 at T 256 (vocab 50257) beside PyTorch eager and eager
+# + SDPA, T 8192 batch 1, Llama 16x2048 at T 2048, a profiled bf16 step; 3. correctness side by
+# side: the GPU unit suite, the fp64 layout matrices (GPT, Llama) at 2 ranks over MPI and 1 rank
+# over NCCL, short training runs. Each step is cut at its own limit and at the deadline.
 # The machine has CuPy and PyTorch but no MPI and no registry: wheels of mpich, mpi4py and
 # pytest-mpi travel in .whl/ (ignored: echo /.whl/ >> .git/info/exclude), fetched here with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -49,22 +49,22 @@ PYT="python -m pytest -v -p no:cacheprovider --tb=short"
 B="python -m hpcdist.bench"
 
 # 1. the kernels' self-check (compiles every variant the table uses)
-step selfcheck 90 "python tests/gpu/selfcheck.py"
-grep -a -E "flash|refus|REFUSED" "$OUT/selfcheck.log"
+step selfcheck 80 "python tests/gpu/selfcheck.py"
+grep -a -E "flash|rmsnorm|swiglu|rotary|cudnn|refus|REFUSED" "$OUT/selfcheck.log"
 
 # 2. the table, alone on the GPU
-step attention 60 "$B attention --reps 5 --out $OUT/attention.json"
-step table 100 "$B gpu --layers 24 --embd 1024 --heads 16 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16,tf32 --peers sdpa,eager --out $OUT/medium.json"
-step table 70 "$B gpu --layers 12 --embd 768 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16 --peers sdpa --out $OUT/small1024.json"
-step table 100 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes fp32,tf32,bf16 --peers eager,sdpa --out $OUT/small256.json"
-step table 60 "$B gpu --layers 12 --embd 768 --seq 8192 --batch 1 --vocab 128 --steps 3 --modes bf16 --peers sdpa --out $OUT/long.json"
-grep -a -E "ms/step|rc=|out of" "$OUT/table.log"
-step profile 40 "python tests/gpu/profile_step.py bf16 24 1024 1024 8 128"
+step attention 50 "$B attention --reps 5 --out $OUT/attention.json"
+step table 80 "$B gpu --layers 24 --embd 1024 --heads 16 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16,tf32 --peers sdpa,eager --out $OUT/medium.json"
+step table 60 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes tf32,bf16 --peers eager,sdpa --out $OUT/small256.json"
+step table 45 "$B gpu --layers 12 --embd 768 --seq 8192 --batch 1 --vocab 128 --steps 3 --modes bf16 --peers sdpa --out $OUT/long.json"
+step table 50 "$B gpu --arch llama --layers 16 --embd 2048 --seq 2048 --batch 4 --vocab 32000 --steps 4 --modes bf16 --peers sdpa --out $OUT/llama.json"
+grep -a -E "ms/step|rc=|out of|attention:" "$OUT/table.log"
+step profile 30 "python tests/gpu/profile_step.py bf16 24 1024 1024 8 128"
 
 # 3. correctness, side by side
 step tests 120 "HPCDIST_DEVICE=gpu $PYT tests/test_gpu.py tests/test_ops_gradcheck.py tests/test_torch_oracle.py" &
-step mpi2 120 "HPCDIST_DEVICE=gpu mpiexec -n 2 $PYT --with-mpi tests/mpi/test_device.py" &
-step nccl1 120 "HPCDIST_DEVICE=gpu mpiexec -n 1 $PYT --with-mpi tests/mpi/test_nccl.py tests/mpi/test_device.py" &
-step train 120 "python -m hpcdist.train --device gpu --steps 30 --log-every 10 --save-dir /tmp/r1 && mpiexec -n 1 python -m hpcdist.train --device gpu --backend nccl --precision bf16 --experts 4 --steps 30 --log-every 10 --save-dir /tmp/r2" &
+step mpi2 120 "HPCDIST_DEVICE=gpu mpiexec -n 2 $PYT --with-mpi tests/mpi/test_device.py tests/mpi/test_llama.py" &
+step nccl1 120 "HPCDIST_DEVICE=gpu mpiexec -n 1 $PYT --with-mpi tests/mpi/test_nccl.py tests/mpi/test_device.py tests/mpi/test_llama.py" &
+step train 120 "python -m hpcdist.train --device gpu --steps 30 --log-every 10 --save-dir /tmp/r1 && mpiexec -n 1 python -m hpcdist.train --device gpu --backend nccl --precision bf16 --experts 4 --steps 30 --log-every 10 --save-dir /tmp/r2 && python -m hpcdist.train --device gpu --arch llama --n-kv-head 2 --precision bf16 --attention auto --steps 30 --log-every 10" &
 wait
-for f in tests mpi2 nccl1 train; do echo "---- $f"; grep -a -E "passed|failed|error|Error|refus|REFUSED|FAILED|step +30|loss" "$OUT/$f.log" | tail -n 12; done
+for f in tests mpi2 nccl1 train; do echo "---- $f"; grep -a -E "passed|failed|error|Error|refus|REFUSED|FAILED|step +30|loss|attention" "$OUT/$f.log" | tail -n 14; done

@@ -28,7 +28,7 @@ from .host import signals, threads, timeline  # noqa: E402
 from .parallel import state  # noqa: E402
 from .parallel.strategy import DataParallelStrategy, build_strategy  # noqa: E402
 from .comm import ulfm  # noqa: E402
-from .run import loop, mfu, recovery, runtime, savedir, supervisor  # noqa: E402
+from .run import fits, loop, mfu, recovery, runtime, savedir, supervisor  # noqa: E402
 from .run.config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
 from .run.pretrained import shape_from_pretrained  # noqa: E402
 from .run.evaluate import evaluate  # noqa: E402
@@ -48,6 +48,10 @@ def prepare(cfg: TrainConfig, comm):
     if cfg.init_from:
         shape_from_pretrained(cfg, datasets[0], datasets[0].vocabulary)
     validate_world(cfg, comm.size, len(datasets[0]), datasets[0].block_size)
+    too_big = fits.problem(cfg, comm.size, comm.local_size, datasets[0].vocab_size,
+                           datasets[0].block_size, backend.device_free())
+    if too_big:                                    # before any parameter is allocated
+        raise ConfigError(too_big, "n_embd")
     if not cfg.resume:
         return datasets, None
     folder, note = checkpoint.find_resume(cfg.save_dir)
@@ -140,8 +144,8 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
             if f is not None:
                 f.close()
         raise recovery.caught(e, cfg, strategy, sampler, mark)
-    if backend.device_label() == "gpu" and cfg.attention == "auto":
-        say(f"attention (auto): {kernels.attention.choice()}")
+    if backend.device_label() == "gpu":                # (an asked path that could not run:
+        say(f"attention ({cfg.attention}): {kernels.attention.choice()}")  # flash, said here)
     if metrics is not None:
         metrics.write(json.dumps(final) + "\n")
         metrics.close()

@@ -267,3 +267,28 @@ def test_the_tiled_twins_are_attention_as_written(float64):
         fd = ((kernels.flash_twin(qkv + e, nh, nkv, 0.4)[0] -
                kernels.flash_twin(qkv - e, nh, nkv, 0.4)[0]) * dy).sum() / 2e-6
         assert abs(fd - d[idx]) < 1e-6 * max(1.0, abs(fd)), (idx, fd, d[idx])
+
+
+def test_an_attention_path_that_cannot_run_here_gives_way_to_flash_and_says_so(monkeypatch):
+    """cuDNN is a candidate only when both its directions passed their self-check (a refused
+    one would run as its slow twin); an asked path that is no candidate runs flash, and the
+    run's end says flash, not the path asked for."""
+    from hpcdist.device.kernels import attention, cudnn_attention
+    monkeypatch.setattr(backend, "device_label", lambda: "gpu")
+    monkeypatch.setattr(attention, "kind", lambda dtype: "bf16")
+    monkeypatch.setattr(cudnn_attention, "why_not", lambda: None)
+    qkv = np.zeros((2, 8, 3 * 2 * 16), np.float32)
+    for passed, want in ((False, ["flash", "gemms"]), (True, ["flash", "gemms", "cudnn"])):
+        monkeypatch.setattr(cudnn_attention, "passed", lambda p=passed: p)
+        assert attention.candidates(qkv, 2, 2) == want
+    monkeypatch.setattr(cudnn_attention, "passed", lambda: False)
+    try:
+        attention.configure("cudnn")
+        assert attention.path_for(qkv, 2, 2, 0.25) == "flash"
+        assert attention.choice() == "flash at B, T = 2, 8"
+        monkeypatch.setattr(cudnn_attention, "passed", lambda: True)
+        attention.configure("cudnn")
+        assert attention.path_for(qkv, 2, 2, 0.25) == "cudnn"
+        assert attention.choice() == "cudnn at B, T = 2, 8"
+    finally:
+        attention.configure("auto")

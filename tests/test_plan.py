@@ -271,19 +271,28 @@ def test_a_layer_count_no_pipeline_divides_gets_ranked_layouts():
 
 
 def test_context_parallelism_wins_for_long_sequences_and_not_for_short():
+    """Tiled attention keeps no (s, s) scores, so a long sequence fits without CP (TP, PP,
+    recompute) but runs fastest with it; a short one runs without. Memory: CP c holds 1/c of
+    the tokens' activations; where probabilities are kept (``attention_probs``: the GPU's
+    --attention gemms, Megatron-LM 2021), the ring's (s/c)^2 blocks are less than Ulysses'
+    a/c heads over the whole sequence, and both far less than (s, s) on one rank."""
     gpu = P.HARDWARE["a100-80g"]
-    long_ = P.best_per_mesh(P.plan(P.Model(8, 512, 8, 131072, 32000), gpu, 8, 8, 8)[0])
+    long_ = P.best_per_mesh(P.plan(P.Model(8, 512, 8, 1 << 20, 32000), gpu, 8, 8, 8)[0])
     assert long_ and long_[0].layout.cp > 1
-    without = P.plan(P.Model(8, 512, 8, 131072, 32000), gpu, 8, 8, 8,
-                     P.Settings(cp_sizes=(1,)))[0]
-    assert not without                      # without CP nothing fits a 128K sequence
-    # memory: CP c holds 1/c of the tokens' activations (ring: (s/c)^2 scores)
+    short = P.best_per_mesh(P.plan(P.Model(8, 512, 8, 2048, 32000), gpu, 8, 64, 8)[0])
+    assert short and short[0].layout.cp == 1
     m = P.Model(8, 512, 8, 32768, 32000)
-    act = {c: P.activations(m, P.Layout(1, 1, 8 // c, 0, 1, 1, "none", 1, False, False, c))
-           for c in (1, 2, 4)}
-    assert act[2] < act[1] / 2 and act[4] < act[2] / 2
-    uly = P.activations(m, P.Layout(1, 1, 4, 0, 1, 1, "none", 1, False, False, 2, "ulysses"))
-    assert act[2] < uly < act[1]
+    for probs in (None, True):
+        S = P.Settings(attention_probs=probs)
+        act = {c: P.activations(m, P.Layout(1, 1, 8 // c, 0, 1, 1, "none", 1, False, False, c),
+                                S) for c in (1, 2, 4)}
+        uly = P.activations(m, P.Layout(1, 1, 4, 0, 1, 1, "none", 1, False, False, 2,
+                                        "ulysses"), S)
+        if probs:
+            assert act[2] < act[1] / 2 and act[4] < act[2] / 2 and act[2] < uly < act[1]
+        else:
+            assert act[2] == pytest.approx(act[1] / 2, rel=0.01) and uly == act[2]
+            assert act[4] == pytest.approx(act[1] / 4, rel=0.01)
 
 
 def test_nothing_fits_exits_non_zero_with_the_nearest_misses_first(capsys):
@@ -314,7 +323,7 @@ def test_help_shows_every_default(capsys):
             assert "default:" in block, flag
 
 
-@pytest.mark.parametrize("gpus,seq,expect", [(8, 131072, "mpirun -n 8"),
+@pytest.mark.parametrize("gpus,seq,expect", [(8, 1 << 20, "mpirun -n 8"),
                                              (16, 2048, "sbatch -N 2")])
 def test_the_best_layout_comes_as_a_command_the_trainer_takes(capsys, gpus, seq, expect):
     from hpcdist.run.config import parse_config

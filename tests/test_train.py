@@ -39,8 +39,39 @@ def test_cli_trains_text_file(tmp_path):
     assert "held-out accuracy (next-char)" in r.stdout
 
 
+def test_the_evaluation_is_bounded_in_tokens_at_any_context_length(tmp_path):
+    """At most --eval-tokens tokens (default 262,144), no more windows than an eighth of the
+    sequences a rank trains on, and a forward of at most the training batch or 16,384
+    tokens: T 8192 scores 32 windows, not 4,096 (ten minutes after two 1.2 s steps, once);
+    the digit tasks keep their 4,096 examples; the result line says the tokens scored."""
+    from hpcdist.run.evaluate import bounds
+
+    def cfg(*args):
+        return train.parse_config(list(args))
+    assert bounds(cfg(), 11) == (512, 4096)                            # sort: as before
+    assert bounds(cfg("--steps", "1000", "--batch-size", "8"), 8192) == (8, 32)
+    assert bounds(cfg("--steps", "2", "--batch-size", "1"), 8192) == (2, 1)
+    assert bounds(cfg("--steps", "2", "--batch-size", "1", "--eval-tokens", "0"), 8192) == \
+        (2, 4096)
+    assert bounds(cfg("--steps", "5000", "--batch-size", "4", "--eval-tokens", "65536"),
+                  1024) == (16, 64)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    r = run_train("--task", "text", "--data", str(text), "--block-size", "64", "--steps", "40",
+                  "--batch-size", "4", "--n-embd", "32", "--out-dir", str(tmp_path),
+                  "--log-every", "20", "--eval-tokens", "640")
+    assert r.returncode == 0, r.stderr
+    final = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][-1]
+    assert final["eval_tokens"] == 10 * 64                              # 640 // 64 windows
+    assert "| 640 tokens scored |" in r.stdout
+    r = run_train("--eval-tokens", "-1")
+    assert r.returncode == 2 and "eval_tokens must be 0 or more, got -1" in r.stderr
+
+
 BAD = [
     (["--task", "nope"], "unknown task"),
+    (["--beta2", "1.5"], "--beta1 and --beta2 (AdamW's moment decays) must be in [0, 1)"),
+    (["--n-embd", "100000"], "optimizer state need 3576.3 GiB a rank"),
     (["--steps", "0"], "steps must be positive"),
     (["--batch-size", "-3"], "batch_size must be positive"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),

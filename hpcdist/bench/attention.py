@@ -53,13 +53,16 @@ def _hpcdist(B, H, T, hs, kind, path, reps):
         y, lse, att = kernels.attention_fwd(qkv, H, H, scale)
         kernels.attention_bwd(qkv, y, dy, lse, H, H, scale, att)
     pool = xp.get_default_memory_pool() if backend.device_label() == "gpu" else None
+    if pool is not None:                     # (what the pool holds after: this row's peak)
+        pool.free_all_blocks()
     try:
         ms = _time(run, reps)
+        ran = kernels.attention.choice()     # (a refused path runs flash: the row says so)
     finally:
         backend.reset_precision()
         kernels.configure(False)
         kernels.attention.configure("auto")
-    return ms, (pool.total_bytes() if pool else 0)
+    return ms, (pool.total_bytes() - qkv.nbytes - dy.nbytes if pool else 0), ran
 
 
 def _torch(B, H, T, hs, kind, reps, device):
@@ -121,7 +124,12 @@ def main(argv=None) -> int:
                     continue                    # (the GEMM path's probabilities: 16 GiB cap)
                 if path == "cudnn" and (kind != "bf16" or kernels.cudnn_attention.why_not()):
                     continue
-                cells[f"hpcdist {path}"] = _hpcdist(B, H, T, hs, kind, path, args.reps)
+                ms, mem, ran = _hpcdist(B, H, T, hs, kind, path, args.reps)
+                if path not in ran:
+                    print(f"{shape:>16s} {kind:5s} hpcdist {path}: not run ({ran}; refused: "
+                          f"{fused.refusals()})", flush=True)
+                    continue
+                cells[f"hpcdist {path}"] = ms, mem
             if not args.no_torch:
                 try:
                     cells["torch sdpa"] = _torch(B, H, T, hs, kind, args.reps,

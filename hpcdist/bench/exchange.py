@@ -92,7 +92,7 @@ def torch_worker(args) -> int:
     from hpcdist.checkpoint.tools import _NANOGPT, nanogpt_names
     from hpcdist.comm import Communicator
     from hpcdist.run.config import TrainConfig
-    from hpcdist.run.evaluate import evaluate
+    from hpcdist.run.evaluate import evaluate_run
     from hpcdist.train import train
     comm = Communicator()
     out = comm.mpi.bcast(tempfile.mkdtemp() if comm.rank == 0 else "", root=0)
@@ -139,7 +139,7 @@ def torch_worker(args) -> int:
                     w = tm.w(re.sub(pattern, target, name)).detach().numpy()
                     p.data[...] = w.T if transpose else w
                     break
-        acc, _ = evaluate(model, test_set, cfg.eval_batch, comm)
+        acc, _, _ = evaluate_run(cfg, model, test_set, comm)
 
         def values(rule):
             total = 0

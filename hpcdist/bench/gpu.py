@@ -150,8 +150,9 @@ def _said(name, rows):
           flush=True)
 
 
-def _peer_rows(shape, steps: int, peers) -> dict:
-    """PyTorch's step in each of ``peers`` (eager, sdpa, compile; none without torch)."""
+def _peer_rows(shape, steps: int, peers, precisions=None) -> dict:
+    """PyTorch's step in each of ``peers`` (eager, sdpa, compile; none without torch), at
+    each of ``precisions`` (None: all three)."""
     if not peers:
         return {}
     try:
@@ -159,7 +160,7 @@ def _peer_rows(shape, steps: int, peers) -> dict:
     except ImportError:
         return {}
     rows = {}
-    modes = [m for p in peers for m in PEERS[p]]
+    modes = [m for p in peers for m in PEERS[p] if precisions is None or m[1] in precisions]
     torch.backends.cuda.matmul.allow_tf32 = False
     for name, step, prec in _torch_steps(shape, modes):
         torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
@@ -203,7 +204,7 @@ def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float]:
 
 
 def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
-            attention: str = "auto") -> dict:
+            attention: str = "auto", peer_modes=None) -> dict:
     """hpcdist's step in each mode beside PyTorch's (``peers``): ms, tokens/s, TFLOP/s, MFU,
     peak memory (hpcdist: CuPy's pool; PyTorch: its allocator's reserved high-water mark) and
     each hpcdist row's ratio to every peer of its precision (> 1: hpcdist is slower)."""
@@ -212,7 +213,7 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
     backend.init("gpu")
     L, C, T, B, V, H = shape
     rows, flops = _hpcdist_rows(shape, steps, modes, attention)
-    rows.update(_peer_rows(shape, steps, peers))
+    rows.update(_peer_rows(shape, steps, peers, peer_modes))
     res = {"model": f"{_family()} {L}x{C}, "
                     f"{H or max(1, C // 64)} heads, T {T}, batch {B}, vocab {V}",
            "refused": fused.refusals(), "rows": {}}
@@ -248,6 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true", help="time hpcdist only")
     ap.add_argument("--peers", default="eager,sdpa,compile",
                     help="PyTorch's rows: eager (math attention), sdpa, compile")
+    ap.add_argument("--peer-modes", default="fp32,tf32,bf16",
+                    help="the precisions PyTorch's rows run at")
     ap.add_argument("--attention", default="auto", choices=("auto", "flash", "gemms"),
                     help="hpcdist's attention (auto: the faster on this shape, measured)")
     ap.add_argument("--out", default="", help="write the results as JSON here")
@@ -265,7 +268,8 @@ def main(argv=None) -> int:
             print("no GPU visible: run with --count to count launches on the device double")
             return 0
         peers = () if args.no_torch else [p for p in args.peers.split(",") if p]
-        res = measure(shape, args.steps, args.modes.split(","), peers, args.attention)
+        res = measure(shape, args.steps, [m for m in args.modes.split(",") if m], peers,
+                      args.attention, args.peer_modes.split(","))
         print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -61,6 +61,13 @@ def gpu_count() -> int:
         return 0
 
 
+def device_free() -> float | None:
+    """Bytes free on this rank's GPU (the double: the host's), None on the CPU."""
+    if device_label() == "cpu":
+        return None
+    return float(xp().cuda.runtime.memGetInfo()[0])
+
+
 def env_local_rank() -> int:
     """This process's rank on its node, read from the launcher's environment (0 if unknown).
 

@@ -338,6 +338,13 @@ def _alloc_pinned_memory(size):
     return bytearray(size)
 
 
+def _mem_info():
+    """(free, total) bytes of the device: the double's memory is the host's."""
+    from ..host.meminfo import host_available
+    free = host_available() or float(1 << 40)
+    return int(free), int(free)
+
+
 cuda = types.SimpleNamespace(
     get_current_stream=_function("get_current_stream", CUDA["get_current_stream"][1],
                                  lambda device_id=-1: _STREAM, "cupy.cuda"),
@@ -348,7 +355,9 @@ cuda = types.SimpleNamespace(
         getDeviceCount=lambda: 1,
         getDeviceProperties=_function(
             "getDeviceProperties", CUDA["runtime.getDeviceProperties"][1],
-            lambda device: {"name": b"hpcdist device double"}, "cupy.cuda.runtime")))
+            lambda device: {"name": b"hpcdist device double"}, "cupy.cuda.runtime"),
+        memGetInfo=_function("memGetInfo", CUDA["runtime.memGetInfo"][1], _mem_info,
+                             "cupy.cuda.runtime")))
 
 
 class _XORWOW:

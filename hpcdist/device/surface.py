@@ -81,6 +81,7 @@ CUDA = {
     "get_current_stream": ("function", "(device_id=-1)"),
     "runtime.getDeviceCount": ("function", "()"),
     "runtime.getDeviceProperties": ("function", "(int device)"),
+    "runtime.memGetInfo": ("function", "()"),
 }
 CUPYX = {"scatter_add": ("function", "(a, slices, value)")}
 RANDOM = {

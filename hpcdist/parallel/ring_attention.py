@@ -1,8 +1,8 @@
 """Ring attention: causal attention of this rank's slice of every sequence over the whole
 sequence, K/V blocks travelling round the context-parallel group (rank i sends to i + 1)
 while the block in hand is scored, merged by their log-sum-exp; the backward sends the
-blocks round the other way with their dK/dV accumulating (``rotate_forward`` /
-``rotate_backward``, the rings both block kinds share). Without dropout each block is the
+blocks round the other way with their dK/dV accumulating (ring.py: the rings both block
+kinds share). Without dropout each block is the
 flash kernels' (ring_flash.py); with it, NumPy's here, drawn block by block at the global
 (query, key) positions of the one-process draw. The layout: parallel/context.py."""
 from __future__ import annotations
@@ -12,11 +12,9 @@ import functools
 import numpy as np
 
 from ..device import backend
-from ..host import timeline
 from ..autograd.tensor import Tensor
-
-TAG_KV, TAG_KV_BACK, TAG_DKV = 101, 102, 103
-
+from .ring import rotate_backward, rotate_forward
+from .ring_flash import ring_flash
 
 def _split_qkv(qkv, shape):
     """(B, T, shape.width) -> q (B, nkv, G, T, hs), k and v (B, nkv, 1, T, hs): each kv head
@@ -116,11 +114,6 @@ def _block_backward(q, k, v, seen, keep, scale, dout, lse, D, dq):
     return dkv
 
 
-def _kv_block(cp, kv, r: int):
-    """(shape, dtype) of rank r's K|V block: its own number of positions."""
-    return kv.shape[:-2] + (len(cp.positions(r)),) + kv.shape[-1:], kv.dtype
-
-
 def _look(cp, draw, p: float, dtype, xp, groups: int, src: int):
     """What this rank's queries see of rank ``src``'s keys (``ContextParallel.visible``), and
     their dropout there, kept / (1 - p), from the one-process draw (``draw``; None without)."""
@@ -136,62 +129,12 @@ def _look(cp, draw, p: float, dtype, xp, groups: int, src: int):
     return seen, kept.astype(dtype) * dtype.type(1.0 / (1.0 - p))
 
 
-def rotate_forward(cp, kv, step) -> None:
-    """The forward's ring: ``step(k, v, src)`` on the block in hand (rank ``src``'s) while the
-    next one is on its way (rank i sends to i + 1); ``kv`` (2, ..., T_r, width) this rank's."""
-    comm, n, i = cp.comm, cp.n, cp.rank
-    for s in range(n):
-        nxt = None
-        if s < n - 1:                     # the next block is on its way while this one computes
-            nxt = (comm.isend(kv, (i + 1) % n, TAG_KV),
-                   comm.irecv((i - 1) % n, TAG_KV, *_kv_block(cp, kv, (i - s - 1) % n)))
-        with timeline.span("cp block", cat="cp", step=s):
-            step(kv[0], kv[1], (i - s) % n)
-        if nxt is not None:               # receives first: a send completes once received
-            with timeline.span("cp wait", cat="cp", step=s):
-                kv = nxt[1].wait()
-                nxt[0].wait()
-
-
-def rotate_backward(cp, blk, step):
-    """The backward's ring: blocks go round the other way (to i - 1), ``step(k, v, src)``
-    returning the block's dK|dV part, which travels with it and accumulates; returns this
-    rank's own block's, from every query."""
-    xp = backend.array_module(blk)
-    comm, n, i = cp.comm, cp.n, cp.rank
-    acc = xp.zeros_like(blk)              # the dK/dV of the block in hand, accumulating
-    incoming = sent = None
-    for s in range(n):                    # rank i holds block i + s; sends go to i - 1
-        nxt = None
-        if s < n - 1:
-            nxt = (comm.isend(blk, (i - 1) % n, TAG_KV_BACK),
-                   comm.irecv((i + 1) % n, TAG_KV_BACK, *_kv_block(cp, blk, (i + s + 1) % n)))
-        with timeline.span("cp block", cat="cp", step=s):
-            part = step(blk[0], blk[1], (i + s) % n)
-        if incoming is not None:          # receives first: a send completes once received
-            with timeline.span("cp wait", cat="cp", step=s):
-                acc = incoming.wait()
-                sent.wait()
-        acc = acc + part
-        sent = comm.isend(acc, (i - 1) % n, TAG_DKV)
-        incoming = comm.irecv((i + 1) % n, TAG_DKV, *_kv_block(cp, blk, (i + s + 1) % n))
-        if nxt is not None:
-            with timeline.span("cp wait", cat="cp", step=s):
-                blk = nxt[1].wait()
-                nxt[0].wait()
-    with timeline.span("cp wait", cat="cp", step=n):
-        dkv = incoming.wait()
-        sent.wait()
-    return dkv
-
-
 def ring_attention(cp, qkv: Tensor, shape, p: float = 0.0) -> Tensor:
     """Causal attention of this rank's tokens over the whole sequence: (B, T_r, shape.width)
     -> (B, T_r, shape.out_width), K/V (only the kv heads) travelling round the group;
     ``p``: dropout on the probabilities (then each block in NumPy here, drawn as one
     process draws; without, the flash kernels of each chunk pair: parallel/ring_flash.py)."""
     if not p:
-        from .ring_flash import ring_flash
         return ring_flash(cp, qkv, shape)
     xp = backend.array_module(qkv.data)
     B = qkv.shape[0]

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..device import backend, kernels
 from ..autograd.tensor import Tensor
-from .ring_attention import rotate_backward, rotate_forward
+from .ring import rotate_backward, rotate_forward
 
 
 def _runs(pos) -> list:

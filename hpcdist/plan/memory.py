@@ -101,10 +101,11 @@ def activations(model: Model, L: Layout, settings: Settings = Settings(),
     """
     if L.cp > 1:
         local = replace(model, seq=-(-model.seq // L.cp))
-        # the ring's (s/c)^2 blocks (or Ulysses' scores) are kept for backward
-        out = activations(local, replace(L, cp=1), replace(settings, attention_probs=True),
-                          stage)
-        if L.cp_impl == "ulysses":                  # a/c heads over all s positions
+        # the ring's steps run the tiled kernels by blocks (parallel/ring_flash.py) and
+        # Ulysses the tiled attention on a/c heads: (s/c)^2 blocks or scores only where the
+        # settings keep probabilities
+        out = activations(local, replace(L, cp=1), settings, stage)
+        if L.cp_impl == "ulysses" and settings.attention_probs:  # a/c heads over all s
             held, _ = stash_at_peak(L.schedule, L.pp, L.micro_batches, L.virtual,
                                     "first" if stage == "middle" else stage)
             per_layer = scores(model.seq, model.heads / L.cp, L, settings) - \
@@ -191,7 +192,8 @@ def megatron_layer(model: Model, L: Layout, settings: Settings, stage: str) -> t
         whole = 8 * h                     # the norms' and the column-parallel inputs
         full = s * b * ((whole + inner) / t if L.sp else whole + inner / t)
     else:
-        full = s * b * h * ((34 / t) if L.sp else (10 + 24 / t)) + 5 * a * s * s * b / t
+        full = s * b * h * ((34 / t) if L.sp else (10 + 24 / t)) + \
+            5 * a * s * s * b / t * bool(settings.attention_probs)    # (flash: none kept)
     if L.recompute:
         stored, rebuilt = 2 * s * b * h / (t if L.sp else 1), full
     else:
@@ -212,17 +214,18 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
       with the residual added in place nh, LN 2nh + 2n, fc + bias + GELU 12nh (the
       pre-activation, the output and the tanh), the projection with the residual nh:
       22nh + bas^2 + an + 4n;
-    - TP t: the linears' matmul and bias add are two ops, the row-parallel outputs are full
-      (partial sums, the allreduced result, the bias add), residuals added apart:
-      12nh + 23nh/t + (bas^2 + an)/t + 4n;
+    - TP t (parallel/tp/model.py): the column-parallel linears' outputs split (q|k|v 3nh/t
+      with its bias, fc 4nh/t and GELU's 4nh/t), attention's output nh/t; each row-parallel
+      output four times whole (the partial sums, the allreduced result, the bias added, the
+      residual added), the LayerNorms whole: 10nh + 12nh/t + (bas^2 + an)/t + 4n;
     - and sequence parallel: the two allgathered inputs and the two row-parallel partial sums
-      are full, the rest split: 4nh + 33nh/t + (bas^2 + an)/t + 4n/t.
+      whole, the rest split: 4nh + 20nh/t + (bas^2 + an)/t + 4n/t (runs: 16.06nh, 14.4nh).
 
     Full recompute keeps each block's output (nh, or nh/t with SP) and rebuilds one layer.
     First stage: the embeddings and their sum (TP: the masked rows, the reduced sum; SP:
     reduce-scattered). Last: the final LayerNorm, the logits, the cross-entropy's (TP: its
     shifted logits' exponentials too), its per-token vectors."""
-    s, h, a, V, t, b = model.seq, model.hidden, model.heads, model.vocab, L.tp, L.micro_batch
+    s, h, a, t, b = model.seq, model.hidden, model.heads, L.tp, L.micro_batch
     n, ab = b * s, settings.param_bytes
     scores = (b * a * s * s * bool(settings.attention_probs) + n * a) / t   # (s, s) and lse
     if model.llama:
@@ -231,9 +234,9 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
     if t == 1:
         full, split = 14 * n * h + tanh + scores, 1
     elif not L.sp:
-        full, split = 8 * n * h + 19 * n * h / t + tanh + scores, 1
+        full, split = 8 * n * h + 12 * n * h / t + tanh + scores, 1
     else:
-        full, split = 4 * n * h + 25 * n * h / t + tanh + scores, t
+        full, split = 4 * n * h + 18 * n * h / t + tanh + scores, t
     full = full * ab + 2 * (n * h / split) * (lnb + ab) + 2 * 2 * n / split * 4
     act = n * h / split * ab                    # one activation between layers
     # full recompute: the block's output kept, and in backward the rebuilt block beside the
@@ -241,6 +244,14 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
     stored, rebuilt = (act, full + act) if L.recompute else (full, 0.0)
     if L.pp > 1:                                # the gradient received, the output being sent
         rebuilt += 2 * act
+    return stored, rebuilt, _gpt_ends(model, L, settings, stage, split, lnb, act)
+
+
+def _gpt_ends(model: Model, L: Layout, settings: Settings, stage: str, split: int, lnb: float,
+              act: float) -> float:
+    """``hpcdist_layer``'s embedding (first stage) or head (last) per micro-batch."""
+    s, h, V, t, b = model.seq, model.hidden, model.vocab, L.tp, L.micro_batch
+    n, ab = b * s, settings.param_bytes
     Vt = -(-V // t)
     if stage == "first":
         if t == 1:
@@ -259,7 +270,7 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
         ends = norm + logits + per_token
         if L.pp > 1:
             ends += act                                    # the input received from before
-    return stored, rebuilt, ends
+    return ends
 
 
 def zero_level(level: int):

@@ -329,7 +329,8 @@ class Settings:
     # MIN_SIZE elements): no LayerNorm x-hat, GELU tanh or attention probabilities kept
     fused_kernels: bool = True
     # attention's (s, s) probabilities kept for backward: only by the GPU's --attention
-    # gemms (tiled attention, every device's default, keeps the log-sum-exp); CP's: kept
+    # gemms and Megatron-LM 2021's unfused layers (Korthikanti's 5as/ht term); tiled
+    # attention, every device's default (ring and Ulysses steps too), keeps the log-sum-exp
     attention_probs: bool | None = None
     tp_across_nodes: bool = False
     # the share of the experts' all-to-all hidden behind compute (hpcdist: 0, the dispatch
@@ -347,10 +348,11 @@ class Settings:
 # The search restricted to what a framework offered: "megatron-2021" is Megatron-LM as
 # Narayanan et al. ran it (SC21): no distributed optimizer (ZeRO), no sequence parallelism
 # (Korthikanti et al. 2022), 1F1B and their interleaved schedule (ZB-H1 is 2023's), no
-# context parallelism, layers divided evenly over the stages.
+# context parallelism, layers divided evenly over the stages, attention's probabilities
+# kept for backward (FlashAttention is 2022's).
 FEATURES = {
     "all": {},
     "megatron-2021": {"sequence_parallel": False, "zero_levels": (0,),
                       "schedules": ("1f1b", "interleaved"), "cp_sizes": (1,),
-                      "uneven_splits": False},
+                      "uneven_splits": False, "attention_probs": True},
 }

@@ -17,7 +17,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .config_help import HELP
-from .settings import CHOICES, POSITIVE, SETTINGS
+from .settings import CHOICES, NON_NEGATIVE, POSITIVE, SETTINGS
 
 
 @dataclass
@@ -129,7 +129,8 @@ class TrainConfig:
     dtype: str = "fp32"           # fp32 | fp64 (master precision; fp64 for exactness tests)
     log_every: int = 50
     eval_every: int = 0           # held-out evaluation every N steps (0 = at the end only)
-    eval_batch: int = 512
+    eval_batch: int = 512         # sequences an evaluation forward takes at most
+    eval_tokens: int = 262144     # held-out tokens scored at most (0: every window up to 4,096)
     out_dir: str = "runs"
     # observability
     trace: str = ""               # write a Chrome trace of every rank to this file
@@ -173,6 +174,9 @@ def validate(cfg: TrainConfig) -> None:
     for name in POSITIVE:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}", name)
+    for name in NON_NEGATIVE:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be 0 or more, got {getattr(cfg, name)}", name)
     for name, choices in list(CHOICES.items()) + [("schedule", SCHEDULES)]:
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"unknown {name} {getattr(cfg, name)!r}: choose one of "

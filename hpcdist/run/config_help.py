@@ -156,7 +156,12 @@ HELP = {
         "log_every": "print a progress line every N steps (metrics.jsonl records every step)",
         "eval_every": "held-out loss and accuracy every N steps, printed and in "
                       "metrics.jsonl (0: at the end only)",
-        "eval_batch": "evaluation batch size", "out_dir": "metrics.jsonl, train.log (what "
+        "eval_batch": "sequences an evaluation forward takes at most (fewer at long "
+                      "context: at most max(--batch-size, 16,384 / T))",
+        "eval_tokens": "held-out tokens scored at most: windows (or digit examples) of T "
+                       "tokens, evenly spaced, up to 4,096 and to an eighth of the sequences "
+                       "a rank trains on (0: 4,096 windows)",
+        "out_dir": "metrics.jsonl, train.log (what "
                                                           "rank 0 prints), ranks.json, "
                                                           "comm_log.json go here",
         "trace": "write a Chrome trace of every rank to this file (ui.perfetto.dev)",

@@ -9,8 +9,31 @@ from .. import data
 from ..autograd.tensor import no_grad
 
 
-def evaluate(model, dataset, batch: int, comm=None, max_examples: int = 4096):
-    """Held-out (accuracy, loss), the examples split over the ranks and the counts summed.
+MAX_EXAMPLES = 4096              # windows (text) or examples (digit tasks) at most
+EVAL_BATCH_TOKENS = 16384        # an evaluation forward's tokens, beyond the training batch
+
+
+def bounds(cfg, block_size: int) -> tuple:
+    """(sequences per evaluation forward, windows at most) for a run's held-out set: at most
+    ``--eval-tokens`` tokens scored (at T 8192 32 windows, not 4,096) and no more windows
+    than an eighth of the sequences a rank trains on (``--eval-tokens 0``: 4,096 windows,
+    whatever the run); a forward no larger than the training batch or 16,384 tokens (at
+    long context the logits of 512 sequences would not fit)."""
+    T = max(1, block_size)
+    windows = MAX_EXAMPLES if not cfg.eval_tokens else \
+        max(1, min(MAX_EXAMPLES, cfg.eval_tokens // T, cfg.steps * cfg.batch_size // 8))
+    return max(1, min(cfg.eval_batch, max(cfg.batch_size, EVAL_BATCH_TOKENS // T))), windows
+
+
+def evaluate_run(cfg, model, dataset, comm=None):
+    """``evaluate`` within the run's bounds (``bounds``): (accuracy, loss, tokens scored)."""
+    batch, windows = bounds(cfg, dataset.block_size)
+    return evaluate(model, dataset, batch, comm, windows)
+
+
+def evaluate(model, dataset, batch: int, comm=None, max_examples: int = MAX_EXAMPLES):
+    """Held-out (accuracy, loss, tokens scored), the examples split over the ranks and the
+    counts summed.
 
     ``comm``: the ranks that split the examples — the data-parallel group (the ranks of one
     tensor-parallel group evaluate the same examples together).
@@ -27,7 +50,7 @@ def evaluate(model, dataset, batch: int, comm=None, max_examples: int = 4096):
     if comm is not None:
         idx = idx[comm.rank::comm.size]
     exact = isinstance(dataset, data.DigitTask)
-    correct = total = 0
+    correct = total = scored_tokens = 0
     loss_sum = 0.0
     was_training = model.training
     model.eval()
@@ -37,6 +60,7 @@ def evaluate(model, dataset, batch: int, comm=None, max_examples: int = 4096):
             logits, loss = model(xp.asarray(x), xp.asarray(y))
             pred = backend.to_numpy(logits.data.argmax(axis=-1))
             scored = y != data.IGNORE
+            scored_tokens += int(scored.sum())
             hit = (pred == y) | ~scored
             if exact:
                 correct += int(hit.all(axis=1).sum())
@@ -46,7 +70,7 @@ def evaluate(model, dataset, batch: int, comm=None, max_examples: int = 4096):
                 total += int(scored.sum())
             loss_sum += float(loss.data) * len(y)
     model.train(was_training)
-    sums = np.array([correct, total, loss_sum, len(idx)], dtype=np.float64)
+    sums = np.array([correct, total, loss_sum, len(idx), scored_tokens], dtype=np.float64)
     if comm is not None:
         sums = comm.allreduce(sums)
-    return sums[0] / max(sums[1], 1), sums[2] / max(sums[3], 1)
+    return sums[0] / max(sums[1], 1), sums[2] / max(sums[3], 1), int(sums[4])

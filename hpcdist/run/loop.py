@@ -17,7 +17,7 @@ from ..device import backend
 from ..host import timeline
 from ..parallel import state
 from . import report, runtime
-from .evaluate import evaluate
+from .evaluate import evaluate_run
 from .report import final_report, progress_line, stopped_report
 
 
@@ -61,11 +61,12 @@ def actions(cfg, comm, model, strategy, sampler, train_set, test_set, metrics, s
 
     def held_out(at: int) -> None:                   # --eval-every (collective)
         with strategy.eval_context(), timeline.span("evaluate"):
-            accuracy, loss = evaluate(model, test_set, cfg.eval_batch, strategy.batch_comm)
-        say(f"step {at:5d} | held-out loss {loss:.4f} | held-out accuracy {accuracy * 100:.2f}%")
+            accuracy, loss, tokens = evaluate_run(cfg, model, test_set, strategy.batch_comm)
+        say(f"step {at:5d} | held-out loss {loss:.4f} | held-out accuracy {accuracy * 100:.2f}%"
+            f" | {tokens:,} tokens scored")
         if metrics is not None:
             metrics.write(json.dumps({"event": "eval", "step": at, "test_loss": float(loss),
-                                      "accuracy": float(accuracy)}) + "\n")
+                                      "accuracy": float(accuracy), "eval_tokens": tokens}) + "\n")
     return save, held_out
 
 

@@ -14,7 +14,7 @@ from ..device import backend, kernels
 from ..nn.moe import moe_layers
 from ..autograd import memtrace
 from ..host import signals, threads, timeline
-from .evaluate import evaluate
+from .evaluate import evaluate_run
 from .preemption import EXIT_PREEMPTED
 
 
@@ -123,10 +123,11 @@ def final_report(cfg, model, strategy, test_set, history, start, world, t_start,
     """Held-out accuracy and loss, memory, the run's totals (collective: evaluation)."""
     trained = time.perf_counter() - t_start
     with strategy.eval_context(), timeline.span("evaluate"):
-        accuracy, test_loss = evaluate(model, test_set, cfg.eval_batch, strategy.batch_comm)
+        accuracy, test_loss, tokens = evaluate_run(cfg, model, test_set, strategy.batch_comm)
     ran = max(len(history), 1)          # this rank's steps (a PS worker's own count)
     step_ms = [r["step_ms"] for r in history]
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
+             "eval_tokens": tokens,
              "train_loss": history[-1]["loss"] if history else float("nan"),
              "steps": cfg.steps, "world": world, "seconds": time.perf_counter() - t_start,
              "train_seconds": trained, "skipped_steps": strategy.scaler.skipped,
@@ -151,7 +152,7 @@ def final_report(cfg, model, strategy, test_set, history, start, world, t_start,
     what = "exact-match" if cfg.task != "text" else "next-char" if \
         getattr(test_set, "vocabulary", {}).get("kind") == "chars" else "next-token"
     say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss "
-        f"{test_loss:.4f} | {final['seconds']:.1f} s")
+        f"{test_loss:.4f} | {tokens:,} tokens scored | {final['seconds']:.1f} s")
     return final
 
 

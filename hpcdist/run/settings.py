@@ -11,6 +11,7 @@ from ..device import backend
 POSITIVE = ("length", "num_digits", "block_size", "n_layer", "n_head", "n_embd", "steps",
             "batch_size", "log_every", "eval_batch", "grad_accum", "bucket_mb", "first_bucket_mb",
             "loss_scale")
+NON_NEGATIVE = ("eval_tokens",)
 CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
            "compress": ("none", "fp16", "topk", "powersgd"),
@@ -75,6 +76,9 @@ SETTINGS = [
      f"dropout must be in [0, 1), got {c.dropout}"),
     ("lr", lambda c: (c.lr <= 0 or c.min_lr < 0 or c.min_lr > c.lr) and
      f"need 0 <= min_lr <= lr and lr > 0, got lr={c.lr} min_lr={c.min_lr}"),
+    ("beta1", lambda c: not (0.0 <= c.beta1 < 1.0 and 0.0 <= c.beta2 < 1.0) and
+     f"--beta1 and --beta2 (AdamW's moment decays) must be in [0, 1), got {c.beta1} and "
+     f"{c.beta2}"),
     ("warmup", lambda c: (c.warmup < 0 or c.grad_clip < 0 or c.weight_decay < 0) and
      "warmup, grad_clip and weight_decay must be non-negative"),
     ("task", lambda c: c.task == "text" and not c.data and

@@ -18,18 +18,7 @@
 set -u
 budget=${1:-560}
 OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=2
-PY=python3; [ -x /opt/torch/.venv/bin/python3 ] && PY=/opt/torch/.venv/bin/python3
-if [ ! -d /tmp/site/mpi4py ]; then          # MPICH from its wheel's files (pip --target drops
-  $PY -m zipfile -e .whl/mpich-*.whl /tmp/mpich && chmod +x /tmp/mpich/*.data/data/bin/* \
-    && $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-         --target /tmp/site .whl/mpi4py-*.whl .whl/pytest_mpi-*.whl \
-         $(ls .whl/nvidia_cudnn_frontend-*.whl 2>/dev/null) || exit 1
-fi                                          # its lib/), and mpi4py told to load it, not the
-M=$(echo /tmp/mpich/*.data/data)            # image's Open MPI
-mkdir -p /tmp/bin; printf '#!/bin/sh\nexec %s "$@"\n' "$PY" > /tmp/bin/python; chmod +x /tmp/bin/python
-export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/bin:$M/bin:$PATH MPI4PY_LIBMPI=$M/lib/libmpi.so.12 \
-       LD_LIBRARY_PATH=$M/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source tests/gpu/setup.sh
 git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python -c "import cupy, numpy, torch; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__, 'gpus', cupy.cuda.runtime.getDeviceCount())"

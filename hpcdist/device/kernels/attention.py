@@ -133,29 +133,28 @@ def candidates(qkv, n_head, n_kv_head) -> list:
         ways.append("gemms")
     hs = head_size(qkv.shape[-1], n_head, n_kv_head)
     if kind(qkv.dtype) == "bf16" and cudnn_attention.takes(hs) and \
-            cudnn_attention.why_not() is None:
+            cudnn_attention.why_not() is None and cudnn_attention.passed():
         ways.append("cudnn")
     return ways
 
 
 def path_for(qkv, n_head, n_kv_head, scale) -> str:
     """The way this call runs (auto: measured once per shape, dtype and kind)."""
-    ways = candidates(qkv, n_head, n_kv_head)
-    if _path != "auto":
-        return _path if _path in ways else "flash"
     key = (tuple(qkv.shape), n_head, n_kv_head, qkv.dtype.name, kind(qkv.dtype))
-    if key not in _chosen:
-        _chosen[key] = _measure(qkv, n_head, n_kv_head, scale, ways) if len(ways) > 1 \
-            else ways[0]
+    if key not in _chosen:                   # (an asked path that cannot run here: flash,
+        ways = candidates(qkv, n_head, n_kv_head)  # and choice() says so)
+        if _path != "auto":
+            _chosen[key] = _path if _path in ways else "flash"
+        else:
+            _chosen[key] = _measure(qkv, n_head, n_kv_head, scale, ways) if len(ways) > 1 \
+                else ways[0]
     return _chosen[key]
 
 
 def choice() -> str:
-    """What ``auto`` picked so far, in words (the run header and the bench)."""
-    if _path != "auto":
-        return _path
+    """What ran so far, in words (the run's end and the bench): the path per shape."""
     if not _chosen:
-        return "auto"
+        return _path
     return "; ".join(f"{path} at B, T = {shape[0]}, {shape[1]}"
                      for (shape, *_), path in _chosen.items())
 

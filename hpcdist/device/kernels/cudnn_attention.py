@@ -33,6 +33,13 @@ def why_not() -> str | None:
     return None
 
 
+def passed() -> bool:
+    """Whether both directions passed their self-check on this GPU (run now if not yet): a
+    refused one would run as its slow twin, so ``auto`` and ``--attention cudnn`` then take
+    the flash kernels (``fused.refusals()`` says why)."""
+    return CUDNN_FWD.ready("float32") and CUDNN_BWD.ready("float32")
+
+
 def takes(hs: int) -> bool:
     """Whether cuDNN's SDPA takes this head size (the flash kernels run the others)."""
     return hs % 8 == 0 and hs <= 128
@@ -127,8 +134,11 @@ def _bwd_launch(k, qkv, y, dy, lse, nh, nkv, scale):
     words = gemm._to_bf16(k, c(qkv))
     grads = xp.empty(qkv.shape, dtype=np.uint16)
     stats = c(lse, dtype=np.float32)
-    pointers = {**_heads(words, nh, nkv, hs), "o": gemm._to_bf16(k, c(y)).data.ptr,
-                "do": gemm._to_bf16(k, c(dy, dtype=np.float32)).data.ptr,
+    # every array cuDNN reads is held by a name through the call: a pointer taken from a
+    # temporary let the pool give y's words' memory to dy's, and cuDNN read dy as y (its
+    # self-check refused it on an H200, off by 13.8)
+    o, do = gemm._to_bf16(k, c(y)), gemm._to_bf16(k, c(dy, dtype=np.float32))
+    pointers = {**_heads(words, nh, nkv, hs), "o": o.data.ptr, "do": do.data.ptr,
                 "stats": stats.data.ptr}
     pointers.update({"d" + n: p for n, p in _heads(grads, nh, nkv, hs).items()})
     _run(_build(B, T, nh, nkv, hs, scale, True), pointers)

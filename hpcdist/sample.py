@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         tok = vocab.Tokenizer(v) if v is not None and v.get("kind") in ("chars", "tokenizer") \
             else None
         if args.ids:
-            ids = [int(x) for x in args.ids.split(",")]
+            ids = prompt_ids(args.ids, model.config.vocab_size)
         elif tok is not None:
             ids = tok.encode(args.prompt) if args.prompt else [tok.eot or 0]
         elif args.prompt:
@@ -149,6 +149,20 @@ def main(argv=None) -> int:
     if rank == 0:                                 # every rank drew the same tokens
         print(tok.decode(out) if tok is not None else ",".join(str(i) for i in out))
     return 0
+
+
+def prompt_ids(text: str, vocab_size: int) -> list:
+    """--ids: comma-separated token ids, each one of the model's (ValueError in one line)."""
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--ids takes comma-separated token ids (e.g. 3,1,4), got {text!r}") \
+            from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"--ids {bad[0]} is not a token id of this model: it has "
+                         f"{vocab_size:,} (0 to {vocab_size - 1:,})")
+    return ids
 
 
 def build(args):

@@ -220,6 +220,8 @@ def main(argv=None) -> int:
             message = str(e)
         message = runtime.agree_on_error(comm, message)
     if message is not None:
+        if comm.rank == 0:                             # nothing of a refused run left behind
+            savedir.unclaim()
         if message:
             print(f"hpcdist.train: error: {message}", file=sys.stderr)
         return 2

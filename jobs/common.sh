@@ -44,7 +44,7 @@ hpcdist_init() {
     export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-$OMP_NUM_THREADS}
     export MKL_NUM_THREADS=${MKL_NUM_THREADS:-$OMP_NUM_THREADS}
     RUN_DIR=${HPCDIST_RUN_DIR:-$HPCDIST_DIR/runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}
-    mkdir -p "$RUN_DIR"
+    mkdir -p "$RUN_DIR/checkpoints"   # (--resume refuses a missing folder; an empty one starts)
     LAUNCHER=${LAUNCHER:-srun}
     case $LAUNCHER in srun|mpirun) ;; *) hpcdist_die "LAUNCHER must be srun or mpirun, got '$LAUNCHER'" ;; esac
     echo "hpcdist job $SLURM_JOB_ID ($SLURM_JOB_NAME), attempt $((${SLURM_RESTART_COUNT:-0} + 1)):" \

@@ -187,7 +187,7 @@ def test_export_refuses_to_overwrite_and_says_replaced_with_overwrite(saved, tmp
     first = target.read_bytes()
     target.write_bytes(b"somebody's model")
     rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(saved), str(target))
-    assert rc == 1 and target.read_bytes() == b"somebody's model"
+    assert rc == 2 and target.read_bytes() == b"somebody's model"
     one_line(err, r"m.npz exists; pass --overwrite")
     rc, out, err = py("-m", "hpcdist.checkpoint", "export", str(saved), str(target),
                       "--overwrite")

@@ -207,7 +207,7 @@ def test_the_export_generates_in_transformers_pipeline(prepared, tmp_path):
               "16", "--batch-size", "8", "--steps", "30", "--n-layer", "1", "--n-embd", "32",
               "--save-dir", "ck")
     assert r.returncode == 0, r.stderr[-2000:]
-    from hpcdist.checkpoint.tools import main as export
+    from hpcdist.checkpoint.cli import main as export
     assert export(["export", str(tmp_path / "ck"), str(tmp_path / "hf"), "--format",
                    "safetensors"]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").exists()

@@ -15,7 +15,8 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
             "block_size": cfg.block_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
             "n_embd": cfg.n_embd, "bias": cfg.bias, "tie_weights": cfg.tie_weights,
             "dtype": cfg.dtype, "precision": cfg.precision, "optimizer": cfg.optimizer,
-            "compress": cfg.compress}
+            "compress": cfg.compress,
+            "seed": cfg.seed}                 # (the data's order and dropout: the run's own)
     if getattr(cfg, "arch", "gpt") != "gpt":  # (absent for GPT: older checkpoints compare)
         meta.update({k: getattr(cfg, k) for k in ("arch", "n_kv_head", "ffn_hidden",
                                                   "rope_theta", "norm_eps")})

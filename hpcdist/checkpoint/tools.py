@@ -1,9 +1,10 @@
-"""``python -m hpcdist.checkpoint inspect|verify|export DIR``: checkpoints from the shell.
+"""What ``python -m hpcdist.checkpoint`` (cli.py) does: choosing a save folder's checkpoint,
+verifying every one, and writing a checkpoint's parameters in other names and formats (.npz in
+hpcdist's or nanoGPT's names, a Hugging Face folder with its tokenizer).
 
 The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/tools.py"."""
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -248,97 +249,3 @@ def hf_tokenizer(vocabulary: dict):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return tok
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.checkpoint",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for cmd in ("inspect", "verify"):
-        sub.add_parser(cmd).add_argument("dir")
-    ex = sub.add_parser("export")
-    ex.add_argument("dir")
-    ex.add_argument("out")
-    ex.add_argument("--names", choices=("hpcdist", "nanogpt"), default="hpcdist",
-                    help=".npz names (safetensors always uses Hugging Face's for the family)")
-    ex.add_argument("--format", choices=("npz", "safetensors"), default="npz")
-    ex.add_argument("--overwrite", action="store_true",
-                    help="replace an existing export at OUT (refused without it)")
-    args = ap.parse_args(argv)
-    try:
-        if args.cmd == "verify":
-            return verify_all(args.dir)
-        reader = Reader(choose(args.dir, say=lambda line: print(line, file=sys.stderr)))
-        if args.cmd == "inspect":
-            return _inspect(reader)
-        target = args.out if args.format == "safetensors" or args.out.endswith(".npz") \
-            else args.out + ".npz"                         # (NumPy's savez adds .npz)
-        replaced = _existing_export(target, args.format, args.overwrite)
-        params = {n[len("param/"):]: reader.tensor(n) for n in sorted(reader.tensors)
-                  if n.startswith("param/")}
-        if replaced:
-            print(f"replacing {replaced} (--overwrite)")
-        if args.format == "safetensors":
-            vocabulary = reader.scalars.get("vocabulary")
-            tensors = export_hf(args.out, params, reader.manifest.get("meta") or {},
-                                vocabulary)
-            said = " and the tokenizer" if vocabulary and vocabulary.get("kind") in (
-                "chars", "tokenizer") else ""
-            kind = {"gpt": "GPT2LMHeadModel"}.get((reader.manifest.get("meta") or {}).get(
-                "arch", "gpt"), "AutoModelForCausalLM")
-            print(f"wrote {args.out}/model.safetensors, config.json{said}: {len(tensors)} tensors "
-                  f"(Hugging Face names; transformers.{kind}.from_pretrained loads the folder)")
-            return 0
-        if args.names == "nanogpt":
-            params = nanogpt_names(params)
-        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-        tmp = f"{target}.tmp{os.getpid()}.npz"
-        try:
-            np.savez(tmp, **params)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        print(f"wrote {target}: {len(params)} arrays, "
-              f"{sum(v.size for v in params.values()):,} parameters ({args.names} names)")
-        return 0
-    except (CheckpointError, ValueError) as e:
-        print(f"python -m hpcdist.checkpoint: error: {e}", file=sys.stderr)
-        return 1
-
-
-def _existing_export(target: str, fmt: str, overwrite: bool) -> str | None:
-    """What an export to ``target`` would replace (None: nothing); refused without
-    ``overwrite``."""
-    if fmt == "safetensors":
-        found = [n for n in ("model.safetensors", "config.json", "tokenizer.json")
-                 if os.path.isfile(os.path.join(target, n))]
-        what = f"{target} (a model folder: {', '.join(found)})" if found else None
-        if os.path.exists(target) and not os.path.isdir(target):
-            raise ValueError(f"{target} is a file; a safetensors export is a folder")
-    else:
-        if os.path.isdir(target):
-            raise ValueError(f"{target} is a folder; an .npz export is a file")
-        what = target if os.path.exists(target) else None
-    if what and not overwrite:
-        raise ValueError(f"{what} exists; pass --overwrite to replace it, or another OUT")
-    return what
-
-
-def _inspect(reader) -> int:
-    m = reader.manifest
-    sc = reader.scalars
-    print(f"{reader.folder}: step {m['step']}, written by {m['world']} ranks, layout "
-          f"{sc.get('layout')}, {m['format']}")
-    print(f"sampler: epoch {sc['sampler']['epoch']}, {sc['sampler']['position']} global batches "
-          f"of {sc['sampler']['global_batch']}; optimizer step {sc.get('opt_step_count')}")
-    print(f"{'tensor':50s} {'shape':>16s} {'dtype':>8s} {'pieces':>6s}")
-    for name, t in sorted(m["tensors"].items()):
-        print(f"{name:50s} {str(tuple(t['shape'])):>16s} {t['dtype']:>8s} "
-              f"{len(t['pieces']):6d}")
-    reader.verify()
-    for name, f in sorted(m["files"].items()):
-        print(f"{name}: {f['bytes']:,} bytes, sha256 {f['sha256'][:16]}... verified")
-    return 0

@@ -160,12 +160,21 @@ class _Heartbeat(threading.Thread):
 
 
 _held: dict = {}
+_made: list = []            # what claim() created: undone when the run is refused after it
 
 
 def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
     """Make ``save_dir`` this run's, for this job (rank 0 only). Returns the lines to print;
-    raises SaveDirError when the folder belongs to a running job or to another run."""
+    raises SaveDirError when the folder belongs to a running job or to another run, or
+    (``resume``) does not exist: a mistyped name would start over; an empty folder starts
+    at step 0 (a requeued job's first attempt)."""
     said = []
+    if resume and not os.path.isdir(save_dir):
+        raise SaveDirError(f"--resume: --save-dir {save_dir!r} does not exist (a mistyped "
+                           "name?); an empty folder starts at step 0: create it for a first "
+                           "run that later runs resume")
+    if not os.path.isdir(save_dir):
+        _made.append(save_dir)                  # (check_writable makes it)
     problem = check_writable(save_dir, "--save-dir")
     if problem:
         raise SaveDirError(problem)
@@ -196,11 +205,27 @@ def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
     _take_lock(save_dir)
     said += remove_partial_saves(save_dir)
     if not resume or not run.get("id"):
+        _made.insert(0, os.path.join(save_dir, RUN))
         _write_json(os.path.join(save_dir, RUN), {
             "id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "host": socket.gethostname(), "command": " ".join(["python -m hpcdist.train"] + list(
                 argv if argv is not None else sys.argv[1:]))})
     return said
+
+
+def unclaim() -> None:
+    """A run refused after ``claim``: remove the run.json and the folder it created (the
+    folder only while empty but for the lock, which ``release`` gives back)."""
+    release()
+    for path in _made:
+        try:
+            if os.path.isdir(path):
+                os.rmdir(path)
+            else:
+                os.remove(path)
+        except OSError:
+            pass
+    _made.clear()
 
 
 def remove_partial_saves(save_dir: str) -> list[str]:

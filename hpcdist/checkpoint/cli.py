@@ -1,0 +1,135 @@
+"""``python -m hpcdist.checkpoint inspect|verify|export DIR``: checkpoints from the shell.
+
+Exit codes as ``cmp`` and ``diff`` have them: 0 fine, 1 ``verify`` found damage, 2 the tool
+could not do what was asked (no checkpoint there, a bad OUT, a full or read-only disk). An
+export is written beside OUT and renamed into place: nothing partial is left on failure and
+a retry runs. The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/tools.py"."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+import numpy as np
+
+from . import CheckpointError, Reader
+from .tools import choose, export_hf, nanogpt_names, verify_all
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpcdist.checkpoint",
+                                 description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for cmd in ("inspect", "verify"):
+        sub.add_parser(cmd).add_argument("dir")
+    ex = sub.add_parser("export")
+    ex.add_argument("dir")
+    ex.add_argument("out")
+    ex.add_argument("--names", choices=("hpcdist", "nanogpt"), default="hpcdist",
+                    help=".npz names (safetensors always uses Hugging Face's for the family)")
+    ex.add_argument("--format", choices=("npz", "safetensors"), default="npz")
+    ex.add_argument("--overwrite", action="store_true",
+                    help="replace an existing export at OUT (refused without it)")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "verify":
+            return verify_all(args.dir)
+        reader = Reader(choose(args.dir, say=lambda line: print(line, file=sys.stderr)))
+        if args.cmd == "inspect":
+            return _inspect(reader)
+        target = args.out if args.format == "safetensors" or args.out.endswith(".npz") \
+            else args.out + ".npz"                         # (NumPy's savez adds .npz)
+        replaced = _existing_export(target, args.format, args.overwrite)
+        params = {n[len("param/"):]: reader.tensor(n) for n in sorted(reader.tensors)
+                  if n.startswith("param/")}
+        if replaced:
+            print(f"replacing {replaced} (--overwrite)")
+        if args.format == "safetensors":
+            vocabulary = reader.scalars.get("vocabulary")
+            tensors = _staged(args.out, lambda folder: export_hf(
+                folder, params, reader.manifest.get("meta") or {}, vocabulary))
+            said = " and the tokenizer" if vocabulary and vocabulary.get("kind") in (
+                "chars", "tokenizer") else ""
+            kind = {"gpt": "GPT2LMHeadModel"}.get((reader.manifest.get("meta") or {}).get(
+                "arch", "gpt"), "AutoModelForCausalLM")
+            print(f"wrote {args.out}/model.safetensors, config.json{said}: {len(tensors)} tensors "
+                  f"(Hugging Face names; transformers.{kind}.from_pretrained loads the folder)")
+            return 0
+        if args.names == "nanogpt":
+            params = nanogpt_names(params)
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        tmp = f"{target}.tmp{os.getpid()}.npz"
+        try:
+            np.savez(tmp, **params)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        print(f"wrote {target}: {len(params)} arrays, "
+              f"{sum(v.size for v in params.values()):,} parameters ({args.names} names)")
+        return 0
+    except BrokenPipeError:                            # (__main__ ends quietly)
+        raise
+    except (CheckpointError, ValueError, OSError) as e:   # (OSError: a full or read-only
+        print(f"python -m hpcdist.checkpoint: error: {e}", file=sys.stderr)    # disk)
+        return 2
+
+
+def _existing_export(target: str, fmt: str, overwrite: bool) -> str | None:
+    """What an export to ``target`` would replace (None: nothing); refused without
+    ``overwrite``."""
+    if fmt == "safetensors":
+        found = [n for n in ("model.safetensors", "config.json", "tokenizer.json")
+                 if os.path.isfile(os.path.join(target, n))]
+        what = f"{target} (a model folder: {', '.join(found)})" if found else None
+        if os.path.exists(target) and not os.path.isdir(target):
+            raise ValueError(f"{target} is a file; a safetensors export is a folder")
+    else:
+        if os.path.isdir(target):
+            raise ValueError(f"{target} is a folder; an .npz export is a file")
+        what = target if os.path.exists(target) else None
+    if what and not overwrite:
+        raise ValueError(f"{what} exists; pass --overwrite to replace it, or another OUT")
+    return what
+
+
+def _inspect(reader) -> int:
+    m = reader.manifest
+    sc = reader.scalars
+    print(f"{reader.folder}: step {m['step']}, written by {m['world']} ranks, layout "
+          f"{sc.get('layout')}, {m['format']}")
+    print(f"sampler: epoch {sc['sampler']['epoch']}, {sc['sampler']['position']} global batches "
+          f"of {sc['sampler']['global_batch']}; optimizer step {sc.get('opt_step_count')}")
+    print(f"{'tensor':50s} {'shape':>16s} {'dtype':>8s} {'pieces':>6s}")
+    for name, t in sorted(m["tensors"].items()):
+        print(f"{name:50s} {str(tuple(t['shape'])):>16s} {t['dtype']:>8s} "
+              f"{len(t['pieces']):6d}")
+    reader.verify()
+    for name, f in sorted(m["files"].items()):
+        print(f"{name}: {f['bytes']:,} bytes, sha256 {f['sha256'][:16]}... verified")
+    return 0
+
+
+def _staged(out: str, write):
+    """``write(folder)`` into a folder beside ``out``, then into place: renamed where ``out``
+    is new or empty, else file by file (os.replace each, config.json last: a loader never
+    finds a config without its weights); the staging folder removed whatever happens."""
+    out = out.rstrip("/") or out
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    stage = f"{out}.partial-{os.getpid()}"
+    try:
+        result = write(stage)
+        if not os.path.isdir(out) or not os.listdir(out):
+            if os.path.isdir(out):
+                os.rmdir(out)
+            os.rename(stage, out)
+        else:
+            names = sorted(os.listdir(stage), key=lambda n: n == "config.json")
+            for name in names:
+                os.replace(os.path.join(stage, name), os.path.join(out, name))
+        return result
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)

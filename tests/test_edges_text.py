@@ -1,0 +1,96 @@
+"""The edges a new user met on real text (issue 61): nothing lost, nothing partial, one line
+for each mistake. Each test here failed on the main before it."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hpcdist import train
+from test_edges import ROOT, one_line, py
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("edges3")
+    cfg = train.parse_config(["--steps", "4", "--save-dir", str(tmp / "ck"), "--out-dir",
+                              str(tmp / "o"), "--batch-size", "8"])
+    train.train(cfg, log=lambda *a: None)
+    return tmp / "ck"
+
+
+def test_sample_refuses_ids_outside_the_vocabulary_in_one_line(saved):
+    for ids, pattern in (("99999", r"--ids 99999 is not a token id of this model: it has 10 "
+                                   r"\(0 to 9\)"),
+                         ("-1", r"--ids -1 is not a token id"),
+                         ("3,x", r"--ids takes comma-separated token ids")):
+        rc, _, err = py("-m", "hpcdist.sample", str(saved), "--ids", ids, "--tokens", "2")
+        assert rc == 2
+        one_line(err, pattern)
+    rc, out, err = py("-m", "hpcdist.sample", str(saved), "--ids", "1,2", "--tokens", "2")
+    assert rc == 0 and out.strip().startswith("1,2,"), err
+
+
+def test_resume_refuses_a_missing_folder_and_an_empty_one_starts(tmp_path):
+    """A mistyped --save-dir with --resume is refused, nothing created; an existing empty
+    folder starts at step 0 (a requeued job's first attempt: jobs/common.sh makes it)."""
+    rc, _, err = py("-m", "hpcdist.train", "--steps", "2", "--save-dir", str(tmp_path / "nope"),
+                    "--resume", "--out-dir", str(tmp_path / "o"))
+    assert rc == 2 and not (tmp_path / "nope").exists()
+    one_line(err, r"--resume: --save-dir .*nope' does not exist \(a mistyped name\?\)")
+    (tmp_path / "empty").mkdir()
+    rc, out, err = py("-m", "hpcdist.train", "--steps", "2", "--save-dir",
+                      str(tmp_path / "empty"), "--resume", "--out-dir", str(tmp_path / "o"))
+    assert rc == 0 and "starting at step 0" in out, err
+    assert "mkdir -p \"$RUN_DIR/checkpoints\"" in open(os.path.join(ROOT, "jobs",
+                                                                    "common.sh")).read()
+
+
+def test_a_refused_run_leaves_nothing_in_the_save_folder_it_made(tmp_path):
+    rc, _, err = py("-m", "hpcdist.train", "--steps", "2", "--tp", "2", "--save-dir",
+                    str(tmp_path / "ck"), "--out-dir", str(tmp_path / "o"))
+    assert rc == 2 and "not divisible by --tp 2" in err
+    assert not (tmp_path / "ck").exists()                   # no folder, no stray run.json
+
+
+def test_resume_with_another_seed_is_refused(saved, tmp_path):
+    """The data order (and dropout) is the run's: the sampler keeps epoch and position, so
+    another seed would reshuffle the rest of the epoch."""
+    import shutil
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    rc, _, err = py("-m", "hpcdist.train", "--steps", "6", "--batch-size", "8", "--save-dir",
+                    str(ck), "--resume", "--seed", "7", "--out-dir", str(tmp_path / "o"))
+    assert rc == 2
+    one_line(err, r"was written by a different run: seed 1337 there, 7 here")
+
+
+def test_checkpoint_tools_exit_codes_and_a_closed_pipe(saved, tmp_path):
+    """inspect into ``head`` ends quietly; verify: 1 for damage, 2 where it cannot run (no
+    checkpoint there), as the other tools' errors."""
+    r = subprocess.run(f"{sys.executable} -m hpcdist.checkpoint inspect {saved} | head -1",
+                       shell=True, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert "step 4" in r.stdout and "BrokenPipe" not in r.stderr and r.stderr == ""
+    rc, _, err = py("-m", "hpcdist.checkpoint", "verify", str(tmp_path / "none"))
+    assert rc == 2
+    one_line(err, r"no checkpoint here")
+
+
+def test_export_onto_a_full_disk_leaves_nothing_and_the_retry_works(saved, tmp_path):
+    out = tmp_path / "hf"
+    rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(saved), str(out), "--format",
+                    "safetensors", limit_bytes=100_000)
+    assert rc == 2
+    one_line(err, r"error: .*(File too large|No space left)")
+    assert os.listdir(tmp_path) == []                       # no folder, no 0-byte tokenizer
+    rc, out_text, err = py("-m", "hpcdist.checkpoint", "export", str(saved), str(out),
+                           "--format", "safetensors")
+    assert rc == 0, err
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert os.listdir(tmp_path) == ["hf"]
+    (out / "notes.txt").write_text("mine")                  # a folder with other files: kept
+    rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(saved), str(out), "--format",
+                    "safetensors", "--overwrite")
+    assert rc == 0 and (out / "notes.txt").read_text() == "mine", err
+    assert os.listdir(tmp_path) == ["hf"]

@@ -94,3 +94,30 @@ def test_export_onto_a_full_disk_leaves_nothing_and_the_retry_works(saved, tmp_p
                     "safetensors", "--overwrite")
     assert rc == 0 and (out / "notes.txt").read_text() == "mine", err
     assert os.listdir(tmp_path) == ["hf"]
+
+
+def test_a_log_folder_that_fills_up_warns_once_and_training_goes_on(tmp_path):
+    """metrics.jsonl and train.log on a disk that fills at step 12 (a file-size limit): one
+    warning per file naming it, the run trains to its end (exit 0: nothing of the training is
+    lost; --save-dir elsewhere would checkpoint as before), the records up to the failure
+    kept."""
+    import json
+    env_before = os.environ.get("HPCDIST_FSIZE_AT")
+    os.environ["HPCDIST_FSIZE_AT"] = "0:12:3000"
+    try:
+        rc, out, err = py("-m", "hpcdist.train", "--steps", "30", "--log-every", "5",
+                          "--out-dir", str(tmp_path / "o"), "--batch-size", "8")
+    finally:
+        if env_before is None:
+            os.environ.pop("HPCDIST_FSIZE_AT")
+        else:
+            os.environ["HPCDIST_FSIZE_AT"] = env_before
+    assert rc == 0, err[-3000:]
+    assert "Traceback" not in err and "step    30/30" in out and "held-out accuracy" in out
+    warned = [ln for ln in err.splitlines() if "warning: writing" in ln]
+    assert len(warned) == len(set(warned)) >= 1, err
+    assert all("failed (File too large)" in ln for ln in warned)
+    assert any("metrics.jsonl" in ln for ln in warned)
+    steps = [json.loads(ln)["step"] for ln in open(tmp_path / "o" / "metrics.jsonl")
+             if '"step"' in ln and '"event"' not in ln]
+    assert steps[:10] == list(range(1, 11)) and steps[-1] < 30

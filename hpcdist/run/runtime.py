@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import sys
 
 import numpy as np
 
@@ -81,6 +82,49 @@ def tee(log, logfile):
     return say
 
 
+class RunFile:
+    """A record of the run (metrics.jsonl, train.log) whose failure never ends the run: a
+    write that fails (a full disk, a quota, a file-size limit) warns once on stderr, naming
+    the file and the error, and the file is written no more; training and its
+    checkpoints go on (a checkpoint has its own checks and says when it cannot be written).
+    --resume later appends to the file again."""
+
+    def __init__(self, f, path: str):
+        self.f, self.path, self.failed = f, path, None
+        self.whole = os.path.getsize(path)       # bytes of whole lines written
+
+    def write(self, text: str) -> None:
+        self._do(lambda: self.f.write(text))
+        if self.failed is None and text.endswith("\n"):
+            self.whole += len(text.encode())
+
+    def flush(self) -> None:
+        self._do(self.f.flush)
+
+    def close(self) -> None:
+        self._do(self.f.close)
+
+    def _do(self, op) -> None:
+        if self.failed is not None:
+            return
+        try:
+            op()
+        except OSError as e:
+            self.failed = e.strerror or str(e)
+            print(f"[hpcdist] warning: writing {self.path} failed ({self.failed}); it is not "
+                  f"written any more in this run, which goes on (checkpoints are written as "
+                  f"before): free space in {os.path.dirname(os.path.abspath(self.path))}",
+                  file=sys.stderr, flush=True)
+            try:
+                self.f.close()
+            except OSError:
+                pass
+            try:                                 # no torn last line for a reader (or
+                os.truncate(self.path, self.whole)   # --resume's append) to stumble on
+            except OSError:
+                pass
+
+
 def open_run_file(out_dir: str, name: str, resumed: bool, say):
     """``out_dir/name`` (metrics.jsonl, train.log) for appending. A resumed run continues the
     file; a new run moves an earlier run's file aside (name.1, .2, ...) rather than
@@ -93,7 +137,7 @@ def open_run_file(out_dir: str, name: str, resumed: bool, say):
             n += 1
         os.replace(path, f"{path}.{n}")
         say(f"moved the earlier {path} to {path}.{n}")
-    return open(path, "a", buffering=1)           # a line at a time: tail -f shows each
+    return RunFile(open(path, "a", buffering=1), path)   # a line at a time: tail -f shows each
 
 
 _launched = []                                      # [this process's launch rank or None]
@@ -137,8 +181,13 @@ def report_timeline(cfg, comm, recorder, clocks, links, log) -> None:
     per-level alpha-beta fits (comm.model.fit_links)."""
     clocks.measure(comm.mpi)
     if cfg.trace:
-        path = timeline.write_chrome_trace(cfg.trace, recorder, clocks, comm.mpi,
-                                           metadata={"world": comm.size, "task": cfg.task})
+        try:                                     # (rank 0 writes; a failure is said, the
+            path = timeline.write_chrome_trace(  # run's results stand)
+                cfg.trace, recorder, clocks, comm.mpi,
+                metadata={"world": comm.size, "task": cfg.task})
+        except OSError as e:
+            path = None
+            log(f"[hpcdist] warning: the Chrome trace {cfg.trace} was not written: {e}")
         if path:
             log(f"wrote Chrome trace {path} ({comm.size} ranks; open in ui.perfetto.dev)")
     if cfg.comm_log:
@@ -146,12 +195,16 @@ def report_timeline(cfg, comm, recorder, clocks, links, log) -> None:
         if rows is not None:
             alpha, beta = links.get("intra", next(iter(links.values())))
             log(format_comm_log(rows, alpha, beta, links.get("inter")))
-            os.makedirs(cfg.out_dir, exist_ok=True)
-            with open(os.path.join(cfg.out_dir, "comm_log.json"), "w") as f:
-                json.dump({"alpha_s": alpha, "beta_s_per_byte": beta,
-                           "links": {k: {"alpha_s": a, "beta_s_per_byte": b}
-                                     for k, (a, b) in links.items()},
-                           "rows": rows}, f, indent=1)
+            path = os.path.join(cfg.out_dir, "comm_log.json")
+            try:
+                os.makedirs(cfg.out_dir, exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump({"alpha_s": alpha, "beta_s_per_byte": beta,
+                               "links": {k: {"alpha_s": a, "beta_s_per_byte": b}
+                                         for k, (a, b) in links.items()},
+                               "rows": rows}, f, indent=1)
+            except OSError as e:
+                log(f"[hpcdist] warning: {path} was not written: {e}")
 
 
 # ---- communication log ------------------------------------------------------------------------------

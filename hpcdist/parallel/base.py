@@ -72,6 +72,11 @@ class LoopRole:
     """Around the steps: the loss a step reports, when to stop or save, and a loop of the
     strategy's own."""
 
+    def control_bytes(self) -> int:
+        """Bytes the last ``control`` sent for the model (not the stop's agreement): the
+        step's record counts them (DiLoCo meets at saves and at the end there)."""
+        return 0
+
     #: a strategy that runs its own loop (a parameter server answering workers) sets this and
     #: implements ``run``; train.py then hands it the run instead of stepping it
     brings_loop = False

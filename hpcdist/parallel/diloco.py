@@ -88,9 +88,14 @@ class DiLoCo(AcrossGroups):
 
     def control(self, step: int, cfg, stop, comm):
         stopped, save_at, more = super().control(step, cfg, stop, comm)
+        before = self.cross.bytes_sent
         if save_at is not None or not more:            # one model in every group: meet now
             self.flush()
+        self._control_bytes = self.cross.bytes_sent - before
         return stopped, save_at, more
+
+    def control_bytes(self) -> int:
+        return getattr(self, "_control_bytes", 0)
 
     def flush(self) -> None:
         """End every fragment's round now (blocking): every group holds the outer model."""

@@ -29,11 +29,12 @@ def steps(cfg, comm, model, strategy, datasets, sampler, start, stop, stopped, m
         from ..device.kernels import cpu
         cpu.ready(backend.default_float())
     t_start = time.perf_counter()
-    bytes_start = strategy.comm.bytes_sent           # the gradient communicator's count
     inter_start = getattr(strategy.comm, "bytes_inter_node", 0)    # of it, across nodes
     history, step, stopped = loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped,
                                   metrics, meter, at, say)
-    train_bytes = strategy.comm.bytes_sent - bytes_start    # before evaluation's gathers
+    # the steps' own traffic (gradients, exchanges, the meetings at saves and the end): what
+    # the records add up to, not the loss reads between them nor evaluation's gathers
+    train_bytes = sum(rec["bytes_sent"] for rec in history)
     inter = report.inter_node(cfg, comm, strategy, inter_start)
     extra = strategy.summary()                      # collective where the strategy gathers
     line = extra.pop("line", None)
@@ -92,6 +93,7 @@ def loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics,
         history.append(rec)
         unread.add(rec)
         stopped, save_at, more = strategy.control(step, cfg, stop, comm)
+        rec["bytes_sent"] += strategy.control_bytes()   # (a meeting at a save or the end)
         if step % cfg.log_every == 0 or not more or save_at is not None:
             unread.read()                        # the device is waited for here only
             if step % cfg.log_every == 0 or step == cfg.steps:

@@ -131,6 +131,11 @@ def test_rounds_equal_the_serial_reference(comm, tmp_path, kind):
         want = reference(cfg, comm.size // k, k)
         np.testing.assert_allclose(got["params"], want, rtol=1e-10, atol=1e-10,
                                    err_msg=f"{kind}, groups of {k}")
+        # the steps' records add up to the run's bytes, the meetings at the end included
+        steps = sum(r["bytes_sent"] for r in got["history"])
+        assert steps == pytest.approx(got["bytes_per_step"] * len(got["history"]), rel=1e-12)
+        if k == 1 and comm.size > 1:                   # nothing inside a group: all across
+            assert steps == got["outer_bytes"] > 0, (kind, steps, got["outer_bytes"])
 
 
 @pytest.mark.parametrize("wire", ["fp32", "fp16", "bf16", "int8", "int4"])

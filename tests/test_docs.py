@@ -75,6 +75,9 @@ HOW = {
     "make test-faults": (SKIP, "part of make test"),
     "make venv-ompi": (SKIP, "part of make test (test-ulfm builds it)"),
     ".venv-ompi/bin/mpirun --with-ft ulfm": (SKIP, "tests/ulfm runs it with a rank killed"),
+    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 .venv-ompi/bin/mpirun":
+        (SKIP, "tests/ulfm/test_recovery.py launches with exactly these settings (root, "
+               "--oversubscribe on 2 cores) and a rank killed"),
     ".venv/bin/python -m hpcdist.bench recovery": (SKIP, "a benchmark (minutes) under Open "
                                                          "MPI; tests/ulfm covers its runs"),
     "python -m pytest -q tests/test_layers.py": ("python -m pytest -q -p no:cacheprovider "

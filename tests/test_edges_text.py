@@ -1,5 +1,6 @@
 """The edges a new user met on real text (issue 61): nothing lost, nothing partial, one line
 for each mistake. Each test here failed on the main before it."""
+import json
 import os
 import subprocess
 import sys
@@ -101,7 +102,6 @@ def test_a_log_folder_that_fills_up_warns_once_and_training_goes_on(tmp_path):
     warning per file naming it, the run trains to its end (exit 0: nothing of the training is
     lost; --save-dir elsewhere would checkpoint as before), the records up to the failure
     kept."""
-    import json
     env_before = os.environ.get("HPCDIST_FSIZE_AT")
     os.environ["HPCDIST_FSIZE_AT"] = "0:12:3000"
     try:
@@ -121,3 +121,50 @@ def test_a_log_folder_that_fills_up_warns_once_and_training_goes_on(tmp_path):
     steps = [json.loads(ln)["step"] for ln in open(tmp_path / "o" / "metrics.jsonl")
              if '"step"' in ln and '"event"' not in ln]
     assert steps[:10] == list(range(1, 11)) and steps[-1] < 30
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:                   # a zombie is gone too
+        return f.read().split(")")[-1].split()[0] == "Z"
+
+
+def test_a_bench_owns_its_jobs_and_ends_them_on_any_exit(tmp_path):
+    """A job a bench starts is a process group of its own: a time limit ends the launcher
+    and what it started; only its PIDs count as its own; SIGTERM to the bench ends its jobs
+    (bench recovery once left a 3-rank --steps 100000 job running and signalled stale
+    PIDs of another run's ranks.json)."""
+    import signal
+    import time
+    from hpcdist.bench import common
+    marker = tmp_path / "grandchild.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        common.run_job(["sh", "-c", f"sleep 60 & echo $! > {marker}; wait"], timeout=1)
+    time.sleep(0.3)
+    assert _gone(int(marker.read_text())) and not common._JOBS
+    proc = common.start_job(["sh", "-c", "sleep 60 & wait"])
+    assert common.owns(proc, proc.pid) and not common.owns(proc, os.getpid())
+    common.end_job(proc)
+    assert proc.poll() is not None and not common.owns(proc, proc.pid)
+    bench = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom hpcdist.bench import common\n"
+         "common.exit_on_sigterm()\np = common.start_job(['sleep', '60'])\n"
+         "print(p.pid, flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    child = int(bench.stdout.readline())
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.3)
+    assert _gone(child)
+    from hpcdist.bench import recovery                     # ranks.json: only the job's PIDs
+    proc = common.start_job(["sleep", "60"])
+    try:
+        (tmp_path / "ranks.json").write_text(json.dumps(
+            [{"rank": 0, "pid": proc.pid}, {"rank": 1, "pid": os.getpid()},
+             {"rank": 2, "pid": bench.pid}]))
+        assert recovery.live_pids(str(tmp_path), proc) == {0: proc.pid}
+    finally:
+        common.end_job(proc)

@@ -35,6 +35,9 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
         print("usage: python -m hpcdist.bench {" + ",".join(BENCHMARKS) + "} [options]")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if "--worker" not in argv:               # (a worker is a rank of the bench's own job)
+        from hpcdist.bench.common import exit_on_sigterm
+        exit_on_sigterm()
     module = importlib.import_module(BENCHMARKS[argv[0]])
     return module.main(argv[1:]) or 0
 

@@ -1,10 +1,81 @@
-"""Helpers shared by the benchmarks: launching under mpiexec, tables, result files."""
+"""Helpers shared by the benchmarks: launching under mpiexec, tables, result files.
+
+A bench owns the jobs it starts (``start_job`` / ``run_job``): each in a process group of its
+own (its launcher and every rank under it), signalled only through that group, and ended —
+SIGTERM, then SIGKILL — on any exit of the bench: a time limit, Ctrl-C, SIGTERM, an
+exception."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
+
+_JOBS: list = []                    # the jobs this bench started that may still run
+
+
+def start_job(cmd, **kw) -> subprocess.Popen:
+    """``cmd`` as a job of this bench: a process group of its own, ended with the bench."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+    _JOBS.append(proc)
+    return proc
+
+
+def end_job(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """End ``proc``'s process group: SIGTERM, ``grace`` seconds, SIGKILL; then reap it."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 30.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+    try:                              # ranks the launcher left behind in the group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc in _JOBS:
+        _JOBS.remove(proc)
+
+
+def owns(proc: subprocess.Popen, pid: int) -> bool:
+    """Whether ``pid`` is a process of job ``proc`` (in its group), alive: a PID read from a
+    file (ranks.json) may be another run's, or reused."""
+    try:
+        return proc.poll() is None and os.getpgid(pid) == proc.pid
+    except ProcessLookupError:
+        return False
+
+
+@atexit.register
+def end_jobs() -> None:
+    for proc in list(_JOBS):
+        end_job(proc)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the bench through its exit handlers (its jobs ended with it)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
+def run_job(cmd, timeout: float | None = None, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` as a job of this bench: past
+    ``timeout`` (or on any exception) its whole group is ended, then TimeoutExpired raised."""
+    proc = start_job(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        end_job(proc)
+        raise
+    if proc in _JOBS:
+        _JOBS.remove(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def mpiexec() -> str:
@@ -16,8 +87,8 @@ def mpiexec() -> str:
 def run_ranks(n: int, args: list, timeout: float = 1800) -> list:
     """Run ``python -m hpcdist.bench ARGS`` on n ranks; return rank 0's JSON result lines."""
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    r = subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-m", "hpcdist.bench", *args],
-                       capture_output=True, text=True, timeout=timeout, env=env)
+    r = run_job([mpiexec(), "-n", str(n), sys.executable, "-m", "hpcdist.bench", *args],
+                timeout=timeout, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"benchmark on {n} ranks failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines()

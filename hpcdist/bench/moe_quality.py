@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
-from hpcdist.bench.common import write_json
+from hpcdist.bench.common import run_job, write_json
 
 MODEL = ["--task", "text", "--block-size", "128", "--n-layer", "4", "--n-embd", "128",
          "--n-head", "4", "--batch-size", "16", "--lr", "3e-3", "--min-lr", "3e-4",
@@ -49,7 +48,7 @@ def run(name: str, flags: list, data: str, args, out: str) -> dict:
            str(args.steps), "--eval-every", str(args.eval_every), "--log-every",
            str(args.eval_every), "--out-dir", folder, *flags]
     print(" ".join(cmd[1:]), flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = run_job(cmd)
     if r.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     with open(os.path.join(folder, "metrics.jsonl")) as f:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
+
+from hpcdist.bench.common import run_job
 
 SHAPE = dict(n_layer=4, n_embd=128, n_head=2, block_size=128)
 
@@ -32,7 +33,7 @@ def hpcdist_run(data: str, args, out: str) -> dict:
            "--batch-size", str(args.batch), "--steps", str(args.steps),
            "--log-every", str(args.steps), "--out-dir", folder]
     env = dict(os.environ, HPCDIST_THREADS=str(args.threads))
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    r = run_job(cmd, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"hpcdist failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     with open(os.path.join(folder, "metrics.jsonl")) as f:
@@ -95,9 +96,9 @@ def main(argv=None) -> int:
     print(f"GPT {SHAPE['n_layer']}x{SHAPE['n_embd']}, block {SHAPE['block_size']}, batch "
           f"{args.batch}, {args.steps} steps, {args.threads} threads, one process each", flush=True)
     rows = {"hpcdist": hpcdist_run(data, args, args.out)}
-    r = subprocess.run([sys.executable, "-m", "hpcdist.bench", "nanogpt", "--torch-side", data,
+    r = run_job([sys.executable, "-m", "hpcdist.bench", "nanogpt", "--torch-side", data,
                         "--steps", str(args.steps), "--batch", str(args.batch), "--threads",
-                        str(args.threads)], capture_output=True, text=True,
+                        str(args.threads)],
                        env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     if r.returncode != 0:
         raise RuntimeError(f"the PyTorch loop failed:\n{r.stderr[-3000:]}")

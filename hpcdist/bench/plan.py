@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from hpcdist.bench.common import mpiexec, table, write_json
+from hpcdist.bench.common import end_job, mpiexec, run_job, start_job, table, write_json
 from hpcdist.run.config import TrainConfig
 from hpcdist.data import make_task
 
@@ -55,7 +55,7 @@ def _median_step(out: str) -> float:
 def _train(n: int, flags: dict, base: dict, out: str, env=None) -> float:
     """Median step ms of a run."""
     args = _command(n, {**base, **flags}, out)
-    r = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
+    r = run_job(args, timeout=900, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{r.stderr[-2000:]}")
     return _median_step(out)
@@ -129,8 +129,7 @@ def _links(n: int) -> tuple:
             "ts.append(time.perf_counter() - t)\n"
             "print(json.dumps(list(l['intra']) + [float(np.median(ts))])) if c.rank == 0 "
             "else None")
-    r = subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-c", code],
-                       capture_output=True, text=True, timeout=300)
+    r = run_job([mpiexec(), "-n", str(n), sys.executable, "-c", code], timeout=300)
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-2000:])
     alpha, beta, call = json.loads(r.stdout.strip().splitlines()[-1])
@@ -166,10 +165,11 @@ def _loaded(n: int, flags: dict, tmp: str) -> float:
     env = dict(os.environ, HPCDIST_THREADS=str(max(1, cores // n)))
     for i in range(n):
         outs.append(os.path.join(tmp, f"loaded{i}"))
-        procs.append(subprocess.Popen(_command(1, flags, outs[-1]), stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True, env=env))
+        procs.append(start_job(_command(1, flags, outs[-1]), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env=env))
     for p in procs:
         _, err = p.communicate(timeout=900)
+        end_job(p)                                     # (reaped: no longer the bench's)
         if p.returncode != 0:
             raise RuntimeError(f"a loaded calibration run failed:\n{err[-2000:]}")
     return float(np.median([_median_step(out) for out in outs]))
@@ -181,8 +181,7 @@ def _sync_cost(n: int) -> float:
     With more ranks than cores the partner is often descheduled: this, not the link's
     alpha, is what each tensor-parallel collective, ZeRO-3 gather and pipeline send costs
     on an oversubscribed machine."""
-    r = subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-c", _SYNC],
-                       capture_output=True, text=True, timeout=300)
+    r = run_job([mpiexec(), "-n", str(n), sys.executable, "-c", _SYNC], timeout=300)
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-2000:])
     return json.loads(r.stdout.strip().splitlines()[-1])

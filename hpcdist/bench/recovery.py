@@ -16,12 +16,12 @@ import json
 import os
 import random
 import signal
-import subprocess
+import tempfile
 import time
 
 import numpy as np
 
-from hpcdist.bench.common import write_json
+from hpcdist.bench.common import end_job, owns, start_job, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OMPI = os.path.join(ROOT, ".venv-ompi", "bin")
@@ -29,7 +29,8 @@ MODEL = ["--log-every", "1", "--batch-size", "32", "--on-failure", "shrink",
          "--timeout", "120"]
 
 
-def launch(n: int, out: str, steps: int, extra=()) -> subprocess.Popen:
+def launch(n: int, out: str, steps: int, extra=()):
+    """The job, the bench's own (bench/common.py: its process group, ended with the bench)."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [os.path.join(OMPI, "mpirun"), "--oversubscribe", "--with-ft", "ulfm", "--mca",
@@ -37,8 +38,7 @@ def launch(n: int, out: str, steps: int, extra=()) -> subprocess.Popen:
            "hpcdist.train", "--steps", str(steps), "--out-dir", out, *MODEL, *extra]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "output.log"), "w") as log:   # (a pipe nobody reads fills)
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
+        return start_job(cmd, stdout=log, stderr=log, env=env, cwd=ROOT)
 
 
 def records(out: str) -> list:
@@ -59,14 +59,16 @@ def wait_steps(out: str, steps: int, limit: float = 300) -> list:
     raise RuntimeError(f"{out}: fewer than {steps} steps in {limit} s")
 
 
-def live_pids(out: str) -> dict:
+def live_pids(out: str, proc) -> dict:
+    """{rank: pid} of ranks.json's ranks that are processes of ``proc``'s job (a PID of
+    another run, or one reused since, is never signalled)."""
     with open(os.path.join(out, "ranks.json")) as f:
-        return {row["rank"]: row["pid"] for row in json.load(f)}
+        return {row["rank"]: row["pid"] for row in json.load(f) if owns(proc, row["pid"])}
 
 
-def kill_one(out: str, rng) -> tuple:
+def kill_one(out: str, rng, proc) -> tuple:
     """SIGKILL a random live rank at a random moment of a step: (its rank, the time)."""
-    pids = live_pids(out)
+    pids = live_pids(out, proc)
     rank = rng.choice(sorted(pids))            # (ranks.json: the survivors' table, rewritten)
     time.sleep(rng.uniform(0, 0.05))
     t = time.time()
@@ -74,19 +76,24 @@ def kill_one(out: str, rng) -> tuple:
     return rank, t
 
 
-def end(proc) -> None:
+def stop(out: str, proc) -> None:
+    """The survivors (their new table) stop after a step; the job ended either way."""
+    for pid in live_pids(out, proc).values():
+        try:
+            os.kill(pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
     try:
         proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    finally:
+        end_job(proc)
 
 
 def time_to_next_step(n: int, tmp: str, rng) -> dict:
-    out = os.path.join(tmp, f"n{n}-{rng.randrange(1 << 30)}")
+    out = tempfile.mkdtemp(prefix=f"n{n}-", dir=tmp)     # a fresh folder for every run
     proc = launch(n, out, 100000)
     before = wait_steps(out, 30)
-    rank, t_kill = kill_one(out, rng)
+    rank, t_kill = kill_one(out, rng, proc)
     recs = []
     for _ in range(600):                      # the first step completed after the rebuild
         ev = [r for r in records(out) if r.get("event") == "recovered"]
@@ -94,12 +101,7 @@ def time_to_next_step(n: int, tmp: str, rng) -> dict:
         if recs:
             break
         time.sleep(0.1)
-    for pid in live_pids(out).values():   # the survivors (their new table) stop after a step
-        try:
-            os.kill(pid, signal.SIGINT)
-        except ProcessLookupError:
-            pass
-    end(proc)
+    stop(out, proc)
     ev = [r for r in records(out) if r.get("event") == "recovered"]
     step_ms = float(np.median([r["step_ms"] for r in before[5:]]))
     return {"ranks": n, "killed": rank, "seconds_to_next_step": recs[0]["time"] - t_kill
@@ -108,7 +110,7 @@ def time_to_next_step(n: int, tmp: str, rng) -> dict:
 
 
 def goodput(n: int, minutes: float, every: float, tmp: str, rng, respawn: bool) -> dict:
-    out = os.path.join(tmp, f"goodput-{n}" + ("-respawn" if respawn else ""))
+    out = tempfile.mkdtemp(prefix=f"goodput-{n}" + ("-respawn-" if respawn else "-"), dir=tmp)
     proc = launch(n, out, 10 ** 7, ["--respawn"] if respawn else [])
     wait_steps(out, 20)
     t0, kills = time.time(), []
@@ -117,14 +119,9 @@ def goodput(n: int, minutes: float, every: float, tmp: str, rng, respawn: bool) 
                        - time.time()))
         if time.time() - t0 >= minutes * 60 or (len(kills) >= n - 2 and not respawn):
             break
-        kills.append(kill_one(out, rng))
+        kills.append(kill_one(out, rng, proc))
     t1 = time.time()
-    for pid in live_pids(out).values():
-        try:
-            os.kill(pid, signal.SIGINT)
-        except ProcessLookupError:
-            pass
-    end(proc)
+    stop(out, proc)
     steps = [r for r in records(out) if "loss" in r and t0 <= r["time"] <= t1]
     worlds = [r for r in records(out) if r.get("event") == "recovered"]
     busy = sum(r["step_ms"] for r in steps) / 1e3
@@ -158,6 +155,8 @@ def main(argv=None) -> int:
         print("bench recovery: needs .venv-ompi (make venv-ompi): Open MPI's ULFM")
         return 2
     rng = random.Random(args.seed)
+    args.tmp = os.path.abspath(args.tmp)          # (the jobs run from the project root)
+    os.makedirs(args.tmp, exist_ok=True)
     result = {"next_step": [], "goodput": None}
     print("| ranks | killed | seconds to the next step | median step (s) | rebuild (s) |")
     print("|---|---|---|---|---|")

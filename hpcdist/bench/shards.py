@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from hpcdist.bench.common import end_job, start_job
+
 VOCAB = 512     # the corpus's size is what is measured; a small vocabulary keeps the logits small
 
 PROBE = """
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
                "--n-embd", "64", "--steps", str(args.steps), "--log-every", "1",
                "--eval-batch", "16", "--out-dir", os.path.join(tmp, "out")]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = start_job(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         first = None
         for line in proc.stdout:
             if first is None and line.startswith("step "):
@@ -66,6 +68,7 @@ def main(argv=None) -> int:
             if line.startswith("RSS"):
                 print(line.strip())
         proc.wait()
+        end_job(proc)
         total = time.perf_counter() - t0
         if proc.returncode:
             print(proc.stderr.read()[-2000:], file=sys.stderr)

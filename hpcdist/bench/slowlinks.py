@@ -16,13 +16,12 @@ import argparse
 import ast
 import json
 import os
-import subprocess
 import sys
 import sysconfig
 
 import numpy as np
 
-from hpcdist.bench.common import pyplot, write_json
+from hpcdist.bench.common import pyplot, run_job, write_json
 
 DILOCO = ["--strategy", "diloco"]
 CONTENDERS = {
@@ -83,7 +82,7 @@ def train_once(cluster, name, args, steps, data, out) -> dict:
     cmd = cluster.mpiexec(env={**env, "OMP_NUM_THREADS": 1}) + [
         sys.executable, "-m", "hpcdist.train", *MODEL, "--data", data, "--steps", str(steps),
         "--log-every", str(steps), "--out-dir", folder, *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit)
+    r = run_job(cmd, timeout=args.limit)
     if r.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     return read_run(folder)

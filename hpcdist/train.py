@@ -198,14 +198,8 @@ def main(argv=None) -> int:
         message = runtime.launch_problem(comm.size, cfg.allow_singletons)
     if message is None and cfg.on_failure == "shrink":
         message = ulfm.problem()
-    if message is None and comm.rank == 0:
-        try:                                           # whose folders they are (rank 0 decides)
-            if cfg.save_dir:
-                said = savedir.claim(cfg.save_dir, cfg.resume, cfg.overwrite)
-            if savedir.check_writable(cfg.out_dir, "--out-dir") is None:
-                savedir.claim_out_dir(cfg.out_dir, cfg.save_dir)
-        except errors as e:
-            message = str(e)
+    if message is None and comm.rank == 0:             # whose folders they are (rank 0 decides)
+        message, said = _claim_folders(cfg, errors)
     message = runtime.agree_on_error(comm, message)
     if message is None:
         for line in said:
@@ -237,6 +231,17 @@ def main(argv=None) -> int:
     if final.get("event") == "preempted":
         return exit_code(signal.Signals[final["signal"]])
     return 0
+
+
+def _claim_folders(cfg, errors) -> tuple:
+    """Rank 0 claims --save-dir and --out-dir: (the refusal or None, the lines to print)."""
+    try:
+        said = savedir.claim(cfg.save_dir, cfg.resume, cfg.overwrite) if cfg.save_dir else []
+        if savedir.check_writable(cfg.out_dir, "--out-dir") is None:
+            savedir.claim_out_dir(cfg.out_dir, cfg.save_dir)
+    except errors as e:
+        return str(e), []
+    return None, said
 
 
 def _parse_once(argv):

@@ -44,7 +44,7 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
     moe = (f", {cfg.experts} experts top-{cfg.top_k} ({cfg.router}"
            f"{', every ' + str(cfg.moe_every) + ' blocks' if cfg.moe_every > 1 else ''})"
            if cfg.experts else "")
-    line = (f"hpcdist | GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads{moe}), "
+    line = (f"hpcdist | {model_words(cfg)}{moe}), "
             f"{cfg_parameters(model, cfg):,} parameters | task {cfg.task} "
             f"({len(train_set):,} train / {len(test_set):,} held-out) | device "
             f"{backend.device_label()} | world size {world} on {hosts}: {layout} | BLAS threads "
@@ -52,6 +52,16 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
             f"{cfg.steps} steps x batch {cfg.batch_size} x {data_size} replicas"
             + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
     return [line] + lines[1:] + comm_paths(cfg, strategy)
+
+
+def model_words(cfg) -> str:
+    """The family and its shape, as the header opens: "Llama 2x64 (4 heads, 2 kv heads"."""
+    family, heads = "GPT", f"{cfg.n_head} heads"
+    if cfg.arch == "llama":
+        family = "Llama"
+        kv = cfg.n_kv_head or cfg.n_head
+        heads += f", {kv} kv heads" if kv != cfg.n_head else ""
+    return f"{family} {cfg.n_layer}x{cfg.n_embd} ({heads}"
 
 
 def attention_words(cfg) -> str:

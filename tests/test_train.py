@@ -118,7 +118,12 @@ BAD = [
     (["--strategy", "diloco", "--group-size", "3"], "--group-size 3 must divide the world size 1"),
     (["--shard-group", "node"], "add --zero 1, 2 or 3"),
     (["--on-failure", "shrink"], "lacks: run under Open MPI 5 (`make venv-ompi`"),
-    (["--on-failure", "shrink", "--zero", "1"], "restore from the last checkpoint: add --save-dir"),
+    (["--on-failure", "shrink", "--zero", "1", "--mirror-every", "0"],
+     "shards its state (--mirror-every 0), so the survivors restore from the last checkpoint: "
+     "add --save-dir"),
+    (["--on-failure", "shrink", "--compress", "topk"],
+     "shards its state (compression's residuals), so the survivors restore from the last"),
+    (["--mirror-every", "-1"], "--mirror-every must be >= 0"),
     (["--on-failure", "shrink", "--strategy", "ps"], "with --strategy ps is not built"),
     (["--shrink-batch", "keep"], "--shrink-batch and --respawn are for --on-failure shrink"),
     (["--respawn"], "--shrink-batch and --respawn are for --on-failure shrink"),

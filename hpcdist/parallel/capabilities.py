@@ -263,21 +263,23 @@ GROUPS = [   # parallel/groups.py, diloco.py: layouts in replica groups
 
 
 def _shrink_problem(c) -> str | None:
-    """--on-failure shrink: data parallelism recovers from the state every replica holds;
-    a sharded or model-parallel layout restores from its last checkpoint (needs --save-dir)."""
+    """--on-failure shrink: data parallelism recovers from the state every replica holds, a
+    sharded layout from its buddies' memory (--mirror-every, run/mirror.py); compression's
+    state (and a mirror switched off) from the last checkpoint (needs --save-dir)."""
     if c.on_failure != "shrink":
         return (c.shrink_batch != "scale" or c.respawn) and \
             "--shrink-batch and --respawn are for --on-failure shrink"
     for bad, why in ((c.strategy != "collective", f"--strategy {c.strategy}"),
-                     (c.backend != "mpi", f"--backend {c.backend} (NCCL has no ULFM)"),
-                     (c.experts > 0, "--experts")):
+                     (c.backend != "mpi", f"--backend {c.backend} (NCCL has no ULFM)")):
         if bad:
             return f"--on-failure shrink with {why} is not built; run with --on-failure abort"
     replicated = c.zero == 0 and c.tp * c.pp * c.cp * c.ep == 1 and c.compress == "none" \
         and c.shard_group == "all"
-    if not replicated and not c.save_dir:
-        return ("--on-failure shrink: this layout shards its state (ZeRO, TP, PP, CP, "
-                "compression), so the survivors restore from the last checkpoint: add --save-dir")
+    mirrored = c.mirror_every > 0 and c.compress == "none"
+    if not replicated and not mirrored and not c.save_dir:
+        return ("--on-failure shrink: this layout shards its state (" +
+                ("compression's residuals" if c.compress != "none" else "--mirror-every 0") +
+                "), so the survivors restore from the last checkpoint: add --save-dir")
     return None
 
 

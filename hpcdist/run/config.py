@@ -125,6 +125,7 @@ class TrainConfig:
     on_failure: str = "abort"     # abort | shrink (a dead rank: end the job | go on without it)
     shrink_batch: str = "scale"   # after a shrink: scale | keep the global batch
     respawn: bool = False         # after a shrink: spawn replacements, which join the job
+    mirror_every: int = 1         # shrink, sharded state: a buddy's memory holds it every K steps
     device: str = "cpu"           # cpu | gpu | auto
     dtype: str = "fp32"           # fp32 | fp64 (master precision; fp64 for exactness tests)
     log_every: int = 50

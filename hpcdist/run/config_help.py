@@ -121,6 +121,10 @@ HELP = {
         "respawn": "after a shrink: the survivors start one process per rank lost "
                    "(MPI_Comm_spawn), which joins at the recovery and takes the state from "
                    "rank 0 over MPI: the job keeps its size",
+        "mirror_every": "--on-failure shrink with sharded state (ZeRO, TP, PP, CP, EP): "
+                        "every K committed steps each rank's state goes to a buddy's memory, "
+                        "so a lost rank costs at most K - 1 steps, not a save interval "
+                        "(0: off; the survivors restore the last checkpoint)",
         "shrink_batch": "after a shrink: scale the global batch with the ranks left (each "
                         "keeps --batch-size), or keep it (each rank's batch grows, where it "
                         "divides)",

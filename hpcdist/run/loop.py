@@ -94,6 +94,12 @@ def loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics,
         unread.add(rec)
         stopped, save_at, more = strategy.control(step, cfg, stop, comm)
         rec["bytes_sent"] += strategy.control_bytes()   # (a meeting at a save or the end)
+        if more and mark.mirror is not None:     # peers' memory holds the committed state
+            t0 = time.perf_counter()
+            with timeline.span("mirror", step=step):
+                rec["mirror_bytes"] = mark.committed(step, cfg, comm, strategy, sampler)
+            rec["mirror_ms"] = (time.perf_counter() - t0) * 1e3    # (not in step_ms)
+            rec["bytes_sent"] += rec["mirror_bytes"]
         if step % cfg.log_every == 0 or not more or save_at is not None:
             unread.read()                        # the device is waited for here only
             if step % cfg.log_every == 0 or step == cfg.steps:

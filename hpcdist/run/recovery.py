@@ -25,17 +25,29 @@ from ..device import backend
 from ..host import signals, threads
 from ..parallel import state
 from .config import ConfigError, TrainConfig, validate, validate_world
+from .mirror import Mirror
 
 
 class Mark:
     """Where the run stood as the step in flight began: (step, sampler (epoch, position),
-    steps agreed so far)."""
+    steps agreed so far); ``mirror``: the committed state in peers' memory (run/mirror.py)
+    where the layout shards it, else None."""
 
     step, sampler, commits = 0, (0, 0), 0
+
+    def __init__(self, cfg=None, comm=None):
+        self.mirror = Mirror(cfg.mirror_every, comm) if cfg is not None and \
+            ulfm.enabled() and mirrored(cfg) else None
 
     def at(self, step: int, sampler) -> None:
         self.step, self.sampler, self.commits = step, (sampler.epoch, sampler.position), \
             ulfm.commits()
+
+    def committed(self, step: int, cfg, comm, strategy, sampler) -> int:
+        """After committed step ``step``: the mirror's exchange where due; bytes sent."""
+        if self.mirror is None or not self.mirror.due(step):
+            return 0
+        return self.mirror.take(step, cfg, comm, strategy, sampler)
 
 
 class Snapshot:
@@ -76,6 +88,12 @@ def replicated(cfg) -> bool:
         cfg.compress == "none" and cfg.shard_group == "all"
 
 
+def mirrored(cfg) -> bool:
+    """Whether the committed state goes to buddies' memory (sharded, not compressed)."""
+    return not replicated(cfg) and cfg.mirror_every > 0 and cfg.compress == "none" and \
+        cfg.strategy == "collective"
+
+
 def caught(exc: BaseException, cfg, strategy, sampler, mark: Mark) -> BaseException:
     """What train's loop raises for ``exc``: ``exc`` itself, unless it says a peer died
     (under --on-failure shrink); then, after every survivor has agreed so, a RankLost that
@@ -100,6 +118,7 @@ def caught(exc: BaseException, cfg, strategy, sampler, mark: Mark) -> BaseExcept
     snap = snapshot(cfg, step, strategy, where, sampler.batch_size * replicas, replicas) \
         if replicated(cfg) else None
     lost.committed, lost.failed_step, lost.replicas = snap, mark.step + 1, replicas
+    lost.mirror = mark.mirror
     return lost
 
 
@@ -117,6 +136,11 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
         cfg.pp_split, cfg.micro_batches = "", 0
         validate(cfg)
     replicas = comm.size // (cfg.tp * cfg.pp * cfg.cp)
+    if cfg.ep > 1 and replicas % cfg.ep:         # the experts go over fewer ranks
+        ep = max(d for d in range(1, cfg.ep) if cfg.experts % d == 0 and replicas % d == 0)
+        notes.append(f"--ep {cfg.ep} does not divide the {replicas} replicas left: the "
+                     f"{cfg.experts} experts go over {ep} rank(s) of each group")
+        cfg.ep = ep
     if cfg.shrink_batch == "keep" and replicas != lost.replicas:
         total = cfg.batch_size * lost.replicas
         if total % replicas == 0:
@@ -126,15 +150,24 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
                          f"replicas: each keeps --batch-size {cfg.batch_size}")
     validate_world(cfg, comm.size, len(datasets[0]), datasets[0].block_size)
     reader = lost.committed
+    if reader is None and getattr(lost, "mirror", None) is not None:
+        held = lost.mirror.restore(comm, gone)
+        reader = Snapshot(*held) if held is not None else None
+        if reader is None:
+            notes.append("a lost rank's state was in no survivor's memory (its buddy lost "
+                         "too, or lost mid-exchange)")
     if reader is None:
-        folder, _ = checkpoint.find_resume(cfg.save_dir)
+        folder, _ = checkpoint.find_resume(cfg.save_dir) if cfg.save_dir else (None, "")
         if folder is None:
-            raise checkpoint.CheckpointError(f"no checkpoint in {cfg.save_dir} to restore "
-                                             "this layout's sharded state from")
+            raise checkpoint.CheckpointError(
+                f"no checkpoint {'in ' + cfg.save_dir if cfg.save_dir else '(no --save-dir)'}"
+                " to restore this layout's sharded state from")
         reader = checkpoint.Reader(folder)
     if joiners:
         _share(comm, cfg, reader)
-    source = "the state every replica held" if reader.folder == "memory" else reader.folder
+    source = reader.folder if reader.folder != "memory" else \
+        "the state every replica held" if lost.committed is not None else \
+        "the committed state in the buddies' memory"
     took = time.time() - lost.detected
     names = ", ".join(map(str, gone)) or "?"
     note = (f"[hpcdist] rank {names} of {before} lost in step {lost.failed_step}; "

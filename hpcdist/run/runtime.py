@@ -157,7 +157,7 @@ def test_hooks(step) -> None:
     """Test hooks, RANK the one the launcher started (MPI_COMM_WORLD's: after a recovery
     renumbers the ranks, a hook still fires in one process only):
     HPCDIST_FAIL_AT=RANK:STEP raises on that rank at that step;
-    HPCDIST_SIGNAL_AT=RANK:STEP[:SIGNAL] sends that rank SIGNAL (default SIGUSR1) there —
+    HPCDIST_SIGNAL_AT=RANK:STEP[:SIGNAL][,...] sends that rank SIGNAL (default SIGUSR1) there —
     STEP a step number or a moment: prepare (data preparation), start (before the first
     step), save (as a checkpoint save begins), end (after the last step);
     HPCDIST_FSIZE_AT=RANK:STEP:BYTES limits that rank's file size (a full disk) from there."""
@@ -167,9 +167,10 @@ def test_hooks(step) -> None:
     spec = os.environ.get("HPCDIST_FAIL_AT")
     if spec and spec == f"{rank}:{step}":
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (HPCDIST_FAIL_AT)")
-    spec = os.environ.get("HPCDIST_SIGNAL_AT", "").split(":")
-    if len(spec) >= 2 and spec[:2] == [str(rank), str(step)]:
-        os.kill(os.getpid(), getattr(signal, spec[2] if len(spec) > 2 else "SIGUSR1"))
+    for one in os.environ.get("HPCDIST_SIGNAL_AT", "").split(","):
+        spec = one.split(":")
+        if len(spec) >= 2 and spec[:2] == [str(rank), str(step)]:
+            os.kill(os.getpid(), getattr(signal, spec[2] if len(spec) > 2 else "SIGUSR1"))
     spec = os.environ.get("HPCDIST_FSIZE_AT", "").split(":")
     if len(spec) == 3 and spec[:2] == [str(rank), str(step)]:
         import resource

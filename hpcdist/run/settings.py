@@ -101,6 +101,8 @@ SETTINGS = [
      and not c.save_dir and "--save-every, --keep-last, --resume and --overwrite need --save-dir"),
     ("eval_every", lambda c: c.eval_every and c.strategy == "ps" and
      "--eval-every runs with the collective strategies; --strategy ps evaluates at the end"),
+    ("mirror_every", lambda c: c.mirror_every < 0 and
+     f"--mirror-every must be >= 0 (0: no mirror), got {c.mirror_every}"),
     ("keep_last", lambda c: (c.keep_last < 0 or c.eval_every < 0) and
      "--keep-last and --eval-every must be >= 0 (0: keep all, evaluate at the end only)"),
     ("overwrite", lambda c: c.resume and c.overwrite and

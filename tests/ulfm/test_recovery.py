@@ -58,14 +58,16 @@ def final_params(save_dir):
     return reader.step, {n: reader.tensor(n) for n in reader.tensors}
 
 
-def same_as_resumed(a, ref, sizes, at, steps, args):
+def same_as_resumed(a, ref, sizes, at, steps, args, after=None):
     """Run ``a``'s steps after ``at`` and its final model equal (exactly) the reference: the
-    same run on ``sizes[0]`` ranks to step ``at``, saved, then resumed on ``sizes[1]``."""
+    same run on ``sizes[0]`` ranks to step ``at``, saved, then resumed on ``sizes[1]`` (with
+    ``after`` in place of ``args``: the layout the survivors took)."""
     rc, out = finish(launch(sizes[0], *args, "--steps", str(at), "--out-dir", str(ref),
                             "--save-dir", str(ref / "ck"), ft=False))
     assert rc == 0, out[-4000:]
-    rc, out = finish(launch(sizes[1], *args, "--steps", str(steps), "--resume", "--out-dir",
-                            str(ref), "--save-dir", str(ref / "ck"), ft=False))
+    rc, out = finish(launch(sizes[1], *(args if after is None else after), "--steps",
+                            str(steps), "--resume", "--out-dir", str(ref), "--save-dir",
+                            str(ref / "ck"), ft=False))
     assert rc == 0, out[-4000:]
     got = {r["step"]: r["loss"] for r in records(a) if "loss" in r and r.get("step", 0) > at}
     want = {r["step"]: r["loss"] for r in records(ref) if "loss" in r and r.get("step", 0) > at}
@@ -101,6 +103,49 @@ def test_a_killed_rank_costs_one_step_and_the_rest_equals_n_minus_1_ranks(tmp_pa
         [([victim], 7, 6, n - 1)]
     # the reference: the same to step 6 on N ranks, saved there, then N-1 ranks resume
     same_as_resumed(a, ref, (n, n - 1), 6, 10, [*COMMON, *layout])
+
+
+MIRRORED = [(("--zero", "3"), ("--zero", "3"), ""),
+            (("--tp", "2"), (), "--tp 2 x --pp 1 x --cp 1 does not divide the 3 ranks left"),
+            (("--pp", "2"), (), "--tp 1 x --pp 2 x --cp 1 does not divide the 3 ranks left"),
+            (("--experts", "4", "--ep", "2"), ("--experts", "4"),
+             "--ep 2 does not divide the 3 replicas left: the 4 experts go over 1 rank(s)")]
+
+
+@pytest.mark.parametrize("layout, after, said", MIRRORED)
+def test_a_sharded_layout_restores_from_a_buddys_memory_losing_no_step(tmp_path, layout,
+                                                                        after, said):
+    """ZeRO-3, TP 2 x DP 2, PP 2 x DP 2, EP 2 x DP 2 (Mixtral-style experts) at 4 ranks,
+    rank 2 killed as step 7 begins: the survivors take the step-6 state from their buddies'
+    memory (--mirror-every 1; the last checkpoint is step 4's) and steps 7-10 and the final
+    model equal (fp64, exactly) the run saved at step 6 on 4 ranks and resumed on 3 in the
+    layout the survivors took."""
+    a, ref = tmp_path / "a", tmp_path / "ref"
+    args = [*COMMON, *layout, "--save-every", "4"]
+    rc, out = finish(launch(4, *args, "--on-failure", "shrink", "--out-dir", str(a),
+                            "--save-dir", str(a / "ck"), HPCDIST_SIGNAL_AT="2:7:SIGKILL"))
+    assert rc == 0, out[-4000:]
+    assert "rank 2 of 4 lost in step 7; 3 ranks go on in this job" in out and said in out \
+        and "resuming from the committed state in the buddies' memory at step 6" in out, \
+        out[-3000:]
+    events = [r for r in records(a) if r.get("event") == "recovered"]
+    assert [(e["lost"], e["resumed_from"], e["world"]) for e in events] == [([2], 6, 3)]
+    before = [r for r in records(a) if "loss" in r and r["step"] <= 4]   # (read at the save)
+    assert len(before) == 4 and all(r.get("mirror_bytes", 0) > 0 for r in before)
+    same_as_resumed(a, ref, (4, 3), 6, 10, args, [*COMMON, *after, "--save-every", "4"])
+
+
+def test_a_rank_and_its_buddy_lost_together_restore_the_checkpoint(tmp_path):
+    """Ranks 1 and 2 of 4 (2 holds 1's mirror) killed in step 7 of a ZeRO-2 run: no
+    survivor holds rank 1's state, so the two survivors restore the step-4 checkpoint."""
+    a = tmp_path / "a"
+    rc, out = finish(launch(4, *COMMON, "--zero", "2", "--save-every", "4", "--on-failure",
+                            "shrink", "--out-dir", str(a), "--save-dir", str(a / "ck"),
+                            HPCDIST_SIGNAL_AT="1:7:SIGKILL,2:7:SIGKILL"))
+    assert rc == 0, out[-4000:]
+    assert "a lost rank's state was in no survivor's memory" in out, out[-3000:]
+    events = [r for r in records(a) if r.get("event") == "recovered"]
+    assert events and events[0]["resumed_from"] == 4 and events[-1]["world"] == 2
 
 
 def test_a_kill_from_outside_at_any_moment_is_survived(tmp_path):

@@ -6,7 +6,9 @@ random moment of a step) and time from the kill to the end of the next completed
 step's wall-clock in metrics.jsonl), against the median step before. ``--minutes M --every S``:
 one run of ``--start`` ranks with a rank killed every S seconds for M minutes (``--respawn``:
 each replaced): goodput (the share of the wall-clock spent in committed steps) and tokens/s
-between the losses.
+between the losses. ``--layout "--zero 3"``: the train flags of the layout under test (a
+sharded one recovers from its buddies' memory, ``--mirror-every``); the mirror's exchange
+after each step (``mirror_ms``) counts as time outside committed steps.
 Writes a JSON (and prints a Markdown table) for docs/failures.md.
 """
 from __future__ import annotations
@@ -89,9 +91,9 @@ def stop(out: str, proc) -> None:
         end_job(proc)
 
 
-def time_to_next_step(n: int, tmp: str, rng) -> dict:
+def time_to_next_step(n: int, tmp: str, rng, layout=()) -> dict:
     out = tempfile.mkdtemp(prefix=f"n{n}-", dir=tmp)     # a fresh folder for every run
-    proc = launch(n, out, 100000)
+    proc = launch(n, out, 100000, layout)
     before = wait_steps(out, 30)
     rank, t_kill = kill_one(out, rng, proc)
     recs = []
@@ -109,9 +111,10 @@ def time_to_next_step(n: int, tmp: str, rng) -> dict:
             "rebuild_s": ev[0]["recovered"] - ev[0]["detected"] if ev else None}
 
 
-def goodput(n: int, minutes: float, every: float, tmp: str, rng, respawn: bool) -> dict:
+def goodput(n: int, minutes: float, every: float, tmp: str, rng, respawn: bool,
+            layout=()) -> dict:
     out = tempfile.mkdtemp(prefix=f"goodput-{n}" + ("-respawn-" if respawn else "-"), dir=tmp)
-    proc = launch(n, out, 10 ** 7, ["--respawn"] if respawn else [])
+    proc = launch(n, out, 10 ** 7, [*(["--respawn"] if respawn else []), *layout])
     wait_steps(out, 20)
     t0, kills = time.time(), []
     while time.time() - t0 < minutes * 60:
@@ -124,7 +127,7 @@ def goodput(n: int, minutes: float, every: float, tmp: str, rng, respawn: bool) 
     stop(out, proc)
     steps = [r for r in records(out) if "loss" in r and t0 <= r["time"] <= t1]
     worlds = [r for r in records(out) if r.get("event") == "recovered"]
-    busy = sum(r["step_ms"] for r in steps) / 1e3
+    busy = sum(r["step_ms"] for r in steps) / 1e3       # (the mirror's exchange: outside)
     tokens = sum(r["tokens_per_s"] * r["step_ms"] / 1e3 for r in steps)
     phases, edges = [], [t0] + [t for _, t in kills] + [t1]
     for a, b in zip(edges, edges[1:]):
@@ -147,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--start", type=int, default=8, help="ranks the goodput run starts with")
     ap.add_argument("--respawn", action="store_true",
                     help="the goodput run replaces each lost rank (train's --respawn)")
+    ap.add_argument("--layout", default="",
+                    help='train flags of the layout, e.g. "--zero 3" or "--tp 2 --mirror-every 5"')
     ap.add_argument("--tmp", default="runs/bench-recovery")
     ap.add_argument("--json", default="runs/bench-recovery.json")
     ap.add_argument("--seed", type=int, default=0)
@@ -162,12 +167,13 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for n in [int(x) for x in args.ranks.split(",") if x]:
         for _ in range(args.kills):
-            r = time_to_next_step(n, args.tmp, rng)
+            r = time_to_next_step(n, args.tmp, rng, args.layout.split())
             result["next_step"].append(r)
             print(f"| {n} | {r['killed']} | {r['seconds_to_next_step']:.3f} | "
                   f"{r['median_step_s']:.3f} | {r['rebuild_s']:.3f} |", flush=True)
     if args.minutes:
-        g = goodput(args.start, args.minutes, args.every, args.tmp, rng, args.respawn)
+        g = goodput(args.start, args.minutes, args.every, args.tmp, rng, args.respawn,
+                    args.layout.split())
         result["goodput"] = g
         print(f"goodput: {g['goodput'] * 100:.1f}% of {g['wall_s']:.0f} s in committed steps, "
               f"{g['kills']} ranks killed ({args.start} -> {g['worlds'][-1] if g['worlds'] else args.start} ranks); "

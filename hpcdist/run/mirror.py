@@ -95,32 +95,44 @@ class Mirror:
         self.seconds += time.perf_counter() - t0
         return sent
 
-    def restore(self, comm, lost: list):
-        """The newest generation every survivor holds whole, assembled on every survivor
-        (collective over the survivors' ``comm``): (step, scalars, {name: logical tensor}),
-        what ``recovery.Snapshot`` holds; None where a lost rank's buddy is lost too or no
-        generation is whole everywhere (then the checkpoint)."""
-        covered = all((d + self.offset) % self.size not in lost for d in lost)
-        whole = [g.step for g in self.generations if g.ward is not None]
+
+NONE = 2 ** 62                      # a rank holding no mirror (one that joined): no veto
+
+
+def restore(comm, mirror, lost: list):
+    """The newest generation every survivor holds whole, assembled on every survivor
+    (collective over ``comm``): (step, scalars, {name: logical tensor}), what
+    ``recovery.Snapshot`` holds; None where a lost rank's buddy is lost too, no generation is
+    whole everywhere (then the checkpoint), or nobody mirrors. ``mirror`` None: a rank that
+    holds none (a process that joins, or a layout without one) takes part without a say."""
+    newest, gen = NONE, None
+    if mirror is not None:
+        covered = all((d + mirror.offset) % mirror.size not in lost for d in lost)
+        whole = [g.step for g in mirror.generations if g.ward is not None]
         newest = max(whole) if whole and covered else -1
-        step = int(backend.to_numpy(comm.allreduce(np.array([newest], dtype=np.int64),
-                                                   op="min"))[0])
-        gen = next((g for g in self.generations if g.step == step and g.ward is not None),
+    step = int(backend.to_numpy(comm.allreduce(np.array([newest], dtype=np.int64),
+                                               op="min"))[0])
+    if mirror is not None:
+        gen = next((g for g in mirror.generations if g.step == step and g.ward is not None),
                    None)
-        held = int(backend.to_numpy(comm.allreduce(np.array([gen is not None], dtype=np.int64),
-                                                   op="min"))[0])
-        if step < 0 or not held:
-            return None
-        ward = (self.rank - self.offset) % self.size
+    held = mirror is None or gen is not None
+    held = int(backend.to_numpy(comm.allreduce(np.array([held], dtype=np.int64), op="min"))[0])
+    if step < 0 or step == NONE or not held:
+        return None
+    mine = []
+    if gen is not None:
+        ward = (mirror.rank - mirror.offset) % mirror.size
         mine = gen.own + (gen.ward if ward in lost else [])
-        pieces = _gather(comm, mine)
-        arrays = {}
-        for name, parts in pieces.items():
-            shape, dtype = parts[0][0], parts[0][3].dtype
-            arrays[name] = reshard.assemble(shape, dtype, [(c, ab, a) for _, c, ab, a in parts])
-        scalars = json.loads(json.dumps(gen.scalars))
-        scalars["layout"]["after_failure"] = True       # restored as another layout: reseeded
-        return step, scalars, arrays
+    pieces = _gather(comm, mine)
+    if gen is None:
+        return None                                    # (the survivors' rank 0 sends it)
+    arrays = {}
+    for name, parts in pieces.items():
+        shape, dtype = parts[0][0], parts[0][3].dtype
+        arrays[name] = reshard.assemble(shape, dtype, [(c, ab, a) for _, c, ab, a in parts])
+    scalars = json.loads(json.dumps(gen.scalars))
+    scalars["layout"]["after_failure"] = True           # restored as another layout: reseeded
+    return step, scalars, arrays
 
 
 def _gather(comm, pieces: list) -> dict:

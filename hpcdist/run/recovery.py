@@ -25,6 +25,7 @@ from ..device import backend
 from ..host import signals, threads
 from ..parallel import state
 from .config import ConfigError, TrainConfig, validate, validate_world
+from . import mirror
 from .mirror import Mirror
 
 
@@ -149,11 +150,12 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
             notes.append(f"the global batch {total} does not divide over {replicas} "
                          f"replicas: each keeps --batch-size {cfg.batch_size}")
     validate_world(cfg, comm.size, len(datasets[0]), datasets[0].block_size)
-    reader = lost.committed
-    if reader is None and getattr(lost, "mirror", None) is not None:
-        held = lost.mirror.restore(comm, gone)
-        reader = Snapshot(*held) if held is not None else None
-        if reader is None:
+    reader, mirrored_state = lost.committed, getattr(lost, "mirror", None)
+    if joiners or (reader is None and mirrored_state is not None):   # (joiners: always)
+        held = mirror.restore(comm, mirrored_state, gone)
+        if reader is None and held is not None:
+            reader = Snapshot(*held)
+        elif reader is None and mirrored_state is not None:
             notes.append("a lost rank's state was in no survivor's memory (its buddy lost "
                          "too, or lost mid-exchange)")
     if reader is None:
@@ -223,6 +225,7 @@ def join(train, prepare) -> int:
     """A process the survivors spawned (--respawn): join them, take the settings and the
     committed state from rank 0 over MPI, train on with them; the exit code."""
     comm = _rebuild(ulfm.join())
+    mirror.restore(comm, None, [])                 # the survivors' mirror phase, without a say
     head, reader = _share(comm, None, None)
     cfg = TrainConfig(**head["cfg"])
     signals.checkpoint_on_signal(checkpoint=bool(cfg.save_dir))    # as main() decides it

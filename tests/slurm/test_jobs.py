@@ -38,7 +38,7 @@ class Cluster:
     def sbatch(self, template, *train_args, opts=(), env=None, check=True):
         """Submit jobs/<template> from the repository root; returns the job id (or the
         CompletedProcess when ``check`` is False)."""
-        e = dict(self.env, PYTHON=sys.executable, **(env or {}))
+        e = {**self.env, "PYTHON": sys.executable, **(env or {})}
         r = subprocess.run(["sbatch", "--parsable", *opts, f"jobs/{template}", *train_args],
                            cwd=REPO, env=e, capture_output=True, text=True, timeout=60)
         if not check:
@@ -138,7 +138,25 @@ def jobs(cluster):
         "elastic_ref": cluster.sbatch("train-cpu.sbatch", *ELASTIC, "--steps", "60",
                                       "--batch-size", "32", opts=["-n", "1"],
                                       env=run("elastic_ref")),
+        **_recovery_job(cluster, run("recovery")),
     }
+
+
+OMPI_PYTHON = REPO / ".venv-ompi" / "bin" / "python"
+
+
+def _recovery_job(cluster, env) -> dict:
+    """A ZeRO-2 job under --on-failure shrink (Open MPI's mpirun, as the templates launch it
+    for that flag), rank 1 of 3 killed with SIGKILL as step 20 begins; none without
+    .venv-ompi (make test builds it before these tests)."""
+    if not OMPI_PYTHON.exists():
+        return {}
+    return {"recovery": cluster.sbatch(
+        "train-cpu.sbatch", "--steps", "60", "--log-every", "20", "--zero", "2",
+        "--on-failure", "shrink", opts=["-n", "3"],
+        env={**env, "LAUNCHER": "mpirun", "PYTHON": str(OMPI_PYTHON),
+             "HPCDIST_SIGNAL_AT": "1:20:SIGKILL", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})}
 
 
 def _final_params(run_dir: Path, steps: int) -> np.ndarray:
@@ -199,6 +217,20 @@ def test_mpirun_launcher_inside_the_allocation(cluster, jobs):
     log = cluster.log(jobs["mpirun"])
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
     assert "launcher mpirun" in log and "world size 3" in log and "held-out accuracy" in log
+
+
+def test_a_rank_killed_in_a_shrink_job_costs_no_requeue(cluster, jobs):
+    """SIGKILL of rank 1 of a 3-task ZeRO-2 job: the two survivors restore step 19 from their
+    buddies' memory and finish the 60 steps in the same allocation; the job COMPLETED, 0:0."""
+    if "recovery" not in jobs:
+        pytest.skip("no .venv-ompi (make venv-ompi): Open MPI's ULFM")
+    info = cluster.wait(jobs["recovery"], timeout=400)
+    log = cluster.log(jobs["recovery"])
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    assert info["Restarts"] == "0", info
+    assert "rank 1 of 3 lost in step 20; 2 ranks go on in this job" in log, log
+    assert "resuming from the committed state in the buddies' memory at step 19" in log, log
+    assert "step    60/60" in log and "held-out accuracy" in log, log
 
 
 def test_collectives_benchmark_job(cluster, jobs):

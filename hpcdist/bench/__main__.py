@@ -11,6 +11,7 @@ BENCHMARKS = {
     "compression": "hpcdist.bench.compression",
     "cp": "hpcdist.bench.cp",
     "ddp": "hpcdist.bench.ddp",
+    "diloco": "hpcdist.bench.diloco",
     "exchange": "hpcdist.bench.exchange",
     "nccl": "hpcdist.bench.nccl",
     "moe": "hpcdist.bench.moe",

@@ -16,12 +16,14 @@ import argparse
 import ast
 import json
 import os
+import shutil
 import sys
 import sysconfig
 
 import numpy as np
 
 from hpcdist.bench.common import pyplot, run_job, write_json
+from hpcdist.run.preemption import EXIT_PREEMPTED
 
 DILOCO = ["--strategy", "diloco"]
 CONTENDERS = {
@@ -76,9 +78,14 @@ def folder_of(out: str, name: str) -> str:
 
 
 def train_once(cluster, name, args, steps, data, out) -> dict:
-    """One contender on the cluster: its metrics (per step, and the final record)."""
+    """One contender on the cluster: its metrics (per step, and the final record). With
+    ``--warm N``: from a copy of the DDP checkpoint of step N (``warm_up``)."""
     flags, env = CONTENDERS[name]
     folder = folder_of(out, name)
+    if args.warm:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(os.path.join(out, "warm", "ck"), os.path.join(folder, "ck"))
+        flags = [*flags, "--save-dir", os.path.join(folder, "ck"), "--resume"]
     cmd = cluster.mpiexec(env={**env, "OMP_NUM_THREADS": 1}) + [
         sys.executable, "-m", "hpcdist.train", *MODEL, "--data", data, "--steps", str(steps),
         "--log-every", str(steps), "--out-dir", folder, *flags]
@@ -86,6 +93,21 @@ def train_once(cluster, name, args, steps, data, out) -> dict:
     if r.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     return read_run(folder)
+
+
+def warm_up(cluster, args, data, out) -> None:
+    """``--warm N``: hierarchical DDP's first N steps of the ``--steps`` run, saved (a
+    SIGUSR1 as step N - 1 begins stops it after step N: the schedule stays the whole run's)."""
+    folder = os.path.join(out, "warm")
+    shutil.rmtree(folder, ignore_errors=True)
+    cmd = cluster.mpiexec(env={"OMP_NUM_THREADS": 1, "HPCDIST_ALLREDUCE": "hierarchical",
+                               "HPCDIST_SIGNAL_AT": f"0:{args.warm - 1}:SIGUSR1"}) + [
+        sys.executable, "-m", "hpcdist.train", *MODEL, "--data", data, "--steps",
+        str(args.steps), "--log-every", str(args.steps), "--out-dir", folder, "--save-dir",
+        os.path.join(folder, "ck")]
+    r = run_job(cmd, timeout=args.limit)
+    if r.returncode != EXIT_PREEMPTED:
+        raise RuntimeError(f"the warm-up failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
 
 
 def read_run(folder: str) -> dict:
@@ -176,10 +198,15 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default="runs/slowlinks/corpus.txt",
                     help="a text file (made from the stdlib's docstrings if absent)")
     ap.add_argument("--limit", type=float, default=1200, help="seconds a run may take")
+    ap.add_argument("--warm", type=int, default=0,
+                    help="hierarchical DDP trains this many steps first; every contender goes "
+                         "on from its checkpoint (DiLoCo's warm start; 0: from scratch)")
     ap.add_argument("--out", default="runs/slowlinks")
     ap.add_argument("--tables", action="store_true",
                     help="only rebuild the table and plot from the runs already in --out")
     args = ap.parse_args(argv)
+    if args.warm == 1 or args.warm >= args.steps or args.warm < 0:
+        ap.error(f"--warm: 0 (from scratch) or 2 .. {args.steps - 1} steps")
     if args.tables:
         return tables(args)
     from hpcdist import cluster as box
@@ -198,6 +225,8 @@ def main(argv=None) -> int:
         for link in args.links.split(","):
             runs = {}
             with box.Cluster(nodes, 2, link=link, prefix="hpcs") as c:
+                if args.warm:
+                    warm_up(c, args, data, os.path.join(args.out, f"{nodes}x2-{link}"))
                 for name in ["DDP hierarchical"] + [n for n in names if n != "DDP hierarchical"]:
                     runs[name] = train_once(c, name, args, args.steps, data,
                                             os.path.join(args.out, f"{nodes}x2-{link}"))

@@ -20,13 +20,13 @@ pytestmark = pytest.mark.mpi
 def layouts(P):
     out = [dict(zero=1), dict(zero=3)]
     if P % 2 == 0:
-        out += [dict(tp=2), dict(pp=2), dict(tp=2, zero=2)]
+        out += [dict(tp=2), dict(pp=2), dict(tp=2, zero=2), dict(cp=2, zero=1)]
     return out
 
 
 def _trained(comm, layout, folder):
     """(the strategy after 2 steps, the step-2 checkpoint's reader) of ``layout``."""
-    dp = comm.size // (layout.get("tp", 1) * layout.get("pp", 1))
+    dp = comm.size // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
     cfg = small(**layout, steps=2, batch_size=12 // dp if 12 % dp == 0 else 3,
                 save_dir=folder, out_dir=folder + "_o")
     held = []

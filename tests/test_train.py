@@ -55,6 +55,11 @@ def test_the_evaluation_is_bounded_in_tokens_at_any_context_length(tmp_path):
         (2, 4096)
     assert bounds(cfg("--steps", "5000", "--batch-size", "4", "--eval-tokens", "65536"),
                   1024) == (16, 64)
+    # the windows follow the run's sequences, not a rank's: any layout of one global batch
+    # (replicas, accumulation) scores the same ones
+    one = bounds(cfg("--steps", "40", "--batch-size", "16"), 64)[1]
+    assert one == 80 == bounds(cfg("--steps", "40", "--batch-size", "4"), 64, replicas=4)[1] \
+        == bounds(cfg("--steps", "40", "--batch-size", "2", "--grad-accum", "2"), 64, 4)[1]
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     r = run_train("--task", "text", "--data", str(text), "--block-size", "64", "--steps", "40",

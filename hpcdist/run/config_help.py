@@ -164,7 +164,7 @@ HELP = {
                       "context: at most max(--batch-size, 16,384 / T))",
         "eval_tokens": "held-out tokens scored at most: windows (or digit examples) of T "
                        "tokens, evenly spaced, up to 4,096 and to an eighth of the sequences "
-                       "a rank trains on (0: 4,096 windows)",
+                       "the run trains on, every replica's (0: 4,096 windows)",
         "out_dir": "metrics.jsonl, train.log (what "
                                                           "rank 0 prints), ranks.json, "
                                                           "comm_log.json go here",

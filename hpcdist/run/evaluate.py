@@ -13,21 +13,23 @@ MAX_EXAMPLES = 4096              # windows (text) or examples (digit tasks) at m
 EVAL_BATCH_TOKENS = 16384        # an evaluation forward's tokens, beyond the training batch
 
 
-def bounds(cfg, block_size: int) -> tuple:
+def bounds(cfg, block_size: int, replicas: int = 1) -> tuple:
     """(sequences per evaluation forward, windows at most) for a run's held-out set: at most
     ``--eval-tokens`` tokens scored (at T 8192 32 windows, not 4,096) and no more windows
-    than an eighth of the sequences a rank trains on (``--eval-tokens 0``: 4,096 windows,
-    whatever the run); a forward no larger than the training batch or 16,384 tokens (at
-    long context the logits of 512 sequences would not fit)."""
+    than an eighth of the sequences the run trains on, over its ``replicas`` (so any layout
+    of one global batch scores the same windows; ``--eval-tokens 0``: 4,096 windows, whatever
+    the run); a forward no larger than the training batch or 16,384 tokens (at long context
+    the logits of 512 sequences would not fit)."""
     T = max(1, block_size)
+    trained = cfg.steps * cfg.batch_size * cfg.grad_accum * replicas
     windows = MAX_EXAMPLES if not cfg.eval_tokens else \
-        max(1, min(MAX_EXAMPLES, cfg.eval_tokens // T, cfg.steps * cfg.batch_size // 8))
+        max(1, min(MAX_EXAMPLES, cfg.eval_tokens // T, trained // 8))
     return max(1, min(cfg.eval_batch, max(cfg.batch_size, EVAL_BATCH_TOKENS // T))), windows
 
 
 def evaluate_run(cfg, model, dataset, comm=None):
     """``evaluate`` within the run's bounds (``bounds``): (accuracy, loss, tokens scored)."""
-    batch, windows = bounds(cfg, dataset.block_size)
+    batch, windows = bounds(cfg, dataset.block_size, comm.size if comm is not None else 1)
     return evaluate(model, dataset, batch, comm, windows)
 
 

@@ -84,13 +84,15 @@ COMMON = ["--dtype", "fp64", "--steps", "10", "--lr", "3e-3", "--min-lr", "3e-3"
 
 
 @pytest.mark.parametrize("n, victim, layout", [(3, 0, ()),
-                                               (4, 2, ("--zero", "2", "--save-every", "3"))])
+                                               (4, 2, ("--zero", "2", "--save-every", "3",
+                                                       "--mirror-every", "0"))])
 def test_a_killed_rank_costs_one_step_and_the_rest_equals_n_minus_1_ranks(tmp_path, n, victim,
                                                                            layout):
     """kill -9 of one rank as step 7 begins: the job finishes (exit 0), says which rank it
     lost and where it went on from, and steps 7-10 and the final model equal (fp64, exactly)
     a run of N-1 ranks resumed from the committed state: step 6 held in memory by every
-    replica (DDP), or the step-6 checkpoint (ZeRO-2, whose optimizer state is sharded)."""
+    replica (DDP), or the step-6 checkpoint (ZeRO-2 with --mirror-every 0: its sharded
+    state in no peer's memory)."""
     a, ref = tmp_path / "a", tmp_path / "ref"
     rc, out = finish(launch(n, *COMMON, *layout, "--on-failure", "shrink", "--out-dir",
                             str(a), "--save-dir", str(a / "ck"),

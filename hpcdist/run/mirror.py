@@ -33,9 +33,10 @@ class Generation:
 
 def buddy_offset(node_of: list) -> int:
     """The smallest d such that rank r + d (mod n) is on another node for every r (a node
-    lost takes no rank together with its buddy); 1 where no such d exists (one node)."""
+    lost takes no rank together with its buddy); 1 where no such d exists (one node) among
+    the first 256 (a placement that regular would have shown it by then)."""
     n = len(node_of)
-    for d in range(1, n):
+    for d in range(1, min(n, 257)):
         if all(node_of[(r + d) % n] != node_of[r] for r in range(n)):
             return d
     return 1

@@ -274,3 +274,23 @@ def test_slowlinks_table_from_runs(tmp_path):
     with open(path) as f:
         body = f.read()
     assert 4000 < len(body) <= 5000 and body.count(" ") > 500
+
+
+def test_diloco_bench_goes_on_from_a_warm_start(tmp_path):
+    """``bench diloco``: DDP's first 20 steps of the 40-step schedule saved at step 20 (not
+    21: the stop), then DDP and DiLoCo (H 10, 2 groups of 1) from that checkpoint to step 40;
+    the held-out losses and their ratio to DDP's in the JSON."""
+    out = tmp_path / "d.json"
+    text = bench("diloco", "--ranks", "2", "--groups", "2", "--inner", "10", "--warm", "20",
+                 "--steps", "40", "--json", str(out), "--tmp", str(tmp_path))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == ["DDP", "DiLoCo H=10, 2 groups"]
+    assert rows[0]["vs_ddp"] == 1.0 and np.isfinite(rows[1]["held_out"])
+    assert rows[1]["vs_ddp"] == pytest.approx(rows[1]["held_out"] / rows[0]["held_out"])
+    (folder,) = tmp_path.glob("bench-diloco-*")
+    assert sorted(p.name for p in (folder / "warm20" / "ck").glob("step_*")) == \
+        ["step_00000020"]
+    assert "| 20 | DiLoCo H=10, 2 groups |" in text
+    for run in ("warm20-0", "warm20-1"):
+        log = (folder / run / "train.log").read_text()
+        assert "at step 20" in log and "step    40/40" in log

@@ -66,9 +66,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1800, help="total steps (warm-up included)")
     ap.add_argument("--data", default="runs/slowlinks/corpus.txt")
     ap.add_argument("--json", default="runs/bench-diloco.json")
+    ap.add_argument("--tmp", default="runs", help="where each invocation's run folders go")
     args = ap.parse_args(argv)
     data = os.path.abspath(corpus(args.data))
-    tmp = tempfile.mkdtemp(prefix="bench-diloco-", dir=os.path.join(ROOT, "runs"))
+    os.makedirs(args.tmp, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="bench-diloco-", dir=os.path.abspath(args.tmp))
     rows = []
     print("| warm-up (DDP steps) | then | held-out loss | vs DDP |")
     print("|---|---|---|---|")

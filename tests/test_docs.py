@@ -118,6 +118,8 @@ HOW = {
     "python -c \"import transformers": (None, "as shown (skipped without transformers)"),
     "python -m hpcdist.plan": (None, "as shown"),
     "mpirun -n 4 python -m hpcdist.train --strategy diloco": (None, "+ " + SHORT),
+    "python -m hpcdist.bench diloco": (SKIP, "a benchmark (~40 minutes for the table); "
+                                            "tests/test_bench_smoke.py runs it small"),
     "python -m hpcdist.bench slowlinks": (SKIP, "as root, ~40 minutes on the cluster in a box; "
                                                 "tests/cluster checks DiLoCo's and hybrid "
                                                 "ZeRO's bytes on a shaped link, "

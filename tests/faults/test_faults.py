@@ -157,6 +157,15 @@ def train_args(tmp_path, *extra, steps=40):
             "--batch-size", "16", "--out-dir", str(tmp_path / "out"), *extra]
 
 
+def _wait_for(path, ready=lambda p: True, limit=120):
+    """Wait until ``path`` exists and ``ready(path)`` (a moment of the run, not a guess at
+    how long its start takes on a loaded machine)."""
+    t0 = time.time()
+    while not (path.exists() and ready(path)):
+        assert time.time() - t0 < limit, f"{path} not ready in {limit} s"
+        time.sleep(0.05)
+
+
 def ranks_json(tmp_path):
     path = tmp_path / "out" / "ranks.json"
     for _ in range(200):
@@ -217,7 +226,8 @@ def test_sigterm_during_a_stall_reports_at_once_and_keeps_the_checkpoint(tmp_pat
                              steps=100000),
                   HPCDIST_SIGNAL_AT="2:5:SIGSTOP", HPCDIST_TIMEOUT="60")
     table = ranks_json(tmp_path)
-    time.sleep(3.0)                       # rank 2 is stopped at step 5; the others wait
+    _wait_for(save / "step_00000004")     # saved after step 4; rank 2 stops as step 5 begins
+    time.sleep(1.0)                       # ... and the others wait for it
     t0 = time.time()
     for row in table:
         if row["rank"] != 2:
@@ -325,10 +335,12 @@ def test_checkpoint_of_another_world_size_resumes(tmp_path):
 def test_sigkill_during_saves_leaves_a_verified_latest(tmp_path):
     from hpcdist import checkpoint
     save = tmp_path / "ck"
-    for delay in (1.5, 2.2):
+    for delay in (0.3, 0.7):              # after a save of this run, into the next ones
+        before = sorted(save.glob("step_*")) if save.exists() else []
         proc = launch(train_args(tmp_path, "--save-dir", str(save), "--save-every", "1",
                                  *(["--resume"] if save.exists() else []), steps=100000), n=2)
         table = ranks_json(tmp_path)
+        _wait_for(save, lambda p: sorted(p.glob("step_*")) != before)
         time.sleep(delay)
         os.kill(table[1]["pid"], signal.SIGKILL)
         finish(proc)

@@ -15,6 +15,8 @@
 #   SRUN_MPI         srun's --mpi plugin: pmi2 (default: what the MPICH wheel and most MPIs
 #                    speak) or pmix (Open MPI 5, recent Intel MPI): jobs/README.md, "Launching"
 #   SRUN_ARGS        extra srun options (e.g. "--cpu-bind=cores")
+#   MPIRUN_ARGS      extra mpirun options (LAUNCHER=mpirun; e.g. "--bind-to none" where the
+#                    allocation declares more CPUs than the node has)
 #
 # Requeue: the templates ask SLURM for `--signal=B:USR1@SECONDS` (USR1 to this batch shell
 # that long before the time limit) and `--requeue`. On USR1 the shell forwards the signal to
@@ -120,7 +122,7 @@ hpcdist_launch() {
         # the MPI library's mpirun: on PATH (module load ...), else the one beside PYTHON
         local mpirun=mpirun
         command -v mpirun >/dev/null || mpirun=$(dirname "$PYTHON")/mpirun
-        launch=("$mpirun" -n "${SLURM_NTASKS:-1}")
+        launch=("$mpirun" -n "${SLURM_NTASKS:-1}" ${MPIRUN_ARGS:-})
         # ULFM: a dead rank's peers get errors instead of the job ending (the shared-memory
         # transport hangs on a failure: TCP and self only)
         [[ $shrink == 1 ]] && launch+=(--with-ft ulfm --mca btl tcp,self)

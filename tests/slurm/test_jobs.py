@@ -155,6 +155,8 @@ def _recovery_job(cluster, env) -> dict:
         "train-cpu.sbatch", "--steps", "60", "--log-every", "20", "--zero", "2",
         "--on-failure", "shrink", opts=["-n", "3"],
         env={**env, "LAUNCHER": "mpirun", "PYTHON": str(OMPI_PYTHON),
+             # (this node declares 8 CPUs to SLURM and has 2: Open MPI would not bind 3)
+             "MPIRUN_ARGS": "--bind-to none",
              "HPCDIST_SIGNAL_AT": "1:20:SIGKILL", "OMPI_ALLOW_RUN_AS_ROOT": "1",
              "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})}
 

@@ -40,15 +40,36 @@ def end_job(proc: subprocess.Popen, grace: float = 5.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for pid in _session(proc.pid):    # and in the session (Open MPI's: a group per rank)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     if proc in _JOBS:
         _JOBS.remove(proc)
 
 
+def _session(sid: int) -> list:
+    """The PIDs of session ``sid`` (from /proc; none where there is no /proc)."""
+    out = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid:           # (state, ppid, pgrp, session, ...)
+                out.append(int(name))
+    return out
+
+
 def owns(proc: subprocess.Popen, pid: int) -> bool:
-    """Whether ``pid`` is a process of job ``proc`` (in its group), alive: a PID read from a
-    file (ranks.json) may be another run's, or reused."""
+    """Whether ``pid`` is a process of job ``proc`` (in its session), alive: a PID read from a
+    file (ranks.json) may be another run's, or reused. The session, not the process group:
+    Open MPI's launcher gives each rank a process group of its own (MPICH's keeps one)."""
     try:
-        return proc.poll() is None and os.getpgid(pid) == proc.pid
+        return proc.poll() is None and os.getsid(pid) == proc.pid
     except ProcessLookupError:
         return False
 

@@ -17,8 +17,11 @@ MOE = dict(n_layer=2, n_head=2, n_embd=16, experts=4, top_k=2, grad_clip=1.0, st
 
 
 def _reference(cfg, replicas):
+    """The one-process run every rank computes (in a folder of its own: ``cfg.out_dir`` may
+    be one every rank shares, and eight runs rotating one train.log race)."""
+    from mpi4py import MPI
     return one_process(cfg, ep=1, batch_size=cfg.batch_size * replicas,
-                       out_dir=cfg.out_dir + "-ref")
+                       out_dir=f"{cfg.out_dir}-ref{MPI.COMM_WORLD.Get_rank()}")
 
 
 def _cases(world):

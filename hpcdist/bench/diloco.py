@@ -68,15 +68,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="runs/bench-diloco.json")
     ap.add_argument("--tmp", default="runs", help="where each invocation's run folders go")
     args = ap.parse_args(argv)
+    warms = [int(w) for w in args.warm.split(",")]
+    if any(w == 1 or w < 0 or w >= args.steps for w in warms):
+        ap.error(f"--warm: 0 (from scratch) or 2 .. {args.steps - 1} steps")
+    if any(args.ranks % int(g) for g in args.groups.split(",")):
+        ap.error(f"--groups: each must divide --ranks {args.ranks}")
     data = os.path.abspath(corpus(args.data))
     os.makedirs(args.tmp, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="bench-diloco-", dir=os.path.abspath(args.tmp))
     rows = []
     print("| warm-up (DDP steps) | then | held-out loss | vs DDP |")
     print("|---|---|---|---|")
-    warms = [int(w) for w in args.warm.split(",")]
-    if any(w == 1 or w >= args.steps for w in warms):
-        ap.error(f"--warm: 0 (from scratch) or 2 .. {args.steps - 1} steps")
     for warm in warms:
         base = os.path.join(tmp, f"warm{warm}")
         if warm:

@@ -14,7 +14,6 @@ with its buddy: the last checkpoint (docs/failures.md, "In-job recovery").
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 
@@ -67,8 +66,6 @@ class Mirror:
         self.every, self.rank, self.size = every, comm.rank, comm.size
         self.offset = buddy_offset(list(comm.node_of))
         self.generations: list[Generation] = []
-        self.bytes = 0                          # sent by this rank, every exchange
-        self.seconds = 0.0
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -76,7 +73,6 @@ class Mirror:
     def take(self, step: int, cfg, comm, strategy, sampler) -> int:
         """Keep this committed step's pieces, send them to the buddy, take the ward's
         (collective over ``comm``); the bytes sent."""
-        t0 = time.perf_counter()
         scalars = state.scalars_of(cfg, comm.size, strategy, (sampler.epoch, sampler.position),
                                    sampler.batch_size * sampler.world)
         gen = Generation(step, scalars, state.pieces_to_save(strategy))
@@ -92,8 +88,6 @@ class Mirror:
             sent = head.nbytes + data.nbytes
         else:
             gen.ward = []
-        self.bytes += sent
-        self.seconds += time.perf_counter() - t0
         return sent
 
 

@@ -18,16 +18,11 @@ import shutil
 import sys
 import tempfile
 
-from hpcdist.bench.common import run_job, write_json
+from hpcdist.bench.common import mpiexec, run_job, write_json
 from hpcdist.bench.slowlinks import MODEL, corpus
 from hpcdist.run.preemption import EXIT_PREEMPTED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def mpiexec(n: int) -> list:
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return [here if os.path.exists(here) else "mpiexec", "-n", str(n)]
 
 
 def train(n: int, data: str, steps: int, folder: str, extra=(), limit: float = 1800,
@@ -35,9 +30,8 @@ def train(n: int, data: str, steps: int, folder: str, extra=(), limit: float = 1
     """One run of ``n`` ranks to ``steps``; its final record. ``stop_at``: a checkpoint
     and a stop after that step (the schedule still the ``steps``-step one: the warm-up is
     the first steps of the run it starts)."""
-    cmd = mpiexec(n) + [sys.executable, "-m", "hpcdist.train", *MODEL, "--data", data,
-                        "--steps", str(steps), "--log-every", str(steps), "--out-dir", folder,
-                        *extra]
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcdist.train", *MODEL, "--data",
+           data, "--steps", str(steps), "--log-every", str(steps), "--out-dir", folder, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if stop_at:               # SIGUSR1 as step stop_at - 1 begins: saved after stop_at
         env["HPCDIST_SIGNAL_AT"] = f"0:{stop_at - 1}:SIGUSR1"

@@ -26,7 +26,6 @@ from ..host import signals, threads
 from ..parallel import state
 from .config import ConfigError, TrainConfig, validate, validate_world
 from . import mirror
-from .mirror import Mirror
 
 
 class Mark:
@@ -37,7 +36,7 @@ class Mark:
     step, sampler, commits = 0, (0, 0), 0
 
     def __init__(self, cfg=None, comm=None):
-        self.mirror = Mirror(cfg.mirror_every, comm) if cfg is not None and \
+        self.mirror = mirror.Mirror(cfg.mirror_every, comm) if cfg is not None and \
             ulfm.enabled() and mirrored(cfg) else None
 
     def at(self, step: int, sampler) -> None:

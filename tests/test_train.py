@@ -130,6 +130,8 @@ BAD = [
      "shards its state (compression's residuals), so the survivors restore from the last"),
     (["--mirror-every", "-1"], "--mirror-every must be >= 0"),
     (["--on-failure", "shrink", "--strategy", "ps"], "with --strategy ps is not built"),
+    (["--on-failure", "shrink", "--respawn", "--backend", "nccl", "--device", "double"],
+     "--respawn with --backend nccl is not built (a new process would need the lost rank's"),
     (["--shrink-batch", "keep"], "--shrink-batch and --respawn are for --on-failure shrink"),
     (["--respawn"], "--shrink-batch and --respawn are for --on-failure shrink"),
     (["--on-failure", "retry"], "unknown on_failure 'retry'"),

@@ -9,16 +9,26 @@ state: it is uniform, so either every survivor applies the step or none does, an
 committed state is the same everywhere. A failed agreement raises ``RankLost``; the survivors
 then shrink that communicator to themselves (``shrink``) and go on. Open MPI 5 has it
 (``mpirun --with-ft ulfm --mca btl tcp,self``); MPICH's ch4 does not (MPICH #7426).
+
+NCCL has no revoke: a peer's death leaves a kernel waiting forever. So an NCCL communicator
+registers its abort (``on_revoke``: ``ncclCommAbort`` ends its kernels), and ``revoke_all``
+runs it beside the MPI revokes; a watcher thread (comm/nccl.py) starts that as soon as MPI or
+NCCL knows of a death, since the rank that should call it may be the one stuck in a wait.
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from mpi4py import MPI
 
 LAUNCH = "mpirun --with-ft ulfm --mca btl tcp,self"
 _comms: list = []                   # every communicator hpcdist made since the last recovery
+_aborts: list = []                  # what ends other communicators' waits (NCCL's abort)
+_world = None                       # the world recovery runs over (COMM_WORLD, or the survivors)
+_lock = threading.RLock()           # a revoke (the NCCL watcher's thread) never meets a shrink
+_stale = False                      # between a shrink and the next enable: old failures known
 _ft = None                          # the agreement's own communicator (None: recovery off)
 _commits = 0                        # steps agreed since the process started
 _era = 0                            # recoveries so far: a wait from an earlier era is dropped
@@ -49,9 +59,12 @@ def problem() -> str | None:
 
 def enable(world) -> None:
     """Recovery on over ``world``: the agreement gets its own duplicate (collective)."""
-    global _ft
-    _comms.clear()
-    _ft = world.Dup()
+    global _ft, _world, _stale
+    ft = world.Dup()
+    with _lock:
+        _comms.clear()
+        _aborts.clear()
+        _world, _ft, _stale = world, ft, False
 
 
 def enable_world() -> None:
@@ -79,6 +92,32 @@ def register(mpi_comm) -> None:
         _comms.append(mpi_comm)
 
 
+def on_revoke(abort) -> None:
+    """``abort()`` runs when a peer dies, beside the MPI revokes (an NCCL communicator's)."""
+    if _ft is not None:
+        _aborts.append(abort)
+
+
+def world():
+    """The communicator recovery runs over now (None with recovery off): COMM_WORLD at the
+    start, the survivors (with any ranks that joined) after a recovery."""
+    return _world
+
+
+def failure_known() -> bool:
+    """Whether this process has learnt of a dead peer (MPI's runtime tells it; no message
+    needed). Thread-safe under MPI_THREAD_MULTIPLE: the NCCL watcher asks from its thread."""
+    ft = _ft
+    if ft is None or _stale:
+        return False
+    try:
+        return ft.Get_failed().Get_size() > 0
+    except MPI.Exception as e:
+        return is_failure(e)
+    except (NotImplementedError, AttributeError):
+        return False
+
+
 def is_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is MPI telling of a dead peer (or of a revoke that followed one)."""
     if _ft is None or isinstance(exc, RankLost):
@@ -91,13 +130,19 @@ def is_failure(exc: BaseException) -> bool:
                                      MPI.ERR_REVOKED, MPI.ERR_IN_STATUS)
 
 
-def revoke_all() -> None:
-    """Interrupt every survivor's pending call on every communicator hpcdist made."""
-    for comm in _comms:
-        try:
-            comm.Revoke()
-        except MPI.Exception:
-            pass
+def revoke_all(in_era: int | None = None) -> None:
+    """Interrupt every survivor's pending call on every communicator hpcdist made (NCCL's
+    by their abort); ``in_era``: only if no recovery has happened since that era began."""
+    with _lock:
+        if in_era is not None and (in_era != _era or _stale):
+            return
+        for comm in list(_comms):
+            try:
+                comm.Revoke()
+            except MPI.Exception:
+                pass
+        for abort in list(_aborts):
+            abort()
 
 
 def commit(ok: bool = True) -> None:
@@ -136,9 +181,12 @@ def shrink():
     except (MPI.Exception, NotImplementedError, AttributeError):
         lost = []
     survivors = old.Shrink()
-    global _era
-    _era += 1
-    _comms.clear()
+    global _era, _stale
+    with _lock:
+        _era += 1
+        _comms.clear()
+        _aborts.clear()
+        _stale = True
     return survivors, lost
 
 

@@ -10,6 +10,11 @@ double's pointers are host addresses).
 How the ranks find each other: the unique id carries a token; each member writes its world
 rank under a folder named by the token and waits until ``ndev`` have (the rendezvous NCCL
 does over the socket address its id holds); their MPI communicator is made from that group.
+The world is MPI_COMM_WORLD, or after an in-job recovery the survivors (comm/ulfm.py):
+NCCL's rendezvous needs no common MPI communicator, the stand-in's does.
+
+``abort`` is ``ncclCommAbort``: the stand-in revokes its MPI communicator (under ULFM), so a
+call waiting in it on a dead peer returns with an error, and every later call fails.
 """
 from __future__ import annotations
 
@@ -81,7 +86,8 @@ def _array(ptr: int, count: int, datatype: int) -> np.ndarray:
 
 def _rendezvous(ndev: int, comm_id: bytes, rank: int):
     """The MPI communicator of the ``ndev`` ranks holding ``comm_id``, in NCCL rank order."""
-    world = MPI.COMM_WORLD
+    from ..comm import ulfm
+    world = ulfm.world() or MPI.COMM_WORLD
     folder = os.path.join(tempfile.gettempdir(),
                           "hpcdist-nccl-" + comm_id[14:46].decode(errors="replace"))
     os.makedirs(folder, exist_ok=True)
@@ -153,3 +159,17 @@ class NcclCommunicator:
         if self._comm is not None and self._comm != MPI.COMM_NULL:
             self._comm.Free()
         self._comm = None
+
+    def abort(self):
+        _bind("NcclCommunicator.abort", (self,))
+        comm, self._comm = self._comm, None      # later calls fail, as on an aborted comm
+        if comm is not None and hasattr(comm, "Revoke"):
+            try:
+                comm.Revoke()
+            except (MPI.Exception, NotImplementedError):
+                pass
+
+    def check_async_error(self):
+        """NCCL's asynchronous error: none here (the stand-in's errors are raised in the
+        call that meets them)."""
+        _bind("NcclCommunicator.check_async_error", (self,))

@@ -110,6 +110,8 @@ NCCL = {
     "NcclCommunicator.recv": ("method", "(self, intptr_t recvbuf, size_t count, "
                               "int datatype, int peer, intptr_t stream)"),
     "NcclCommunicator.destroy": ("method", "(self)"),
+    "NcclCommunicator.abort": ("method", "(self)"),
+    "NcclCommunicator.check_async_error": ("method", "(self)"),
     **{f"NCCL_{n}": ("constant", None) for n in (
         "FLOAT16", "FLOAT32", "FLOAT64", "INT32", "INT64", "UINT8", "INT8", "SUM", "MAX",
         "MIN")},

@@ -265,14 +265,18 @@ GROUPS = [   # parallel/groups.py, diloco.py: layouts in replica groups
 def _shrink_problem(c) -> str | None:
     """--on-failure shrink: data parallelism recovers from the state every replica holds, a
     sharded layout from its buddies' memory (--mirror-every, run/mirror.py); compression's
-    state (and a mirror switched off) from the last checkpoint (needs --save-dir)."""
+    state (and a mirror switched off) from the last checkpoint (needs --save-dir). Over
+    NCCL too: a death aborts the NCCL communicators and the survivors build new ones."""
     if c.on_failure != "shrink":
         return (c.shrink_batch != "scale" or c.respawn) and \
             "--shrink-batch and --respawn are for --on-failure shrink"
-    for bad, why in ((c.strategy != "collective", f"--strategy {c.strategy}"),
-                     (c.backend != "mpi", f"--backend {c.backend} (NCCL has no ULFM)")):
-        if bad:
-            return f"--on-failure shrink with {why} is not built; run with --on-failure abort"
+    if c.strategy != "collective":
+        return (f"--on-failure shrink with --strategy {c.strategy} is not built; run with "
+                "--on-failure abort")
+    if c.respawn and c.backend == "nccl":
+        return ("--respawn with --backend nccl is not built (a new process would need the "
+                "lost rank's GPU); --on-failure shrink without --respawn goes on over the "
+                "survivors' GPUs")
     replicated = c.zero == 0 and c.tp * c.pp * c.cp * c.ep == 1 and c.compress == "none" \
         and c.shard_group == "all"
     mirrored = c.mirror_every > 0 and c.compress == "none"

@@ -201,3 +201,40 @@ def test_without_the_fault_tolerance_switch_the_flag_is_refused_in_one_line(tmp_
     rc, out = finish(launch(2, "--on-failure", "shrink", "--out-dir", str(tmp_path), ft=False))
     assert rc == 2, out[-3000:]
     assert "launch with `mpirun --with-ft ulfm --mca btl tcp,self -n N" in out
+
+
+def test_over_nccl_the_survivors_abort_and_build_new_communicators(tmp_path):
+    """--backend nccl (the device double's NCCL), ZeRO-3 at 4 ranks, rank 2 killed as step 7
+    begins: the NCCL communicators are aborted, the survivors make new ones over the 3 left,
+    restore step 6 from the buddies' memory, and steps 7-10 and the final model equal (fp64,
+    exactly) the same NCCL run saved at step 6 and resumed on 3 ranks."""
+    a, ref = tmp_path / "a", tmp_path / "ref"
+    args = [*COMMON, "--zero", "3", "--device", "double", "--backend", "nccl"]
+    rc, out = finish(launch(4, *args, "--on-failure", "shrink", "--out-dir", str(a),
+                            "--save-dir", str(a / "ck"), HPCDIST_SIGNAL_AT="2:7:SIGKILL"))
+    assert rc == 0, out[-4000:]
+    assert "rank 2 of 4 lost in step 7; 3 ranks go on in this job" in out and \
+        "resuming from the committed state in the buddies' memory at step 6" in out and \
+        out.count("NCCL carries the device arrays") == 2, out[-3000:]
+    same_as_resumed(a, ref, (4, 3), 6, 10, args)
+
+
+def test_a_rank_stuck_in_nccl_when_a_peer_dies_is_released_by_the_watcher():
+    """NCCL's kernels wait for a dead peer forever and no MPI revoke reaches them: with the
+    survivors blocked inside an NCCL call (a stand-in call that returns only when aborted),
+    the watcher thread sees the death through MPI's runtime and aborts the communicators
+    (tests/ulfm/nccl_stuck.py; without the watcher both wait until killed)."""
+    full = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    proc = subprocess.Popen(
+        [os.path.join(OMPI, "mpirun"), "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl",
+         "tcp,self", "-n", "3", os.path.join(OMPI, "python"), os.path.join(HERE,
+                                                                          "nccl_stuck.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full, cwd=ROOT,
+        start_new_session=True)
+    _, out = finish(proc, limit=90)
+    waits = {}
+    for line in out.splitlines():
+        if "released by the abort after" in line:
+            waits[int(line.split()[1].rstrip(":"))] = float(line.split()[-2])
+    assert sorted(waits) == [0, 1] and max(waits.values()) < 10, out[-3000:]

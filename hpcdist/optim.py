@@ -102,18 +102,25 @@ def sgd_update(p, g, state: dict, step: int, lr: float, momentum=0.0, dampening=
 
 
 def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, beta2=0.999, eps=1e-8,
-                 weight_decay=0.0, decay_ranges=None) -> None:
-    """One AdamW step in place: bias-corrected moments, decoupled weight decay."""
+                 weight_decay=0.0, decay_ranges=None, low=None) -> bool:
+    """One AdamW step in place: bias-corrected moments, decoupled weight decay. ``low``: a
+    bf16 array the device kernel also writes the new parameters into (mixed precision's
+    compute copy); True when it did (else the caller copies)."""
     xp = backend.array_module(p)
     if "exp_avg" not in state:
         state["exp_avg"] = xp.zeros_like(p)
         state["exp_avg_sq"] = xp.zeros_like(p)
     m, v = state["exp_avg"], state["exp_avg_sq"]
+    if low is not None and backend.is_gpu_array(p) and g.dtype == p.dtype == np.float32 and \
+            low.dtype.name == "bfloat16" and low.shape == p.shape and low.flags.c_contiguous:
+        kernels.ADAMW_LOW(p, g, m, v, _decay_mask(p.size, decay_ranges), lr, beta1, beta2,
+                          eps, weight_decay, step, low)
+        return True
     if (backend.is_gpu_array(p) or cpu_kernels.wanted(p)) and g.dtype == p.dtype:
         # one fused kernel on the device, or a threaded one on a large host buffer
         kernels.ADAMW(p, g, m, v, _decay_mask(p.size, decay_ranges), lr, beta1, beta2, eps,
                       weight_decay, step)
-        return
+        return False
     if weight_decay:
         for a, b in (decay_ranges if decay_ranges is not None else [(0, p.size)]):
             p[a:b] *= 1.0 - lr * weight_decay
@@ -128,8 +135,9 @@ def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, beta2=0.999
         denom /= math.sqrt(bias2)
         denom += eps
         p -= (lr / bias1) * (m / denom)
-        return
+        return False
     kernels.adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step)   # the fused one's twin
+    return False
 
 
 _MASKS: dict = {}
@@ -163,6 +171,9 @@ class Optimizer:
         self.weight_decay = weight_decay
         self.state: dict = {}
         self.step_count = 0
+        # mixed precision: an array (the compute copy, bf16) that each step leaves holding the
+        # new parameters in its dtype (AdamW writes it in its own kernel; others copy)
+        self.copy_into = None
 
     def zero_grad(self, lazy: bool = False) -> None:
         """FlatParams.zero_grad (``lazy``: zero by the next write, as the training loop has it)."""
@@ -172,10 +183,13 @@ class Optimizer:
         """Apply one update with ``lr`` (the base lr unless a schedule passes one)."""
         settle_grads()                       # zero_grad with no backward since: zeros
         self.step_count += 1
-        self.update(self.flat.data, self.flat.grad, self.state, self.step_count,
-                    self.lr if lr is None else lr, self.flat.decay_ranges)
+        wrote = self.update(self.flat.data, self.flat.grad, self.state, self.step_count,
+                            self.lr if lr is None else lr, self.flat.decay_ranges)
+        if self.copy_into is not None and not wrote:
+            self.copy_into[...] = self.flat.data
 
-    def update(self, p, g, state, step, lr, decay_ranges) -> None:
+    def update(self, p, g, state, step, lr, decay_ranges) -> bool:
+        """The rule, in place on ``p``; True when it also wrote ``copy_into``."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -212,9 +226,9 @@ class AdamW(Optimizer):
         super().__init__(params, lr, weight_decay)
         self.betas, self.eps = tuple(betas), eps
 
-    def update(self, p, g, state, step, lr, decay_ranges):
-        adamw_update(p, g, state, step, lr, self.betas[0], self.betas[1], self.eps,
-                     self.weight_decay, decay_ranges)
+    def update(self, p, g, state, step, lr, decay_ranges) -> bool:
+        return adamw_update(p, g, state, step, lr, self.betas[0], self.betas[1], self.eps,
+                            self.weight_decay, decay_ranges, low=self.copy_into)
 
 
 # ---- schedule and clipping -------------------------------------------------------------------

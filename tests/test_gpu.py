@@ -27,12 +27,12 @@ def test_emulated_bf16_matmul_is_bf16_operands_with_fp32_accumulation():
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((16, 32)).astype(np.float32), rng.standard_normal((32, 8)).astype(np.float32)
     ref = a.astype(ml.bfloat16).astype(np.float64) @ b.astype(ml.bfloat16).astype(np.float64)
-    old = backend._bf16_operands
+    old = backend.bf16_emulated()
     try:
-        backend._bf16_operands = True
+        backend.reset_precision(emulated=True)
         got = backend.to_numpy(backend.matmul(backend.to_device(a), backend.to_device(b)))
     finally:
-        backend._bf16_operands = old
+        backend.reset_precision(old)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)       # fp32 accumulation
     assert np.abs(got - a @ b).max() > 1e-3                         # and not plain fp32
 

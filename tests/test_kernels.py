@@ -32,7 +32,8 @@ def test_a_kernel_is_used_only_when_it_equals_its_twin():
 def test_the_self_check_compares_at_the_arrays_own_precision(monkeypatch):
     """Checked first inside a bf16-emulated run, a right fp32 kernel against a twin whose
     GEMM would round its operands to bf16: passed, and the run is still emulated after."""
-    monkeypatch.setattr(backend, "_bf16_operands", True)
+    from hpcdist.device import precision
+    monkeypatch.setattr(precision, "_bf16_operands", True)
     rng = np.random.default_rng(0)
     m = rng.standard_normal((8, 8)).astype(np.float32)
     op = fused.Fused("test-fp32", "", [], lambda k, x: np.matmul(x, m),
@@ -156,6 +157,51 @@ def test_the_double_counts_a_fused_op_as_its_launches(monkeypatch):
     finally:
         backend.init("cpu" if prev == "cpu" else prev)
     assert got["op by op"] > 300 and got["fused"] < got["op by op"] / 3.5, got
+    # native bf16 (bf16 weights, activations and gradients; AdamW writing the bf16 copy)
+    # launches no more than the fp32 step, within 5%: no conversion of any GEMM operand
+    assert got["fused bf16"] <= 1.05 * got["fused"], got
+
+
+def test_adamw_writes_the_bf16_compute_copy_in_its_own_kernel():
+    """Mixed precision on the device path: the optimizer's kernel (ADAMW_LOW) leaves the
+    model's bf16 weights equal to the fp32 master rounded to bf16 after every step, and the
+    run equals the one that copies the master over after the step (the CPU's way)."""
+    from hpcdist.device import double as device_double
+    from hpcdist.parallel.mixed_precision import MixedPrecision
+    prev = backend.device_label()
+    backend.init("double")
+    try:
+        cfg = nn.GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=2, n_embd=16)
+        runs = []
+        for attached in (True, False):
+            nn.manual_seed(3)
+            model = nn.GPT(cfg)
+            mp = MixedPrecision(model.parameters(), "bf16")
+            assert mp.mixed and mp.compute.data.dtype.name == "bfloat16"
+            opt = optim.AdamW(mp.master, lr=1e-2)
+            if attached:
+                mp.attach(opt)
+            idx = backend.to_device(np.random.default_rng(0).integers(0, 11, (2, 8)))
+            losses = []
+            for _ in range(3):
+                mp.zero_grad()
+                _, loss = model(idx, idx)
+                loss.backward()
+                mp.master.grad[...] = mp.compute.grad
+                device_double.LAUNCHES.count = 0
+                opt.step()
+                mp.after_step()
+                launches = device_double.LAUNCHES.count
+                losses.append(float(backend.to_numpy(loss.data).astype(np.float64)))
+                want = backend.round_to_bf16(backend.to_numpy(mp.master.data))
+                np.testing.assert_array_equal(
+                    backend.to_numpy(mp.compute.data).astype(np.float32), want)
+            runs.append((losses, launches, backend.to_numpy(mp.master.data)))
+        (a, la, pa), (b, lb, pb) = runs
+        assert a == b and (pa == pb).all()
+        assert la < lb, (la, lb)                 # the copy's own pass is gone
+    finally:
+        backend.init("cpu" if prev == "cpu" else prev)
 
 
 def _fake_cublas(calls):
@@ -229,7 +275,7 @@ def test_a_bf16_run_multiplies_through_the_bf16_gemm(monkeypatch):
     monkeypatch.setattr(gemm.BF16_GEMM, "twin", lambda a, b: seen.append(a.shape) or
                         gemm.gemm_twin(a, b))
     x, w = np.ones((2, 3, 4), np.float32), np.ones((4, 5), np.float32)
-    backend._bf16_operands = True
+    backend.reset_precision(emulated=True)
     try:
         assert kernels.matmul(x, w).shape == (2, 3, 5) and seen == [(6, 4)]
     finally:

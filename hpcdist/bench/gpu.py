@@ -35,46 +35,64 @@ def _family() -> str:
     return {"gpt": "GPT", "llama": "Llama"}[ARCH[0]]
 
 
-def _step_fn(L, C, T, B, V, H=0, seed=0):
+def _step_fn(L, C, T, B, V, H=0, seed=0, precision="fp32"):
+    """One training step as the trainer's data-parallel path takes it on one rank: forward,
+    backward, (mixed precision: the compute gradient into the fp32 master's, as DDP's
+    buckets do), AdamW, the compute copy of the weights."""
     from hpcdist.device import backend
     from hpcdist import nn, optim
+    from hpcdist.parallel.mixed_precision import MixedPrecision
     nn.manual_seed(seed)
     cfg = _config(L, C, T, B, V, H)
     model = nn.FAMILIES[cfg.arch][1](cfg)
-    flat = optim.FlatParams(model.parameters())
-    opt = optim.AdamW(flat, lr=1e-4)
+    mp = MixedPrecision(model.parameters(), precision)
+    opt = optim.AdamW(mp.master, lr=1e-4)
+    mp.attach(opt)
     rng = np.random.default_rng(seed)
     idx = backend.to_device(rng.integers(0, V, (B, T)))
 
     def step():
-        flat.grad[...] = 0
+        mp.zero_grad()
         _, loss = model(idx, idx)
         loss.backward()
+        if mp.mixed:
+            mp.master.grad[...] = mp.compute.grad
         opt.step()
+        mp.after_step()
         return loss
     return step, model
 
 
-def count(L, C, T, B, V, H=0) -> dict:
-    """Launches of one step, fused and op by op (on the device double)."""
+COUNTS = (("op by op", "0", "fp32"), ("fused", "1", "fp32"), ("fused bf16", "1", "bf16"))
+
+
+def count(L, C, T, B, V, H=0, which=COUNTS) -> dict:
+    """Launches of one step: op by op and fused in fp32, fused in bf16 (on the device double,
+    where bf16 runs natively: bf16 weights, activations and gradients)."""
     from hpcdist.device import backend, double as device_double
     backend.init("double")
     out, before = {}, os.environ.get("HPCDIST_FUSED")
-    for fused in ("0", "1"):
-        os.environ["HPCDIST_FUSED"] = fused
-        print(f"counting the launches of two {_family()} {L}x{C} steps on the device double, "
-              f"{'fused' if fused == '1' else 'op by op'} (about a minute each)...",
-              file=sys.stderr, flush=True)
-        step, _ = _step_fn(L, C, T, B, V, H)
-        step()                                        # first step: buffers made once
-        device_double.LAUNCHES.count = 0
-        step()
-        out["fused" if fused == "1" else "op by op"] = device_double.LAUNCHES.count
-    if before is None:                                  # as the caller had it
-        os.environ.pop("HPCDIST_FUSED", None)
-    else:
-        os.environ["HPCDIST_FUSED"] = before
-    out["ratio"] = out["op by op"] / max(out["fused"], 1)
+    try:
+        for name, fused, precision in which:
+            os.environ["HPCDIST_FUSED"] = fused
+            print(f"counting the launches of two {_family()} {L}x{C} steps on the device "
+                  f"double, {name} (about a minute each)...", file=sys.stderr, flush=True)
+            backend.reset_precision()
+            step, _ = _step_fn(L, C, T, B, V, H, precision=precision)
+            step()                                        # first step: buffers made once
+            device_double.LAUNCHES.count = 0
+            step()
+            out[name] = device_double.LAUNCHES.count
+    finally:
+        backend.reset_precision()
+        if before is None:                                  # as the caller had it
+            os.environ.pop("HPCDIST_FUSED", None)
+        else:
+            os.environ["HPCDIST_FUSED"] = before
+    if "op by op" in out and "fused" in out:
+        out["ratio"] = out["op by op"] / max(out["fused"], 1)
+    if "fused bf16" in out and "fused" in out:
+        out["bf16 ratio"] = out["fused bf16"] / max(out["fused"], 1)
     return out
 
 
@@ -96,9 +114,9 @@ def _hpcdist_mode(shape, mode: str, attention: str = "auto"):
     backend.reset_precision()
     kernels.configure(mode == "tf32")
     kernels.attention.configure(attention)
-    if mode == "bf16":
-        backend.compute_dtype("bf16")          # this CuPy: fp32 storage, bf16 GEMMs
-    return _step_fn(*shape)
+    # bf16: native where this CuPy computes in bf16 (backend.native_bf16), else fp32 storage
+    # with bf16 GEMMs
+    return _step_fn(*shape, precision="bf16" if mode == "bf16" else "fp32")
 
 
 # PyTorch's rows: (name, precision, attention: "math" (eager's unfused) or "sdpa", compiled)
@@ -261,7 +279,8 @@ def main(argv=None) -> int:
         res = {"model": f"{_family()} {args.layers}x{args.embd}, T {args.seq}, batch {args.batch}",
                **count(*shape)}
         print(f"{res['model']}: launches per training step, op by op {res['op by op']:,}, "
-              f"fused {res['fused']:,} ({res['ratio']:.2f}x fewer)")
+              f"fused {res['fused']:,} ({res['ratio']:.2f}x fewer); bf16 (native, fused) "
+              f"{res['fused bf16']:,} ({res['bf16 ratio']:.3f}x the fp32 step's)")
     else:
         from hpcdist.device import backend
         if backend.gpu_count() == 0:

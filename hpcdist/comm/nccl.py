@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-import time
 
 import numpy as np
 
 from ..device import backend
-from . import ulfm
+from . import nccl_watch, ulfm
 from .nccl_work import Batch, StreamHandle, watched
 from .alltoall import offsets, pieces_of, split, unequal_problem
 from .arith import check_op, shard_counts
@@ -98,6 +96,9 @@ class NcclCommunicator:
         if self.rank == 0:
             uid[:] = pack_unique_id(self.nccl.get_unique_id())
         self.host.bcast(uid, root=0)
+        if ulfm.world() is not None and hasattr(self.nccl, "_use_world"):
+            self.nccl._use_world(ulfm.world())   # the device double's stand-in: after a
+            # recovery its MPI rendezvous must look among the survivors (NCCL's needs no MPI)
         self.comm = self.nccl.NcclCommunicator(self.size, unpack_unique_id(uid), self.rank)
         self.bytes_sent = 0                            # ring-equivalent payload bytes
         self.calls: dict = {}                          # kind -> [calls, bytes sent]
@@ -106,7 +107,7 @@ class NcclCommunicator:
         _LIVE.append(self)
         if ulfm.enabled():                             # --on-failure shrink: a death aborts
             ulfm.on_revoke(self.abort)
-            _watch()
+            nccl_watch.start(_LIVE)
 
     def abort(self) -> None:
         """End this communicator's NCCL work now (``ncclCommAbort``: a kernel waiting for a
@@ -333,45 +334,6 @@ class NcclCommunicator:
         self.host.close()
         if self in _LIVE:
             _LIVE.remove(self)
-
-
-WATCH_S = 0.05          # how often the watcher looks
-_watcher: threading.Thread | None = None
-
-
-def _watch() -> None:
-    """Start (once a process) the thread that aborts NCCL when a peer dies: the rank stuck
-    in a wait on the GPU cannot do it itself. It looks every WATCH_S at what MPI's runtime
-    knows of dead processes and at NCCL's asynchronous error of each live communicator (a
-    peer's closed connection), and on either runs ``ulfm.revoke_all``: MPI's revokes and
-    every NCCL abort; the stuck wait returns and the rank's next MPI call reports the death."""
-    global _watcher
-    if _watcher is not None and _watcher.is_alive():
-        return
-    _watcher = threading.Thread(target=_watching, name="hpcdist-nccl-watcher", daemon=True)
-    _watcher.start()
-
-
-def _nccl_error() -> bool:
-    for nc in list(_LIVE):
-        try:
-            nc.comm.check_async_error()
-        except Exception:          # CuPy's NcclError (ncclRemoteError, ...): a peer is gone
-            if not nc.aborted:
-                return True
-    return False
-
-
-def _watching() -> None:
-    handled = -1                              # the era whose failure was acted on
-    while True:
-        time.sleep(WATCH_S)
-        era = ulfm.era()
-        if not ulfm.enabled() or era == handled:
-            continue
-        if ulfm.failure_known() or _nccl_error():
-            ulfm.revoke_all(in_era=era)
-            handled = era
 
 
 def _counts(total, counts, P: int) -> list:

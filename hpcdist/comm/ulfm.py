@@ -1,19 +1,13 @@
 """In-job recovery over MPI's fault-tolerance interface (ULFM): a rank that dies costs the
 survivors one shrink, not the job (``--on-failure shrink``; docs/failures.md, "In-job recovery").
 
-When a peer dies, the survivors' pending calls fail with MPI_ERR_PROC_FAILED (or
-MPI_ERR_REVOKED). A survivor that sees one revokes every communicator hpcdist made, so each
-other survivor's wait ends too, wherever it was. Every step ends in one agreement
-(``MPI_Comm_agree``) on a communicator of its own, just before the optimizer changes any
-state: it is uniform, so either every survivor applies the step or none does, and the last
-committed state is the same everywhere. A failed agreement raises ``RankLost``; the survivors
-then shrink that communicator to themselves (``shrink``) and go on. Open MPI 5 has it
-(``mpirun --with-ft ulfm --mca btl tcp,self``); MPICH's ch4 does not (MPICH #7426).
-
-NCCL has no revoke: a peer's death leaves a kernel waiting forever. So an NCCL communicator
-registers its abort (``on_revoke``: ``ncclCommAbort`` ends its kernels), and ``revoke_all``
-runs it beside the MPI revokes; a watcher thread (comm/nccl.py) starts that as soon as MPI or
-NCCL knows of a death, since the rank that should call it may be the one stuck in a wait.
+A survivor that sees MPI_ERR_PROC_FAILED (or MPI_ERR_REVOKED) revokes every communicator
+hpcdist made, so each other survivor's wait ends too, and runs every registered abort (NCCL's
+communicators: ``on_revoke``; a watcher thread in comm/nccl_watch.py starts that where the
+stuck rank cannot). Every step ends in one agreement (``MPI_Comm_agree``) on a communicator of
+its own before the optimizer changes any state: every survivor applies the step or none does.
+A failed agreement raises ``RankLost``; the survivors shrink to themselves and go on. Open MPI 5
+has it (``mpirun --with-ft ulfm --mca btl tcp,self``); MPICH's ch4 does not (MPICH #7426).
 """
 from __future__ import annotations
 

@@ -16,6 +16,10 @@ import os
 import numpy as np
 
 from ..host import malloc, pool
+from .errors import DeviceError
+from . import precision
+from .precision import (BF16_MODES, bf16_emulated, bf16_why, bfloat16,  # noqa: F401
+                        compute_dtype, dtype, native_bf16, reset_precision)
 
 DEVICES = ("cpu", "gpu", "auto", "double")
 
@@ -24,10 +28,6 @@ MALLOC_TUNED = malloc.tune()   # (host/malloc.py: freed temporaries stay in the 
 _xp = np          # the active array module
 _device = "cpu"   # "cpu" or "gpu", after init()
 _cupy = None      # the cupy module once imported, else None
-
-
-class DeviceError(RuntimeError):
-    """The requested device cannot be used (CuPy missing, no GPU visible)."""
 
 
 def _import_cupy():
@@ -88,9 +88,9 @@ def init(device: str | None = None, local_rank: int | None = None) -> str:
         device: "cpu", "gpu" or "auto" (GPU when one is visible); default $HPCDIST_DEVICE or "cpu".
         local_rank: node-local rank; on the GPU the process binds to GPU ``local_rank % count``.
     """
-    global _xp, _device, _cupy, _native_bf16
+    global _xp, _device, _cupy
     device = (device or os.environ.get("HPCDIST_DEVICE") or "cpu").lower()
-    _native_bf16 = None                       # probed again for the module chosen now
+    precision.forget_probe(None)              # NumPy computes in bf16 (ml_dtypes)
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
     if device == "auto":
@@ -99,6 +99,7 @@ def init(device: str | None = None, local_rank: int | None = None) -> str:
         from . import double as device_double
         _cupy = device_double
         _xp, _device = device_double, "gpu"
+        precision.forget_probe(_bf16_probe)   # the device's bf16 asked at first use
         return "double"
     if device == "gpu":
         if _cupy is not None and _cupy.__name__ == "hpcdist.device.double":
@@ -111,6 +112,7 @@ def init(device: str | None = None, local_rank: int | None = None) -> str:
         lr = env_local_rank() if local_rank is None else local_rank
         cupy.cuda.Device(lr % n).use()
         _xp, _device = cupy, "gpu"
+        precision.forget_probe(_bf16_probe)
     else:
         if _cupy is not None and _cupy.__name__ == "hpcdist.device.double":
             _cupy = None                      # the double is not a GPU for later questions
@@ -185,58 +187,52 @@ def synchronize(arr=None) -> None:
 
 # ---- dtypes ---------------------------------------------------------------------------------
 
-def bfloat16():
-    """The bfloat16 dtype: ml_dtypes' (NumPy, and CuPy releases that accept it)."""
+_default_float = np.dtype(np.float32)
+
+
+def default_float() -> np.dtype:
+    return _default_float
+
+
+def set_default_float(dt) -> None:
+    """dtype of new floating tensors and parameters (float32 unless tests ask for float64)."""
+    global _default_float
+    _default_float = dtype(dt)
+
+
+def _bf16_probe() -> tuple:
+    """(None where the active module computes what a step asks of it in bf16, else why not in
+    a few words; whether its scatter-add takes bf16). Values are small integers: exact in
+    bf16, so any difference is a bug (precision.native_bf16 asks this once per device)."""
+    xp = _xp
     try:
-        import ml_dtypes
-    except ImportError:
-        raise DeviceError("bf16 needs ml_dtypes: pip install 'hpcdist[bf16]'") from None
-    return np.dtype(ml_dtypes.bfloat16)
+        bf = bfloat16()
+        a = xp.ones((2, 3, 4), dtype=bf)
+        w = xp.ones((4, 5), dtype=bf)
+        steps = [
+            ("elementwise", lambda: float((xp.exp(a * 0) + a - 1).astype(np.float32).sum()),
+             24.0),
+            ("2-D GEMM", lambda: float((a[0] @ w).astype(np.float32).sum()), 60.0),
+            ("batched GEMM", lambda: float(matmul(a, xp.swapaxes(a, -1, -2))
+                                           .astype(np.float32).sum()), 72.0),
+            ("folded GEMM", lambda: float(matmul(a, w).astype(np.float32).sum()), 120.0),
+            ("sum", lambda: float(a.sum(axis=-1).astype(np.float32).sum()), 24.0),
+        ]
+        for name, run, want in steps:
+            got = run()
+            if got != want:
+                return f"bf16 {name} gave {got}, not {want}", False
+    except Exception as e:          # CuPy 14.2 on an H200: "data type 'E' not understood"
+        return f"{type(e).__name__}: {str(e)[:120]}", False
+    try:                            # not needed: without it the sums go through float32
+        target = xp.zeros((3, 4), dtype=bf)
+        _cupyx().scatter_add(target, xp.asarray(np.array([0, 2, 0])), xp.ones((3, 4), bf))
+        scatter = float(target.astype(np.float32).sum()) == 12.0 and \
+            float(target[0, 0].astype(np.float32)) == 2.0
+    except Exception:
+        scatter = False
+    return None, scatter
 
-
-_native_bf16 = None     # does the active CuPy compute in bfloat16? (probed once)
-_bf16_operands = False  # round matmul operands to bf16 (bf16 emulated in fp32 storage)
-
-
-def native_bf16() -> bool:
-    """Whether the active array module computes in bfloat16: NumPy with ml_dtypes does; CuPy
-    does from the release that accepts ``ml_dtypes.bfloat16`` (v15; 14.x does not)."""
-    global _native_bf16
-    if _device == "cpu":
-        return True
-    if _native_bf16 is None:
-        try:        # what a step does with it: GEMMs 2-D and batched, elementwise, sums
-            a = _xp.ones((2, 2, 2), dtype=bfloat16())
-            b = (a @ a) + a[0] @ a[1] + _xp.exp(a * 0)
-            _native_bf16 = bool(float(b.astype(np.float32).sum()) == 40.0)
-        except Exception:   # CuPy 14.2 on an H200: 2-D worked, batched had no kernel
-            _native_bf16 = False
-    return _native_bf16
-
-
-def compute_dtype(precision: str) -> np.dtype:
-    """The dtype that forward and backward run in for ``precision`` ("fp16", "bf16", ...).
-
-    bf16 on a CuPy without bfloat16 is emulated with bf16's numbers: arrays stay float32 and
-    every matmul rounds its operands to bf16 (round to nearest even) and accumulates in fp32,
-    which is what tensor cores do with bf16 inputs. ``bf16_emulated()`` says when."""
-    global _bf16_operands
-    if isinstance(precision, str) and precision.lower() in ("bf16", "bfloat16") \
-            and not native_bf16():
-        _bf16_operands = True
-        return np.dtype(np.float32)
-    return dtype(precision)
-
-
-def bf16_emulated() -> bool:
-    return _bf16_operands
-
-
-def reset_precision(emulated: bool = False) -> None:
-    """Forget an earlier run's bf16 emulation (each run decides its own precision), or set
-    it back (``emulated``: what ``bf16_emulated()`` said before)."""
-    global _bf16_operands
-    _bf16_operands = bool(emulated)
 
 
 def round_to_bf16(x):
@@ -249,39 +245,6 @@ def round_to_bf16(x):
         & np.uint32(0xFFFF0000)
     out = bits.view(np.float32)
     return mod.where(mod.isnan(x), x, out) if out.size else out
-
-
-_DTYPE_NAMES = {
-    "fp16": "float16", "float16": "float16", "half": "float16",
-    "fp32": "float32", "float32": "float32", "float": "float32",
-    "fp64": "float64", "float64": "float64", "double": "float64",
-    "int32": "int32", "int64": "int64",
-}
-
-
-def dtype(name) -> np.dtype:
-    """Resolve a dtype name ("fp32", "float64", "bf16", ...) or dtype to a numpy dtype."""
-    if isinstance(name, str):
-        if name.lower() in ("bf16", "bfloat16"):
-            return bfloat16()
-        if name.lower() not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {name!r}: choose one of "
-                             f"{', '.join(sorted(_DTYPE_NAMES))}, bf16")
-        return np.dtype(_DTYPE_NAMES[name.lower()])
-    return np.dtype(name)
-
-
-_default_float = np.dtype(np.float32)
-
-
-def default_float() -> np.dtype:
-    return _default_float
-
-
-def set_default_float(dt) -> None:
-    """dtype of new floating tensors and parameters (float32 unless tests ask for float64)."""
-    global _default_float
-    _default_float = dtype(dt)
 
 
 # ---- matmul ---------------------------------------------------------------------------------
@@ -297,7 +260,13 @@ def matmul(a, b, rounding: bool = True):
     attention input: 248 us against 135 us folded)."""
     if a.dtype.itemsize == 2 and a.dtype.kind in "fV" and not is_gpu_array(a):
         return matmul(a.astype(np.float32), b.astype(np.float32)).astype(a.dtype)
-    if _bf16_operands and rounding and a.dtype == np.float32:
+    if a.dtype.name == "bfloat16" and is_gpu_array(a) and not (
+            b.ndim == 2 and (a.ndim == 2 or a.flags.c_contiguous)):
+        # a batched bf16 GEMM: CuPy 14.2 has no kernel for it; float32 in, fp32 accumulation
+        # as tensor cores do it, rounded back (attention's GEMM path; the flash kernels and
+        # every linear layer are 2-D)
+        return (a.astype(np.float32) @ b.astype(np.float32)).astype(a.dtype)
+    if precision.bf16_emulated() and rounding and a.dtype == np.float32:
         a, b = round_to_bf16(a), round_to_bf16(b)
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous and a.shape[-1]:
         return _gemm(a.reshape(-1, a.shape[-1]), b).reshape(a.shape[:-1] + b.shape[-1:])
@@ -330,6 +299,12 @@ def scatter_add(target, idx, values) -> None:
     On NumPy, rows are summed per index after a sort (``add.reduceat``): ``np.add.at`` took
     290-680 us for the default GPT's 704 x 64 token gradients, this ~60 us."""
     if is_gpu_array(target):
+        if target.dtype.name == "bfloat16" and not precision.bf16_scatter():
+            # a CuPy without a bf16 scatter-add: the sums through float32
+            wide = target.astype(np.float32)
+            _cupyx().scatter_add(wide, idx, values.astype(np.float32))
+            target[...] = wide.astype(target.dtype)
+            return
         _cupyx().scatter_add(target, idx, values)
         return
     if isinstance(idx, tuple) or not hasattr(idx, "dtype") or idx.dtype.kind not in "iu" \
@@ -355,6 +330,7 @@ def scatter_add(target, idx, values) -> None:
 
 
 from .rng import DropoutRNG, rng, rng_state, seed, set_rng_state  # noqa: E402,F401 (dropout)
+
 
 
 def cupy_library(module: str):

@@ -83,8 +83,21 @@ template <class T> struct Ptr {
     Ptr& operator+=(long long i) { off += i; return *this; }
 };
 
-template <class T> T atomicAdd(Ptr<T> p, T v) { T old = *p; *p = old + v; return old; }
-template <class T> T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+// CUDA's atomicAdd takes int, unsigned, unsigned long long, float and double (no bf16 struct
+// of our own): anything else fails to compile here as it does in NVRTC
+template <class T> constexpr bool sim_atomic_type() {
+    return std::is_same<T, int>::value || std::is_same<T, unsigned>::value ||
+           std::is_same<T, unsigned long long>::value || std::is_same<T, float>::value ||
+           std::is_same<T, double>::value;
+}
+template <class T> T atomicAdd(Ptr<T> p, T v) {
+    static_assert(sim_atomic_type<T>(), "atomicAdd: no overload for this type in CUDA");
+    T old = *p; *p = old + v; return old;
+}
+template <class T> T atomicAdd(T* p, T v) {
+    static_assert(sim_atomic_type<T>(), "atomicAdd: no overload for this type in CUDA");
+    T old = *p; *p = old + v; return old;
+}
 
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }

@@ -109,6 +109,11 @@ def _compile(cpp: str) -> str:
     return lib
 
 
+def _dtype(name: str) -> np.dtype:
+    from .backend import dtype      # (bfloat16 through ml_dtypes)
+    return dtype(name)
+
+
 class RawModule:
     """CuPy's ``RawModule(code=...)`` for the CPU: ``get_function(name)`` -> a Kernel."""
 
@@ -116,7 +121,7 @@ class RawModule:
                  types: dict | None = None):
         cpp, self.kernels = translate(code)
         self.lib = ctypes.CDLL(_compile(cpp))
-        self.types = {"T": np.dtype(dtype), "A": np.dtype(_C_TYPES[DTYPES[dtype][1]]),
+        self.types = {"T": _dtype(dtype), "A": np.dtype(_C_TYPES[DTYPES[dtype][1]]),
                       **{k: np.dtype(v) for k, v in (types or {}).items()}}
         self.order, self.seed = order, seed
 
@@ -197,8 +202,8 @@ def check(op, dtype: str, orders=tuple(ORDERS), seed: int = 1) -> dict:
     out = {}
     for order in orders:
         worst = op.worst_error(dtype, kernels(op, dtype, order, seed))
-        if worst > op.tolerance:
+        if worst > op.tolerance_for(dtype):
             raise AssertionError(f"{op.name} ({dtype}, threads {ORDERS[order]}): off by "
-                                 f"{worst:.2e} (allowed {op.tolerance:.0e})")
+                                 f"{worst:.2e} (allowed {op.tolerance_for(dtype):.0e})")
         out[order] = worst
     return out

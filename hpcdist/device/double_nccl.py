@@ -1,20 +1,14 @@
 """The device double's NCCL: ``cupy.cuda.nccl`` as hpcdist calls it, over MPI's own collectives.
 
 Where no GPU is, this stands in for NCCL so that the NCCL backend (comm/nccl.py) runs its
-whole protocol — the unique id, the constructor, every collective, send/recv in a group —
-with the same arguments and types a real ``NcclCommunicator`` takes (each call binds to the
-typed signature in ``surface.NCCL``: an id of the wrong type is a TypeError here, as it is in
-CuPy). The data moves with MPI's built-in collectives on the arrays behind the pointers (the
-double's pointers are host addresses).
-
-How the ranks find each other: the unique id carries a token; each member writes its world
-rank under a folder named by the token and waits until ``ndev`` have (the rendezvous NCCL
-does over the socket address its id holds); their MPI communicator is made from that group.
-The world is MPI_COMM_WORLD, or after an in-job recovery the survivors (comm/ulfm.py):
-NCCL's rendezvous needs no common MPI communicator, the stand-in's does.
-
-``abort`` is ``ncclCommAbort``: the stand-in revokes its MPI communicator (under ULFM), so a
-call waiting in it on a dead peer returns with an error, and every later call fails.
+whole protocol with the arguments and types a real ``NcclCommunicator`` takes (each call binds
+to the typed signature in ``surface.NCCL``). The data moves with MPI's built-in collectives on
+the arrays behind the pointers (the double's pointers are host addresses). The ranks meet as
+NCCL's do over its id's socket address: each writes its rank under a folder named by the id's
+token, and their MPI communicator is made from that group of the world (MPI_COMM_WORLD, or the
+survivors after an in-job recovery: ``_use_world``). ``abort`` is ``ncclCommAbort``: the
+stand-in revokes its communicator (ULFM), so a call waiting on a dead peer returns with an
+error, and every later call fails.
 """
 from __future__ import annotations
 
@@ -39,6 +33,13 @@ _INTEGER = {"int", "size_t", "intptr_t"}
 RENDEZVOUS_S = 60.0
 
 _group: list | None = None          # send/recv queued between groupStart and groupEnd
+_world = None                       # the MPI communicator of every live rank (None: COMM_WORLD)
+
+
+def _use_world(comm) -> None:
+    """The stand-in's own: where its rendezvous finds the members (not in CuPy's surface)."""
+    global _world
+    _world = comm
 
 
 def _bind(name: str, args: tuple) -> None:
@@ -86,8 +87,7 @@ def _array(ptr: int, count: int, datatype: int) -> np.ndarray:
 
 def _rendezvous(ndev: int, comm_id: bytes, rank: int):
     """The MPI communicator of the ``ndev`` ranks holding ``comm_id``, in NCCL rank order."""
-    from ..comm import ulfm
-    world = ulfm.world() or MPI.COMM_WORLD
+    world = _world or MPI.COMM_WORLD
     folder = os.path.join(tempfile.gettempdir(),
                           "hpcdist-nccl-" + comm_id[14:46].decode(errors="replace"))
     os.makedirs(folder, exist_ok=True)

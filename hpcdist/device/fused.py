@@ -17,14 +17,39 @@ from . import backend
 _REGISTRY: dict = {}
 cpu_wanted = None               # kernels/cpu.py's size and dtype rule (kernels/__init__.py)
 _refused: dict = {}             # name -> why it is not used
-DTYPES = {"float32": ("float", "float"), "float64": ("double", "double")}
+DTYPES = {"float32": ("float", "float"), "float64": ("double", "double"),
+          "bfloat16": ("bf16", "float")}
+FLOATS = ("float32", "float64")
+# bf16 storage, float arithmetic: a kernel reads a bf16 into a float (exact) and rounds once as
+# it stores (to nearest even; a NaN stays a NaN), as PyTorch's and llm.c's bf16 kernels do.
+# Written out here rather than taken from <cuda_bf16.h>: the same text compiles in NVRTC
+# (no include path needed) and in g++ against cudasim.h, so the CPU model runs what the GPU
+# runs; two bytes, the layout of ml_dtypes' bfloat16 arrays.
+BF16 = r"""
+struct bf16 {
+    unsigned short w;
+    bf16() = default;
+    __device__ __forceinline__ bf16(float f) {
+        unsigned u = __float_as_uint(f);
+        w = (f != f) ? (unsigned short)((u >> 16) | 0x40u)
+                     : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    __device__ __forceinline__ operator float() const {
+        return __uint_as_float(((unsigned)w) << 16);
+    }
+};
+"""
+# tolerance of a bf16 kernel against its twin computed in float32 from the same bf16 inputs:
+# one rounding of each output is half a bf16 step (2^-9 of the largest output); a kernel that
+# keeps an intermediate in bf16 between its passes may take one more
+BF16_TOLERANCE = 8e-3
 
 
 class Fused:
     """One fused op. ``source``: CUDA C with ``T``/``A``; ``kernels``: the ``extern "C"``
     functions it defines; ``launch(mod, *args)``: runs them (``mod(name)`` -> RawKernel) and
     returns the outputs; ``twin(*args)``: the same outputs in xp; ``launches``: how many
-    kernels one call starts; ``cases(xp, rng)``: inputs for the self-check; ``tolerance``:
+    kernels one call starts (or a function of the call's arguments); ``cases(xp, rng)``: inputs for the self-check; ``tolerance``:
     the largest error allowed, relative to the twin's largest output; ``library``: the
     library call its launcher makes besides its kernels (cuBLAS), if any."""
 
@@ -53,7 +78,11 @@ class Fused:
         head size, a kind of arithmetic), each a ``#define`` ahead of the source."""
         t, a = DTYPES[dtype]
         macros = "".join(f"#define {k} {v}\n" for k, v in sorted((defines or {}).items()))
-        return f"typedef {t} T;\ntypedef {a} A;\n" + macros + self.source
+        return (BF16 if dtype == "bfloat16" else "") + f"typedef {t} T;\ntypedef {a} A;\n" + \
+            macros + self.source
+
+    def tolerance_for(self, dtype: str) -> float:
+        return max(self.tolerance, BF16_TOLERANCE) if dtype == "bfloat16" else self.tolerance
 
     def __call__(self, *args):
         label = backend.device_label()
@@ -65,7 +94,9 @@ class Fused:
         dtype = args[0].dtype.name
         if label == "double":
             from . import double as device_double
-            with device_double.one_launch(self.launches):
+            if dtype not in self.dtypes:          # (a GPU runs the twin op by op too)
+                return self.twin(*args)
+            with device_double.one_launch(self.count(args)):
                 return self.twin(*args)
         if label != "gpu" or dtype not in self.dtypes:
             return self.twin(*args)
@@ -75,6 +106,16 @@ class Fused:
             return self.twin(*args)
         return self.launch(lambda kernel, defines=None: self._kernel(dtype, kernel, defines),
                            *args)
+
+    def native(self, dtype) -> bool:
+        """Whether this op takes arrays of ``dtype`` as they are on this device (a kernel for
+        it on a GPU or the device double; the CPU's 2-byte floats go through float32)."""
+        return backend.device_label() != "cpu" and np.dtype(dtype).name in self.dtypes
+
+    def count(self, args) -> int:
+        """Kernels one call on ``args`` starts (``launches``: a number, or a function of
+        the call's arguments where a launch depends on them)."""
+        return self.launches(*args) if callable(self.launches) else self.launches
 
     def ready(self, dtype: str) -> bool:
         """Whether the GPU kernel runs for ``dtype`` (its self-check, run now if it has not)."""
@@ -102,13 +143,13 @@ class Fused:
         backend.reset_precision()
         try:
             return max((self._case_error(run, args) for args in
-                        self.cases(backend.xp(), np.random.default_rng(0), np.dtype(dtype))),
+                        self.cases(backend.xp(), np.random.default_rng(0), backend.dtype(dtype))),
                        default=0.0)
         finally:
             backend.reset_precision(emulated)
 
     def _case_error(self, run, args) -> float:
-        want = _tuple(self.twin(*[_copy(a) for a in args]))[:self.compare]
+        want = _tuple(self.twin(*[_widened(a) for a in args]))[:self.compare]
         got = _tuple(run(*[_copy(a) for a in args]))[:self.compare]
         worst = 0.0
         for w, g in zip(want, got):
@@ -137,8 +178,9 @@ class Fused:
         except Exception as e:                         # compile or launch failure
             _refused[name] = f"{type(e).__name__}: {e}"[:200]
             return False
-        if worst > self.tolerance:
-            _refused[name] = f"{dtype}: off by {worst:.2e} (allowed {self.tolerance:.0e})"
+        if worst > self.tolerance_for(dtype):
+            _refused[name] = (f"{dtype}: off by {worst:.2e} (allowed "
+                              f"{self.tolerance_for(dtype):.0e})")
             return False
         return True
 
@@ -157,6 +199,14 @@ def _error(want, got) -> float:
 
 def _copy(a):
     return a.copy() if hasattr(a, "copy") and hasattr(a, "dtype") else a
+
+
+def _widened(a):
+    """A copy for the twin: bf16 arrays as float32 (the twin computes in float32 what the
+    kernel computes in float from the same bf16 values; both are then compared)."""
+    if getattr(a, "dtype", None) is not None and a.dtype.name == "bfloat16" and a.ndim:
+        return a.astype(np.float32)
+    return _copy(a)
 
 
 def _tuple(x):

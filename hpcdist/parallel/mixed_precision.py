@@ -130,4 +130,17 @@ class MixedPrecision:
 
     def copy_master_to_compute(self) -> None:
         if self.mixed:
-            self.compute.data[...] = self.master.data.astype(self.compute.data.dtype)
+            self.compute.data[...] = self.master.data     # (cast on assignment: one pass)
+
+    def attach(self, opt) -> None:
+        """``opt`` (over ``master``) writes the compute copy as it steps: on a GPU AdamW's
+        own kernel rounds each new parameter to bf16 beside the fp32 one (no second pass
+        over the weights); ``after_step`` then has nothing left to do."""
+        self._writer = opt if self.mixed else None
+        if self._writer is not None:
+            opt.copy_into = self.compute.data
+
+    def after_step(self) -> None:
+        """After the optimizer's step: the compute copy holds the new weights."""
+        if self.mixed and getattr(self, "_writer", None) is None:
+            self.copy_master_to_compute()

@@ -41,6 +41,7 @@ class DataParallelStrategy(Strategy):
 
     def __init__(self, model, ddp, opt, mp, dp_comm, norm=None, grad_sum=None, mesh=None):
         self.model, self.ddp, self.opt, self.mp = model, ddp, opt, mp
+        mp.attach(opt)                             # the optimizer writes the compute copy
         self.dp_comm, self.mesh = dp_comm, mesh
         self.comm = ddp.comm                       # the gradient communicator (bytes count)
         self.scaler = mp.scaler
@@ -71,7 +72,7 @@ class DataParallelStrategy(Strategy):
         norm = self.norm.global_norm(grad)
         optim.clip(grad, norm, grad_clip)
         self.opt.step(lr)
-        self.mp.copy_master_to_compute()
+        self.mp.after_step()
         return True, norm
 
     def memory(self) -> dict:

@@ -76,6 +76,13 @@ class Zero(ZeroShape, Strategy):
         self._place(full, bucket_mb, first_bucket_mb)
         self.opt = make_optimizer(ShardParams(self.master, None,
                                               decay_ranges_in(decay, self.lo, self.hi)))
+        if self.mixed:                 # each step writes this rank's piece of the compute copy
+            self.opt.copy_into = self._compute_shard()
+
+    def _compute_shard(self):
+        """This rank's [lo, hi) of the compute parameters (the optimizer's step writes it in
+        mixed precision), or None where there is no such array."""
+        return None
 
     # ---- what a level says ------------------------------------------------------------------
     def _place(self, full, bucket_mb: float, first_bucket_mb: float) -> None:
@@ -89,8 +96,9 @@ class Zero(ZeroShape, Strategy):
     def _between_micro_batches(self) -> None:
         """After a micro-batch that is not the step's last."""
 
-    def _rebuild_parameters(self) -> None:
-        """After the update: the parameters the model computes with, from the shards."""
+    def _rebuild_parameters(self, stepped: bool = False) -> None:
+        """After the update (``stepped``: by the optimizer, which wrote ``opt.copy_into``
+        where set) or a load: the parameters the model computes with, from the shards."""
         raise NotImplementedError
 
     def _held(self) -> tuple:
@@ -127,9 +135,10 @@ class Zero(ZeroShape, Strategy):
             if s < e:
                 self.grad_shard[s - self.lo:e - self.lo] += part
 
-    def _gather_full(self) -> None:
-        """Stages 1-2: allgather every rank's updated shard into the full parameters."""
-        if self.mixed:
+    def _gather_full(self, stepped: bool = False) -> None:
+        """Stages 1-2: allgather every rank's updated shard into the full parameters (its
+        compute copy written by the optimizer's step where ``stepped`` and it does)."""
+        if self.mixed and not (stepped and self.opt.copy_into is not None):
             self.compute.data[self.lo:self.hi] = self.master.astype(self.compute_dtype)
         if self.comm.size > 1:                        # in place, into the full params
             self.comm.allgather(self.compute.data[self.lo:self.hi],
@@ -174,7 +183,7 @@ class Zero(ZeroShape, Strategy):
         self.opt.flat.grad = g
         self.opt.step(lr)
         self.opt.flat.grad = None
-        self._rebuild_parameters()
+        self._rebuild_parameters(stepped=True)
         self._end_step()
         return True, norm
 
@@ -245,8 +254,11 @@ class Zero1(Zero, Zero1Shape):
             self.grad_shard[...] = self.comm.reduce_scatter(self.compute.grad, "avg")
         self._track()
 
-    def _rebuild_parameters(self) -> None:
-        self._gather_full()
+    def _rebuild_parameters(self, stepped: bool = False) -> None:
+        self._gather_full(stepped)
+
+    def _compute_shard(self):
+        return self.compute.data[self.lo:self.hi]
 
     def _held(self) -> tuple:
         return self.compute.data.nbytes, self.compute.grad.nbytes

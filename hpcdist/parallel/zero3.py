@@ -162,9 +162,12 @@ class Zero3(Zero, Zero3Shape):
             if gathered:
                 self._release(self.persistent)
 
-    def _rebuild_parameters(self) -> None:
-        if self.mixed:                                    # this rank's compute shard
+    def _rebuild_parameters(self, stepped: bool = False) -> None:
+        if self.mixed and not (stepped and self.opt.copy_into is not None):
             self.compute_shard[...] = self.master.astype(self.compute_dtype)
+
+    def _compute_shard(self):
+        return self.compute_shard
 
     def _end_step(self) -> None:
         self._track()

@@ -33,11 +33,13 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
     if pipeline:
         layout += f" | {pipeline}"
     emulated = ""
+    why = backend.bf16_why() or "this CuPy has no bfloat16"
     if backend.bf16_emulated():
-        emulated = (" (GEMMs in bf16 on tensor cores, activations fp32: this CuPy has no "
-                    "bfloat16)") if backend.device_label() == "gpu" else (
-            " (emulated: matmul operands rounded to bf16, fp32 storage; this CuPy has no "
-            "bfloat16)")
+        emulated = (f" (GEMMs in bf16 on tensor cores, activations fp32: {why})"
+                    if backend.device_label() == "gpu" else
+                    f" (emulated: matmul operands rounded to bf16, fp32 storage; {why})")
+    elif cfg.precision == "bf16" and backend.device_label() != "cpu":
+        emulated = " (native: bf16 weights, activations and gradients; fp32 master weights)"
     if cfg.tf32:
         emulated += " | " + kernels.describe(cfg.tf32)
     emulated += " | " + attention_words(cfg)

@@ -12,10 +12,11 @@ _TABLES: list = []            # [(pos, hd, theta, dtype, (cos, sin))]: the last 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis (kernels.RMSNORM_FWD / _BWD).
-    2-byte floats are normalised in float32 and rounded back."""
+    2-byte floats are normalised in float32 and rounded back: inside the kernel where it
+    takes them (bf16 on a GPU), else by converting around it."""
     xp = backend.array_module(x.data)
     dt = x.data.dtype
-    low = dt.itemsize < 4 and dt.kind in "fV"
+    low = dt.itemsize < 4 and dt.kind in "fV" and not kernels.RMSNORM_FWD.native(dt)
     f32 = (lambda a: a.astype(xp.float32)) if low else (lambda a: a)
     xd = f32(x.data)
     out, rstd, xhat = kernels.RMSNORM_FWD(xd, f32(weight.data), eps)

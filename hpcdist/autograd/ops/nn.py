@@ -119,10 +119,11 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``: one fused
     kernel each way (kernels.LAYERNORM_FWD / _BWD; the twin in place, means as sums times
     1/C: NumPy's ``mean`` costs a Python layer per call). 2-byte floats are normalized in
-    float32 and rounded back."""
+    float32 and rounded back: inside the kernel where it takes them (bf16 on a GPU), else
+    by converting around it."""
     xp = _xp(x)
     dt = x.data.dtype
-    low = dt.itemsize < 4 and dt.kind in "fV"
+    low = dt.itemsize < 4 and dt.kind in "fV" and not kernels.LAYERNORM_FWD.native(dt)
     f32 = (lambda a: a.astype(xp.float32)) if low else (lambda a: a)
     C = x.shape[-1]
     ones = lambda: xp.ones(C, dtype=xp.float32 if low else dt)      # noqa: E731

@@ -16,7 +16,7 @@ from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
                    operand, product,
                    matmul_add)
-from .elementwise import (ADAMW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
+from .elementwise import (ADAMW, ADAMW_LOW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
                           adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
                           colsum_add_twin, gelu_bwd_twin, gelu_twin)
 from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNORM_FWD,
@@ -52,7 +52,7 @@ _fused.cpu_wanted = _cpu.wanted
 from .. import backend as _backend  # noqa: E402
 _backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows)
 
-__all__ = ["ADAMW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
+__all__ = ["ADAMW", "ADAMW_LOW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",
            "RMSNORM_BWD", "RMSNORM_FWD", "ROTARY", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
            "rmsnorm_twin", "rotary_tables", "rotary_twin", "swiglu_bwd_twin", "swiglu_twin", "BIAS_GELU", "MOE_COMBINE",

@@ -115,7 +115,10 @@ def check(path: str, precision: str, head: int, device: str) -> str | None:
 
 
 def kind(dtype) -> str:
-    """The flash kernels' arithmetic for arrays of ``dtype`` in this run."""
+    """The flash kernels' arithmetic for arrays of ``dtype`` in this run: bf16 arrays (and
+    float32 under bf16 emulation) on tensor cores, float32 under --tf32 in TF32, else exact."""
+    if np.dtype(dtype).name == "bfloat16":
+        return "bf16"
     if np.dtype(dtype) != np.float32:
         return "exact"
     if backend.bf16_emulated():

@@ -38,6 +38,42 @@ __device__ A block_{op}(A v, A* shared) {{
 """.format(op=op, identity=identity) for op, identity in (("sum", "(A)0"), ("max", "NEG_INF")))
 
 
+def accumulator(dtype) -> type:
+    """The type a kernel's ``A`` is for arrays of ``dtype``: double for fp64, else float."""
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+def sums(into, n: int, acc):
+    """Where a kernel adds a sum over rows (atomics in ``A``): ``into`` itself when it is of
+    the accumulator's type, else zeros of that type (``summed`` adds them in after)."""
+    from .. import backend
+    if into is not None and into.dtype == acc:
+        return into
+    return backend.xp().zeros(n, dtype=acc)
+
+
+def summed(buf, into, dtype):
+    """The sums of ``buf`` (from ``sums``) as the caller gets them: added into ``into`` when
+    that is another array (a bf16 gradient buffer: rounded once), or as ``dtype``."""
+    if into is None:
+        return buf.astype(dtype, copy=False)
+    if buf is not into:
+        into += buf
+    return into
+
+
+def low(x) -> bool:
+    """Whether ``x`` holds 2-byte floats (bf16, fp16): twins compute those in float32, as the
+    kernels do, and store in the array's own dtype."""
+    return getattr(x, "dtype", None) is not None and x.dtype.itemsize == 2 and \
+        x.dtype.kind in "fV"
+
+
+def wide(x):
+    """``x`` in float32 where it holds 2-byte floats, else ``x`` itself."""
+    return x.astype(np.float32) if low(x) else x
+
+
 def _scalar(dtype, value):
     return np.dtype(dtype).type(value)
 

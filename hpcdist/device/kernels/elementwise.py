@@ -198,8 +198,9 @@ extern "C" __global__ void colsum_add(const T* g, T* out, long long rows, int C)
 
 
 def colsum_add_twin(g, out):
-    """``out += g.sum(axis=0)`` for g (N, C); returns out."""
-    out += g.sum(axis=0)
+    """``out += g.sum(axis=0)`` for g (N, C); returns out (2-byte floats summed in float32,
+    as the kernel does)."""
+    out += g.sum(axis=0, dtype=np.float32) if g.dtype.itemsize == 2 else g.sum(axis=0)
     return out
 
 
@@ -237,6 +238,26 @@ extern "C" __global__ void adamw(T* p, const T* g, T* m, T* v, const unsigned ch
     p[i] = (T)(pi - mi / denom * (lr / bias1));
     m[i] = (T)mi;
     v[i] = (T)vi;
+}
+// the same step writing the bf16 compute copy of the new parameters beside the fp32 master
+// (mixed precision: no second pass over the parameters), rounded to nearest even
+extern "C" __global__ void adamw_low(T* p, const T* g, T* m, T* v, const unsigned char* decay,
+                                     long long n, A lr, A beta1, A beta2, A eps, A wd,
+                                     A bias1, A sqrt_bias2, unsigned short* low) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    A pi = (A)p[i], gi = (A)g[i];
+    if (decay[i]) pi *= (A)1 - lr * wd;
+    A vi = (A)v[i] * beta2 + gi * gi * ((A)1 - beta2);
+    A mi = (A)m[i] * beta1 + gi * ((A)1 - beta1);
+    A denom = sqrt(vi) / sqrt_bias2 + eps;
+    T out = (T)(pi - mi / denom * (lr / bias1));
+    p[i] = out;
+    m[i] = (T)mi;
+    v[i] = (T)vi;
+    unsigned u = __float_as_uint((float)out);
+    low[i] = ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
+                                               : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 """
 
@@ -289,3 +310,30 @@ def _adamw_cases(xp, rng, dt):
 
 ADAMW = Fused("adamw", _ADAMW, ["adamw"], _adamw_launch, adamw_twin, _adamw_cases,
               tolerance=1e-5)
+
+
+def adamw_low_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, low):
+    """AdamW's step (adamw_twin), then ``low``: the new parameters in its dtype (bf16)."""
+    adamw_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step)
+    low[...] = backend.round_to_bf16(p)          # (exact in a bf16 array, and in a float32 one)
+    return p, m, v, low
+
+
+def _adamw_low_launch(k, p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, low):
+    s = lambda x: _scalar(np.float32, x)   # noqa: E731
+    k("adamw_low")(*grid(p.size), (p, g, m, v, decay, np.int64(p.size), s(lr), s(beta1),
+                                   s(beta2), s(eps), s(wd), s(1.0 - beta1 ** step),
+                                   s(math.sqrt(1.0 - beta2 ** step)), low.view(np.uint16)))
+    return p, m, v, low
+
+
+def _adamw_low_cases(xp, rng, dt):
+    bf16 = backend.bfloat16()
+    for args in _adamw_cases(xp, rng, dt):
+        yield args + (xp.zeros(args[0].shape, dtype=bf16),)
+
+
+# fp32 master weights in, their bf16 compute copy written by the same kernel (the copy's
+# rounding is exact: the tolerance is the update's, as ADAMW's)
+ADAMW_LOW = Fused("adamw_low", _ADAMW, ["adamw_low"], _adamw_low_launch, adamw_low_twin,
+                  _adamw_low_cases, tolerance=1e-5, dtypes=("float32",))

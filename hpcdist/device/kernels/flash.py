@@ -200,9 +200,12 @@ def _vectors(kind, qkv, hs) -> np.int32:
 
 
 def _pack(k, kind, hs, x):
-    """x as the kernels read it: bf16 words (one rounding pass), else x itself."""
+    """x as the kernels read it: bf16 words (one rounding pass from float32; bf16 arrays are
+    their words already), else x itself."""
     if kind != "bf16":
         return x
+    if x.dtype.name == "bfloat16":
+        return x.view(np.uint16)
     words = backend.xp().empty(x.shape, dtype=np.uint16)
     if x.size:
         k("flash_pack", _defines(kind, hs))((-(-x.size // 256),), (256,),
@@ -233,7 +236,7 @@ def _fwd_launch(kind):
             fn((-(-T // (16 * warps)), nh, B), (32 * warps,),
                (src, src, src, y, lse, *_ints(T, T, nh, nkv, hs), W, W, W, *offsets,
                 *_ints(0, 0, 1), _vectors(kind, src, hs), acc(scale)), shared_mem=shm)
-        return y, lse.astype(qkv.dtype, copy=False)
+        return y, lse                       # (lse in float: bf16 would lose the merge)
     return launch
 
 
@@ -305,16 +308,19 @@ FLASH_FWD, FLASH_BWD = {}, {}
 for _kind in ("exact", "bf16", "tf32"):
     _fwd, _bwd, _rounding = _twins(_kind)
     _suffix = "" if _kind == "exact" else "_" + _kind
-    _dtypes = ("float32", "float64") if _kind == "exact" else ("float32",)
-    _packs = _kind == "bf16"                    # (its launches round q, k, v to bf16 first)
+    _dtypes = {"exact": ("float32", "float64"), "bf16": ("float32", "bfloat16"),
+               "tf32": ("float32",)}[_kind]
+    _packs = _kind == "bf16"                    # (float32 in: q, k, v rounded to bf16 first)
     _ctypes = (lambda dtype, defines, kind=_kind: {"S": _storage(kind, dtype)})
     FLASH_FWD[_kind] = Fused(
         "flash_fwd" + _suffix, FLASH_SOURCE, ["flash_pack", "flash_fwd"][not _packs:],
-        _fwd_launch(_kind), _fwd, lambda xp, rng, dt: _cases(xp, rng, dt), launches=1 + _packs,
+        _fwd_launch(_kind), _fwd, lambda xp, rng, dt: _cases(xp, rng, dt),
+        launches=lambda qkv, *_, p=_packs: 1 + (p and qkv.dtype == np.float32),
         tolerance=TOLERANCE[_kind][0], dtypes=_dtypes, ctypes=_ctypes)
     FLASH_BWD[_kind] = Fused(
         "flash_bwd" + _suffix, FLASH_SOURCE,
         ["flash_pack", "flash_dot", "flash_bwd_kv", "flash_bwd_q"][not _packs:],
         _bwd_launch(_kind), _bwd,
-        lambda xp, rng, dt, r=_rounding: _cases(xp, rng, dt, True, r), launches=3 + _packs,
+        lambda xp, rng, dt, r=_rounding: _cases(xp, rng, dt, True, r),
+        launches=lambda qkv, *_, p=_packs: 3 + (p and qkv.dtype == np.float32),
         tolerance=TOLERANCE[_kind][1], dtypes=_dtypes, ctypes=_ctypes)

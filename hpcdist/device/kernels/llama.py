@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import backend
 from ..fused import ROW_THREADS, Fused, grid
-from .common import _COMMON, _rows, _scalar
+from .common import _COMMON, _rows, _scalar, accumulator, low, sums, summed, wide
 
 # ---- RMSNorm -------------------------------------------------------------------------------
 
@@ -29,7 +29,7 @@ extern "C" __global__ void rmsnorm_fwd(const T* x, const T* w, T* y, A* rstd, lo
 // one block per row: gx = rstd (g w - xhat mean(g w xhat)), xhat = x rstd; the weight's
 // gradient added over rows into gw (zeros, or its own gradient buffer)
 extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const A* rstd, T* gx,
-                                       T* gw, long long rows, int C) {
+                                       A* gw, long long rows, int C) {
     __shared__ A shared[32];
     long long r = blockIdx.x;
     if (r >= rows) return;
@@ -39,7 +39,7 @@ extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         A xhat = (A)xr[c] * rs;
         s += (A)gr[c] * (A)w[c] * xhat;
-        atomicAdd(gw + c, (T)((A)gr[c] * xhat));
+        atomicAdd(gw + c, (A)gr[c] * xhat);
     }
     s = block_sum(s, shared) / (A)C;
     for (int c = threadIdx.x; c < C; c += blockDim.x)
@@ -49,7 +49,11 @@ extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const
 
 
 def rmsnorm_twin(x, w, eps):
-    """(y, rstd, xhat) over the last axis; rstd of shape x.shape[:-1]."""
+    """(y, rstd, xhat) over the last axis; rstd of shape x.shape[:-1]. 2-byte floats in
+    float32 (rstd and xhat stay float32), y rounded back."""
+    if low(x):
+        y, rstd, xhat = rmsnorm_twin(wide(x), wide(w), eps)
+        return y.astype(x.dtype), rstd, xhat
     xp = backend.array_module(x)
     ms = (x * x).sum(axis=-1, keepdims=True) * (1.0 / x.shape[-1])
     rstd = 1.0 / xp.sqrt(ms + eps)
@@ -58,7 +62,12 @@ def rmsnorm_twin(x, w, eps):
 
 
 def rmsnorm_bwd_twin(g, x, w, rstd, xhat=None, gw_into=None):
-    """(gx, gw) of y = x rstd w; ``gw_into``: the weight's gradient added into it."""
+    """(gx, gw) of y = x rstd w; ``gw_into``: the weight's gradient added into it. 2-byte
+    floats in float32, gx and gw rounded back."""
+    if low(x):
+        gx, gw = rmsnorm_bwd_twin(wide(g), wide(x), wide(w), rstd,
+                                  wide(xhat) if xhat is not None else None)
+        return gx.astype(x.dtype), summed(gw, gw_into, x.dtype)
     if xhat is None:
         xhat = x * rstd[..., None]
     gxhat = g * w
@@ -76,27 +85,27 @@ def _rmsnorm_launch(k, x, w, eps):
     xp = backend.xp()
     x = xp.ascontiguousarray(x)
     rows, C = _rows(x)
-    acc = np.float64 if x.dtype == np.float64 else np.float32
+    acc = accumulator(x.dtype)
     y = xp.empty_like(x)
     rstd = xp.empty(rows, dtype=acc)
     k("rmsnorm_fwd")((max(rows, 1),), (ROW_THREADS,),
                      (x, xp.ascontiguousarray(w), y, rstd, np.int64(rows), np.int32(C),
                       _scalar(acc, eps)))
-    return y, rstd.reshape(x.shape[:-1]).astype(x.dtype, copy=False), None
+    return y, rstd.reshape(x.shape[:-1]), None
 
 
 def _rmsnorm_bwd_launch(k, g, x, w, rstd, xhat=None, gw_into=None):
     xp = backend.xp()
     x = xp.ascontiguousarray(x)
     rows, C = _rows(x)
-    acc = np.float64 if x.dtype == np.float64 else np.float32
+    acc = accumulator(x.dtype)
     gx = xp.empty_like(x)
-    gw = gw_into if gw_into is not None else xp.zeros(C, dtype=x.dtype)
+    gw = sums(gw_into, C, acc)
     k("rmsnorm_bwd")((max(rows, 1),), (ROW_THREADS,),
                      (xp.ascontiguousarray(g, dtype=x.dtype), x, xp.ascontiguousarray(w),
                       xp.ascontiguousarray(rstd, dtype=acc).reshape(-1), gx, gw,
                       np.int64(rows), np.int32(C)))
-    return gx, gw
+    return gx, summed(gw, gw_into, x.dtype)
 
 
 def _rmsnorm_cases(xp, rng, dt, backward=False):

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import backend
 from ..fused import ROW_THREADS, Fused
-from .common import _COMMON, _rows, _scalar
+from .common import _COMMON, _rows, _scalar, accumulator, low, sums, summed, wide
 
 
 # ---- LayerNorm -----------------------------------------------------------------------------
@@ -30,10 +30,10 @@ extern "C" __global__ void layernorm_fwd(const T* x, const T* w, const T* b, T* 
     if (threadIdx.x == 0) { mean[r] = m; rstd[r] = rs; }
 }
 // one block per row: gx = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)), gxhat = g w;
-// the weight and bias gradients added over rows into gw, gb (zeros, or the parameters' own
-// gradient buffers: accumulated in place)
+// the weight and bias gradients added over rows into gw, gb (in the accumulator's type: zeros,
+// or the parameters' own gradient buffers, accumulated in place)
 extern "C" __global__ void layernorm_bwd(const T* g, const T* x, const T* w, const A* mean,
-                                         const A* rstd, T* gx, T* gw, T* gb, long long rows,
+                                         const A* rstd, T* gx, A* gw, A* gb, long long rows,
                                          int C) {
     __shared__ A shared[32];
     long long r = blockIdx.x;
@@ -45,8 +45,8 @@ extern "C" __global__ void layernorm_bwd(const T* g, const T* x, const T* w, con
         A xhat = ((A)xr[c] - m) * rs, gh = (A)gr[c] * (A)w[c];
         s1 += gh;
         s2 += gh * xhat;
-        atomicAdd(gw + c, (T)((A)gr[c] * xhat));
-        atomicAdd(gb + c, gr[c]);
+        atomicAdd(gw + c, (A)gr[c] * xhat);
+        atomicAdd(gb + c, (A)gr[c]);
     }
     s1 = block_sum(s1, shared) / (A)C;
     s2 = block_sum(s2, shared) / (A)C;
@@ -59,7 +59,11 @@ extern "C" __global__ void layernorm_bwd(const T* g, const T* x, const T* w, con
 
 
 def layernorm_twin(x, w, b, eps):
-    """(y, mean, rstd) over the last axis; mean and rstd of shape x.shape[:-1]."""
+    """(y, mean, rstd, xhat) over the last axis; mean and rstd of shape x.shape[:-1]. 2-byte
+    floats are normalised in float32 (mean, rstd and xhat stay float32), y rounded back."""
+    if low(x):
+        y, mean, rstd, xhat = layernorm_twin(wide(x), wide(w), wide(b), eps)
+        return y.astype(x.dtype), mean, rstd, xhat
     xp = backend.array_module(x)
     inv_c = 1.0 / x.shape[-1]
     mean = x.sum(axis=-1, keepdims=True) * inv_c
@@ -79,7 +83,13 @@ def layernorm_twin(x, w, b, eps):
 def layernorm_bwd_twin(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None):
     """(gx, gw, gb) of y = (x - mean) rstd w + b; ``xhat`` the forward's normalised x when it
     kept it; ``gw_into``/``gb_into``: add the weight and bias gradients into these (returned
-    as gw, gb) instead of new arrays."""
+    as gw, gb) instead of new arrays. 2-byte floats: in float32, gx rounded back, the sums
+    added into the buffers (or returned) in their dtype."""
+    if low(x):
+        gx, gw, gb = layernorm_bwd_twin(wide(g), wide(x), wide(w), mean, rstd, wide(xhat)
+                                        if xhat is not None else None)
+        return (gx.astype(x.dtype),) + tuple(summed(sums_, into, x.dtype) for sums_, into in
+                                             ((gw, gw_into), (gb, gb_into)))
     xp = backend.array_module(x)
     inv_c = 1.0 / x.shape[-1]
     if xhat is None:
@@ -116,28 +126,26 @@ def added_into(gw, gb, gw_into, gb_into) -> tuple:
 def _layernorm_launch(k, x, w, b, eps):
     xp = backend.xp()
     rows, C = _rows(x)
-    acc = np.float64 if x.dtype == np.float64 else np.float32
+    acc = accumulator(x.dtype)
     y = xp.empty_like(x)
     mean, rstd = xp.empty(rows, dtype=acc), xp.empty(rows, dtype=acc)
     k("layernorm_fwd")((max(rows, 1),), (ROW_THREADS,),
                        (x, w, b, y, mean, rstd, np.int64(rows), np.int32(C),
                         _scalar(acc, eps)))
-    return y, mean.reshape(x.shape[:-1]).astype(x.dtype, copy=False), \
-        rstd.reshape(x.shape[:-1]).astype(x.dtype, copy=False), None
+    return y, mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1]), None
 
 
 def _layernorm_bwd_launch(k, g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None):
     xp = backend.xp()
     rows, C = _rows(x)
-    acc = np.float64 if x.dtype == np.float64 else np.float32
+    acc = accumulator(x.dtype)
     gx = xp.empty_like(x)
-    gw = gw_into if gw_into is not None else xp.zeros(C, dtype=x.dtype)
-    gb = gb_into if gb_into is not None else xp.zeros(C, dtype=x.dtype)
+    gw, gb = sums(gw_into, C, acc), sums(gb_into, C, acc)
     k("layernorm_bwd")((max(rows, 1),), (ROW_THREADS,),
                        (xp.ascontiguousarray(g), x, w, xp.ascontiguousarray(mean, dtype=acc),
                         xp.ascontiguousarray(rstd, dtype=acc), gx, gw, gb, np.int64(rows),
                         np.int32(C)))
-    return gx, gw.astype(x.dtype, copy=False), gb.astype(x.dtype, copy=False)
+    return gx, summed(gw, gw_into, x.dtype), summed(gb, gb_into, x.dtype)
 
 
 def _ln_cases(xp, rng, dt, backward=False):
@@ -242,7 +250,7 @@ def _softmax_cases(xp, rng, dt, backward=False):
         if not backward:
             yield x, 0.125, past
         else:
-            y = softmax_causal_twin(x, 0.125, past)
+            y = softmax_causal_twin(x, 0.125, past).astype(dt)
             yield xp.asarray(rng.standard_normal(shape).astype(dt)), y, 0.125
 
 

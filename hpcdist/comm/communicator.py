@@ -93,8 +93,7 @@ class Communicator:
 
     @property
     def bytes_inter_node(self) -> int:
-        """Of ``bytes_sent``, what went to ranks on other nodes (over the slow links; the
-        short exchanges' payloads are not split by node)."""
+        """Of ``bytes_sent``, what went to ranks on other nodes (over the slow links)."""
         return sum(w.total()[1] for w in (self._wire, self._bg_wire, self._p2p_wire))
 
     @property

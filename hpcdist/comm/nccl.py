@@ -20,6 +20,7 @@ from .alltoall import offsets, pieces_of, split, unequal_problem
 from .arith import check_op, shard_counts
 
 _NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+                "bfloat16": "NCCL_BFLOAT16",
                 "int32": "NCCL_INT32", "int64": "NCCL_INT64", "uint8": "NCCL_UINT8",
                 "int8": "NCCL_INT8"}
 _NCCL_OPS = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN"}

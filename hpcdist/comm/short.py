@@ -54,6 +54,7 @@ class Exchange:
         self.fold = 0                              # 1: hands its part in, -1: takes it in
         if r < 2 * (P - pof2):
             self.fold = 1 if r % 2 == 0 else -1
+        self.neighbour = r + 1 if self.fold == 1 else r - 1      # (the fold's partner)
         if self.fold == 1:                         # phase 1: the evens send theirs in ...
             self.fold_in = [wire.Send_init(self.work, r + 1, TAG)]
             self.fold_out = [wire.Recv_init(rbuf, r + 1, TAG + 1)]   # ... and get the result
@@ -64,7 +65,8 @@ class Exchange:
         mask = 1
         while new_rank >= 0 and mask < pof2:
             peer = unfold_rank(new_rank ^ mask, P)               # distance doubles every round
-            self.rounds.append([wire.Recv_init(rbuf, peer, TAG), wire.Send_init(self.work, peer, TAG)])
+            self.rounds.append(([wire.Recv_init(rbuf, peer, TAG),
+                                 wire.Send_init(self.work, peer, TAG)], peer))
             mask <<= 1
         self.nbytes = nbytes                       # payload bytes per send
 
@@ -76,19 +78,19 @@ class Exchange:
         _pack(self.work, 0, key, -key)
         agreed = True                              # every header seen so far was [key, -key]
         if self.fold == 1:
-            _complete(wire, self.fold_in, wait, n)
+            _complete(wire, self.fold_in, wait, n, self.neighbour)
         elif self.fold == -1:
             _complete(wire, self.fold_in, wait, 0)
             agreed = self._merge(key, agreed)
             if agreed and fold is not None:
                 fold(mine, peer, out=mine)
-        for requests in self.rounds:
-            _complete(wire, requests, wait, n)
+        for requests, dest in self.rounds:
+            _complete(wire, requests, wait, n, dest)
             agreed = self._merge(key, agreed)
             if agreed and fold is not None:
                 fold(mine, peer, out=mine)
         if self.fold == -1:
-            _complete(wire, self.fold_out, wait, n)
+            _complete(wire, self.fold_out, wait, n, self.neighbour)
         elif self.fold == 1:
             _complete(wire, self.fold_out, wait, 0)
             self.hdr[...] = self.rhdr              # the odd neighbour's header is everyone's
@@ -109,7 +111,8 @@ class Exchange:
         return False
 
     def free(self) -> None:
-        for requests in self.rounds + ([self.fold_in, self.fold_out] if self.fold else []):
+        for requests in [r for r, _ in self.rounds] + \
+                ([self.fold_in, self.fold_out] if self.fold else []):
             for q in requests:
                 q.Free()
         self.rounds, self.fold = [], 0
@@ -130,11 +133,11 @@ def _header(key: int) -> bytes:
     return struct.pack("=qq", key, -key)
 
 
-def _complete(wire, requests, wait, nbytes) -> None:
-    """Start persistent requests (``nbytes`` of payload sent, counted by the wire) and wait
-    for them (watchdog back-off; ``wait`` registered only when the first test finds them
-    unfinished)."""
-    wire.Startall(requests, nbytes)
+def _complete(wire, requests, wait, nbytes, dest=None) -> None:
+    """Start persistent requests (``nbytes`` of payload sent to ``dest``, counted by the wire)
+    and wait for them (watchdog back-off; ``wait`` registered only when the first test finds
+    them unfinished)."""
+    wire.Startall(requests, nbytes, dest)
     if not _testall(requests):
         watchdog.wait_requests(requests, wait)
 

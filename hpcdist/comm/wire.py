@@ -175,9 +175,13 @@ class Wire:
     def Recv_init(self, buf, source, tag=0):
         return self.mpi.Recv_init(self._buf(buf, "Recv_init"), source, tag)
 
-    def Startall(self, requests, nbytes: int = 0) -> None:
-        """Start persistent requests that send ``nbytes`` of payload in all."""
+    def Startall(self, requests, nbytes: int = 0, dest=None) -> None:
+        """Start persistent requests that send ``nbytes`` of payload in all (to ``dest``,
+        counted in ``sent_inter`` too where that rank is on another node)."""
         self.sent += nbytes
+        if nbytes and dest is not None and self.node_of is not None and \
+                self.node_of[dest] != self.node:
+            self.sent_inter += nbytes
         _startall(requests)
 
     def free_levels(self) -> None:

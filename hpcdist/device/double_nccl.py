@@ -24,9 +24,9 @@ from .surface import NCCL, signature, typed_parameters
 
 # NCCL's codes (nccl.h): data types and reduction ops
 _DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 4: np.int64, 6: np.float16, 7: np.float32,
-           8: np.float64}
+           8: np.float64, 9: "bfloat16"}
 NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64 = 0, 1, 2, 4
-NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64 = 6, 7, 8
+NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = 0, 1, 2, 3
 _OPS = {NCCL_SUM: MPI.SUM, NCCL_PROD: MPI.PROD, NCCL_MAX: MPI.MAX, NCCL_MIN: MPI.MIN}
 _INTEGER = {"int", "size_t", "intptr_t"}
@@ -78,11 +78,35 @@ def groupEnd() -> None:             # noqa: N802
 
 
 def _array(ptr: int, count: int, datatype: int) -> np.ndarray:
-    dtype = np.dtype(_DTYPES[datatype])
+    dtype = _dtype(datatype)
     if count == 0:
         return np.empty(0, dtype)
     raw = (ctypes.c_uint8 * (count * dtype.itemsize)).from_address(ptr)
     return np.frombuffer(raw, dtype=dtype)
+
+
+def _moved(ptr: int, count: int, datatype: int) -> np.ndarray:
+    """The array at ``ptr`` as bytes MPI can move: bf16 as its 16-bit words."""
+    a = _array(ptr, count, datatype)
+    return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+
+
+def _dtype(datatype: int) -> np.dtype:
+    if _DTYPES[datatype] == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(_DTYPES[datatype])
+
+
+def _reduced(comm, src, out, op) -> None:
+    """MPI's allreduce of ``src`` into ``out`` (``src`` None: in place); bf16, which MPI has
+    no type for, is summed in float32 and rounded once, as NCCL's bf16 reductions are."""
+    if out.dtype.name != "bfloat16":
+        comm.Allreduce(MPI.IN_PLACE if src is None else src, out, op=op)
+        return
+    wide = (out if src is None else src).astype(np.float32)
+    comm.Allreduce(MPI.IN_PLACE, wide, op=op)
+    out[...] = wide
 
 
 def _rendezvous(ndev: int, comm_id: bytes, rank: int):
@@ -121,32 +145,38 @@ class NcclCommunicator:
         _bind("NcclCommunicator.allReduce", (self, sendbuf, recvbuf, count, datatype, op,
                                              stream))
         out = _array(recvbuf, count, datatype)
-        src = MPI.IN_PLACE if sendbuf == recvbuf else _array(sendbuf, count, datatype)
-        self._comm.Allreduce(src, out, op=_OPS[op])
+        _reduced(self._comm, None if sendbuf == recvbuf else _array(sendbuf, count, datatype),
+                 out, _OPS[op])
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
         _bind("NcclCommunicator.reduceScatter", (self, sendbuf, recvbuf, recvcount, datatype,
                                                  op, stream))
         n = self._comm.Get_size()
-        self._comm.Reduce_scatter_block(_array(sendbuf, recvcount * n, datatype),
-                                        _array(recvbuf, recvcount, datatype), op=_OPS[op])
+        src, out = _array(sendbuf, recvcount * n, datatype), _array(recvbuf, recvcount, datatype)
+        if out.dtype.name == "bfloat16":            # (no MPI type: summed in float32)
+            wide = src.astype(np.float32)
+            self._comm.Allreduce(MPI.IN_PLACE, wide, op=_OPS[op])
+            r = self._comm.Get_rank()
+            out[...] = wide[r * recvcount:(r + 1) * recvcount]
+            return
+        self._comm.Reduce_scatter_block(src, out, op=_OPS[op])
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):       # noqa: N802
         _bind("NcclCommunicator.allGather", (self, sendbuf, recvbuf, count, datatype, stream))
-        self._comm.Allgather(_array(sendbuf, count, datatype),
-                             _array(recvbuf, count * self._comm.Get_size(), datatype))
+        self._comm.Allgather(_moved(sendbuf, count, datatype),
+                             _moved(recvbuf, count * self._comm.Get_size(), datatype))
 
     def bcast(self, buff, count, datatype, root, stream):
         _bind("NcclCommunicator.bcast", (self, buff, count, datatype, root, stream))
-        self._comm.Bcast(_array(buff, count, datatype), root=root)
+        self._comm.Bcast(_moved(buff, count, datatype), root=root)
 
     def send(self, sendbuf, count, datatype, peer, stream):
         _bind("NcclCommunicator.send", (self, sendbuf, count, datatype, peer, stream))
-        self._queue(lambda: self._comm.Isend(_array(sendbuf, count, datatype), peer))
+        self._queue(lambda: self._comm.Isend(_moved(sendbuf, count, datatype), peer))
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         _bind("NcclCommunicator.recv", (self, recvbuf, count, datatype, peer, stream))
-        self._queue(lambda: self._comm.Irecv(_array(recvbuf, count, datatype), peer))
+        self._queue(lambda: self._comm.Irecv(_moved(recvbuf, count, datatype), peer))
 
     def _queue(self, post) -> None:
         if _group is None:                       # outside a group: one call, done now

@@ -113,8 +113,8 @@ NCCL = {
     "NcclCommunicator.abort": ("method", "(self)"),
     "NcclCommunicator.check_async_error": ("method", "(self)"),
     **{f"NCCL_{n}": ("constant", None) for n in (
-        "FLOAT16", "FLOAT32", "FLOAT64", "INT32", "INT64", "UINT8", "INT8", "SUM", "MAX",
-        "MIN")},
+        "FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "INT32", "INT64", "UINT8", "INT8", "SUM",
+        "MAX", "MIN")},
 }
 # What kernels/gemm.py calls outside cupy's public module on a GPU (tensor-core GEMMs): module
 # (cublas: cupy_backends.cuda.libs.cublas, runtime: cupy_backends.cuda.api.runtime, device:

@@ -75,6 +75,30 @@ def test_nccl_collectives_match_mpi(comm, nccl):
         np.testing.assert_array_equal(backend.to_numpy(y), expect)
 
 
+def test_bf16_arrays_go_over_nccl_as_bf16(comm, nccl):
+    """Native bf16 (tensor-parallel activations, pipeline sends): NCCL's bfloat16, summed to
+    the same values as MPI's float32 sum rounded once (small integers: exact either way)."""
+    xp, bf16 = backend.xp(), backend.bfloat16()
+    P, r = comm.size, comm.rank
+    for n in (1, P + 1, 1000):
+        x = np.random.default_rng(r + n).integers(-9, 10, n).astype(np.float32)
+        ref = np.empty_like(x)
+        comm.mpi.Allreduce(x, ref, op=MPI.SUM)
+        got = nccl.allreduce(xp.asarray(x.astype(bf16)))
+        assert got.dtype == bf16
+        np.testing.assert_array_equal(backend.to_numpy(got).astype(np.float32), ref)
+        lo, hi = shard_bounds(n, P, r)
+        np.testing.assert_array_equal(
+            backend.to_numpy(nccl.reduce_scatter(xp.asarray(x.astype(bf16)))).astype(
+                np.float32), ref[lo:hi])
+        full = nccl.allgather(xp.asarray(ref[lo:hi].astype(bf16)), total=n)
+        np.testing.assert_array_equal(backend.to_numpy(full).astype(np.float32), ref)
+        if P > 1:
+            got = nccl.sendrecv(xp.asarray(x.astype(bf16)), (r + 1) % P, (r - 1) % P)
+            want = np.random.default_rng((r - 1) % P + n).integers(-9, 10, n)
+            np.testing.assert_array_equal(backend.to_numpy(got).astype(np.float32), want)
+
+
 def test_nccl_alltoall_matches_mpi(comm, nccl):
     """Grouped sends and receives: equal pieces, and uneven ones with zeros (the sizes over
     MPI first, or given), against MPI's Alltoallv; blocking and non-blocking."""

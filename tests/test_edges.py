@@ -370,7 +370,8 @@ def test_bench_gpu_count_says_what_it_is_doing():
     rc, out, err = py("-m", "hpcdist.bench", "gpu", "--count", "--layers", "1", "--embd", "32",
                       "--seq", "8", "--batch", "1", "--vocab", "64")
     assert rc == 0, err
-    assert err.count("counting the launches") == 2 and "launches per training step" in out
+    assert err.count("counting the launches") == 3 and "launches per training step" in out
+    assert "bf16 (native, fused)" in out and "the fp32 step's" in out
 
 
 # ---- 11: what has run on a GPU, said plainly ----------------------------------------------------

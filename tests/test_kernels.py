@@ -325,14 +325,14 @@ def test_an_attention_path_that_cannot_run_here_gives_way_to_flash_and_says_so(m
     monkeypatch.setattr(cudnn_attention, "why_not", lambda: None)
     qkv = np.zeros((2, 8, 3 * 2 * 16), np.float32)
     for passed, want in ((False, ["flash", "gemms"]), (True, ["flash", "gemms", "cudnn"])):
-        monkeypatch.setattr(cudnn_attention, "passed", lambda p=passed: p)
+        monkeypatch.setattr(cudnn_attention, "passed", lambda dtype="float32", p=passed: p)
         assert attention.candidates(qkv, 2, 2) == want
-    monkeypatch.setattr(cudnn_attention, "passed", lambda: False)
+    monkeypatch.setattr(cudnn_attention, "passed", lambda dtype="float32": False)
     try:
         attention.configure("cudnn")
         assert attention.path_for(qkv, 2, 2, 0.25) == "flash"
         assert attention.choice() == "flash at B, T = 2, 8"
-        monkeypatch.setattr(cudnn_attention, "passed", lambda: True)
+        monkeypatch.setattr(cudnn_attention, "passed", lambda dtype="float32": True)
         attention.configure("cudnn")
         assert attention.path_for(qkv, 2, 2, 0.25) == "cudnn"
         assert attention.choice() == "cudnn at B, T = 2, 8"

@@ -19,7 +19,6 @@ cpu_wanted = None               # kernels/cpu.py's size and dtype rule (kernels/
 _refused: dict = {}             # name -> why it is not used
 DTYPES = {"float32": ("float", "float"), "float64": ("double", "double"),
           "bfloat16": ("bf16", "float")}
-FLOATS = ("float32", "float64")
 # bf16 storage, float arithmetic: a kernel reads a bf16 into a float (exact) and rounds once as
 # it stores (to nearest even; a NaN stays a NaN), as PyTorch's and llm.c's bf16 kernels do.
 # Written out here rather than taken from <cuda_bf16.h>: the same text compiles in NVRTC
@@ -40,7 +39,7 @@ struct bf16 {
 };
 """
 # tolerance of a bf16 kernel against its twin computed in float32 from the same bf16 inputs:
-# one rounding of each output is half a bf16 step (2^-9 of the largest output); a kernel that
+# one rounding of an output is at most half a bf16 step, 2^-8 of its value; a kernel that
 # keeps an intermediate in bf16 between its passes may take one more
 BF16_TOLERANCE = 8e-3
 
@@ -49,9 +48,10 @@ class Fused:
     """One fused op. ``source``: CUDA C with ``T``/``A``; ``kernels``: the ``extern "C"``
     functions it defines; ``launch(mod, *args)``: runs them (``mod(name)`` -> RawKernel) and
     returns the outputs; ``twin(*args)``: the same outputs in xp; ``launches``: how many
-    kernels one call starts (or a function of the call's arguments); ``cases(xp, rng)``: inputs for the self-check; ``tolerance``:
-    the largest error allowed, relative to the twin's largest output; ``library``: the
-    library call its launcher makes besides its kernels (cuBLAS), if any."""
+    kernels one call starts (or a function of the call's arguments); ``cases(xp, rng)``:
+    inputs for the self-check; ``tolerance``: the largest error allowed, relative to the
+    twin's largest output; ``library``: the library call its launcher makes besides its
+    kernels (cuBLAS), if any."""
 
     def __init__(self, name, source, kernels, launch, twin, cases, launches=1,
                  tolerance=1e-5, compare=None, dtypes=tuple(DTYPES), library=None,

@@ -16,8 +16,8 @@ from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
                    operand, product,
                    matmul_add)
-from .elementwise import (ADAMW, ADAMW_LOW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
-                          adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
+from .elementwise import (ADAMW, ADAMW_LOW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD,
+                          GELU_FWD, adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
                           colsum_add_twin, gelu_bwd_twin, gelu_twin)
 from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNORM_FWD,
                    SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, cross_entropy_bwd_twin,

@@ -136,7 +136,7 @@ def candidates(qkv, n_head, n_kv_head) -> list:
         ways.append("gemms")
     hs = head_size(qkv.shape[-1], n_head, n_kv_head)
     if kind(qkv.dtype) == "bf16" and cudnn_attention.takes(hs) and \
-            cudnn_attention.why_not() is None and cudnn_attention.passed():
+            cudnn_attention.why_not() is None and cudnn_attention.passed(qkv.dtype.name):
         ways.append("cudnn")
     return ways
 

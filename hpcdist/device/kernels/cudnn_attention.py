@@ -33,11 +33,24 @@ def why_not() -> str | None:
     return None
 
 
-def passed() -> bool:
-    """Whether both directions passed their self-check on this GPU (run now if not yet): a
-    refused one would run as its slow twin, so ``auto`` and ``--attention cudnn`` then take
-    the flash kernels (``fused.refusals()`` says why)."""
-    return CUDNN_FWD.ready("float32") and CUDNN_BWD.ready("float32")
+def passed(dtype: str = "float32") -> bool:
+    """Whether both directions passed their self-check on this GPU for arrays of ``dtype``
+    (run now if not yet): a refused one would run as its slow twin, so ``auto`` and
+    ``--attention cudnn`` then take the flash kernels (``fused.refusals()`` says why)."""
+    return CUDNN_FWD.ready(dtype) and CUDNN_BWD.ready(dtype)
+
+
+def _words(k, x):
+    """x as the bf16 words cuDNN reads: a bf16 array's own (a view), else one TO_BF16 pass."""
+    xp = backend.xp()
+    if x.dtype.name == "bfloat16":
+        return xp.ascontiguousarray(x).view(np.uint16)
+    return gemm._to_bf16(k, xp.ascontiguousarray(x, dtype=np.float32))
+
+
+def _out(k, words, like):
+    """cuDNN's bf16 words as the caller's dtype: viewed as bf16, or converted to float32."""
+    return words.view(like.dtype) if like.dtype.name == "bfloat16" else gemm._from_bf16(k, words)
 
 
 def takes(hs: int) -> bool:
@@ -116,12 +129,12 @@ def _fwd_launch(k, qkv, nh, nkv, scale):
     if not (takes(hs) and B and T):
         return flash.FLASH_FWD["bf16"](qkv, nh, nkv, scale)
     xp = backend.xp()
-    words = gemm._to_bf16(k, xp.ascontiguousarray(qkv))
+    words = _words(k, qkv)
     o = xp.empty((B, T, nh * hs), dtype=np.uint16)
     stats = xp.empty((B, nh, T), dtype=np.float32)
     _run(_build(B, T, nh, nkv, hs, scale, False),
          {**_heads(words, nh, nkv, hs), "o": o.data.ptr, "stats": stats.data.ptr})
-    return gemm._from_bf16(k, o), stats
+    return _out(k, o, qkv), stats
 
 
 def _bwd_launch(k, qkv, y, dy, lse, nh, nkv, scale):
@@ -131,27 +144,29 @@ def _bwd_launch(k, qkv, y, dy, lse, nh, nkv, scale):
         return flash.FLASH_BWD["bf16"](qkv, y, dy, lse, nh, nkv, scale)
     xp = backend.xp()
     c = xp.ascontiguousarray
-    words = gemm._to_bf16(k, c(qkv))
+    words = _words(k, qkv)
     grads = xp.empty(qkv.shape, dtype=np.uint16)
     stats = c(lse, dtype=np.float32)
     # every array cuDNN reads is held by a name through the call: a pointer taken from a
     # temporary let the pool give y's words' memory to dy's, and cuDNN read dy as y (its
     # self-check refused it on an H200, off by 13.8)
-    o, do = gemm._to_bf16(k, c(y)), gemm._to_bf16(k, c(dy, dtype=np.float32))
+    o, do = _words(k, y), _words(k, dy)
     pointers = {**_heads(words, nh, nkv, hs), "o": o.data.ptr, "do": do.data.ptr,
                 "stats": stats.data.ptr}
     pointers.update({"d" + n: p for n, p in _heads(grads, nh, nkv, hs).items()})
     _run(_build(B, T, nh, nkv, hs, scale, True), pointers)
-    return gemm._from_bf16(k, grads)
+    return _out(k, grads, qkv)
 
 
 # tolerance: the bf16 kernels' own, and cuDNN writes y and the gradients as bf16 (8 bits)
 _fwd_twin, _bwd_twin, _rounding = flash._twins("bf16")
 CUDNN_FWD = Fused("cudnn_fwd", gemm._TO_BF16, ["to_bf16", "from_bf16"], _fwd_launch, _fwd_twin,
-                  lambda xp, rng, dt: flash._cases(xp, rng, dt), launches=3, tolerance=3e-2,
-                  compare=1, dtypes=("float32",),
+                  lambda xp, rng, dt: flash._cases(xp, rng, dt),
+                  launches=lambda qkv, *_: 1 + 2 * (qkv.dtype == np.float32), tolerance=3e-2,
+                  compare=1, dtypes=("float32", "bfloat16"),
                   library="cuDNN's fused attention (nvidia-cudnn-frontend)")
 CUDNN_BWD = Fused("cudnn_bwd", gemm._TO_BF16, ["to_bf16", "from_bf16"], _bwd_launch, _bwd_twin,
-                  lambda xp, rng, dt: flash._cases(xp, rng, dt, True, _rounding), launches=5,
-                  tolerance=5e-2, dtypes=("float32",),
+                  lambda xp, rng, dt: flash._cases(xp, rng, dt, True, _rounding),
+                  launches=lambda qkv, *_: 1 + 4 * (qkv.dtype == np.float32),
+                  tolerance=5e-2, dtypes=("float32", "bfloat16"),
                   library="cuDNN's fused attention (nvidia-cudnn-frontend)")

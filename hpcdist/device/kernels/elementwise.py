@@ -256,8 +256,9 @@ extern "C" __global__ void adamw_low(T* p, const T* g, T* m, T* v, const unsigne
     m[i] = (T)mi;
     v[i] = (T)vi;
     unsigned u = __float_as_uint((float)out);
-    low[i] = ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
-                                               : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    low[i] = ((u & 0x7fffffffu) > 0x7f800000u)
+        ? (unsigned short)((u >> 16) | 0x40u)                       // NaN stays a NaN
+        : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); // nearest, ties even
 }
 """
 

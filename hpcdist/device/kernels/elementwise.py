@@ -224,28 +224,10 @@ COLSUM_ADD = Fused("colsum_add", _COLSUM, ["colsum_add"], _colsum_launch, colsum
 # ---- AdamW ---------------------------------------------------------------------------------
 
 _ADAMW = r"""
-// one thread per element of the flat buffer, in the twin's order (optim.adamw_update)
-extern "C" __global__ void adamw(T* p, const T* g, T* m, T* v, const unsigned char* decay,
-                                 long long n, A lr, A beta1, A beta2, A eps, A wd, A bias1,
-                                 A sqrt_bias2) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    A pi = (A)p[i], gi = (A)g[i];
-    if (decay[i]) pi *= (A)1 - lr * wd;
-    A vi = (A)v[i] * beta2 + gi * gi * ((A)1 - beta2);
-    A mi = (A)m[i] * beta1 + gi * ((A)1 - beta1);
-    A denom = sqrt(vi) / sqrt_bias2 + eps;
-    p[i] = (T)(pi - mi / denom * (lr / bias1));
-    m[i] = (T)mi;
-    v[i] = (T)vi;
-}
-// the same step writing the bf16 compute copy of the new parameters beside the fp32 master
-// (mixed precision: no second pass over the parameters), rounded to nearest even
-extern "C" __global__ void adamw_low(T* p, const T* g, T* m, T* v, const unsigned char* decay,
-                                     long long n, A lr, A beta1, A beta2, A eps, A wd,
-                                     A bias1, A sqrt_bias2, unsigned short* low) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
+// element i's step, in the twin's order (optim.adamw_update): p, m, v in place; the new p
+__device__ __forceinline__ T adamw_at(long long i, T* p, const T* g, T* m, T* v,
+                                      const unsigned char* decay, A lr, A beta1, A beta2,
+                                      A eps, A wd, A bias1, A sqrt_bias2) {
     A pi = (A)p[i], gi = (A)g[i];
     if (decay[i]) pi *= (A)1 - lr * wd;
     A vi = (A)v[i] * beta2 + gi * gi * ((A)1 - beta2);
@@ -255,6 +237,23 @@ extern "C" __global__ void adamw_low(T* p, const T* g, T* m, T* v, const unsigne
     p[i] = out;
     m[i] = (T)mi;
     v[i] = (T)vi;
+    return out;
+}
+// one thread per element of the flat buffer
+extern "C" __global__ void adamw(T* p, const T* g, T* m, T* v, const unsigned char* decay,
+                                 long long n, A lr, A beta1, A beta2, A eps, A wd, A bias1,
+                                 A sqrt_bias2) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) adamw_at(i, p, g, m, v, decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2);
+}
+// the same step writing the bf16 compute copy of the new parameters beside the fp32 master
+// (mixed precision: no second pass over the parameters), rounded to nearest even
+extern "C" __global__ void adamw_low(T* p, const T* g, T* m, T* v, const unsigned char* decay,
+                                     long long n, A lr, A beta1, A beta2, A eps, A wd,
+                                     A bias1, A sqrt_bias2, unsigned short* low) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    T out = adamw_at(i, p, g, m, v, decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2);
     unsigned u = __float_as_uint((float)out);
     low[i] = ((u & 0x7fffffffu) > 0x7f800000u)
         ? (unsigned short)((u >> 16) | 0x40u)                       // NaN stays a NaN

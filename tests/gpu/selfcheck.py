@@ -18,7 +18,7 @@ def main():
             except Exception as e:                     # the reason is in refusals()
                 worst = type(e).__name__
             bad += not ok
-            print(f"{name:24s} {dt:8s} {worst:>12s} {op.tolerance:8.0e} "
+            print(f"{name:24s} {dt:8s} {worst:>12s} {op.tolerance_for(dt):8.0e} "
                   f"{time.perf_counter() - t0:6.2f} {'ok' if ok else 'REFUSED'}", flush=True)
     print("refusals:", fused.refusals())
     return 1 if bad else 0

@@ -23,6 +23,7 @@ git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python -c "import cupy, numpy, torch; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__, 'gpus', cupy.cuda.runtime.getDeviceCount())"
 python -c "from hpcdist.device import backend; backend.init('gpu'); from hpcdist.device.kernels import cudnn_attention as c; print('cuDNN attention:', c.why_not() or 'available')"
+python -c "from hpcdist.device import backend; backend.init('gpu'); print('bf16:', 'native' if backend.native_bf16() else 'emulated (' + backend.bf16_why() + ')')"
 
 left() { echo $((budget - SECONDS)); }
 step() {  # step NAME SECONDS COMMAND: at most SECONDS and never past the deadline
@@ -45,6 +46,7 @@ grep -a -E "flash|rmsnorm|swiglu|rotary|cudnn|refus|REFUSED" "$OUT/selfcheck.log
 step attention 50 "$B attention --reps 5 --out $OUT/attention.json"
 step table 80 "$B gpu --layers 24 --embd 1024 --heads 16 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16,tf32 --peers sdpa,eager --out $OUT/medium.json"
 step table 60 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes tf32,bf16 --peers eager,sdpa --out $OUT/small256.json"
+step table 30 "HPCDIST_BF16=emulated $B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16 --no-torch --out $OUT/small256-emulated.json"
 step table 45 "$B gpu --layers 12 --embd 768 --seq 8192 --batch 1 --vocab 128 --steps 3 --modes bf16 --peers sdpa --out $OUT/long.json"
 step table 50 "$B gpu --arch llama --layers 16 --embd 2048 --seq 2048 --batch 4 --vocab 32000 --steps 4 --modes bf16 --peers sdpa --out $OUT/llama.json"
 grep -a -E "ms/step|rc=|out of|attention:" "$OUT/table.log"

@@ -84,6 +84,8 @@ class MixedPrecision:
     For "fp32" nothing is copied: ``compute`` and ``master`` are the same FlatParams.
     """
 
+    _writer = None          # the optimizer that writes the compute copy (``attach``)
+
     def __init__(self, params, precision: str = "fp32", scaler: LossScaler | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
@@ -142,5 +144,5 @@ class MixedPrecision:
 
     def after_step(self) -> None:
         """After the optimizer's step: the compute copy holds the new weights."""
-        if self.mixed and getattr(self, "_writer", None) is None:
+        if self.mixed and self._writer is None:
             self.copy_master_to_compute()

@@ -25,13 +25,14 @@ pytestmark = pytest.mark.skipif(
     reason="no .venv-ompi (Open MPI's wheel): `make venv-ompi` builds it; make test does")
 
 
-def launch(n, *args, ft=True, **env):
+def launch(n, *args, ft=True, program=("-m", "hpcdist.train"), **env):
+    """``mpirun -n N python PROGRAM ARGS`` under Open MPI (``ft``: with ULFM), in a session."""
     full = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HPCDIST_TIMEOUT="60",
                 OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     full.update(env)
     cmd = [os.path.join(OMPI, "mpirun"), "--oversubscribe"] + \
         (["--with-ft", "ulfm", "--mca", "btl", "tcp,self"] if ft else []) + \
-        ["-n", str(n), os.path.join(OMPI, "python"), "-m", "hpcdist.train", *args]
+        ["-n", str(n), os.path.join(OMPI, "python"), *program, *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full, cwd=ROOT, start_new_session=True)
 
@@ -224,15 +225,7 @@ def test_a_rank_stuck_in_nccl_when_a_peer_dies_is_released_by_the_watcher():
     survivors blocked inside an NCCL call (a stand-in call that returns only when aborted),
     the watcher thread sees the death through MPI's runtime and aborts the communicators
     (tests/ulfm/nccl_stuck.py; without the watcher both wait until killed)."""
-    full = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.Popen(
-        [os.path.join(OMPI, "mpirun"), "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl",
-         "tcp,self", "-n", "3", os.path.join(OMPI, "python"), os.path.join(HERE,
-                                                                          "nccl_stuck.py")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full, cwd=ROOT,
-        start_new_session=True)
-    _, out = finish(proc, limit=90)
+    _, out = finish(launch(3, program=(os.path.join(HERE, "nccl_stuck.py"),)), limit=90)
     waits = {}
     for line in out.splitlines():
         if "released by the abort after" in line:

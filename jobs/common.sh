@@ -124,8 +124,11 @@ hpcdist_launch() {
         command -v mpirun >/dev/null || mpirun=$(dirname "$PYTHON")/mpirun
         launch=("$mpirun" -n "${SLURM_NTASKS:-1}" ${MPIRUN_ARGS:-})
         # ULFM: a dead rank's peers get errors instead of the job ending (the shared-memory
-        # transport hangs on a failure: TCP and self only)
-        [[ $shrink == 1 ]] && launch+=(--with-ft ulfm --mca btl tcp,self)
+        # transport hangs on a failure: TCP and self only); the --prtemca pair makes the jobs
+        # --respawn spawns recoverable too (hpcdist/comm/ulfm.py, RESPAWN_FLAGS)
+        [[ $shrink == 1 ]] && launch+=(--with-ft ulfm --mca btl tcp,self
+                                       --prtemca state_base_recoverable 1
+                                       --prtemca state_base_notify_errors 1)
     fi
     local signalled=0 child="" rc=0 again
     trap 'signalled=1

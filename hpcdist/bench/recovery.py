@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from hpcdist.bench.common import end_job, owns, start_job, write_json
+from hpcdist.comm.ulfm_launch import RESPAWN_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OMPI = os.path.join(ROOT, ".venv-ompi", "bin")
@@ -36,7 +37,8 @@ def launch(n: int, out: str, steps: int, extra=()):
     env = dict(os.environ, PYTHONPATH=ROOT, OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [os.path.join(OMPI, "mpirun"), "--oversubscribe", "--with-ft", "ulfm", "--mca",
-           "btl", "tcp,self", "-n", str(n), os.path.join(OMPI, "python"), "-m",
+           "btl", "tcp,self", *RESPAWN_FLAGS.split(), "-n", str(n),
+           os.path.join(OMPI, "python"), "-m",
            "hpcdist.train", "--steps", str(steps), "--out-dir", out, *MODEL, *extra]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "output.log"), "w") as log:   # (a pipe nobody reads fills)

@@ -17,7 +17,8 @@ import threading
 
 from mpi4py import MPI
 
-LAUNCH = "mpirun --with-ft ulfm --mca btl tcp,self"
+from .ulfm_launch import LAUNCH
+
 _comms: list = []                   # every communicator hpcdist made since the last recovery
 _aborts: list = []                  # what ends other communicators' waits (NCCL's abort)
 _world = None                       # the world recovery runs over (COMM_WORLD, or the survivors)

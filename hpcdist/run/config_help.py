@@ -28,6 +28,11 @@ HELP = {
         "n_embd": "embedding width", "dropout": "dropout probability (0 disables)",
         "ffn_hidden": "llama: the SwiGLU MLP's width (0: 8/3 of n_embd, up to a multiple of 64)",
         "rope_theta": "llama: the rotary embeddings' base", "norm_eps": "llama: RMSNorm's epsilon",
+        "vocab_multiple": "pad the token table and the LM head to a multiple of this many "
+                          "rows (x the tensor-parallel size), so the head's GEMM is aligned "
+                          "for tensor cores: GPT-2's 50,257 -> 50,304 at 64; the padding is "
+                          "never sampled, never in the loss, never in checkpoints (0: 64 on "
+                          "a GPU, 1 on the CPU, where BLAS gains nothing from it)",
         "bias": "biases in linear layers and norms (default: the family's, gpt yes, llama no)",
         "tie_weights": "the output head reuses the token embedding (default: the family's, gpt "
                        "tied, llama untied)",
@@ -120,7 +125,9 @@ HELP = {
                       "goes on without it in the same job (Open MPI's ULFM; docs/failures.md)",
         "respawn": "after a shrink: the survivors start one process per rank lost "
                    "(MPI_Comm_spawn), which joins at the recovery and takes the state from "
-                   "rank 0 over MPI: the job keeps its size",
+                   "rank 0 over MPI: the job keeps its size. Launch with mpirun --prtemca "
+                   "state_base_recoverable 1 --prtemca state_base_notify_errors 1 as well: "
+                   "Open MPI makes a spawned job recoverable only so",
         "mirror_every": "--on-failure shrink with sharded state (ZeRO, TP, PP, CP, EP): "
                         "every K committed steps each rank's state goes to a buddy's memory, "
                         "so a lost rank costs at most K - 1 steps, not a save interval "

@@ -15,6 +15,8 @@ import time
 import numpy as np
 import pytest
 
+from hpcdist.comm.ulfm_launch import RESPAWN_FLAGS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 OMPI = os.path.join(ROOT, ".venv-ompi", "bin")
@@ -31,7 +33,8 @@ def launch(n, *args, ft=True, program=("-m", "hpcdist.train"), **env):
                 OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     full.update(env)
     cmd = [os.path.join(OMPI, "mpirun"), "--oversubscribe"] + \
-        (["--with-ft", "ulfm", "--mca", "btl", "tcp,self"] if ft else []) + \
+        (["--with-ft", "ulfm", "--mca", "btl", "tcp,self", *RESPAWN_FLAGS.split()]
+         if ft else []) + \
         ["-n", str(n), os.path.join(OMPI, "python"), *program, *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full, cwd=ROOT, start_new_session=True)

@@ -104,6 +104,15 @@ def test_the_twins_are_the_op_by_op_math(float64):
     np.testing.assert_allclose(lse, want, rtol=1e-12)
     np.testing.assert_allclose(nll, np.where(t == -100, 0, want - z[np.arange(4), t.clip(0)]),
                                rtol=1e-12)
+    # padding columns past the vocabulary: out of the softmax, zero gradient
+    zp = np.concatenate([z, rng.standard_normal((4, 3)) + 50], axis=1)
+    nll_p, lse_p = kernels.cross_entropy_twin(zp, t, -100, 7)
+    np.testing.assert_allclose(lse_p, want, rtol=1e-12)
+    np.testing.assert_allclose(nll_p, nll, rtol=1e-12)
+    g = kernels.cross_entropy_bwd_twin(zp, t, lse_p, -100, np.asarray(0.5), 7)
+    assert not g[:, 7:].any()
+    np.testing.assert_allclose(g[:, :7], kernels.cross_entropy_bwd_twin(z, t, lse, -100,
+                                                                        np.asarray(0.5)))
 
 
 def test_adamw_twin_is_optims_update(float64):

@@ -106,12 +106,14 @@ def test_row_edges(dtype):
         y = kernels.SOFTMAX_CAUSAL_FWD.twin(x, 0.7, past)
         _agree(kernels.SOFTMAX_CAUSAL_BWD, (rng.standard_normal(shape).astype(dtype), y, 0.7),
                dtype)
-    for R, V in ((1, 1), (4, 3), (9, 300)):
+    for R, V, vocab in ((1, 1, None), (4, 3, None), (9, 300, None), (4, 3, 1), (9, 320, 300)):
         z = (rng.standard_normal((R, V)) * 5).astype(dtype)
-        for t in (rng.integers(0, V, R), np.full(R, -100), np.full(R, V - 1)):
-            _agree(kernels.CROSS_ENTROPY_FWD, (z, t, -100), dtype)
-            lse = kernels.CROSS_ENTROPY_FWD.twin(z, t, -100)[1]
-            _agree(kernels.CROSS_ENTROPY_BWD, (z, t, lse, -100, np.asarray(0.5, dtype)), dtype)
+        n = vocab or V                               # (past ``vocab``: padding columns)
+        for t in (rng.integers(0, n, R), np.full(R, -100), np.full(R, n - 1)):
+            _agree(kernels.CROSS_ENTROPY_FWD, (z, t, -100, vocab), dtype)
+            lse = kernels.CROSS_ENTROPY_FWD.twin(z, t, -100, vocab)[1]
+            _agree(kernels.CROSS_ENTROPY_BWD, (z, t, lse, -100, np.asarray(0.5, dtype), vocab),
+                   dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -455,3 +455,22 @@ def test_the_planner_ranks_expert_parallel_layouts_and_prints_a_command_the_trai
     rows = P.candidates(P.Model(8, 1024, 16, 1024, 32000, experts=8), 16, 8, 64)[0]
     assert {L.ep for L in rows} == {1, 2, 4, 8}
     assert all(not L.sp for L in rows)
+
+
+def test_the_planner_counts_the_padded_vocabulary_as_a_gpu_run_holds_it():
+    """--vocab-multiple: the table (and an untied head) and the logits at the padded width,
+    a multiple of the multiple x TP split TP ways; the parameter count stays the logical one."""
+    plain = P.Model(2, 64, 4, 128, 50257, arch="llama")
+    padded = P.Model(2, 64, 4, 128, 50257, arch="llama", vocab_multiple=64)
+    assert plain.vocab_rows(1) == 50257 and padded.vocab_rows(1) == 50304
+    assert padded.vocab_rows(2) == 50304 // 2 and padded.vocab_rows(3) == 50304 // 3
+    assert padded.vocab_rows(8) == 50688 // 8                   # a multiple of 512, then / 8
+    assert padded.parameters == plain.parameters
+    L = P.Layout(1, 1, 1, 0, 4, 1, "none", 1, False, False)
+    s = P.Settings()
+    a, b = P.memory(plain, L, s), P.memory(padded, L, s)
+    rows = 2 * (50304 - 50257) * 64                            # table and untied head
+    per_param = s.param_bytes + s.grad_bytes + s.optimizer_bytes
+    assert b["params"] + b["grads"] + b["optimizer"] - (a["params"] + a["grads"] + a["optimizer"]) \
+        == pytest.approx(rows * per_param)
+    assert b["activations"] > a["activations"]                  # the logits are wider

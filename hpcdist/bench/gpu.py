@@ -20,15 +20,19 @@ import numpy as np
 
 
 ARCH = ["gpt"]          # the family the bench times (--arch; llama: a quarter kv heads)
+PAD = [0]               # --vocab-multiple (0: as the trainer pads, 64 on a GPU, 1 on the CPU)
 
 
 def _config(L, C, T, B, V, H=0):
     from hpcdist import nn
+    from hpcdist.device import backend
     heads = H or max(1, C // 64)
+    pad = PAD[0] or (1 if backend.device_label() == "cpu" else 64)
     if ARCH[0] == "llama":
         return nn.LlamaConfig(block_size=T, vocab_size=V, n_layer=L, n_head=heads,
-                              n_kv_head=max(1, heads // 4), n_embd=C)
-    return nn.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=heads, n_embd=C)
+                              n_kv_head=max(1, heads // 4), n_embd=C, vocab_multiple=pad)
+    return nn.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=heads, n_embd=C,
+                        vocab_multiple=pad)
 
 
 def _family() -> str:
@@ -208,7 +212,7 @@ def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float]:
         free()
         step, model = _hpcdist_mode(shape, mode, attention)
         table = model.part("positions")
-        flops = mfu.flops_per_token(model.num_parameters() -
+        flops = mfu.flops_per_token(model.logical_parameters() -
                                     (table.weight.size if table is not None else 0), L, C, T)
         name = f"hpcdist {mode}"
         ms = _timed(step, steps)
@@ -261,6 +265,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--vocab-multiple", type=int, default=0,
+                    help="hpcdist's table and head padded to a multiple of this (0: as the "
+                         "trainer does, 64 on a GPU; 1: unpadded)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--modes", default="fp32,tf32,bf16",
                     help="hpcdist's precisions to time: fp32, tf32, bf16")
@@ -275,6 +282,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shape = (args.layers, args.embd, args.seq, args.batch, args.vocab, args.heads)
     ARCH[0] = args.arch
+    PAD[0] = args.vocab_multiple
     if args.count:
         res = {"model": f"{_family()} {args.layers}x{args.embd}, T {args.seq}, batch {args.batch}",
                **count(*shape)}

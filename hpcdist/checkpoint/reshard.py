@@ -1,7 +1,11 @@
 """Layout-free tensors: where a rank's piece of a tensor sits in the one logical model, and how
 any layout cuts its own piece back out. Pure logic on NumPy arrays: no MPI.
 
-A piece of logical tensor ``name`` (shape S) is described by
+A piece of logical tensor ``name`` (shape S) is described by its cut — None for a tensor
+held whole, else (axis, blocks, tp, rank[, multiple]): the rank-th of tp parts of each of
+``blocks`` blocks along ``axis``, the axis first rounded up to a multiple of blocks x tp x
+multiple with zeros (a vocabulary padded for tensor parallelism and GEMM alignment) — and the
+range [a, b) of the flattened local block it covers.
 
 The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/reshard.py"."""
 from __future__ import annotations
@@ -11,34 +15,41 @@ import numpy as np
 from ..optim import intersect
 
 
-def padded(length: int, blocks, tp: int) -> int:
-    """``length`` rounded up to a multiple of blocks x tp (``blocks``: a count of equal
-    blocks, or the widths of unequal ones — grouped-query attention's q | k | v — which
-    split over tp unpadded)."""
+def padded(length: int, blocks, tp: int, multiple: int = 1) -> int:
+    """``length`` rounded up to a multiple of blocks x tp x multiple (``blocks``: a count of
+    equal blocks, or the widths of unequal ones — grouped-query attention's q | k | v — which
+    split over tp unpadded; ``multiple``: a vocabulary's alignment, ``Shard.multiple``)."""
     if not isinstance(blocks, int):
         return length
-    unit = blocks * tp
+    unit = blocks * tp * multiple
     return -(-length // unit) * unit
 
 
 def normal(cut):
-    """A cut as a hashable tuple (a checkpoint's JSON holds unequal widths as a list)."""
+    """A cut as a hashable tuple (a checkpoint's JSON holds unequal widths as a list):
+    (axis, blocks, tp, rank), with a fifth element, the multiple, where it is not 1 (a
+    padded vocabulary; a whole padded table is the cut (axis, 1, 1, 0, multiple))."""
     if cut is None:
         return None
-    axis, blocks, tp, rank = cut
-    return (axis, blocks if isinstance(blocks, int) else tuple(blocks), tp, rank)
+    axis, blocks, tp, rank, multiple = _fields(cut)
+    blocks = blocks if isinstance(blocks, int) else tuple(blocks)
+    return (axis, blocks, tp, rank) + ((multiple,) if multiple != 1 else ())
+
+
+def _fields(cut) -> tuple:
+    return tuple(cut) if len(cut) == 5 else (*cut, 1)
 
 
 def ranges(cut, logical_shape) -> list[tuple[int, int]]:
     """[lo, hi) along the cut axis, in padded logical coordinates, that the local block holds."""
-    axis, blocks, tp, rank = cut
+    axis, blocks, tp, rank, multiple = _fields(cut)
     if not isinstance(blocks, int):
         out, at = [], 0
         for width in blocks:
             out.append((at + rank * (width // tp), at + (rank + 1) * (width // tp)))
             at += width
         return out
-    block = padded(logical_shape[axis], blocks, tp) // blocks
+    block = padded(logical_shape[axis], blocks, tp, multiple) // blocks
     part = block // tp
     return [(j * block + rank * part, j * block + (rank + 1) * part) for j in range(blocks)]
 
@@ -46,9 +57,9 @@ def ranges(cut, logical_shape) -> list[tuple[int, int]]:
 def local_shape(cut, logical_shape) -> tuple:
     if cut is None:
         return tuple(logical_shape)
-    axis, blocks, tp, _ = cut
+    axis, blocks, tp, _, multiple = _fields(cut)
     shape = list(logical_shape)
-    shape[axis] = padded(logical_shape[axis], blocks, tp) // tp
+    shape[axis] = padded(logical_shape[axis], blocks, tp, multiple) // tp
     return tuple(shape)
 
 
@@ -57,7 +68,7 @@ def cut_local(full: np.ndarray, cut) -> np.ndarray:
     if cut is None:
         return np.ascontiguousarray(full)
     axis, logical = cut[0], full.shape
-    Lp = padded(logical[axis], cut[1], cut[2])
+    Lp = padded(logical[axis], cut[1], cut[2], _fields(cut)[4])
     if Lp != logical[axis]:
         pad = [(0, 0)] * full.ndim
         pad[axis] = (0, Lp - logical[axis])
@@ -86,10 +97,10 @@ def assemble(logical_shape, dtype, pieces) -> np.ndarray:
         if not filled.all():
             raise ValueError(f"pieces cover {int(filled.sum())} of {filled.size} elements")
         return flat.reshape(shape)
-    axis, nblocks, tp, _ = next(iter(blocks))
+    axis, nblocks, tp, _, multiple = _fields(next(iter(blocks)))
     L = logical_shape[axis]
     shape = list(logical_shape)
-    shape[axis] = padded(L, nblocks, tp)
+    shape[axis] = padded(L, nblocks, tp, multiple)
     full = np.zeros(shape, dtype=dtype)
     seen = np.zeros(shape[axis], dtype=bool)
     for cut, (flat, filled, lshape) in blocks.items():

@@ -19,6 +19,7 @@ from .moe import MoE
 class GPTConfig:
     block_size: int = 64     # longest sequence the position table covers
     vocab_size: int = 16
+    vocab_multiple: int = 1  # token table and head padded to a multiple of it (GPU: 64)
     n_layer: int = 2
     n_head: int = 2
     n_embd: int = 64
@@ -48,7 +49,8 @@ class GPTConfig:
         return AttentionShape(self.n_head, self.n_head, self.n_embd // self.n_head)
 
     def validate(self) -> None:
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        for name in ("block_size", "vocab_size", "vocab_multiple", "n_layer", "n_head",
+                     "n_embd"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
@@ -117,12 +119,22 @@ class Block(Module):
 class LMLoss(Module):
     """Logits -> (logits, mean cross-entropy of the targets), or the logits alone without
     targets. A module of its own so that a parallel version (each rank a slice of the
-    vocabulary, or of the sequence) can take its place."""
+    vocabulary, or of the sequence) can take its place. ``vocab_size``: the vocabulary, where
+    the head is padded past it (``vocab_multiple``): the padding columns are left out of the
+    loss, and the logits it returns outside training (evaluation, sampling) are the
+    vocabulary's alone; in training they are returned as computed (padded, no copy)."""
+
+    def __init__(self, vocab_size: int | None = None):
+        self.vocab_size = vocab_size
 
     def forward(self, logits: Tensor, targets=None, ignore_index: int = -100):
-        if targets is None:
-            return logits
-        return logits, ops.cross_entropy(logits, targets, ignore_index=ignore_index)
+        V = self.vocab_size
+        padded = V is not None and logits.shape[-1] > V
+        loss = None if targets is None else ops.cross_entropy(
+            logits, targets, ignore_index=ignore_index, vocab=V if padded else None)
+        if padded and (targets is None or not self.training):
+            logits = logits[..., :V]
+        return logits if targets is None else (logits, loss)
 
 
 class GPT(DecoderLM):
@@ -136,11 +148,11 @@ class GPT(DecoderLM):
     def __init__(self, cfg: GPTConfig):
         cfg.validate()
         self.config = cfg
-        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=0.02)
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, std=0.02, multiple=cfg.vocab_multiple)
         self.wpe = Embedding(cfg.block_size, cfg.n_embd, std=0.02)
         self.drop = Dropout(cfg.dropout)
         self.blocks = ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
         self.ln_f = LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = None if cfg.tie_weights else \
-            Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02)
-        self.lm_loss = LMLoss()
+            Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02, multiple=cfg.vocab_multiple)
+        self.lm_loss = LMLoss(cfg.vocab_size)

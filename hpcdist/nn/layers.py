@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 
 from ..autograd import ops
-from .module import Module, ModuleList, Parameter, init_normal, init_uniform
+from .module import (Module, ModuleList, Parameter, Shard, init_normal, init_uniform, pad_axis,
+                     padded_length)
 from ..autograd.tensor import Tensor
 
 
@@ -15,10 +16,18 @@ class Linear(Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 std: float | None = None):
+                 std: float | None = None, multiple: int = 1):
+        """``multiple``: outputs padded with zero columns to a multiple of it (an LM head over
+        a vocabulary rounded up to an aligned width; no bias then)."""
         bound = 1.0 / math.sqrt(in_features)
         w = init_normal((in_features, out_features), std) if std is not None else \
             init_uniform((in_features, out_features), bound)
+        if multiple > 1:
+            if bias:
+                raise ValueError("a padded Linear (multiple > 1) takes no bias")
+            w = pad_axis(w, 1, padded_length(out_features, multiple))
+            self.shard_spec = {"weight": Shard(1, 1, (in_features, out_features), multiple,
+                                               whole=True)}
         self.weight = Parameter(w)
         if bias:
             b = init_uniform((out_features,), bound) if std is None else \
@@ -39,10 +48,18 @@ class Linear(Module):
 
 
 class Embedding(Module):
-    """Rows of a (num_embeddings, dim) table picked by integer indices."""
+    """Rows of a (num_embeddings, dim) table picked by integer indices. ``multiple``: the
+    table padded with zero rows to a multiple of it (a vocabulary rounded up so that a head
+    tied to it is GEMM-aligned: 50,257 -> 50,304 at 64); the padding is never looked up, is
+    left out of the loss (``LMLoss``) and out of checkpoints (``shard_spec``)."""
 
-    def __init__(self, num_embeddings: int, dim: int, std: float = 1.0):
-        self.weight = Parameter(init_normal((num_embeddings, dim), std))
+    def __init__(self, num_embeddings: int, dim: int, std: float = 1.0, multiple: int = 1):
+        w = init_normal((num_embeddings, dim), std)      # (the logical rows' draws first)
+        if multiple > 1:
+            w = pad_axis(w, 0, padded_length(num_embeddings, multiple))
+            self.shard_spec = {"weight": Shard(0, 1, (num_embeddings, dim), multiple,
+                                               whole=True)}
+        self.weight = Parameter(w)
 
     def forward(self, idx) -> Tensor:
         return ops.embedding(self.weight, idx)

@@ -22,6 +22,7 @@ from .moe import MoE
 class LlamaConfig:
     block_size: int = 64         # longest sequence (rotary positions have no table)
     vocab_size: int = 16
+    vocab_multiple: int = 1      # token table and head padded to a multiple of it (GPU: 64)
     n_layer: int = 2
     n_head: int = 4
     n_kv_head: int = 0           # key/value heads (0: n_head; 1: multi-query)
@@ -63,7 +64,8 @@ class LlamaConfig:
         return AttentionShape(self.n_head, self.kv_heads, self.n_embd // self.n_head)
 
     def validate(self) -> None:
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        for name in ("block_size", "vocab_size", "vocab_multiple", "n_layer", "n_head",
+                     "n_embd"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
@@ -165,10 +167,11 @@ class Llama(DecoderLM):
     def __init__(self, cfg: LlamaConfig):
         cfg.validate()
         self.config = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.n_embd, std=0.02)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.n_embd, std=0.02,
+                                      multiple=cfg.vocab_multiple)
         self.drop = Dropout(cfg.dropout)
         self.blocks = ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = None if cfg.tie_weights else \
-            Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02)
-        self.lm_loss = LMLoss()
+            Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02, multiple=cfg.vocab_multiple)
+        self.lm_loss = LMLoss(cfg.vocab_size)

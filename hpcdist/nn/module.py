@@ -1,10 +1,54 @@
 """Module and Parameter: the containers that layers and models are built from."""
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import numpy as np
 
 from ..device import backend
 from ..autograd.tensor import Tensor
+
+
+class Shard(NamedTuple):
+    """How a parameter is held against the one logical model's tensor: cut along ``axis`` as
+    ``pieces`` blocks side by side each split over the tensor-parallel group — a count of
+    equal blocks (q, k, v of multi-head attention: 3), or their widths where they differ
+    (grouped-query attention's q | k | v) —; ``shape``: the logical tensor's. ``multiple``:
+    the cut axis rounded up to a multiple of pieces x tp x ``multiple`` (a vocabulary padded
+    so that each rank's part is GEMM-aligned: rows past the logical ones are zeros, never
+    read); ``whole``: held whole on every rank, only padded (no tensor-parallel cut)."""
+    axis: int
+    pieces: int | tuple
+    shape: tuple
+    multiple: int = 1
+    whole: bool = False
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple``."""
+    return -(-length // multiple) * multiple
+
+
+def pad_axis(array, axis: int, length: int):
+    """``array`` with zeros appended along ``axis`` up to ``length`` (itself if already)."""
+    if array.shape[axis] == length:
+        return array
+    xp = backend.array_module(array)
+    shape = list(array.shape)
+    shape[axis] = length
+    out = xp.zeros(shape, dtype=array.dtype)
+    idx = [slice(None)] * array.ndim
+    idx[axis] = slice(0, array.shape[axis])
+    out[tuple(idx)] = array
+    return out
+
+
+def logical_view(array, spec: "Shard"):
+    """The logical rows of a whole, padded parameter (a view)."""
+    idx = [slice(None)] * array.ndim
+    idx[spec.axis] = slice(0, spec.shape[spec.axis])
+    return array[tuple(idx)]
 
 
 class Parameter(Tensor):
@@ -105,6 +149,11 @@ class Module:
     def num_parameters(self) -> int:
         return sum(p.size for p in self.parameters())
 
+    def logical_parameters(self) -> int:
+        """Parameters of the one logical model these stand for: a tensor-parallel shard as
+        its whole tensor, a padded table without its padding."""
+        return sum(math.prod(spec.shape) if spec else p.size for _, p, spec in self.named_specs())
+
     def train(self, mode: bool = True):
         for m in self.modules():
             m.training = mode
@@ -114,11 +163,16 @@ class Module:
         return self.train(False)
 
     def state_dict(self) -> dict:
-        """name -> host NumPy copy of each parameter."""
-        return {name: backend.to_numpy(p.data).copy() for name, p in self.named_parameters()}
+        """name -> host NumPy copy of each parameter; a padded one (a vocabulary rounded up
+        to an aligned size) at its logical shape."""
+        return {name: backend.to_numpy(logical_view(p.data, spec) if _whole(spec) else
+                                       p.data).copy()
+                for name, p, spec in self.named_specs()}
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Copy values into the existing parameter arrays (views into flat buffers stay views)."""
+        """Copy values into the existing parameter arrays (views into flat buffers stay views);
+        a padded parameter takes its logical shape (the padding is left zero) or its own."""
+        padded = {name: spec for name, _, spec in self.named_specs() if _whole(spec)}
         params = dict(self.named_parameters())
         if strict:
             missing = sorted(set(params) - set(state))
@@ -129,6 +183,10 @@ class Module:
             if name not in params:
                 continue
             p = params[name]
+            spec = padded.get(name)
+            if spec is not None and tuple(value.shape) == tuple(spec.shape):
+                logical_view(p.data, spec)[...] = backend.to_device(value, dtype=p.data.dtype)
+                continue
             if tuple(value.shape) != tuple(p.shape):
                 raise ValueError(f"state_dict[{name!r}] has shape {tuple(value.shape)}, "
                                  f"the parameter has {tuple(p.shape)}")
@@ -154,3 +212,7 @@ class ModuleList(Module):
 
     def __setitem__(self, i, module):
         setattr(self, str(range(self._n)[i]), module)
+
+
+def _whole(spec) -> bool:
+    return spec is not None and spec.whole and spec.multiple > 1

@@ -219,7 +219,7 @@ def owned(model, mesh) -> list:
     # under expert parallelism the rest of the model is replicated over the EP group: rank
     # 0 of it owns that; each rank owns the experts it alone holds
     alone = held_experts(model) if mesh is not None and mesh.coord.ep else None
-    return [(spec is not None or first_tp) and id(p) not in copies
+    return [((spec is not None and not spec.whole) or first_tp) and id(p) not in copies
             and (alone is None or id(p) in alone) for _, p, spec in model.named_specs()]
 
 

@@ -27,11 +27,15 @@ def tensor_entries(model, mesh) -> list:
     tp = mesh.tp_comm if mesh is not None else None
     out = []
     for name, p, spec in model.named_specs():
-        if spec is None or tp is None or tp.size == 1:
+        pad = () if spec is None or spec.multiple == 1 else (spec.multiple,)
+        if spec is not None and spec.whole:               # whole on every rank, padded
+            out.append((name, p.size, (spec.axis, 1, 1, 0, *pad) if pad else None,
+                        spec.shape if pad else tuple(p.shape), spec))
+        elif spec is None or tp is None or tp.size == 1:
             out.append((name, p.size, None, tuple(p.shape), spec))
         else:
-            out.append((name, p.size, (spec.axis, spec.pieces, tp.size, tp.rank), spec.shape,
-                        spec))
+            out.append((name, p.size, (spec.axis, spec.pieces, tp.size, tp.rank, *pad),
+                        spec.shape, spec))
     return out
 
 

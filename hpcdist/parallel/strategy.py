@@ -165,14 +165,27 @@ def make_model(cfg, comm, mesh, train_set):
     return model
 
 
+def vocab_multiple(cfg) -> int:
+    """The rows the token table and head are padded to a multiple of: the setting, or where
+    it is 0, 64 on a GPU (cuBLAS's tensor-core kernels want the head's width a multiple of
+    8 and run best at 64; GPT-2's 50,257 otherwise falls back to older kernels) and 1 on the
+    CPU (BLAS takes any width: padding would only add work)."""
+    setting = cfg.get("vocab_multiple") if isinstance(cfg, dict) else cfg.vocab_multiple
+    if setting:
+        return setting
+    return 1 if backend.device_label() == "cpu" else 64
+
+
 def model_fields(cfg, arch: str, **given) -> dict:
     """The fields of family ``arch``'s config that a TrainConfig (or a checkpoint's meta
-    dict) sets, with ``given`` on top."""
+    dict) sets, with ``given`` on top; ``vocab_multiple`` 0 resolved for this device."""
     import dataclasses
     get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
     config_cls = nn.FAMILIES[arch][0]
     out = {f.name: get(f.name) for f in dataclasses.fields(config_cls)
            if get(f.name) is not None}
+    if out.get("vocab_multiple") == 0:
+        out["vocab_multiple"] = vocab_multiple(cfg)
     out.update(given)
     return out
 
@@ -226,7 +239,7 @@ def norm_and_grad_sum(cfg, mesh, full, model, shard_comm):
     count, ranges, dense, off = [], [], [], 0
     # under sequence parallelism every replicated parameter (LayerNorms, row-parallel biases,
     # the position table) sees only this rank's rows: its gradient is partial
-    partial = {id(p) for _, p, spec in full.named_specs() if spec is None} \
+    partial = {id(p) for _, p, spec in full.named_specs() if spec is None or spec.whole} \
         if cfg.tp > 1 and cfg.sequence_parallel else set()
     alone = held_experts(model)
     for (name, p, spec), once in zip(model.named_specs(), owned(model, mesh)):

@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
     add("--untied", action="store_true", help="an untied head (llama's default)")
     add("--seq", type=int, default=2048, help="sequence length")
     add("--vocab", type=int, default=51200, help="vocabulary size")
+    add("--vocab-multiple", type=int, default=64,
+        help="the token table and head padded to a multiple of this x TP (train's "
+             "--vocab-multiple: 64 on a GPU; 1: as given)")
     add("--experts", type=int, default=0, help="routed experts per MoE layer (0: dense)")
     add("--top-k", type=int, default=2, help="experts each token is sent to")
     add("--expert-hidden", type=int, default=0, help="an expert's MLP width (0: 4 x hidden)")
@@ -114,8 +117,8 @@ def _with_preset(ap, args, argv) -> None:
                if getattr(args, n) is None]
     if missing:
         ap.error(f"{', '.join(missing)} required (or --preset NAME: {', '.join(sorted(PRESETS))})")
-    for name in ("layers", "hidden", "heads", "seq", "vocab", "global_batch", "gpus",
-                 "gpus_per_node"):
+    for name in ("layers", "hidden", "heads", "seq", "vocab", "vocab_multiple", "global_batch",
+                 "gpus", "gpus_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.hidden % args.heads:
@@ -130,7 +133,7 @@ def _with_preset(ap, args, argv) -> None:
 def model_of(args) -> Model:
     return Model(args.layers, args.hidden, args.heads, args.seq, args.vocab, args.experts,
                  args.top_k, args.expert_hidden, args.moe_every, args.model, args.kv_heads,
-                 args.ffn, False if args.untied else None)
+                 args.ffn, False if args.untied else None, args.vocab_multiple)
 
 
 def main(argv=None) -> int:

@@ -20,12 +20,12 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
     table's copy, or an untied head split over TP) on the last; a middle stage ("middle",
     with more than two stages) holds the most blocks of the stages between. ZeRO shards over
     DP x CP (the ranks that hold the same parameters)."""
-    h, V, t = model.hidden, model.vocab, L.tp
+    h, t = model.hidden, L.tp
     block = model.block_split / t + model.block_whole + moe_block(model, L)
     sizes = L.stages(model.layers)
-    table = -(-V // t) * h
+    table = model.vocab_rows(t) * h
     norm = h if model.llama else 2 * h
-    head = table if model.head_tied else -(-V // t) * h
+    head = table                          # (tied: the table's copy; untied: as wide)
     held = {"first": sizes[0] * block + table + model.positions +
             (norm + (0 if model.head_tied else head) if L.pp == 1 else 0),
             "last": sizes[-1] * block + norm + (head if L.pp > 1 else 0)}
@@ -186,7 +186,7 @@ def megatron_layer(model: Model, L: Layout, settings: Settings, stage: str) -> t
     by the same accounting with fused attention (no s^2 term, the log-sum-exp) and no
     dropout: the norms' inputs 4sbh, q, k, v 2sb(h + 2k), attention's output 2sbh, the MLP's
     input 2sbh, its gate|up 4sbf and their product 2sbf (k: kv width, f: SwiGLU's)."""
-    s, h, a, V, t, b = model.seq, model.hidden, model.heads, model.vocab, L.tp, L.micro_batch
+    s, h, a, t, b = model.seq, model.hidden, model.heads, L.tp, L.micro_batch
     if model.llama:                       # bytes per token: split over TP, or whole
         inner = 2 * (h + 2 * model.kv_width) + 2 * h + 6 * model.mlp_width + 4 * a
         whole = 8 * h                     # the norms' and the column-parallel inputs
@@ -198,7 +198,7 @@ def megatron_layer(model: Model, L: Layout, settings: Settings, stage: str) -> t
         stored, rebuilt = 2 * s * b * h / (t if L.sp else 1), full
     else:
         stored, rebuilt = full, 0.0
-    ends = 4 * s * b * V / t * 2 if stage == "last" else 0.0     # fp32 logits and their grad
+    ends = 4 * s * b * model.vocab_rows(t) * 2 if stage == "last" else 0.0  # fp32 logits, grad
     return stored, rebuilt, ends
 
 
@@ -250,9 +250,9 @@ def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tu
 def _gpt_ends(model: Model, L: Layout, settings: Settings, stage: str, split: int, lnb: float,
               act: float) -> float:
     """``hpcdist_layer``'s embedding (first stage) or head (last) per micro-batch."""
-    s, h, V, t, b = model.seq, model.hidden, model.vocab, L.tp, L.micro_batch
+    s, h, t, b = model.seq, model.hidden, L.tp, L.micro_batch
     n, ab = b * s, settings.param_bytes
-    Vt = -(-V // t)
+    Vt = model.vocab_rows(t)
     if stage == "first":
         if t == 1:
             ends = (2 * n * h + s * h) * ab
@@ -295,7 +295,7 @@ def _llama_layer(model: Model, L: Layout, settings: Settings, stage: str, scores
 
     (The twins keep RMSNorm's x-hat too: nh each; ``fused_kernels`` drops it.) First stage:
     the token table's rows (TP: masked, reduced); last: as GPT's, an RMSNorm's."""
-    s, h, V, t, b = model.seq, model.hidden, model.vocab, L.tp, L.micro_batch
+    s, h, t, b = model.seq, model.hidden, L.tp, L.micro_batch
     n, ab, k, f = b * s, settings.param_bytes, model.kv_width, model.mlp_width
     xhat = 0 if settings.fused_kernels else 2 * n * h / (t if L.sp else 1)
     qkv = 2 * (h + 2 * k)
@@ -310,7 +310,7 @@ def _llama_layer(model: Model, L: Layout, settings: Settings, stage: str, scores
     stored, rebuilt = (act, full + act) if L.recompute else (full, 0.0)
     if L.pp > 1:
         rebuilt += 2 * act
-    Vt = -(-V // t)
+    Vt = model.vocab_rows(t)
     if stage == "first":
         ends = (n * h if t == 1 else 3 * n * h + n if not L.sp else
                 2 * n * h + n + n * h / t) * ab + 2 * n * 8

@@ -117,6 +117,14 @@ class Model:
     kv_heads: int = 0           # llama: key/value heads (0: heads)
     ffn: int = 0                # llama: SwiGLU's width (0: 8/3 h up to a multiple of 64)
     tied: bool | None = None    # the head tied to the token table (None: the family's)
+    vocab_multiple: int = 1     # the table and head padded to multiples of it x TP (train's
+                                # --vocab-multiple: 64 on a GPU)
+
+    def vocab_rows(self, tp: int) -> int:
+        """The token table's (and head's) rows one of ``tp`` ranks holds: the vocabulary
+        padded to a multiple of vocab_multiple x tp, split tp ways."""
+        unit = self.vocab_multiple * tp
+        return -(-self.vocab // unit) * unit // tp
 
     @property
     def llama(self) -> bool:

@@ -66,7 +66,7 @@ def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch:
         return e                        # refused: no time needed
     f, bwd, tp_fwd, cp_fwd, ep_fwd = layer_times(model, L, gpu, per_node, settings)
     sizes = L.stages(model.layers)
-    logits = 2 * L.micro_batch * (model.seq / L.cp) * model.hidden * model.vocab / L.tp / \
+    logits = 2 * L.micro_batch * (model.seq / L.cp) * model.hidden * model.vocab_rows(L.tp) / \
         (gpu.flops[settings.dtype] * settings.efficiency)          # on the last stage
     # each stage's blocks (the last with the head); the slowest stage sets the pace
     fs = [n * f + (logits if k == len(sizes) - 1 else 0) for k, n in enumerate(sizes)]
@@ -171,9 +171,9 @@ def data_parallel_time(model: Model, L: Layout, gpu: GPU, per_node: int, setting
                        layers: int) -> tuple:
     """(the gradient reduction over DP x CP, not overlapped, as Megatron-LM ran it; the
     optimizer's memory-bound pass over its state) in seconds."""
-    h, V, t = model.hidden, model.vocab, L.tp
-    psi = (layers * (model.block_split + model.block_whole) + V * h + model.positions +
-           (0 if model.head_tied else V * h)) / t
+    h, t = model.hidden, L.tp
+    psi = (layers * (model.block_split + model.block_whole) + model.positions) / t + \
+        model.vocab_rows(t) * h * (1 if model.head_tied else 2)
     # the experts' gradients are averaged over the ranks holding them (DP x CP / EP)
     experts = layers * model.moe_layers / model.layers * (model.experts // L.ep) * \
         model.expert_size

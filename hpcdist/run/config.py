@@ -45,6 +45,7 @@ class TrainConfig:
     tie_weights: bool = None      # None: the family's (gpt: tied; llama: untied)
     checkpoint_activations: bool = False  # recompute each block's activations in backward
     init_from: str = ""           # a Hugging Face GPT-2 folder: its shape and weights
+    vocab_multiple: int = 0       # token table and head padded to a multiple (0: 64 on a GPU)
     # optimization
     steps: int = 600
     batch_size: int = 64          # per rank

@@ -10,7 +10,6 @@ CPUs, / (the peak per GPU x ranks) on GPUs.
 """
 from __future__ import annotations
 
-import math
 
 import json
 import os
@@ -29,8 +28,7 @@ CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hpcdist", "peak.json")
 def model_flops_per_token(model, cfg, seq: int) -> float:
     """``flops_per_token`` of the one logical model (``n_params``: its parameter count)."""
     full = getattr(model, "full", model)
-    params = sum(math.prod(spec.shape) if spec else p.size for _, p, spec in full.named_specs()) \
-        if cfg.tp > 1 else full.num_parameters()
+    params = full.logical_parameters()           # (a padded vocabulary's padding: not)
     table = full.part("positions")                        # a learned position table: no
     params -= table.weight.size if table is not None else 0   # matmul (rotary: no table)
     # experts: a token runs through k of each layer's (of those this rank holds, under EP)

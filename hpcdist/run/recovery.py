@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from .. import checkpoint
+from ..checkpoint import reshard
 from ..comm import Communicator, ulfm, watchdog
 from ..comm.arith import bounds_of
 from ..device import backend
@@ -75,10 +76,11 @@ def snapshot(cfg, step: int, strategy, sampler: tuple, global_batch: int, world:
     lo, hi, arrays, _ = strategy.flat_state()
     entries = state.tensor_entries(strategy.model, None)
     out = {}
-    for (name, size, _, shape, _), (o, _) in zip(entries, bounds_of(e[1] for e in entries)):
-        for kind, arr in arrays.items():
-            out[f"{kind}/{name}"] = backend.to_numpy(arr[o - lo:o - lo + size]).reshape(
-                shape).copy()
+    for (name, size, cut, shape, _), (o, _) in zip(entries, bounds_of(e[1] for e in entries)):
+        for kind, arr in arrays.items():               # (a padded table: its logical rows)
+            piece = backend.to_numpy(arr[o - lo:o - lo + size])
+            out[f"{kind}/{name}"] = reshard.assemble(shape, piece.dtype,
+                                                     [(cut, (0, size), piece)])
     return Snapshot(step, scalars, out)
 
 

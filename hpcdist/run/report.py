@@ -2,7 +2,6 @@
 (held-out accuracy and loss, memory, MFU) or the line of a run stopped by a signal."""
 from __future__ import annotations
 
-import math
 
 import json
 import signal
@@ -11,6 +10,7 @@ import time
 import numpy as np
 
 from ..device import backend, kernels
+from ..nn.module import padded_length
 from ..nn.moe import moe_layers
 from ..autograd import memtrace
 from ..host import signals, threads, timeline
@@ -47,13 +47,23 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
            f"{', every ' + str(cfg.moe_every) + ' blocks' if cfg.moe_every > 1 else ''})"
            if cfg.experts else "")
     line = (f"hpcdist | {model_words(cfg)}{moe}), "
-            f"{cfg_parameters(model, cfg):,} parameters | task {cfg.task} "
+            f"{cfg_parameters(model, cfg):,} parameters{vocab_words(model, cfg)} | task {cfg.task} "
             f"({len(train_set):,} train / {len(test_set):,} held-out) | device "
             f"{backend.device_label()} | world size {world} on {hosts}: {layout} | BLAS threads "
             f"{threads.choice}{cpu_kernels()} | {cfg.precision}{emulated} | {first} | "
             f"{cfg.steps} steps x batch {cfg.batch_size} x {data_size} replicas"
             + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
     return [line] + lines[1:] + comm_paths(cfg, strategy)
+
+
+def vocab_words(model, cfg) -> str:
+    """", vocabulary 50,257 padded to 50,304 rows" where the table is padded (--vocab-multiple;
+    under tensor parallelism to a multiple of it times tp)."""
+    c = getattr(model, "full", model).config
+    unit = getattr(c, "vocab_multiple", 1) * cfg.tp
+    if c.vocab_size % unit == 0:
+        return ""
+    return f", vocabulary {c.vocab_size:,} padded to {padded_length(c.vocab_size, unit):,} rows"
 
 
 def model_words(cfg) -> str:
@@ -172,11 +182,9 @@ def cfg_parameters(model, cfg) -> int:
     """Parameters of the one logical model (a tensor-parallel rank holds only its shards)."""
     full = getattr(model, "full", model)          # a pipeline stage: the whole model's count
     if cfg.ep > 1:                                # an EP rank holds 1/ep of the experts
-        return full.num_parameters() + sum((m.E - len(m.experts)) * m.expert_size
-                                           for m in moe_layers(full))
-    if cfg.tp == 1:
-        return full.num_parameters()
-    return sum(math.prod(spec.shape) if spec else p.size for _, p, spec in full.named_specs())
+        return full.logical_parameters() + sum((m.E - len(m.experts)) * m.expert_size
+                                               for m in moe_layers(full))
+    return full.logical_parameters()
 
 
 class Unread:

@@ -72,6 +72,8 @@ SETTINGS = [
      "size n_embd / n_head must be even"),
     ("rope_theta", lambda c: (c.rope_theta <= 0 or c.norm_eps <= 0 or c.ffn_hidden < 0) and
      "--rope-theta and --norm-eps must be positive, --ffn-hidden >= 0"),
+    ("vocab_multiple", lambda c: c.vocab_multiple < 0 and
+     f"--vocab-multiple must be >= 0 (0: 64 on a GPU, 1 on the CPU), got {c.vocab_multiple}"),
     ("dropout", lambda c: not 0.0 <= c.dropout < 1.0 and
      f"dropout must be in [0, 1), got {c.dropout}"),
     ("lr", lambda c: (c.lr <= 0 or c.min_lr < 0 or c.min_lr > c.lr) and

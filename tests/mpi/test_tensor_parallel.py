@@ -172,7 +172,7 @@ def test_shards_are_slices_of_the_one_model(comm):
             if spec is None:
                 np.testing.assert_array_equal(p.data, ref[name], err_msg=name)
                 continue
-            axis, pieces, shape = spec
+            axis, pieces, shape = spec.axis, spec.pieces, spec.shape
             assert shape == ref[name].shape, name
             whole = ref[name]
             if name == "wte.weight":

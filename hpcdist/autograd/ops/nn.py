@@ -87,17 +87,21 @@ def log_softmax(a: Tensor, axis: int = -1) -> Tensor:
     return Tensor._make(out, (a,), backward)
 
 
-def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
+def cross_entropy(logits: Tensor, targets, ignore_index: int = -100,
+                  vocab: int | None = None) -> Tensor:
     """Mean negative log-likelihood of integer ``targets`` under ``logits`` (..., V).
 
     Fused and numerically stable (log-sum-exp per row, kernels.CROSS_ENTROPY_FWD); positions
     whose target is ``ignore_index`` contribute nothing and are left out of the mean; the
-    gradient softmax - onehot in one pass (CROSS_ENTROPY_BWD).
+    gradient softmax - onehot in one pass (CROSS_ENTROPY_BWD). ``vocab``: only the first
+    ``vocab`` columns are the vocabulary (a head padded to an aligned width): the rest is
+    left out of the softmax and gets a zero gradient, with no copy of the logits.
     """
     if isinstance(targets, Tensor):
         targets = targets.data
     xp = _xp(logits)
     V = logits.shape[-1]
+    vocab = None if vocab is None or vocab >= V else int(vocab)
     z = logits.data.reshape(-1, V)
     if backend.is_gpu_array(targets):             # counted where they are: no device read
         t = targets.reshape(-1)
@@ -105,12 +109,12 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100) -> Tensor:
     else:
         count = builtins.max(int((np.asarray(targets) != ignore_index).sum()), 1)
         t = xp.asarray(targets).reshape(-1)      # host targets go to the logits' device
-    nll, lse = kernels.CROSS_ENTROPY_FWD(z, t, ignore_index)
+    nll, lse = kernels.CROSS_ENTROPY_FWD(z, t, ignore_index, vocab)
     out = nll.sum() / count
 
     def backward(g):
         weight = (g / count).astype(z.dtype)
-        return (kernels.CROSS_ENTROPY_BWD(z, t, lse, ignore_index, weight)
+        return (kernels.CROSS_ENTROPY_BWD(z, t, lse, ignore_index, weight, vocab)
                 .reshape(logits.shape),)
     return Tensor._make(out.astype(z.dtype), (logits,), backward)
 

@@ -261,19 +261,21 @@ def softmax_causal_bwd(g, y, scale):
     return gx.reshape(y.shape)
 
 
-def cross_entropy(z, t, ignore):
+def cross_entropy(z, t, ignore, vocab=None):
     z2 = _mat(z)
     nll, lse = np.empty(z2.shape[0], z.dtype), np.empty(z2.shape[0], z.dtype)
     jit().cross_entropy_fwd(z2, np.ascontiguousarray(t, dtype=np.int64).reshape(-1),
-                            int(ignore), nll, lse, _c(z, 0.0))
+                            int(ignore), z2.shape[1] if vocab is None else int(vocab),
+                            nll, lse, _c(z, 0.0))
     return nll, lse
 
 
-def cross_entropy_bwd(z, t, lse, ignore, weight):
+def cross_entropy_bwd(z, t, lse, ignore, weight, vocab=None):
     z2 = _mat(z)
     gz = np.empty(z2.shape, z.dtype)
     jit().cross_entropy_bwd(z2, np.ascontiguousarray(t, dtype=np.int64).reshape(-1),
                             np.ascontiguousarray(lse, dtype=z.dtype), int(ignore),
+                            z2.shape[1] if vocab is None else int(vocab),
                             _c(z, float(weight)), gz)
     return gz
 

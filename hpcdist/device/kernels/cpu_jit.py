@@ -318,28 +318,30 @@ def softmax_bwd(g, y, gx, scale):
 
 
 @kernel
-def cross_entropy_fwd(z, t, ignore, nll, lse, zero):
-    V = z.shape[1]
+def cross_entropy_fwd(z, t, ignore, vocab, nll, lse, zero):
+    """Over the first ``vocab`` columns of each row (the rest: padding, never in the loss)."""
     for r in prange(z.shape[0]):
         top = z[r, 0]
-        for j in range(1, V):
+        for j in range(1, vocab):
             top = fmax(top, z[r, j])
         s = like(zero, 0.0)
-        for j in range(V):
+        for j in range(vocab):
             s += fexp(z[r, j] - top)
         lse[r] = top + math.log(s)
         nll[r] = zero if t[r] == ignore else lse[r] - z[r, t[r]]
 
 
 @kernel
-def cross_entropy_bwd(z, t, lse, ignore, weight, gz):
+def cross_entropy_bwd(z, t, lse, ignore, vocab, weight, gz):
     V = z.shape[1]
     for r in prange(z.shape[0]):
         if t[r] == ignore:
             gz[r, :] = 0
             continue
-        for j in range(V):
+        for j in range(vocab):
             gz[r, j] = fexp(z[r, j] - lse[r]) * weight
+        for j in range(vocab, V):
+            gz[r, j] = 0
         gz[r, t[r]] -= weight
 
 

@@ -265,36 +265,38 @@ SOFTMAX_CAUSAL_BWD = Fused("softmax_causal_bwd", _SOFTMAX, ["softmax_causal_bwd"
 # ---- cross-entropy -------------------------------------------------------------------------
 
 _CROSS_ENTROPY = _COMMON + r"""
-// one block per row of V logits: lse = log sum exp; nll = lse - z[t] (0 where t is ignored)
+// one block per row of V logits, of which the first Vv are the vocabulary (the rest: padding
+// to an aligned width, never in the loss): lse = log sum exp; nll = lse - z[t] (0 where t is
+// ignored)
 extern "C" __global__ void cross_entropy_fwd(const T* z, const long long* t, A* nll, A* lse,
-                                             long long rows, int V, long long ignore) {
+                                             long long rows, int V, int Vv, long long ignore) {
     __shared__ A shared[32];
     long long r = blockIdx.x;
     if (r >= rows) return;
     const T* zr = z + r * V;
     A mx = NEG_INF;
-    for (int c = threadIdx.x; c < V; c += blockDim.x) mx = max(mx, (A)zr[c]);
+    for (int c = threadIdx.x; c < Vv; c += blockDim.x) mx = max(mx, (A)zr[c]);
     mx = block_max(mx, shared);
     A s = 0;
-    for (int c = threadIdx.x; c < V; c += blockDim.x) s += exp((A)zr[c] - mx);
+    for (int c = threadIdx.x; c < Vv; c += blockDim.x) s += exp((A)zr[c] - mx);
     s = block_sum(s, shared);
     if (threadIdx.x == 0) {
         A l = mx + log(s);
         long long target = t[r];
         lse[r] = l;
-        nll[r] = (target == ignore || target < 0 || target >= V) ? (A)0 : l - (A)zr[target];
+        nll[r] = (target == ignore || target < 0 || target >= Vv) ? (A)0 : l - (A)zr[target];
     }
 }
-// the gradient: (softmax - onehot(t)) * weight, 0 on ignored rows
+// the gradient: (softmax - onehot(t)) * weight, 0 on ignored rows and padding columns
 extern "C" __global__ void cross_entropy_bwd(const T* z, const long long* t, const A* lse,
-                                             T* gz, long long rows, int V, long long ignore,
-                                             const T* weight) {
+                                             T* gz, long long rows, int V, int Vv,
+                                             long long ignore, const T* weight) {
     long long r = blockIdx.x;
     if (r >= rows) return;
     long long target = t[r];
-    bool skip = target == ignore || target < 0 || target >= V;
+    bool skip = target == ignore || target < 0 || target >= Vv;
     for (int c = threadIdx.x; c < V; c += blockDim.x) {
-        A p = skip ? (A)0
+        A p = skip || c >= Vv ? (A)0
                    : (exp((A)z[r * V + c] - lse[r]) - (c == target ? (A)1 : (A)0)) * (A)weight[0];
         gz[r * V + c] = (T)p;
     }
@@ -302,9 +304,11 @@ extern "C" __global__ void cross_entropy_bwd(const T* z, const long long* t, con
 """
 
 
-def cross_entropy_twin(z, t, ignore):
-    """(nll per row, 0 where ignored; log-sum-exp per row) of logits z (R, V)."""
+def cross_entropy_twin(z, t, ignore, vocab=None):
+    """(nll per row, 0 where ignored; log-sum-exp per row) of logits z (R, V) whose first
+    ``vocab`` columns are the vocabulary (None: all; the rest is padding)."""
     xp = backend.array_module(z)
+    z = z if vocab is None else z[:, :vocab]
     valid = t != ignore
     safe = xp.where(valid, t, 0)
     shifted = z - z.max(axis=1, keepdims=True)
@@ -314,30 +318,33 @@ def cross_entropy_twin(z, t, ignore):
     return nll, lse + z.max(axis=1)
 
 
-def cross_entropy_bwd_twin(z, t, lse, ignore, weight):
-    """(softmax(z) - onehot(t)) * weight per row, 0 on ignored rows (``weight``: a 0-d
-    array, so that no value leaves the device)."""
+def cross_entropy_bwd_twin(z, t, lse, ignore, weight, vocab=None):
+    """(softmax(z) - onehot(t)) * weight per row, 0 on ignored rows and on the padding columns
+    past ``vocab`` (``weight``: a 0-d array, so that no value leaves the device)."""
     xp = backend.array_module(z)
     valid = t != ignore
     p = xp.exp(z - lse[:, None])
+    if vocab is not None:
+        p[:, vocab:] = 0
     rows = xp.arange(z.shape[0])
     p[rows, xp.where(valid, t, 0)] -= 1
     p *= (valid * weight)[:, None].astype(p.dtype)
     return p
 
 
-def _ce_launch(k, z, t, ignore):
+def _ce_launch(k, z, t, ignore, vocab=None):
     xp = backend.xp()
     rows, V = _rows(z)
     acc = np.float64 if z.dtype == np.float64 else np.float32
     nll, lse = xp.empty(rows, dtype=acc), xp.empty(rows, dtype=acc)
     k("cross_entropy_fwd")((max(rows, 1),), (ROW_THREADS,),
                            (xp.ascontiguousarray(z), xp.ascontiguousarray(t, dtype=np.int64),
-                            nll, lse, np.int64(rows), np.int32(V), np.int64(ignore)))
+                            nll, lse, np.int64(rows), np.int32(V),
+                            np.int32(V if vocab is None else vocab), np.int64(ignore)))
     return nll.astype(z.dtype, copy=False), lse.astype(z.dtype, copy=False)
 
 
-def _ce_bwd_launch(k, z, t, lse, ignore, weight):
+def _ce_bwd_launch(k, z, t, lse, ignore, weight, vocab=None):
     xp = backend.xp()
     rows, V = _rows(z)
     acc = np.float64 if z.dtype == np.float64 else np.float32
@@ -345,21 +352,26 @@ def _ce_bwd_launch(k, z, t, lse, ignore, weight):
     k("cross_entropy_bwd")((max(rows, 1),), (ROW_THREADS,),
                            (xp.ascontiguousarray(z), xp.ascontiguousarray(t, dtype=np.int64),
                             xp.ascontiguousarray(lse, dtype=acc), gz, np.int64(rows),
-                            np.int32(V), np.int64(ignore),
+                            np.int32(V), np.int32(V if vocab is None else vocab),
+                            np.int64(ignore),
                             xp.ascontiguousarray(weight, dtype=z.dtype).reshape(1)))
     return gz
 
 
 def _ce_cases(xp, rng, dt, backward=False):
-    for R, V in ((1, 1), (1, 5), (7, 13), (33, 50257)):
+    """Rows of every length, with and without padding columns (GPT-2's 50,257 padded to
+    50,304)."""
+    for R, V, vocab in ((1, 1, None), (1, 5, None), (7, 13, None), (7, 13, 10),
+                        (33, 50304, 50257)):
         z = xp.asarray((rng.standard_normal((R, V)) * 4).astype(dt))
-        t = rng.integers(0, V, R)
+        t = rng.integers(0, vocab or V, R)
         t[::3] = -100
         t = xp.asarray(t)
         if not backward:
-            yield z, t, -100
+            yield z, t, -100, vocab
         else:
-            yield z, t, cross_entropy_twin(z, t, -100)[1], -100, xp.asarray(0.25, dtype=dt)
+            yield (z, t, cross_entropy_twin(z, t, -100, vocab)[1], -100,
+                   xp.asarray(0.25, dtype=dt), vocab)
 
 
 CROSS_ENTROPY_FWD = Fused("cross_entropy_fwd", _CROSS_ENTROPY, ["cross_entropy_fwd"],

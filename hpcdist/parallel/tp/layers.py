@@ -13,23 +13,11 @@ summed over the tensor-parallel group (``sequence_parallel_params``).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from ...device import backend
 from ...autograd import ops
-from ...nn.module import Module, Parameter
+from ...nn.module import Module, Parameter, Shard, padded_length
 from ...autograd.tensor import Tensor
 from .mappings import (copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp)
-
-
-class Shard(NamedTuple):
-    """How a parameter was cut: along ``axis``, as ``pieces`` blocks side by side each split
-    over the group — a count of equal blocks (q, k, v of multi-head attention: 3), or their
-    widths where they differ (grouped-query attention's q | k | v); ``shape``: the whole
-    tensor's, in the one model."""
-    axis: int
-    pieces: int | tuple
-    shape: tuple
 
 
 def piece_spec(widths: tuple):
@@ -71,7 +59,7 @@ class ColumnParallelLinear(Module):
     model's parallel.sequence.Sequence), split along the sequence (allgather, backward
     reduce-scatter). ``logical``: the whole weight's shape where ``weight`` is padded."""
 
-    def __init__(self, weight, bias, comm, pieces=1, seq=None, logical=None):
+    def __init__(self, weight, bias, comm, pieces=1, seq=None, logical=None, multiple=1):
         C_out = weight.shape[1]
         pieces = piece_spec(piece_widths(C_out, pieces))
         for width in piece_widths(C_out, pieces):
@@ -82,7 +70,8 @@ class ColumnParallelLinear(Module):
         self.weight = Parameter(take(weight, 1, cols))
         self.bias = Parameter(take(bias, 0, cols)) if bias is not None else None
         self.comm, self.seq = comm, seq
-        self.shard_spec = {"weight": Shard(1, pieces, logical or tuple(weight.shape)),
+        self.shard_spec = {"weight": Shard(1, pieces, logical or tuple(weight.shape),
+                                           multiple),
                            "bias": Shard(0, pieces, (C_out,))}
 
     def _input(self, x: Tensor) -> Tensor:
@@ -121,10 +110,11 @@ class RowParallelLinear(Module):
         return y if residual is None else residual + y
 
 
-def padded_vocab(V: int, world: int) -> int:
-    """The vocabulary rounded up to a multiple of the tensor-parallel size (Megatron pads; the
-    padded rows are zero, never looked up, and masked out of the loss)."""
-    return -(-V // world) * world
+def padded_vocab(V: int, world: int, multiple: int = 1) -> int:
+    """The vocabulary rounded up to a multiple of the tensor-parallel size times ``multiple``
+    (Megatron's make-vocab-size-divisible-by x TP: each rank's part aligned; the padded rows
+    are zero, never looked up, and masked out of the loss)."""
+    return padded_length(V, world * multiple)
 
 
 class VocabParallelEmbedding(Module):
@@ -132,17 +122,19 @@ class VocabParallelEmbedding(Module):
     and the partial results are summed (allreduce, or reduce-scatter along the sequence).
     ``attend``: a head tied to the table (this rank's vocabulary columns of the logits)."""
 
-    def __init__(self, weight, comm, sequence_parallel=False, seq=None):
+    def __init__(self, weight, comm, sequence_parallel=False, seq=None, multiple=1):
+        """``weight``: the logical (V, C) table; ``multiple``: each rank's rows rounded up to
+        a multiple of it (the model's ``vocab_multiple``)."""
         xp = backend.array_module(weight)
         V, C = weight.shape
-        Vp = padded_vocab(V, comm.size)
+        Vp = padded_vocab(V, comm.size, multiple)
         full = xp.zeros((Vp, C), dtype=weight.dtype)
         full[:V] = weight
         per = Vp // comm.size
         self.lo, self.hi, self.vocab_size = comm.rank * per, (comm.rank + 1) * per, V
         self.weight = Parameter(xp.ascontiguousarray(full[self.lo:self.hi]))
         self.comm, self.sp, self.seq = comm, sequence_parallel, seq
-        self.shard_spec = {"weight": Shard(0, 1, (V, C))}
+        self.shard_spec = {"weight": Shard(0, 1, (V, C), multiple)}
 
     def forward(self, idx) -> Tensor:
         xp = backend.array_module(idx)

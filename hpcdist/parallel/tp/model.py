@@ -12,13 +12,12 @@ one-to-one, and each parallel module's ``shard_spec`` says how it cut its parame
 (``layers.Shard``). The rest: docs/tensor-parallel.md, "hpcdist/parallel/tp/model.py"."""
 from __future__ import annotations
 
-from ...device import backend
 from ...nn.family import replace, resolve
-from ...nn.module import Module
+from ...nn.module import Module, pad_axis
 from ...autograd.tensor import Tensor
 from ..sequence import Cut, cut_embeddings, sequence_of
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                     vocab_parallel_cross_entropy)
+                     padded_vocab, vocab_parallel_cross_entropy)
 from .mappings import _allgather_last
 
 
@@ -98,23 +97,17 @@ def apply_tensor_parallel(model, comm, sequence_parallel: bool = False):
         seq.sp = comm
         cut_embeddings(model, seq)
     sp = sequence_parallel
-    tokens = VocabParallelEmbedding(model.part("tokens").weight.data, comm, sp, seq)
+    V, m = model.config.vocab_size, getattr(model.config, "vocab_multiple", 1)
+    table = model.part("tokens").weight.data[:V]       # (the logical rows of a padded table)
+    tokens = VocabParallelEmbedding(table, comm, sp, seq, multiple=m)
     model.set_part("tokens", tokens)
     for block in model.blocks:
         _cut_block(block, comm, seq, sp)
     head = model.part("head")
     if head is not None:
+        weight = head.weight.data[:, :V]
         model.set_part("head", ColumnParallelLinear(
-            _pad_columns(head.weight.data, comm.size), None, comm, seq=seq if sp else None,
-            logical=tuple(head.weight.shape)))
-    model.set_part("loss", VocabParallelLoss(comm, tokens.lo, model.config.vocab_size))
+            pad_axis(weight, 1, padded_vocab(V, comm.size, m)), None, comm,
+            seq=seq if sp else None, logical=tuple(weight.shape), multiple=m))
+    model.set_part("loss", VocabParallelLoss(comm, tokens.lo, V))
     return model.train(model.training)
-
-
-def _pad_columns(weight, world):
-    xp = backend.array_module(weight)
-    C, V = weight.shape
-    Vp = -(-V // world) * world
-    full = xp.zeros((C, Vp), dtype=weight.dtype)
-    full[:, :V] = weight
-    return full

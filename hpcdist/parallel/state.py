@@ -88,8 +88,13 @@ def load_pieces(strategy, reader) -> None:
 # ---- a run's checkpoint: the tensors above, plus scalars and each rank's own state ----------
 
 def run_layout(cfg, world: int) -> dict:
+    """How the run is laid out over ``world`` ranks: a checkpoint restores each rank's own
+    state (its RNG, compression residuals) only into the same layout."""
+    from .strategy import vocab_multiple
+    pad = vocab_multiple(cfg)        # (the flat buffers' sizes: absent at 1, as before)
     if cfg.strategy == "ps":
-        return {"world": world, "strategy": "ps", "servers": cfg.servers}
+        return {"world": world, "strategy": "ps", "servers": cfg.servers,
+                **({"vocab_multiple": pad} if pad > 1 else {})}
     layout = {"world": world, "tp": cfg.tp, "pp": cfg.pp,
               "dp": world // (cfg.tp * cfg.pp * cfg.cp), "zero": cfg.zero,
               "virtual_stages": cfg.virtual_stages}
@@ -101,6 +106,8 @@ def run_layout(cfg, world: int) -> dict:
         layout["diloco_group"] = cfg.group_size
     if cfg.shard_group == "node":
         layout["shard_size"] = cfg.shard_size
+    if pad > 1:
+        layout["vocab_multiple"] = pad
     return layout
 
 
@@ -191,7 +198,8 @@ def restore_checkpoint(reader, cfg, comm, strategy, sampler) -> str:
                 f"dropout streams reseeded from (seed, step, rank)")
     compression = strategy.compression()
     if compression is not None:                         # each scheme says what becomes of it
-        same = (cfg.tp, cfg.pp) == (sc["layout"].get("tp", 1), sc["layout"].get("pp", 1))
+        now = run_layout(cfg, comm.size)       # (the model cut alike, padded alike)
+        same = all(now.get(k, 1) == sc["layout"].get(k, 1) for k in ("tp", "pp", "vocab_multiple"))
         note = compression.on_new_layout(reader, reader.step, same, strategy.dp_comm.size)
         if note:
             said.append(note)

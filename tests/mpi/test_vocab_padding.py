@@ -68,3 +68,22 @@ def test_a_padded_checkpoint_holds_the_logical_tensors_and_resumes_unpadded(comm
     _, want = one_process(again, steps=4, resume=False, save_dir="", batch_size=GLOBAL,
                           out_dir=f"{folder}_solo{comm.rank}")
     np.testing.assert_allclose(got, want[2:], rtol=1e-10)
+
+
+def test_another_padding_is_another_layout_for_each_ranks_own_state(comm, shared_dir):
+    """Top-K's error-feedback residuals span the flat gradient, padding included: a checkpoint
+    of a padded run resumed unpadded (same ranks, same layout otherwise) must not take them
+    as its own (it resumes as another layout: the residuals start over, said)."""
+    if comm.size < 2:
+        pytest.skip("compression needs 2 or more replicas")
+    folder = f"{shared_dir}/own"
+    train(_cfg({}, comm.size, steps=2, compress="topk", vocab_multiple=64, save_dir=folder,
+               out_dir=folder + "_o"), comm, log=lambda *a: None)
+    lines = []
+    final = train(_cfg({}, comm.size, steps=4, compress="topk", vocab_multiple=1,
+                       save_dir=folder, resume=True, out_dir=folder + "_r"), comm,
+                  log=lines.append)
+    assert len(final["history"]) == 2 and np.isfinite(final["history"][-1]["loss"])
+    if comm.rank == 0:                                   # (rank 0 says it)
+        said = " ".join(map(str, lines))
+        assert "'vocab_multiple': 64" in said and "Top-K residuals dropped" in said, said

@@ -198,8 +198,9 @@ def restore_checkpoint(reader, cfg, comm, strategy, sampler) -> str:
                 f"dropout streams reseeded from (seed, step, rank)")
     compression = strategy.compression()
     if compression is not None:                         # each scheme says what becomes of it
-        now = run_layout(cfg, comm.size)       # (the model cut alike, padded alike)
-        same = all(now.get(k, 1) == sc["layout"].get(k, 1) for k in ("tp", "pp", "vocab_multiple"))
+        now = run_layout(cfg, comm.size)              # the model cut alike, padded alike
+        same = all(now.get(k, 1) == sc["layout"].get(k, 1)
+                   for k in ("tp", "pp", "vocab_multiple"))
         note = compression.on_new_layout(reader, reader.step, same, strategy.dp_comm.size)
         if note:
             said.append(note)

@@ -10,7 +10,6 @@ CPUs, / (the peak per GPU x ranks) on GPUs.
 """
 from __future__ import annotations
 
-
 import json
 import os
 import platform

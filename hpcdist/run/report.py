@@ -2,7 +2,6 @@
 (held-out accuracy and loss, memory, MFU) or the line of a run stopped by a signal."""
 from __future__ import annotations
 
-
 import json
 import signal
 import time

@@ -178,7 +178,7 @@ def test_a_kill_from_outside_at_any_moment_is_survived(tmp_path):
     assert steps[-1] == 60 and all(np.isfinite(r["loss"]) for r in recs if "loss" in r)
 
 
-@pytest.mark.parametrize("layout", [(), ("--zero", "3")])
+@pytest.mark.parametrize("layout", [(), ("--zero", "3"), ("--vocab-multiple", "64")])
 def test_with_respawn_a_new_process_joins_and_the_run_equals_the_one_never_hit(tmp_path,
                                                                                layout):
     """--respawn: the survivors spawn a replacement for the rank killed as step 5 begins,
@@ -186,7 +186,8 @@ def test_with_respawn_a_new_process_joins_and_the_run_equals_the_one_never_hit(t
     shards from the buddies' memory) from rank 0 over MPI, and the job goes on at 3 ranks:
     steps 5-8 and the final model equal (fp64, exactly) a 3-rank run resumed from a step-4
     checkpoint (no dropout here: a recovery reseeds the dropout streams, a resume at the
-    same layout restores them)."""
+    same layout restores them). With the vocabulary padded, the state every replica holds
+    travels at its logical shape and is padded again where it lands."""
     a, ref = tmp_path / "a", tmp_path / "ref"
     common = [*COMMON, *layout, "--steps", "8"]
     rc, out = finish(launch(3, *common, "--on-failure", "shrink", "--respawn", "--out-dir",
@@ -194,7 +195,7 @@ def test_with_respawn_a_new_process_joins_and_the_run_equals_the_one_never_hit(t
     assert rc == 0, out[-4000:]
     assert "rank 1 of 3 lost in step 5; 3 ranks go on in this job" in out, out[-3000:]
     assert "1 new rank(s) joined (--respawn)" in out
-    assert ("the committed state in the buddies' memory" if layout else
+    assert ("the committed state in the buddies' memory" if "--zero" in layout else
             "the state every replica held") in out, out[-3000:]
     events = [r for r in records(a) if r.get("event") == "recovered"]
     assert [(e["lost"], e["resumed_from"], e["world"]) for e in events] == [([1], 4, 3)]

@@ -202,6 +202,23 @@ def test_with_respawn_a_new_process_joins_and_the_run_equals_the_one_never_hit(t
     same_as_resumed(a, ref, (3, 3), 4, 8, common)
 
 
+def test_hybrid_sharding_with_respawn_restores_from_memory_and_equals_the_run_never_hit(
+        tmp_path):
+    """ZeRO-3 sharded within groups of 2 and replicated across them (--shard-group node
+    --shard-size 2, HSDP) at 4 ranks: rank 1 killed as step 5 begins, a replacement spawned,
+    the step-4 state restored from the buddies' memory; steps 5-8 and the final model equal
+    (fp64, exactly) the 4-rank run resumed from its step-4 checkpoint."""
+    a, ref = tmp_path / "a", tmp_path / "ref"
+    common = [*COMMON, "--zero", "3", "--shard-group", "node", "--shard-size", "2",
+              "--steps", "8"]
+    rc, out = finish(launch(4, *common, "--on-failure", "shrink", "--respawn", "--out-dir",
+                            str(a), "--save-dir", str(a / "ck"), HPCDIST_SIGNAL_AT="1:5:SIGKILL"))
+    assert rc == 0, out[-4000:]
+    assert "rank 1 of 4 lost in step 5; 4 ranks go on in this job" in out, out[-3000:]
+    assert "the committed state in the buddies' memory" in out, out[-3000:]
+    same_as_resumed(a, ref, (4, 4), 4, 8, common)
+
+
 def test_without_the_fault_tolerance_switch_the_flag_is_refused_in_one_line(tmp_path):
     rc, out = finish(launch(2, "--on-failure", "shrink", "--out-dir", str(tmp_path), ft=False))
     assert rc == 2, out[-3000:]

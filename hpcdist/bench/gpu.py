@@ -201,12 +201,41 @@ def _peer_rows(shape, steps: int, peers, precisions=None) -> dict:
     return rows
 
 
-def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float]:
+def activations(step, model, shape, mode: str) -> tuple[int, float]:
+    """(the activations one more ``step`` holds when its backward begins, measured:
+    autograd.memtrace, the pool's bytes in use on a GPU; the planner's count of hpcdist's
+    layers for this shape, precision and padded vocabulary), in bytes: the issue's T 8192
+    check compares these, where CuPy's pool (the peak column) also keeps freed blocks."""
+    from hpcdist import plan as P
+    from hpcdist.autograd import memtrace
+    from hpcdist.device import backend, kernels
+    L, C, T, B, V, H = shape
+    memtrace.enable()
+    try:
+        memtrace.start()
+        step()
+        held = memtrace.finish()["activations"]
+    finally:
+        memtrace.enable(False)
+    cfg = model.config
+    two = mode == "bf16" and not backend.bf16_emulated()        # bf16 activations
+    planned = P.Model(L, C, cfg.n_head, T, V, arch=cfg.arch,
+                      kv_heads=getattr(cfg, "n_kv_head", 0) or 0,
+                      ffn=getattr(cfg, "ffn_hidden", 0) or 0, tied=cfg.tie_weights,
+                      vocab_multiple=cfg.vocab_multiple)
+    want = P.activations(planned, P.Layout(1, 1, 1, 0, B, 1, "none", 1, False, False),
+                         P.Settings(param_bytes=2 if two else 4, activations="hpcdist",
+                                    attention_probs="gemms" in kernels.attention.choice()),
+                         stage="first")
+    return held, want
+
+
+def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float, dict]:
     from hpcdist.device import backend, kernels
     from hpcdist.run import mfu
     pool = backend.xp().get_default_memory_pool()
     free = getattr(pool, "free_all_blocks", lambda: None)     # (the double's pool: none)
-    rows, flops = {}, 0.0
+    rows, flops, acts = {}, 0.0, {}
     L, C, T = shape[:3]
     for mode in modes:
         free()
@@ -218,11 +247,14 @@ def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float]:
         ms = _timed(step, steps)
         rows[name] = (ms, mode, getattr(pool, "total_bytes", lambda: 0)())
         _said(name, rows)
-        print(f"    attention: {kernels.attention.choice()}", file=sys.stderr, flush=True)
+        acts[name] = activations(step, model, shape, mode)
+        print(f"    attention: {kernels.attention.choice()}; activations "
+              f"{acts[name][0] / 2**30:.2f} GiB, the planner's {acts[name][1] / 2**30:.2f} GiB",
+              file=sys.stderr, flush=True)
         del step, model
     backend.reset_precision()
     free()
-    return rows, flops
+    return rows, flops, acts
 
 
 def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
@@ -234,7 +266,7 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
     from hpcdist.run import mfu
     backend.init("gpu")
     L, C, T, B, V, H = shape
-    rows, flops = _hpcdist_rows(shape, steps, modes, attention)
+    rows, flops, acts = _hpcdist_rows(shape, steps, modes, attention)
     rows.update(_peer_rows(shape, steps, peers, peer_modes))
     res = {"model": f"{_family()} {L}x{C}, "
                     f"{H or max(1, C // 64)} heads, T {T}, batch {B}, vocab {V}",
@@ -249,6 +281,10 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
         if name.startswith("hpcdist"):
             row["vs"] = {other: round(ms / o[0], 3) for other, o in rows.items()
                          if not other.startswith("hpcdist") and o[1] == prec}
+            held, want = acts[name]
+            row.update(activations_gib=round(held / 2**30, 3),
+                       planner_activations_gib=round(want / 2**30, 3),
+                       activations_vs_planner=round(held / want, 3) if want else None)
         res["rows"][name] = row
     return res
 

@@ -95,7 +95,9 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100,
     whose target is ``ignore_index`` contribute nothing and are left out of the mean; the
     gradient softmax - onehot in one pass (CROSS_ENTROPY_BWD). ``vocab``: only the first
     ``vocab`` columns are the vocabulary (a head padded to an aligned width): the rest is
-    left out of the softmax and gets a zero gradient, with no copy of the logits.
+    left out of the softmax and gets a zero gradient, with no copy of the logits. bf16
+    logits give a float32 loss, summed and counted in float32 (PyTorch's autocast runs the
+    loss in float32 too).
     """
     if isinstance(targets, Tensor):
         targets = targets.data
@@ -103,20 +105,22 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100,
     V = logits.shape[-1]
     vocab = None if vocab is None or vocab >= V else int(vocab)
     z = logits.data.reshape(-1, V)
-    if backend.is_gpu_array(targets):             # counted where they are: no device read
-        t = targets.reshape(-1)
-        count = xp.maximum((t != ignore_index).sum(), 1).astype(z.dtype)
+    # bf16 logits: the loss summed and counted in float32 (8 bits count to 256 only)
+    acc = np.float32 if z.dtype.name == "bfloat16" else z.dtype
+    if backend.is_gpu_array(targets):
+        t = targets.reshape(-1)                   # counted where they are: no device read
+        count = xp.maximum((t != ignore_index).sum(), 1).astype(acc)
     else:
         count = builtins.max(int((np.asarray(targets) != ignore_index).sum()), 1)
         t = xp.asarray(targets).reshape(-1)      # host targets go to the logits' device
     nll, lse = kernels.CROSS_ENTROPY_FWD(z, t, ignore_index, vocab)
-    out = nll.sum() / count
+    out = nll.astype(acc, copy=False).sum() / count
 
     def backward(g):
         weight = (g / count).astype(z.dtype)
         return (kernels.CROSS_ENTROPY_BWD(z, t, lse, ignore_index, weight, vocab)
                 .reshape(logits.shape),)
-    return Tensor._make(out.astype(z.dtype), (logits,), backward)
+    return Tensor._make(out.astype(acc), (logits,), backward)
 
 
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:

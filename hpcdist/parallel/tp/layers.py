@@ -13,6 +13,8 @@ summed over the tensor-parallel group (``sequence_parallel_params``).
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ...device import backend
 from ...autograd import ops
 from ...nn.module import Module, Parameter, Shard, padded_length
@@ -160,10 +162,13 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, comm, lo: int, vocab_s
     xp = backend.array_module(logits.data)
     Vt = logits.shape[-1]
     z = logits.data.reshape(-1, Vt)
+    low = z.dtype if z.dtype.name == "bfloat16" else None  # the loss in float32
     pad = min(Vt, max(0, lo + Vt - vocab_size))      # padded columns on this rank (all, where
                                                      # the slice lies past the vocabulary)
+    if low:
+        z = z.astype(np.float32)                     # (a copy)
     if pad:
-        z = z.copy()
+        z = z if low else z.copy()
         z[:, Vt - pad:] = -xp.inf
     t = xp.asarray(targets).reshape(-1)               # host targets go to the logits' device
     valid = t != ignore_index
@@ -184,5 +189,5 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, comm, lo: int, vocab_s
         p = exp / both[0][:, None]
         p[rows[mine], local_t[mine]] -= 1
         p *= (valid * (g / count))[:, None].astype(p.dtype)
-        return (p.reshape(logits.shape),)
+        return (p.reshape(logits.shape).astype(low) if low else p.reshape(logits.shape),)
     return Tensor._make(xp.asarray(out, dtype=z.dtype), (logits,), backward)

@@ -14,7 +14,8 @@ import types
 import numpy as _np
 
 from .surface import (CUBLAS, CUDA, CUPYX, FLAGS, LAUNCHES, MODULE, NCCL, READS, NDARRAY,
-                      NOT_LAUNCHES, RANDOM, UFUNC_KWARGS, one_launch, signature, typed_parameters)
+                      NOT_LAUNCHES, RANDOM, UFUNC_KWARGS, cupy_result_type, one_launch,
+                      signature, typed_parameters)
 
 # ---- arrays ---------------------------------------------------------------------------------
 
@@ -97,23 +98,7 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
         result = getattr(ufunc, method)(*_host(inputs), **kwargs)
         if method == "at":
             return None
-        if "out" not in kwargs and _bf16_only(inputs) and getattr(result, "dtype", None) == \
-                _np.float32:
-            # NumPy with ml_dtypes makes bf16 @ bf16 float32 (ml_dtypes #235), and bf16 times
-            # a Python float too; CuPy keeps bf16 (its GEMM writes bf16 from an fp32
-            # accumulation; a Python scalar is weak, NEP 50), and so does the double: a
-            # native bf16 run's activations stay bf16 here as on a GPU
-            result = result.astype(_np.dtype(next(x.dtype for x in inputs
-                                                  if hasattr(x, "dtype"))))
-        return _device(result)
-
-
-def _bf16_only(inputs) -> bool:
-    """Whether a ufunc's operands are bf16 arrays and Python numbers only (one array at
-    least): CuPy's result is then bf16."""
-    arrays = [x for x in inputs if hasattr(x, "dtype")]
-    return bool(arrays) and all(x.dtype.name == "bfloat16" for x in arrays) and \
-        all(hasattr(x, "dtype") or isinstance(x, (int, float)) for x in inputs)
+        return _device(result if "out" in kwargs else cupy_result_type(inputs, result))
 
 
 def _get(self, stream=None, order="C", out=None, blocking=True):

@@ -139,6 +139,19 @@ UFUNC_KWARGS = {"out", "dtype", "casting"}           # what CuPy's ufuncs take b
 _C_TYPES = {"int": "", "bytes": "", "intptr_t": "", "size_t": "", "NcclConfig": ""}
 
 
+def cupy_result_type(inputs, result):
+    """A ufunc's ``result`` (NumPy's) with the dtype CuPy gives it where the two differ: NumPy
+    with ml_dtypes makes bf16 @ bf16 float32 (ml_dtypes #235), and bf16 times a Python float
+    too; CuPy keeps bf16 (its GEMM writes bf16 from an fp32 accumulation; a Python scalar is
+    weak, NEP 50). So a native bf16 run's activations stay bf16 on the double as on a GPU."""
+    arrays = [x for x in inputs if hasattr(x, "dtype")]
+    if arrays and all(x.dtype.name == "bfloat16" for x in arrays) and \
+            all(hasattr(x, "dtype") or isinstance(x, (int, float)) for x in inputs) and \
+            getattr(result, "dtype", None) is not None and result.dtype.name == "float32":
+        return result.astype(arrays[0].dtype)
+    return result
+
+
 def signature(text: str) -> inspect.Signature:
     """``text`` — "(a, dtype=None, *, copy=None)", C types allowed ("(int ndev, bytes id)")
     and an optional "-> type" — as an ``inspect.Signature`` (defaults are not evaluated:

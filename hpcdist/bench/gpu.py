@@ -25,9 +25,9 @@ PAD = [0]               # --vocab-multiple (0: as the trainer pads, 64 on a GPU,
 
 def _config(L, C, T, B, V, H=0):
     from hpcdist import nn
-    from hpcdist.device import backend
+    from hpcdist.parallel.strategy import vocab_multiple
     heads = H or max(1, C // 64)
-    pad = PAD[0] or (1 if backend.device_label() == "cpu" else 64)
+    pad = vocab_multiple({"vocab_multiple": PAD[0]})      # (0: the trainer's rule)
     if ARCH[0] == "llama":
         return nn.LlamaConfig(block_size=T, vocab_size=V, n_layer=L, n_head=heads,
                               n_kv_head=max(1, heads // 4), n_embd=C, vocab_multiple=pad)

@@ -180,7 +180,8 @@ def restore_checkpoint(reader, cfg, comm, strategy, sampler) -> str:
     if samples % g_new:
         said.append(f"the global batch changed ({g_old} -> {g_new}): continuing at sample "
                     f"{samples // g_new * g_new} of the epoch instead of {samples}")
-    if sc["layout"] == run_layout(cfg, comm.size):       # the same layout: exact, rank by rank
+    now = run_layout(cfg, comm.size)
+    if sc["layout"] == now:                              # the same layout: exact, rank by rank
         own = reader.own(comm.rank)
         rng = checkpoint.from_json_array(own["rng"])
         if rng.get("kind") == backend.rng_state()["kind"]:
@@ -194,12 +195,11 @@ def restore_checkpoint(reader, cfg, comm, strategy, sampler) -> str:
     # Another layout. Dropout streams: each rank derives its own from (seed, step, its rank
     # in the new layout). Compression state: what its scheme says (on_new_layout).
     backend.seed(cfg.seed + 7919 * reader.step + 1000 * comm.rank)
-    said.append(f"written by {sc['layout']}, resumed as {run_layout(cfg, comm.size)}: "
+    said.append(f"written by {sc['layout']}, resumed as {now}: "
                 f"dropout streams reseeded from (seed, step, rank)")
     compression = strategy.compression()
     if compression is not None:                         # each scheme says what becomes of it
-        now = run_layout(cfg, comm.size)              # the model cut alike, padded alike
-        same = all(now.get(k, 1) == sc["layout"].get(k, 1)
+        same = all(now.get(k, 1) == sc["layout"].get(k, 1)   # the model cut and padded alike
                    for k in ("tp", "pp", "vocab_multiple"))
         note = compression.on_new_layout(reader, reader.step, same, strategy.dp_comm.size)
         if note:

@@ -72,8 +72,8 @@ def test_greedy_text_with_the_kv_cache_equals_transformers_generate(folder):
         assert sample.generate(ours, prompt, 30) == ref, kind
     cache = [{} for _ in ours.blocks]
     ours(backend.to_device(np.array([[1, 2, 3]])), cache=cache)
-    kv = ours.config.kv_heads
-    assert cache[0]["k"].shape[1] == kv and cache[0]["v"].shape[1] == kv   # only the kv heads
+    kv = ours.config.attention_shape().pieces[1]                        # only the kv heads
+    assert cache[0]["k"].shape == cache[0]["v"].shape == (1, 3, kv)
 
 
 @pytest.fixture(scope="module", params=[0, 4], ids=["llama", "mixtral"])

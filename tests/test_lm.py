@@ -170,6 +170,32 @@ def test_greedy_sampling_with_the_kv_cache_equals_transformers_generate(tiny_gpt
     assert len(long) == 101
 
 
+def test_a_prompt_as_long_as_the_context_is_read_in_linear_memory():
+    """The KV cache's prefill runs the tiled kernels by position: a prompt of 8,191 tokens
+    holds no (T, T) scores (1 GiB at fp32 over 2 heads, with its copies); the greedy tokens
+    equal the full forward's argmax."""
+    import tracemalloc
+    from hpcdist import nn, sample
+    prev = backend.default_float()
+    backend.set_default_float("float32")
+    try:
+        nn.manual_seed(0)
+        m = nn.GPT(nn.GPTConfig(block_size=8192, vocab_size=50, n_layer=2, n_head=2,
+                                n_embd=64)).eval()
+        ids = [int(i) for i in np.random.default_rng(0).integers(0, 50, 8190)]
+        tracemalloc.start()
+        try:
+            out = sample.generate(m, ids, 2)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 300 * 2**20, f"{peak / 2**20:.0f} MiB"
+        full = m(backend.to_device(np.array([out[:-1]]))).data
+        assert out[-2:] == [int(a) for a in backend.to_numpy(full[0, -2:]).argmax(-1)]
+    finally:
+        backend.set_default_float(prev)
+
+
 def test_init_from_trains_gpt2_weights_in_any_layout(tiny_gpt2, tmp_path):
     _, folder = tiny_gpt2
     ids = (np.arange(20000) * 7) % 101

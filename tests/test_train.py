@@ -23,6 +23,7 @@ def test_default_task_reaches_90_percent(tmp_path):
     final = train.train(cfg, log=lines.append)
     assert final["accuracy"] >= 0.90, lines
     assert "parameters" in lines[0] and "world size 1" in lines[0]
+    assert "attention flash (tiled, numba + BLAS)" in lines[0]
     records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records[:-1]] == list(range(1, 401))   # every step is recorded
     assert sum(1 for line in lines if line.startswith("step ")) == 4    # printed every 100
@@ -37,6 +38,37 @@ def test_cli_trains_text_file(tmp_path):
                   "--n-embd", "32", "--out-dir", str(tmp_path), "--log-every", "20")
     assert r.returncode == 0, r.stderr
     assert "held-out accuracy (next-char)" in r.stdout
+
+
+def test_the_header_says_when_dropout_keeps_the_probabilities():
+    """Attention dropout runs op by op, its (T, T) probabilities kept: the header says so
+    instead of "flash", and how to run tiled."""
+    from hpcdist.run.report import attention_words
+    assert attention_words(train.parse_config([])).startswith("attention flash (tiled")
+    words = attention_words(train.parse_config(["--dropout", "0.1"]))
+    assert "op by op" in words and "--dropout 0" in words
+
+
+@pytest.mark.parametrize("device", ["cpu", "double"])
+def test_a_context_of_8192_trains_in_little_memory(tmp_path, device):
+    """Issue 59's bound on every machine: GPT 2x64, 2 heads, T 8192, batch 1 trains 2 steps
+    (and scores its held-out tokens) under 1.2 GB of resident memory, the process's own peak
+    (T x T scores in fp32 would be 256 MiB a head, a copy)."""
+    text = tmp_path / "long.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 3000)
+    args = ["--task", "text", "--data", str(text), "--block-size", "8192", "--n-layer", "2",
+            "--n-embd", "64", "--n-head", "2", "--batch-size", "1", "--steps", "2",
+            "--device", device, "--log-every", "1", "--out-dir", str(tmp_path / "run")]
+    peak = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('max RSS KiB',"
+            " resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)); sys.argv[1:] = "
+            f"{args!r}; runpy.run_module('hpcdist.train', run_name='__main__')")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", peak, "hpcdist.train"], capture_output=True,
+                       text=True, timeout=240, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "step     2/2" in r.stdout and "8,192 tokens scored" in r.stdout, r.stdout
+    kib = int(r.stdout.rsplit("max RSS KiB", 1)[1])
+    assert kib < 1.2e9 / 1024, f"{kib / 1024:.0f} MiB"
 
 
 def test_the_evaluation_is_bounded_in_tokens_at_any_context_length(tmp_path):

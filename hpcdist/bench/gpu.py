@@ -312,8 +312,9 @@ def main(argv=None) -> int:
                     help="PyTorch's rows: eager (math attention), sdpa, compile")
     ap.add_argument("--peer-modes", default="fp32,tf32,bf16",
                     help="the precisions PyTorch's rows run at")
-    ap.add_argument("--attention", default="auto", choices=("auto", "flash", "gemms"),
-                    help="hpcdist's attention (auto: the faster on this shape, measured)")
+    ap.add_argument("--attention", default="auto", choices=("auto", "flash", "gemms", "cudnn"),
+                    help="hpcdist's attention (auto: the fastest on this shape, measured; "
+                    "one that cannot run a row runs flash, and the row says so)")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     args = ap.parse_args(argv)
     shape = (args.layers, args.embd, args.seq, args.batch, args.vocab, args.heads)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..autograd import ops
 from ..autograd.tensor import Tensor
+from ..device import backend, kernels
 from .family import AttentionShape
 from .layers import Dropout
 from .module import Module
@@ -47,9 +48,16 @@ class SelfAttention(Module):
 
 def attention(qkv: Tensor, shape: AttentionShape, drop, cache: dict | None = None) -> Tensor:
     """Causal self-attention of qkv (B, T, shape.width) -> (B, T, shape.out_width): the fused
-    op unless the probabilities take dropout or a KV cache is in use. ``cache`` (inference):
-    the kv heads' keys and values of the tokens before these, extended with theirs."""
-    if cache is None and not active(drop):
+    op unless the probabilities take dropout (then op by op, the (T, T) probabilities kept).
+    ``cache`` (inference): the kv heads' keys and values of the tokens before these, extended
+    with theirs; these rows attend through the tiled kernels by position (O(T) memory: a
+    prompt as long as the context is one block)."""
+    if cache is not None:
+        if active(drop):
+            raise ValueError("a KV cache is for inference: call model.eval() first (dropout "
+                             "is on)")
+        return _cached(qkv, shape, cache)
+    if not active(drop):
         return ops.fused_attention(qkv, shape.n_head, shape.n_kv_head)
     B, T, _ = qkv.shape
     nkv, hd = shape.n_kv_head, shape.head_dim
@@ -58,15 +66,29 @@ def attention(qkv: Tensor, shape: AttentionShape, drop, cache: dict | None = Non
     q = q.reshape(B, T, nkv, G, hd).transpose(0, 2, 3, 1, 4)        # (B, nkv, G, T, hd)
     k = k.reshape(B, T, nkv, 1, hd).transpose(0, 2, 3, 4, 1)        # (B, nkv, 1, hd, T)
     v = v.reshape(B, T, nkv, 1, hd).transpose(0, 2, 3, 1, 4)        # (B, nkv, 1, T, hd)
-    past = 0
-    if cache is not None:
-        if cache.get("k") is not None:
-            past = cache["k"].shape[-1]
-            k, v = ops.concat([cache["k"], k], axis=4), ops.concat([cache["v"], v], axis=3)
-        cache["k"], cache["v"] = k, v
-    att = ops.causal_softmax(q @ k, 1.0 / math.sqrt(hd), past)     # (B, nkv, G, T, past+T)
+    att = ops.causal_softmax(q @ k, 1.0 / math.sqrt(hd))            # (B, nkv, G, T, T)
     y = drop(att) @ v                                               # (B, nkv, G, T, hd)
     return y.transpose(0, 3, 1, 2, 4).reshape(B, T, shape.out_width)
+
+
+def _cached(qkv: Tensor, shape: AttentionShape, cache: dict) -> Tensor:
+    """The KV-cache step, inference only (no graph): keys and values kept in token layout
+    (B, past + T, nkv hd), these rows (at positions past...) over all of them through the
+    flash kernels' blocks (device/kernels/flash_blocks.py), the run's kind of arithmetic."""
+    xp = backend.array_module(qkv.data)
+    B, T, _ = qkv.shape
+    q, k, v = (a.reshape(B, T, -1) for a in shape.views(qkv.data))
+    past = 0
+    if cache.get("k") is not None:
+        past = cache["k"].shape[1]
+        k, v = xp.concatenate([cache["k"], k], axis=1), xp.concatenate([cache["v"], v], axis=1)
+    else:
+        k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)
+    cache["k"], cache["v"] = k, v
+    fwd = kernels.FLASH_BLOCK_FWD[kernels.attention.kind(qkv.dtype)]
+    y, _ = fwd(xp.ascontiguousarray(q), k, v, shape.n_head, shape.n_kv_head,
+               1.0 / math.sqrt(shape.head_dim), past, 0)
+    return Tensor(y.astype(qkv.dtype, copy=False))
 
 
 def active(drop) -> bool:

@@ -168,8 +168,9 @@ class DecoderLM(Module):
 
 
 def cached_length(cache) -> int:
-    """Tokens a KV cache (one dict per block) holds."""
-    return cache[0]["k"].shape[-1] if cache and cache[0].get("k") is not None else 0
+    """Tokens a KV cache (one dict per block: "k", "v" (B, tokens, kv heads x head size))
+    holds."""
+    return cache[0]["k"].shape[1] if cache and cache[0].get("k") is not None else 0
 
 
 FAMILIES: dict = {}          # arch -> (config class, model class): filled by nn/__init__.py

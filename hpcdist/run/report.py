@@ -80,6 +80,9 @@ def attention_words(cfg) -> str:
     way = {"auto": "auto (the fastest way that runs, measured on the first step's shape; the "
                    "run's end says which)", "flash": "flash (tiled)",
            "gemms": "gemms (cuBLAS around the fused softmax)", "cudnn": "cuDNN's fused"}
+    if cfg.dropout > 0:                   # (nn/attention.py: the tiled kernels have none)
+        return ("attention op by op (dropout on the probabilities keeps them, T x T a head; "
+                "--dropout 0 runs it tiled)")
     if backend.device_label() != "gpu":
         return "attention flash (tiled" + (", numba + BLAS)" if backend.device_label() == "cpu"
                                             else ")")

@@ -252,3 +252,32 @@ def test_every_layout_on_device_follows_the_cpu_run(comm, tmp_path, index, backe
     ref = _cpu_reference(batch * replicas, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.tie_weights,
                          cfg.experts)
     np.testing.assert_allclose(got, ref, rtol=1e-10, err_msg=f"{layouts[index]} {backend_name}")
+
+
+LONG = [dict(), dict(cp=2), dict(cp=2, cp_impl="ulysses"), dict(tp=2, n_head=4)]
+
+
+@pytest.mark.parametrize("layout", LONG, ids=["dp", "cp2-ring", "cp2-ulysses", "tp2"])
+def test_a_long_context_on_device_follows_the_cpu_run(comm, tmp_path, layout):
+    """fp64 at T 1024 (the tiled attention over many tiles; the ring's and Ulysses' blocks):
+    each layout on the device equals the one-process CPU run to 1e-10 — on a GPU, the flash
+    kernels' exact path against the CPU's."""
+    if comm.size % layout.get("cp", layout.get("tp", 1)):
+        pytest.skip(f"{layout} needs a world size it divides")
+    text = tmp_path / "long.txt"
+    text.write_text("".join(f"{i * 7919 % 1000:03d} long context, tile by tile. "
+                            for i in range(400)))
+    kw = {**dict(task="text", data=str(text), block_size=1024, n_layer=1, n_head=2, n_embd=16,
+                 steps=2, batch_size=1, eval_tokens=1024, grad_clip=1.0), **layout}
+    replicas = comm.size // (kw.get("tp", 1) * kw.get("cp", 1))
+    got = _history(small(device=DEVICE, out_dir=str(tmp_path / "run"), **kw), comm)
+    solo = Communicator(MPI.COMM_SELF)
+    try:
+        one = {**kw, "batch_size": replicas, "cp": 1, "tp": 1}
+        one.pop("cp_impl", None)
+        ref = _history(small(device="cpu", out_dir=str(tmp_path / "ref"), **one), solo)
+    finally:
+        solo.close()
+        backend.init(DEVICE, comm.local_rank)
+    assert got.shape == (2, 2)
+    np.testing.assert_allclose(got, ref, rtol=1e-10, err_msg=str(layout))

@@ -40,11 +40,16 @@ def _parts(qkv, n_head, b0, b1, h0, h1):
             r[:, :, 2].transpose(0, 2, 1, 3))
 
 
+MAX_QUERY_ROWS = 256
+
+
 def query_blocks(T: int):
     """(i0, i1) blocks of queries: block i0..i1 sees keys 0..i1 only, so the GEMMs skip the
     masked corner (4 blocks: 37.5% of the scores' flops; at least 64 rows: at T 256 on one
-    thread four of 64 took 17.3 ms a 6x384 layer against 22.6 for one of 256, measured)."""
-    step = max(64, -(-T // 4))
+    thread four of 64 took 17.3 ms a 6x384 layer against 22.6 for one of 256, measured); at
+    most MAX_QUERY_ROWS, so a block's scores (rows x T) grow linearly with T, not as T^2/4
+    (T 8192: 8 MiB a buffer in fp32, not 64)."""
+    step = min(MAX_QUERY_ROWS, max(64, -(-T // 4)))
     return [(i0, min(T, i0 + step)) for i0 in range(0, T, step)]
 
 

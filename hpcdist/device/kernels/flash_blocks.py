@@ -13,7 +13,7 @@ import numpy as np
 from .. import backend
 from ..fused import Fused
 from .flash import (ROUNDING, SHAPES, TOLERANCE, _compute_dtype, _defines, _get, _ints, _mm,
-                    _pack, _storage, _address)
+                    _pack, _rows_per_block, _storage, _address)
 from .flash_source import FLASH_SOURCE
 
 
@@ -25,7 +25,24 @@ def _heads(a, H: int):
 
 def block_twin(q, k, v, nh, nkv, scale, q_pos, k_pos, rounding=None):
     """(y (B, Tq, nh hd), lse (B, nh, Tq)): q's rows (positions q_pos + i) over k, v's
-    (k_pos + j), a key seen at or before its query; a row that sees none: y 0, lse -inf."""
+    (k_pos + j), a key seen at or before its query; a row that sees none: y 0, lse -inf.
+    Rows a chunk at a time, so the scores stay under flash.py's 64 MiB (a ring's blocks at
+    long context)."""
+    xp = backend.array_module(q)
+    parts = [_block(q[:, i0:i1], k, v, nh, nkv, scale, q_pos + i0, k_pos, rounding)
+             for i0, i1 in _chunks(q.shape[0], nh, q.shape[1], k.shape[1])]
+    if len(parts) == 1:
+        return parts[0]
+    return (xp.concatenate([y for y, _ in parts], axis=1),
+            xp.concatenate([lse for _, lse in parts], axis=2))
+
+
+def _chunks(B, nh, Tq, Tk):
+    step = _rows_per_block(B, nh, Tk)
+    return [(i0, min(Tq, i0 + step)) for i0 in range(0, Tq, step)] or [(0, 0)]
+
+
+def _block(q, k, v, nh, nkv, scale, q_pos, k_pos, rounding):
     xp = backend.array_module(q)
     ct = _compute_dtype(q.dtype)
     q, k, v = (a.astype(ct) for a in (q, k, v))
@@ -50,7 +67,18 @@ def block_twin(q, k, v, nh, nkv, scale, q_pos, k_pos, rounding=None):
 
 def block_bwd_twin(q, k, v, dy, lse, dvec, nh, nkv, scale, q_pos, k_pos, rounding=None):
     """(dq, dk, dv) of this block's part of the gradient, ``lse`` and ``dvec`` (B, nh, Tq) the
-    whole row's (merged over every block it saw)."""
+    whole row's (merged over every block it saw); rows a chunk at a time, as the forward."""
+    xp = backend.array_module(q)
+    dq, dk, dv = [], 0, 0
+    for i0, i1 in _chunks(q.shape[0], nh, q.shape[1], k.shape[1]):
+        gq, gk, gv = _block_bwd(q[:, i0:i1], k, v, dy[:, i0:i1], lse[:, :, i0:i1],
+                                dvec[:, :, i0:i1], nh, nkv, scale, q_pos + i0, k_pos, rounding)
+        dq.append(gq)
+        dk, dv = dk + gk, dv + gv
+    return (dq[0] if len(dq) == 1 else xp.concatenate(dq, axis=1)), dk, dv
+
+
+def _block_bwd(q, k, v, dy, lse, dvec, nh, nkv, scale, q_pos, k_pos, rounding):
     xp = backend.array_module(q)
     ct = _compute_dtype(q.dtype)
     q, k, v, g = (a.astype(ct) for a in (q, k, v, dy))
@@ -70,8 +98,7 @@ def block_bwd_twin(q, k, v, dy, lse, dvec, nh, nkv, scale, q_pos, k_pos, roundin
     dk = _mm(xp.swapaxes(ds, -1, -2), qh).sum(axis=2) * ct(scale)
     dv = _mm(xp.swapaxes(p, -1, -2), gh).sum(axis=2)
     tok = lambda a, T: a.reshape(B, -1, T, a.shape[-1]).transpose(0, 2, 1, 3).reshape(B, T, -1)  # noqa: E731
-    return (tok(dq, Tq).astype(q.dtype), tok(dk, Tk).astype(q.dtype),
-            tok(dv, Tk).astype(q.dtype))
+    return tok(dq, Tq), tok(dk, Tk), tok(dv, Tk)
 
 
 def _common(kind, q, k, v, nh, nkv, scale, q_pos, k_pos):

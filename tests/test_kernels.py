@@ -365,7 +365,13 @@ def test_an_attention_path_that_cannot_run_here_gives_way_to_flash_and_says_so(m
         monkeypatch.setattr(cudnn_attention, "passed", lambda dtype="float32", p=passed: p)
         assert attention.candidates(qkv, 2, 2) == want
     monkeypatch.setattr(cudnn_attention, "passed", lambda dtype="float32": False)
+    # the GEMM path keeps (T, T): auto weighs it only up to T 14 x 16 here; asked, at any T
+    long = np.zeros((1, 14 * 16 + 1, 3 * 2 * 16), np.float32)
+    assert attention.candidates(long, 2, 2) == ["flash"]
+    assert attention.candidates(long[:, :-1], 2, 2) == ["flash", "gemms"]
     try:
+        attention.configure("gemms")
+        assert attention.candidates(long, 2, 2) == ["flash", "gemms"]
         attention.configure("cudnn")
         assert attention.path_for(qkv, 2, 2, 0.25) == "flash"
         assert attention.choice() == "flash at B, T = 2, 8"

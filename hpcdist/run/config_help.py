@@ -78,7 +78,8 @@ HELP = {
         "loss_scale": "fp16: initial dynamic loss scale", "seed": "seed of the model and data",
         "attention": "attention's implementation: auto (the fastest that can run, measured on "
                      "the run's shape on a GPU) | flash (tiled, every device) | gemms (GPU: "
-                     "cuBLAS around the fused softmax, T x T kept) | cudnn (GPU, bf16: "
+                     "cuBLAS around the fused softmax, T x T kept; auto weighs it up to T = 14 x "
+                     "the head size) | cudnn (GPU, bf16: "
                      "cuDNN's fused attention, pip install 'hpcdist[cudnn]')",
     },
     "parallelism": {

@@ -126,15 +126,25 @@ def kind(dtype) -> str:
     return "tf32" if gemm.tf32_on() and backend.device_label() == "gpu" else "exact"
 
 
+# auto weighs the GEMM path only while the (T, T) probabilities it keeps are at most the rest
+# of a layer's activations (about 14 B T C elements, plan/memory.py's hpcdist_layer): T <=
+# 14 x the head size (896 at 64). Longer, its memory grows as T^2 (12 heads at T 8192: 3 GiB a
+# layer) and even the measuring call would leave that in the pool; --attention gemms still
+# runs it at any length.
+GEMMS_MAX_T_PER_HEAD_DIM = 14
+
+
 def candidates(qkv, n_head, n_kv_head) -> list:
     """The ways this call can run: flash everywhere; on a GPU the GEMM path (n_kv_head ==
-    n_head) and cuDNN's (bf16, a head size it takes, the frontend installed)."""
+    n_head; for auto up to GEMMS_MAX_T_PER_HEAD_DIM x the head size) and cuDNN's (bf16, a
+    head size it takes, the frontend installed)."""
     ways = ["flash"]
     if backend.device_label() != "gpu":
         return ways
-    if n_kv_head == n_head:
-        ways.append("gemms")
     hs = head_size(qkv.shape[-1], n_head, n_kv_head)
+    if n_kv_head == n_head and (_path == "gemms" or
+                                qkv.shape[1] <= GEMMS_MAX_T_PER_HEAD_DIM * hs):
+        ways.append("gemms")
     if kind(qkv.dtype) == "bf16" and cudnn_attention.takes(hs) and \
             cudnn_attention.why_not() is None and cudnn_attention.passed(qkv.dtype.name):
         ways.append("cudnn")

@@ -262,3 +262,29 @@ def test_a_long_context_holds_activations_linear_in_its_length():
                                     fused_kernels=device != "double"))
     bound = 0.10 if device == "gpu" else 0.02
     assert held[4096]["activations"] == pytest.approx(want, rel=bound), (held, want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_two_byte_logits_give_a_float32_loss_that_neither_overflows_nor_miscounts(dtype):
+    """fp16 and bf16 logits: the loss summed and counted in float32 — 4,001 positions of loss
+    about 20 sum past fp16's 65,504, and bf16 counts exactly only to 256 — equal to the fp64
+    mean over the same (rounded) logits; the gradient keeps the logits' dtype."""
+    from hpcdist.autograd import ops
+    ml = pytest.importorskip("ml_dtypes")
+    dt = ml.bfloat16 if dtype == "bfloat16" else np.float16
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((4001, 8)).astype(dt)
+    z[:, 0] = 20
+    t = rng.integers(1, 8, 4001)
+    t[::7] = -100                                                   # ignored: 3,429 counted
+    x = hd.tensor(backend.to_device(z), requires_grad=True)
+    loss = ops.cross_entropy(x, backend.to_device(t))
+    zz = z.astype(np.float64)
+    m = zz.max(axis=1, keepdims=True)
+    nll = (m[:, 0] + np.log(np.exp(zz - m).sum(axis=1))) - zz[np.arange(4001), np.maximum(t, 0)]
+    want = nll[t != -100].mean()
+    assert loss.data.dtype == np.float32
+    got = float(backend.to_numpy(loss.data))
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+    loss.backward()
+    assert x.grad.dtype == z.dtype and np.isfinite(backend.to_numpy(x.grad).astype(np.float32)).all()

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..device import backend
 from .base import Strategy, delegate
+from .mixed_precision import averaging
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Replicated(AcrossGroups):
         self.inner.sync()
         if self.cross.size > 1:
             g = self.inner.grad_shard
-            self.cross.allreduce(g, "avg", out=g)
+            self.cross.allreduce(g, averaging(g, self.cross.size), out=g)
 
     def describe(self) -> list[str]:
         inner = self.inner.describe()

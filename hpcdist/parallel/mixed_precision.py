@@ -18,6 +18,17 @@ from ..optim import FlatParams
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 
+def averaging(buf, size: int) -> str:
+    """The op that averages gradients ``buf`` over ``size`` ranks: fp16 is divided by the
+    world first (in place) and summed, PyTorch DDP's pre-division, so the sum cannot overflow
+    where the average would not (fp16 ends at 65,504: the dynamic loss scale would settle a
+    factor ``size`` lower, and the small gradients underflow sooner); else "avg"."""
+    if size > 1 and buf.dtype == np.float16:
+        buf /= size
+        return "sum"
+    return "avg"
+
+
 class LossScaler:
     """Dynamic loss scale (PyTorch GradScaler / Megatron semantics, with hysteresis).
 

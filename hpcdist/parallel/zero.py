@@ -18,7 +18,7 @@ from ..comm.arith import bounds_of, padded_length, shard_bounds, shard_counts
 from ..optim import FlatParams, decay_ranges_in, intersect
 from .base import Norm, Strategy
 from .buckets import BucketQueue, make_buckets
-from .mixed_precision import LossScaler
+from .mixed_precision import LossScaler, averaging
 from .shards import ShardParams, pieces_of_range
 from .capabilities import Zero1Shape, Zero2Shape, ZeroShape
 
@@ -126,7 +126,8 @@ class Zero(ZeroShape, Strategy):
         for p in params:
             p.grad = None
         return [intersect(a, b, self.lo, self.hi) + (self.comm.ireduce_scatter(
-            buf, "avg", counts=self._counts(a, b)),) for (a, b), buf in zip(ranges, packed)]
+            buf, averaging(buf, self.comm.size), counts=self._counts(a, b)),)
+            for (a, b), buf in zip(ranges, packed)]
 
     def _add_parts(self, handles) -> None:
         """Wait for reduce-scatters and add the parts received into the gradient shard."""
@@ -251,7 +252,8 @@ class Zero1(Zero, Zero1Shape):
 
     def _reduce(self) -> None:            # micro-batches accumulate in the full gradient
         if self.comm.size > 1:            # afterwards only the shard is meaningful
-            self.grad_shard[...] = self.comm.reduce_scatter(self.compute.grad, "avg")
+            g = self.compute.grad
+            self.grad_shard[...] = self.comm.reduce_scatter(g, averaging(g, self.comm.size))
         self._track()
 
     def _rebuild_parameters(self, stepped: bool = False) -> None:

@@ -104,3 +104,24 @@ def test_a_non_finite_gradient_skips_the_step_on_every_rank(comm, tmp_path, leve
         strategy.grad_shard[0] = np.nan
     assert strategy.apply(1e-2, 0.0) == (False, None)
     np.testing.assert_array_equal(strategy.full_parameters(), before)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_fp16_gradients_average_without_overflowing_their_sum(comm, dtype):
+    """ZeRO's and hybrid sharding's averages (parallel/mixed_precision.averaging): fp16 is
+    divided by the world first, so ranks whose gradients sum past 65,504 still average to a
+    finite value, equal to the fp64 mean; other dtypes average as before."""
+    from hpcdist.parallel.mixed_precision import averaging
+    ml = pytest.importorskip("ml_dtypes") if dtype == "bfloat16" else None
+    dt = ml.bfloat16 if ml else np.dtype(dtype)
+    n = 5 * comm.size
+    values = 40000.0 + 1000.0 * np.arange(n) / n + 24.0 * comm.rank
+    g = values.astype(dt)
+    want = np.mean([(40000.0 + 1000.0 * np.arange(n) / n + 24.0 * r).astype(dt)
+                    .astype(np.float64) for r in range(comm.size)], axis=0)
+    op = averaging(g, comm.size)
+    assert op == ("sum" if dtype == "float16" and comm.size > 1 else "avg")
+    got = comm.reduce_scatter(g, op).astype(np.float64)
+    lo, hi = shard_bounds(n, comm.size, comm.rank)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want[lo:hi], rtol=2 ** -7 if dtype == "bfloat16" else 2e-3)

@@ -96,8 +96,9 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100,
     gradient softmax - onehot in one pass (CROSS_ENTROPY_BWD). ``vocab``: only the first
     ``vocab`` columns are the vocabulary (a head padded to an aligned width): the rest is
     left out of the softmax and gets a zero gradient, with no copy of the logits. bf16
-    logits give a float32 loss, summed and counted in float32 (PyTorch's autocast runs the
-    loss in float32 too).
+    and fp16 logits give a float32 loss, summed and counted in float32 (PyTorch's autocast
+    runs the loss in float32 too): a bf16 count is exact only to 256, an fp16 one to 2,048,
+    and an fp16 sum overflows past 65,504 (6,000 tokens at GPT-2's first loss, 10.8).
     """
     if isinstance(targets, Tensor):
         targets = targets.data
@@ -105,8 +106,7 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100,
     V = logits.shape[-1]
     vocab = None if vocab is None or vocab >= V else int(vocab)
     z = logits.data.reshape(-1, V)
-    # bf16 logits: the loss summed and counted in float32 (8 bits count to 256 only)
-    acc = np.float32 if z.dtype.name == "bfloat16" else z.dtype
+    acc = np.float32 if z.dtype.itemsize < 4 else z.dtype          # (bf16, fp16)
     if backend.is_gpu_array(targets):
         t = targets.reshape(-1)                   # counted where they are: no device read
         count = xp.maximum((t != ignore_index).sum(), 1).astype(acc)

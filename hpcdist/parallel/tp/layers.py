@@ -162,7 +162,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets, comm, lo: int, vocab_s
     xp = backend.array_module(logits.data)
     Vt = logits.shape[-1]
     z = logits.data.reshape(-1, Vt)
-    low = z.dtype if z.dtype.name == "bfloat16" else None  # the loss in float32
+    low = z.dtype if z.dtype.itemsize < 4 else None  # bf16, fp16: the loss in float32
     pad = min(Vt, max(0, lo + Vt - vocab_size))      # padded columns on this rank (all, where
                                                      # the slice lies past the vocabulary)
     if low:

@@ -1,5 +1,7 @@
 """How a job with in-job recovery (comm/ulfm.py) is launched under Open MPI: read by the
-trainer's messages, the recovery bench and the tests, which must not import mpi4py for it."""
+trainer's messages, the recovery bench and the tests. A module of plain strings, but its
+package's __init__ loads the Communicator and so mpi4py (its MPI is initialized on import):
+a process that must not start MPI copies the strings instead (jobs/common.sh, --help)."""
 
 LAUNCH = "mpirun --with-ft ulfm --mca btl tcp,self"
 # --respawn: the processes MPI_Comm_spawn starts are a job of their own to Open MPI's runtime

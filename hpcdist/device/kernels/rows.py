@@ -307,10 +307,11 @@ extern "C" __global__ void cross_entropy_bwd(const T* z, const long long* t, con
 def cross_entropy_twin(z, t, ignore, vocab=None):
     """(nll per row, 0 where ignored; log-sum-exp per row) of logits z (R, V) whose first
     ``vocab`` columns are the vocabulary (None: all; the rest is padding). bf16 logits are
-    read into float32 and both results stay float32, as the kernel keeps them (its ``A``)."""
+    read into float32 and both results stay float32, as the kernel keeps them (its ``A``);
+    fp16 (no kernel: this twin runs) too, as autograd.ops.cross_entropy sums the loss."""
     xp = backend.array_module(z)
     z = z if vocab is None else z[:, :vocab]
-    z = z.astype(np.float32) if z.dtype.name == "bfloat16" else z
+    z = z.astype(np.float32) if z.dtype.itemsize < 4 else z
     valid = t != ignore
     safe = xp.where(valid, t, 0)
     shifted = z - z.max(axis=1, keepdims=True)
@@ -324,7 +325,7 @@ def cross_entropy_bwd_twin(z, t, lse, ignore, weight, vocab=None):
     """(softmax(z) - onehot(t)) * weight per row, 0 on ignored rows and on the padding columns
     past ``vocab`` (``weight``: a 0-d array, so that no value leaves the device)."""
     xp = backend.array_module(z)
-    low = z.dtype if z.dtype.name == "bfloat16" else None  # (computed in float32, stored so)
+    low = z.dtype if z.dtype.itemsize < 4 else None  # (computed in float32, stored so)
     z = z.astype(np.float32) if low else z
     valid = t != ignore
     p = xp.exp(z - lse[:, None].astype(z.dtype))
@@ -345,7 +346,7 @@ def _ce_launch(k, z, t, ignore, vocab=None):
                            (xp.ascontiguousarray(z), xp.ascontiguousarray(t, dtype=np.int64),
                             nll, lse, np.int64(rows), np.int32(V),
                             np.int32(V if vocab is None else vocab), np.int64(ignore)))
-    if z.dtype.name == "bfloat16":     # kept in A (float32): the loss is summed in float32
+    if z.dtype.itemsize < 4:           # kept in A (float32): the loss is summed in float32
         return nll, lse
     return nll.astype(z.dtype, copy=False), lse.astype(z.dtype, copy=False)
 

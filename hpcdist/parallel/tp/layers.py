@@ -17,7 +17,7 @@ import numpy as np
 
 from ...device import backend
 from ...autograd import ops
-from ...nn.module import Module, Parameter, Shard, padded_length
+from ...nn.module import Module, Parameter, Shard, pad_axis, padded_length
 from ...autograd.tensor import Tensor
 from .mappings import (copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp)
 
@@ -127,14 +127,11 @@ class VocabParallelEmbedding(Module):
     def __init__(self, weight, comm, sequence_parallel=False, seq=None, multiple=1):
         """``weight``: the logical (V, C) table; ``multiple``: each rank's rows rounded up to
         a multiple of it (the model's ``vocab_multiple``)."""
-        xp = backend.array_module(weight)
         V, C = weight.shape
         Vp = padded_vocab(V, comm.size, multiple)
-        full = xp.zeros((Vp, C), dtype=weight.dtype)
-        full[:V] = weight
         per = Vp // comm.size
         self.lo, self.hi, self.vocab_size = comm.rank * per, (comm.rank + 1) * per, V
-        self.weight = Parameter(xp.ascontiguousarray(full[self.lo:self.hi]))
+        self.weight = Parameter(pad_axis(weight, 0, Vp)[self.lo:self.hi].copy())  # (its own)
         self.comm, self.sp, self.seq = comm, sequence_parallel, seq
         self.shard_spec = {"weight": Shard(0, 1, (V, C), multiple)}
 

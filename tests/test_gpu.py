@@ -84,6 +84,63 @@ def test_the_double_offers_only_the_listed_cupy_surface():
     assert isinstance(dd.cupyx.scatter_add, object) and not hasattr(dd, "scatter_add")
 
 
+def test_the_doubles_in_place_math_returns_the_array_itself():
+    """``a += b`` is ``a = a.__iadd__(b)``: CuPy returns a itself, so a parameter's gradient
+    stays the view of its flat buffer. The double returned a new wrapper until 2026-11-27 and
+    so hid the GPU's lazy zeroing from the launch count (448 counted, 547 on a GPU)."""
+    from hpcdist.device import double as dd
+    a = dd.zeros(4)
+    view = a[1:]
+    before = view
+    view += 1.0
+    view *= 3.0
+    assert view is before and dd.asnumpy(a).tolist() == [0.0, 3.0, 3.0, 3.0]
+    assert dd.add(a, 1.0, out=a) is a
+
+
+def test_the_double_sorts_no_bf16_as_cupy_sorts_none():
+    """CuPy 14 refuses to sort bfloat16 (an H200 run of ``--precision bf16 --experts 4`` hit
+    it in the router) and reduces it fine: so does the double."""
+    ml = pytest.importorskip("ml_dtypes")
+    from hpcdist.device import double as dd
+    d = dd.asarray(np.array([3.0, 1.0, 2.0]).astype(ml.bfloat16))
+    for sort in (dd.argsort, lambda a: dd.argpartition(a, 1)):
+        with pytest.raises(NotImplementedError, match="bfloat16"):
+            sort(d)
+    assert float(d.sum()) == 6.0 and float(d.astype(np.float32).max()) == 3.0
+    np.testing.assert_array_equal(dd.asnumpy(dd.argsort(d.astype(np.float32))), [1, 2, 0])
+
+
+def test_a_bf16_mixture_routes_in_float32_and_keeps_bf16_gradients():
+    """A 2-byte float's router logits are scored in float32 (Megatron's fp32 router): the
+    experts chosen equal a float32 top-k of the same logits, the gates reach the experts in
+    bf16, and every gradient keeps its parameter's dtype."""
+    ml = pytest.importorskip("ml_dtypes")
+    from hpcdist import nn
+    from hpcdist.autograd import ops
+    from hpcdist.nn.moe import MoE
+    bf = np.dtype(ml.bfloat16)
+    nn.manual_seed(0)
+    moe = MoE(16, 32, experts=4, top_k=2, z_loss_coef=1e-3)
+    for p in moe.parameters():
+        p.data = p.data.astype(bf)
+    rng = np.random.default_rng(0)
+    x = hd.tensor(backend.to_device(rng.standard_normal((2, 9, 16)).astype(bf)),
+                  requires_grad=True)
+    logits, probs, chosen = moe.route(x.reshape(-1, 16))
+    assert logits.data.dtype == probs.data.dtype == np.float32
+    z = backend.to_numpy(logits.data).astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    want = np.argsort(-(p / p.sum(axis=1, keepdims=True)), axis=1, kind="stable")[:, :2]
+    np.testing.assert_array_equal(backend.to_numpy(chosen), want)
+    y = ops.cast(moe(x), np.float32)
+    ops.mean(y * y).backward()
+    assert np.isfinite(backend.to_numpy(x.grad).astype(np.float32)).all()
+    if backend.device_label() != "cpu":   # (NumPy's bf16 twins promote with Python floats)
+        assert moe(x).data.dtype == x.grad.dtype == bf
+        assert all(p.grad is not None and p.grad.dtype == bf for p in moe.parameters())
+
+
 def test_the_doubles_generator_is_cupys_kind():
     """CuPy's bit_generator.state is a method returning a device pointer; hpcdist's dropout
     state must never be taken from it."""

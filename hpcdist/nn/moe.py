@@ -88,8 +88,12 @@ class MoE(Module):
 
     # ---- routing ---------------------------------------------------------------------------
     def route(self, x2: Tensor):
-        """Scores (N, E) with their graph, and the chosen (N, k) experts (host-free: device)."""
+        """Scores (N, E) with their graph, and the chosen (N, k) experts (host-free: device).
+        A 2-byte float's router logits are scored in float32 (Megatron's fp32 router): the
+        choice and the balancing losses keep float32's resolution (and CuPy sorts no bf16)."""
         logits = self.router(x2)
+        if logits.data.dtype.itemsize < 4:
+            logits = ops.cast(logits, np.float32)
         probs = ops.softmax(logits, axis=-1) if self.score == "softmax" else \
             ops.sigmoid(logits)
         xp = backend.array_module(logits.data)
@@ -138,7 +142,7 @@ class MoE(Module):
                 counts = self.group.allreduce(counts)
             if not recomputing():                 # (a recomputed block counted already)
                 self.load += counts
-        gate = self.gates(probs, chosen).reshape(-1)                 # (N k,)
+        gate = ops.cast(self.gates(probs, chosen).reshape(-1), x2.data.dtype)   # (N k,)
         # the shared experts run while the routed tokens travel (under EP: the dispatch's
         # all-to-all is in flight meanwhile, parallel/expert.py)
         y, shared = self._dispatch(x2, expert, per, gate, N,

@@ -9,5 +9,6 @@ from .core import (_lift, _unbroadcast, _xp, add, sub, mul, div, neg, pow, exp, 
                    _expand_to, sum, mean, max, reshape, transpose, _has_array_index, getitem,
                    concat, split)
 from .nn import (embedding, attend, softmax, causal_softmax, fused_attention, log_softmax,
-                 cross_entropy, layer_norm, dropout, where, masked_fill, moe_permute, moe_combine)
+                 cross_entropy, layer_norm, dropout, where, masked_fill, cast,
+                 moe_permute, moe_combine)
 from .llama import rms_norm, rotary, swiglu

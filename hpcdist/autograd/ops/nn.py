@@ -1,5 +1,6 @@
 """The neural-net ops: embedding, softmax and its causal and fused-attention forms,
-log-softmax and cross-entropy, LayerNorm, dropout, where and masked_fill."""
+log-softmax and cross-entropy, LayerNorm, dropout, where and masked_fill, a dtype cast, the
+mixture of experts' permutation and combination."""
 from __future__ import annotations
 
 import builtins
@@ -201,6 +202,14 @@ def masked_fill(a: Tensor, mask, value: float) -> Tensor:
     out = xp.where(mask, xp.asarray(value, dtype=a.data.dtype), a.data)
     zero = xp.zeros((), dtype=a.data.dtype)
     return Tensor._make(out, (a,), lambda g: (_unbroadcast(xp.where(mask, zero, g), a.shape),))
+
+
+def cast(a: Tensor, dtype) -> Tensor:
+    """``a`` in ``dtype`` (the gradient back in ``a``'s): a 2-byte float's router or loss in
+    float32, as PyTorch's autocast and Megatron's fp32 router keep them. No copy when equal."""
+    if a.data.dtype == dtype:
+        return a
+    return Tensor._make(a.data.astype(dtype), (a,), lambda g: (g.astype(a.data.dtype),))
 
 
 def moe_permute(x: Tensor, order, inv, k: int) -> Tensor:

@@ -57,9 +57,13 @@ class FlatParams:
         """Every gradient zero: by a pass over ``grad``, or (``lazy``) by its next write —
         autograd's ``forget_grads``, no pass; until the next backward() or step() ends, the
         ``.grad`` arrays hold the last step's values: for the training loop, which reads and
-        writes them only through autograd. Lazy where each ``.grad`` is still its view here."""
+        writes them only through autograd. Lazy where each ``.grad`` is still its view here,
+        and on the host only: on a device each buffer an op can only add into (a bias's, a
+        norm's) would cost a launch to zero at its first write (8 a GPT layer), where one pass
+        over all of them is one launch (and little of the GPU's bandwidth)."""
         views = getattr(self, "_views", None)      # (a shard's or master copy's: none)
-        if lazy and views and all(p.grad is v for p, v in zip(self.params, views)):
+        if lazy and views and not backend.is_gpu_array(self.grad) and \
+                all(p.grad is v for p, v in zip(self.params, views)):
             forget_grads(self.params)
         else:
             self.grad[...] = 0

@@ -118,7 +118,7 @@ NCCL = {
         "FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "INT32", "INT64", "UINT8", "INT8", "SUM",
         "MAX", "MIN")},
 }
-# What kernels/gemm.py calls outside cupy's public module on a GPU (tensor-core GEMMs): module
+# What kernels/gemm.py and gemm_add.py call outside cupy's public module on a GPU (tensor-core GEMMs): module
 # (cublas: cupy_backends.cuda.libs.cublas, runtime: cupy_backends.cuda.api.runtime, device:
 # cupy.cuda.device, linalg: cupy._core._routines_linalg) and name. Not offered by the double,
 # which runs the GEMM's twin; checked against CuPy and cuBLAS's wheels by make test-cupy.
@@ -130,8 +130,9 @@ CUBLAS = {
     "device.get_cublas_handle": ("function", "()"),
     "linalg.set_compute_type": ("function", "(dtype, compute_type)"),
     **{f"cublas.{n}": ("constant", None) for n in (
-        "CUBLAS_OP_N", "CUBLAS_OP_T", "CUBLAS_COMPUTE_32F", "CUBLAS_GEMM_DEFAULT_TENSOR_OP")},
-    **{f"runtime.{n}": ("constant", None) for n in ("CUDA_R_16BF", "CUDA_R_32F")},
+        "CUBLAS_OP_N", "CUBLAS_OP_T", "CUBLAS_COMPUTE_32F", "CUBLAS_COMPUTE_32F_FAST_TF32",
+        "CUBLAS_COMPUTE_64F", "CUBLAS_GEMM_DEFAULT", "CUBLAS_GEMM_DEFAULT_TENSOR_OP")},
+    **{f"runtime.{n}": ("constant", None) for n in ("CUDA_R_16BF", "CUDA_R_32F", "CUDA_R_64F")},
     **{f"linalg.COMPUTE_TYPE_{n}": ("constant", None) for n in ("DEFAULT", "FP32", "TF32")},
 }
 UFUNC_KWARGS = {"out", "dtype", "casting"}           # what CuPy's ufuncs take by keyword

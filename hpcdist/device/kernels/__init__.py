@@ -14,14 +14,14 @@ from .llama import (RMSNORM_BWD, RMSNORM_FWD, ROTARY, SWIGLU_BWD, SWIGLU_FWD, rm
                     rmsnorm_twin, rotary_tables, rotary_twin, swiglu_bwd_twin, swiglu_twin)
 from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
-                   operand, product,
-                   matmul_add)
+                   operand, product)
+from .gemm_add import GEMM_ADD, GEMM_ADD_TF32, gemm_add_twin, matmul_add
 from .elementwise import (ADAMW, ADAMW_LOW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD,
                           GELU_FWD, adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
                           colsum_add_twin, gelu_bwd_twin, gelu_twin)
-from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, LAYERNORM_BWD, LAYERNORM_FWD,
-                   SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, cross_entropy_bwd_twin,
-                   cross_entropy_twin, layernorm_bwd_twin, layernorm_twin, softmax_causal_bwd_twin,
+from .layernorm import LAYERNORM_BWD, LAYERNORM_FWD, layernorm_bwd_twin, layernorm_twin
+from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD,
+                   cross_entropy_bwd_twin, cross_entropy_twin, softmax_causal_bwd_twin,
                    softmax_causal_twin)
 from .moe import (MOE_COMBINE, MOE_COMBINE_BWD, MOE_PERMUTE, combine_bwd_twin, combine_twin,
                   permute_twin)
@@ -64,5 +64,5 @@ __all__ = ["ADAMW", "ADAMW_LOW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_B
            "bias_gelu_twin", "flash_bwd_twin", "flash_twin",
            "bias_residual_twin", "colsum_add_twin", "configure", "describe",
            "cross_entropy_bwd_twin", "cross_entropy_twin", "gelu_bwd_twin", "gelu_twin",
-           "gemm_twin", "layernorm_bwd_twin", "layernorm_twin", "matmul", "matmul_add",
+           "GEMM_ADD", "GEMM_ADD_TF32", "gemm_add_twin", "gemm_twin", "layernorm_bwd_twin", "layernorm_twin", "matmul", "matmul_add",
            "softmax_causal_bwd_twin", "softmax_causal_twin"]

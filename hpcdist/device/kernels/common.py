@@ -38,6 +38,20 @@ __device__ A block_{op}(A v, A* shared) {{
 """.format(op=op, identity=identity) for op, identity in (("sum", "(A)0"), ("max", "NEG_INF")))
 
 
+SHARED_DEFAULT = 48 << 10     # dynamic shared memory a kernel has without asking for more
+BLOCKS_WANTED = 1024          # a row kernel's blocks: 8 of 256 threads on each of 128 SMs
+
+
+def rows_per_block(rows: int, partial_bytes: int) -> tuple[int, int]:
+    """(rows a block takes, its dynamic shared memory) for a norm's backward that sums its
+    weight gradient over rows in shared memory (``partial_bytes`` a block) and adds it into
+    the gradient once a block: about BLOCKS_WANTED blocks, 2 to 32 rows each; 1 row (added
+    row by row, no shared memory) where the sums would not fit in SHARED_DEFAULT."""
+    if partial_bytes > SHARED_DEFAULT or rows < 2:
+        return 1, 0
+    return max(2, min(32, rows // BLOCKS_WANTED)), partial_bytes
+
+
 def accumulator(dtype) -> type:
     """The type a kernel's ``A`` is for arrays of ``dtype``: double for fp64, else float."""
     return np.float64 if np.dtype(dtype) == np.float64 else np.float32

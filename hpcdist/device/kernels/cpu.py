@@ -20,7 +20,7 @@ import numpy as np
 from ...host import blas, pool, threads
 from .. import fused
 from .common import GELU_C, ROW_BLOCK
-from .rows import added_into
+from .layernorm import added_into
 
 MIN_SIZE = int(os.environ.get("HPCDIST_CPU_KERNELS_MIN", str(1 << 15)))
 ATTENTION_BYTES = 4 << 20          # scores held at once by causal attention (4 MiB: ~L2)

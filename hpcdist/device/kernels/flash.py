@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused
+from .common import SHARED_DEFAULT   # beyond it a kernel asks for more (Hopper: 227 KiB)
 from .flash_source import FLASH_SOURCE
 
 # Tile shapes per kind: (warps, CT) — a block owns 16 x warps rows and steps over CT columns;
@@ -23,7 +24,6 @@ from .flash_source import FLASH_SOURCE
 SHAPES = {"bf16": (4, 64), "tf32": (4, 64), "exact": (2, 32)}
 MMA = {"exact": 0, "bf16": 1, "tf32": 2}
 MAX_HEAD = 256
-SHARED_DEFAULT = 48 << 10        # beyond this a kernel must ask for more (Hopper: up to 227 KiB)
 
 
 def head_pad(hs: int) -> int:

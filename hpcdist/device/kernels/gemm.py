@@ -232,17 +232,6 @@ def product(a, b):
     return backend.matmul(a, b, rounding=False)
 
 
-def matmul_add(a, b, into, overwrite: bool = False) -> bool:
-    """``into += a @ b`` (``overwrite``: ``into = a @ b``) inside the GEMM where it can be (the
-    CPU in float32/float64, NumPy's BLAS callable: kernels/cpu.py gemm_add), saving the
-    product's array and the pass that adds it (a weight's gradient into its buffer); False:
-    not done, the caller adds."""
-    if backend.device_label() != "cpu" or (backend.bf16_emulated() and a.dtype == np.float32):
-        return False
-    from . import cpu
-    return cpu.gemm_add(a, b, into, overwrite)
-
-
 def _round_launch(k, x):
     x = backend.xp().ascontiguousarray(x)
     y = backend.xp().empty_like(x)

@@ -8,7 +8,8 @@ import numpy as np
 
 from .. import backend
 from ..fused import ROW_THREADS, Fused, grid
-from .common import _COMMON, _rows, _scalar, accumulator, low, sums, summed, wide
+from .common import (_COMMON, _rows, _scalar, accumulator, low, rows_per_block, sums, summed,
+                     wide)
 
 # ---- RMSNorm -------------------------------------------------------------------------------
 
@@ -26,24 +27,36 @@ extern "C" __global__ void rmsnorm_fwd(const T* x, const T* w, T* y, A* rstd, lo
     for (int c = threadIdx.x; c < C; c += blockDim.x) y[r * C + c] = (T)((A)xr[c] * rs * (A)w[c]);
     if (threadIdx.x == 0) rstd[r] = rs;
 }
-// one block per row: gx = rstd (g w - xhat mean(g w xhat)), xhat = x rstd; the weight's
-// gradient added over rows into gw (zeros, or its own gradient buffer)
+// one block per ``per`` rows: gx = rstd (g w - xhat mean(g w xhat)), xhat = x rstd; the
+// weight's gradient summed over the block's rows in shared memory (each thread owns its
+// columns) and added once a block into gw (zeros, or its own gradient buffer); per == 1 (a
+// row too wide for the shared sums): added row by row (LayerNorm's backward says why)
 extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const A* rstd, T* gx,
-                                       A* gw, long long rows, int C) {
+                                       A* gw, long long rows, int C, int per) {
     __shared__ A shared[32];
-    long long r = blockIdx.x;
-    if (r >= rows) return;
-    const T* gr = g + r * C;
-    const T* xr = x + r * C;
-    A rs = rstd[r], s = 0;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        A xhat = (A)xr[c] * rs;
-        s += (A)gr[c] * (A)w[c] * xhat;
-        atomicAdd(gw + c, (A)gr[c] * xhat);
+    extern __shared__ unsigned char smem[];
+    A* part = (A*)smem;                                  // [C] when per > 1
+    long long r0 = (long long)blockIdx.x * per;
+    if (r0 >= rows) return;
+    long long r1 = r0 + per < rows ? r0 + per : rows;
+    if (per > 1)
+        for (int c = threadIdx.x; c < C; c += blockDim.x) part[c] = 0;
+    for (long long r = r0; r < r1; r++) {
+        const T* gr = g + r * C;
+        const T* xr = x + r * C;
+        A rs = rstd[r], s = 0;
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            A xhat = (A)xr[c] * rs, gc = (A)gr[c];
+            s += gc * (A)w[c] * xhat;
+            if (per > 1) part[c] += gc * xhat;
+            else atomicAdd(gw + c, gc * xhat);
+        }
+        s = block_sum(s, shared) / (A)C;
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            gx[r * C + c] = (T)(rs * ((A)gr[c] * (A)w[c] - (A)xr[c] * rs * s));
     }
-    s = block_sum(s, shared) / (A)C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x)
-        gx[r * C + c] = (T)(rs * ((A)gr[c] * (A)w[c] - (A)xr[c] * rs * s));
+    if (per > 1)
+        for (int c = threadIdx.x; c < C; c += blockDim.x) atomicAdd(gw + c, part[c]);
 }
 """
 
@@ -101,15 +114,16 @@ def _rmsnorm_bwd_launch(k, g, x, w, rstd, xhat=None, gw_into=None):
     acc = accumulator(x.dtype)
     gx = xp.empty_like(x)
     gw = sums(gw_into, C, acc)
-    k("rmsnorm_bwd")((max(rows, 1),), (ROW_THREADS,),
+    per, shm = rows_per_block(rows, C * np.dtype(acc).itemsize)
+    k("rmsnorm_bwd")((max(-(-rows // per), 1),), (ROW_THREADS,),
                      (xp.ascontiguousarray(g, dtype=x.dtype), x, xp.ascontiguousarray(w),
                       xp.ascontiguousarray(rstd, dtype=acc).reshape(-1), gx, gw,
-                      np.int64(rows), np.int32(C)))
+                      np.int64(rows), np.int32(C), np.int32(per)), shared_mem=shm)
     return gx, summed(gw, gw_into, x.dtype)
 
 
 def _rmsnorm_cases(xp, rng, dt, backward=False):
-    for shape in ((1, 1), (3, 7), (2, 5, 64), (4, 1000)):
+    for shape in ((1, 1), (3, 7), (2, 5, 64), (4, 1000), (37, 96), (3, 12300)):
         x = xp.asarray((rng.standard_normal(shape) * 3).astype(dt))
         w = xp.asarray(rng.standard_normal(shape[-1]).astype(dt))
         if not backward:

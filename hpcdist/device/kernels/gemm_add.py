@@ -1,0 +1,106 @@
+"""A weight's gradient added by the GEMM itself into its buffer: ``into += a @ b``.
+
+On the CPU NumPy's BLAS does it (kernels/cpu.py gemm_add); on a GPU cuBLAS's ``gemmEx`` with
+beta 1 (``GEMM_ADD``; ``GEMM_ADD_TF32`` under ``--tf32``), in fp32, fp64 or bf16 (bf16 in and
+out, fp32 accumulation). Either way the product's array and the pass that adds it go: one
+launch fewer a weight a step (49 in a GPT 12x768 step), and a weight-sized temporary.
+Each is self-checked against its twin on first use like every fused kernel; a refused one
+leaves the product and the engine's addition, as before."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend, fused
+from ..fused import Fused
+from .common import low
+from .gemm import _TO_BF16, _operand, lib, tf32_on
+
+# cuBLAS's data and compute types of ``into``'s dtype, and the type of alpha and beta
+_TYPES = {"float32": ("runtime.CUDA_R_32F", "cublas.CUBLAS_COMPUTE_32F", np.float32),
+          "float64": ("runtime.CUDA_R_64F", "cublas.CUBLAS_COMPUTE_64F", np.float64),
+          "bfloat16": ("runtime.CUDA_R_16BF", "cublas.CUBLAS_COMPUTE_32F", np.float32)}
+
+
+def _launch(k, a, b, into, overwrite=False, tf32=False):
+    """``into`` (n, m) += (``overwrite``: =) ``a`` (n, k) @ ``b`` (k, m) by one gemmEx. a and
+    b each C-contiguous or the transpose of such; ``into`` C-contiguous. cuBLAS is column-
+    major: the row-major C = A B is C^T = B^T A^T, so B goes first (as gemm._gemm_words)."""
+    (n, kk), m = a.shape, b.shape[1]
+    if not (n and m):
+        return into
+    if not kk:
+        if overwrite:
+            into.fill(0)
+        return into
+    (ab, at), (bb, bt) = _operand(a), _operand(b)
+    kind, compute, scalar = _TYPES[into.dtype.name]
+    if tf32:
+        compute = "cublas.CUBLAS_COMPUTE_32F_FAST_TF32"
+    kind = lib(kind)
+    one, beta = np.array(1.0, scalar), np.array(0.0 if overwrite else 1.0, scalar)
+    trans = (lib("cublas.CUBLAS_OP_N"), lib("cublas.CUBLAS_OP_T"))
+    algo = "cublas.CUBLAS_GEMM_DEFAULT" if scalar is np.float64 else \
+        "cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP"
+    lib("cublas.gemmEx")(lib("device.get_cublas_handle")(), trans[bt], trans[at], m, n, kk,
+                         one.ctypes.data, bb.data.ptr, kind, kk if bt else m,
+                         ab.data.ptr, kind, n if at else kk,
+                         beta.ctypes.data, into.data.ptr, kind, m, lib(compute), lib(algo))
+    return into
+
+
+def _launch_tf32(k, a, b, into, overwrite=False):
+    return _launch(k, a, b, into, overwrite, tf32=True)
+
+
+def gemm_add_twin(a, b, into, overwrite=False):
+    """The definition: ``into`` (+)= a @ b; 2-byte floats multiplied and added in float32 and
+    rounded once into ``into``."""
+    if low(into):
+        prod = a.astype(np.float32) @ b.astype(np.float32)
+        into[...] = (prod if overwrite else into.astype(np.float32) + prod).astype(into.dtype)
+        return into
+    if overwrite:
+        into[...] = a @ b
+    else:
+        into += a @ b
+    return into
+
+
+def _cases(xp, rng, dt):
+    for n, k, m in ((1, 1, 1), (3, 5, 7), (64, 48, 33), (17, 256, 129), (2, 0, 3)):
+        a = (rng.standard_normal((n, k)) * 3).astype(dt)
+        b = (rng.standard_normal((k, m)) * 3).astype(dt)
+        into = (rng.standard_normal((n, m)) * 3).astype(dt)
+        yield xp.asarray(a), xp.asarray(b), xp.asarray(into)
+        # as a linear layer's weight gradient takes them: x^T (a transposed view) @ dy
+        yield xp.asarray(a.T.copy()).T, xp.asarray(b), xp.asarray(into), True
+        yield xp.asarray(a), xp.asarray(b.T.copy()).T, xp.asarray(into)
+
+
+GEMM_ADD = Fused("gemm_add", _TO_BF16, [], _launch, gemm_add_twin, _cases, tolerance=1e-5,
+                 dtypes=("float32", "float64", "bfloat16"), library="cuBLAS gemmEx")
+# TF32 rounds the operands to 10 bits of mantissa (the twin multiplies in fp32): tf32's tolerance
+GEMM_ADD_TF32 = Fused("gemm_add_tf32", _TO_BF16, [], _launch_tf32, gemm_add_twin, _cases,
+                      tolerance=5e-3, dtypes=("float32",), library="cuBLAS gemmEx")
+
+
+def matmul_add(a, b, into, overwrite: bool = False) -> bool:
+    """``into += a @ b`` (``overwrite``: ``into = a @ b``) inside the GEMM where it can be,
+    saving the product's array and the pass that adds it (a weight's gradient into its
+    buffer): NumPy's BLAS on the CPU in float32/float64; cuBLAS on a GPU in fp32, fp64, bf16
+    (the device double runs the twin, one launch); not under bf16 emulation (its GEMMs round
+    their operands: BF16_GEMM). False: not done, the caller adds."""
+    if backend.bf16_emulated() and a.dtype == np.float32:
+        return False
+    label = backend.device_label()
+    if label == "cpu":
+        from . import cpu
+        return cpu.gemm_add(a, b, into, overwrite)
+    op = GEMM_ADD_TF32 if tf32_on() and a.dtype == np.float32 else GEMM_ADD
+    if not (fused.enabled() and a.ndim == b.ndim == into.ndim == 2
+            and a.dtype == b.dtype == into.dtype and a.dtype.name in op.dtypes
+            and into.shape == (a.shape[0], b.shape[1]) and a.shape[1] == b.shape[0]
+            and into.flags.c_contiguous) or (label == "gpu" and not op.ready(a.dtype.name)):
+        return False
+    op(a, b, into, overwrite)
+    return True

@@ -40,13 +40,14 @@ def _hpcdist(B, H, T, hs, kind, path, reps):
     from hpcdist.device import backend, kernels
     xp = backend.xp()
     rng = np.random.default_rng(0)
-    qkv = xp.asarray(rng.standard_normal((B, T, 3 * H * hs)).astype(np.float32))
-    dy = xp.asarray(rng.standard_normal((B, T, H * hs)).astype(np.float32))
     backend.reset_precision()
     kernels.configure(kind == "tf32")
     kernels.attention.configure(path)
-    if kind == "bf16":
-        backend.compute_dtype("bf16")
+    # bf16: bf16 arrays where it runs natively (the tensor-core kernels, cuDNN), else float32
+    # arrays under bf16 emulation (the same kernels, rounding q, k, v first)
+    dt = backend.compute_dtype("bf16") if kind == "bf16" else np.dtype(np.float32)
+    qkv = xp.asarray(rng.standard_normal((B, T, 3 * H * hs)).astype(np.float32)).astype(dt)
+    dy = xp.asarray(rng.standard_normal((B, T, H * hs)).astype(np.float32)).astype(dt)
     scale = 1.0 / hs ** 0.5
 
     def run():

@@ -5,18 +5,14 @@ import sys
 
 from torch.profiler import ProfilerActivity, profile
 
-from hpcdist.bench.gpu import _step_fn
+from hpcdist.bench.gpu import _hpcdist_mode
 from hpcdist.device import backend
 
 
 def main(mode=sys.argv[1] if len(sys.argv) > 1 else "fp32",
          shape=tuple(int(a) for a in sys.argv[2:7]) or (12, 768, 256, 16, 50257)):
-    from hpcdist.device import kernels
     backend.init("gpu")
-    kernels.configure(mode == "tf32")
-    if mode == "bf16":
-        backend.compute_dtype("bf16")
-    step, _ = _step_fn(*shape)
+    step, _ = _hpcdist_mode(shape, mode)        # the bench's own step in this mode
     for _ in range(3):
         step()
     backend.synchronize()

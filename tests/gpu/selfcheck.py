@@ -1,15 +1,20 @@
 """Every fused kernel's self-check on the GPU: the worst error against its twin over its
-cases, per dtype, and ``fused.refusals()``. Run by tests/gpu/session.sh on a lent GPU."""
+cases, per dtype, and ``fused.refusals()``. Run by tests/gpu/session.sh on a lent GPU;
+``python tests/gpu/selfcheck.py norm gelu`` checks only the kernels whose names hold a word.
+"""
+import sys
 import time
 
 from hpcdist.device import backend, fused, kernels  # noqa: F401  (kernels: registers them)
 
 
-def main():
+def main(only=tuple(sys.argv[1:])):
     backend.init("gpu")
     print(f"{'kernel':24s} {'dtype':8s} {'worst error':>12s} {'allowed':>8s} {'s':>6s}")
     bad = 0
     for name, op in sorted(fused.registry().items()):
+        if only and not any(word in name for word in only):
+            continue
         for dt in op.dtypes:
             t0 = time.perf_counter()
             ok = op.self_check(dt)

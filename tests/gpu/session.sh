@@ -4,11 +4,11 @@
 # and leaves its logs in $OUT (or runs/gpu). 1. the kernels' self-check (every fused kernel, the
 # tiled attention in its three kinds of arithmetic, whole and by blocks for the ring); 2. the
 # table, alone on the GPU: attention alone (hpcdist's kinds and paths beside PyTorch's SDPA), the
-# step at GPT-2 medium T 1024, GPT 12x768 at T 256 (vocab 50257, padded to 50304 and not)
-# beside PyTorch eager and eager + SDPA, T 8192 batch 1, Llama 16x2048 at T 2048, a profiled
-# bf16 step; 3. correctness side by side: the GPU unit suite, the fp64 layout matrices (GPT,
-# Llama) at 2 ranks over MPI and 1 rank over NCCL, short training runs. Each step is cut at
-# its own limit and at the deadline.
+# step at GPT-2 medium T 1024, GPT 12x768 at T 1024 and at T 256 (vocab 50257, padded to 50304
+# and not) beside PyTorch eager and eager + SDPA, T 8192 batch 1, Llama 16x2048 at T 2048, the
+# host's share of a step, a profiled bf16 step; 3. correctness side by side: the GPU unit suite,
+# the fp64 layout matrices (GPT, Llama) at 2 ranks over MPI and 1 rank over NCCL, short
+# training runs. Each step is cut at its own limit and at the deadline.
 # The machine has CuPy and PyTorch but no MPI and no registry: wheels of mpich, mpi4py and
 # pytest-mpi travel in .whl/ (ignored: echo /.whl/ >> .git/info/exclude), fetched here with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -45,13 +45,17 @@ grep -a -E "flash|rmsnorm|swiglu|rotary|cudnn|refus|REFUSED" "$OUT/selfcheck.log
 
 # 2. the table, alone on the GPU
 step attention 50 "$B attention --reps 5 --out $OUT/attention.json"
-step table 80 "$B gpu --layers 24 --embd 1024 --heads 16 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16,tf32 --peers sdpa,eager --out $OUT/medium.json"
-step table 60 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes tf32,bf16 --peers eager,sdpa --out $OUT/small256.json"
+step table 80 "$B gpu --layers 24 --embd 1024 --heads 16 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16,tf32 --peers sdpa,eager --peer-modes bf16,tf32 --out $OUT/medium.json"
+step table 50 "$B gpu --layers 12 --embd 768 --seq 1024 --batch 8 --steps 6 --modes bf16 --peers sdpa,eager --peer-modes bf16 --out $OUT/small1024.json"
+step table 70 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes fp32,tf32,bf16 --peers eager,sdpa --out $OUT/small256.json"
 step table 30 "HPCDIST_BF16=emulated $B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16 --no-torch --out $OUT/small256-emulated.json"
 step table 25 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16 --no-torch --vocab-multiple 1 --out $OUT/small256-unpadded.json"
-step table 45 "$B gpu --layers 12 --embd 768 --seq 8192 --batch 1 --vocab 128 --steps 3 --modes bf16 --peers sdpa --out $OUT/long.json"
-step table 50 "$B gpu --arch llama --layers 16 --embd 2048 --seq 2048 --batch 4 --vocab 32000 --steps 4 --modes bf16 --peers sdpa --out $OUT/llama.json"
+step table 35 "$B gpu --layers 12 --embd 768 --seq 8192 --batch 1 --vocab 128 --steps 3 --modes bf16 --peers sdpa --peer-modes bf16 --out $OUT/long.json"
+step table 40 "$B gpu --arch llama --layers 16 --embd 2048 --seq 2048 --batch 4 --vocab 32000 --steps 4 --modes bf16 --peers sdpa --peer-modes bf16 --out $OUT/llama.json"
 grep -a -E "ms/step|rc=|out of|attention:" "$OUT/table.log"
+# the host's share of a step (the 12x768 T 256 step was host-bound on 2026-11-27), a profile
+step host 40 "python tests/gpu/host_step.py fp32 bf16"
+grep -a -E "us a launch" "$OUT/host.log"
 step profile 30 "python tests/gpu/profile_step.py bf16 24 1024 1024 8 128"
 
 # 3. correctness, side by side

@@ -9,9 +9,8 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
-from hpcdist.bench.gpu import _hpcdist_mode, count
+from hpcdist.bench.gpu import _hpcdist_mode, _timed, count
 from hpcdist.device import backend
 
 SHAPE = (12, 64, 16, 2, 128, 4)          # layers, embd, seq, batch, vocab, heads
@@ -20,14 +19,7 @@ SHAPE = (12, 64, 16, 2, 128, 4)          # layers, embd, seq, batch, vocab, head
 def host_ms(mode: str, steps: int = 30):
     """(ms a step, the cProfile text of 10 more) of the tiny step in ``mode`` on the GPU."""
     step, _ = _hpcdist_mode(SHAPE, mode)
-    for _ in range(3):
-        step()
-    backend.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    backend.synchronize()
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    ms = _timed(step, steps)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(10):

@@ -46,8 +46,9 @@ def rows_per_block(rows: int, partial_bytes: int) -> tuple[int, int]:
     """(rows a block takes, its dynamic shared memory) for a norm's backward that sums its
     weight gradient over rows in shared memory (``partial_bytes`` a block) and adds it into
     the gradient once a block: about BLOCKS_WANTED blocks, 2 to 32 rows each; 1 row (added
-    row by row, no shared memory) where the sums would not fit in SHARED_DEFAULT."""
-    if partial_bytes > SHARED_DEFAULT or rows < 2:
+    row by row, no shared memory) where the sums would not fit in SHARED_DEFAULT beside the
+    block reduction's static 32 values (a launch asking for more fails without opting in)."""
+    if partial_bytes + 32 * 8 > SHARED_DEFAULT or rows < 2:
         return 1, 0
     return max(2, min(32, rows // BLOCKS_WANTED)), partial_bytes
 

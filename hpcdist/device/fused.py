@@ -69,6 +69,7 @@ class Fused:
                                     # NumPy dtype} for what kernel arguments name (cudasim)
         self.cpu = None             # its CPU kernel (kernels/cpu.py), the twin's signature
         self._modules: dict = {}
+        self._functions: dict = {}        # (dtype, defines, kernel) -> its compiled handle
         self._checked: dict = {}          # dtype -> passed the self-check
         self._cpu_checked: dict = {}      # dtype -> the CPU kernel passed it
         _REGISTRY[name] = self
@@ -126,11 +127,18 @@ class Fused:
         return self._checked[dtype]
 
     def _kernel(self, dtype: str, kernel: str, defines: dict | None = None):
-        key = (dtype, tuple(sorted((defines or {}).items())))
-        mod = self._modules.get(key)
-        if mod is None:
-            mod = self._modules[key] = backend.xp().RawModule(code=self.code(dtype, defines))
-        return mod.get_function(kernel)
+        """The compiled ``kernel`` for ``dtype`` and ``defines``, kept: CuPy's get_function
+        asks the driver for a new handle each call (and a kernel's shared-memory opt-in,
+        flash.py's, was set again on each)."""
+        key = (dtype, tuple(sorted(defines.items())) if defines else (), kernel)
+        fn = self._functions.get(key)
+        if fn is None:
+            mod = self._modules.get(key[:2])
+            if mod is None:
+                mod = self._modules[key[:2]] = backend.xp().RawModule(
+                    code=self.code(dtype, defines))
+            fn = self._functions[key] = mod.get_function(kernel)
+        return fn
 
     def worst_error(self, dtype: str, kernel=None, run=None) -> float:
         """The largest error of the launch (its kernels from ``kernel(name)``), or of

@@ -65,3 +65,8 @@ step nccl1 120 "HPCDIST_DEVICE=gpu mpiexec -n 1 $PYT --with-mpi tests/mpi/test_n
 step train 120 "python -m hpcdist.train --device gpu --steps 30 --log-every 10 --save-dir /tmp/r1 && mpiexec -n 1 python -m hpcdist.train --device gpu --backend nccl --precision bf16 --experts 4 --steps 30 --log-every 10 --save-dir /tmp/r2 && python -m hpcdist.train --device gpu --arch llama --n-kv-head 2 --precision bf16 --attention auto --steps 30 --log-every 10" &
 wait
 for f in tests mpi2 nccl1 train; do echo "---- $f"; grep -a -E "passed|failed|error|Error|refus|REFUSED|FAILED|step +30|loss|attention" "$OUT/$f.log" | tail -n 14; done
+# a lease returns at most 8 files from $OUT (2026-11-27 lost table.log, tests.log and train.log
+# so): past 8, every log and JSON goes into one archive
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf session.tgz --remove-files -- *.log *.json) && echo "logs: $OUT/session.tgz"
+fi

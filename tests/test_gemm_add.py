@@ -3,48 +3,13 @@ call's layout against cuBLAS's column-major contract with a stand-in gemmEx over
 (the device double's pointers are host addresses), in fp32, TF32, fp64 and bf16; and on the
 device double a training step's weight gradients through it, equal to the CPU's, one launch
 each; the device's one-pass zeroing of the gradients."""
-import ctypes
-
 import numpy as np
 import pytest
 
 from hpcdist import nn, optim
 from hpcdist.device import backend, kernels
 
-# cuBLAS's numbers for its types (cupy_backends.cuda.libs.cublas / api.runtime)
-CONSTANTS = {"cublas.CUBLAS_OP_N": 0, "cublas.CUBLAS_OP_T": 1, "runtime.CUDA_R_32F": 0,
-             "runtime.CUDA_R_64F": 1, "runtime.CUDA_R_16BF": 14, "cublas.CUBLAS_COMPUTE_32F": 68,
-             "cublas.CUBLAS_COMPUTE_32F_FAST_TF32": 77, "cublas.CUBLAS_COMPUTE_64F": 70,
-             "cublas.CUBLAS_GEMM_DEFAULT": -1, "cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP": 99}
-
-
-def _fake_cublas(calls):
-    """gemmEx over host memory: A, B, C of one type (fp32, fp64 or bf16 words), column-major
-    with their leading dimensions; alpha and beta of the compute type; C = alpha op(A) op(B) +
-    beta C, summed in float64 and stored in C's type."""
-    import ml_dtypes
-    types = {0: np.float32, 1: np.float64, 14: np.dtype(ml_dtypes.bfloat16)}
-
-    def matrix(ptr, dtype, rows, cols, ld):                 # column-major (rows x cols), ld
-        raw = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint8)),
-                                    shape=(cols * ld * np.dtype(dtype).itemsize,))
-        return raw.view(dtype).reshape(cols, ld)[:, :rows].T
-
-    def gemm_ex(handle, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc,
-                compute, algo):
-        calls.append((ta, tb, at, bt, ct, compute, algo))
-        assert at == bt == ct
-        scalar = ctypes.c_double if compute == 70 else ctypes.c_float
-        al = ctypes.cast(alpha, ctypes.POINTER(scalar))[0]
-        be = ctypes.cast(beta, ctypes.POINTER(scalar))[0]
-        a = matrix(A, types[at], *((k, m) if ta else (m, k)), lda).astype(np.float64)
-        b = matrix(B, types[bt], *((n, k) if tb else (k, n)), ldb).astype(np.float64)
-        c = matrix(C, types[ct], m, n, ldc)
-        prod = (a.T if ta else a) @ (b.T if tb else b)      # (m, n)
-        c[...] = (al * prod + be * c.astype(np.float64)).astype(types[ct])
-    names = dict(CONSTANTS, **{"cublas.gemmEx": gemm_ex, "device.get_cublas_handle": lambda: 7})
-    return lambda dotted: names[dotted]
-
+from cublas_standin import fake_cublas
 
 @pytest.mark.parametrize("dtype,tf32", [("float32", False), ("float32", True),
                                         ("float64", False), ("bfloat16", False)])
@@ -53,10 +18,10 @@ def test_the_gradient_gemm_hands_cublas_its_operands_column_major(monkeypatch, d
     operands (x^T @ dy, as a linear layer's weight gradient), odd shapes, beta 1 and 0; the
     types and compute type cuBLAS is told."""
     pytest.importorskip("ml_dtypes")
-    from hpcdist.device.kernels import gemm_add
+    from hpcdist.device.kernels import gemm, gemm_add
     prev = backend.device_label()
     calls = []
-    monkeypatch.setattr(gemm_add, "lib", _fake_cublas(calls))
+    monkeypatch.setattr(gemm, "lib", fake_cublas(calls))
     backend.init("double")
     dt = backend.dtype(dtype)
     try:
@@ -80,7 +45,7 @@ def test_the_gradient_gemm_hands_cublas_its_operands_column_major(monkeypatch, d
         backend.init("cpu" if prev == "cpu" else prev)
     kind = {"float32": 0, "float64": 1, "bfloat16": 14}[dtype]
     compute = 77 if tf32 else 70 if dtype == "float64" else 68
-    assert {c[2:] for c in calls} == {(kind, kind, kind, compute,
+    assert {c[8:] for c in calls} == {(kind, kind, kind, compute,
                                        -1 if dtype == "float64" else 99)}
     assert {c[:2] for c in calls} == {(0, 0), (0, 1), (1, 0), (1, 1)}
 

@@ -9,6 +9,8 @@ import hpcdist as hd
 from hpcdist.device import backend, fused, kernels
 from hpcdist import nn, optim
 
+from cublas_standin import fake_cublas
+
 
 def _fake(name, launch):
     """A Fused op whose "kernel" is ``launch`` (no GPU needed to test the self-check)."""
@@ -213,33 +215,6 @@ def test_adamw_writes_the_bf16_compute_copy_in_its_own_kernel():
         backend.init("cpu" if prev == "cpu" else prev)
 
 
-def _fake_cublas(calls):
-    """cuBLAS's gemmEx and CuPy's constants over host memory (the double's pointers are host
-    addresses): column-major operands of bf16 words, an fp32 result, as cuBLAS reads them."""
-    import ctypes
-
-    def words(ptr, rows, cols, ld):                         # column-major (rows x cols), ld
-        raw = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint16)),
-                                    shape=(cols * ld,))
-        m = raw.reshape(cols, ld)[:, :rows].T               # column j at raw[j*ld : j*ld+rows]
-        return (m.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-    def gemm_ex(handle, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc,
-                compute, algo):
-        calls.append((ta, tb, m, n, k, lda, ldb, ldc, at, bt, ct, compute, algo))
-        a = words(A, *((k, m) if ta else (m, k)), lda)
-        b = words(B, *((n, k) if tb else (k, n)), ldb)
-        prod = (a.T if ta else a) @ (b.T if tb else b)      # (m, n)
-        out = np.ctypeslib.as_array(ctypes.cast(C, ctypes.POINTER(ctypes.c_float)),
-                                    shape=(n * ldc,)).reshape(n, ldc)
-        out[:, :m] = prod.T.astype(np.float32)
-    names = {"cublas.gemmEx": gemm_ex, "device.get_cublas_handle": lambda: 7,
-             "cublas.CUBLAS_OP_N": 0, "cublas.CUBLAS_OP_T": 1, "runtime.CUDA_R_16BF": 14,
-             "runtime.CUDA_R_32F": 0, "cublas.CUBLAS_COMPUTE_32F": 68,
-             "cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP": 99}
-    return lambda dotted: names[dotted]
-
-
 def _to_bf16_kernel(name):
     """The to_bf16 kernel's work, on host memory: float -> bf16 words."""
     assert name == "to_bf16"
@@ -258,7 +233,7 @@ def test_the_bf16_gemm_hands_cublas_its_operands_column_major(monkeypatch):
     from hpcdist.device.kernels import gemm
     prev = backend.device_label()
     calls = []
-    monkeypatch.setattr(gemm, "lib", _fake_cublas(calls))
+    monkeypatch.setattr(gemm, "lib", fake_cublas(calls))
     backend.init("double")
     try:
         xp, rng = backend.xp(), np.random.default_rng(3)

@@ -118,10 +118,11 @@ NCCL = {
         "FLOAT16", "FLOAT32", "FLOAT64", "BFLOAT16", "INT32", "INT64", "UINT8", "INT8", "SUM",
         "MAX", "MIN")},
 }
-# What kernels/gemm.py and gemm_add.py call outside cupy's public module on a GPU (tensor-core GEMMs): module
-# (cublas: cupy_backends.cuda.libs.cublas, runtime: cupy_backends.cuda.api.runtime, device:
-# cupy.cuda.device, linalg: cupy._core._routines_linalg) and name. Not offered by the double,
-# which runs the GEMM's twin; checked against CuPy and cuBLAS's wheels by make test-cupy.
+# What kernels/gemm.py calls outside cupy's public module on a GPU (tensor-core GEMMs and
+# gemm_add.py's gradients through gemm_ex): module (cublas: cupy_backends.cuda.libs.cublas,
+# runtime: cupy_backends.cuda.api.runtime, device: cupy.cuda.device, linalg:
+# cupy._core._routines_linalg) and name. Not offered by the double, which runs the GEMMs'
+# twins; checked against CuPy and cuBLAS's wheels by make test-cupy.
 CUBLAS = {
     "cublas.gemmEx": ("function", "(intptr_t handle, int transa, int transb, int m, int n, "
                       "int k, size_t alpha, size_t A, int Atype, int lda, size_t B, int Btype, "

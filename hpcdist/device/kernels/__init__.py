@@ -64,5 +64,6 @@ __all__ = ["ADAMW", "ADAMW_LOW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_B
            "bias_gelu_twin", "flash_bwd_twin", "flash_twin",
            "bias_residual_twin", "colsum_add_twin", "configure", "describe",
            "cross_entropy_bwd_twin", "cross_entropy_twin", "gelu_bwd_twin", "gelu_twin",
-           "GEMM_ADD", "GEMM_ADD_TF32", "gemm_add_twin", "gemm_twin", "layernorm_bwd_twin", "layernorm_twin", "matmul", "matmul_add",
+           "GEMM_ADD", "GEMM_ADD_TF32", "gemm_add_twin", "gemm_twin", "layernorm_bwd_twin",
+           "layernorm_twin", "matmul", "matmul_add",
            "softmax_causal_bwd_twin", "softmax_causal_twin"]

@@ -109,25 +109,37 @@ def _gemm_launch(k, a, b):
 
 def _gemm_words(aw, bw):
     """(n, k) @ (k, m) of bf16 words (uint16; each C-contiguous or the transpose of one), fp32
-    out. cuBLAS is column-major: the row-major product C = A B is C^T = B^T A^T, so B goes
-    first."""
+    out."""
     xp = backend.xp()
-    (n, kk), m = aw.shape, bw.shape[1]
-    out = xp.empty((n, m), dtype=xp.float32)
+    out = xp.empty((aw.shape[0], bw.shape[1]), dtype=xp.float32)
+    return gemm_ex(aw, bw, out, "runtime.CUDA_R_16BF", "runtime.CUDA_R_32F",
+                   "cublas.CUBLAS_COMPUTE_32F", beta=0.0)
+
+
+def gemm_ex(a, b, out, ab_type: str, out_type: str, compute: str, beta: float,
+            scalar=np.float32):
+    """``out`` (n, m) = a (n, k) @ b (k, m) + ``beta`` out by one cuBLAS gemmEx (the names of
+    its data and compute types as CUBLAS lists them; alpha and beta of type ``scalar``); a
+    and b each C-contiguous or the transpose of such, out C-contiguous. cuBLAS is column-
+    major: the row-major product C = A B is C^T = B^T A^T, so B goes first."""
+    (n, kk), m = a.shape, b.shape[1]
     if not (n and m):
         return out
     if not kk:
-        out.fill(0)
+        if beta == 0.0:
+            out.fill(0)
         return out
-    (aw, at), (bw, bt) = _operand(aw), _operand(bw)
-    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
-    cublas, bf16 = lib("cublas.gemmEx"), lib("runtime.CUDA_R_16BF")
+    (a, at), (b, bt) = _operand(a), _operand(b)
+    one, beta = np.array(1.0, scalar), np.array(beta, scalar)
+    ab_type = lib(ab_type)
     trans = (lib("cublas.CUBLAS_OP_N"), lib("cublas.CUBLAS_OP_T"))
-    cublas(lib("device.get_cublas_handle")(), trans[bt], trans[at], m, n, kk,
-           one.ctypes.data, bw.data.ptr, bf16, kk if bt else m,
-           aw.data.ptr, bf16, n if at else kk,
-           zero.ctypes.data, out.data.ptr, lib("runtime.CUDA_R_32F"), m,
-           lib("cublas.CUBLAS_COMPUTE_32F"), lib("cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP"))
+    algo = "cublas.CUBLAS_GEMM_DEFAULT" if scalar is np.float64 else \
+        "cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP"
+    lib("cublas.gemmEx")(lib("device.get_cublas_handle")(), trans[bt], trans[at], m, n, kk,
+                         one.ctypes.data, b.data.ptr, ab_type, kk if bt else m,
+                         a.data.ptr, ab_type, n if at else kk,
+                         beta.ctypes.data, out.data.ptr, lib(out_type), m, lib(compute),
+                         lib(algo))
     return out
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from .. import backend, fused
 from ..fused import Fused
 from .common import low
-from .gemm import _TO_BF16, _operand, lib, tf32_on
+from .gemm import _TO_BF16, gemm_ex, tf32_on
 
 # cuBLAS's data and compute types of ``into``'s dtype, and the type of alpha and beta
 _TYPES = {"float32": ("runtime.CUDA_R_32F", "cublas.CUBLAS_COMPUTE_32F", np.float32),
@@ -22,30 +22,11 @@ _TYPES = {"float32": ("runtime.CUDA_R_32F", "cublas.CUBLAS_COMPUTE_32F", np.floa
 
 
 def _launch(k, a, b, into, overwrite=False, tf32=False):
-    """``into`` (n, m) += (``overwrite``: =) ``a`` (n, k) @ ``b`` (k, m) by one gemmEx. a and
-    b each C-contiguous or the transpose of such; ``into`` C-contiguous. cuBLAS is column-
-    major: the row-major C = A B is C^T = B^T A^T, so B goes first (as gemm._gemm_words)."""
-    (n, kk), m = a.shape, b.shape[1]
-    if not (n and m):
-        return into
-    if not kk:
-        if overwrite:
-            into.fill(0)
-        return into
-    (ab, at), (bb, bt) = _operand(a), _operand(b)
+    """``into`` (n, m) += (``overwrite``: =) ``a`` (n, k) @ ``b`` (k, m): one gemmEx with
+    beta 1 (0), all three of into's type."""
     kind, compute, scalar = _TYPES[into.dtype.name]
-    if tf32:
-        compute = "cublas.CUBLAS_COMPUTE_32F_FAST_TF32"
-    kind = lib(kind)
-    one, beta = np.array(1.0, scalar), np.array(0.0 if overwrite else 1.0, scalar)
-    trans = (lib("cublas.CUBLAS_OP_N"), lib("cublas.CUBLAS_OP_T"))
-    algo = "cublas.CUBLAS_GEMM_DEFAULT" if scalar is np.float64 else \
-        "cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP"
-    lib("cublas.gemmEx")(lib("device.get_cublas_handle")(), trans[bt], trans[at], m, n, kk,
-                         one.ctypes.data, bb.data.ptr, kind, kk if bt else m,
-                         ab.data.ptr, kind, n if at else kk,
-                         beta.ctypes.data, into.data.ptr, kind, m, lib(compute), lib(algo))
-    return into
+    return gemm_ex(a, b, into, kind, kind, "cublas.CUBLAS_COMPUTE_32F_FAST_TF32" if tf32
+                   else compute, beta=0.0 if overwrite else 1.0, scalar=scalar)
 
 
 def _launch_tf32(k, a, b, into, overwrite=False):

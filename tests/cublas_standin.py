@@ -36,5 +36,8 @@ def fake_cublas(calls):
         prod = (a.T if ta else a) @ (b.T if tb else b)      # (m, n)
         before = c.astype(np.float64) if be else 0.0         # (beta 0: C is not read)
         c[...] = (al * prod + be * before).astype(types[ct])
-    names = dict(CONSTANTS, **{"cublas.gemmEx": gemm_ex, "device.get_cublas_handle": lambda: 7})
+    def set_stream(handle, stream):                          # the handle's, an address
+        assert handle == 7 and isinstance(stream, int), (handle, stream)
+    names = dict(CONSTANTS, **{"cublas.gemmEx": gemm_ex, "device.get_cublas_handle": lambda: 7,
+                               "cublas.setStream": set_stream})
     return lambda dotted: names[dotted]

@@ -39,11 +39,13 @@ def _family() -> str:
     return {"gpt": "GPT", "llama": "Llama"}[ARCH[0]]
 
 
-def _step_fn(L, C, T, B, V, H=0, seed=0, precision="fp32"):
+def _step_fn(L, C, T, B, V, H=0, seed=0, precision="fp32", graph=False):
     """One training step as the trainer's data-parallel path takes it on one rank: forward,
     backward, (mixed precision: the compute gradient into the fp32 master's, as DDP's
-    buckets do), AdamW, the compute copy of the weights."""
-    from hpcdist.device import backend
+    buckets do), AdamW, the compute copy of the weights. ``graph``: all but AdamW replayed
+    as one CUDA graph (device/graphs.py; AdamW's step count and learning rate are host
+    values its kernel is given at each call)."""
+    from hpcdist.device import backend, graphs
     from hpcdist import nn, optim
     from hpcdist.parallel.mixed_precision import MixedPrecision
     nn.manual_seed(seed)
@@ -55,15 +57,22 @@ def _step_fn(L, C, T, B, V, H=0, seed=0, precision="fp32"):
     rng = np.random.default_rng(seed)
     idx = backend.to_device(rng.integers(0, V, (B, T)))
 
-    def step():
+    def gradients():
         mp.zero_grad()
         _, loss = model(idx, idx)
         loss.backward()
         if mp.mixed:
             mp.master.grad[...] = mp.compute.grad
+        return loss.data
+
+    compute = graphs.capture(gradients) if graph else gradients
+
+    def step():
+        loss = compute()
         opt.step()
         mp.after_step()
         return loss
+    step.graph = compute if graph else None
     return step, model
 
 
@@ -114,13 +123,15 @@ def _timed(step, steps: int) -> float:
 
 
 def _hpcdist_mode(shape, mode: str, attention: str = "auto"):
+    """(step, model) of ``mode``: fp32, tf32 or bf16, each with "+graph" (a CUDA graph)."""
     from hpcdist.device import backend, kernels
+    precision, graph = mode.removesuffix("+graph"), mode.endswith("+graph")
     backend.reset_precision()
-    kernels.configure(mode == "tf32")
+    kernels.configure(precision == "tf32")
     kernels.attention.configure(attention)
     # bf16: native where this CuPy computes in bf16 (backend.native_bf16), else fp32 storage
     # with bf16 GEMMs
-    return _step_fn(*shape, precision="bf16" if mode == "bf16" else "fp32")
+    return _step_fn(*shape, precision="bf16" if precision == "bf16" else "fp32", graph=graph)
 
 
 # PyTorch's rows: (name, precision, attention: "math" (eager's unfused) or "sdpa", compiled)
@@ -232,6 +243,7 @@ def activations(step, model, shape, mode: str) -> tuple[int, float]:
 
 def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float, dict]:
     from hpcdist.device import backend, kernels
+    from hpcdist.device.errors import DeviceError
     from hpcdist.run import mfu
     pool = backend.xp().get_default_memory_pool()
     free = getattr(pool, "free_all_blocks", lambda: None)     # (the double's pool: none)
@@ -243,14 +255,23 @@ def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float, dict]:
         table = model.part("positions")
         flops = mfu.flops_per_token(model.logical_parameters() -
                                     (table.weight.size if table is not None else 0), L, C, T)
-        name = f"hpcdist {mode}"
-        ms = _timed(step, steps)
-        rows[name] = (ms, mode, getattr(pool, "total_bytes", lambda: 0)())
+        name, precision = f"hpcdist {mode}", mode.removesuffix("+graph")
+        try:
+            ms = _timed(step, steps)
+        except DeviceError as e:           # a step a graph cannot hold: said, the rest timed
+            print(f"  {name}: {e}", file=sys.stderr, flush=True)
+            continue
+        graph = step.graph.pool_bytes() if step.graph else 0      # (its pool: activations)
+        rows[name] = (ms, precision, getattr(pool, "total_bytes", lambda: 0)() + graph)
         _said(name, rows)
-        acts[name] = activations(step, model, shape, mode)
-        print(f"    attention: {kernels.attention.choice()}; activations "
-              f"{acts[name][0] / 2**30:.2f} GiB, the planner's {acts[name][1] / 2**30:.2f} GiB",
-              file=sys.stderr, flush=True)
+        if step.graph:             # a replay runs no Python: memtrace sees nothing of it
+            print(f"    attention: {kernels.attention.choice()}; the graph's own pool "
+                  f"{graph / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+        else:
+            acts[name] = activations(step, model, shape, precision)
+            print(f"    attention: {kernels.attention.choice()}; activations "
+                  f"{acts[name][0] / 2**30:.2f} GiB, the planner's "
+                  f"{acts[name][1] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
         del step, model
     backend.reset_precision()
     free()
@@ -281,6 +302,7 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
         if name.startswith("hpcdist"):
             row["vs"] = {other: round(ms / o[0], 3) for other, o in rows.items()
                          if not other.startswith("hpcdist") and o[1] == prec}
+        if name in acts:
             held, want = acts[name]
             row.update(activations_gib=round(held / 2**30, 3),
                        planner_activations_gib=round(want / 2**30, 3),
@@ -306,7 +328,8 @@ def main(argv=None) -> int:
                          "trainer does, 64 on a GPU; 1: unpadded)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--modes", default="fp32,tf32,bf16",
-                    help="hpcdist's precisions to time: fp32, tf32, bf16")
+                    help="hpcdist's precisions to time: fp32, tf32, bf16; each with +graph: "
+                    "the step's forward and backward replayed as one CUDA graph")
     ap.add_argument("--no-torch", action="store_true", help="time hpcdist only")
     ap.add_argument("--peers", default="eager,sdpa,compile",
                     help="PyTorch's rows: eager (math attention), sdpa, compile")

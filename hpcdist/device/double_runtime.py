@@ -1,21 +1,77 @@
-"""The device double's runtime beside its arrays: ``cupyx.scatter_add``, ``cupy.cuda`` (a
-stream, devices, pinned memory, memory information) and ``cupy.random`` (NumPy's draws as
-device arrays), built by ``namespaces`` from double.py's binders (this module imports none of
-double.py: it is called with them)."""
+"""The device double's runtime beside its arrays: ``cupyx.scatter_add``, ``cupy.cuda`` (streams
+that capture CUDA graphs, devices, pinned memory, memory pools and information) and
+``cupy.random`` (NumPy's draws as device arrays), built by ``namespaces`` from double.py's
+binders (this module imports none of double.py: it is called with them)."""
 from __future__ import annotations
 
+import contextlib
 import types
 
 import numpy as _np
 
-from .surface import CUDA, CUPYX
+from .surface import CUDA, CUPYX, READS
 
 
 class _Stream:
+    """A stream: the double's work is done when a call returns. A capture (``begin_capture``
+    to ``end_capture``) runs the work as it is issued and refuses what CUDA refuses inside
+    one: device-to-host reads (READS) and synchronizations; its graph's ``launch`` does
+    nothing (graphs.py captures again at each call on the double)."""
     ptr = 0
 
-    def synchronize(self) -> None:       # work is done when a call returns
+    def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
+        self._capturing = False
+
+    def synchronize(self) -> None:
+        if READS.capturing:
+            raise RuntimeError("a synchronization while a stream captures a CUDA graph (CUDA "
+                               "refuses it: cudaErrorStreamCaptureUnsupported)")
+
+    def begin_capture(self, mode=None) -> None:
+        if self._capturing:
+            raise RuntimeError("the stream is capturing already")
+        self._capturing = True
+        READS.capturing += 1
+
+    def end_capture(self):
+        if not self._capturing:
+            raise RuntimeError("the stream is not capturing")
+        self._capturing = False
+        READS.capturing -= 1
+        return _Graph()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return False
+
+
+class _Graph:
+    def launch(self, stream=None) -> None:
+        """Nothing: the double ran the captured work as it was issued."""
+
+
+class _PrivatePool:
+    """``cupy.cuda.MemoryPool``: the double's arrays are NumPy's; ``malloc`` is what
+    ``using_allocator`` is handed (and never called: the double allocates through NumPy)."""
+
+    def __init__(self, allocator=None):
         pass
+
+    def malloc(self, size):
+        raise RuntimeError("the device double allocates through NumPy")
+
+    def total_bytes(self) -> int:
+        return 0
+
+    def used_bytes(self) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def _using_allocator(allocator=None):
+    yield
 
 
 class _Device:
@@ -78,7 +134,10 @@ def namespaces(function, device, host) -> tuple:
     cuda = types.SimpleNamespace(
         get_current_stream=function("get_current_stream", CUDA["get_current_stream"][1],
                                     lambda device_id=-1: _STREAM, "cupy.cuda"),
-        Device=_Device,
+        Device=_Device, Stream=_Stream, MemoryPool=_PrivatePool,
+        graph=types.SimpleNamespace(Graph=_Graph),
+        using_allocator=function("using_allocator", CUDA["using_allocator"][1],
+                                 _using_allocator, "cupy.cuda"),
         alloc_pinned_memory=function("alloc_pinned_memory", CUDA["alloc_pinned_memory"][1],
                                      _alloc_pinned_memory, "cupy.cuda"),
         runtime=types.SimpleNamespace(

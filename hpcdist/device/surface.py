@@ -77,8 +77,16 @@ NDARRAY = {
 FLAGS = ("c_contiguous", "f_contiguous", "owndata")      # no ``writeable`` in CuPy
 CUDA = {
     "Device": ("class", "(device=None)"), "Device.use": ("method", "(self)"),
+    "MemoryPool": ("class", "(allocator=None)"),
+    "MemoryPool.malloc": ("method", "(self, size)"),
+    "MemoryPool.total_bytes": ("method", "(self)"),
     "MemoryPool.used_bytes": ("method", "(self)"),
+    "Stream": ("class", "(null=False, non_blocking=False, ptds=False, priority=None)"),
+    "Stream.begin_capture": ("method", "(self, mode=None)"),
+    "Stream.end_capture": ("method", "(self)"),
     "Stream.synchronize": ("method", "(self)"),
+    "graph.Graph.launch": ("method", "(self, stream=None)"),
+    "using_allocator": ("function", "(allocator=None)"),
     "alloc_pinned_memory": ("function", "(size)"),
     "get_current_stream": ("function", "(device_id=-1)"),
     "runtime.getDeviceCount": ("function", "()"),
@@ -128,6 +136,7 @@ CUBLAS = {
                       "int k, size_t alpha, size_t A, int Atype, int lda, size_t B, int Btype, "
                       "int ldb, size_t beta, size_t C, int Ctype, int ldc, int computeType, "
                       "int algo)"),
+    "cublas.setStream": ("function", "(intptr_t handle, size_t stream)"),
     "device.get_cublas_handle": ("function", "()"),
     "linalg.set_compute_type": ("function", "(dtype, compute_type)"),
     **{f"cublas.{n}": ("constant", None) for n in (
@@ -202,8 +211,12 @@ class _Reads:
     ``asnumpy`` and the implicit ones (``float(x)``, ``int(x)``, ``bool(x)``, ``if x``). Each
     holds the host until the device has finished everything queued before it."""
     count = 0
+    capturing = 0       # streams capturing a CUDA graph now (double_runtime's): reads refused
 
     def add(self) -> None:
+        if self.capturing:
+            raise RuntimeError("a device-to-host read while a stream captures a CUDA graph "
+                               "(CUDA refuses it: cudaErrorStreamCaptureUnsupported)")
         self.count += 1
 
 

@@ -297,5 +297,33 @@ MIXED_PRECISION = [   # parallel/mixed_precision.py: fp32 master weights
      "--dtype fp64"),
 ]
 
+
+
+def _cuda_graph_problem(c) -> str | None:
+    """--cuda-graph (run/graphed.py): a graph replays kernels at fixed addresses with the
+    arguments of its capture, so nothing inside forward and backward may read the device from
+    the host, take a host value that changes (dropout's seeds, fp16's loss scale) or talk
+    to another rank over MPI; DDP averages the gradients after backward instead."""
+    if not c.cuda_graph:
+        return None
+    why = ("mixture of experts routes by counts the host reads (--experts)" if c.experts else
+           "dropout's random offsets are host values a graph would freeze (--dropout)"
+           if c.dropout else
+           "fp16's dynamic loss scale is a host value a graph would freeze (--precision bf16 "
+           "needs no scale)" if c.precision == "fp16" else
+           "tensor, pipeline and context parallelism talk to other ranks inside forward and "
+           "backward" if c.tp * c.pp * c.cp > 1 else
+           f"--zero {c.zero} moves shards inside the step" if c.zero else
+           f"--strategy {c.strategy} is not built with it" if c.strategy != "collective" else
+           f"--compress {c.compress} is not built with it" if c.compress != "none" else
+           "--on-failure shrink rebuilds the layout a graph holds" if c.on_failure == "shrink"
+           else None)
+    return why and f"--cuda-graph: {why}; run without --cuda-graph"
+
+
+CUDA_GRAPH = [   # run/graphed.py: forward and backward replayed as one CUDA graph
+    ("cuda_graph", _cuda_graph_problem),
+]
+
 REFUSALS = MIXED_PRECISION + NCCL[:1] + ZERO + TENSOR + PIPELINE + CONTEXT + NCCL[1:] + \
-    PARAMETER_SERVER + EXPERTS + GROUPS + FAILURES
+    PARAMETER_SERVER + EXPERTS + GROUPS + FAILURES + CUDA_GRAPH

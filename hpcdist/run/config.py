@@ -75,6 +75,7 @@ class TrainConfig:
     loss_scale: float = 65536.0   # fp16: initial dynamic loss scale
     tf32: bool = False            # fp32 GEMMs on TF32 tensor cores (GPU, compute capability 8+)
     attention: str = "auto"       # auto | flash | gemms | cudnn (device/kernels/attention.py)
+    cuda_graph: bool = False      # forward and backward replayed as one CUDA graph (run/graphed.py)
     backend: str = "mpi"          # mpi | nccl (nccl: GPU only)
     zero: int = 0                 # ZeRO level: 0 (plain DDP), 1, 2 or 3
     strategy: str = "collective"  # collective (DDP/ZeRO/TP/PP) | ps | diloco (groups, H steps)

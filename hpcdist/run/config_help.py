@@ -81,6 +81,10 @@ HELP = {
                      "cuBLAS around the fused softmax, T x T kept; auto weighs it up to T = 14 x "
                      "the head size) | cudnn (GPU, bf16: "
                      "cuDNN's fused attention, pip install 'hpcdist[cudnn]')",
+        "cuda_graph": "each micro-batch's forward and backward recorded once as a CUDA graph "
+                      "and replayed (GPU: the host's ~40 us a launch leave the step; gradients "
+                      "averaged after backward, not during it; dense models without dropout, "
+                      "one model replica a rank; no effect on the CPU)",
     },
     "parallelism": {
         "tp": "tensor-parallel size: heads, MLP width and vocabulary split over tp neighbouring "

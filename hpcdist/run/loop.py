@@ -16,7 +16,7 @@ from ..autograd import memtrace
 from ..device import backend
 from ..host import timeline
 from ..parallel import state
-from . import report, runtime
+from . import graphed, report, runtime
 from .evaluate import evaluate_run
 from .report import final_report, progress_line, stopped_report
 
@@ -129,6 +129,8 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
     """One optimizer step over ``cfg.grad_accum`` micro-batches; its metrics record.
     ``delay``: seconds this rank sleeps in the step (a straggler)."""
     xp = backend.xp()
+    forward_backward = graphed.forward_backward(cfg, strategy)
+    host = isinstance(forward_backward, graphed.GraphedForwardBackward)   # (copies batches in)
     t0 = time.perf_counter()
     bytes0 = strategy.comm.bytes_sent
     memtrace.start()
@@ -142,8 +144,9 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
             x, y = train_set.batch(sampler.next_batch())
             last = micro == cfg.grad_accum - 1           # communicate on the last only
             with strategy.micro_context(last), _overflow_ok(strategy):
-                loss_sum += strategy.forward_backward(xp.asarray(x), xp.asarray(y),
-                                                     1.0 / cfg.grad_accum)
+                loss_sum += forward_backward(*((x, y) if host else (xp.asarray(x),
+                                                                     xp.asarray(y))),
+                                             1.0 / cfg.grad_accum)
         with timeline.span("gradient sync"):
             strategy.sync()
         with timeline.span("optimizer step"):

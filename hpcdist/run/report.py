@@ -13,6 +13,7 @@ from ..nn.module import padded_length
 from ..nn.moe import moe_layers
 from ..autograd import memtrace
 from ..host import signals, threads, timeline
+from . import graphed
 from .evaluate import evaluate_run
 from .preemption import EXIT_PREEMPTED
 
@@ -42,6 +43,8 @@ def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]
     if cfg.tf32:
         emulated += " | " + kernels.describe(cfg.tf32)
     emulated += " | " + attention_words(cfg)
+    if cfg.cuda_graph:
+        emulated += " | " + graphed.describe(cfg)
     moe = (f", {cfg.experts} experts top-{cfg.top_k} ({cfg.router}"
            f"{', every ' + str(cfg.moe_every) + ' blocks' if cfg.moe_every > 1 else ''})"
            if cfg.experts else "")

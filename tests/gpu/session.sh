@@ -5,7 +5,8 @@
 # tiled attention in its three kinds of arithmetic, whole and by blocks for the ring); 2. the
 # table, alone on the GPU: attention alone (hpcdist's kinds and paths beside PyTorch's SDPA), the
 # step at GPT-2 medium T 1024, GPT 12x768 at T 1024 and at T 256 (vocab 50257, padded to 50304
-# and not) beside PyTorch eager and eager + SDPA, T 8192 batch 1, Llama 16x2048 at T 2048, the
+# and not; eager and replayed as a CUDA graph) beside PyTorch eager and eager + SDPA, T 8192
+# batch 1, Llama 16x2048 at T 2048, the
 # host's share of a step, a profiled bf16 step; 3. correctness side by side: the GPU unit suite,
 # the fp64 layout matrices (GPT, Llama) at 2 ranks over MPI and 1 rank over NCCL, short
 # training runs. Each step is cut at its own limit and at the deadline.
@@ -45,13 +46,13 @@ grep -a -E "flash|rmsnorm|swiglu|rotary|cudnn|refus|REFUSED" "$OUT/selfcheck.log
 
 # 2. the table, alone on the GPU
 step attention 50 "$B attention --reps 5 --out $OUT/attention.json"
-step table 80 "$B gpu --layers 24 --embd 1024 --heads 16 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16,tf32 --peers sdpa,eager --peer-modes bf16,tf32 --out $OUT/medium.json"
+step table 80 "$B gpu --layers 24 --embd 1024 --heads 16 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16,bf16+graph,tf32 --peers sdpa,eager --peer-modes bf16,tf32 --out $OUT/medium.json"
 step table 50 "$B gpu --layers 12 --embd 768 --seq 1024 --batch 8 --steps 6 --modes bf16 --peers sdpa,eager --peer-modes bf16 --out $OUT/small1024.json"
-step table 70 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes fp32,tf32,bf16 --peers eager,sdpa --out $OUT/small256.json"
+step table 80 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes fp32,tf32,bf16,tf32+graph,bf16+graph --peers eager,sdpa --out $OUT/small256.json"
 step table 30 "HPCDIST_BF16=emulated $B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16 --no-torch --out $OUT/small256-emulated.json"
 step table 25 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16 --no-torch --vocab-multiple 1 --out $OUT/small256-unpadded.json"
 step table 35 "$B gpu --layers 12 --embd 768 --seq 8192 --batch 1 --vocab 128 --steps 3 --modes bf16 --peers sdpa --peer-modes bf16 --out $OUT/long.json"
-step table 40 "$B gpu --arch llama --layers 16 --embd 2048 --seq 2048 --batch 4 --vocab 32000 --steps 4 --modes bf16 --peers sdpa --peer-modes bf16 --out $OUT/llama.json"
+step table 55 "$B gpu --arch llama --layers 16 --embd 2048 --seq 2048 --batch 4 --vocab 32000 --steps 4 --modes bf16 --peers sdpa --peer-modes bf16 --out $OUT/llama.json"
 grep -a -E "ms/step|rc=|out of|attention:" "$OUT/table.log"
 # the host's share of a step (the 12x768 T 256 step was host-bound on 2026-11-27), a profile
 step host 40 "python tests/gpu/host_step.py fp32 bf16"
@@ -59,10 +60,10 @@ grep -a -E "us a launch" "$OUT/host.log"
 step profile 30 "python tests/gpu/profile_step.py bf16 24 1024 1024 8 128"
 
 # 3. correctness, side by side
-step tests 120 "HPCDIST_DEVICE=gpu $PYT tests/test_gpu.py tests/test_ops_gradcheck.py tests/test_torch_oracle.py" &
+step tests 120 "HPCDIST_DEVICE=gpu $PYT tests/test_gpu.py tests/test_graphs.py tests/test_ops_gradcheck.py tests/test_torch_oracle.py" &
 step mpi2 120 "HPCDIST_DEVICE=gpu mpiexec -n 2 $PYT --with-mpi tests/mpi/test_device.py tests/mpi/test_llama.py" &
 step nccl1 120 "HPCDIST_DEVICE=gpu mpiexec -n 1 $PYT --with-mpi tests/mpi/test_nccl.py tests/mpi/test_device.py tests/mpi/test_llama.py" &
-step train 120 "python -m hpcdist.train --device gpu --steps 30 --log-every 10 --save-dir /tmp/r1 && mpiexec -n 1 python -m hpcdist.train --device gpu --backend nccl --precision bf16 --experts 4 --steps 30 --log-every 10 --save-dir /tmp/r2 && python -m hpcdist.train --device gpu --arch llama --n-kv-head 2 --precision bf16 --attention auto --steps 30 --log-every 10" &
+step train 120 "python -m hpcdist.train --device gpu --steps 30 --log-every 10 --save-dir /tmp/r1 && mpiexec -n 1 python -m hpcdist.train --device gpu --backend nccl --precision bf16 --experts 4 --steps 30 --log-every 10 --save-dir /tmp/r2 && python -m hpcdist.train --device gpu --arch llama --n-kv-head 2 --precision bf16 --attention auto --steps 30 --log-every 10 && python -m hpcdist.train --device gpu --precision bf16 --cuda-graph --steps 30 --log-every 10" &
 wait
 for f in tests mpi2 nccl1 train; do echo "---- $f"; grep -a -E "passed|failed|error|Error|refus|REFUSED|FAILED|step +30|loss|attention" "$OUT/$f.log" | tail -n 14; done
 # a lease returns at most 8 files from $OUT (2026-11-27 lost table.log, tests.log and train.log

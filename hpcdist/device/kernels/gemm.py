@@ -47,13 +47,19 @@ _ROOTS = {"cublas": "cupy_backends.cuda.libs.cublas", "runtime": "cupy_backends.
           "device": "cupy.cuda.device", "linalg": "cupy._core._routines_linalg"}
 
 
+_found: dict = {}          # dotted name -> what it names (looked up once: a GEMM asks for 9)
+
+
 def lib(dotted: str):
     """A cuBLAS / CuPy-internal name this module may use (listed in ``CUBLAS``)."""
-    if dotted not in CUBLAS:
-        raise AttributeError(f"{dotted} is not in device_surface.CUBLAS: list it there first "
-                             "(make test-cupy then checks it against CuPy)")
-    module, name = dotted.split(".", 1)
-    return getattr(backend.cupy_library(_ROOTS[module]), name)
+    found = _found.get(dotted)
+    if found is None:
+        if dotted not in CUBLAS:
+            raise AttributeError(f"{dotted} is not in device_surface.CUBLAS: list it there "
+                                 "first (make test-cupy then checks it against CuPy)")
+        module, name = dotted.split(".", 1)
+        found = _found[dotted] = getattr(backend.cupy_library(_ROOTS[module]), name)
+    return found
 
 
 _tf32 = False
@@ -135,7 +141,11 @@ def gemm_ex(a, b, out, ab_type: str, out_type: str, compute: str, beta: float,
     trans = (lib("cublas.CUBLAS_OP_N"), lib("cublas.CUBLAS_OP_T"))
     algo = "cublas.CUBLAS_GEMM_DEFAULT" if scalar is np.float64 else \
         "cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP"
-    lib("cublas.gemmEx")(lib("device.get_cublas_handle")(), trans[bt], trans[at], m, n, kk,
+    handle = lib("device.get_cublas_handle")()
+    # the handle runs on the stream it was last given (CuPy sets it before each of its own
+    # calls): this call's is the current one (a CUDA graph's capture runs on its own stream)
+    lib("cublas.setStream")(handle, backend.xp().cuda.get_current_stream().ptr)
+    lib("cublas.gemmEx")(handle, trans[bt], trans[at], m, n, kk,
                          one.ctypes.data, b.data.ptr, ab_type, kk if bt else m,
                          a.data.ptr, ab_type, n if at else kk,
                          beta.ctypes.data, out.data.ptr, lib(out_type), m, lib(compute),

@@ -1,0 +1,144 @@
+"""CUDA graphs (device/graphs.py): a training step's forward and backward captured once and
+replayed, each step's batch copied into the array the graph reads, equal to the same steps run
+eagerly. On the device double (the default here) every call captures again and the capture
+refuses host reads and synchronizations as CUDA does; under make test-gpu
+($HPCDIST_DEVICE=gpu, tests/gpu/session.sh) the same tests replay a real graph."""
+import numpy as np
+import pytest
+
+from hpcdist import nn, optim
+from hpcdist.device import backend, graphs
+from hpcdist.device.errors import DeviceError
+from hpcdist.device.surface import READS
+from hpcdist.parallel.mixed_precision import MixedPrecision
+
+
+@pytest.fixture
+def device():
+    """The GPU where the suite runs on one, else the device double."""
+    prev = backend.device_label()
+    label = "gpu" if prev == "gpu" else "double"
+    backend.init(label)
+    yield label
+    backend.init(prev)
+
+
+def _model(arch):
+    if arch == "llama":
+        return nn.Llama(nn.LlamaConfig(vocab_size=17, block_size=8, n_layer=2, n_head=4,
+                                       n_kv_head=2, n_embd=32))
+    return nn.GPT(nn.GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=16))
+
+
+def _train(graph: bool, precision="fp32", arch="gpt", steps=5):
+    """(the loss of each step, the master weights after) of ``steps`` AdamW steps on a new
+    batch each, forward and backward captured (``graph``) or eager."""
+    nn.manual_seed(0)
+    model = _model(arch)
+    mp = MixedPrecision(model.parameters(), precision)
+    opt = optim.AdamW(mp.master, lr=1e-2)
+    mp.attach(opt)
+    idx = backend.to_device(np.zeros((2, 8), np.int64))          # what the graph reads
+
+    def gradients():
+        mp.zero_grad()
+        _, loss = model(idx, idx)
+        loss.backward()
+        if mp.mixed:
+            mp.master.grad[...] = mp.compute.grad
+        return loss.data
+
+    step = graphs.capture(gradients) if graph else gradients
+    rng, losses = np.random.default_rng(1), []
+    for _ in range(steps):
+        idx[...] = backend.to_device(rng.integers(0, 17, (2, 8)))
+        loss = step()
+        opt.step()
+        mp.after_step()
+        losses.append(float(loss))
+    return losses, backend.to_numpy(mp.master.data).copy(), step
+
+
+@pytest.mark.parametrize("arch,precision", [("gpt", "fp32"), ("gpt", "bf16"),
+                                            ("llama", "fp32"), ("llama", "bf16")])
+def test_replayed_steps_equal_eager_steps_with_a_new_batch_each(device, arch, precision):
+    want_losses, want_weights, _ = _train(False, precision, arch)
+    losses, weights, step = _train(True, precision, arch)
+    assert step.captures == (3 if device == "double" else 1)        # 2 warm-up calls, 3 more
+    tol = 2e-2 if precision == "bf16" else 1e-5                     # (atomics' order on a GPU)
+    np.testing.assert_allclose(losses, want_losses, rtol=tol)
+    np.testing.assert_allclose(weights, want_weights, rtol=tol, atol=tol * 1e-2)
+    assert len(set(np.round(losses, 4))) == len(losses)             # the batches differed
+
+
+def test_a_host_read_inside_the_step_is_refused_and_the_stream_left_usable(device):
+    x = backend.to_device(np.arange(4.0))
+
+    def reads():
+        return float((x * 2).sum())           # a decision on a device value: no graph holds it
+
+    step = graphs.capture(reads, warmup=1)
+    assert step() == 12.0                     # the warm-up runs eagerly
+    with pytest.raises(DeviceError, match="cannot be captured as a CUDA graph"):
+        step()
+    assert READS.capturing == 0
+    fine = graphs.capture(lambda: x * 3, warmup=1)
+    fine()
+    np.testing.assert_array_equal(backend.to_numpy(fine()), [0.0, 3.0, 6.0, 9.0])
+
+
+def test_a_synchronization_inside_the_step_is_refused(device):
+    if device != "double":
+        pytest.skip("the double's refusal; a GPU's own refusal ends the capture itself")
+    step = graphs.capture(lambda: backend.xp().cuda.get_current_stream().synchronize(), 1)
+    step()
+    with pytest.raises(DeviceError, match="synchronization"):
+        step()
+
+
+def test_the_cpu_runs_the_step_and_a_capture_needs_a_warm_up():
+    with pytest.raises(ValueError, match="warm-up"):
+        graphs.capture(lambda: None, warmup=0)
+    if backend.device_label() == "cpu":
+        calls = []
+        step = graphs.capture(lambda: calls.append(1) or len(calls))
+        assert [step() for _ in range(4)] == [1, 2, 3, 4] and step.captures == 0
+
+
+def _trained(tmp_path, device, *flags):
+    from hpcdist import train
+    from hpcdist.comm import Communicator
+    lines = []
+    cfg = train.parse_config(["--steps", "6", "--log-every", "3", "--device", device,
+                              "--out-dir", str(tmp_path / "-".join((device,) + flags)),
+                              *flags])
+    final = train.train(cfg, comm=Communicator(), log=lambda *a, **k: lines.append(str(a)))
+    return final, lines
+
+
+@pytest.mark.parametrize("flags", [(), ("--precision", "bf16", "--grad-accum", "2"),
+                                   ("--arch", "llama", "--n-kv-head", "2")])
+def test_the_trainer_with_cuda_graphs_equals_the_trainer_without(tmp_path, device, flags):
+    """--cuda-graph: the same losses and gradient norms step by step (a new batch each
+    micro-batch, copied into the graph's arrays; DDP's average after backward), the header
+    says so."""
+    plain, _ = _trained(tmp_path, device, *flags)
+    graphed, lines = _trained(tmp_path, device, "--cuda-graph", *flags)
+    assert any("CUDA graphs" in line for line in lines), lines[:2]
+    tol = 2e-2 if "bf16" in flags else 1e-5
+    for g, p in zip(graphed["history"], plain["history"], strict=True):
+        np.testing.assert_allclose([g["loss"], g["grad_norm"]], [p["loss"], p["grad_norm"]],
+                                   rtol=tol)
+
+
+@pytest.mark.parametrize("flags,words", [(("--experts", "4"), "mixture of experts"),
+                                         (("--dropout", "0.1"), "dropout"),
+                                         (("--precision", "fp16"), "loss scale"),
+                                         (("--tp", "2"), "tensor, pipeline and context"),
+                                         (("--zero", "1"), "--zero 1")])
+def test_what_a_graph_cannot_hold_is_refused_before_the_run(flags, words):
+    from hpcdist import train
+    from hpcdist.run.config import ConfigError, validate
+    with pytest.raises(ConfigError, match=words) as e:
+        validate(train.parse_config(["--cuda-graph", *flags]))
+    assert "run without --cuda-graph" in str(e.value)

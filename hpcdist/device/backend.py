@@ -275,20 +275,25 @@ def matmul(a, b, rounding: bool = True):
 
 # The CPU kernels this module hands work to, installed by device/kernels/__init__.py (this
 # module imports none of them: the engine is handed what it calls)
-_cpu_kernels: dict = {"gemm": None, "scatter_rows": None}
+_cpu_kernels: dict = {"gemm": None, "scatter_rows": None, "device_gemm": None}
 
 
-def install_cpu_kernels(gemm, scatter_rows) -> None:
+def install_cpu_kernels(gemm, scatter_rows, device_gemm=None) -> None:
     """The CPU's GEMM over the rank's threads (``gemm(a, b)``) and its row scatter-add
-    (``scatter_rows(target, idx, values) -> bool``: False where it does not take the call)."""
-    _cpu_kernels.update(gemm=gemm, scatter_rows=scatter_rows)
+    (``scatter_rows(target, idx, values) -> bool``: False where it does not take the call);
+    a device's GEMM of two matrices (``device_gemm(a, b)``: None where it does not)."""
+    _cpu_kernels.update(gemm=gemm, scatter_rows=scatter_rows, device_gemm=device_gemm)
 
 
 def _gemm(a, b):
-    gemm = _cpu_kernels["gemm"]
-    if _device == "cpu" and gemm is not None and pool.wanted(a, b):   # over the rank's threads
-        return gemm(a, b)
-    return a @ b
+    if _device == "cpu":
+        gemm = _cpu_kernels["gemm"]
+        if gemm is not None and pool.wanted(a, b):       # over the rank's threads
+            return gemm(a, b)
+        return a @ b
+    gemm = _cpu_kernels["device_gemm"]
+    out = gemm(a, b) if gemm is not None else None
+    return a @ b if out is None else out
 
 
 # ---- scatter-add and random numbers --------------------------------------------------------

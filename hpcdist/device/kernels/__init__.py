@@ -15,7 +15,7 @@ from .llama import (RMSNORM_BWD, RMSNORM_FWD, ROTARY, SWIGLU_BWD, SWIGLU_FWD, rm
 from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
                    operand, product)
-from .gemm_add import GEMM_ADD, GEMM_ADD_TF32, gemm_add_twin, matmul_add
+from .gemm_add import GEMM_ADD, GEMM_ADD_TF32, device_gemm, gemm_add_twin, matmul_add
 from .elementwise import (ADAMW, ADAMW_LOW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD,
                           GELU_FWD, adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
                           colsum_add_twin, gelu_bwd_twin, gelu_twin)
@@ -50,7 +50,7 @@ for _kind in ("exact", "bf16"):                  # (TF32 is the GPU's alone)
     FLASH_BWD[_kind].cpu = _cpu_attention.flash_bwd(_kind)
 _fused.cpu_wanted = _cpu.wanted
 from .. import backend as _backend  # noqa: E402
-_backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows)
+_backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows, device_gemm)
 
 __all__ = ["ADAMW", "ADAMW_LOW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",

@@ -49,6 +49,12 @@ _ROOTS = {"cublas": "cupy_backends.cuda.libs.cublas", "runtime": "cupy_backends.
 
 _found: dict = {}          # dotted name -> what it names (looked up once: a GEMM asks for 9)
 
+# cuBLAS's own entry points for CuPy's wrappers of the same name and arguments: CuPy's refuse
+# to run while a stream captures a CUDA graph (its setStream raises NotImplementedError, "not
+# mentioned in the cuBLAS docs"); cuBLAS itself is capturable, as every framework's graphs use
+_DIRECT = {"cublas.gemmEx": ("cublasGemmEx", "pii iiip pii pii ppi iii"),
+           "cublas.setStream": ("cublasSetStream_v2", "pp")}
+
 
 def lib(dotted: str):
     """A cuBLAS / CuPy-internal name this module may use (listed in ``CUBLAS``)."""
@@ -58,8 +64,38 @@ def lib(dotted: str):
             raise AttributeError(f"{dotted} is not in device_surface.CUBLAS: list it there "
                                  "first (make test-cupy then checks it against CuPy)")
         module, name = dotted.split(".", 1)
-        found = _found[dotted] = getattr(backend.cupy_library(_ROOTS[module]), name)
+        found = getattr(backend.cupy_library(_ROOTS[module]), name)
+        if dotted in _DIRECT:
+            found = _direct(*_DIRECT[dotted])
+        _found[dotted] = found
     return found
+
+
+def _direct(symbol: str, types: str):
+    """``symbol`` of the libcublas this process loaded (CuPy's), called through ctypes with
+    ``types`` (p: a pointer or handle, i: an int); a status other than success raises."""
+    import ctypes
+    fn = getattr(ctypes.CDLL(_loaded_cublas()), symbol)
+    fn.argtypes = [ctypes.c_void_p if t == "p" else ctypes.c_int for t in types.replace(" ", "")]
+    fn.restype = ctypes.c_int
+
+    def call(*args):
+        status = fn(*args)
+        if status:
+            raise RuntimeError(f"{symbol} returned cuBLAS status {status}")
+    return call
+
+
+def _loaded_cublas() -> str:
+    """The path of the libcublas CuPy loaded (its handle is made first), else the soname."""
+    lib("device.get_cublas_handle")()
+    import os
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith("libcublas.so"):
+                return path
+    return "libcublas.so.12"
 
 
 _tf32 = False

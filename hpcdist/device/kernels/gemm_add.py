@@ -85,3 +85,14 @@ def matmul_add(a, b, into, overwrite: bool = False) -> bool:
         return False
     op(a, b, into, overwrite)
     return True
+
+
+def device_gemm(a, b):
+    """``a @ b`` of two matrices on a GPU (or the double) as one gemmEx into a new array, or
+    None where GEMM_ADD does not take it (the caller multiplies through CuPy). CuPy's own GEMM
+    runs cuBLAS through wrappers that refuse a CUDA graph's capture (device/graphs.py), and
+    costs the host ~30 us a call against this one's ~15."""
+    if a.ndim != 2 or b.ndim != 2 or a.dtype != b.dtype:
+        return None
+    out = backend.xp().empty((a.shape[0], b.shape[1]), dtype=a.dtype)
+    return out if matmul_add(a, b, out, overwrite=True) else None

@@ -12,7 +12,7 @@ CONSTANTS = {"cublas.CUBLAS_OP_N": 0, "cublas.CUBLAS_OP_T": 1, "runtime.CUDA_R_3
              "cublas.CUBLAS_GEMM_DEFAULT": -1, "cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP": 99}
 
 
-def fake_cublas(calls):
+def fake_cublas(calls, events=None):
     """``lib`` for kernels/gemm.py: gemmEx computes C = alpha op(A) op(B) + beta C with A, B,
     C column-major of their own types (fp32, fp64, bf16 words), alpha and beta of the compute
     type, summed in float64 and stored in C's type; ``calls`` collects each call."""
@@ -36,8 +36,20 @@ def fake_cublas(calls):
         prod = (a.T if ta else a) @ (b.T if tb else b)      # (m, n)
         before = c.astype(np.float64) if be else 0.0         # (beta 0: C is not read)
         c[...] = (al * prod + be * before).astype(types[ct])
+    events = [] if events is None else events     # ("stream" | "workspace" | "gemm", ...)
+
     def set_stream(handle, stream):                          # the handle's, an address
         assert handle == 7 and isinstance(stream, int), (handle, stream)
-    names = dict(CONSTANTS, **{"cublas.gemmEx": gemm_ex, "device.get_cublas_handle": lambda: 7,
-                               "cublas.setStream": set_stream})
+        events.append(("stream", stream))
+
+    def set_workspace(handle, ptr, size):
+        assert handle == 7, handle
+        events.append(("workspace", ptr, size))
+
+    def gemm(*args):
+        events.append(("gemm",))
+        gemm_ex(*args)
+    names = dict(CONSTANTS, **{"cublas.gemmEx": gemm, "device.get_cublas_handle": lambda: 7,
+                               "cublas.setStream": set_stream,
+                               "cublas.setWorkspace": set_workspace})
     return lambda dotted: names[dotted]

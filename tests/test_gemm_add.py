@@ -111,3 +111,35 @@ def test_a_device_zeroes_its_gradients_in_one_pass():
             assert (not backend.to_numpy(w.grad).any()) == zero
         finally:
             backend.init(prev)
+
+
+def test_a_workspace_of_our_own_is_given_after_each_stream(monkeypatch):
+    """Once graphs.py asks for one before a capture, every gemmEx is preceded by the stream
+    and then the workspace (cublasSetStream gives the handle back cuBLAS's own workspace)."""
+    from hpcdist.device.kernels import gemm
+    prev = backend.device_label()
+    calls, events = [], []
+    monkeypatch.setattr(gemm, "lib", fake_cublas(calls, events))
+    monkeypatch.setattr(gemm, "_workspace", [])
+    backend.init("double")
+    try:
+        xp = backend.xp()
+        a, b = xp.ones((3, 4), np.float32), xp.ones((4, 5), np.float32)
+        out = xp.empty((3, 5), np.float32)
+        gemm.gemm_ex(a, b, out, "runtime.CUDA_R_32F", "runtime.CUDA_R_32F",
+                     "cublas.CUBLAS_COMPUTE_32F", beta=0.0)
+        assert [e[0] for e in events] == ["stream", "gemm"]
+        from hpcdist.device import graphs
+        assert gemm.use_workspace in graphs.BEFORE_CAPTURE
+        gemm.use_workspace()
+        gemm.use_workspace()                                   # made once
+        events.clear()
+        gemm.gemm_ex(a, b, out, "runtime.CUDA_R_32F", "runtime.CUDA_R_32F",
+                     "cublas.CUBLAS_COMPUTE_32F", beta=0.0)
+        space = gemm._workspace[0]
+        assert len(gemm._workspace) == 1
+        assert events == [("stream", 0), ("workspace", space.data.ptr, gemm.WORKSPACE_BYTES),
+                          ("gemm",)]
+        np.testing.assert_array_equal(backend.to_numpy(out), np.full((3, 5), 4.0))
+    finally:
+        backend.init(prev)

@@ -67,7 +67,10 @@ def test_replayed_steps_equal_eager_steps_with_a_new_batch_each(device, arch, pr
     assert step.captures == (3 if device == "double" else 1)        # 2 warm-up calls, 3 more
     tol = 2e-2 if precision == "bf16" else 1e-5                     # (atomics' order on a GPU)
     np.testing.assert_allclose(losses, want_losses, rtol=tol)
-    np.testing.assert_allclose(weights, want_weights, rtol=tol, atol=tol * 1e-2)
+    # the weights to 1e-4 absolute: a GPU's atomics (norms' and the embedding's weight
+    # gradients) sum in any order, and AdamW turns a near-zero gradient's flipped sign into a
+    # step of up to lr (1e-2); an H200 showed 3.2e-5 in 32 of 6,992 fp32 weights
+    np.testing.assert_allclose(weights, want_weights, rtol=tol, atol=1e-4)
     assert len(set(np.round(losses, 4))) == len(losses)             # the batches differed
 
 
@@ -85,6 +88,19 @@ def test_a_host_read_inside_the_step_is_refused_and_the_stream_left_usable(devic
     fine = graphs.capture(lambda: x * 3, warmup=1)
     fine()
     np.testing.assert_array_equal(backend.to_numpy(fine()), [0.0, 3.0, 6.0, 9.0])
+
+
+def test_a_host_array_copied_in_inside_the_step_is_refused(device):
+    """CuPy refuses a host-to-device copy in a capture (rotary's frequencies were one, seen
+    on an H200); a scalar it writes by a kernel, which a capture takes."""
+    x = backend.to_device(np.arange(4.0))
+    step = graphs.capture(lambda: x * backend.to_device(np.arange(4.0)), warmup=1)
+    step()
+    with pytest.raises(DeviceError, match="H2D|host-to-device"):
+        step()
+    scalar = graphs.capture(lambda: x * backend.xp().asarray(2.0), warmup=1)
+    scalar()
+    np.testing.assert_array_equal(backend.to_numpy(scalar()), [0.0, 2.0, 4.0, 6.0])
 
 
 def test_a_synchronization_inside_the_step_is_refused(device):

@@ -119,6 +119,7 @@ def _set(self, arr, stream=None):
     """Copy host ``arr`` in, as ``cupy.ndarray.set``."""
     if isinstance(arr, ndarray):
         raise TypeError("set() takes a host array")
+    _upload("set", arr)
     _np.ndarray.view(self, _np.ndarray)[...] = arr
 
 
@@ -265,13 +266,25 @@ def _function(name: str, text: str, impl=None, where: str = "cupy"):
     return call
 
 
+def _upload(what: str, values) -> None:
+    """A host-to-device copy of ``values``: CuPy refuses one while a stream captures a CUDA
+    graph (a scalar it writes by a fill kernel instead, which a capture takes)."""
+    if READS.capturing and _np.ndim(values):
+        raise RuntimeError(f"{what}: a host-to-device copy while a stream captures a CUDA "
+                           "graph (CuPy: \"the current stream is capturing, so H2D transfers "
+                           "are disallowed\"); make the values on the device")
+
+
 def _asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+    _upload("asarray", a)
     return _np.array(a, dtype=dtype, copy=True).view(ndarray)
 
 
 def _array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocking=False):
+    if not isinstance(obj, ndarray):
+        _upload("array", obj)
     return _np.array(_host(obj), dtype=dtype, copy=True).view(ndarray)
 
 

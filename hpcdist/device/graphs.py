@@ -13,6 +13,10 @@ from . import backend
 from .errors import DeviceError
 
 
+# called before each capture (kernels/__init__.py installs cuBLAS's workspace: gemm.py)
+BEFORE_CAPTURE: list = []
+
+
 class CapturedStep:
     """``fn`` warmed up ``warmup`` times eagerly (kernels compiled and self-checked, lazy
     buffers made, attention's choice measured), then captured at the first call that
@@ -48,6 +52,8 @@ class CapturedStep:
             self._stream = cuda.Stream(non_blocking=True)     # (the legacy stream cannot capture)
             self._pool = cuda.MemoryPool()
         self.out = None
+        for prepare in BEFORE_CAPTURE:
+            prepare()
         with cuda.using_allocator(self._pool.malloc), self._stream:
             self._stream.begin_capture()
             try:

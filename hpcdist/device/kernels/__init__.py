@@ -14,7 +14,7 @@ from .llama import (RMSNORM_BWD, RMSNORM_FWD, ROTARY, SWIGLU_BWD, SWIGLU_FWD, rm
                     rmsnorm_twin, rotary_tables, rotary_twin, swiglu_bwd_twin, swiglu_twin)
 from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
-                   operand, product)
+                   operand, product, use_workspace)
 from .gemm_add import GEMM_ADD, GEMM_ADD_TF32, device_gemm, gemm_add_twin, matmul_add
 from .elementwise import (ADAMW, ADAMW_LOW, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD,
                           GELU_FWD, adam_step_twin, adamw_twin, bias_gelu_twin, bias_residual_twin,
@@ -49,8 +49,9 @@ for _kind in ("exact", "bf16"):                  # (TF32 is the GPU's alone)
     FLASH_FWD[_kind].cpu = _cpu_attention.flash_fwd(_kind)
     FLASH_BWD[_kind].cpu = _cpu_attention.flash_bwd(_kind)
 _fused.cpu_wanted = _cpu.wanted
-from .. import backend as _backend  # noqa: E402
+from .. import backend as _backend, graphs as _graphs  # noqa: E402
 _backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows, device_gemm)
+_graphs.BEFORE_CAPTURE.append(use_workspace)
 
 __all__ = ["ADAMW", "ADAMW_LOW", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",

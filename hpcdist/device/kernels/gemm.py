@@ -54,11 +54,15 @@ _found: dict = {}          # dotted name -> what it names (looked up once: a GEM
 # mentioned in the cuBLAS docs"); cuBLAS itself is capturable, as every framework's graphs use
 _DIRECT = {"cublas.gemmEx": ("cublasGemmEx", "pii iiip pii pii ppi iii"),
            "cublas.setStream": ("cublasSetStream_v2", "pp")}
+# and one CuPy does not wrap at all
+_ONLY_CUBLAS = {"cublas.setWorkspace": ("cublasSetWorkspace_v2", "ppz")}
 
 
 def lib(dotted: str):
     """A cuBLAS / CuPy-internal name this module may use (listed in ``CUBLAS``)."""
     found = _found.get(dotted)
+    if found is None and dotted in _ONLY_CUBLAS:
+        found = _found[dotted] = _direct(*_ONLY_CUBLAS[dotted])
     if found is None:
         if dotted not in CUBLAS:
             raise AttributeError(f"{dotted} is not in device_surface.CUBLAS: list it there "
@@ -73,10 +77,12 @@ def lib(dotted: str):
 
 def _direct(symbol: str, types: str):
     """``symbol`` of the libcublas this process loaded (CuPy's), called through ctypes with
-    ``types`` (p: a pointer or handle, i: an int); a status other than success raises."""
+    ``types`` (p: a pointer or handle, i: an int, z: a size); a status other than success
+    raises."""
     import ctypes
     fn = getattr(ctypes.CDLL(_loaded_cublas()), symbol)
-    fn.argtypes = [ctypes.c_void_p if t == "p" else ctypes.c_int for t in types.replace(" ", "")]
+    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "z": ctypes.c_size_t}
+    fn.argtypes = [kinds[t] for t in types.replace(" ", "")]
     fn.restype = ctypes.c_int
 
     def call(*args):
@@ -99,6 +105,19 @@ def _loaded_cublas() -> str:
 
 
 _tf32 = False
+_workspace: list = []          # the workspace cuBLAS is given at each GEMM, once one is made
+
+WORKSPACE_BYTES = 32 << 20     # (Hopper's, as cuBLAS sizes its own; 4 MiB before it)
+
+
+def use_workspace() -> None:
+    """Give cuBLAS a workspace of our own from here on (made once, kept): since CUDA 12.2 its
+    own is allocated stream-ordered, which a CUDA graph records as allocations beside each
+    GEMM (graphs.py calls this before a capture). On an H200 the captured steps that are
+    GPU-bound ran slower than eager ones (a T 256 tf32 step 27.1 against 24.1 ms, GPT-2
+    medium bf16 58.6 against 48.5) with cuBLAS's own: the suspected cause, unmeasured."""
+    if not _workspace and backend.device_label() != "cpu":
+        _workspace.append(backend.xp().empty(WORKSPACE_BYTES, dtype=np.uint8))
 
 
 def tf32_on() -> bool:
@@ -179,8 +198,11 @@ def gemm_ex(a, b, out, ab_type: str, out_type: str, compute: str, beta: float,
         "cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP"
     handle = lib("device.get_cublas_handle")()
     # the handle runs on the stream it was last given (CuPy sets it before each of its own
-    # calls): this call's is the current one (a CUDA graph's capture runs on its own stream)
+    # calls): this call's is the current one (a CUDA graph's capture runs on its own stream);
+    # setting a stream gives the handle back cuBLAS's own workspace: ours goes after it
     lib("cublas.setStream")(handle, backend.xp().cuda.get_current_stream().ptr)
+    if _workspace:
+        lib("cublas.setWorkspace")(handle, _workspace[0].data.ptr, _workspace[0].nbytes)
     lib("cublas.gemmEx")(handle, trans[bt], trans[at], m, n, kk,
                          one.ctypes.data, b.data.ptr, ab_type, kk if bt else m,
                          a.data.ptr, ab_type, n if at else kk,

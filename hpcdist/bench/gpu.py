@@ -260,6 +260,7 @@ def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float, dict]:
             ms = _timed(step, steps)
         except DeviceError as e:           # a step a graph cannot hold: said, the rest timed
             print(f"  {name}: {e}", file=sys.stderr, flush=True)
+            del step, model
             continue
         graph = step.graph.pool_bytes() if step.graph else 0      # (its pool: activations)
         rows[name] = (ms, precision, getattr(pool, "total_bytes", lambda: 0)() + graph)

@@ -15,8 +15,9 @@ from .surface import CUDA, CUPYX, READS
 class _Stream:
     """A stream: the double's work is done when a call returns. A capture (``begin_capture``
     to ``end_capture``) runs the work as it is issued and refuses what CUDA refuses inside
-    one: device-to-host reads (READS) and synchronizations; its graph's ``launch`` does
-    nothing (graphs.py captures again at each call on the double)."""
+    one: device-to-host reads (READS), synchronizations, host arrays copied in (double.py);
+    its graph's ``launch`` does nothing (graphs.py captures again at each call on the
+    double)."""
     ptr = 0
 
     def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):

@@ -6,7 +6,8 @@ is what its capture returned (device arrays the replays overwrite). The rules a 
 before each call), reads nothing back to the host, and takes no decision from device values;
 Python runs once, at the capture. Its arrays come from a pool of their own that the graph
 keeps (other arrays never reuse its blocks). The device double runs ``fn`` at each call inside
-a capture that refuses host reads and synchronizations, as a GPU would; the CPU runs ``fn``."""
+a capture that refuses device reads, synchronizations and host arrays copied in, as a GPU
+would; the CPU runs ``fn``."""
 from __future__ import annotations
 
 from . import backend

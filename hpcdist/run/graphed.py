@@ -16,7 +16,8 @@ class GraphedForwardBackward:
 
     def __init__(self, strategy):
         self.strategy = strategy
-        self.graphs: dict = {}        # (x shape, y shape, scale) -> (x, y on the device, step)
+        self.graphs: dict = {}        # (x's and y's shapes and dtypes, scale) ->
+                                      # (x, y on the device, the captured step)
 
     def __call__(self, x, y, scale: float = 1.0):
         x, y = np.asarray(x), np.asarray(y)
@@ -34,10 +35,6 @@ class GraphedForwardBackward:
     def _forward_backward(self, x, y, scale):
         with self.strategy.ddp.no_sync():           # (the buckets: at sync, after backward)
             return self.strategy.forward_backward(x, y, scale)
-
-    def captured(self) -> int:
-        """Graphs recorded so far (one per batch shape on a GPU)."""
-        return sum(step.captures for _, _, step in self.graphs.values())
 
 
 def describe(cfg) -> str:

@@ -1,16 +1,14 @@
 """CUDA graphs (device/graphs.py): a training step's forward and backward captured once and
 replayed, each step's batch copied into the array the graph reads, equal to the same steps run
 eagerly. On the device double (the default here) every call captures again and the capture
-refuses host reads and synchronizations as CUDA does; under make test-gpu
+refuses device reads, synchronizations and host copies as CUDA does; under make test-gpu
 ($HPCDIST_DEVICE=gpu, tests/gpu/session.sh) the same tests replay a real graph."""
 import numpy as np
 import pytest
 
-from hpcdist import nn, optim
 from hpcdist.device import backend, graphs
 from hpcdist.device.errors import DeviceError
 from hpcdist.device.surface import READS
-from hpcdist.parallel.mixed_precision import MixedPrecision
 
 
 @pytest.fixture
@@ -23,40 +21,21 @@ def device():
     backend.init(prev)
 
 
-def _model(arch):
-    if arch == "llama":
-        return nn.Llama(nn.LlamaConfig(vocab_size=17, block_size=8, n_layer=2, n_head=4,
-                                       n_kv_head=2, n_embd=32))
-    return nn.GPT(nn.GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=16))
-
-
 def _train(graph: bool, precision="fp32", arch="gpt", steps=5):
-    """(the loss of each step, the master weights after) of ``steps`` AdamW steps on a new
-    batch each, forward and backward captured (``graph``) or eager."""
-    nn.manual_seed(0)
-    model = _model(arch)
-    mp = MixedPrecision(model.parameters(), precision)
-    opt = optim.AdamW(mp.master, lr=1e-2)
-    mp.attach(opt)
-    idx = backend.to_device(np.zeros((2, 8), np.int64))          # what the graph reads
-
-    def gradients():
-        mp.zero_grad()
-        _, loss = model(idx, idx)
-        loss.backward()
-        if mp.mixed:
-            mp.master.grad[...] = mp.compute.grad
-        return loss.data
-
-    step = graphs.capture(gradients) if graph else gradients
+    """(the loss of each step, the master weights after, the step) of ``steps`` AdamW steps
+    of the benchmark's step (bench/gpu.py) on a new batch each, forward and backward
+    captured (``graph``) or eager."""
+    from hpcdist.bench import gpu
+    before, gpu.ARCH[0] = gpu.ARCH[0], arch
+    try:
+        step, _ = gpu._step_fn(2, 32, 8, 2, 17, 4, precision=precision, graph=graph)
+    finally:
+        gpu.ARCH[0] = before
     rng, losses = np.random.default_rng(1), []
     for _ in range(steps):
-        idx[...] = backend.to_device(rng.integers(0, 17, (2, 8)))
-        loss = step()
-        opt.step()
-        mp.after_step()
-        losses.append(float(loss))
-    return losses, backend.to_numpy(mp.master.data).copy(), step
+        step.idx[...] = backend.to_device(rng.integers(0, 17, (2, 8)))   # what the graph reads
+        losses.append(float(step()))
+    return losses, backend.to_numpy(step.master.data).copy(), step
 
 
 @pytest.mark.parametrize("arch,precision", [("gpt", "fp32"), ("gpt", "bf16"),
@@ -64,12 +43,12 @@ def _train(graph: bool, precision="fp32", arch="gpt", steps=5):
 def test_replayed_steps_equal_eager_steps_with_a_new_batch_each(device, arch, precision):
     want_losses, want_weights, _ = _train(False, precision, arch)
     losses, weights, step = _train(True, precision, arch)
-    assert step.captures == (3 if device == "double" else 1)        # 2 warm-up calls, 3 more
+    assert step.graph.captures == (3 if device == "double" else 1)  # 2 warm-up calls, 3 more
     tol = 2e-2 if precision == "bf16" else 1e-5                     # (atomics' order on a GPU)
     np.testing.assert_allclose(losses, want_losses, rtol=tol)
     # the weights to 1e-4 absolute: a GPU's atomics (norms' and the embedding's weight
     # gradients) sum in any order, and AdamW turns a near-zero gradient's flipped sign into a
-    # step of up to lr (1e-2); an H200 showed 3.2e-5 in 32 of 6,992 fp32 weights
+    # step of up to lr (an H200 showed 3.2e-5 in 32 of 6,992 fp32 weights at lr 1e-2)
     np.testing.assert_allclose(weights, want_weights, rtol=tol, atol=1e-4)
     assert len(set(np.round(losses, 4))) == len(losses)             # the batches differed
 

@@ -72,7 +72,9 @@ def _step_fn(L, C, T, B, V, H=0, seed=0, precision="fp32", graph=False):
         opt.step()
         mp.after_step()
         return loss
-    step.graph = compute if graph else None
+    # what a caller may reach: the graph, the tokens the step reads (write a new batch into
+    # them), the fp32 master weights
+    step.graph, step.idx, step.master = (compute if graph else None), idx, mp.master
     return step, model
 
 

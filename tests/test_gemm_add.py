@@ -141,5 +141,12 @@ def test_a_workspace_of_our_own_is_given_after_each_stream(monkeypatch):
         assert events == [("stream", 0), ("workspace", space.data.ptr, gemm.WORKSPACE_BYTES),
                           ("gemm",)]
         np.testing.assert_array_equal(backend.to_numpy(out), np.full((3, 5), 4.0))
+        monkeypatch.setattr(gemm, "_workspace", [])
+        monkeypatch.setenv("HPCDIST_CUBLAS_WORKSPACE_MB", "0")   # cuBLAS's own, to compare
+        gemm.use_workspace()
+        events.clear()
+        gemm.gemm_ex(a, b, out, "runtime.CUDA_R_32F", "runtime.CUDA_R_32F",
+                     "cublas.CUBLAS_COMPUTE_32F", beta=0.0)
+        assert gemm._workspace == [] and [e[0] for e in events] == ["stream", "gemm"]
     finally:
         backend.init(prev)

@@ -8,6 +8,8 @@ self-checked kernel whose twin rounds the operands and multiplies in float32.
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/gemm.py"."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .. import backend
@@ -95,7 +97,6 @@ def _direct(symbol: str, types: str):
 def _loaded_cublas() -> str:
     """The path of the libcublas CuPy loaded (its handle is made first), else the soname."""
     lib("device.get_cublas_handle")()
-    import os
     with open("/proc/self/maps") as maps:
         for line in maps:
             path = line.split()[-1]
@@ -115,9 +116,12 @@ def use_workspace() -> None:
     own is allocated stream-ordered, which a CUDA graph records as allocations beside each
     GEMM (graphs.py calls this before a capture). On an H200 the captured steps that are
     GPU-bound ran slower than eager ones (a T 256 tf32 step 27.1 against 24.1 ms, GPT-2
-    medium bf16 58.6 against 48.5) with cuBLAS's own: the suspected cause, unmeasured."""
-    if not _workspace and backend.device_label() != "cpu":
-        _workspace.append(backend.xp().empty(WORKSPACE_BYTES, dtype=np.uint8))
+    medium bf16 58.6 against 48.5) with cuBLAS's own: the suspected cause, unmeasured.
+    ``HPCDIST_CUBLAS_WORKSPACE_MB`` sizes it (0: cuBLAS's own, for the comparison)."""
+    size = int(float(os.environ.get("HPCDIST_CUBLAS_WORKSPACE_MB", WORKSPACE_BYTES >> 20))
+               * (1 << 20))
+    if not _workspace and size > 0 and backend.device_label() != "cpu":
+        _workspace.append(backend.xp().empty(size, dtype=np.uint8))
 
 
 def tf32_on() -> bool:
@@ -202,7 +206,7 @@ def gemm_ex(a, b, out, ab_type: str, out_type: str, compute: str, beta: float,
     # setting a stream gives the handle back cuBLAS's own workspace: ours goes after it
     lib("cublas.setStream")(handle, backend.xp().cuda.get_current_stream().ptr)
     if _workspace:
-        lib("cublas.setWorkspace")(handle, _workspace[0].data.ptr, _workspace[0].nbytes)
+        lib("cublas.setWorkspace")(handle, _workspace[0].data.ptr, _workspace[0].size)
     lib("cublas.gemmEx")(handle, trans[bt], trans[at], m, n, kk,
                          one.ctypes.data, b.data.ptr, ab_type, kk if bt else m,
                          a.data.ptr, ab_type, n if at else kk,

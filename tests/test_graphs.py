@@ -137,3 +137,25 @@ def test_what_a_graph_cannot_hold_is_refused_before_the_run(flags, words):
     with pytest.raises(ConfigError, match=words) as e:
         validate(train.parse_config(["--cuda-graph", *flags]))
     assert "run without --cuda-graph" in str(e.value)
+
+
+def test_auto_leaves_attentions_gemm_path_out_of_a_graphed_run(monkeypatch):
+    """The GEMM path's batched GEMMs go through CuPy, whose cuBLAS refuses a capture: a
+    graphed run's auto does not weigh it (on a GPU; the device label stands in here)."""
+    from hpcdist.device.kernels import attention
+    monkeypatch.setattr(attention.backend, "device_label", lambda: "gpu")
+    qkv = np.zeros((2, 64, 3 * 128), np.float32)            # T 64, 2 heads of 64: gemms may run
+    try:
+        attention.configure("auto")
+        assert "gemms" in attention.candidates(qkv, 2, 2)
+        attention.configure("auto", graphs=True)
+        assert "gemms" not in attention.candidates(qkv, 2, 2)
+    finally:
+        attention.configure("auto")
+
+
+def test_cuda_graph_refuses_the_gemm_attention_path():
+    from hpcdist import train
+    from hpcdist.run.config import ConfigError, validate
+    with pytest.raises(ConfigError, match="GEMM path"):
+        validate(train.parse_config(["--cuda-graph", "--attention", "gemms", "--device", "gpu"]))

@@ -130,7 +130,7 @@ def _hpcdist_mode(shape, mode: str, attention: str = "auto"):
     precision, graph = mode.removesuffix("+graph"), mode.endswith("+graph")
     backend.reset_precision()
     kernels.configure(precision == "tf32")
-    kernels.attention.configure(attention)
+    kernels.attention.configure(attention, graphs=graph)
     # bf16: native where this CuPy computes in bf16 (backend.native_bf16), else fp32 storage
     # with bf16 GEMMs
     return _step_fn(*shape, precision="bf16" if precision == "bf16" else "fp32", graph=graph)

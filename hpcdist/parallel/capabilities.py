@@ -298,7 +298,6 @@ MIXED_PRECISION = [   # parallel/mixed_precision.py: fp32 master weights
 ]
 
 
-
 def _cuda_graph_problem(c) -> str | None:
     """--cuda-graph (run/graphed.py): a graph replays kernels at fixed addresses with the
     arguments of its capture, so nothing inside forward and backward may read the device from
@@ -307,6 +306,8 @@ def _cuda_graph_problem(c) -> str | None:
     if not c.cuda_graph:
         return None
     why = ("mixture of experts routes by counts the host reads (--experts)" if c.experts else
+           "attention's GEMM path runs batched GEMMs through CuPy, whose cuBLAS calls refuse a "
+           "capture (--attention auto leaves it out)" if c.attention == "gemms" else
            "dropout's random offsets are host values a graph would freeze (--dropout)"
            if c.dropout else
            "fp16's dynamic loss scale is a host value a graph would freeze (--precision bf16 "

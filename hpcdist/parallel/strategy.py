@@ -142,7 +142,7 @@ def make_model(cfg, comm, mesh, train_set):
     backend.set_default_float("float64" if cfg.dtype == "fp64" else "float32")
     backend.reset_precision()
     kernels.configure(cfg.tf32)
-    kernels.attention.configure(cfg.attention)
+    kernels.attention.configure(cfg.attention, graphs=cfg.cuda_graph)
     if cfg.attention == "cudnn" and kernels.cudnn_attention.why_not():
         raise backend.DeviceError(f"--attention cudnn: {kernels.cudnn_attention.why_not()}")
     nn.manual_seed(cfg.seed)

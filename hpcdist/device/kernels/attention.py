@@ -22,6 +22,7 @@ from .rows import (SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, softmax_causal_bwd_tw
 
 PATHS = ("auto", "flash", "gemms", "cudnn")
 _path = "auto"
+_graphs = False                 # the steps are captured as CUDA graphs (configure)
 _chosen: dict = {}              # (shape, dtype, kind) -> the path auto measured fastest
 
 
@@ -87,14 +88,16 @@ def _attention_bwd(qkv, dy, lse, n_head, scale, att, softmax_bwd, mm):
 
 # ---- which way runs -------------------------------------------------------------------------
 
-def configure(path: str = "auto") -> None:
+def configure(path: str = "auto", graphs: bool = False) -> None:
     """The run's ``--attention``: auto | flash | gemms | cudnn. gemms and cudnn where they can
     run (a GPU; gemms: n_kv_head == n_head; cudnn: bf16 and a head size it takes), flash
-    elsewhere; ``check`` says in one line when the run's settings rule the asked one out."""
-    global _path
+    elsewhere; ``check`` says in one line when the run's settings rule the asked one out.
+    ``graphs``: the steps are captured as CUDA graphs (device/graphs.py), which the GEMM
+    path's batched GEMMs cannot be (CuPy's cuBLAS refuses a capture): auto leaves it out."""
+    global _path, _graphs
     if path not in PATHS:
         raise ValueError(f"--attention must be one of {', '.join(PATHS)}, got {path!r}")
-    _path = path
+    _path, _graphs = path, graphs
     _chosen.clear()
 
 
@@ -142,7 +145,7 @@ def candidates(qkv, n_head, n_kv_head) -> list:
     if backend.device_label() != "gpu":
         return ways
     hs = head_size(qkv.shape[-1], n_head, n_kv_head)
-    if n_kv_head == n_head and (_path == "gemms" or
+    if n_kv_head == n_head and (_path == "gemms" or not _graphs and
                                 qkv.shape[1] <= GEMMS_MAX_T_PER_HEAD_DIM * hs):
         ways.append("gemms")
     if kind(qkv.dtype) == "bf16" and cudnn_attention.takes(hs) and \

@@ -63,17 +63,17 @@ _ONLY_CUBLAS = {"cublas.setWorkspace": ("cublasSetWorkspace_v2", "ppz")}
 def lib(dotted: str):
     """A cuBLAS / CuPy-internal name this module may use (listed in ``CUBLAS``)."""
     found = _found.get(dotted)
-    if found is None and dotted in _ONLY_CUBLAS:
-        found = _found[dotted] = _direct(*_ONLY_CUBLAS[dotted])
-    if found is None:
-        if dotted not in CUBLAS:
-            raise AttributeError(f"{dotted} is not in device_surface.CUBLAS: list it there "
-                                 "first (make test-cupy then checks it against CuPy)")
+    if found is not None:
+        return found
+    if dotted in _ONLY_CUBLAS or dotted in _DIRECT:
+        found = _direct(*{**_ONLY_CUBLAS, **_DIRECT}[dotted])
+    elif dotted in CUBLAS:
         module, name = dotted.split(".", 1)
         found = getattr(backend.cupy_library(_ROOTS[module]), name)
-        if dotted in _DIRECT:
-            found = _direct(*_DIRECT[dotted])
-        _found[dotted] = found
+    else:
+        raise AttributeError(f"{dotted} is not in device_surface.CUBLAS: list it there first "
+                             "(make test-cupy then checks it against CuPy)")
+    _found[dotted] = found
     return found
 
 

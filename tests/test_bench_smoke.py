@@ -294,3 +294,22 @@ def test_diloco_bench_goes_on_from_a_warm_start(tmp_path):
     for run in ("warm20-0", "warm20-1"):
         log = (folder / run / "train.log").read_text()
         assert "at step 20" in log and "step    40/40" in log
+
+
+def test_kernels_bench_times_each_memory_bound_kernel_both_ways(tmp_path):
+    """`bench kernels` on the CPU's model of a device (its times say nothing there): every
+    kernel timed 16 bytes a thread and one element a thread as a replayed graph, the bytes
+    each call must move, and the copy the last column is measured against."""
+    out_json = tmp_path / "kernels.json"
+    out = bench("kernels", "--device", "double", "--rows", "48", "--embd", "64", "--reps", "1",
+                "--calls", "2", "--out", str(out_json))
+    assert "bf16, 48 rows x 64 (double; us a call, graph)" in out
+    rows = {r["kernel"]: r for r in json.loads(out_json.read_text())["kernels"]}
+    assert len(rows) == 12 and all(r["timed as"] == "graph" and r["us"] > 0 for r in rows.values())
+    assert rows["add2 (engine's gradient sum)"]["bytes"] == 3 * 48 * 64 * 2
+    assert rows["swiglu_bwd (4C)"]["bytes"] == 5 * 48 * 4 * 64 * 2
+    assert all("us one a thread" in r for k, r in rows.items() if not k.startswith("copy"))
+    assert rows["copy (4C, the yardstick)"]["of copy"] == 1.0
+    from hpcdist.device import backend
+    if backend.gpu_count() == 0:
+        assert "no GPU visible" in bench("kernels", "--rows", "8", "--embd", "8")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..device import backend
+from ..device import backend, kernels
 from . import memtrace
 
 _grad_enabled = True
@@ -239,7 +239,7 @@ class Tensor:
                     accumulated.add(key)
                 elif pg is not None:
                     prev = grads.get(key)
-                    grads[key] = pg if prev is None else prev + pg
+                    grads[key] = pg if prev is None else _summed(prev, pg)
                 pending[key] -= 1
                 if pending[key]:
                     continue
@@ -247,6 +247,14 @@ class Tensor:
                     _finalize_leaf(p, grads.pop(key, None), key in accumulated)
                 else:
                     ready.append(p)
+
+
+def _summed(a, b):
+    """Two gradients of one tensor summed into a new array: on a device, one kernel that reads
+    16 bytes a thread where both are of one shape and dtype (kernels.ADD), else xp's ``+``."""
+    if backend.is_gpu_array(a) and a.shape == b.shape and a.dtype == b.dtype:
+        return kernels.ADD(a, b)
+    return a + b
 
 
 def _input_gradients(node: Tensor, g, deferred: list):

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "moe": "hpcdist.bench.moe",
     "nanogpt": "hpcdist.bench.nanogpt",
     "gpu": "hpcdist.bench.gpu",
+    "kernels": "hpcdist.bench.kernels",
     "peers": "hpcdist.bench.peers",
     "pipeline": "hpcdist.bench.pipeline",
     "plan": "hpcdist.bench.plan",

@@ -32,7 +32,7 @@ DEFAULT = "4x128:128:2048:16,6x384:256:4096:4,12x768:256:4096:2"
 HD_PARTS = (("GEMMs", "backend.py", "_gemm"), ("GEMMs", "cpu_gemm.py", "gemm_rows"),
             ("attention", "cpu_gemm.py", "attention"), ("attention", "cpu_attention.py", ""),
             ("attention", "kernels/attention.py", ""), ("optimizer", "cpu_jit.py", "adamw"),
-            ("optimizer", "elementwise.py", "adam"), ("optimizer", "optim.py", ""),
+            ("optimizer", "kernels/adamw.py", ""), ("optimizer", "optim.py", ""),
             ("fused kernels", "cpu_jit.py", ""), ("fused kernels", "elementwise.py", ""),
             ("fused kernels", "rows.py", ""))
 TORCH_PARTS = (("GEMMs", ("aten::mm", "aten::addmm")),

@@ -20,6 +20,11 @@ __device__ __forceinline__ A warp_max(A v) {
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_down_sync(0xffffffff, v, o));
     return v;
 }
+// the sum over the warp, on every lane (a butterfly)
+__device__ __forceinline__ A lane_sum(A v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
 // the sum (or max) over the block, on every thread; blockDim.x a multiple of 32, <= 1024
 """ + "".join(r"""
 __device__ A block_{op}(A v, A* shared) {{
@@ -38,6 +43,7 @@ __device__ A block_{op}(A v, A* shared) {{
 """.format(op=op, identity=identity) for op, identity in (("sum", "(A)0"), ("max", "NEG_INF")))
 
 
+WARP_ROWS = 8        # rows of a warp-a-row kernel's block (256 threads)
 SHARED_DEFAULT = 48 << 10     # dynamic shared memory a kernel has without asking for more
 BLOCKS_WANTED = 1024          # a row kernel's blocks: 8 of 256 threads on each of 128 SMs
 
@@ -47,10 +53,18 @@ def rows_per_block(rows: int, partial_bytes: int) -> tuple[int, int]:
     weight gradient over rows in shared memory (``partial_bytes`` a block) and adds it into
     the gradient once a block: about BLOCKS_WANTED blocks, 2 to 32 rows each; 1 row (added
     row by row, no shared memory) where the sums would not fit in SHARED_DEFAULT beside the
-    block reduction's static 32 values (a launch asking for more fails without opting in)."""
-    if partial_bytes + 32 * 8 > SHARED_DEFAULT or rows < 2:
+    kernel's static 96 values (the block reduction's 32, two means of each of 32 rows; a
+    launch asking for more fails without opting in)."""
+    if partial_bytes + 96 * 8 > SHARED_DEFAULT or rows < 2:
         return 1, 0
     return max(2, min(32, rows // BLOCKS_WANTED)), partial_bytes
+
+
+def row_threads(C: int, vec: int) -> int:
+    """Threads of a block that walks rows of ``C`` ``vec`` elements a thread at a time: one
+    vector each (a multiple of 32) up to 256, so no thread of a short row stands idle."""
+    vectors = -(-C // vec)
+    return min(256, max(32, (vectors + 31) // 32 * 32))
 
 
 def accumulator(dtype) -> type:
@@ -97,3 +111,51 @@ def _rows(x):
     """(rows, width) of x seen as a matrix over its last axis."""
     return int(x.size // x.shape[-1]) if x.shape[-1] else 0, int(x.shape[-1])
 
+
+
+# ---- 16-byte vectors: VEC elements a thread ------------------------------------------------
+
+VECTORS = [True]     # False: every elementwise kernel one element a thread (the bench's "off")
+
+_VECTOR = r"""
+#ifndef VEC
+#define VEC 1
+#endif
+static_assert(VEC == 1 || VEC * sizeof(T) == 16, "VEC elements must make 16 bytes");
+// VEC elements of T between an array and a thread's registers (``alignas(16) T r[VEC]``): one
+// 16-byte access on the device where VEC > 1 (the launcher chose VEC so that every array
+// starts on 16 bytes and no vector straddles a row); cudasim copies element by element and
+// checks the alignment a 16-byte access needs
+#ifdef __CUDACC_RTC__
+__device__ __forceinline__ void copy_vec(T* dst, const T* src) {
+#if VEC > 1
+    *(uint4*)dst = *(const uint4*)src;
+#else
+    dst[0] = src[0];
+#endif
+}
+#else
+__device__ __forceinline__ void copy_vec(T* dst, const T* src) {
+    if (VEC > 1) { sim_check16(dst, "store"); sim_check16(src, "load"); }
+    for (int j = 0; j < VEC; j++) dst[j] = src[j];
+}
+#endif
+"""
+
+
+def address(a) -> int:
+    """Where an array's first element is: a CuPy array's device pointer, a NumPy array's
+    (cudasim's) host pointer."""
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def vector_width(n: int, *arrays, row: int | None = None) -> int:
+    """VEC of an elementwise kernel over ``n`` elements of ``arrays`` (one dtype): 16 bytes a
+    thread — 8 bf16, 4 float, 2 double — where every array starts on 16 bytes and ``n``, and
+    ``row`` (the width a vector must not straddle: a bias's, a row's halves), divide by it;
+    else 1. At 2 bytes an element a thread keeps too few bytes in flight to fill an H200's
+    memory: bias + residual ran at a quarter of its bandwidth so (docs/gpu.md)."""
+    width = 16 // arrays[0].dtype.itemsize
+    if not VECTORS[0] or width <= 1 or n % width or (row is not None and row % width):
+        return 1
+    return width if all(address(a) % 16 == 0 for a in arrays) else 1

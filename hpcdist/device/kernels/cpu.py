@@ -211,7 +211,7 @@ def colsum_add(g, out):
 
 
 def adamw(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):
-    """twin: elementwise.adamw_twin, on flat contiguous buffers."""
+    """twin: adamw.adamw_twin, on flat contiguous buffers."""
     s = p.dtype.type
     jit().adamw(p, g, m, v, decay if decay is not None else np.zeros(p.size, np.uint8),
                 bool(wd) and decay is not None, s(lr), s(beta1), s(beta2), s(eps), s(wd),

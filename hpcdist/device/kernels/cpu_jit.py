@@ -211,7 +211,7 @@ def _adamw_chunk(p, g, m, v, decay, cut, beta1, beta2, eps, step, keep1, keep2, 
 
 @kernel
 def adamw(p, g, m, v, decay, has_decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2):
-    """The twin's operations in its order (elementwise.adamw_twin), in chunks of 4096; the
+    """The twin's operations in its order (adamw.adamw_twin), in chunks of 4096; the
     scalars come in as the arrays' type."""
     n = p.size
     one = like(lr, 1.0)

@@ -1,45 +1,64 @@
 """Elementwise fused kernels: GELU (and a Linear's bias + GELU), bias + residual added into a
-product, a bias's gradient added into its buffer, AdamW over the whole flat buffer."""
+product, two gradients summed, a bias's gradient added into its buffer; 16 bytes a thread
+where the arrays allow (common.py's vectors). AdamW's kernels: adamw.py."""
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
 from .. import backend
 from ..fused import Fused, grid
-from .common import GELU_C, _rows, _scalar
+from .common import _VECTOR, GELU_C, _rows, vector_width
 
 
 # ---- GELU ----------------------------------------------------------------------------------
 
-_GELU = r"""
+_GELU = _VECTOR + r"""
 #define GELU_C ((A)0.7978845608028654)
-extern "C" __global__ void gelu_fwd(const T* x, T* y, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    A v = (A)x[i];
+__device__ __forceinline__ A gelu_of(A v) {
     A t = tanh(GELU_C * (v + (A)0.044715 * v * v * v));
-    y[i] = (T)((A)0.5 * v * ((A)1 + t));
+    return (A)0.5 * v * ((A)1 + t);
 }
-// h += b (kept for the backward), y = gelu(h): a Linear's bias and the GELU in one pass
-extern "C" __global__ void bias_gelu_fwd(T* h, const T* b, T* y, long long n, int m) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+// VEC elements a thread (common.py's _VECTOR): thread t takes [t VEC, (t + 1) VEC)
+extern "C" __global__ void gelu_fwd(const T* x, T* y, long long n) {
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (i >= n) return;
-    A v = (A)h[i] + (A)b[i % m];
-    h[i] = (T)v;
-    v = (A)h[i];                                   // the stored value, as the twin sees it
-    A t = tanh(GELU_C * (v + (A)0.044715 * v * v * v));
-    y[i] = (T)((A)0.5 * v * ((A)1 + t));
+    alignas(16) T xv[VEC], yv[VEC];
+    copy_vec(xv, x + i);
+#pragma unroll
+    for (int j = 0; j < VEC; j++) yv[j] = (T)gelu_of((A)xv[j]);
+    copy_vec(y + i, yv);
+}
+// h += b (kept for the backward), y = gelu(h): a Linear's bias and the GELU in one pass (a
+// vector never straddles a row: m divides by VEC)
+extern "C" __global__ void bias_gelu_fwd(T* h, const T* b, T* y, long long n, int m) {
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i >= n) return;
+    alignas(16) T hv[VEC], bv[VEC], yv[VEC];
+    copy_vec(hv, h + i);
+    copy_vec(bv, b + i % m);
+#pragma unroll
+    for (int j = 0; j < VEC; j++) {
+        hv[j] = (T)((A)hv[j] + (A)bv[j]);
+        yv[j] = (T)gelu_of((A)hv[j]);                // of the stored value, as the twin's
+    }
+    copy_vec(h + i, hv);
+    copy_vec(y + i, yv);
 }
 extern "C" __global__ void gelu_bwd(const T* x, const T* g, T* gx, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (i >= n) return;
-    A v = (A)x[i];
-    A t = tanh(GELU_C * (v + (A)0.044715 * v * v * v));
-    A d = (A)0.5 * ((A)1 + t)
-        + (A)0.5 * v * ((A)1 - t * t) * GELU_C * ((A)1 + (A)3 * (A)0.044715 * v * v);
-    gx[i] = (T)((A)g[i] * d);
+    alignas(16) T xv[VEC], gv[VEC], ov[VEC];
+    copy_vec(xv, x + i);
+    copy_vec(gv, g + i);
+#pragma unroll
+    for (int j = 0; j < VEC; j++) {
+        A v = (A)xv[j];
+        A t = tanh(GELU_C * (v + (A)0.044715 * v * v * v));
+        A d = (A)0.5 * ((A)1 + t)
+            + (A)0.5 * v * ((A)1 - t * t) * GELU_C * ((A)1 + (A)3 * (A)0.044715 * v * v);
+        ov[j] = (T)((A)gv[j] * d);
+    }
+    copy_vec(gx + i, ov);
 }
 """
 
@@ -90,22 +109,32 @@ def bias_gelu_twin(h, b):
     return gelu_twin(h)
 
 
+def _vectors(k, name, n, *arrays, row=None):
+    """``name``'s variant for these arrays and its grid: VEC elements a thread."""
+    vec = vector_width(n, *arrays, row=row)
+    return k(name, {"VEC": vec}), grid(-(-n // vec))
+
+
 def _bias_gelu_launch(k, h, b):
     y = backend.xp().empty_like(h)
-    k("bias_gelu_fwd")(*grid(h.size), (h, backend.xp().ascontiguousarray(b), y,
-                                       np.int64(h.size), np.int32(h.shape[-1])))
+    b = backend.xp().ascontiguousarray(b)
+    fn, (blocks, threads) = _vectors(k, "bias_gelu_fwd", h.size, h, b, y, row=h.shape[-1])
+    fn(blocks, threads, (h, b, y, np.int64(h.size), np.int32(h.shape[-1])))
     return y, None
 
 
 def _gelu_launch(k, x):
     y = backend.xp().empty_like(x)
-    k("gelu_fwd")(*grid(x.size), (x, y, np.int64(x.size)))
+    fn, (blocks, threads) = _vectors(k, "gelu_fwd", x.size, x, y)
+    fn(blocks, threads, (x, y, np.int64(x.size)))
     return y, None
 
 
 def _gelu_bwd_launch(k, x, g, t=None):
     gx = backend.xp().empty_like(x)
-    k("gelu_bwd")(*grid(x.size), (x, backend.xp().ascontiguousarray(g), gx, np.int64(x.size)))
+    g = backend.xp().ascontiguousarray(g)
+    fn, (blocks, threads) = _vectors(k, "gelu_bwd", x.size, x, g, gx)
+    fn(blocks, threads, (x, g, gx, np.int64(x.size)))
     return gx
 
 
@@ -128,16 +157,25 @@ GELU_BWD = Fused("gelu_bwd", _GELU, ["gelu_bwd"], _gelu_bwd_launch, gelu_bwd_twi
 
 # ---- bias and residual added into a product ------------------------------------------------
 
-_BIAS_RESIDUAL = r"""
-// out (N, m) += bias (m) and/or residual (N, m), in place: one pass (flags say which)
+_BIAS_RESIDUAL = _VECTOR + r"""
+// out (N, m) += bias (m) and/or residual (N, m), in place: one pass (flags say which), VEC
+// elements a thread
 extern "C" __global__ void bias_residual(T* out, const T* bias, const T* residual,
                                          long long n, int m, int has_bias, int has_residual) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (i >= n) return;
-    A v = (A)out[i];
-    if (has_bias) v += (A)bias[i % m];
-    if (has_residual) v += (A)residual[i];
-    out[i] = (T)v;
+    alignas(16) T ov[VEC], bv[VEC], rv[VEC];
+    copy_vec(ov, out + i);
+    if (has_bias) copy_vec(bv, bias + i % m);
+    if (has_residual) copy_vec(rv, residual + i);
+#pragma unroll
+    for (int j = 0; j < VEC; j++) {
+        A v = (A)ov[j];
+        if (has_bias) v += (A)bv[j];
+        if (has_residual) v += (A)rv[j];
+        ov[j] = (T)v;
+    }
+    copy_vec(out + i, ov);
 }
 """
 
@@ -153,11 +191,14 @@ def bias_residual_twin(out, bias=None, residual=None):
 
 def _bias_residual_launch(k, out, bias=None, residual=None):
     xp = backend.xp()
+    has_bias, has_residual = bias is not None, residual is not None
     dummy = out                                   # a valid pointer for an absent operand
-    k("bias_residual")(*grid(out.size), (
-        out, dummy if bias is None else xp.ascontiguousarray(bias),
-        dummy if residual is None else xp.ascontiguousarray(residual), np.int64(out.size),
-        np.int32(out.shape[-1]), np.int32(bias is not None), np.int32(residual is not None)))
+    bias = xp.ascontiguousarray(bias) if has_bias else dummy
+    residual = xp.ascontiguousarray(residual) if has_residual else dummy
+    fn, (blocks, threads) = _vectors(k, "bias_residual", out.size, out, bias, residual,
+                                     row=out.shape[-1])
+    fn(blocks, threads, (out, bias, residual, np.int64(out.size), np.int32(out.shape[-1]),
+                         np.int32(has_bias), np.int32(has_residual)))
     return out
 
 
@@ -171,6 +212,43 @@ def _bias_residual_cases(xp, rng, dt):
 
 BIAS_RESIDUAL = Fused("bias_residual", _BIAS_RESIDUAL, ["bias_residual"], _bias_residual_launch,
                       bias_residual_twin, _bias_residual_cases)
+
+# ---- two gradients of one tensor, summed -----------------------------------------------------
+
+_ADD = _VECTOR + r"""
+// out = a + b, VEC elements a thread: autograd's engine summing the gradients a tensor gets
+// from two consumers (the residual stream's, twice a layer); CuPy's add reads 2 bytes a
+// thread in bf16 (41 us a call at GPT-2 medium on an H200, a quarter of its memory's speed)
+extern "C" __global__ void add2(const T* a, const T* b, T* out, long long n) {
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i >= n) return;
+    alignas(16) T av[VEC], bv[VEC];
+    copy_vec(av, a + i);
+    copy_vec(bv, b + i);
+#pragma unroll
+    for (int j = 0; j < VEC; j++) av[j] = (T)((A)av[j] + (A)bv[j]);
+    copy_vec(out + i, av);
+}
+"""
+
+
+def add_twin(a, b):
+    """``a + b``, a new array."""
+    return a + b
+
+
+def _add_launch(k, a, b):
+    xp = backend.xp()
+    a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
+    out = xp.empty_like(a)
+    fn, (blocks, threads) = _vectors(k, "add2", a.size, a, b, out)
+    fn(blocks, threads, (a, b, out, np.int64(a.size)))
+    return out
+
+
+ADD = Fused("add2", _ADD, ["add2"], _add_launch, add_twin,
+            lambda xp, rng, dt: _elementwise_cases(xp, rng, dt, 2))
+
 
 # ---- a bias's gradient, added into its buffer ----------------------------------------------
 
@@ -219,121 +297,3 @@ def _colsum_cases(xp, rng, dt):
 
 COLSUM_ADD = Fused("colsum_add", _COLSUM, ["colsum_add"], _colsum_launch, colsum_add_twin,
                    _colsum_cases, tolerance=1e-5)
-
-
-# ---- AdamW ---------------------------------------------------------------------------------
-
-_ADAMW = r"""
-// element i's step, in the twin's order (optim.adamw_update): p, m, v in place; the new p
-__device__ __forceinline__ T adamw_at(long long i, T* p, const T* g, T* m, T* v,
-                                      const unsigned char* decay, A lr, A beta1, A beta2,
-                                      A eps, A wd, A bias1, A sqrt_bias2) {
-    A pi = (A)p[i], gi = (A)g[i];
-    if (decay[i]) pi *= (A)1 - lr * wd;
-    A vi = (A)v[i] * beta2 + gi * gi * ((A)1 - beta2);
-    A mi = (A)m[i] * beta1 + gi * ((A)1 - beta1);
-    A denom = sqrt(vi) / sqrt_bias2 + eps;
-    T out = (T)(pi - mi / denom * (lr / bias1));
-    p[i] = out;
-    m[i] = (T)mi;
-    v[i] = (T)vi;
-    return out;
-}
-// one thread per element of the flat buffer
-extern "C" __global__ void adamw(T* p, const T* g, T* m, T* v, const unsigned char* decay,
-                                 long long n, A lr, A beta1, A beta2, A eps, A wd, A bias1,
-                                 A sqrt_bias2) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) adamw_at(i, p, g, m, v, decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2);
-}
-// the same step writing the bf16 compute copy of the new parameters beside the fp32 master
-// (mixed precision: no second pass over the parameters), rounded to nearest even
-extern "C" __global__ void adamw_low(T* p, const T* g, T* m, T* v, const unsigned char* decay,
-                                     long long n, A lr, A beta1, A beta2, A eps, A wd,
-                                     A bias1, A sqrt_bias2, unsigned short* low) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    T out = adamw_at(i, p, g, m, v, decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2);
-    unsigned u = __float_as_uint((float)out);
-    low[i] = ((u & 0x7fffffffu) > 0x7f800000u)
-        ? (unsigned short)((u >> 16) | 0x40u)                       // NaN stays a NaN
-        : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); // nearest, ties even
-}
-"""
-
-
-def adamw_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):
-    """One AdamW step of flat p with moments m, v (in place); ``decay``: a uint8 mask of the
-    elements that take weight decay. Returns (p, m, v)."""
-    xp = backend.array_module(p)
-    if wd:
-        p *= xp.where(decay.astype(bool), 1.0 - lr * wd, 1.0).astype(p.dtype)
-    adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step)
-    return p, m, v
-
-
-def adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step) -> None:
-    """Adam's moments and bias-corrected step, in place, the same operations in the same order
-    through one scratch array (the textbook expressions make three flat temporaries: a step's
-    peak memory, and time). optim.adamw_update runs it on the host."""
-    xp = backend.array_module(p)
-    tmp = g * g
-    tmp *= 1.0 - beta2
-    v *= beta2
-    v += tmp
-    xp.multiply(g, 1.0 - beta1, out=tmp)
-    m *= beta1
-    m += tmp
-    xp.sqrt(v, out=tmp)
-    tmp /= math.sqrt(1.0 - beta2 ** step)
-    tmp += eps
-    xp.divide(m, tmp, out=tmp)
-    tmp *= lr / (1.0 - beta1 ** step)
-    p -= tmp
-
-
-def _adamw_launch(k, p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):
-    acc = np.float64 if p.dtype == np.float64 else np.float32
-    s = lambda x: _scalar(acc, x)   # noqa: E731
-    k("adamw")(*grid(p.size), (p, g, m, v, decay, np.int64(p.size), s(lr), s(beta1), s(beta2),
-                               s(eps), s(wd), s(1.0 - beta1 ** step),
-                               s(math.sqrt(1.0 - beta2 ** step))))
-    return p, m, v
-
-
-def _adamw_cases(xp, rng, dt):
-    for n in (1, 7, 1000, 100_003):
-        arr = lambda scale=1.0: xp.asarray((rng.standard_normal(n) * scale).astype(dt))  # noqa
-        decay = xp.asarray((rng.random(n) < 0.5).astype(np.uint8))
-        yield arr(), arr(), arr(0.1), xp.abs(arr(0.01)), decay, 1e-3, 0.9, 0.99, 1e-8, 0.1, 3
-
-
-ADAMW = Fused("adamw", _ADAMW, ["adamw"], _adamw_launch, adamw_twin, _adamw_cases,
-              tolerance=1e-5)
-
-
-def adamw_low_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, low):
-    """AdamW's step (adamw_twin), then ``low``: the new parameters in its dtype (bf16)."""
-    adamw_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step)
-    low[...] = backend.round_to_bf16(p)          # (exact in a bf16 array, and in a float32 one)
-    return p, m, v, low
-
-
-def _adamw_low_launch(k, p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, low):
-    s = lambda x: _scalar(np.float32, x)   # noqa: E731
-    k("adamw_low")(*grid(p.size), (p, g, m, v, decay, np.int64(p.size), s(lr), s(beta1),
-                                   s(beta2), s(eps), s(wd), s(1.0 - beta1 ** step),
-                                   s(math.sqrt(1.0 - beta2 ** step)), low.view(np.uint16)))
-    return p, m, v, low
-
-
-def _adamw_low_cases(xp, rng, dt):
-    bf16 = backend.bfloat16()
-    for args in _adamw_cases(xp, rng, dt):
-        yield args + (xp.zeros(args[0].shape, dtype=bf16),)
-
-
-# fp32 master weights in, their bf16 compute copy written by the same kernel (the copy's
-# rounding is exact: the tolerance is the update's, as ADAMW's)
-ADAMW_LOW = Fused("adamw_low", _ADAMW, ["adamw_low"], _adamw_low_launch, adamw_low_twin,
-                  _adamw_low_cases, tolerance=1e-5, dtypes=("float32",))

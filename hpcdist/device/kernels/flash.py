@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused
-from .common import SHARED_DEFAULT   # beyond it a kernel asks for more (Hopper: 227 KiB)
+from .common import SHARED_DEFAULT, address   # past SHARED_DEFAULT a kernel asks (Hopper: 227 KiB)
 from .flash_source import FLASH_SOURCE
 
 # Tile shapes per kind: (warps, CT) — a block owns 16 x warps rows and steps over CT columns;
@@ -189,14 +189,10 @@ def _ints(*values):
     return tuple(np.int32(v) for v in values)
 
 
-def _address(a) -> int:
-    return a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
-
-
 def _vectors(kind, qkv, hs) -> np.int32:
     """1 where every row of q, k, v and dy starts on 16 bytes: the kernels' 16-byte loads."""
     vec = 16 // _storage(kind, qkv.dtype).itemsize
-    return np.int32(hs % vec == 0 and qkv.shape[-1] % vec == 0 and _address(qkv) % 16 == 0)
+    return np.int32(hs % vec == 0 and qkv.shape[-1] % vec == 0 and address(qkv) % 16 == 0)
 
 
 def _pack(k, kind, hs, x):

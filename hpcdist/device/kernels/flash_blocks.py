@@ -12,8 +12,9 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused
-from .flash import (ROUNDING, SHAPES, TOLERANCE, _compute_dtype, _defines, _get, _ints, _mm,
-                    _pack, _rows_per_block, _storage, _address)
+from .flash import (ROUNDING, SHAPES, TOLERANCE, _compute_dtype, _get, _ints, _mm,
+                    _pack, _rows_per_block, _storage)
+from .common import address
 from .flash_source import FLASH_SOURCE
 
 
@@ -105,7 +106,7 @@ def _common(kind, q, k, v, nh, nkv, scale, q_pos, k_pos):
     B, Tq, Tk = q.shape[0], q.shape[1], k.shape[1]
     hs = q.shape[-1] // nh
     vec = 16 // _storage(kind, q.dtype).itemsize
-    aligned = hs % vec == 0 and all(_address(a) % 16 == 0 for a in (q, k, v))
+    aligned = hs % vec == 0 and all(address(a) % 16 == 0 for a in (q, k, v))
     acc = _compute_dtype(q.dtype)
     return (*_ints(Tq, Tk, nh, nkv, hs), np.int64(nh * hs), np.int64(nkv * hs),
             np.int64(nkv * hs), *_ints(0, 0, 0, q_pos, k_pos, 1), np.int32(aligned),

@@ -1,70 +1,111 @@
-"""LayerNorm's kernels beside their NumPy twins: the forward one CUDA block per row, the
-backward a block per few rows (its weight and bias gradients summed in shared memory)."""
+"""LayerNorm's kernels beside their NumPy twins: the forward one warp per row, the backward a
+block per few rows (its weight and bias gradients summed in shared memory); both read 16
+bytes a thread at a time where the arrays allow (common.py's vectors)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .. import backend
-from ..fused import ROW_THREADS, Fused
-from .common import (_COMMON, _rows, _scalar, accumulator, low, rows_per_block, sums, summed,
-                     wide)
+from ..fused import Fused
+from .common import (_COMMON, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator, low, row_threads,
+                     rows_per_block, sums, summed, vector_width, wide)
 
 
 # ---- LayerNorm -----------------------------------------------------------------------------
 
-_LAYERNORM = _COMMON + r"""
-// one block per row of C: y = (x - mean) * rstd * w + b; mean and rstd kept for backward
+_LAYERNORM = _COMMON + _VECTOR + r"""
+// one warp per row of C (blockDim.x / 32 rows a block), VEC elements a lane at a time (C
+// divides by VEC): y = (x - mean) * rstd * w + b; mean and rstd kept for backward. No block
+// barrier; GPT-2 medium's row of 1,024 bf16 is four 16-byte loads a lane a pass (a block a
+// row with 2-byte loads took 30 us a call on an H200, a quarter of its memory's speed).
 extern "C" __global__ void layernorm_fwd(const T* x, const T* w, const T* b, T* y,
                                          A* mean, A* rstd, long long rows, int C, A eps) {
-    __shared__ A shared[32];
-    long long r = blockIdx.x;
-    if (r >= rows) return;
+    int lane = threadIdx.x & 31;
+    long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;                               // (the whole warp: one row a warp)
     const T* xr = x + r * C;
+    alignas(16) T xv[VEC], wv[VEC], bv[VEC], yv[VEC];
     A s = 0;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) s += (A)xr[c];
-    A m = block_sum(s, shared) / (A)C;
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        copy_vec(xv, xr + c);
+        for (int j = 0; j < VEC; j++) s += (A)xv[j];
+    }
+    A m = lane_sum(s) / (A)C;
     A q = 0;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) { A d = (A)xr[c] - m; q += d * d; }
-    A rs = (A)1 / sqrt(block_sum(q, shared) / (A)C + eps);
-    for (int c = threadIdx.x; c < C; c += blockDim.x)
-        y[r * C + c] = (T)(((A)xr[c] - m) * rs * (A)w[c] + (A)b[c]);
-    if (threadIdx.x == 0) { mean[r] = m; rstd[r] = rs; }
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        copy_vec(xv, xr + c);
+        for (int j = 0; j < VEC; j++) { A d = (A)xv[j] - m; q += d * d; }
+    }
+    A rs = (A)1 / sqrt(lane_sum(q) / (A)C + eps);
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        copy_vec(xv, xr + c);
+        copy_vec(wv, w + c);
+        copy_vec(bv, b + c);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) yv[j] = (T)(((A)xv[j] - m) * rs * (A)wv[j] + (A)bv[j]);
+        copy_vec(y + r * C + c, yv);
+    }
+    if (lane == 0) { mean[r] = m; rstd[r] = rs; }
 }
-// one block per ``per`` rows: gx = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)),
+// one block per ``per`` rows (<= 32): gx = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)),
 // gxhat = g w; the weight and bias gradients summed over the block's rows in shared memory
-// (each thread owns its columns) and added once a block into gw, gb (in the accumulator's
-// type: zeros, or the parameters' own gradient buffers). per == 1 (a row too wide for the
-// shared partial sums): added row by row. An atomic a row and column contended 8,192 ways
-// at GPT-2 medium's shape: 100 us a call on an H200.
+// (each thread owns its VEC-wide columns) and added once a block into gw, gb (in the
+// accumulator's type: zeros, or the parameters' own gradient buffers). per == 1 (a row too
+// wide for the shared partial sums): added row by row. An atomic a row and column contended
+// 8,192 ways at GPT-2 medium's shape: 100 us a call on an H200. gx is written in a second
+// pass over the block's rows and columns as one flat loop: inside a loop over rows, NVVM split
+// each 16-byte store into scalar ones.
 extern "C" __global__ void layernorm_bwd(const T* g, const T* x, const T* w, const A* mean,
                                          const A* rstd, T* gx, A* gw, A* gb, long long rows,
                                          int C, int per) {
     __shared__ A shared[32];
+    __shared__ A stats[64];                              // each row's two means
     extern __shared__ unsigned char smem[];
     A* part = (A*)smem;                                  // [2][C] when per > 1
     long long r0 = (long long)blockIdx.x * per;
     if (r0 >= rows) return;
-    long long r1 = r0 + per < rows ? r0 + per : rows;
+    int n = (int)((r0 + per < rows ? r0 + per : rows) - r0);
+    alignas(16) T gv[VEC], xv[VEC], wv[VEC], ov[VEC];
     if (per > 1)
         for (int c = threadIdx.x; c < C; c += blockDim.x) { part[c] = 0; part[C + c] = 0; }
-    for (long long r = r0; r < r1; r++) {
-        const T* gr = g + r * C;
-        const T* xr = x + r * C;
-        A m = mean[r], rs = rstd[r], s1 = 0, s2 = 0;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            A xhat = ((A)xr[c] - m) * rs, gc = (A)gr[c], gh = gc * (A)w[c];
-            s1 += gh;
-            s2 += gh * xhat;
-            if (per > 1) { part[c] += gc * xhat; part[C + c] += gc; }
-            else { atomicAdd(gw + c, gc * xhat); atomicAdd(gb + c, gc); }
+    __syncthreads();                       // (threads zero other columns than they add to)
+    for (int k = 0; k < n; k++) {
+        const T* gr = g + (r0 + k) * C;
+        const T* xr = x + (r0 + k) * C;
+        A m = mean[r0 + k], rs = rstd[r0 + k], s1 = 0, s2 = 0;
+        for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+            copy_vec(gv, gr + c);
+            copy_vec(xv, xr + c);
+            copy_vec(wv, w + c);
+            for (int j = 0; j < VEC; j++) {
+                A xhat = ((A)xv[j] - m) * rs, gc = (A)gv[j], gh = gc * (A)wv[j];
+                s1 += gh;
+                s2 += gh * xhat;
+                if (per > 1) { part[c + j] += gc * xhat; part[C + c + j] += gc; }
+                else { atomicAdd(gw + c + j, gc * xhat); atomicAdd(gb + c + j, gc); }
+            }
         }
-        s1 = block_sum(s1, shared) / (A)C;
-        s2 = block_sum(s2, shared) / (A)C;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            A xhat = ((A)xr[c] - m) * rs, gh = (A)gr[c] * (A)w[c];
-            gx[r * C + c] = (T)(rs * (gh - s1 - xhat * s2));
-        }
+        s1 = block_sum(s1, shared);
+        s2 = block_sum(s2, shared);
+        if (threadIdx.x == 0) { stats[2 * k] = s1 / (A)C; stats[2 * k + 1] = s2 / (A)C; }
     }
+    __syncthreads();
+    int vectors = C / VEC;
+    for (int i = threadIdx.x; i < n * vectors; i += blockDim.x) {
+        int k = i / vectors;
+        long long at = (r0 + k) * C + (long long)(i - k * vectors) * VEC;
+        A m = mean[r0 + k], rs = rstd[r0 + k], s1 = stats[2 * k], s2 = stats[2 * k + 1];
+        copy_vec(gv, g + at);
+        copy_vec(xv, x + at);
+        copy_vec(wv, w + (i - k * vectors) * VEC);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            A xhat = ((A)xv[j] - m) * rs, gh = (A)gv[j] * (A)wv[j];
+            ov[j] = (T)(rs * (gh - s1 - xhat * s2));
+        }
+        copy_vec(gx + at, ov);
+    }
+    __syncthreads();
     if (per > 1)
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
             atomicAdd(gw + c, part[c]);
@@ -145,9 +186,10 @@ def _layernorm_launch(k, x, w, b, eps):
     acc = accumulator(x.dtype)
     y = xp.empty_like(x)
     mean, rstd = xp.empty(rows, dtype=acc), xp.empty(rows, dtype=acc)
-    k("layernorm_fwd")((max(rows, 1),), (ROW_THREADS,),
-                       (x, w, b, y, mean, rstd, np.int64(rows), np.int32(C),
-                        _scalar(acc, eps)))
+    vec = vector_width(x.size, x, w, b, y, row=C)
+    k("layernorm_fwd", {"VEC": vec})((max(-(-rows // WARP_ROWS), 1),), (32 * WARP_ROWS,),
+                                     (x, w, b, y, mean, rstd, np.int64(rows), np.int32(C),
+                                      _scalar(acc, eps)))
     return y, mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1]), None
 
 
@@ -158,10 +200,13 @@ def _layernorm_bwd_launch(k, g, x, w, mean, rstd, xhat=None, gw_into=None, gb_in
     gx = xp.empty_like(x)
     gw, gb = sums(gw_into, C, acc), sums(gb_into, C, acc)
     per, shm = rows_per_block(rows, 2 * C * np.dtype(acc).itemsize)
-    k("layernorm_bwd")((max(-(-rows // per), 1),), (ROW_THREADS,),
-                       (xp.ascontiguousarray(g), x, w, xp.ascontiguousarray(mean, dtype=acc),
-                        xp.ascontiguousarray(rstd, dtype=acc), gx, gw, gb, np.int64(rows),
-                        np.int32(C), np.int32(per)), shared_mem=shm)
+    g = xp.ascontiguousarray(g)
+    vec = vector_width(x.size, g, x, w, gx, row=C)
+    k("layernorm_bwd", {"VEC": vec})((max(-(-rows // per), 1),), (row_threads(C, vec),),
+                                     (g, x, w, xp.ascontiguousarray(mean, dtype=acc),
+                                      xp.ascontiguousarray(rstd, dtype=acc), gx, gw, gb,
+                                      np.int64(rows), np.int32(C), np.int32(per)),
+                                     shared_mem=shm)
     return gx, summed(gw, gw_into, x.dtype), summed(gb, gb_into, x.dtype)
 
 

@@ -7,54 +7,88 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..fused import ROW_THREADS, Fused, grid
-from .common import (_COMMON, _rows, _scalar, accumulator, low, rows_per_block, sums, summed,
-                     wide)
+from ..fused import Fused, grid
+from .common import (_COMMON, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator, low, row_threads,
+                     rows_per_block, sums, summed, vector_width, wide)
 
 # ---- RMSNorm -------------------------------------------------------------------------------
 
-_RMSNORM = _COMMON + r"""
-// one block per row of C: y = x rstd w, rstd = 1 / sqrt(mean(x^2) + eps), kept for backward
+_RMSNORM = _COMMON + _VECTOR + r"""
+// one warp per row of C, VEC elements a lane at a time (LayerNorm's forward says why): y = x
+// rstd w, rstd = 1 / sqrt(mean(x^2) + eps), kept for backward
 extern "C" __global__ void rmsnorm_fwd(const T* x, const T* w, T* y, A* rstd, long long rows,
                                        int C, A eps) {
-    __shared__ A shared[32];
-    long long r = blockIdx.x;
-    if (r >= rows) return;
+    int lane = threadIdx.x & 31;
+    long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;                               // (the whole warp: one row a warp)
     const T* xr = x + r * C;
+    alignas(16) T xv[VEC], wv[VEC], yv[VEC];
     A q = 0;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) { A v = (A)xr[c]; q += v * v; }
-    A rs = (A)1 / sqrt(block_sum(q, shared) / (A)C + eps);
-    for (int c = threadIdx.x; c < C; c += blockDim.x) y[r * C + c] = (T)((A)xr[c] * rs * (A)w[c]);
-    if (threadIdx.x == 0) rstd[r] = rs;
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        copy_vec(xv, xr + c);
+        for (int j = 0; j < VEC; j++) { A v = (A)xv[j]; q += v * v; }
+    }
+    A rs = (A)1 / sqrt(lane_sum(q) / (A)C + eps);
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        copy_vec(xv, xr + c);
+        copy_vec(wv, w + c);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) yv[j] = (T)((A)xv[j] * rs * (A)wv[j]);
+        copy_vec(y + r * C + c, yv);
+    }
+    if (lane == 0) rstd[r] = rs;
 }
-// one block per ``per`` rows: gx = rstd (g w - xhat mean(g w xhat)), xhat = x rstd; the
-// weight's gradient summed over the block's rows in shared memory (each thread owns its
-// columns) and added once a block into gw (zeros, or its own gradient buffer); per == 1 (a
-// row too wide for the shared sums): added row by row (LayerNorm's backward says why)
+// one block per ``per`` rows (<= 32): gx = rstd (g w - xhat mean(g w xhat)), xhat = x rstd;
+// the weight's gradient summed over the block's rows in shared memory (each thread owns its
+// VEC-wide columns) and added once a block into gw (zeros, or its own gradient buffer);
+// per == 1 (a row too wide for the shared sums): added row by row. gx in a second, flat pass
+// (LayerNorm's backward says why)
 extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const A* rstd, T* gx,
                                        A* gw, long long rows, int C, int per) {
     __shared__ A shared[32];
+    __shared__ A stats[32];                              // each row's mean(g w xhat)
     extern __shared__ unsigned char smem[];
     A* part = (A*)smem;                                  // [C] when per > 1
     long long r0 = (long long)blockIdx.x * per;
     if (r0 >= rows) return;
-    long long r1 = r0 + per < rows ? r0 + per : rows;
+    int n = (int)((r0 + per < rows ? r0 + per : rows) - r0);
+    alignas(16) T gv[VEC], xv[VEC], wv[VEC], ov[VEC];
     if (per > 1)
         for (int c = threadIdx.x; c < C; c += blockDim.x) part[c] = 0;
-    for (long long r = r0; r < r1; r++) {
-        const T* gr = g + r * C;
-        const T* xr = x + r * C;
-        A rs = rstd[r], s = 0;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            A xhat = (A)xr[c] * rs, gc = (A)gr[c];
-            s += gc * (A)w[c] * xhat;
-            if (per > 1) part[c] += gc * xhat;
-            else atomicAdd(gw + c, gc * xhat);
+    __syncthreads();                       // (threads zero other columns than they add to)
+    for (int k = 0; k < n; k++) {
+        const T* gr = g + (r0 + k) * C;
+        const T* xr = x + (r0 + k) * C;
+        A rs = rstd[r0 + k], s = 0;
+        for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+            copy_vec(gv, gr + c);
+            copy_vec(xv, xr + c);
+            copy_vec(wv, w + c);
+            for (int j = 0; j < VEC; j++) {
+                A xhat = (A)xv[j] * rs, gc = (A)gv[j];
+                s += gc * (A)wv[j] * xhat;
+                if (per > 1) part[c + j] += gc * xhat;
+                else atomicAdd(gw + c + j, gc * xhat);
+            }
         }
-        s = block_sum(s, shared) / (A)C;
-        for (int c = threadIdx.x; c < C; c += blockDim.x)
-            gx[r * C + c] = (T)(rs * ((A)gr[c] * (A)w[c] - (A)xr[c] * rs * s));
+        s = block_sum(s, shared);
+        if (threadIdx.x == 0) stats[k] = s / (A)C;
     }
+    __syncthreads();
+    int vectors = C / VEC;
+    for (int i = threadIdx.x; i < n * vectors; i += blockDim.x) {
+        int k = i / vectors;
+        long long at = (r0 + k) * C + (long long)(i - k * vectors) * VEC;
+        A rs = rstd[r0 + k], s = stats[k];
+        copy_vec(gv, g + at);
+        copy_vec(xv, x + at);
+        copy_vec(wv, w + (i - k * vectors) * VEC);
+#pragma unroll
+        for (int j = 0; j < VEC; j++)
+            ov[j] = (T)(rs * ((A)gv[j] * (A)wv[j] - (A)xv[j] * rs * s));
+        copy_vec(gx + at, ov);
+    }
+    __syncthreads();
     if (per > 1)
         for (int c = threadIdx.x; c < C; c += blockDim.x) atomicAdd(gw + c, part[c]);
 }
@@ -101,9 +135,11 @@ def _rmsnorm_launch(k, x, w, eps):
     acc = accumulator(x.dtype)
     y = xp.empty_like(x)
     rstd = xp.empty(rows, dtype=acc)
-    k("rmsnorm_fwd")((max(rows, 1),), (ROW_THREADS,),
-                     (x, xp.ascontiguousarray(w), y, rstd, np.int64(rows), np.int32(C),
-                      _scalar(acc, eps)))
+    w = xp.ascontiguousarray(w)
+    vec = vector_width(x.size, x, w, y, row=C)
+    k("rmsnorm_fwd", {"VEC": vec})((max(-(-rows // WARP_ROWS), 1),), (32 * WARP_ROWS,),
+                                   (x, w, y, rstd, np.int64(rows), np.int32(C),
+                                    _scalar(acc, eps)))
     return y, rstd.reshape(x.shape[:-1]), None
 
 
@@ -115,10 +151,12 @@ def _rmsnorm_bwd_launch(k, g, x, w, rstd, xhat=None, gw_into=None):
     gx = xp.empty_like(x)
     gw = sums(gw_into, C, acc)
     per, shm = rows_per_block(rows, C * np.dtype(acc).itemsize)
-    k("rmsnorm_bwd")((max(-(-rows // per), 1),), (ROW_THREADS,),
-                     (xp.ascontiguousarray(g, dtype=x.dtype), x, xp.ascontiguousarray(w),
-                      xp.ascontiguousarray(rstd, dtype=acc).reshape(-1), gx, gw,
-                      np.int64(rows), np.int32(C), np.int32(per)), shared_mem=shm)
+    g, w = xp.ascontiguousarray(g, dtype=x.dtype), xp.ascontiguousarray(w)
+    vec = vector_width(x.size, g, x, w, gx, row=C)
+    k("rmsnorm_bwd", {"VEC": vec})((max(-(-rows // per), 1),), (row_threads(C, vec),),
+                                   (g, x, w, xp.ascontiguousarray(rstd, dtype=acc).reshape(-1),
+                                    gx, gw, np.int64(rows), np.int32(C), np.int32(per)),
+                                   shared_mem=shm)
     return gx, summed(gw, gw_into, x.dtype)
 
 
@@ -144,24 +182,41 @@ RMSNORM_BWD = Fused("rmsnorm_bwd", _RMSNORM, ["rmsnorm_bwd"], _rmsnorm_bwd_launc
 
 # ---- SwiGLU --------------------------------------------------------------------------------
 
-_SWIGLU = r"""
-// h (N, 2H) = [gate | up] -> y (N, H) = silu(gate) up, silu(a) = a sigmoid(a)
+_SWIGLU = _VECTOR + r"""
+// h (N, 2H) = [gate | up] -> y (N, H) = silu(gate) up, silu(a) = a sigmoid(a); VEC elements
+// of y a thread (H divides by VEC: a vector stays in its row's half)
 extern "C" __global__ void swiglu_fwd(const T* h, T* y, long long n, long long H) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (i >= n) return;
     long long r = i / H, c = i % H;
-    A a = (A)h[r * 2 * H + c], u = (A)h[r * 2 * H + H + c];
-    y[i] = (T)(a / ((A)1 + exp(-a)) * u);
+    alignas(16) T av[VEC], uv[VEC], yv[VEC];
+    copy_vec(av, h + r * 2 * H + c);
+    copy_vec(uv, h + r * 2 * H + H + c);
+#pragma unroll
+    for (int j = 0; j < VEC; j++) {
+        A a = (A)av[j], u = (A)uv[j];
+        yv[j] = (T)(a / ((A)1 + exp(-a)) * u);
+    }
+    copy_vec(y + i, yv);
 }
 // dh = [g up silu'(gate) | g silu(gate)], silu'(a) = s (1 + a (1 - s)), s = sigmoid(a)
 extern "C" __global__ void swiglu_bwd(const T* h, const T* g, T* dh, long long n, long long H) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (i >= n) return;
     long long r = i / H, c = i % H;
-    A a = (A)h[r * 2 * H + c], u = (A)h[r * 2 * H + H + c], gi = (A)g[i];
-    A s = (A)1 / ((A)1 + exp(-a));
-    dh[r * 2 * H + c] = (T)(gi * u * s * ((A)1 + a * ((A)1 - s)));
-    dh[r * 2 * H + H + c] = (T)(gi * a * s);
+    alignas(16) T av[VEC], uv[VEC], gv[VEC], dav[VEC], duv[VEC];
+    copy_vec(av, h + r * 2 * H + c);
+    copy_vec(uv, h + r * 2 * H + H + c);
+    copy_vec(gv, g + i);
+#pragma unroll
+    for (int j = 0; j < VEC; j++) {
+        A a = (A)av[j], u = (A)uv[j], gi = (A)gv[j];
+        A s = (A)1 / ((A)1 + exp(-a));
+        dav[j] = (T)(gi * u * s * ((A)1 + a * ((A)1 - s)));
+        duv[j] = (T)(gi * a * s);
+    }
+    copy_vec(dh + r * 2 * H + c, dav);
+    copy_vec(dh + r * 2 * H + H + c, duv);
 }
 """
 
@@ -193,7 +248,8 @@ def _swiglu_launch(k, h):
     h = xp.ascontiguousarray(h)
     H = h.shape[-1] // 2
     y = xp.empty(h.shape[:-1] + (H,), dtype=h.dtype)
-    k("swiglu_fwd")(*grid(y.size), (h, y, np.int64(y.size), np.int64(H)))
+    vec = vector_width(y.size, h, y, row=H)
+    k("swiglu_fwd", {"VEC": vec})(*grid(-(-y.size // vec)), (h, y, np.int64(y.size), np.int64(H)))
     return y
 
 
@@ -202,8 +258,10 @@ def _swiglu_bwd_launch(k, h, g):
     h = xp.ascontiguousarray(h)
     H = h.shape[-1] // 2
     dh = xp.empty_like(h)
-    k("swiglu_bwd")(*grid(g.size), (h, xp.ascontiguousarray(g, dtype=h.dtype), dh,
-                                     np.int64(g.size), np.int64(H)))
+    g = xp.ascontiguousarray(g, dtype=h.dtype)
+    vec = vector_width(g.size, h, g, dh, row=H)
+    k("swiglu_bwd", {"VEC": vec})(*grid(-(-g.size // vec)), (h, g, dh, np.int64(g.size),
+                                                             np.int64(H)))
     return dh
 
 

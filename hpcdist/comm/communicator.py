@@ -73,6 +73,7 @@ class Communicator:
         self.cuda_aware = cuda_aware()
         self._wire = Wire(self.mpi, self.cuda_aware, node_of=self.node_of)
         self._bg_wire = Wire(self._bg_mpi, self.cuda_aware, node_of=self.node_of)
+        self._bg_sent = [0, 0]                    # its waited calls' bytes (bytes_sent)
         self._p2p_wire = Wire(self._p2p_mpi, self.cuda_aware, agreement=False,
                               node_of=self.node_of)
         self._send_seq: dict = {}            # dest -> messages sent (payload tags)
@@ -88,13 +89,19 @@ class Communicator:
     def bytes_sent(self) -> int:
         """Payload bytes this rank has handed to MPI to send, counted at the wires
         (collectives, their short exchanges' data and point-to-point; not the agreement's
-        16-byte keys)."""
-        return sum(w.total()[0] for w in (self._wire, self._bg_wire, self._p2p_wire))
+        16-byte keys); a non-blocking collective's once its handle is waited
+        (dispatch._counted)."""
+        return sum(w.total()[0] for w in (self._wire, self._p2p_wire)) + self._bg_sent[0]
 
     @property
     def bytes_inter_node(self) -> int:
         """Of ``bytes_sent``, what went to ranks on other nodes (over the slow links)."""
-        return sum(w.total()[1] for w in (self._wire, self._bg_wire, self._p2p_wire))
+        return sum(w.total()[1] for w in (self._wire, self._p2p_wire)) + self._bg_sent[1]
+
+    def _settle(self, sent) -> None:
+        """A waited non-blocking call's (bytes, inter-node bytes), into the counts."""
+        self._bg_sent[0] += sent[0]
+        self._bg_sent[1] += sent[1]
 
     @property
     def nodes(self) -> int:

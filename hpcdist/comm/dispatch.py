@@ -47,10 +47,25 @@ def collective(c, kind, blocking: bool, buf, op=None, root=None, algorithm="auto
         a.algorithm = call.algorithm
     if blocking:
         return _watched(c, c._wire, kind, call, buf, a, nbytes)
-    run = lambda wire: _watched(c, wire, kind, call, buf, a, nbytes)  # noqa: E731
+    def run(wire):
+        return _counted(wire, lambda: _watched(c, wire, kind, call, buf, a, nbytes))
     if c.size == 1:           # nothing to wait for: done now, no progress-thread handoff (13%
-        return Handle(Done(lambda: run(c._bg_wire)), c._ledger, call)    # of a DDP step)
-    return Handle(c._progress(run), c._ledger, call)
+        return Handle(Done(lambda: run(c._bg_wire)), c._ledger, call,    # of a DDP step)
+                      c._settle)
+    return Handle(c._progress(run), c._ledger, call, c._settle)
+
+
+def _counted(wire, fn):
+    """(fn(), (bytes, inter-node bytes) it sent on ``wire``). A non-blocking call's bytes
+    count in ``bytes_sent`` when its handle is waited, not as the progress thread sends them:
+    a training step's window then holds exactly the calls it waited for (DiLoCo's exchange
+    issued in one step and waited in a later one; a thread's bytes between two windows were
+    counted in neither, and a step's record came out short on a loaded machine). The progress
+    thread runs one call at a time, so the wire's change is this call's."""
+    before = wire.total()
+    out = fn()
+    after = wire.total()
+    return out, (after[0] - before[0], after[1] - before[1])
 
 
 def agree_only(c, kind: str, buf, op=None, root=None, length=None) -> int:

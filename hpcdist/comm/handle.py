@@ -10,9 +10,13 @@ class Handle:
     An error that nobody retrieves is not lost: the ledger raises it at the next call on the
     communicator, and a handle dropped unwaited with an error ends the job (``abort.fatal``)."""
 
-    def __init__(self, future, ledger=None, call=None):
+    def __init__(self, future, ledger=None, call=None, settle=None):
+        """``settle``: the future's value is (result, bytes the call sent) and
+        ``settle(bytes)`` is told them once, when the handle is waited (the communicator's
+        count: dispatch.py says why)."""
         self.future, self.ledger, self.call = future, ledger, call
         self.waited = False
+        self.settle = settle
         if ledger is not None:
             ledger.track(self)
 
@@ -24,13 +28,22 @@ class Handle:
         if self.ledger is not None:
             self.ledger.release(self)
         if self.future.done():
-            return self.future.result()
+            return self._settled(self.future.result())
         call = self.call
         with watchdog.waiting(self.ledger.label if self.ledger else "?",
                               call.seq if call else 0,
                               f"wait for {call.kind if call else 'a non-blocking call'}",
                               0, "all ranks"):
-            return watchdog.wait_future(self.future)
+            return self._settled(watchdog.wait_future(self.future))
+
+    def _settled(self, value):
+        if self.settle is None:
+            return value
+        result, sent = value
+        settle, self.settle = self.settle, None
+        settle(sent)
+        self.future = Done(lambda: result)          # (a second wait returns the result)
+        return result
 
     def unretrieved_error(self):
         """The error of a finished call that nobody waited for (None otherwise)."""

@@ -95,6 +95,29 @@ def test_iallreduce_progresses_while_caller_sleeps(comm):
     assert (h.wait() == comm.size).all()
 
 
+def test_a_nonblocking_calls_bytes_count_when_it_is_waited(comm):
+    """``bytes_sent`` takes a non-blocking collective's bytes at its wait, all of them at
+    once, whenever the progress thread sent them: a training step's window holds exactly the
+    calls it waited (DiLoCo's records fell short when the thread sent between two windows).
+    The same bytes as the blocking call's."""
+    x = np.ones(120_000)                      # (divides by every world size the suite runs)
+    before = comm.bytes_sent
+    comm.allreduce(x, algorithm="ring")
+    blocking = comm.bytes_sent - before
+    before = comm.bytes_sent
+    h = comm.iallreduce(x, algorithm="ring")
+    deadline = time.time() + 60
+    while not h.test() and time.time() < deadline:
+        time.sleep(0.01)                      # sent by now: not counted until the wait
+    assert comm.bytes_sent == before
+    h.wait()
+    assert comm.bytes_sent - before == blocking == (0 if comm.size == 1 else
+                                                    2 * (comm.size - 1) * (x.nbytes //
+                                                                           comm.size))
+    h.wait()                                  # a second wait counts nothing again
+    assert comm.bytes_sent - before == blocking
+
+
 def _dense_reference(comm, grads, k):
     """Sum over ranks of each rank's top-k entries, computed from everyone's gradient."""
     out = np.zeros_like(grads[0])

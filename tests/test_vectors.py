@@ -19,7 +19,7 @@ VECTORIZED = [(kernels.GELU_FWD, elementwise), (kernels.BIAS_GELU, elementwise),
               (kernels.ADD, elementwise), (kernels.LAYERNORM_FWD, layernorm),
               (kernels.LAYERNORM_BWD, layernorm), (kernels.RMSNORM_FWD, llama),
               (kernels.RMSNORM_BWD, llama), (kernels.SWIGLU_FWD, llama),
-              (kernels.SWIGLU_BWD, llama)]
+              (kernels.SWIGLU_BWD, llama), (kernels.WIDEN, elementwise)]
 IDS = [op.name for op, _ in VECTORIZED]
 
 
@@ -55,7 +55,7 @@ def test_the_self_check_runs_both_widths(op, module, monkeypatch):
         widths.append(real(n, *arrays, row=row))
         return widths[-1]
     monkeypatch.setattr(module, "vector_width", spy)
-    for dtype in ("float32", "bfloat16"):
+    for dtype in [d for d in ("float32", "bfloat16") if d in op.dtypes]:
         widths.clear()
         assert op.worst_error(dtype, cudasim.kernels(op, dtype)) <= op.tolerance_for(dtype)
         assert set(widths) == {1, 16 // backend.dtype(dtype).itemsize}, (dtype, widths)
@@ -99,6 +99,23 @@ def test_a_16_byte_access_off_its_alignment_is_a_fault_in_the_model():
     fn = cudasim.kernels(kernels.GELU_FWD, "float32")("gelu_fwd", {"VEC": 4})
     with pytest.raises(cudasim.KernelFault, match="16-byte load at element .*not 16-byte aligned"):
         fn((1,), (16,), (x, np.zeros(64, np.float32), np.int64(64)))
+
+
+def test_a_bf16_gradient_widens_into_its_float32_bucket_exactly():
+    """DDP's mixed-precision cast (kernels.WIDEN): a bucket's view of the master gradient,
+    written in place, every bf16 value exactly; another target dtype takes the assignment."""
+    rng = np.random.default_rng(3)
+    bf16 = backend.dtype("bfloat16")
+    src = rng.standard_normal(4096).astype(np.float32).astype(bf16)
+    master = np.zeros(8192, np.float32)
+    bucket = master[1024:1024 + 4096]                   # 4 KiB in: on 16 bytes
+    got = elementwise._widen_launch(cudasim.kernels(kernels.WIDEN, "bfloat16"), src, bucket)
+    assert got is bucket and common.vector_width(4096, src, bucket) == 8
+    np.testing.assert_array_equal(master[1024:5120], src.astype(np.float32))
+    assert not master[:1024].any() and not master[5120:].any()
+    wide = np.zeros(4096, np.float64)
+    elementwise._widen_launch(cudasim.kernels(kernels.WIDEN, "bfloat16"), src, wide)
+    np.testing.assert_array_equal(wide, src.astype(np.float64))
 
 
 def test_the_engine_sums_two_gradients_through_the_kernel_on_a_device(monkeypatch):

@@ -45,7 +45,7 @@ def _step_fn(L, C, T, B, V, H=0, seed=0, precision="fp32", graph=False):
     buckets do), AdamW, the compute copy of the weights. ``graph``: all but AdamW replayed
     as one CUDA graph (device/graphs.py; AdamW's step count and learning rate are host
     values its kernel is given at each call)."""
-    from hpcdist.device import backend, graphs
+    from hpcdist.device import backend, graphs, kernels
     from hpcdist import nn, optim
     from hpcdist.parallel.mixed_precision import MixedPrecision
     nn.manual_seed(seed)
@@ -62,7 +62,7 @@ def _step_fn(L, C, T, B, V, H=0, seed=0, precision="fp32", graph=False):
         _, loss = model(idx, idx)
         loss.backward()
         if mp.mixed:
-            mp.master.grad[...] = mp.compute.grad
+            kernels.WIDEN(mp.compute.grad, mp.master.grad)     # (master.grad[...] = ...)
         return loss.data
 
     compute = graphs.capture(gradients) if graph else gradients

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from ..comm.arith import bounds_of
+from ..device import kernels
 from ..optim import FlatParams
 from .buckets import Bucket, BucketQueue, make_buckets, plan_buckets  # noqa: F401 (exports)
 from .compression import NoCompression
@@ -95,7 +96,7 @@ class DistributedDataParallel:
         """Start the bucket's average; returns its handle (None on one rank: nothing to do)."""
         grad = self.flat.grad[bucket.lo:bucket.hi]
         if self.compute is not self.flat:          # mixed precision: average in fp32
-            grad[...] = self.compute.grad[bucket.lo:bucket.hi]
+            kernels.WIDEN(self.compute.grad[bucket.lo:bucket.hi], grad)   # (grad[...] = ...)
         for observe in self.on_launch:
             observe(bucket, grad)
         if bucket.group:                           # an expert's: a share of all of DP

@@ -16,9 +16,9 @@ from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
                    operand, product, use_workspace)
 from .gemm_add import GEMM_ADD, GEMM_ADD_TF32, device_gemm, gemm_add_twin, matmul_add
-from .elementwise import (ADD, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD,
+from .elementwise import (ADD, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD, WIDEN,
                           add_twin, bias_gelu_twin, bias_residual_twin, colsum_add_twin,
-                          gelu_bwd_twin, gelu_twin)
+                          gelu_bwd_twin, gelu_twin, widen_twin)
 from .adamw import ADAMW, ADAMW_LOW, adam_step_twin, adamw_twin
 from .layernorm import LAYERNORM_BWD, LAYERNORM_FWD, layernorm_bwd_twin, layernorm_twin
 from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD,
@@ -54,7 +54,7 @@ from .. import backend as _backend, graphs as _graphs  # noqa: E402
 _backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows, device_gemm)
 _graphs.BEFORE_CAPTURE.append(use_workspace)
 
-__all__ = ["ADAMW", "ADAMW_LOW", "ADD", "add_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
+__all__ = ["ADAMW", "ADAMW_LOW", "ADD", "add_twin", "WIDEN", "widen_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",
            "RMSNORM_BWD", "RMSNORM_FWD", "ROTARY", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
            "rmsnorm_twin", "rotary_tables", "rotary_twin", "swiglu_bwd_twin", "swiglu_twin", "BIAS_GELU", "MOE_COMBINE",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hpcdist.device import backend, cudasim
-from hpcdist.device.kernels import common, elementwise, layernorm, llama
+from hpcdist.device.kernels import common, elementwise, layernorm, llama, rows
 import hpcdist.device.kernels as kernels
 
 pytestmark = pytest.mark.skipif(cudasim.available() is not None,
@@ -19,7 +19,8 @@ VECTORIZED = [(kernels.GELU_FWD, elementwise), (kernels.BIAS_GELU, elementwise),
               (kernels.ADD, elementwise), (kernels.LAYERNORM_FWD, layernorm),
               (kernels.LAYERNORM_BWD, layernorm), (kernels.RMSNORM_FWD, llama),
               (kernels.RMSNORM_BWD, llama), (kernels.SWIGLU_FWD, llama),
-              (kernels.SWIGLU_BWD, llama), (kernels.WIDEN, elementwise)]
+              (kernels.SWIGLU_BWD, llama), (kernels.WIDEN, elementwise),
+              (kernels.CROSS_ENTROPY_FWD, rows), (kernels.CROSS_ENTROPY_BWD, rows)]
 IDS = [op.name for op, _ in VECTORIZED]
 
 

@@ -1,13 +1,14 @@
 """The memory-bound kernels alone: ``python -m hpcdist.bench kernels [--rows 8192] [--embd 1024]
-[--dtype bf16]``.
+[--vocab 50304] [--dtype bf16]``.
 
 Each elementwise and row kernel of a GPT or Llama layer at one shape (rows = batch x sequence;
-GPT-2 medium at batch 8, T 1024 by default), 16 bytes a thread (as it runs) and one element a
-thread (``common.VECTORS`` off), beside a copy of the largest array (what this card's memory
-does at best, the yardstick of the last column). Each time is a CUDA graph of ``--calls``
-calls replayed (kernels back to back: the host's launches are not timed), the best of
-``--reps``. Bytes: what the call must read and write once. ``--device double`` runs the same
-on the CPU's model of a device (its times say nothing: a check of the command)."""
+GPT-2 medium at batch 8, T 1024 by default) and the loss's over the vocabulary, 16 bytes a
+thread (as it runs) and one element a thread (``common.VECTORS`` off), beside a copy of the
+MLP's activation (rows x 4C: what this card's memory does at best, the yardstick of the last
+column). Each time is a CUDA graph of ``--calls`` calls replayed (kernels back to back: the
+host's launches are not timed), the best of ``--reps``. Bytes: what the call must read and
+write once. ``--device double`` runs the same on the CPU's model of a device (its times say
+nothing: a check of the command)."""
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,8 @@ import time
 import numpy as np
 
 
-def _cases(xp, rows: int, C: int, dt, rng):
-    """(name, fn, bytes) of each kernel at (rows, C), the MLP 4 C wide."""
+def _cases(xp, rows: int, C: int, V: int, dt, rng):
+    """(name, fn, bytes) of each kernel at (rows, C), the MLP 4 C wide, logits V wide."""
     from hpcdist.device import kernels
     s = np.dtype(dt).itemsize
     arr = lambda *shape: xp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dt)  # noqa
@@ -27,7 +28,11 @@ def _cases(xp, rows: int, C: int, dt, rng):
     two = arr(rows, 8 * C)                                 # SwiGLU's [gate | up], 4 C each
     _, mean, rstd, _ = kernels.LAYERNORM_FWD(x, w, b, 1e-5)
     _, rms, _ = kernels.RMSNORM_FWD(x, w, 1e-5)
-    n, n4 = rows * C * s, rows * 4 * C * s
+    z = arr(rows, V)
+    t = xp.asarray(rng.integers(0, V, rows))
+    lse = kernels.CROSS_ENTROPY_FWD(z, t, -100)[1]
+    one = xp.asarray(1.0, dtype=dt)
+    n, n4, nv = rows * C * s, rows * 4 * C * s, rows * V * s
     return [
         ("add2 (engine's gradient sum)", lambda: kernels.ADD(x, r), 3 * n),
         ("bias_residual", lambda: kernels.BIAS_RESIDUAL(x, b, r), 3 * n),
@@ -40,6 +45,9 @@ def _cases(xp, rows: int, C: int, dt, rng):
         ("swiglu_fwd (4C)", lambda: kernels.SWIGLU_FWD(two), 3 * n4),
         ("swiglu_bwd (4C)", lambda: kernels.SWIGLU_BWD(two, g4), 5 * n4),
         ("colsum_add", lambda: kernels.COLSUM_ADD(x, xp.zeros(C, dtype=dt)), n),
+        (f"cross_entropy_fwd (V {V})", lambda: kernels.CROSS_ENTROPY_FWD(z, t, -100), nv),
+        (f"cross_entropy_bwd (V {V})",
+         lambda: kernels.CROSS_ENTROPY_BWD(z, t, lse, -100, one), 2 * nv),
         ("copy (4C, the yardstick)", lambda: h.copy(), 2 * n4),
     ]
 
@@ -67,14 +75,15 @@ def _time(fn, calls: int, reps: int) -> tuple[float, str]:
     return best / calls * 1e6, how
 
 
-def measure(rows: int, C: int, dtype: str, calls: int, reps: int) -> list:
-    """[{kernel, bytes, us, GB/s, us one a thread, ...}] at (rows, C) in ``dtype``."""
+def measure(rows: int, C: int, V: int, dtype: str, calls: int, reps: int) -> list:
+    """[{kernel, bytes, us, GB/s, us one a thread, ...}] at (rows, C), logits (rows, V), in
+    ``dtype``."""
     from hpcdist.device import backend
     from hpcdist.device.kernels import common
     xp = backend.xp()
     dt = backend.dtype("bfloat16") if dtype == "bf16" else np.dtype(dtype)
     out = []
-    for name, fn, nbytes in _cases(xp, rows, C, dt, np.random.default_rng(0)):
+    for name, fn, nbytes in _cases(xp, rows, C, V, dt, np.random.default_rng(0)):
         row = {"kernel": name, "bytes": nbytes}
         for key, vectors in (("", True), (" one a thread", False)):
             if key and name.startswith("copy"):
@@ -97,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="gpu", choices=("gpu", "double"))
     ap.add_argument("--rows", type=int, default=8192, help="batch x sequence")
     ap.add_argument("--embd", type=int, default=1024, help="the model's width C")
+    ap.add_argument("--vocab", type=int, default=50304, help="the logits' width (GPT-2's "
+                    "50,257 padded to 64)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "float32", "float64"))
     ap.add_argument("--calls", type=int, default=20, help="calls in one timed graph")
     ap.add_argument("--reps", type=int, default=5)
@@ -108,7 +119,7 @@ def main(argv=None) -> int:
               "command on the CPU's model of one; its times say nothing)")
         return 0
     backend.init(args.device)
-    rows = measure(args.rows, args.embd, args.dtype, args.calls, args.reps)
+    rows = measure(args.rows, args.embd, args.vocab, args.dtype, args.calls, args.reps)
     print(f"{args.dtype}, {args.rows} rows x {args.embd} ({args.device}; us a call, "
           f"{rows[0]['timed as']})")
     print(f"{'kernel':32s} {'MB':>7s} {'us':>8s} {'GB/s':>7s} {'one/thread':>10s} {'GB/s':>7s}"
@@ -123,7 +134,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": args.device, "dtype": args.dtype, "rows": args.rows,
-                       "embd": args.embd, "kernels": rows}, f, indent=1)
+                       "embd": args.embd, "vocab": args.vocab, "kernels": rows}, f, indent=1)
     return 0
 
 

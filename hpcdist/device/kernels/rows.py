@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import backend
 from ..fused import ROW_THREADS, Fused
-from .common import _COMMON, _rows, _scalar
+from .common import _COMMON, _VECTOR, _rows, _scalar, vector_width
 
 
 # ---- causal softmax of attention scores -----------------------------------------------------
@@ -104,24 +104,32 @@ SOFTMAX_CAUSAL_BWD = Fused("softmax_causal_bwd", _SOFTMAX, ["softmax_causal_bwd"
 
 # ---- cross-entropy -------------------------------------------------------------------------
 
-_CROSS_ENTROPY = _COMMON + r"""
+_CROSS_ENTROPY = _COMMON + _VECTOR + r"""
 // one block per row of V logits, of which the first Vv are the vocabulary (the rest: padding
 // to an aligned width, never in the loss): lse = log sum exp; nll = lse - z[t] (0 where t is
-// ignored)
+// ignored). One pass over the row, VEC logits a thread at a time (V divides by VEC): each
+// thread keeps a running max and its sum of exp(z - max), rescaled as the max grows (the
+// online softmax); the block then rescales the threads' sums to the row's max.
 extern "C" __global__ void cross_entropy_fwd(const T* z, const long long* t, A* nll, A* lse,
                                              long long rows, int V, int Vv, long long ignore) {
     __shared__ A shared[32];
     long long r = blockIdx.x;
     if (r >= rows) return;
     const T* zr = z + r * V;
-    A mx = NEG_INF;
-    for (int c = threadIdx.x; c < Vv; c += blockDim.x) mx = max(mx, (A)zr[c]);
-    mx = block_max(mx, shared);
-    A s = 0;
-    for (int c = threadIdx.x; c < Vv; c += blockDim.x) s += exp((A)zr[c] - mx);
-    s = block_sum(s, shared);
+    alignas(16) T zv[VEC];
+    A mx = NEG_INF, s = 0;
+    for (int c = threadIdx.x * VEC; c < Vv; c += blockDim.x * VEC) {
+        copy_vec(zv, zr + c);
+        for (int j = 0; j < VEC && c + j < Vv; j++) {
+            A v = (A)zv[j];
+            if (v > mx) { s = s * exp(mx - v) + (A)1; mx = v; }
+            else if (!(v == NEG_INF)) s += exp(v - mx);    // (a NaN goes in: it shows)
+        }
+    }
+    A m = block_max(mx, shared);
+    s = block_sum(s * exp(mx - m), shared);
     if (threadIdx.x == 0) {
-        A l = mx + log(s);
+        A l = m + log(s);
         long long target = t[r];
         lse[r] = l;
         nll[r] = (target == ignore || target < 0 || target >= Vv) ? (A)0 : l - (A)zr[target];
@@ -130,15 +138,20 @@ extern "C" __global__ void cross_entropy_fwd(const T* z, const long long* t, A* 
 // the gradient: (softmax - onehot(t)) * weight, 0 on ignored rows and padding columns
 extern "C" __global__ void cross_entropy_bwd(const T* z, const long long* t, const A* lse,
                                              T* gz, long long rows, int V, int Vv,
-                                             long long ignore, const T* weight) {
+                                             long long ignore, const A* weight) {
     long long r = blockIdx.x;
     if (r >= rows) return;
     long long target = t[r];
     bool skip = target == ignore || target < 0 || target >= Vv;
-    for (int c = threadIdx.x; c < V; c += blockDim.x) {
-        A p = skip || c >= Vv ? (A)0
-                   : (exp((A)z[r * V + c] - lse[r]) - (c == target ? (A)1 : (A)0)) * (A)weight[0];
-        gz[r * V + c] = (T)p;
+    A l = lse[r], wt = (A)weight[0];
+    alignas(16) T zv[VEC], gv[VEC];
+    for (int c = threadIdx.x * VEC; c < V; c += blockDim.x * VEC) {
+        copy_vec(zv, z + r * V + c);
+#pragma unroll
+        for (int j = 0; j < VEC; j++)
+            gv[j] = (T)(skip || c + j >= Vv ? (A)0
+                        : (exp((A)zv[j] - l) - (c + j == target ? (A)1 : (A)0)) * wt);
+        copy_vec(gz + r * V + c, gv);
     }
 }
 """
@@ -182,10 +195,13 @@ def _ce_launch(k, z, t, ignore, vocab=None):
     rows, V = _rows(z)
     acc = np.float64 if z.dtype == np.float64 else np.float32
     nll, lse = xp.empty(rows, dtype=acc), xp.empty(rows, dtype=acc)
-    k("cross_entropy_fwd")((max(rows, 1),), (ROW_THREADS,),
-                           (xp.ascontiguousarray(z), xp.ascontiguousarray(t, dtype=np.int64),
-                            nll, lse, np.int64(rows), np.int32(V),
-                            np.int32(V if vocab is None else vocab), np.int64(ignore)))
+    z = xp.ascontiguousarray(z)
+    vec = vector_width(z.size, z, row=V)
+    k("cross_entropy_fwd", {"VEC": vec})((max(rows, 1),), (ROW_THREADS,),
+                                         (z, xp.ascontiguousarray(t, dtype=np.int64), nll, lse,
+                                          np.int64(rows), np.int32(V),
+                                          np.int32(V if vocab is None else vocab),
+                                          np.int64(ignore)))
     if z.dtype.itemsize < 4:           # kept in A (float32): the loss is summed in float32
         return nll, lse
     return nll.astype(z.dtype, copy=False), lse.astype(z.dtype, copy=False)
@@ -195,22 +211,33 @@ def _ce_bwd_launch(k, z, t, lse, ignore, weight, vocab=None):
     xp = backend.xp()
     rows, V = _rows(z)
     acc = np.float64 if z.dtype == np.float64 else np.float32
+    z = xp.ascontiguousarray(z)
     gz = xp.empty_like(z)
-    k("cross_entropy_bwd")((max(rows, 1),), (ROW_THREADS,),
-                           (xp.ascontiguousarray(z), xp.ascontiguousarray(t, dtype=np.int64),
-                            xp.ascontiguousarray(lse, dtype=acc), gz, np.int64(rows),
-                            np.int32(V), np.int32(V if vocab is None else vocab),
-                            np.int64(ignore),
-                            xp.ascontiguousarray(weight, dtype=z.dtype).reshape(1)))
+    vec = vector_width(z.size, z, gz, row=V)
+    k("cross_entropy_bwd", {"VEC": vec})((max(rows, 1),), (ROW_THREADS,),
+                                         (z, xp.ascontiguousarray(t, dtype=np.int64),
+                                          xp.ascontiguousarray(lse, dtype=acc), gz,
+                                          np.int64(rows), np.int32(V),
+                                          np.int32(V if vocab is None else vocab),
+                                          np.int64(ignore), _weight(xp, weight, z.dtype, acc)))
     return gz
+
+
+def _weight(xp, weight, dtype, acc):
+    """The loss's weight as the kernel reads it: its value in the logits' dtype (as the twin
+    rounds it), held in the accumulator's type (one 4-byte read, not a 2-byte one)."""
+    return xp.ascontiguousarray(weight, dtype=dtype).reshape(1).astype(acc)
 
 
 def _ce_cases(xp, rng, dt, backward=False):
     """Rows of every length, with and without padding columns (GPT-2's 50,257 padded to
     50,304)."""
-    for R, V, vocab in ((1, 1, None), (1, 5, None), (7, 13, None), (7, 13, 10),
-                        (33, 50304, 50257)):
-        z = xp.asarray((rng.standard_normal((R, V)) * 4).astype(dt))
+    for R, V, vocab in ((1, 1, None), (1, 5, None), (7, 13, None), (7, 13, 10), (5, 96, None),
+                        (5, 96, 90), (33, 50304, 50257)):
+        host = (rng.standard_normal((R, V)) * 4).astype(dt)
+        if V == 96:
+            host[:, 1::7] = -np.inf                     # masked logits: exp 0, no NaN
+        z = xp.asarray(host)
         t = rng.integers(0, vocab or V, R)
         t[::3] = -100
         t = xp.asarray(t)

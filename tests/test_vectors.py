@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hpcdist.device import backend, cudasim
-from hpcdist.device.kernels import common, elementwise, layernorm, llama, rows
+from hpcdist.device.kernels import colsum, common, elementwise, layernorm, llama, rows
 import hpcdist.device.kernels as kernels
 
 pytestmark = pytest.mark.skipif(cudasim.available() is not None,
@@ -20,7 +20,8 @@ VECTORIZED = [(kernels.GELU_FWD, elementwise), (kernels.BIAS_GELU, elementwise),
               (kernels.LAYERNORM_BWD, layernorm), (kernels.RMSNORM_FWD, llama),
               (kernels.RMSNORM_BWD, llama), (kernels.SWIGLU_FWD, llama),
               (kernels.SWIGLU_BWD, llama), (kernels.WIDEN, elementwise),
-              (kernels.CROSS_ENTROPY_FWD, rows), (kernels.CROSS_ENTROPY_BWD, rows)]
+              (kernels.CROSS_ENTROPY_FWD, rows), (kernels.CROSS_ENTROPY_BWD, rows),
+              (kernels.COLSUM_ADD, colsum)]
 IDS = [op.name for op, _ in VECTORIZED]
 
 
@@ -117,6 +118,21 @@ def test_a_bf16_gradient_widens_into_its_float32_bucket_exactly():
     wide = np.zeros(4096, np.float64)
     elementwise._widen_launch(cudasim.kernels(kernels.WIDEN, "bfloat16"), src, wide)
     np.testing.assert_array_equal(wide, src.astype(np.float64))
+
+
+def test_a_bias_gradient_is_the_same_bits_from_one_chunk_or_many_and_every_call():
+    """COLSUM_ADD over chunks of rows (the grid's y) adds the chunks' sums in chunk order: the
+    same bits at every call (its counters are back at zero after each), within rounding of
+    the one-chunk sum, and the counters' reset is what makes a second call right."""
+    rng = np.random.default_rng(4)
+    g = rng.standard_normal((1024, 768)).astype(np.float32)
+    k = cudasim.kernels(kernels.COLSUM_ADD, "float32", order=2, seed=5)
+    outs = [colsum._colsum_launch(k, g, np.zeros(768, np.float32)) for _ in range(3)]
+    assert colsum.chunks(1024, 768 // 128) > 1
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+    np.testing.assert_allclose(outs[0], g.astype(np.float64).sum(axis=0), rtol=1e-4, atol=1e-4)
+    assert not colsum._counters["numpy"].any()
 
 
 def test_the_engine_sums_two_gradients_through_the_kernel_on_a_device(monkeypatch):

@@ -143,6 +143,8 @@ template <class V> V __shfl_xor_sync(unsigned mask, V v, int lane_mask) {
     return sim_shuffle(mask, v, lane_mask, true);
 }
 static void __syncwarp(unsigned mask = 0xffffffffu) { sim_shuffle(mask, 0, 0, false); }
+// blocks run one after another here: every write is seen by the next block without a fence
+static inline void __threadfence() {}
 
 // ---- the warp's matrix instructions (mma.sync), as the PTX ISA lays out their fragments ----
 // A lane of group g = lane / 4, index t = lane % 4 holds, of m16n8k16 (bf16, two a register):

@@ -3,7 +3,7 @@ GELU (and bias + GELU), LayerNorm, scale + causal mask + softmax, causal attenti
 fused q|k|v projection (tiled: flash.py), cross-entropy with its gradient, AdamW over the flat buffer, bias +
 residual, a bias's gradient added into its buffer (forward and backward), bf16 GEMMs on
 tensor cores (gemm.py), and the mixture of experts' permutation and combine (moe.py).
-elementwise.py, adamw.py, rows.py, attention.py, gemm.py and moe.py hold them.
+elementwise.py, colsum.py, adamw.py, rows.py, attention.py, gemm.py and moe.py hold them.
 
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
 from .attention import attention_bwd, attention_bwd_twin, attention_fwd, attention_twin
@@ -16,9 +16,10 @@ from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
                    operand, product, use_workspace)
 from .gemm_add import GEMM_ADD, GEMM_ADD_TF32, device_gemm, gemm_add_twin, matmul_add
-from .elementwise import (ADD, BIAS_GELU, BIAS_RESIDUAL, COLSUM_ADD, GELU_BWD, GELU_FWD, WIDEN,
-                          add_twin, bias_gelu_twin, bias_residual_twin, colsum_add_twin,
-                          gelu_bwd_twin, gelu_twin, widen_twin)
+from .elementwise import (ADD, BIAS_GELU, BIAS_RESIDUAL, GELU_BWD, GELU_FWD, WIDEN, add_twin,
+                          bias_gelu_twin, bias_residual_twin, gelu_bwd_twin, gelu_twin,
+                          widen_twin)
+from .colsum import COLSUM_ADD, colsum_add_twin
 from .adamw import ADAMW, ADAMW_LOW, adam_step_twin, adamw_twin
 from .layernorm import LAYERNORM_BWD, LAYERNORM_FWD, layernorm_bwd_twin, layernorm_twin
 from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD,

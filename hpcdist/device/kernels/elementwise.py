@@ -1,7 +1,7 @@
 """Elementwise fused kernels: GELU (and a Linear's bias + GELU), bias + residual added into a
-product, two gradients summed, a bf16 gradient widened into its float32 master, a bias's
-gradient added into its buffer; 16 bytes a thread where the arrays allow (common.py's
-vectors). AdamW's kernels: adamw.py."""
+product, two gradients summed, a bf16 gradient widened into its float32 master; 16 bytes a
+thread where the arrays allow (common.py's vectors). A bias's gradient: colsum.py; AdamW's
+kernels: adamw.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -307,52 +307,3 @@ def _widen_cases(xp, rng, dt):
 
 WIDEN = Fused("widen", _WIDEN, ["widen"], _widen_launch, widen_twin, _widen_cases,
               tolerance=0.0, dtypes=("bfloat16",))
-
-
-# ---- a bias's gradient, added into its buffer ----------------------------------------------
-
-_COLSUM = r"""
-// out[c] += sum over rows of g[r, c]: a block of 32 x 32 threads per 32 columns. Thread (x, y)
-// sums rows y, y + 32, ... of column c (a warp reads 32 adjacent addresses of a row), then
-// thread (x, 0) adds the column's 32 partial sums in a fixed order (no atomics: the same bits
-// every run). One thread per column, looping over all rows, left most of an H200 idle: 400 us
-// for 4096 x 768.
-extern "C" __global__ void colsum_add(const T* g, T* out, long long rows, int C) {
-    __shared__ A part[32][33];
-    int c = blockIdx.x * 32 + threadIdx.x;
-    A s = 0;
-    if (c < C)
-        for (long long r = threadIdx.y; r < rows; r += 32) s += (A)g[r * C + c];
-    part[threadIdx.y][threadIdx.x] = s;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < C) {
-        A t = 0;
-        for (int y = 0; y < 32; y++) t += part[y][threadIdx.x];
-        out[c] = (T)((A)out[c] + t);
-    }
-}
-"""
-
-
-def colsum_add_twin(g, out):
-    """``out += g.sum(axis=0)`` for g (N, C); returns out (2-byte floats summed in float32,
-    as the kernel does)."""
-    out += g.sum(axis=0, dtype=np.float32) if g.dtype.itemsize == 2 else g.sum(axis=0)
-    return out
-
-
-def _colsum_launch(k, g, out):
-    rows, C = _rows(g)
-    k("colsum_add")((max(1, -(-C // 32)),), (32, 32),
-                    (backend.xp().ascontiguousarray(g), out, np.int64(rows), np.int32(C)))
-    return out
-
-
-def _colsum_cases(xp, rng, dt):
-    for rows, C in ((1, 1), (3, 7), (1000, 65), (4096, 768)):
-        yield (xp.asarray(rng.standard_normal((rows, C)).astype(dt)),
-               xp.asarray(rng.standard_normal(C).astype(dt)))
-
-
-COLSUM_ADD = Fused("colsum_add", _COLSUM, ["colsum_add"], _colsum_launch, colsum_add_twin,
-                   _colsum_cases, tolerance=1e-5)

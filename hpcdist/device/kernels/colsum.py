@@ -1,0 +1,114 @@
+"""A bias's gradient added into its buffer, ``out += g.sum(axis=0)``, in one kernel beside its
+NumPy twin: the rows split over a 2-D grid so that every SM has work, the chunks' sums added
+in a fixed order by the chunk that finishes last (the same bits every run, no atomics on
+``out``), 16 bytes a thread where the arrays allow (common.py's vectors)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..fused import Fused
+from .common import _VECTOR, _rows, accumulator, vector_width
+
+_COLSUM = _VECTOR + r"""
+#ifdef __CUDACC_RTC__
+__device__ __forceinline__ A read_l2(const A* p) { return __ldcg(p); }   // (not this SM's L1)
+#else
+__device__ __forceinline__ A read_l2(const A* p) { return *p; }
+#endif
+// out[c] += sum over rows of g[r, c]. blockIdx.x: a group of 32 VEC columns; blockIdx.y: a
+// chunk of the rows. Thread (x, y) of a 32 x 8 block sums rows y, y + 8, ... of its chunk over
+// its VEC columns (a warp reads 32 x 16 contiguous bytes of a row); thread (x, 0) adds the 8
+// partial sums in order. One chunk: into out directly. Several: into part[chunk][c], then
+// the block that finishes its column group last (a counter per group, after a fence) adds
+// the chunks' sums in chunk order into out and zeroes the counter for the next call. (One
+// block per 32 columns over every row left most of an H200 idle: 20 us a call at GPT-2
+// medium, 400 us before that at one thread a column.)
+extern "C" __global__ void colsum_add(const T* g, T* out, A* part, unsigned* done,
+                                      long long rows, int C) {
+    __shared__ A acc[8][32 * VEC + 1];
+    __shared__ int last;
+    int c0 = (blockIdx.x * 32 + threadIdx.x) * VEC;   // (C divides by VEC)
+    long long per = (rows + gridDim.y - 1) / gridDim.y;
+    long long r0 = blockIdx.y * per, r1 = r0 + per < rows ? r0 + per : rows;
+    alignas(16) T gv[VEC];
+    A s[VEC];
+    for (int j = 0; j < VEC; j++) s[j] = 0;
+    if (c0 < C)
+        for (long long r = r0 + threadIdx.y; r < r1; r += 8) {
+            copy_vec(gv, g + r * C + c0);
+            for (int j = 0; j < VEC; j++) s[j] += (A)gv[j];
+        }
+    for (int j = 0; j < VEC; j++) acc[threadIdx.y][threadIdx.x * VEC + j] = s[j];
+    __syncthreads();
+    if (threadIdx.y == 0 && c0 < C)
+        for (int j = 0; j < VEC; j++) {
+            A t = 0;
+            for (int y = 0; y < 8; y++) t += acc[y][threadIdx.x * VEC + j];
+            if (gridDim.y == 1) out[c0 + j] = (T)((A)out[c0 + j] + t);
+            else part[blockIdx.y * C + c0 + j] = t;
+        }
+    if (gridDim.y == 1) return;
+    __threadfence();                                   // this chunk's sums, seen by all
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0)
+        last = atomicAdd(done + blockIdx.x, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.y == 0 && c0 < C)
+        for (int j = 0; j < VEC; j++) {
+            A t = 0;
+            for (unsigned k = 0; k < gridDim.y; k++) t += read_l2(part + k * C + c0 + j);
+            out[c0 + j] = (T)((A)out[c0 + j] + t);
+        }
+    if (threadIdx.x == 0 && threadIdx.y == 0) done[blockIdx.x] = 0;
+}
+"""
+
+BLOCKS_WANTED = 256          # about two blocks an SM of an H100/H200
+MIN_ROWS = 64                # a chunk's rows at least (fewer: the chunks' sums cost more)
+_counters: dict = {}         # xp's name -> the column groups' counters, zero between calls
+
+
+def colsum_add_twin(g, out):
+    """``out += g.sum(axis=0)`` for g (N, C); returns out (2-byte floats summed in float32,
+    as the kernel does)."""
+    out += g.sum(axis=0, dtype=np.float32) if g.dtype.itemsize == 2 else g.sum(axis=0)
+    return out
+
+
+def chunks(rows: int, groups: int) -> int:
+    """Chunks of the rows: about BLOCKS_WANTED blocks in all, MIN_ROWS rows a chunk at least."""
+    return max(1, min(-(-BLOCKS_WANTED // groups), rows // MIN_ROWS))
+
+
+def _done(xp, groups: int):
+    """``groups`` counters that every call leaves at zero, made once (a graph's capture then
+    allocates nothing: the first calls run eagerly)."""
+    have = _counters.get(xp.__name__)
+    if have is None or have.size < groups:
+        have = _counters[xp.__name__] = xp.zeros(max(groups, 1024), dtype=np.uint32)
+    return have
+
+
+def _colsum_launch(k, g, out):
+    xp = backend.xp()
+    rows, C = _rows(g)
+    g = xp.ascontiguousarray(g)
+    vec = vector_width(g.size, g, out, row=C)
+    groups = max(1, -(-C // (32 * vec)))
+    ys = chunks(rows, groups)
+    part = xp.empty(ys * C if ys > 1 else 1, dtype=accumulator(g.dtype))
+    k("colsum_add", {"VEC": vec})((groups, ys), (32, 8),
+                                  (g, out, part, _done(xp, groups), np.int64(rows), np.int32(C)))
+    return out
+
+
+def _colsum_cases(xp, rng, dt):
+    for rows, C in ((1, 1), (3, 7), (1000, 65), (4096, 768), (700, 96), (300, 4096)):
+        yield (xp.asarray(rng.standard_normal((rows, C)).astype(dt)),
+               xp.asarray(rng.standard_normal(C).astype(dt)))
+
+
+COLSUM_ADD = Fused("colsum_add", _COLSUM, ["colsum_add"], _colsum_launch, colsum_add_twin,
+                   _colsum_cases, tolerance=1e-5)

@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused, grid
-from .common import _VECTOR, GELU_C, _rows, vector_width
+from .common import _VECTOR, GELU_C, vector_width
 
 
 # ---- GELU ----------------------------------------------------------------------------------

@@ -55,8 +55,8 @@ REDUCES_ONLY = {"cross_entropy_fwd", "colsum_add"}
 def test_the_16_byte_kernels_compile_to_16_byte_accesses_in_registers(name, dtype, arch):
     """The elementwise, norm and cross-entropy kernels as they run at model widths (VEC
     elements a thread, 16 bytes): each kernel's PTX reads, and writes where it writes a
-    stream, global memory with 128-bit accesses; in bf16 no 2-byte store is left and at most
-    one 2-byte load (a gathered element: the target's logit); its per-thread arrays stay in
+    stream, global memory with 128-bit accesses; in bf16 at most two 2-byte loads and two
+    2-byte stores are left (single values, not a stream's); its per-thread arrays stay in
     registers (no local memory). A loop over rows around the columns' loop made NVVM split the
     norms' backward stores into scalar ones; this is what caught it."""
     import re
@@ -81,6 +81,8 @@ def test_the_16_byte_kernels_compile_to_16_byte_accesses_in_registers(name, dtyp
             continue
         assert re.search(r"st\.global" + wide, body), f"{kernel}: no 16-byte store"
         if dtype == "bfloat16":              # (other sizes: the float means are scalars too)
-            assert not re.search(r"st\.global\.[bu]16", body), f"{kernel}: a 2-byte store"
-            assert len(re.findall(r"ld\.global(\.nc)?\.[bu]16", body)) <= 1, \
-                f"{kernel}: 2-byte loads left beside the 16-byte ones"
+            # a stream left scalar shows as VEC 2-byte accesses; up to two are single values
+            # (the target's logit; a norm's weight and bias gradient added by its last block)
+            for op_ in ("st", "ld"):
+                found = re.findall(op_ + r"\.global(?:\.nc)?\.[bu]16", body)
+                assert len(found) <= 2, f"{kernel}: {len(found)} 2-byte {op_} instructions"

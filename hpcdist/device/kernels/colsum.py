@@ -8,14 +8,9 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused
-from .common import _VECTOR, _rows, accumulator, vector_width
+from .common import _FINISH, _VECTOR, _rows, accumulator, kept_zeros, vector_width
 
-_COLSUM = _VECTOR + r"""
-#ifdef __CUDACC_RTC__
-__device__ __forceinline__ A read_l2(const A* p) { return __ldcg(p); }   // (not this SM's L1)
-#else
-__device__ __forceinline__ A read_l2(const A* p) { return *p; }
-#endif
+_COLSUM = _VECTOR + _FINISH + r"""
 // out[c] += sum over rows of g[r, c]. blockIdx.x: a group of 32 VEC columns; blockIdx.y: a
 // chunk of the rows. Thread (x, y) of a 32 x 8 block sums rows y, y + 8, ... of its chunk over
 // its VEC columns (a warp reads 32 x 16 contiguous bytes of a row); thread (x, 0) adds the 8
@@ -67,7 +62,6 @@ extern "C" __global__ void colsum_add(const T* g, T* out, A* part, unsigned* don
 
 BLOCKS_WANTED = 256          # about two blocks an SM of an H100/H200
 MIN_ROWS = 64                # a chunk's rows at least (fewer: the chunks' sums cost more)
-_counters: dict = {}         # xp's name -> the column groups' counters, zero between calls
 
 
 def colsum_add_twin(g, out):
@@ -82,15 +76,6 @@ def chunks(rows: int, groups: int) -> int:
     return max(1, min(-(-BLOCKS_WANTED // groups), rows // MIN_ROWS))
 
 
-def _done(xp, groups: int):
-    """``groups`` counters that every call leaves at zero, made once (a graph's capture then
-    allocates nothing: the first calls run eagerly)."""
-    have = _counters.get(xp.__name__)
-    if have is None or have.size < groups:
-        have = _counters[xp.__name__] = xp.zeros(max(groups, 1024), dtype=np.uint32)
-    return have
-
-
 def _colsum_launch(k, g, out):
     xp = backend.xp()
     rows, C = _rows(g)
@@ -99,8 +84,9 @@ def _colsum_launch(k, g, out):
     groups = max(1, -(-C // (32 * vec)))
     ys = chunks(rows, groups)
     part = xp.empty(ys * C if ys > 1 else 1, dtype=accumulator(g.dtype))
+    done = kept_zeros(xp, groups, np.uint32, "colsum counters")   # (zero between calls)
     k("colsum_add", {"VEC": vec})((groups, ys), (32, 8),
-                                  (g, out, part, _done(xp, groups), np.int64(rows), np.int32(C)))
+                                  (g, out, part, done, np.int64(rows), np.int32(C)))
     return out
 
 

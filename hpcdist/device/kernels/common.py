@@ -81,6 +81,49 @@ def sums(into, n: int, acc):
     return backend.xp().zeros(n, dtype=acc)
 
 
+_KEPT: dict = {}        # (xp, what, dtype) -> an array every kernel that uses it leaves zero
+
+
+def kept_zeros(xp, n: int, dtype, what: str):
+    """``n`` zeros of ``dtype`` that stay allocated (``what`` names their use): a counter or a
+    sum's workspace that each kernel using it zeroes again before it ends, so a call costs no
+    zeroing launch and a CUDA graph's capture allocates nothing (its first calls run eagerly).
+    Kernels on one stream take their turns; grows to the largest ``n`` asked."""
+    key = (xp.__name__, what, np.dtype(dtype).str)
+    have = _KEPT.get(key)
+    if have is None or have.size < n:
+        have = _KEPT[key] = xp.zeros(max(n, 1024), dtype=dtype)
+    return have
+
+
+_FINISH = r"""
+#ifdef __CUDACC_RTC__
+__device__ __forceinline__ A read_l2(const A* p) { return __ldcg(p); }   // (not this SM's L1)
+#else
+__device__ __forceinline__ A read_l2(const A* p) { return *p; }
+#endif
+// the block that finishes last (a counter, after a fence) adds the float sums ``ws`` into
+// ``low0`` (ws[0, n)) and, ``two``, ``low1`` (ws[n, 2n)) in their dtype, rounding once, and
+// leaves ``ws`` and the counter at zero for the next call: a norm's weight (and bias)
+// gradient into 2-byte gradient buffers in the same kernel, where CuPy took a zeroing launch
+// before it and an addition launch after it for each buffer
+__device__ void finish_into(A* ws, T* low0, T* low1, int n, int two, unsigned* done) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        low0[c] = (T)((A)low0[c] + read_l2(ws + c));
+        ws[c] = 0;
+        if (two) { low1[c] = (T)((A)low1[c] + read_l2(ws + n + c)); ws[n + c] = 0; }
+    }
+    if (threadIdx.x == 0) *done = 0;
+}
+"""
+
+
 def summed(buf, into, dtype):
     """The sums of ``buf`` (from ``sums``) as the caller gets them: added into ``into`` when
     that is another array (a bf16 gradient buffer: rounded once), or as ``dtype``."""

@@ -7,13 +7,13 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused
-from .common import (_COMMON, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator, low, row_threads,
-                     rows_per_block, sums, summed, vector_width, wide)
+from .common import (_COMMON, _FINISH, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator, kept_zeros,
+                     low, row_threads, rows_per_block, sums, summed, vector_width, wide)
 
 
 # ---- LayerNorm -----------------------------------------------------------------------------
 
-_LAYERNORM = _COMMON + _VECTOR + r"""
+_LAYERNORM = _COMMON + _VECTOR + _FINISH + r"""
 // one warp per row of C (blockDim.x / 32 rows a block), VEC elements a lane at a time (C
 // divides by VEC): y = (x - mean) * rstd * w + b; mean and rstd kept for backward. No block
 // barrier; GPT-2 medium's row of 1,024 bf16 is four 16-byte loads a lane a pass (a block a
@@ -52,12 +52,15 @@ extern "C" __global__ void layernorm_fwd(const T* x, const T* w, const T* b, T* 
 // (each thread owns its VEC-wide columns) and added once a block into gw, gb (in the
 // accumulator's type: zeros, or the parameters' own gradient buffers). per == 1 (a row too
 // wide for the shared partial sums): added row by row. An atomic a row and column contended
-// 8,192 ways at GPT-2 medium's shape: 100 us a call on an H200. gx is written in a second
+// 8,192 ways at GPT-2 medium's shape: 100 us a call on an H200. ``finish``: gw, gb are a kept
+// workspace (gb = gw + C) added into the 2-byte buffers gw_low, gb_low by the last block
+// (common.py's finish_into). gx is written in a second
 // pass over the block's rows and columns as one flat loop: inside a loop over rows, NVVM split
 // each 16-byte store into scalar ones.
 extern "C" __global__ void layernorm_bwd(const T* g, const T* x, const T* w, const A* mean,
-                                         const A* rstd, T* gx, A* gw, A* gb, long long rows,
-                                         int C, int per) {
+                                         const A* rstd, T* gx, A* gw, A* gb, T* gw_low,
+                                         T* gb_low, unsigned* done, long long rows, int C,
+                                         int per, int finish) {
     __shared__ A shared[32];
     __shared__ A stats[64];                              // each row's two means
     extern __shared__ unsigned char smem[];
@@ -111,6 +114,7 @@ extern "C" __global__ void layernorm_bwd(const T* g, const T* x, const T* w, con
             atomicAdd(gw + c, part[c]);
             atomicAdd(gb + c, part[C + c]);
         }
+    if (finish) finish_into(gw, gw_low, gb_low, C, 1, done);    // (gb is gw + C then)
 }
 """
 
@@ -198,15 +202,26 @@ def _layernorm_bwd_launch(k, g, x, w, mean, rstd, xhat=None, gw_into=None, gb_in
     rows, C = _rows(x)
     acc = accumulator(x.dtype)
     gx = xp.empty_like(x)
-    gw, gb = sums(gw_into, C, acc), sums(gb_into, C, acc)
+    # 2-byte buffers for both sums: added by the kernel's last block from a kept workspace
+    finish = all(b is not None and b.dtype != acc and b.dtype == x.dtype and b.flags.c_contiguous
+                 for b in (gw_into, gb_into))
+    if finish:
+        ws = kept_zeros(xp, 2 * C, acc, "norm sums")
+        gw, gb, lows = ws[:2 * C], ws[C:2 * C], (gw_into, gb_into)   # (gw: finish reads 2C)
+    else:
+        gw, gb = sums(gw_into, C, acc), sums(gb_into, C, acc)
+        lows = (gx, gx)                                  # (valid pointers, not written)
     per, shm = rows_per_block(rows, 2 * C * np.dtype(acc).itemsize)
     g = xp.ascontiguousarray(g)
     vec = vector_width(x.size, g, x, w, gx, row=C)
     k("layernorm_bwd", {"VEC": vec})((max(-(-rows // per), 1),), (row_threads(C, vec),),
                                      (g, x, w, xp.ascontiguousarray(mean, dtype=acc),
-                                      xp.ascontiguousarray(rstd, dtype=acc), gx, gw, gb,
-                                      np.int64(rows), np.int32(C), np.int32(per)),
-                                     shared_mem=shm)
+                                      xp.ascontiguousarray(rstd, dtype=acc), gx, gw, gb, *lows,
+                                      kept_zeros(xp, 1, np.uint32, "norm counter"),
+                                      np.int64(rows), np.int32(C), np.int32(per),
+                                      np.int32(finish)), shared_mem=shm)
+    if finish:
+        return gx, gw_into, gb_into
     return gx, summed(gw, gw_into, x.dtype), summed(gb, gb_into, x.dtype)
 
 

@@ -8,12 +8,13 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused, grid
-from .common import (_COMMON, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator, low, row_threads,
-                     rows_per_block, sums, summed, vector_width, wide)
+from .common import (_COMMON, _FINISH, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator,
+                     kept_zeros, low, row_threads, rows_per_block, sums, summed, vector_width,
+                     wide)
 
 # ---- RMSNorm -------------------------------------------------------------------------------
 
-_RMSNORM = _COMMON + _VECTOR + r"""
+_RMSNORM = _COMMON + _VECTOR + _FINISH + r"""
 // one warp per row of C, VEC elements a lane at a time (LayerNorm's forward says why): y = x
 // rstd w, rstd = 1 / sqrt(mean(x^2) + eps), kept for backward
 extern "C" __global__ void rmsnorm_fwd(const T* x, const T* w, T* y, A* rstd, long long rows,
@@ -41,10 +42,12 @@ extern "C" __global__ void rmsnorm_fwd(const T* x, const T* w, T* y, A* rstd, lo
 // one block per ``per`` rows (<= 32): gx = rstd (g w - xhat mean(g w xhat)), xhat = x rstd;
 // the weight's gradient summed over the block's rows in shared memory (each thread owns its
 // VEC-wide columns) and added once a block into gw (zeros, or its own gradient buffer);
-// per == 1 (a row too wide for the shared sums): added row by row. gx in a second, flat pass
+// per == 1 (a row too wide for the shared sums): added row by row. ``finish``: gw a kept
+// workspace added into the 2-byte buffer gw_low by the last block. gx in a second, flat pass
 // (LayerNorm's backward says why)
 extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const A* rstd, T* gx,
-                                       A* gw, long long rows, int C, int per) {
+                                       A* gw, T* gw_low, unsigned* done, long long rows, int C,
+                                       int per, int finish) {
     __shared__ A shared[32];
     __shared__ A stats[32];                              // each row's mean(g w xhat)
     extern __shared__ unsigned char smem[];
@@ -91,6 +94,7 @@ extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const
     __syncthreads();
     if (per > 1)
         for (int c = threadIdx.x; c < C; c += blockDim.x) atomicAdd(gw + c, part[c]);
+    if (finish) finish_into(gw, gw_low, gw_low, C, 0, done);
 }
 """
 
@@ -149,15 +153,19 @@ def _rmsnorm_bwd_launch(k, g, x, w, rstd, xhat=None, gw_into=None):
     rows, C = _rows(x)
     acc = accumulator(x.dtype)
     gx = xp.empty_like(x)
-    gw = sums(gw_into, C, acc)
+    finish = gw_into is not None and gw_into.dtype != acc and gw_into.dtype == x.dtype and \
+        gw_into.flags.c_contiguous                 # (LayerNorm's backward launcher says why)
+    gw = kept_zeros(xp, C, acc, "norm sums")[:C] if finish else sums(gw_into, C, acc)
     per, shm = rows_per_block(rows, C * np.dtype(acc).itemsize)
     g, w = xp.ascontiguousarray(g, dtype=x.dtype), xp.ascontiguousarray(w)
     vec = vector_width(x.size, g, x, w, gx, row=C)
     k("rmsnorm_bwd", {"VEC": vec})((max(-(-rows // per), 1),), (row_threads(C, vec),),
                                    (g, x, w, xp.ascontiguousarray(rstd, dtype=acc).reshape(-1),
-                                    gx, gw, np.int64(rows), np.int32(C), np.int32(per)),
-                                   shared_mem=shm)
-    return gx, summed(gw, gw_into, x.dtype)
+                                    gx, gw, gw_into if finish else gx,
+                                    kept_zeros(xp, 1, np.uint32, "norm counter"),
+                                    np.int64(rows), np.int32(C), np.int32(per),
+                                    np.int32(finish)), shared_mem=shm)
+    return gx, gw_into if finish else summed(gw, gw_into, x.dtype)
 
 
 def _rmsnorm_cases(xp, rng, dt, backward=False):
@@ -168,7 +176,10 @@ def _rmsnorm_cases(xp, rng, dt, backward=False):
             yield x, w, 1e-5
         else:
             _, rstd, _ = rmsnorm_twin(x, w, 1e-5)
-            yield xp.asarray(rng.standard_normal(shape).astype(dt)), x, w, rstd
+            g = xp.asarray(rng.standard_normal(shape).astype(dt))
+            yield g, x, w, rstd
+            into = xp.asarray(rng.standard_normal(shape[-1]).astype(dt))
+            yield g, x, w, rstd, None, into                   # added into its buffer
     x = xp.zeros((2, 8), dtype=dt)                  # all-zero rows: rstd = 1/sqrt(eps)
     yield (x, xp.ones(8, dtype=dt), 1e-6) if not backward else \
         (xp.ones((2, 8), dtype=dt), x, xp.ones(8, dtype=dt), rmsnorm_twin(x, x[0], 1e-6)[1])

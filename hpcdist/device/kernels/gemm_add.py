@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend, fused
-from ..fused import Fused
+from ..fused import Fused, dtype_name
 from .common import low
 from .gemm import _TO_BF16, gemm_ex, tf32_on
 
@@ -24,7 +24,7 @@ _TYPES = {"float32": ("runtime.CUDA_R_32F", "cublas.CUBLAS_COMPUTE_32F", np.floa
 def _launch(k, a, b, into, overwrite=False, tf32=False):
     """``into`` (n, m) += (``overwrite``: =) ``a`` (n, k) @ ``b`` (k, m): one gemmEx with
     beta 1 (0), all three of into's type."""
-    kind, compute, scalar = _TYPES[into.dtype.name]
+    kind, compute, scalar = _TYPES[dtype_name(into.dtype)]
     return gemm_ex(a, b, into, kind, kind, "cublas.CUBLAS_COMPUTE_32F_FAST_TF32" if tf32
                    else compute, beta=0.0 if overwrite else 1.0, scalar=scalar)
 
@@ -79,9 +79,9 @@ def matmul_add(a, b, into, overwrite: bool = False) -> bool:
         return cpu.gemm_add(a, b, into, overwrite)
     op = GEMM_ADD_TF32 if tf32_on() and a.dtype == np.float32 else GEMM_ADD
     if not (fused.enabled() and a.ndim == b.ndim == into.ndim == 2
-            and a.dtype == b.dtype == into.dtype and a.dtype.name in op.dtypes
+            and a.dtype == b.dtype == into.dtype and dtype_name(a.dtype) in op.dtypes
             and into.shape == (a.shape[0], b.shape[1]) and a.shape[1] == b.shape[0]
-            and into.flags.c_contiguous) or (label == "gpu" and not op.ready(a.dtype.name)):
+            and into.flags.c_contiguous) or (label == "gpu" and not op.ready(dtype_name(a.dtype))):
         return False
     op(a, b, into, overwrite)
     return True

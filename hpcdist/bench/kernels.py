@@ -22,7 +22,10 @@ def _cases(xp, rows: int, C: int, V: int, dt, rng):
     """(name, fn, bytes) of each kernel at (rows, C), the MLP 4 C wide, logits V wide."""
     from hpcdist.device import kernels
     s = np.dtype(dt).itemsize
-    arr = lambda *shape: xp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dt)  # noqa
+
+    def arr(*shape):
+        return xp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dt)
+
     x, r, w, b = arr(rows, C), arr(rows, C), arr(C), arr(C)
     h, g4, b4 = arr(rows, 4 * C), arr(rows, 4 * C), arr(4 * C)
     two = arr(rows, 8 * C)                                 # SwiGLU's [gate | up], 4 C each

@@ -47,8 +47,10 @@ def collective(c, kind, blocking: bool, buf, op=None, root=None, algorithm="auto
         a.algorithm = call.algorithm
     if blocking:
         return _watched(c, c._wire, kind, call, buf, a, nbytes)
+
     def run(wire):
         return _counted(wire, lambda: _watched(c, wire, kind, call, buf, a, nbytes))
+
     if c.size == 1:           # nothing to wait for: done now, no progress-thread handoff (13%
         return Handle(Done(lambda: run(c._bg_wire)), c._ledger, call,    # of a DDP step)
                       c._settle)

@@ -155,7 +155,6 @@ def _rows(x):
     return int(x.size // x.shape[-1]) if x.shape[-1] else 0, int(x.shape[-1])
 
 
-
 # ---- 16-byte vectors: VEC elements a thread ------------------------------------------------
 
 VECTORS = [True]     # False: every elementwise kernel one element a thread (the bench's "off")

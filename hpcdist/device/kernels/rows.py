@@ -138,7 +138,7 @@ extern "C" __global__ void cross_entropy_fwd(const T* z, const long long* t, A* 
 // the gradient: (softmax - onehot(t)) * weight, 0 on ignored rows and padding columns
 extern "C" __global__ void cross_entropy_bwd(const T* z, const long long* t, const A* lse,
                                              T* gz, long long rows, int V, int Vv,
-                                             long long ignore, const A* weight) {
+                                             long long ignore, const T* weight) {
     long long r = blockIdx.x;
     if (r >= rows) return;
     long long target = t[r];
@@ -219,14 +219,10 @@ def _ce_bwd_launch(k, z, t, lse, ignore, weight, vocab=None):
                                           xp.ascontiguousarray(lse, dtype=acc), gz,
                                           np.int64(rows), np.int32(V),
                                           np.int32(V if vocab is None else vocab),
-                                          np.int64(ignore), _weight(xp, weight, z.dtype, acc)))
+                                          np.int64(ignore),
+                                          xp.ascontiguousarray(weight, dtype=z.dtype)
+                                          .reshape(1)))
     return gz
-
-
-def _weight(xp, weight, dtype, acc):
-    """The loss's weight as the kernel reads it: its value in the logits' dtype (as the twin
-    rounds it), held in the accumulator's type (one 4-byte read, not a 2-byte one)."""
-    return xp.ascontiguousarray(weight, dtype=dtype).reshape(1).astype(acc)
 
 
 def _ce_cases(xp, rng, dt, backward=False):

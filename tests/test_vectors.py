@@ -21,7 +21,7 @@ VECTORIZED = [(kernels.GELU_FWD, elementwise), (kernels.BIAS_GELU, elementwise),
               (kernels.RMSNORM_BWD, llama), (kernels.SWIGLU_FWD, llama),
               (kernels.SWIGLU_BWD, llama), (kernels.WIDEN, elementwise),
               (kernels.CROSS_ENTROPY_FWD, rows), (kernels.CROSS_ENTROPY_BWD, rows),
-              (kernels.COLSUM_ADD, colsum)]
+              (kernels.COLSUM_ADD, colsum), (kernels.ROTARY, llama)]
 IDS = [op.name for op, _ in VECTORIZED]
 
 

@@ -294,23 +294,33 @@ SWIGLU_BWD = Fused("swiglu_bwd", _SWIGLU, ["swiglu_bwd"], _swiglu_bwd_launch, sw
 
 # ---- rotary position embeddings ------------------------------------------------------------
 
-_ROTARY = r"""
+_ROTARY = _VECTOR + r"""
 // the q and k heads of x (B, T, W) (heads h < nq: q at h hd; then nk k heads), each pair
 // (i, i + hd/2) rotated by the angle of (t, i): cos/sin (T, hd/2), ``sign`` 1 (forward) or
-// -1 (backward: the rotation back); the v heads copied. One thread a (b, t, head, i).
+// -1 (backward: the rotation back); the v heads copied. One thread a (b, t, head) and VEC
+// consecutive i (hd/2 divides by VEC): 16 bytes of each half, cos and sin a thread.
 extern "C" __global__ void rotary(const T* x, T* out, const T* cs, const T* sn, long long n,
                                   int T_, int W, int nq, int nk, int hd, A sign) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (i >= n) return;                              // n = B T W / 2: half of each head
     int half = hd / 2;
     long long row = i / (W / 2);
     int j = (int)(i % (W / 2)), head = j / half, p = j % half, t = (int)(row % T_);
     long long a = row * W + (long long)head * hd + p, b = a + half;
-    if (head >= nq + nk) { out[a] = x[a]; out[b] = x[b]; return; }
-    A c = (A)cs[t * half + p], s = sign * (A)sn[t * half + p];
-    A x1 = (A)x[a], x2 = (A)x[b];
-    out[a] = (T)(x1 * c - x2 * s);
-    out[b] = (T)(x2 * c + x1 * s);
+    alignas(16) T x1[VEC], x2[VEC], cv[VEC], sv[VEC];
+    copy_vec(x1, x + a);
+    copy_vec(x2, x + b);
+    if (head >= nq + nk) { copy_vec(out + a, x1); copy_vec(out + b, x2); return; }
+    copy_vec(cv, cs + t * half + p);
+    copy_vec(sv, sn + t * half + p);
+#pragma unroll
+    for (int k = 0; k < VEC; k++) {
+        A c = (A)cv[k], s = sign * (A)sv[k], u = (A)x1[k], w = (A)x2[k];
+        x1[k] = (T)(u * c - w * s);
+        x2[k] = (T)(w * c + u * s);
+    }
+    copy_vec(out + a, x1);
+    copy_vec(out + b, x2);
 }
 """
 
@@ -345,10 +355,12 @@ def _rotary_launch(k, x, cos, sin, nq, nk, hd, sign=1.0):
     out = xp.empty_like(x)
     acc = np.float64 if x.dtype == np.float64 else np.float32
     n = x.size // 2
-    k("rotary")(*grid(n), (x, out, xp.ascontiguousarray(cos, dtype=x.dtype),
-                           xp.ascontiguousarray(sin, dtype=x.dtype), np.int64(n), np.int32(T),
-                           np.int32(W), np.int32(nq), np.int32(nk), np.int32(hd),
-                           _scalar(acc, sign)))
+    cos = xp.ascontiguousarray(cos, dtype=x.dtype)
+    sin = xp.ascontiguousarray(sin, dtype=x.dtype)
+    vec = vector_width(n, x, out, cos, sin, row=hd // 2)
+    k("rotary", {"VEC": vec})(*grid(-(-n // vec)), (x, out, cos, sin, np.int64(n), np.int32(T),
+                                                  np.int32(W), np.int32(nq), np.int32(nk),
+                                                  np.int32(hd), _scalar(acc, sign)))
     return out
 
 

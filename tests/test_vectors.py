@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hpcdist.device import backend, cudasim
-from hpcdist.device.kernels import colsum, common, elementwise, layernorm, llama, rows
+from hpcdist.device.kernels import colsum, common, elementwise, layernorm, llama, moe, rows
 import hpcdist.device.kernels as kernels
 
 pytestmark = pytest.mark.skipif(cudasim.available() is not None,
@@ -21,7 +21,8 @@ VECTORIZED = [(kernels.GELU_FWD, elementwise), (kernels.BIAS_GELU, elementwise),
               (kernels.RMSNORM_BWD, llama), (kernels.SWIGLU_FWD, llama),
               (kernels.SWIGLU_BWD, llama), (kernels.WIDEN, elementwise),
               (kernels.CROSS_ENTROPY_FWD, rows), (kernels.CROSS_ENTROPY_BWD, rows),
-              (kernels.COLSUM_ADD, colsum), (kernels.ROTARY, llama)]
+              (kernels.COLSUM_ADD, colsum), (kernels.ROTARY, llama), (kernels.MOE_PERMUTE, moe),
+              (kernels.MOE_COMBINE, moe), (kernels.MOE_COMBINE_BWD, moe)]
 IDS = [op.name for op, _ in VECTORIZED]
 
 

@@ -16,17 +16,22 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..fused import ROW_THREADS, Fused
-from .common import _COMMON, _rows
+from ..fused import Fused
+from .common import _COMMON, _VECTOR, _rows, row_threads, vector_width
 
-_MOE = _COMMON + r"""
-// one block per sorted row p: the row of the token it belongs to
+_MOE = _COMMON + _VECTOR + r"""
+// one block per sorted row p: the row of the token it belongs to; VEC elements a thread at a
+// time (C divides by VEC), the block as wide as the row's vectors (common.row_threads)
 extern "C" __global__ void moe_permute(const T* x, const long long* order, T* xs,
                                        long long P, int C, int k) {
     long long p = blockIdx.x;
     if (p >= P) return;
     const T* src = x + (order[p] / k) * (long long)C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) xs[p * C + c] = src[c];
+    alignas(16) T v[VEC];
+    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+        copy_vec(v, src + c);
+        copy_vec(xs + p * C + c, v);
+    }
 }
 // one block per token t: its k rows (found through inv), each times its gate, added in slot
 // order; gated == 0: gates of one (the permutation's backward; w is not read)
@@ -34,13 +39,18 @@ extern "C" __global__ void moe_combine(const T* ys, const T* w, int gated,
                                        const long long* inv, T* y, long long N, int C, int k) {
     long long t = blockIdx.x;
     if (t >= N) return;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        A s = 0;
+    alignas(16) T v[VEC];
+    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+        A s[VEC];
+        for (int q = 0; q < VEC; q++) s[q] = 0;
         for (int j = 0; j < k; ++j) {
             long long p = inv[t * k + j];
-            s += (A)ys[p * C + c] * (gated ? (A)w[p] : (A)1);
+            A gate = gated ? (A)w[p] : (A)1;
+            copy_vec(v, ys + p * C + c);
+            for (int q = 0; q < VEC; q++) s[q] += (A)v[q] * gate;
         }
-        y[t * C + c] = (T)s;
+        for (int q = 0; q < VEC; q++) v[q] = (T)s[q];
+        copy_vec(y + t * C + c, v);
     }
 }
 // one block per sorted row p: the gradient of its output (the token's, times its gate) and
@@ -53,10 +63,16 @@ extern "C" __global__ void moe_combine_bwd(const T* g, const T* ys, const T* w,
     if (p >= P) return;
     const T* gt = g + (order[p] / k) * (long long)C;
     A wp = (A)w[p], d = 0;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        A gc = (A)gt[c];
-        gys[p * C + c] = (T)(gc * wp);
-        d += gc * (A)ys[p * C + c];
+    alignas(16) T gv[VEC], yv[VEC], ov[VEC];
+    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+        copy_vec(gv, gt + c);
+        copy_vec(yv, ys + p * C + c);
+        for (int q = 0; q < VEC; q++) {
+            A gc = (A)gv[q];
+            ov[q] = (T)(gc * wp);
+            d += gc * (A)yv[q];
+        }
+        copy_vec(gys + p * C + c, ov);
     }
     d = block_sum(d, shared);
     if (threadIdx.x == 0) gw[p] = (T)d;
@@ -99,9 +115,11 @@ def _permute_launch(kernel, x, order, k):
     P, C = int(order.size), int(x.shape[-1])
     xs = xp.empty((P, C), dtype=x.dtype)
     if P and C:
-        kernel("moe_permute")((P,), (ROW_THREADS,),
-                              (xp.ascontiguousarray(x), xp.ascontiguousarray(order, np.int64),
-                               xs, np.int64(P), np.int32(C), np.int32(k)))
+        x = xp.ascontiguousarray(x)
+        vec = vector_width(x.size, x, xs, row=C)
+        kernel("moe_permute", {"VEC": vec})((P,), (row_threads(C, vec),),
+                                            (x, xp.ascontiguousarray(order, np.int64), xs,
+                                             np.int64(P), np.int32(C), np.int32(k)))
     return xs
 
 
@@ -111,22 +129,27 @@ def _combine_launch(kernel, ys, w, inv, k):
     y = xp.empty((N, C), dtype=ys.dtype)
     if N and C:
         ys = xp.ascontiguousarray(ys)
-        kernel("moe_combine")((N,), (ROW_THREADS,),
-                              (ys, ys if w is None else xp.ascontiguousarray(w),
-                               np.int32(w is not None), xp.ascontiguousarray(inv, np.int64), y,
-                               np.int64(N), np.int32(C), np.int32(k)))
+        vec = vector_width(ys.size, ys, y, row=C)
+        kernel("moe_combine", {"VEC": vec})((N,), (row_threads(C, vec),),
+                                            (ys, ys if w is None else xp.ascontiguousarray(w),
+                                             np.int32(w is not None),
+                                             xp.ascontiguousarray(inv, np.int64), y,
+                                             np.int64(N), np.int32(C), np.int32(k)))
     return y
 
 
 def _combine_bwd_launch(kernel, g, ys, w, order, k):
     xp = backend.xp()
     P, C = _rows(ys)
+    ys = xp.ascontiguousarray(ys)
     gys, gw = xp.empty_like(ys), xp.empty(P, dtype=ys.dtype)
     if P:
-        kernel("moe_combine_bwd")((P,), (ROW_THREADS,),
-                                  (xp.ascontiguousarray(g), xp.ascontiguousarray(ys),
-                                   xp.ascontiguousarray(w), xp.ascontiguousarray(order, np.int64),
-                                   gys, gw, np.int64(P), np.int32(C), np.int32(k)))
+        g = xp.ascontiguousarray(g)
+        vec = vector_width(ys.size, g, ys, gys, row=C)
+        kernel("moe_combine_bwd", {"VEC": vec})((P,), (row_threads(C, vec),),
+                                                (g, ys, xp.ascontiguousarray(w),
+                                                 xp.ascontiguousarray(order, np.int64), gys, gw,
+                                                 np.int64(P), np.int32(C), np.int32(k)))
     return gys, gw
 
 

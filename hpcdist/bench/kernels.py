@@ -31,6 +31,9 @@ def _cases(xp, rows: int, C: int, V: int, dt, rng):
     two = arr(rows, 8 * C)                                 # SwiGLU's [gate | up], 4 C each
     _, mean, rstd, _ = kernels.LAYERNORM_FWD(x, w, b, 1e-5)
     _, rms, _ = kernels.RMSNORM_FWD(x, w, 1e-5)
+    heads = max(1, C // 64)                                # q|k|v of heads of 64
+    qkv = arr(rows, 3 * C)
+    cos, sin = kernels.rotary_tables(xp.arange(rows), 64, 10000.0, dt)
     z = arr(rows, V)
     t = xp.asarray(rng.integers(0, V, rows))
     lse = kernels.CROSS_ENTROPY_FWD(z, t, -100)[1]
@@ -48,6 +51,9 @@ def _cases(xp, rows: int, C: int, V: int, dt, rng):
         ("swiglu_fwd (4C)", lambda: kernels.SWIGLU_FWD(two), 3 * n4),
         ("swiglu_bwd (4C)", lambda: kernels.SWIGLU_BWD(two, g4), 5 * n4),
         ("colsum_add", lambda: kernels.COLSUM_ADD(x, xp.zeros(C, dtype=dt)), n),
+        ("rotary (q|k|v, heads of 64)",
+         lambda: kernels.ROTARY(qkv.reshape(1, rows, 3 * C), cos, sin, heads, heads, 64, 1.0),
+         2 * 3 * n),
         (f"cross_entropy_fwd (V {V})", lambda: kernels.CROSS_ENTROPY_FWD(z, t, -100), nv),
         (f"cross_entropy_bwd (V {V})",
          lambda: kernels.CROSS_ENTROPY_BWD(z, t, lse, -100, one), 2 * nv),

@@ -47,7 +47,7 @@ grep -a -E "flash|rmsnorm|swiglu|rotary|cudnn|refus|REFUSED" "$OUT/selfcheck.log
 # 2. the table, alone on the GPU: the memory-bound kernels alone (16 bytes a thread against one
 # element a thread, beside a copy), attention alone, then whole steps
 step kernels 40 "$B kernels --out $OUT/kernels.json"
-grep -a -E "GB/s|of copy|%" "$OUT/kernels.log" | head -n 16
+grep -a -E "GB/s|of copy|%" "$OUT/kernels.log" | head -n 20
 step attention 50 "$B attention --reps 5 --out $OUT/attention.json"
 step table 80 "$B gpu --layers 24 --embd 1024 --heads 16 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16,bf16+graph,tf32 --peers sdpa,eager --peer-modes bf16,tf32 --out $OUT/medium.json"
 step table 50 "$B gpu --layers 12 --embd 768 --seq 1024 --batch 8 --steps 6 --modes bf16 --peers sdpa,eager --peer-modes bf16 --out $OUT/small1024.json"

@@ -13,15 +13,16 @@ import hpcdist.device.kernels as kernels
 pytestmark = pytest.mark.skipif(cudasim.available() is not None,
                                 reason=f"the CUDA execution model: {cudasim.available()}")
 
-# (op, the module whose launcher asks for a vector width)
-VECTORIZED = [(kernels.GELU_FWD, elementwise), (kernels.BIAS_GELU, elementwise),
-              (kernels.GELU_BWD, elementwise), (kernels.BIAS_RESIDUAL, elementwise),
-              (kernels.ADD, elementwise), (kernels.LAYERNORM_FWD, layernorm),
+# (op, the module whose launcher asks for a vector width: common's ``vectors`` for the
+# elementwise ones)
+VECTORIZED = [(kernels.GELU_FWD, common), (kernels.BIAS_GELU, common),
+              (kernels.GELU_BWD, common), (kernels.BIAS_RESIDUAL, common),
+              (kernels.ADD, common), (kernels.LAYERNORM_FWD, layernorm),
               (kernels.LAYERNORM_BWD, layernorm), (kernels.RMSNORM_FWD, llama),
-              (kernels.RMSNORM_BWD, llama), (kernels.SWIGLU_FWD, llama),
-              (kernels.SWIGLU_BWD, llama), (kernels.WIDEN, elementwise),
+              (kernels.RMSNORM_BWD, llama), (kernels.SWIGLU_FWD, common),
+              (kernels.SWIGLU_BWD, common), (kernels.WIDEN, common),
               (kernels.CROSS_ENTROPY_FWD, rows), (kernels.CROSS_ENTROPY_BWD, rows),
-              (kernels.COLSUM_ADD, colsum), (kernels.ROTARY, llama), (kernels.MOE_PERMUTE, moe),
+              (kernels.COLSUM_ADD, colsum), (kernels.ROTARY, common), (kernels.MOE_PERMUTE, moe),
               (kernels.MOE_COMBINE, moe), (kernels.MOE_COMBINE_BWD, moe)]
 IDS = [op.name for op, _ in VECTORIZED]
 

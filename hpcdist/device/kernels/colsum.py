@@ -22,7 +22,6 @@ _COLSUM = _VECTOR + _FINISH + r"""
 extern "C" __global__ void colsum_add(const T* g, T* out, A* part, unsigned* done,
                                       long long rows, int C) {
     __shared__ A acc[8][32 * VEC + 1];
-    __shared__ int last;
     int c0 = (blockIdx.x * 32 + threadIdx.x) * VEC;   // (C divides by VEC)
     long long per = (rows + gridDim.y - 1) / gridDim.y;
     long long r0 = blockIdx.y * per, r1 = r0 + per < rows ? r0 + per : rows;
@@ -43,13 +42,7 @@ extern "C" __global__ void colsum_add(const T* g, T* out, A* part, unsigned* don
             if (gridDim.y == 1) out[c0 + j] = (T)((A)out[c0 + j] + t);
             else part[blockIdx.y * C + c0 + j] = t;
         }
-    if (gridDim.y == 1) return;
-    __threadfence();                                   // this chunk's sums, seen by all
-    __syncthreads();
-    if (threadIdx.x == 0 && threadIdx.y == 0)
-        last = atomicAdd(done + blockIdx.x, 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
+    if (gridDim.y == 1 || !last_to_arrive(done + blockIdx.x, gridDim.y)) return;
     if (threadIdx.y == 0 && c0 < C)
         for (int j = 0; j < VEC; j++) {
             A t = 0;

@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from ..fused import grid
+
 
 GELU_C = math.sqrt(2.0 / math.pi)
 ROW_BLOCK = 64       # rows per partial sum of the CPU kernels' column reductions (cpu_jit.py)
@@ -102,18 +104,23 @@ __device__ __forceinline__ A read_l2(const A* p) { return __ldcg(p); }   // (not
 #else
 __device__ __forceinline__ A read_l2(const A* p) { return *p; }
 #endif
-// the block that finishes last (a counter, after a fence) adds the float sums ``ws`` into
-// ``low0`` (ws[0, n)) and, ``two``, ``low1`` (ws[n, 2n)) in their dtype, rounding once, and
-// leaves ``ws`` and the counter at zero for the next call: a norm's weight (and bias)
-// gradient into 2-byte gradient buffers in the same kernel, where CuPy took a zeroing launch
-// before it and an addition launch after it for each buffer
-__device__ void finish_into(A* ws, T* low0, T* low1, int n, int two, unsigned* done) {
+// whether this block is the last of ``blocks`` to arrive at ``done`` (every block of the
+// grid calls it, all its threads): the writes of the blocks before it are seen (each thread's
+// fence before the count). The caller's last block zeroes ``done`` again for the next call.
+__device__ bool last_to_arrive(unsigned* done, unsigned blocks) {
     __shared__ int last;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(done, 1u) == blocks - 1;
     __syncthreads();
-    if (!last) return;
+    return last;
+}
+// the last block adds the float sums ``ws`` into ``low0`` (ws[0, n)) and, ``two``, ``low1``
+// (ws[n, 2n)) in their dtype, rounding once, and leaves ``ws`` and the counter at zero for
+// the next call: a norm's weight (and bias) gradient into 2-byte gradient buffers in the same
+// kernel, where CuPy took a zeroing launch before it and an addition launch after it for each
+__device__ void finish_into(A* ws, T* low0, T* low1, int n, int two, unsigned* done) {
+    if (!last_to_arrive(done, gridDim.x)) return;
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
         low0[c] = (T)((A)low0[c] + read_l2(ws + c));
         ws[c] = 0;
@@ -122,6 +129,13 @@ __device__ void finish_into(A* ws, T* low0, T* low1, int n, int two, unsigned* d
     if (threadIdx.x == 0) *done = 0;
 }
 """
+
+
+def finishes(x, acc, *into) -> bool:
+    """Whether a norm's backward adds its sums into ``into`` itself (``finish_into``): every
+    buffer given, contiguous, of ``x``'s 2-byte dtype rather than the accumulator's."""
+    return all(b is not None and b.dtype != acc and b.dtype == x.dtype and b.flags.c_contiguous
+               for b in into)
 
 
 def summed(buf, into, dtype):
@@ -201,3 +215,10 @@ def vector_width(n: int, *arrays, row: int | None = None) -> int:
     if not VECTORS[0] or width <= 1 or n % width or (row is not None and row % width):
         return 1
     return width if all(address(a) % 16 == 0 for a in arrays) else 1
+
+
+def vectors(k, name: str, n: int, *arrays, row: int | None = None):
+    """(kernel ``name``'s variant for these arrays, its grid): an elementwise kernel over
+    ``n`` elements, VEC a thread (``vector_width``)."""
+    vec = vector_width(n, *arrays, row=row)
+    return k(name, {"VEC": vec}), grid(-(-n // vec))

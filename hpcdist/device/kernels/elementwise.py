@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..fused import Fused, grid
-from .common import _VECTOR, GELU_C, vector_width
+from ..fused import Fused
+from .common import _VECTOR, GELU_C, vectors
 
 
 # ---- GELU ----------------------------------------------------------------------------------
@@ -110,23 +110,17 @@ def bias_gelu_twin(h, b):
     return gelu_twin(h)
 
 
-def _vectors(k, name, n, *arrays, row=None):
-    """``name``'s variant for these arrays and its grid: VEC elements a thread."""
-    vec = vector_width(n, *arrays, row=row)
-    return k(name, {"VEC": vec}), grid(-(-n // vec))
-
-
 def _bias_gelu_launch(k, h, b):
     y = backend.xp().empty_like(h)
     b = backend.xp().ascontiguousarray(b)
-    fn, (blocks, threads) = _vectors(k, "bias_gelu_fwd", h.size, h, b, y, row=h.shape[-1])
+    fn, (blocks, threads) = vectors(k, "bias_gelu_fwd", h.size, h, b, y, row=h.shape[-1])
     fn(blocks, threads, (h, b, y, np.int64(h.size), np.int32(h.shape[-1])))
     return y, None
 
 
 def _gelu_launch(k, x):
     y = backend.xp().empty_like(x)
-    fn, (blocks, threads) = _vectors(k, "gelu_fwd", x.size, x, y)
+    fn, (blocks, threads) = vectors(k, "gelu_fwd", x.size, x, y)
     fn(blocks, threads, (x, y, np.int64(x.size)))
     return y, None
 
@@ -134,7 +128,7 @@ def _gelu_launch(k, x):
 def _gelu_bwd_launch(k, x, g, t=None):
     gx = backend.xp().empty_like(x)
     g = backend.xp().ascontiguousarray(g)
-    fn, (blocks, threads) = _vectors(k, "gelu_bwd", x.size, x, g, gx)
+    fn, (blocks, threads) = vectors(k, "gelu_bwd", x.size, x, g, gx)
     fn(blocks, threads, (x, g, gx, np.int64(x.size)))
     return gx
 
@@ -196,7 +190,7 @@ def _bias_residual_launch(k, out, bias=None, residual=None):
     dummy = out                                   # a valid pointer for an absent operand
     bias = xp.ascontiguousarray(bias) if has_bias else dummy
     residual = xp.ascontiguousarray(residual) if has_residual else dummy
-    fn, (blocks, threads) = _vectors(k, "bias_residual", out.size, out, bias, residual,
+    fn, (blocks, threads) = vectors(k, "bias_residual", out.size, out, bias, residual,
                                      row=out.shape[-1])
     fn(blocks, threads, (out, bias, residual, np.int64(out.size), np.int32(out.shape[-1]),
                          np.int32(has_bias), np.int32(has_residual)))
@@ -242,7 +236,7 @@ def _add_launch(k, a, b):
     xp = backend.xp()
     a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
     out = xp.empty_like(a)
-    fn, (blocks, threads) = _vectors(k, "add2", a.size, a, b, out)
+    fn, (blocks, threads) = vectors(k, "add2", a.size, a, b, out)
     fn(blocks, threads, (a, b, out, np.int64(a.size)))
     return out
 
@@ -294,7 +288,7 @@ def _widen_launch(k, x, y):
     if y.dtype != np.float32 or not y.flags.c_contiguous or x.shape != y.shape:
         return widen_twin(x, y)
     x = backend.xp().ascontiguousarray(x)
-    fn, (blocks, threads) = _vectors(k, "widen", x.size, x, y)
+    fn, (blocks, threads) = vectors(k, "widen", x.size, x, y)
     fn(blocks, threads, (x, y, np.int64(x.size)))
     return y
 

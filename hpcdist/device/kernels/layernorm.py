@@ -7,8 +7,9 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused
-from .common import (_COMMON, _FINISH, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator, kept_zeros,
-                     low, row_threads, rows_per_block, sums, summed, vector_width, wide)
+from .common import (_COMMON, _FINISH, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator, finishes,
+                     kept_zeros, low, row_threads, rows_per_block, sums, summed, vector_width,
+                     wide)
 
 
 # ---- LayerNorm -----------------------------------------------------------------------------
@@ -203,8 +204,7 @@ def _layernorm_bwd_launch(k, g, x, w, mean, rstd, xhat=None, gw_into=None, gb_in
     acc = accumulator(x.dtype)
     gx = xp.empty_like(x)
     # 2-byte buffers for both sums: added by the kernel's last block from a kept workspace
-    finish = all(b is not None and b.dtype != acc and b.dtype == x.dtype and b.flags.c_contiguous
-                 for b in (gw_into, gb_into))
+    finish = finishes(x, acc, gw_into, gb_into)
     if finish:
         ws = kept_zeros(xp, 2 * C, acc, "norm sums")
         gw, gb, lows = ws[:2 * C], ws[C:2 * C], (gw_into, gb_into)   # (gw: finish reads 2C)

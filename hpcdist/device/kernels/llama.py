@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
-from ..fused import Fused, grid
+from ..fused import Fused
 from .common import (_COMMON, _FINISH, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator,
-                     kept_zeros, low, row_threads, rows_per_block, sums, summed, vector_width,
-                     wide)
+                     finishes, kept_zeros, low, row_threads, rows_per_block, sums, summed,
+                     vector_width, vectors, wide)
 
 # ---- RMSNorm -------------------------------------------------------------------------------
 
@@ -153,8 +153,7 @@ def _rmsnorm_bwd_launch(k, g, x, w, rstd, xhat=None, gw_into=None):
     rows, C = _rows(x)
     acc = accumulator(x.dtype)
     gx = xp.empty_like(x)
-    finish = gw_into is not None and gw_into.dtype != acc and gw_into.dtype == x.dtype and \
-        gw_into.flags.c_contiguous                 # (LayerNorm's backward launcher says why)
+    finish = finishes(x, acc, gw_into)
     gw = kept_zeros(xp, C, acc, "norm sums")[:C] if finish else sums(gw_into, C, acc)
     per, shm = rows_per_block(rows, C * np.dtype(acc).itemsize)
     g, w = xp.ascontiguousarray(g, dtype=x.dtype), xp.ascontiguousarray(w)
@@ -259,8 +258,8 @@ def _swiglu_launch(k, h):
     h = xp.ascontiguousarray(h)
     H = h.shape[-1] // 2
     y = xp.empty(h.shape[:-1] + (H,), dtype=h.dtype)
-    vec = vector_width(y.size, h, y, row=H)
-    k("swiglu_fwd", {"VEC": vec})(*grid(-(-y.size // vec)), (h, y, np.int64(y.size), np.int64(H)))
+    fn, (blocks, threads) = vectors(k, "swiglu_fwd", y.size, h, y, row=H)
+    fn(blocks, threads, (h, y, np.int64(y.size), np.int64(H)))
     return y
 
 
@@ -270,9 +269,8 @@ def _swiglu_bwd_launch(k, h, g):
     H = h.shape[-1] // 2
     dh = xp.empty_like(h)
     g = xp.ascontiguousarray(g, dtype=h.dtype)
-    vec = vector_width(g.size, h, g, dh, row=H)
-    k("swiglu_bwd", {"VEC": vec})(*grid(-(-g.size // vec)), (h, g, dh, np.int64(g.size),
-                                                             np.int64(H)))
+    fn, (blocks, threads) = vectors(k, "swiglu_bwd", g.size, h, g, dh, row=H)
+    fn(blocks, threads, (h, g, dh, np.int64(g.size), np.int64(H)))
     return dh
 
 
@@ -357,10 +355,9 @@ def _rotary_launch(k, x, cos, sin, nq, nk, hd, sign=1.0):
     n = x.size // 2
     cos = xp.ascontiguousarray(cos, dtype=x.dtype)
     sin = xp.ascontiguousarray(sin, dtype=x.dtype)
-    vec = vector_width(n, x, out, cos, sin, row=hd // 2)
-    k("rotary", {"VEC": vec})(*grid(-(-n // vec)), (x, out, cos, sin, np.int64(n), np.int32(T),
-                                                  np.int32(W), np.int32(nq), np.int32(nk),
-                                                  np.int32(hd), _scalar(acc, sign)))
+    fn, (blocks, threads) = vectors(k, "rotary", n, x, out, cos, sin, row=hd // 2)
+    fn(blocks, threads, (x, out, cos, sin, np.int64(n), np.int32(T), np.int32(W), np.int32(nq),
+                         np.int32(nk), np.int32(hd), _scalar(acc, sign)))
     return out
 
 

@@ -57,7 +57,7 @@ def check(train_args: list, world: int, tasks_per_node: int | None = None,
             if folder is not None:
                 checkpoint.check_meta(checkpoint.read_manifest(folder),
                                       checkpoint.checkpoint_meta(cfg, train_set.vocabulary),
-                                      folder)
+                                      folder, train_set.vocabulary)
         except checkpoint.CheckpointError as e:
             raise ConfigError(str(e)) from None
     return warnings

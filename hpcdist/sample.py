@@ -26,9 +26,8 @@ from .parallel.strategy import model_fields
 def load(path: str):
     """(the model in eval mode, vocabulary dict or None) of a save folder, a checkpoint or a
     Hugging Face folder (GPT-2, Llama, Mistral, Mixtral)."""
-    if os.path.isfile(os.path.join(path, "config.json")) and (
-            os.path.isfile(os.path.join(path, "model.safetensors")) or
-            os.path.isfile(os.path.join(path, "model.safetensors.index.json"))):
+    if any(os.path.isfile(os.path.join(path, name)) for name in (
+            "config.json", "model.safetensors", "model.safetensors.index.json")):
         from .checkpoint import hf
         model, v = hf.load(path)
         return model.eval(), v
@@ -106,7 +105,8 @@ def main(argv=None) -> int:
                                  description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("model", help="a save folder, a checkpoint, or a Hugging Face GPT-2 folder")
+    ap.add_argument("model", help="a save folder, a checkpoint, or a Hugging Face model folder "
+                                   "(GPT-2, Llama, Mistral, Mixtral, Qwen2, Gemma)")
     ap.add_argument("--prompt", default="", help="text to continue (default: the end-of-text "
                                                  "token, or the first token)")
     ap.add_argument("--ids", default="", help="the prompt as comma-separated token ids")

@@ -60,7 +60,8 @@ def prepare(cfg: TrainConfig, comm):
         return datasets, (None, note, None)
     reader = checkpoint.Reader(folder)
     checkpoint.check_meta(reader.manifest,
-                          checkpoint.checkpoint_meta(cfg, datasets[0].vocabulary), folder)
+                          checkpoint.checkpoint_meta(cfg, datasets[0].vocabulary), folder,
+                          datasets[0].vocabulary)
     return datasets, (folder, note, reader)
 
 
@@ -214,6 +215,13 @@ def main(argv=None) -> int:
         except errors as e:
             message = str(e)
         message = runtime.agree_on_error(comm, message)
+        if message is None:                            # validated: --overwrite moves now
+            try:
+                for line in savedir.commit() if comm.rank == 0 else []:
+                    print(line)
+            except errors as e:
+                message = str(e)
+            message = runtime.agree_on_error(comm, message)
     if message is not None:
         if comm.rank == 0:                             # nothing of a refused run left behind
             savedir.unclaim()

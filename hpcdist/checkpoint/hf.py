@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from .hf_files import folder_vocabulary, read_config, read_safetensors
+from .hf_files import check_weights, folder_vocabulary, read_config, read_safetensors  # noqa: F401
 
 gpt2_vocabulary = folder_vocabulary       # (the name other modules used)
 

@@ -4,12 +4,11 @@ as hpcdist's Llama family (nn/llama.py) — its fused q|k|v and gate|up projecti
 (and cut back into) their separate ones, our (in, out) layout against torch's (out, in)."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
-from .hf_files import folder_vocabulary, read_config, read_safetensors
+from .hf_files import folder_vocabulary, read_config, read_safetensors, weight_files
 
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "mixtral": "MixtralForCausalLM"}
@@ -60,17 +59,9 @@ def llama_shape(folder: str) -> dict:
 def read_weights(folder: str) -> dict:
     """name -> array of the folder's weights: model.safetensors, or the shards its index
     names (each read once)."""
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(single):
-        return read_safetensors(single)
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if not os.path.isfile(index):
-        raise FileNotFoundError(f"{folder}: no model.safetensors (nor an index of shards)")
-    with open(index) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
     out = {}
-    for name in files:
-        out.update(read_safetensors(os.path.join(folder, name)))
+    for path in weight_files(folder):
+        out.update(read_safetensors(path))
     return out
 
 

@@ -30,10 +30,14 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
     return meta
 
 
-def check_meta(manifest: dict, meta: dict, folder: str) -> None:
+def check_meta(manifest: dict, meta: dict, folder: str, vocabulary: dict | None = None) -> None:
     """Refuse, in one line, a checkpoint written by a run that differs from this one; another
-    vocabulary first (ids would mean other tokens), naming both."""
+    vocabulary first (ids would mean other tokens), naming both. ``vocabulary``: this run's,
+    where known (a checkpoint that named it by its file's text still compares equal)."""
+    from ..data import vocab
     saved = manifest.get("meta") or {}
+    if vocabulary is not None and "vocab" in saved and vocab.same(saved["vocab"], vocabulary):
+        saved = dict(saved, vocab=meta.get("vocab"))
     if "vocab" in saved and "vocab" in meta and saved["vocab"] != meta["vocab"]:
         raise CheckpointError(f"{folder} was trained on another vocabulary: {saved['vocab']}; "
                               f"this run's data gives {meta['vocab']}. Resume with the same "

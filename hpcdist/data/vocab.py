@@ -25,19 +25,36 @@ def chars(alphabet) -> dict:
 
 def tokenizer_file(path: str) -> dict:
     """The vocabulary of a Hugging Face ``tokenizer.json``."""
-    with open(path, encoding="utf-8") as f:
-        return tokenizer_text(f.read(), path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a Hugging Face tokenizer.json (not UTF-8 text: {e})") \
+            from None
+    return tokenizer_text(text, path)
 
 
 def tokenizer_text(text: str, path: str = "the tokenizer") -> dict:
-    """The vocabulary of a ``tokenizer.json``'s text."""
+    """The vocabulary of a ``tokenizer.json``'s text; text that is not one is a ValueError
+    naming ``path`` and what is wrong."""
     try:
-        vocab = json.loads(text)["model"]["vocab"]
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{path} is not a Hugging Face tokenizer.json") from None
-    added = json.loads(text).get("added_tokens") or []
-    size = max([len(vocab)] + [int(t["id"]) + 1 for t in added])
+        spec = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a Hugging Face tokenizer.json (not valid JSON: {e})") \
+            from None
+    try:
+        vocab = spec["model"]["vocab"]
+        added = spec.get("added_tokens") or []
+        size = max([len(vocab)] + [int(t["id"]) + 1 for t in added])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ValueError(f"{path}: not a Hugging Face tokenizer.json (no model.vocab, or "
+                         "added_tokens without ids)") from None
     return {"kind": "tokenizer", "size": int(size), "tokenizer": text}
+
+
+def same(saved: str, v: dict) -> bool:
+    """Whether a fingerprint a checkpoint stored names the vocabulary ``v``."""
+    return saved in (fingerprint(v), fingerprint(v, written_digest))
 
 
 def token_ids(vocab_size: int) -> dict:
@@ -45,11 +62,36 @@ def token_ids(vocab_size: int) -> dict:
     return {"kind": "tokens", "size": int(vocab_size)}
 
 
+def canonical(v: dict) -> dict:
+    """The vocabulary as its meaning: a tokenizer's ``tokenizer.json`` parsed by ``tokenizers``
+    and written back with sorted keys, without what does not change a token's id (its
+    version, padding and truncation), so the same tokenizer saved by transformers (indented),
+    by ``tokenizers`` or by ``prepare`` (compact) is one value; other kinds are their value."""
+    if v.get("kind") != "tokenizer":
+        return v
+    try:
+        from tokenizers import Tokenizer as HF
+        spec = json.loads(HF.from_str(v["tokenizer"]).to_str())
+    except Exception:                        # (not parsable by tokenizers: its JSON as written)
+        spec = json.loads(v["tokenizer"])
+    for key in ("version", "padding", "truncation"):
+        spec.pop(key, None)
+    spec["added_tokens"] = sorted(spec.get("added_tokens") or [], key=lambda t: int(t["id"]))
+    return {"kind": "tokenizer", "size": v["size"],
+            "tokenizer": json.dumps(spec, sort_keys=True, separators=(",", ":"))}
+
+
 def digest(v: dict) -> str:
+    return hashlib.sha256(json.dumps(canonical(v), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def written_digest(v: dict) -> str:
+    """The digest of a tokenizer as its file was written (what checkpoints stored before
+    ``canonical``): a resume of such a checkpoint on the same file still compares equal."""
     return hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def fingerprint(v: dict) -> str:
+def fingerprint(v: dict, digest=digest) -> str:
     """One line that names a vocabulary (what a checkpoint's meta compares)."""
     kind, size = v.get("kind"), v.get("size")
     if kind == "digits":

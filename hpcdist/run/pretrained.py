@@ -12,6 +12,7 @@ def shape_from_pretrained(cfg, train_set, vocabulary=None) -> None:
     --resume compares them)."""
     from ..checkpoint import hf
     shape = hf.shape(cfg.init_from)
+    hf.check_weights(cfg.init_from)            # a damaged file: one line, before any work
     if shape["vocab_size"] != train_set.vocab_size:
         raise ConfigError(f"--init-from {cfg.init_from} has a vocabulary of "
                           f"{shape['vocab_size']:,}, the data {train_set.vocab_size:,}: "

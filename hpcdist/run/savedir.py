@@ -160,7 +160,21 @@ class _Heartbeat(threading.Thread):
 
 
 _held: dict = {}
-_made: list = []            # what claim() created: undone when the run is refused after it
+_made_files: list = []      # what claim() created: undone when the run is refused after it
+_made_dirs: list = []       # (folders deepest first; never a path that existed before)
+
+
+def _missing_folders(path: str) -> list[str]:
+    """The folders of ``path`` (itself included) that do not exist yet, deepest first: what
+    creating it makes, and all that a refusal may take back."""
+    missing, head = [], os.path.abspath(path)
+    while head and not os.path.lexists(head):
+        missing.append(head)
+        parent = os.path.dirname(head)
+        if parent == head:
+            break
+        head = parent
+    return missing
 
 
 def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
@@ -173,8 +187,7 @@ def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
         raise SaveDirError(f"--resume: --save-dir {save_dir!r} does not exist (a mistyped "
                            "name?); an empty folder starts at step 0: create it for a first "
                            "run that later runs resume")
-    if not os.path.isdir(save_dir):
-        _made.append(save_dir)                  # (check_writable makes it)
+    _made_dirs[:0] = _missing_folders(save_dir)     # (check_writable makes them)
     problem = check_writable(save_dir, "--save-dir")
     if problem:
         raise SaveDirError(problem)
@@ -184,16 +197,16 @@ def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
                            ": wait for it to end, or use another --save-dir")
     step = has_checkpoints(save_dir)
     run = _read_json(os.path.join(save_dir, RUN)) or {}
-    if not resume and step is not None:
+    command = " ".join(["python -m hpcdist.train"] + list(
+        argv if argv is not None else sys.argv[1:]))
+    overwriting = not resume and step is not None
+    if overwriting:
         who = f"run {run['id']} (started {run.get('started', '?')})" if run.get("id") else \
             "another run"
         if not overwrite:
             raise SaveDirError(
                 f"--save-dir {save_dir!r} holds the checkpoints of {who}, up to step {step}: "
                 "add --resume to continue it, or --overwrite to move it aside and start afresh")
-        aside = _moved_aside(save_dir)
-        said.append(f"--overwrite: moved {who} from {save_dir} to {aside} (nothing deleted)")
-        run = {}
     os.makedirs(save_dir, exist_ok=True)
     if lock is not None:                        # its job is gone: take the lock over
         said.append(f"took over the lock of {save_dir}, left by a job that is gone "
@@ -203,29 +216,73 @@ def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
         except FileNotFoundError:
             pass
     _take_lock(save_dir)
+    if overwriting:             # moved aside by commit(), once the whole run is validated
+        _pending.append((save_dir, who, command))
+        return said
     said += remove_partial_saves(save_dir)
     if not resume or not run.get("id"):
-        _made.insert(0, os.path.join(save_dir, RUN))
-        _write_json(os.path.join(save_dir, RUN), {
-            "id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "host": socket.gethostname(), "command": " ".join(["python -m hpcdist.train"] + list(
-                argv if argv is not None else sys.argv[1:]))})
+        _made_files.append(os.path.join(save_dir, RUN))
+        _write_run(save_dir, command)
     return said
 
 
-def unclaim() -> None:
-    """A run refused after ``claim``: remove the run.json and the folder it created (the
-    folder only while empty but for the lock, which ``release`` gives back)."""
-    release()
-    for path in _made:
+def _write_run(save_dir: str, command: str) -> None:
+    _write_json(os.path.join(save_dir, RUN), {
+        "id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": socket.gethostname(), "command": command})
+
+
+_pending: list = []         # --overwrite's moves, held until the run is validated
+
+
+def commit() -> list[str]:
+    """The run is validated on every rank: carry out ``--overwrite`` (rank 0 only). The old
+    run's folder, locked by this job since ``claim``, is renamed to ``NAME.old-N`` (nothing
+    deleted) and a fresh folder takes its place; a run refused before this point has moved
+    nothing. Returns the lines to print."""
+    said = []
+    for save_dir, who, command in _pending:
+        _let_go(os.path.join(save_dir, LOCK))
+        aside = _moved_aside(save_dir)
         try:
-            if os.path.isdir(path):
-                os.rmdir(path)
-            else:
-                os.remove(path)
+            os.remove(os.path.join(aside, LOCK))    # (ours: the old run's folder is unlocked)
+        except FileNotFoundError:
+            pass
+        os.makedirs(save_dir)
+        _take_lock(save_dir)
+        _write_run(save_dir, command)
+        said.append(f"--overwrite: moved {who} from {save_dir} to {aside} (nothing deleted)")
+    _pending.clear()
+    return said
+
+
+def _let_go(path: str) -> None:
+    """Stop the heartbeat of a lock this process holds (the file stays where it is)."""
+    me_beat = _held.pop(path, None)
+    if me_beat is not None:
+        me_beat[1].stopping.set()
+        me_beat[1].join()
+
+
+def unclaim() -> None:
+    """A run refused after ``claim``: remove the run.json it wrote and the folders it created
+    (each only while empty, once ``release`` has given the lock back). Nothing that existed
+    before ``claim`` is touched: a path that was the user's file or folder is never on the
+    lists."""
+    release()
+    _pending.clear()
+    for path in _made_files:
+        try:
+            os.remove(path)
         except OSError:
             pass
-    _made.clear()
+    for path in _made_dirs:
+        try:
+            os.rmdir(path)                  # (fails, harmlessly, on a folder that is not empty)
+        except OSError:
+            pass
+    _made_files.clear()
+    _made_dirs.clear()
 
 
 def remove_partial_saves(save_dir: str) -> list[str]:

@@ -1,0 +1,266 @@
+"""Nothing that hpcdist did not create is ever removed or moved: every path flag of every
+command, pointed at a user's file and at a user's non-empty folder, leaves each of their
+bytes where it was; ``--overwrite`` moves an old run aside only once the new run has been
+validated. Damaged Hugging Face files are one line naming the file and the fault."""
+import json
+import os
+import re
+import struct
+
+import numpy as np
+import pytest
+
+from test_edges import corpus, one_line, prepare, py
+
+
+def snapshot(root) -> dict:
+    """path -> bytes of every file below ``root`` (a file: itself)."""
+    root = str(root)
+    if os.path.isfile(root):
+        return {root: open(root, "rb").read()}
+    out = {}
+    for folder, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(folder, n)
+            out[p] = open(p, "rb").read()
+    return out
+
+
+def kept(before: dict) -> None:
+    """Every file of ``before`` is still there with the same bytes."""
+    for path, data in before.items():
+        assert os.path.isfile(path), f"{path} was removed or moved"
+        assert open(path, "rb").read() == data, f"{path} was changed"
+
+
+@pytest.fixture
+def user(tmp_path):
+    """A user's file (their corpus) and a user's non-empty folder."""
+    text = corpus(tmp_path / "corpus.txt", lines=400)
+    folder = tmp_path / "mine"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "notes.md").write_text("my notes\n")
+    (folder / "sub" / "data.bin").write_bytes(bytes(range(256)))
+    return text, str(folder)
+
+
+TRAIN = ("-m", "hpcdist.train", "--steps", "2", "--batch-size", "8", "--log-every", "1")
+
+
+@pytest.mark.parametrize("flag", ["--save-dir", "--out-dir", "--data"])
+def test_a_train_path_flag_on_a_users_file_or_folder_loses_nothing(user, tmp_path, flag):
+    text, folder = user
+    for target in (text, folder, os.path.join(text, "below")):
+        before = {**snapshot(text), **snapshot(folder)}
+        extra = ["--out-dir", str(tmp_path / "o")] if flag != "--out-dir" else []
+        rc, out, err = py(*TRAIN, flag, target, *extra, cwd=str(tmp_path))
+        kept(before)
+        if flag != "--data" and (target == text or target.endswith("below")):
+            assert rc == 2 and "is a file, not a folder" in err, (flag, target, err[-800:])
+            one_line(err, r"hpcdist.train: error: ")
+        if flag == "--data" and target != text:
+            assert rc == 2, err                         # a folder of no shards: refused
+            one_line(err, r"hpcdist.train: error: ")
+
+
+def test_prepare_out_on_a_users_file_or_folder_loses_nothing(user, tmp_path):
+    text, folder = user
+    other = corpus(tmp_path / "b.txt", lines=200, seed=3)
+    for target in (text, folder):
+        before = {**snapshot(text), **snapshot(folder)}
+        rc, _, err = prepare(other, "--vocab-size", 300, "--out", target)
+        kept(before)
+        if target == text:
+            assert rc == 2 and "Traceback" not in err, err
+    assert os.path.isfile(os.path.join(folder, "tokenizer.json"))   # written beside theirs
+
+
+def test_export_on_a_users_file_or_folder_loses_nothing(user, tmp_path):
+    text, folder = user
+    save = tmp_path / "ck"
+    rc, _, err = py(*TRAIN, "--save-dir", str(save), "--out-dir", str(tmp_path / "o"))
+    assert rc == 0, err
+    (tmp_path / "mine" / "config.json").write_text('{"theirs": 1}')
+    for target in (text, folder):
+        for fmt in ("safetensors", "npz"):
+            before = {**snapshot(text), **snapshot(folder)}
+            rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(save), target,
+                            "--format", fmt)
+            kept(before)
+            if fmt == "npz":                # (written beside it: corpus.txt.npz, mine.npz)
+                assert rc == 0 and os.path.isfile(target + ".npz"), err
+                continue
+            assert rc == 2, (target, fmt, err)
+            one_line(err, "python -m hpcdist.checkpoint: error: ")
+
+
+def test_overwrite_moves_nothing_when_the_run_is_refused(tmp_path):
+    save = tmp_path / "ck"
+    rc, _, err = py(*TRAIN, "--save-dir", str(save), "--out-dir", str(tmp_path / "o"))
+    assert rc == 0, err
+    before = snapshot(save)
+    # refused after the folders are claimed: the data cannot feed one step of 10^7 a replica
+    rc, _, err = py(*TRAIN, "--save-dir", str(save), "--overwrite", "--batch-size", "10000000",
+                    "--out-dir", str(tmp_path / "o"))
+    assert rc == 2 and "fewer than one global step" in err, err
+    kept(before)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "o"]           # no ck.old-1
+    rc, out, err = py(*TRAIN, "--save-dir", str(save), "--overwrite",
+                      "--out-dir", str(tmp_path / "o"))
+    assert rc == 0 and "--overwrite: moved run" in out and "ck.old-1 (nothing deleted)" in out
+    kept({p.replace(str(save), str(save) + ".old-1"): b for p, b in before.items()
+          if not p.endswith(".lock")})
+    assert os.path.isfile(save / "run.json") and not os.path.exists(save.parent / "ck.old-2")
+
+
+def test_a_refused_run_removes_only_the_folders_it_made(tmp_path):
+    deep = tmp_path / "a" / "b" / "c"
+    rc, _, err = py(*TRAIN, "--save-dir", str(deep), "--batch-size", "10000000",
+                    "--out-dir", str(tmp_path / "o"))
+    assert rc == 2, err
+    assert not (tmp_path / "a").exists()                         # all three were made by it
+
+
+# ---- the tokenizer: compared by meaning ---------------------------------------------------------
+
+def test_the_same_tokenizer_written_three_ways_compares_equal_and_another_differs(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from hpcdist.data import vocab
+    text = corpus(tmp_path / "c.txt", lines=300)
+    rc, _, err = prepare(text, "--vocab-size", 300, "--out", tmp_path / "tok")
+    assert rc == 0, err
+    compact = (tmp_path / "tok" / "tokenizer.json").read_text()
+    spec = json.loads(compact)
+    indented = json.dumps(spec, indent=2, ensure_ascii=False)       # as transformers saves it
+    reordered = json.dumps(dict(reversed(list(spec.items()))), indent=4)
+    tok = tokenizers.Tokenizer.from_str(compact)
+    again = tok.to_str(pretty=True)
+    prints = {vocab.fingerprint(vocab.tokenizer_text(t)) for t in (compact, indented,
+                                                                     reordered, again)}
+    assert len(prints) == 1, prints
+    spec["model"]["vocab"] = dict(reversed(list(spec["model"]["vocab"].items())))
+    ids = sorted(spec["model"]["vocab"].values())
+    swapped = dict(spec["model"]["vocab"])
+    a, b = [k for k, v in swapped.items() if v in ids[-2:]]
+    swapped[a], swapped[b] = swapped[b], swapped[a]                # two ids swapped: another
+    spec["model"]["vocab"] = swapped
+    other = vocab.fingerprint(vocab.tokenizer_text(json.dumps(spec)))
+    assert other not in prints
+
+
+def test_a_checkpoint_that_named_its_tokenizer_by_the_files_text_still_resumes():
+    from hpcdist.checkpoint import check_meta
+    from hpcdist.data import vocab
+    v = vocab.tokenizer_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1},
+                                                   "unk_token": "a"}}))
+    old = vocab.fingerprint(v, vocab.written_digest)
+    check_meta({"meta": {"vocab": old}}, {"vocab": vocab.fingerprint(v)}, "ck", v)
+    with pytest.raises(Exception, match="another vocabulary"):
+        check_meta({"meta": {"vocab": "x, sha256 0"}}, {"vocab": vocab.fingerprint(v)}, "ck", v)
+
+
+# ---- damaged Hugging Face files -------------------------------------------------------------------
+
+def _safetensors(path, tensors: dict, header_extra=None):
+    header, blobs, at = {}, [], 0
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a, np.float32)
+        header[name] = {"dtype": "F32", "shape": list(a.shape),
+                        "data_offsets": [at, at + a.nbytes]}
+        blobs.append(a.tobytes())
+        at += a.nbytes
+    header.update(header_extra or {})
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def _damages(path):
+    """(name, how to damage a good safetensors file, the words the message must hold)."""
+    good = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", good[:8])
+    header = json.loads(good[8:8 + n])
+    name = sorted(k for k in header if k != "__metadata__")[0]
+    wrong_shape = dict(header)
+    wrong_shape[name] = dict(header[name], shape=[s + 1 for s in header[name]["shape"]])
+    raw = json.dumps(wrong_shape).encode()
+    return [("truncated", good[:len(good) - 100], r"truncated\?\)"),
+            ("header length", struct.pack("<Q", 1 << 40) + good[8:], r"header length says"),
+            ("header JSON", good[:8] + b"{" * n + good[8 + n:], r"header is not JSON"),
+            ("shape", struct.pack("<Q", len(raw)) + raw + good[8 + n:], r"needs .* bytes"),
+            ("empty", b"", r"shorter than the 8-byte")]
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "gpt2"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    C, V, T = 16, 50, 32
+    t = {"transformer.wte.weight": rng.normal(size=(V, C)) * .02,
+         "transformer.wpe.weight": rng.normal(size=(T, C)) * .02,
+         "transformer.ln_f.weight": np.ones(C), "transformer.ln_f.bias": np.zeros(C)}
+    p = "transformer.h.0."
+    t.update({p + "ln_1.weight": np.ones(C), p + "ln_1.bias": np.zeros(C),
+              p + "ln_2.weight": np.ones(C), p + "ln_2.bias": np.zeros(C),
+              p + "attn.c_attn.weight": rng.normal(size=(C, 3 * C)) * .02,
+              p + "attn.c_attn.bias": np.zeros(3 * C),
+              p + "attn.c_proj.weight": rng.normal(size=(C, C)) * .02,
+              p + "attn.c_proj.bias": np.zeros(C),
+              p + "mlp.c_fc.weight": rng.normal(size=(C, 4 * C)) * .02,
+              p + "mlp.c_fc.bias": np.zeros(4 * C),
+              p + "mlp.c_proj.weight": rng.normal(size=(4 * C, C)) * .02,
+              p + "mlp.c_proj.bias": np.zeros(C)})
+    _safetensors(folder / "model.safetensors", t)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": C, "vocab_size": V,
+        "n_positions": T}))
+    return folder
+
+
+def test_damaged_weights_are_one_line_naming_the_file_in_sample_and_init_from(gpt2_folder,
+                                                                             tmp_path):
+    import shutil
+    rc, out, err = py("-m", "hpcdist.sample", str(gpt2_folder), "--ids", "1,2", "--tokens", "2")
+    assert rc == 0, err
+    for what, raw, words in _damages(gpt2_folder / "model.safetensors"):
+        bad = tmp_path / what.replace(" ", "-")
+        shutil.copytree(gpt2_folder, bad)
+        (bad / "model.safetensors").write_bytes(raw)
+        where = str(bad / "model.safetensors")
+        rc, _, err = py("-m", "hpcdist.sample", str(bad), "--ids", "1,2", "--tokens", "2")
+        assert rc == 2, (what, err)
+        one_line(err, re.escape(where) + ".*" + words)
+        rc, _, err = py(*TRAIN, "--init-from", str(bad), "--task", "sort", "--out-dir",
+                        str(tmp_path / "o"))
+        assert rc == 2, (what, err)
+        one_line(err, re.escape(where) + ".*" + words)
+
+
+def test_a_config_json_that_does_not_parse_is_named_and_a_missing_one_said_alike(gpt2_folder,
+                                                                                  tmp_path):
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(gpt2_folder, bad)
+    (bad / "config.json").write_text('{"model_type": "gpt2",')
+    for args in (("-m", "hpcdist.sample", str(bad), "--ids", "1"),
+                 (*TRAIN, "--init-from", str(bad), "--out-dir", str(tmp_path / "o"))):
+        rc, _, err = py(*args)
+        assert rc == 2
+        one_line(err, re.escape(str(bad / "config.json")) + r": not valid JSON")
+    os.remove(bad / "config.json")
+    for args in (("-m", "hpcdist.sample", str(bad), "--ids", "1"),
+                 (*TRAIN, "--init-from", str(bad), "--out-dir", str(tmp_path / "o"))):
+        rc, _, err = py(*args)
+        assert rc == 2
+        one_line(err, r"no config.json \(a Hugging Face model folder has")
+
+
+def test_a_tokenizer_json_that_does_not_parse_is_named(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": ')
+    rc, _, err = prepare(corpus(tmp_path / "c.txt", lines=50), "--tokenizer", bad, "--out",
+                         tmp_path / "tok")
+    assert rc == 2
+    one_line(err, re.escape(str(bad)) + r".*not a Hugging Face tokenizer.json")
+

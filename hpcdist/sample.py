@@ -20,7 +20,6 @@ from . import checkpoint, nn
 from .data import vocab
 from .autograd.tensor import no_grad
 from .nn.moe import load_balance_bias
-from .parallel.strategy import model_fields
 
 
 def load(path: str):
@@ -36,17 +35,15 @@ def load(path: str):
     meta = reader.manifest.get("meta") or {}
     params = {n[len("param/"):]: reader.tensor(n) for n in reader.tensors
               if n.startswith("param/")}
-    arch = meta.get("arch", "gpt")
-    table = "wte.weight" if arch == "gpt" else "embed_tokens.weight"
-    vocab_size, _ = params[table].shape
+    family = nn.family(meta.get("arch", "gpt"))
+    vocab_size, _ = params[family.model.PARTS["tokens"] + ".weight"].shape
     dtype = "float64" if meta.get("dtype") == "fp64" else "float32"
     backend.set_default_float(dtype)
-    block = params["wpe.weight"].shape[0] if "wpe.weight" in params else \
-        int(meta.get("block_size", 1024))
-    model = nn.build(arch, **model_fields(
-        {**meta, "bias": bool(meta.get("bias", arch == "gpt")),
-         "tie_weights": bool(meta.get("tie_weights", arch == "gpt"))}, arch,
-        block_size=block, vocab_size=vocab_size))
+    table = family.model.PARTS.get("positions")
+    block = params[table + ".weight"].shape[0] if table else \
+        int(reader.scalars.get("positions") or meta.get("block_size", 1024))
+    model = family.model(nn.config_of(meta, family.arch, block_size=block,
+                                      vocab_size=vocab_size))
     model.load_state_dict(params)
     if "moe_bias" in reader.scalars:                  # the sigmoid router's balancing bias
         load_balance_bias(model, reader.scalars["moe_bias"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hpcdist import checkpoint, train
-from hpcdist.checkpoint.tools import nanogpt_names
+from hpcdist.nn.gpt import nanogpt_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

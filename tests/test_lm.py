@@ -148,7 +148,7 @@ def test_gpt2_weights_in_give_transformers_logits(tiny_gpt2):
     model, folder = tiny_gpt2
     from hpcdist.checkpoint import hf
     backend.set_default_float("float32")
-    ours, _ = hf.load_gpt2(str(folder))
+    ours, _ = hf.load(str(folder))
     idx = np.random.default_rng(1).integers(0, 101, (3, 40))
     ref = model(torch.tensor(idx)).logits.detach().numpy()
     got = backend.to_numpy(ours.eval()(backend.to_device(idx)).data)
@@ -215,7 +215,7 @@ def test_init_from_trains_gpt2_weights_in_any_layout(tiny_gpt2, tmp_path):
     # the first step's loss is GPT-2's own on the first global batch (the same sampler)
     from hpcdist.checkpoint import hf
     backend.set_default_float("float32")
-    gpt2, _ = hf.load_gpt2(str(folder))
+    gpt2, _ = hf.load(str(folder))
     train_set, _ = data.make_task("text", data=str(tmp_path / "t_000000.bin"), block_size=32,
                                   vocab_size=101)
     losses = []

@@ -97,7 +97,7 @@ def gpt_contenders(cfg, batch: int, lr: float, seed: int = 0, dtype: str = "floa
     before = backend.default_float()
     backend.set_default_float(dtype)
     try:
-        model = nn.FAMILIES[cfg.arch][1](cfg)
+        model = nn.FAMILIES[cfg.arch].model(cfg)
     finally:
         backend.set_default_float(before)
     sd = model.state_dict()

@@ -89,7 +89,7 @@ def torch_worker(args) -> int:
     from hpcdist import data, nn, optim
     from hpcdist.host import threads
     from hpcdist.bench.peers import torch_adamw, torch_gpt
-    from hpcdist.checkpoint.tools import _NANOGPT, nanogpt_names
+    from hpcdist.nn.gpt import _NANOGPT, nanogpt_names
     from hpcdist.comm import Communicator
     from hpcdist.run.config import TrainConfig
     from hpcdist.run.evaluate import evaluate_run

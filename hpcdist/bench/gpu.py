@@ -50,7 +50,7 @@ def _step_fn(L, C, T, B, V, H=0, seed=0, precision="fp32", graph=False):
     from hpcdist.parallel.mixed_precision import MixedPrecision
     nn.manual_seed(seed)
     cfg = _config(L, C, T, B, V, H)
-    model = nn.FAMILIES[cfg.arch][1](cfg)
+    model = nn.FAMILIES[cfg.arch].model(cfg)
     mp = MixedPrecision(model.parameters(), precision)
     opt = optim.AdamW(mp.master, lr=1e-4)
     mp.attach(opt)
@@ -156,7 +156,7 @@ def _torch_steps(shape, modes):
     L, C, T, B, V, H = shape
     cfg = _config(*shape)
     nn.manual_seed(0)
-    sd = {k: np.asarray(v) for k, v in nn.FAMILIES[cfg.arch][1](cfg).state_dict().items()}
+    sd = {k: np.asarray(v) for k, v in nn.FAMILIES[cfg.arch].model(cfg).state_dict().items()}
     idx = torch.tensor(np.random.default_rng(0).integers(0, V, (B, T)), device="cuda")
     for name, prec, attention, compiled in modes:
         if cfg.arch == "llama":

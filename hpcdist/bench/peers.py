@@ -78,7 +78,7 @@ def worker(args) -> int:
 
 def torch_gpt(torch, sd: dict, cfg):
     """A nanoGPT-shaped PyTorch module over the nanoGPT-named arrays ``sd`` (our initial
-    weights, from checkpoint.tools.nanogpt_names)."""
+    weights, from nn.gpt.nanogpt_names)."""
     F = torch.nn.functional
     C, nh = cfg.n_embd, cfg.n_head
 
@@ -139,7 +139,7 @@ def train_worker(args) -> int:
 
     from hpcdist import data, nn, optim
     from hpcdist.host import threads
-    from hpcdist.checkpoint.tools import nanogpt_names
+    from hpcdist.nn.gpt import nanogpt_names
     from hpcdist.comm import Communicator
     from hpcdist.run.config import TrainConfig
     from hpcdist.parallel.ddp import plan_buckets

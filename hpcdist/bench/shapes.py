@@ -50,7 +50,7 @@ def parse(spec: str, arch: str = "gpt"):
         L, C = (int(v) for v in shape.lower().split("x"))
         heads = max(1, C // 64)
         extra = dict(n_kv_head=max(1, heads // 4)) if arch == "llama" else {}
-        out.append((nn.FAMILIES[arch][0](block_size=int(T), vocab_size=int(V), n_layer=L,
+        out.append((nn.FAMILIES[arch].config(block_size=int(T), vocab_size=int(V), n_layer=L,
                                          n_head=heads, n_embd=C, **extra), int(B)))
     return out
 

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from . import CheckpointError, Reader
-from .tools import choose, export_hf, nanogpt_names, verify_all
+from .tools import choose, export_hf, export_names, verify_all
 
 
 def main(argv=None) -> int:
@@ -28,7 +28,9 @@ def main(argv=None) -> int:
     ex = sub.add_parser("export")
     ex.add_argument("dir")
     ex.add_argument("out")
-    ex.add_argument("--names", choices=("hpcdist", "nanogpt"), default="hpcdist",
+    from .. import nn
+    other = sorted({name for f in nn.FAMILIES.values() for name, _ in f.exports})
+    ex.add_argument("--names", choices=("hpcdist", *other), default="hpcdist",
                     help=".npz names (safetensors always uses Hugging Face's for the family)")
     ex.add_argument("--format", choices=("npz", "safetensors"), default="npz")
     ex.add_argument("--overwrite", action="store_true",
@@ -50,16 +52,16 @@ def main(argv=None) -> int:
         if args.format == "safetensors":
             vocabulary = reader.scalars.get("vocabulary")
             tensors = _staged(args.out, lambda folder: export_hf(
-                folder, params, reader.manifest.get("meta") or {}, vocabulary))
+                folder, params, reader.manifest.get("meta") or {}, vocabulary,
+                reader.scalars.get("positions")))
             said = " and the tokenizer" if vocabulary and vocabulary.get("kind") in (
                 "chars", "tokenizer") else ""
-            kind = {"gpt": "GPT2LMHeadModel"}.get((reader.manifest.get("meta") or {}).get(
-                "arch", "gpt"), "AutoModelForCausalLM")
             print(f"wrote {args.out}/model.safetensors, config.json{said}: {len(tensors)} tensors "
-                  f"(Hugging Face names; transformers.{kind}.from_pretrained loads the folder)")
+                  "(Hugging Face names; transformers.AutoModelForCausalLM.from_pretrained "
+                  "loads the folder)")
             return 0
-        if args.names == "nanogpt":
-            params = nanogpt_names(params)
+        if args.names != "hpcdist":
+            params = export_names(params, reader.manifest.get("meta") or {}, args.names)
         os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
         tmp = f"{target}.tmp{os.getpid()}.npz"
         try:
@@ -82,7 +84,8 @@ def _existing_export(target: str, fmt: str, overwrite: bool) -> str | None:
     """What an export to ``target`` would replace (None: nothing); refused without
     ``overwrite``."""
     if fmt == "safetensors":
-        found = [n for n in ("model.safetensors", "config.json", "tokenizer.json")
+        found = [n for n in ("model.safetensors", "config.json", "tokenizer.json",
+                             "tokenizer_config.json")
                  if os.path.isfile(os.path.join(target, n))]
         what = f"{target} (a model folder: {', '.join(found)})" if found else None
         if os.path.exists(target) and not os.path.isdir(target):

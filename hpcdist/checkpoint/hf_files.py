@@ -1,6 +1,6 @@
 """What every Hugging Face model folder holds, read without torch: ``config.json``, safetensors
 files and the tokenizer (as hpcdist's vocabulary). The families' readers build on these
-(hf.py: GPT-2 and the choice by ``model_type``; hf_llama.py: Llama, Mistral, Mixtral)."""
+(hf.py: the family by ``model_type``, its adapter for the rest)."""
 from __future__ import annotations
 
 import json

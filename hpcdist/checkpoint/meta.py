@@ -17,9 +17,10 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
             "dtype": cfg.dtype, "precision": cfg.precision, "optimizer": cfg.optimizer,
             "compress": cfg.compress,
             "seed": cfg.seed}                 # (the data's order and dropout: the run's own)
-    if getattr(cfg, "arch", "gpt") != "gpt":  # (absent for GPT: older checkpoints compare)
-        meta.update({k: getattr(cfg, k) for k in ("arch", "n_kv_head", "ffn_hidden",
-                                                  "rope_theta", "norm_eps")})
+    arch = getattr(cfg, "arch", "gpt")
+    if arch != "gpt":                         # (absent for GPT: older checkpoints compare)
+        meta["arch"] = arch
+    meta.update(family_settings(cfg, arch))
     if getattr(cfg, "experts", 0):            # (absent without: older checkpoints compare)
         meta.update({k: getattr(cfg, k) for k in ("experts", "top_k", "moe_every", "router",
                                                   "shared_experts", "capacity_factor",
@@ -28,6 +29,14 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
     if vocabulary is not None:
         meta["vocab"] = vocab.fingerprint(vocabulary)
     return meta
+
+
+def family_settings(cfg, arch: str) -> dict:
+    """The family's own settings (nn.family.own_settings) at their values: the shape a
+    resume must share beyond n_layer, n_head and n_embd."""
+    from .. import nn
+    return {name: getattr(cfg, name) for name in nn.own_settings(arch)
+            if getattr(cfg, name, None) is not None}
 
 
 def check_meta(manifest: dict, meta: dict, folder: str, vocabulary: dict | None = None) -> None:

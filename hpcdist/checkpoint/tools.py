@@ -8,7 +8,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import struct
 import sys
 
@@ -79,74 +78,6 @@ def verify_all(path: str) -> int:
     return 0
 
 
-# hpcdist name -> (nanoGPT name, transpose?): our Linear stores (in, out), torch (out, in)
-_NANOGPT = [
-    (r"wte\.weight", "transformer.wte.weight", False),
-    (r"wpe\.weight", "transformer.wpe.weight", False),
-    (r"blocks\.(\d+)\.ln_(\d)\.(weight|bias)", r"transformer.h.\1.ln_\2.\3", False),
-    (r"blocks\.(\d+)\.attn\.c_attn\.weight", r"transformer.h.\1.attn.c_attn.weight", True),
-    (r"blocks\.(\d+)\.attn\.c_attn\.bias", r"transformer.h.\1.attn.c_attn.bias", False),
-    (r"blocks\.(\d+)\.attn\.c_proj\.weight", r"transformer.h.\1.attn.c_proj.weight", True),
-    (r"blocks\.(\d+)\.attn\.c_proj\.bias", r"transformer.h.\1.attn.c_proj.bias", False),
-    (r"blocks\.(\d+)\.mlp\.layers\.0\.weight", r"transformer.h.\1.mlp.c_fc.weight", True),
-    (r"blocks\.(\d+)\.mlp\.layers\.0\.bias", r"transformer.h.\1.mlp.c_fc.bias", False),
-    (r"blocks\.(\d+)\.mlp\.layers\.1\.weight", r"transformer.h.\1.mlp.c_proj.weight", True),
-    (r"blocks\.(\d+)\.mlp\.layers\.1\.bias", r"transformer.h.\1.mlp.c_proj.bias", False),
-    (r"ln_f\.(weight|bias)", r"transformer.ln_f.\1", False),
-    (r"lm_head\.weight", "lm_head.weight", True),
-]
-
-
-def nanogpt_names(params: dict) -> dict:
-    """Our parameters under nanoGPT's names and layouts; a tied head becomes lm_head.weight."""
-    out = {}
-    for name, value in params.items():
-        for pattern, target, transpose in _NANOGPT:
-            if re.fullmatch(pattern, name):
-                out[re.sub(pattern, target, name)] = value.T.copy() if transpose else value
-                break
-        else:
-            raise ValueError(f"no nanoGPT name for {name!r}")
-    out.setdefault("lm_head.weight", out["transformer.wte.weight"])      # tied
-    return out
-
-
-def hf_gpt2_names(params: dict, meta: dict) -> dict:
-    """Our parameters under Hugging Face GPT-2's names (its Conv1D stores (in, out), as we do;
-    its untied ``lm_head`` is a torch Linear, (out, in)), in float32; biases a ``--no-bias`` model lacks are zeros (GPT-2 always has them); a tied
-    head is left out (``tie_word_embeddings`` ties it on load)."""
-    out = {}
-    for name, value in params.items():
-        for pattern, target, _ in _NANOGPT:
-            if re.fullmatch(pattern, name):
-                value = value.T if name == "lm_head.weight" else value
-                out[re.sub(pattern, target, name)] = np.ascontiguousarray(value, np.float32)
-                break
-        else:
-            raise ValueError(f"no GPT-2 name for {name!r}")
-    C = out["transformer.wte.weight"].shape[1]
-    widths = {"ln_1": C, "ln_2": C, "attn.c_attn": 3 * C, "attn.c_proj": C,
-              "mlp.c_fc": 4 * C, "mlp.c_proj": C}
-    for i in range(int(meta["n_layer"])):
-        for part, width in widths.items():
-            out.setdefault(f"transformer.h.{i}.{part}.bias", np.zeros(width, np.float32))
-    out.setdefault("transformer.ln_f.bias", np.zeros(C, np.float32))
-    return out
-
-
-def hf_gpt2_config(params: dict, meta: dict) -> dict:
-    """config.json of the same model for ``transformers.GPT2Config`` (GPT-2's tanh GELU,
-    LayerNorm eps 1e-5, no dropout at inference)."""
-    vocab, C = params["wte.weight"].shape
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": int(vocab), "n_positions": int(params["wpe.weight"].shape[0]),
-            "n_embd": int(C), "n_layer": int(meta["n_layer"]), "n_head": int(meta["n_head"]),
-            "n_inner": 4 * int(C), "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0, "tie_word_embeddings": bool(meta.get("tie_weights", True)),
-            "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32"}
-
-
 _SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",
                        "int32": "I32", "bfloat16": "BF16"}
 
@@ -177,62 +108,62 @@ def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) ->
     os.replace(tmp, path)
 
 
-def export_hf(out: str, params: dict, meta: dict,
-              vocabulary: dict | None = None) -> dict:
-    """A Hugging Face folder of the checkpoint's family: GPT-2 (``export_gpt2``) or Llama /
-    Mixtral (hf_llama.py's names and config), with the tokenizer."""
-    if meta.get("arch", "gpt") == "gpt":
-        return export_gpt2(out, params, meta, vocabulary)
-    from .hf_llama import hf_llama_config, hf_llama_names
-    tensors = hf_llama_names(params, meta)
-    config = hf_llama_config(params, meta)
-    if config["tie_word_embeddings"]:
-        tensors.pop("lm_head.weight", None)
-    os.makedirs(out, exist_ok=True)
-    tokenizer = hf_tokenizer(vocabulary) if vocabulary else None
-    if tokenizer is not None:
-        tokenizer.save(os.path.join(out, "tokenizer.json"))
-        with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
-                       "model_max_length": config["max_position_embeddings"]}, f, indent=1)
-    config["bos_token_id"] = config["eos_token_id"] = None
-    write_safetensors(os.path.join(out, "model.safetensors"), tensors, {"format": "pt"})
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    return tensors
+def export_config(params: dict, meta: dict, positions: int | None = None):
+    """The model config (its family's dataclass) of a checkpoint's parameters and meta;
+    ``positions``: the positions the model was built for (a learned table's rows; else the
+    checkpoint's record, which an --init-from run took from its folder; else the block)."""
+    from .. import nn
+    parts = nn.family(meta.get("arch", "gpt")).model.PARTS
+    vocab = params[parts["tokens"] + ".weight"]
+    table = parts.get("positions")
+    block = params[table + ".weight"].shape[0] if table else \
+        positions or meta.get("block_size", 1024)
+    return nn.config_of(meta, vocab_size=int(vocab.shape[0]), block_size=int(block))
 
 
-def export_gpt2(out: str, params: dict, meta: dict,
-                vocabulary: dict | None = None) -> dict:
-    """``out``/model.safetensors and ``out``/config.json: a GPT2LMHeadModel folder; with the
-    checkpoint's vocabulary also ``tokenizer.json`` and ``tokenizer_config.json``, so that
+def export_hf(out: str, params: dict, meta: dict, vocabulary: dict | None = None,
+              positions: int | None = None) -> dict:
+    """``out``/model.safetensors and ``out``/config.json: a Hugging Face folder of the
+    checkpoint's family (its adapter's names and config.json); with the checkpoint's
+    vocabulary also ``tokenizer.json`` and ``tokenizer_config.json``, so that
     ``transformers.pipeline('text-generation', model=out)`` encodes, generates and decodes."""
-    if int(meta.get("experts", 0)):
-        raise ValueError(f"a mixture-of-experts model ({meta['experts']} experts per MoE "
-                         "layer) has no GPT-2 form: Hugging Face's GPT-2 has no experts "
-                         "(export refuses it; python -m hpcdist.sample reads it)")
-    tensors = hf_gpt2_names(params, meta)
-    config = hf_gpt2_config(params, meta)
+    from .. import nn
+    cfg = export_config(params, meta, positions)
+    adapter = nn.family(cfg.arch).hf
+    tensors = adapter.to_theirs(cfg, params)
+    config = adapter.config_json(cfg)
     if config["tie_word_embeddings"]:
-        tensors.pop("lm_head.weight", None)
+        for name in [n for n in tensors if n.endswith("lm_head.weight")]:
+            tensors.pop(name)
     os.makedirs(out, exist_ok=True)
     tokenizer = hf_tokenizer(vocabulary) if vocabulary else None
+    config["bos_token_id"] = config["eos_token_id"] = None
+    special = {}
     if tokenizer is not None:
         eot = tokenizer.token_to_id("<|endoftext|>")
         if eot is not None:                       # not token 0, which is a real token
             config["bos_token_id"] = config["eos_token_id"] = eot
-        else:                                     # (absent, transformers assumes 50256)
-            config["bos_token_id"] = config["eos_token_id"] = None
+            special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
         tokenizer.save(os.path.join(out, "tokenizer.json"))
-        special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"} \
-            if eot is not None else {}
         with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
-                       "model_max_length": config["n_positions"], **special}, f, indent=1)
+                       "model_max_length": int(cfg.block_size), **special}, f, indent=1)
     write_safetensors(os.path.join(out, "model.safetensors"), tensors, {"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return tensors
+
+
+def export_names(params: dict, meta: dict, names: str) -> dict:
+    """The parameters under another project's names (``--names``): one the checkpoint's
+    family declares (nn.Family.exports), else a one-line refusal."""
+    from .. import nn
+    f = nn.family(meta.get("arch", "gpt"))
+    exports = dict(f.exports)
+    if names not in exports:
+        raise ValueError(f"--names {names}: a {f.title} checkpoint exports "
+                         f"{', '.join(['hpcdist', *exports])} names")
+    return exports[names](params)
 
 
 def hf_tokenizer(vocabulary: dict):

@@ -1,13 +1,19 @@
-"""Modules and models: Linear ... GPT, Llama; families (nn/family.py) by name in FAMILIES."""
-from .family import FAMILIES, AttentionShape, DecoderLM, Projection, build, register
-from .gpt import GPT, Block, CausalSelfAttention, GPTConfig
+"""Modules and models: Linear ... GPT, Llama, Qwen2, Gemma; families (nn/family.py) by name in
+FAMILIES, each registered here from the one file that declares it."""
+from .family import (FAMILIES, AttentionShape, DecoderLM, Family, Projection, build, config_of,
+                     family, of_model_type, option_names, own_settings, register)
+from .gemma import GEMMA, Gemma, GemmaConfig
+from .gpt import GPT, GPT_FAMILY, Block, CausalSelfAttention, GPTConfig
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear
-from .llama import Llama, LlamaConfig, RMSNorm, SwiGLU
+from .llama import LLAMA, Llama, LlamaConfig, RMSNorm, SwiGLU
 from .module import Module, ModuleList, Parameter, manual_seed
+from .qwen2 import QWEN2, Qwen2, Qwen2Config
 
-register("gpt", GPTConfig, GPT)
-register("llama", LlamaConfig, Llama)
+for _family in (GPT_FAMILY, LLAMA, QWEN2, GEMMA):
+    register(_family)
 
-__all__ = ["FAMILIES", "AttentionShape", "DecoderLM", "Projection", "build", "register",
-           "GPT", "GPTConfig", "Llama", "LlamaConfig", "RMSNorm", "SwiGLU", "Block", "CausalSelfAttention", "MLP", "Dropout", "Embedding",
-           "LayerNorm", "Linear", "Module", "ModuleList", "Parameter", "manual_seed"]
+__all__ = ["FAMILIES", "AttentionShape", "DecoderLM", "Family", "Projection", "build",
+           "config_of", "family", "of_model_type", "option_names", "own_settings", "register", "GPT", "GPTConfig", "Llama",
+           "LlamaConfig", "Qwen2", "Qwen2Config", "Gemma", "GemmaConfig", "RMSNorm", "SwiGLU",
+           "Block", "CausalSelfAttention", "MLP", "Dropout", "Embedding", "LayerNorm", "Linear",
+           "Module", "ModuleList", "Parameter", "manual_seed"]

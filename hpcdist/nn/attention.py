@@ -21,8 +21,40 @@ from .module import Module
 @dataclass(frozen=True)
 class Rotary:
     """Rotary position embeddings (RoFormer; Llama's half-split layout): q and k's pairs
-    (i, i + hd/2) rotated by position x theta^(-2i/hd)."""
+    (i, i + hd/2) rotated by position x frequency i, theta^(-2i/hd)."""
     theta: float = 10000.0
+
+    def frequencies(self, hd: int, xp):
+        """The hd/2 frequencies (float64, made on ``xp``'s device: nothing crosses from the
+        host inside a step, which a CUDA graph's capture refuses)."""
+        return 1.0 / (self.theta ** (xp.arange(0, hd, 2, dtype="float64") / hd))
+
+
+@dataclass(frozen=True)
+class Llama3Rotary(Rotary):
+    """Llama 3.1's long-context rotary frequencies (the Llama 3 paper; transformers'
+    ``rope_type: llama3``): wavelengths longer than original_context / low_freq_factor are
+    slowed ``factor`` times, those shorter than original_context / high_freq_factor kept, and
+    the band between blended by where the wavelength falls in it."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+    def frequencies(self, hd: int, xp):
+        inv = super().frequencies(hd, xp)
+        wavelength = 2 * math.pi / inv
+        long_, short = (self.original_context / self.low_freq_factor,
+                        self.original_context / self.high_freq_factor)
+        smooth = (self.original_context / wavelength - self.low_freq_factor) / \
+            (self.high_freq_factor - self.low_freq_factor)
+        blended = (1 - smooth) * inv / self.factor + smooth * inv
+        out = xp.where(wavelength > long_, inv / self.factor, inv)
+        middle = (wavelength >= short) & (wavelength <= long_)
+        return xp.where(middle, blended, out)
+
+
+ROTARY_KINDS = {"default": Rotary, "llama3": Llama3Rotary}   # --rope-type
 
 
 class SelfAttention(Module):
@@ -42,7 +74,7 @@ class SelfAttention(Module):
         """``pos``: the rows' global positions (rotary); ``cache``: this layer's KV cache
         (inference; see ``attention``)."""
         if self.rotary is not None:
-            qkv = ops.rotary(qkv, pos, self.shape, self.rotary.theta)
+            qkv = ops.rotary(qkv, pos, self.shape, self.rotary)
         return attention(qkv, self.shape, self.attn_drop, cache)
 
 

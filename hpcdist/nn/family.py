@@ -108,6 +108,7 @@ class DecoderLM(Module):
 
     PARTS: dict = {}         # (a part's attribute must not be one of the methods below)
     seq = None               # parallel.sequence.Sequence once a parallel dimension cuts it
+    embed_scale = None       # the token vectors are multiplied by it (Gemma: sqrt(n_embd))
 
     def part(self, role: str):
         name = self.PARTS.get(role)
@@ -138,6 +139,8 @@ class DecoderLM(Module):
         if self.seq is not None:            # the batch's length, for every cut module
             self.seq.begin(T)
         x = self.part("tokens")(idx)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         table = self.part("positions")
         if table is not None:
             x = x + table(backend.array_module(idx).arange(past, past + T))
@@ -173,16 +176,76 @@ def cached_length(cache) -> int:
     return cache[0]["k"].shape[1] if cache and cache[0].get("k") is not None else 0
 
 
-FAMILIES: dict = {}          # arch -> (config class, model class): filled by nn/__init__.py
+@dataclass(frozen=True)
+class Family:
+    """Everything a family is, declared once in its module of nn/ and registered: its
+    ``--arch`` name and title, its config (a dataclass: fields, defaults, validation; the
+    fields marked ``option`` become the family's flags), its model (a DecoderLM), its Hugging
+    Face adapter (nn/hf_adapter.py: the model_types it reads, names both ways, config.json),
+    one line for ``--arch``'s help, and other name sets an export may write (``exports``:
+    name -> function of the parameters)."""
+    arch: str
+    title: str
+    config: type
+    model: type
+    hf: object = None
+    about: str = ""
+    exports: tuple = ()
 
 
-def register(arch: str, config_cls, model_cls) -> None:
-    FAMILIES[arch] = (config_cls, model_cls)
+FAMILIES: dict = {}          # arch -> Family: filled by nn/__init__.py
+
+
+def register(family: Family) -> None:
+    FAMILIES[family.arch] = family
+
+
+def family(arch: str) -> Family:
+    """The family ``arch`` (unknown: ValueError naming the known ones)."""
+    if arch not in FAMILIES:
+        raise ValueError(f"unknown --arch {arch!r}: one of {', '.join(FAMILIES)}")
+    return FAMILIES[arch]
+
+
+def of_model_type(model_type: str, where: str) -> Family:
+    """The family that reads Hugging Face folders of ``model_type``."""
+    for f in FAMILIES.values():
+        if f.hf is not None and model_type in f.hf.model_types:
+            return f
+    known = [t for f in FAMILIES.values() if f.hf is not None for t in f.hf.model_types]
+    raise ValueError(f"{where}: model_type {model_type!r} is not a family hpcdist reads "
+                     f"({', '.join(known)})")
+
+
+def option_names() -> set:
+    """Every family's own settings: the config fields declared with a help text (``option``
+    in nn/llama.py), each a flag of the trainer."""
+    import dataclasses
+    return {f.name for fam in FAMILIES.values() for f in dataclasses.fields(fam.config)
+            if "help" in f.metadata}
+
+
+def own_settings(arch: str) -> list:
+    """The settings of family ``arch`` that are its own (``option_names``), in its order."""
+    import dataclasses
+    names = option_names()
+    return [f.name for f in dataclasses.fields(family(arch).config) if f.name in names]
+
+
+def config_of(settings, arch: str | None = None, **given):
+    """Family ``arch``'s config (default: ``settings``' arch) from ``settings`` — a
+    TrainConfig, or a checkpoint's meta dict — taking every field it sets (None: the
+    family's default), with ``given`` on top. Not validated."""
+    import dataclasses
+    get = settings.get if isinstance(settings, dict) else \
+        (lambda k, d=None: getattr(settings, k, d))
+    cls = family(arch or get("arch") or "gpt").config
+    values = {f.name: get(f.name) for f in dataclasses.fields(cls) if get(f.name) is not None}
+    values.update(given)
+    return cls(**values)
 
 
 def build(arch: str, **fields):
     """The model of family ``arch`` from its config's fields (unknown arch: ValueError)."""
-    if arch not in FAMILIES:
-        raise ValueError(f"unknown --arch {arch!r}: one of {', '.join(sorted(FAMILIES))}")
-    config_cls, model_cls = FAMILIES[arch]
-    return model_cls(config_cls(**fields))
+    f = family(arch)
+    return f.model(f.config(**fields))

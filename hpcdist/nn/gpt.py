@@ -4,12 +4,16 @@ fused projection, a GELU MLP, a head tied to the token table."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..autograd import ops
 from ..autograd.tensor import Tensor
 from .attention import SelfAttention, active
-from .family import AttentionShape, DecoderLM, Projection
+from .family import AttentionShape, DecoderLM, Family, Projection
+from .hf_adapter import HFAdapter, Renamed
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear
 from .module import Module, ModuleList
 from .moe import MoE
@@ -26,6 +30,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True  # the output head reuses the token embedding (wte.T)
+    norm_eps: float = field(default=1e-5, metadata={"help": "the norms' epsilon"})
     checkpoint_activations: bool = False  # recompute each block's activations in backward
     # mixture of experts (nn/moe.py): experts > 0 puts an MoE MLP in every moe_every-th block
     experts: int = 0
@@ -48,6 +53,9 @@ class GPTConfig:
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(self.n_head, self.n_head, self.n_embd // self.n_head)
 
+    def mlp_width(self) -> int:
+        return 4 * self.n_embd
+
     def validate(self) -> None:
         for name in ("block_size", "vocab_size", "vocab_multiple", "n_layer", "n_head",
                      "n_embd"):
@@ -57,6 +65,12 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+
+    def describe(self) -> str:
+        """The run header's words for the shape: "2x64 (4 heads"."""
+        return f"{self.n_layer}x{self.n_embd} ({self.n_head} heads"
 
 
 class CausalSelfAttention(Module):
@@ -86,9 +100,9 @@ class Block(Module):
     attention = "attn.core"            # the path of its attention core (context parallelism)
 
     def __init__(self, cfg: GPTConfig, layer: int = 0):
-        self.ln_1 = LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = LayerNorm(cfg.n_embd, cfg.norm_eps, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = LayerNorm(cfg.n_embd, cfg.norm_eps, bias=cfg.bias)
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         if cfg.is_moe(layer):
             self.mlp = MoE(cfg.n_embd, cfg.expert_hidden or 4 * cfg.n_embd, cfg.experts, cfg.top_k, cfg.router,
@@ -152,7 +166,108 @@ class GPT(DecoderLM):
         self.wpe = Embedding(cfg.block_size, cfg.n_embd, std=0.02)
         self.drop = Dropout(cfg.dropout)
         self.blocks = ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
-        self.ln_f = LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = LayerNorm(cfg.n_embd, cfg.norm_eps, bias=cfg.bias)
         self.lm_head = None if cfg.tie_weights else \
             Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02, multiple=cfg.vocab_multiple)
         self.lm_loss = LMLoss(cfg.vocab_size)
+
+
+# ---- Hugging Face GPT-2 folders, and nanoGPT's names ------------------------------------------
+
+class GPT2HF(HFAdapter):
+    """Hugging Face's GPT-2: its Conv1D weights stored (in, out), as ours are; an untied
+    ``lm_head`` a torch Linear (out, in); names with or without "transformer."."""
+
+    model_types = {"gpt2": "GPT2LMHeadModel"}
+
+    def fields(self, c: dict, where: str) -> dict:
+        if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"{where}: activation {c['activation_function']!r}; hpcdist's "
+                             "GELU is the tanh approximation (gelu_new)")
+        return {"n_layer": int(c["n_layer"]), "n_head": int(c["n_head"]),
+                "n_embd": int(c["n_embd"]), "vocab_size": int(c["vocab_size"]),
+                "block_size": int(c.get("n_positions", c.get("n_ctx", 1024))),
+                "tie_weights": bool(c.get("tie_word_embeddings", True)), "bias": True,
+                "norm_eps": float(c.get("layer_norm_epsilon", 1e-5))}
+
+    def table(self, cfg) -> list:
+        out = [Renamed("wte.weight", ("transformer.wte.weight",)),
+               Renamed("wpe.weight", ("transformer.wpe.weight",)),
+               Renamed("ln_f.weight", ("transformer.ln_f.weight",)),
+               Renamed("ln_f.bias", ("transformer.ln_f.bias",)),
+               Renamed("lm_head.weight", ("lm_head.weight",), "linear",
+                       instead="transformer.wte.weight")]
+        ours = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.c_attn": "attn.c_attn",
+                "attn.c_proj": "attn.c_proj", "mlp.layers.0": "mlp.c_fc",
+                "mlp.layers.1": "mlp.c_proj"}
+        for i in range(cfg.n_layer):
+            for mine, theirs in ours.items():
+                for p in ("weight", "bias"):
+                    out.append(Renamed(f"blocks.{i}.{mine}.{p}",
+                                       (f"transformer.h.{i}.{theirs}.{p}",)))
+        return out
+
+    def lookup(self, theirs: dict, name: str):
+        value = theirs.get(name)
+        return theirs.get(name.replace("transformer.", "", 1)) if value is None else value
+
+    def to_theirs(self, cfg, params: dict) -> dict:
+        """... biases a ``--no-bias`` model lacks as zeros (GPT-2 always has them)."""
+        if cfg.experts:
+            raise ValueError(f"a mixture-of-experts model ({cfg.experts} experts per MoE "
+                             "layer) has no GPT-2 form: Hugging Face's GPT-2 has no experts "
+                             "(export refuses it; python -m hpcdist.sample reads it)")
+        out = super().to_theirs(cfg, params)
+        C = cfg.n_embd
+        widths = {"ln_1": C, "ln_2": C, "attn.c_attn": 3 * C, "attn.c_proj": C,
+                  "mlp.c_fc": 4 * C, "mlp.c_proj": C}
+        for i in range(cfg.n_layer):
+            for part, width in widths.items():
+                out.setdefault(f"transformer.h.{i}.{part}.bias", np.zeros(width, np.float32))
+        out.setdefault("transformer.ln_f.bias", np.zeros(C, np.float32))
+        return out
+
+    def config_json(self, cfg) -> dict:
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                "vocab_size": int(cfg.vocab_size), "n_positions": int(cfg.block_size),
+                "n_embd": int(cfg.n_embd), "n_layer": int(cfg.n_layer),
+                "n_head": int(cfg.n_head), "n_inner": 4 * int(cfg.n_embd),
+                "activation_function": "gelu_new", "layer_norm_epsilon": float(cfg.norm_eps),
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": bool(cfg.tie_weights), "bos_token_id": 0,
+                "eos_token_id": 0, "torch_dtype": "float32"}
+
+
+# our name -> (nanoGPT's name, transposed?): our Linear stores (in, out), torch (out, in)
+_NANOGPT = [
+    (r"wte\.weight", "transformer.wte.weight", False),
+    (r"wpe\.weight", "transformer.wpe.weight", False),
+    (r"blocks\.(\d+)\.ln_(\d)\.(weight|bias)", r"transformer.h.\1.ln_\2.\3", False),
+    (r"blocks\.(\d+)\.attn\.(c_attn|c_proj)\.weight", r"transformer.h.\1.attn.\2.weight", True),
+    (r"blocks\.(\d+)\.attn\.(c_attn|c_proj)\.bias", r"transformer.h.\1.attn.\2.bias", False),
+    (r"blocks\.(\d+)\.mlp\.layers\.0\.weight", r"transformer.h.\1.mlp.c_fc.weight", True),
+    (r"blocks\.(\d+)\.mlp\.layers\.0\.bias", r"transformer.h.\1.mlp.c_fc.bias", False),
+    (r"blocks\.(\d+)\.mlp\.layers\.1\.weight", r"transformer.h.\1.mlp.c_proj.weight", True),
+    (r"blocks\.(\d+)\.mlp\.layers\.1\.bias", r"transformer.h.\1.mlp.c_proj.bias", False),
+    (r"ln_f\.(weight|bias)", r"transformer.ln_f.\1", False),
+    (r"lm_head\.weight", "lm_head.weight", True),
+]
+
+
+def nanogpt_names(params: dict) -> dict:
+    """Our parameters under nanoGPT's names and layouts; a tied head becomes lm_head.weight."""
+    out = {}
+    for name, value in params.items():
+        for pattern, target, transpose in _NANOGPT:
+            if re.fullmatch(pattern, name):
+                out[re.sub(pattern, target, name)] = value.T.copy() if transpose else value
+                break
+        else:
+            raise ValueError(f"no nanoGPT name for {name!r}")
+    out.setdefault("lm_head.weight", out["transformer.wte.weight"])      # tied
+    return out
+
+
+GPT_FAMILY = Family("gpt", "GPT", GPTConfig, GPT, GPT2HF(),
+                    "GPT-2 (LayerNorm, learned positions, GELU MLP, tied head)",
+                    exports=(("nanogpt", nanogpt_names),))

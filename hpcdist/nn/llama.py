@@ -6,16 +6,23 @@ recipe: a third family (Qwen2's q|k|v biases, say) is a config default or two.""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..autograd import ops
 from ..autograd.tensor import Tensor
-from .attention import Rotary, SelfAttention, active
-from .family import AttentionShape, DecoderLM, Projection
+from .attention import ROTARY_KINDS, Llama3Rotary, Rotary, SelfAttention, active
+from .family import AttentionShape, DecoderLM, Family, Projection
+from .hf_adapter import HFAdapter, Renamed, rope_fields, rope_json
 from .gpt import LMLoss
 from .layers import Dropout, Embedding, Linear
 from .module import Module, ModuleList, Parameter
 from .moe import MoE
+
+
+def option(default, help: str):
+    """A family's own setting: a --flag of ``python -m hpcdist.train`` listed under the
+    families that declare it (run/config.py makes the flags from these)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -25,11 +32,26 @@ class LlamaConfig:
     vocab_multiple: int = 1      # token table and head padded to a multiple of it (GPU: 64)
     n_layer: int = 2
     n_head: int = 4
-    n_kv_head: int = 0           # key/value heads (0: n_head; 1: multi-query)
+    n_kv_head: int = option(0, "key/value heads, each shared by n_head / n_kv_head query "
+                               "heads (grouped-query attention; 0: n_head, 1: multi-query)")
     n_embd: int = 64
-    ffn_hidden: int = 0          # SwiGLU's width (0: 8/3 n_embd up to a multiple of 64)
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    head_dim: int = option(0, "each head's size (0: n_embd / n_head)")
+    ffn_hidden: int = option(0, "the gated MLP's width (0: 8/3 of n_embd, up to a multiple "
+                                "of 64)")
+    rope_theta: float = option(10000.0, "the rotary embeddings' base")
+    rope_type: str = option("default", "rotary frequencies: default | llama3 (Llama 3.1's "
+                                       "long-context scaling, the four --rope-* below)")
+    rope_factor: float = option(8.0, "llama3 rotary: how many times the long wavelengths "
+                                     "are slowed")
+    rope_low_freq_factor: float = option(1.0, "llama3 rotary: wavelengths past "
+                                              "original context / this are slowed")
+    rope_high_freq_factor: float = option(4.0, "llama3 rotary: wavelengths under "
+                                               "original context / this are kept")
+    rope_original_context: int = option(8192, "llama3 rotary: the context the model was "
+                                              "pretrained at")
+    sliding_window: int = option(0, "attention sees at most this many positions back "
+                                    "(Mistral; 0: the whole context)")
+    norm_eps: float = option(1e-5, "RMSNorm's epsilon")
     dropout: float = 0.0
     bias: bool = False           # biases on q|k|v and the output projection (Llama: none;
                                  # Hugging Face's attention_bias), never on the MLP
@@ -49,6 +71,12 @@ class LlamaConfig:
     bias_rate: float = 1e-3
 
     arch = "llama"
+    # What the family is made of, declared (a family that differs sets these, not code):
+    activation = "silu"          # the gated MLP's: silu (SwiGLU) | gelu_tanh (GeGLU)
+    norm_offset = 0.0            # RMSNorm scales by (offset + weight): Gemma's 1
+    scale_embeddings = False     # the token vectors times sqrt(n_embd) (Gemma)
+    out_bias = True              # the output projection has a bias where --bias is on
+                                 # (Qwen2: q|k|v biases only)
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer % self.moe_every == 0
@@ -60,45 +88,98 @@ class LlamaConfig:
     def hidden(self) -> int:
         return self.ffn_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
+    def mlp_width(self) -> int:
+        return self.hidden()
+
+    def head_size(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
+
     def attention_shape(self) -> AttentionShape:
-        return AttentionShape(self.n_head, self.kv_heads, self.n_embd // self.n_head)
+        return AttentionShape(self.n_head, self.kv_heads, self.head_size())
+
+    def rotary(self) -> Rotary:
+        """The declared rotary kind with this config's settings."""
+        if self.rope_type == "llama3":
+            return Llama3Rotary(self.rope_theta, self.rope_factor, self.rope_low_freq_factor,
+                                self.rope_high_freq_factor, self.rope_original_context)
+        return Rotary(self.rope_theta)
 
     def validate(self) -> None:
         for name in ("block_size", "vocab_size", "vocab_multiple", "n_layer", "n_head",
                      "n_embd"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"n_embd ({self.n_embd}) must be n_head ({self.n_head}) heads of "
-                             "an even size (rotary embeddings rotate pairs)")
+        for name in ("rope_theta", "norm_eps", "rope_factor", "rope_original_context"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("ffn_hidden", "head_dim", "sliding_window", "expert_hidden"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if not self.head_dim and self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head "
+                             f"({self.n_head}), or give head_dim")
+        if self.head_size() % 2:
+            raise ValueError(f"the head size {self.head_size()} must be even: rotary "
+                             "embeddings rotate pairs of each head's dimensions")
         if self.n_kv_head < 0 or self.n_head % self.kv_heads:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head "
                              f"({self.n_kv_head}): each kv head serves a whole group of queries")
+        if self.rope_type not in ROTARY_KINDS:
+            raise ValueError(f"unknown rope_type {self.rope_type!r}: one of "
+                             f"{', '.join(ROTARY_KINDS)}")
+        if self.rope_type == "llama3" and not \
+                0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError("llama3 rotary scaling needs 0 < rope_low_freq_factor < "
+                             f"rope_high_freq_factor, got {self.rope_low_freq_factor} and "
+                             f"{self.rope_high_freq_factor}")
+        if self.sliding_window and self.sliding_window < self.block_size:
+            raise ValueError(f"sliding_window {self.sliding_window} is shorter than the "
+                             f"{self.block_size} positions trained: hpcdist's training "
+                             "attention sees the whole block; train with --block-size <= "
+                             "the window")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    def describe(self) -> str:
+        """The run header's words for the shape: "2x64 (4 heads, 2 kv heads"."""
+        kv = f", {self.kv_heads} kv heads" if self.kv_heads != self.n_head else ""
+        hd = f", head size {self.head_dim}" if self.head_dim else ""
+        rope = f", rotary {self.rope_type}" if self.rope_type != "default" else ""
+        return f"{self.n_layer}x{self.n_embd} ({self.n_head} heads{kv}{hd}{rope}"
+
 
 class RMSNorm(Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    """x / rms(x) * (offset + weight): Llama's (offset 0, weight starting at 1) or Gemma's
+    (offset 1, weight starting at 0, as its checkpoints store it)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0):
         from ..device import backend
-        self.weight = Parameter(backend.xp().ones(dim, dtype=backend.default_float()))
-        self.eps = eps
+        xp = backend.xp()
+        start = xp.zeros if offset else xp.ones
+        self.weight = Parameter(start(dim, dtype=backend.default_float()))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+        scale = self.weight + self.offset if self.offset else self.weight
+        return ops.rms_norm(x, scale, self.eps)
+
+
+_GATES = {"silu": ops.swiglu, "gelu_tanh": ops.geglu}
 
 
 class SwiGLU(Module):
-    """down(silu(x gate) * (x up)), gate and up one fused projection [gate | up]."""
+    """down(act(x gate) * (x up)), gate and up one fused projection [gate | up]; ``act``
+    silu (SwiGLU) or the tanh GELU (GeGLU)."""
 
     def __init__(self, C: int, H: int, bias: bool = False, std: float = 0.02,
-                 proj_std: float = 0.02, dropout: float = 0.0):
+                 proj_std: float = 0.02, dropout: float = 0.0, activation: str = "silu"):
         self.gate_up = Linear(C, 2 * H, bias=bias, std=std)
         self.down = Linear(H, C, bias=bias, std=proj_std)
         self.drop = Dropout(dropout)
+        self.gate = _GATES[activation]
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        h = ops.swiglu(self.gate_up(x))
+        h = self.gate(self.gate_up(x))
         if residual is not None and not active(self.drop):
             return self.down(h, residual)
         out = self.drop(self.down(h))
@@ -109,8 +190,9 @@ class Attention(Module):
     def __init__(self, cfg: LlamaConfig, proj_std: float):
         shape = cfg.attention_shape()
         self.qkv = Linear(cfg.n_embd, shape.width, bias=cfg.bias, std=0.02)
-        self.core = SelfAttention(shape, cfg.dropout, Rotary(cfg.rope_theta))
-        self.proj = Linear(shape.out_width, cfg.n_embd, bias=cfg.bias, std=proj_std)
+        self.core = SelfAttention(shape, cfg.dropout, cfg.rotary())
+        self.proj = Linear(shape.out_width, cfg.n_embd, bias=cfg.bias and cfg.out_bias,
+                           std=proj_std)
         self.resid_drop = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, pos=None, cache: dict | None = None,
@@ -123,16 +205,16 @@ class Attention(Module):
 
 
 class Block(Module):
-    """x + attn(norm(x)), then x + mlp(norm(x)): RMSNorm, rotary GQA attention, SwiGLU (or
-    SwiGLU experts)."""
+    """x + attn(norm(x)), then x + mlp(norm(x)): RMSNorm, rotary GQA attention, a gated MLP
+    (or gated experts)."""
 
     attention = "attn.core"
 
     def __init__(self, cfg: LlamaConfig, layer: int = 0):
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_offset)
         self.attn = Attention(cfg, proj_std)
-        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_offset)
         H = cfg.hidden()
         if cfg.is_moe(layer):
             E = cfg.expert_hidden or H
@@ -140,9 +222,11 @@ class Block(Module):
                            cfg.shared_experts, cfg.capacity_factor, cfg.aux_loss_coef,
                            cfg.z_loss_coef, cfg.balance, cfg.bias_rate, False, 0.02,
                            proj_std, cfg.dropout,
-                           expert=lambda: SwiGLU(cfg.n_embd, E, False, 0.02, proj_std))
+                           expert=lambda: SwiGLU(cfg.n_embd, E, False, 0.02, proj_std,
+                                                 activation=cfg.activation))
         else:
-            self.mlp = SwiGLU(cfg.n_embd, H, False, 0.02, proj_std, cfg.dropout)
+            self.mlp = SwiGLU(cfg.n_embd, H, False, 0.02, proj_std, cfg.dropout,
+                              cfg.activation)
 
     def projections(self) -> list:
         out = [Projection("attn.qkv", "column", self.attn.core.shape.pieces),
@@ -169,9 +253,111 @@ class Llama(DecoderLM):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.n_embd, std=0.02,
                                       multiple=cfg.vocab_multiple)
+        if cfg.scale_embeddings:
+            self.embed_scale = math.sqrt(cfg.n_embd)
         self.drop = Dropout(cfg.dropout)
         self.blocks = ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
-        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_offset)
         self.lm_head = None if cfg.tie_weights else \
             Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02, multiple=cfg.vocab_multiple)
         self.lm_loss = LMLoss(cfg.vocab_size)
+
+
+# ---- Hugging Face: Llama, Mistral, Mixtral folders -------------------------------------------
+
+class LlamaHF(HFAdapter):
+    """Hugging Face's Llama names: separate q, k, v (and gate, up) projections as torch
+    Linears (out, in), fused into ours on load and cut back on export."""
+
+    model_types = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                   "mixtral": "MixtralForCausalLM"}
+    activations = ("silu",)          # config.json's hidden_act values this family computes
+
+    def fields(self, c: dict, where: str) -> dict:
+        kind = c.get("model_type")
+        act = c.get("hidden_act", c.get("hidden_activation", self.activations[0]))
+        if act not in self.activations:
+            raise ValueError(f"{where}: activation {act!r}; this family's gated MLP is "
+                             f"{' or '.join(self.activations)}")
+        if c.get("mlp_bias"):
+            raise ValueError(f"{where}: mlp_bias is set; hpcdist's rotary families have no "
+                             "MLP biases")
+        C, nh = int(c["hidden_size"]), int(c["num_attention_heads"])
+        hd = int(c.get("head_dim") or C // nh)
+        block = int(c.get("max_position_embeddings", 2048))
+        window = int(c.get("sliding_window") or 0) if c.get("use_sliding_window", True) else 0
+        if window and window < block:                 # within the window, all of it seen
+            block = window
+        out = {"n_layer": int(c["num_hidden_layers"]), "n_head": nh, "n_embd": C,
+               "n_kv_head": int(c.get("num_key_value_heads") or nh),
+               "head_dim": hd if hd * nh != C else 0,
+               "ffn_hidden": int(c["intermediate_size"]), "vocab_size": int(c["vocab_size"]),
+               "block_size": block, **rope_fields(c, where),
+               "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+               "tie_weights": bool(c.get("tie_word_embeddings", False)),
+               "bias": bool(c.get("attention_bias", False))}
+        if kind == "mixtral":
+            out.update(experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
+                       aux_loss_coef=float(c.get("router_aux_loss_coef", 0.02)))
+        return out
+
+    def table(self, cfg) -> list:
+        shape, H = cfg.attention_shape(), cfg.hidden()
+        qkv = shape.pieces
+        out = [Renamed("embed_tokens.weight", ("model.embed_tokens.weight",)),
+               Renamed("norm.weight", ("model.norm.weight",)),
+               Renamed("lm_head.weight", ("lm_head.weight",), "linear",
+                       instead="model.embed_tokens.weight")]
+        for i in range(cfg.n_layer):
+            b, L = f"blocks.{i}.", f"model.layers.{i}."
+            a = L + "self_attn."
+            out += [Renamed(b + "attn_norm.weight", (L + "input_layernorm.weight",)),
+                    Renamed(b + "mlp_norm.weight", (L + "post_attention_layernorm.weight",)),
+                    Renamed(b + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight",
+                                                    a + "v_proj.weight"), "linear", qkv),
+                    Renamed(b + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias",
+                                                  a + "v_proj.bias"), "same", qkv),
+                    Renamed(b + "attn.proj.weight", (a + "o_proj.weight",), "linear"),
+                    Renamed(b + "attn.proj.bias", (a + "o_proj.bias",))]
+            if not cfg.is_moe(i):
+                m = L + "mlp."
+                out += [Renamed(b + "mlp.gate_up.weight", (m + "gate_proj.weight",
+                                                           m + "up_proj.weight"), "linear",
+                                (H, H)),
+                        Renamed(b + "mlp.down.weight", (m + "down_proj.weight",), "linear")]
+                continue
+            m, E = L + "block_sparse_moe.", cfg.expert_hidden or H
+            out.append(Renamed(b + "mlp.router.weight", (m + "gate.weight",), "linear"))
+            for e in range(cfg.experts):
+                x = f"{m}experts.{e}."
+                out += [Renamed(f"{b}mlp.experts.{e}.gate_up.weight",
+                                (x + "w1.weight", x + "w3.weight"), "linear", (E, E)),
+                        Renamed(f"{b}mlp.experts.{e}.down.weight", (x + "w2.weight",),
+                                "linear")]
+        return out
+
+    def model_type(self, cfg) -> str:
+        return "mixtral" if cfg.experts else "llama"
+
+    def config_json(self, cfg) -> dict:
+        kind = self.model_type(cfg)
+        shape = cfg.attention_shape()
+        out = {"architectures": [self.model_types[kind]], "model_type": kind,
+               "vocab_size": int(cfg.vocab_size), "hidden_size": int(cfg.n_embd),
+               "intermediate_size": int(cfg.hidden()), "num_hidden_layers": int(cfg.n_layer),
+               "num_attention_heads": int(cfg.n_head), "num_key_value_heads": int(cfg.kv_heads),
+               "head_dim": int(shape.head_dim), "hidden_act": self.activations[0],
+               "max_position_embeddings": int(cfg.block_size),
+               "rms_norm_eps": float(cfg.norm_eps), **rope_json(cfg),
+               "attention_bias": bool(cfg.bias), "mlp_bias": False,
+               "tie_word_embeddings": bool(cfg.tie_weights), "attention_dropout": 0.0,
+               "torch_dtype": "float32"}
+        if cfg.experts:
+            out.update(num_local_experts=int(cfg.experts), num_experts_per_tok=int(cfg.top_k),
+                       router_aux_loss_coef=float(cfg.aux_loss_coef), sliding_window=None)
+        return out
+
+
+LLAMA = Family("llama", "Llama", LlamaConfig, Llama, LlamaHF(),
+               "Llama (RMSNorm, rotary positions, grouped-query attention, SwiGLU; with "
+               "--experts: Mixtral; Mistral's folders too)")

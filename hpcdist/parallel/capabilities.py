@@ -68,19 +68,24 @@ TENSOR = [   # parallel/tp: heads, MLP width and vocabulary split over tp ranks
      "heads"),
     ("tp", lambda c: c.experts == 0 and _ffn(c) % c.tp and
      f"--tp {c.tp} must divide the MLP's width {_ffn(c)} (its columns split over the "
-     "tensor-parallel ranks): set --ffn-hidden to a multiple of it"),
+     "tensor-parallel ranks): a --tp that divides it, or (rotary families) --ffn-hidden "
+     "a multiple of --tp"),
 ]
 
 
+def _declared(c):
+    """The family's config of the settings (nn/<family>.py): what its model will be."""
+    from .. import nn
+    return nn.config_of(c, vocab_size=1, vocab_multiple=1)
+
+
 def _kv_heads(c) -> int:
-    return getattr(c, "n_kv_head", 0) or c.n_head
+    return _declared(c).attention_shape().n_kv_head
 
 
 def _ffn(c) -> int:
-    """The MLP's width: Llama's SwiGLU (ffn_hidden, or 8/3 n_embd up to 64), GPT's 4 n_embd."""
-    if getattr(c, "arch", "gpt") == "llama":
-        return c.ffn_hidden or 64 * -(-8 * c.n_embd // (3 * 64))
-    return 4 * c.n_embd
+    """The dense MLP's width, as the family declares it."""
+    return _declared(c).mlp_width()
 
 PIPELINE = [   # parallel/pipeline.py: the stages, a verified schedule
     ("pp", lambda c: (c.pp < 1 or c.virtual_stages < 1 or c.micro_batches < 0) and

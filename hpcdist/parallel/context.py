@@ -180,7 +180,7 @@ class ContextParallelAttention(Module):
         if cache is not None:
             raise ValueError("sampling with a KV cache runs without context parallelism")
         if self.rotary is not None:
-            qkv = ops.rotary(qkv, pos, self.shape, self.rotary.theta)
+            qkv = ops.rotary(qkv, pos, self.shape, self.rotary)
         return self.cp.attention(qkv, self.shape, self.p if self.training else 0.0)
 
 

@@ -120,6 +120,10 @@ def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None) -> str:
                          sampler.batch_size * sampler.world)
     if vocabulary is not None:
         scalars["vocabulary"] = vocabulary
+    model = getattr(strategy, "model", None)
+    config = getattr(getattr(model, "full", model), "config", None)
+    if config is not None:           # the positions the model takes (--init-from: its folder's)
+        scalars["positions"] = int(config.block_size)
     return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(strategy), own,
                            meta=checkpoint.checkpoint_meta(cfg, vocabulary), scalars=scalars)
 

@@ -155,9 +155,8 @@ def make_model(cfg, comm, mesh, train_set):
     model = nn.build(cfg.arch, **model_fields(cfg, cfg.arch, block_size=block,
                                               vocab_size=train_set.vocab_size))
     if cfg.init_from:                              # the same on every rank, before any cut
-        model.load_state_dict(hf.params(cfg.init_from, cfg.arch,
-                                        [n for n, _ in model.named_parameters()],
-                                        cfg.n_layer, cfg.experts))
+        model.load_state_dict(hf.params(cfg.init_from, model.config,
+                                        [n for n, _ in model.named_parameters()]))
     if cfg.tp > 1:                                 # modules swapped for parallel ones
         apply_tensor_parallel(model, mesh.tp_comm, cfg.sequence_parallel)
     if cfg.cp > 1:                                 # each rank: a slice of every sequence
@@ -181,7 +180,7 @@ def model_fields(cfg, arch: str, **given) -> dict:
     dict) sets, with ``given`` on top; ``vocab_multiple`` 0 resolved for this device."""
     import dataclasses
     get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    config_cls = nn.FAMILIES[arch][0]
+    config_cls = nn.FAMILIES[arch].config
     out = {f.name: get(f.name) for f in dataclasses.fields(config_cls)
            if get(f.name) is not None}
     if out.get("vocab_multiple") == 0:

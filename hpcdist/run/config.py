@@ -9,19 +9,21 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from .. import nn
 from .config_help import HELP
 from .settings import CHOICES, NON_NEGATIVE, POSITIVE, SETTINGS
 
 
 @dataclass
-class TrainConfig:
+class Settings:
+    """The settings every run has; TrainConfig adds the families' own (below)."""
     # task
     task: str = "sort"            # sort | reverse | text
     data: str = ""                # text file for task 'text'
@@ -32,19 +34,15 @@ class TrainConfig:
     tokenizer: str = ""           # text: a Hugging Face tokenizer.json (default: characters)
     vocab_size: int = 0           # text: raw uint16 shards' vocabulary size
     # model
-    arch: str = "gpt"             # gpt | llama: the model family (nn/family.py)
+    arch: str = "gpt"             # the model family (nn/: gpt, llama, qwen2, gemma)
     n_layer: int = 2
     n_head: int = 4
-    n_kv_head: int = 0            # llama: key/value heads (0: n_head; 1: multi-query)
     n_embd: int = 64
-    ffn_hidden: int = 0           # llama: SwiGLU's width (0: 8/3 n_embd up to a multiple of 64)
-    rope_theta: float = 10000.0   # llama: rotary embeddings' base
-    norm_eps: float = 1e-5        # llama: RMSNorm's epsilon
     dropout: float = 0.0
     bias: bool = None             # None: the family's (gpt: biases; llama: none)
     tie_weights: bool = None      # None: the family's (gpt: tied; llama: untied)
     checkpoint_activations: bool = False  # recompute each block's activations in backward
-    init_from: str = ""           # a Hugging Face GPT-2 folder: its shape and weights
+    init_from: str = ""           # a Hugging Face model folder: its family, shape and weights
     vocab_multiple: int = 0       # token table and head padded to a multiple (0: 64 on a GPU)
     # optimization
     steps: int = 600
@@ -143,16 +141,44 @@ class TrainConfig:
     allow_singletons: bool = False  # run although MPI started fewer ranks than promised
 
 
-    def __post_init__(self):
-        """A family's defaults where the settings left them open (bias, tie_weights)."""
-        for name, value in FAMILY_DEFAULTS.get(self.arch, FAMILY_DEFAULTS["gpt"]).items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
+def _family_options() -> dict:
+    """name -> (type, help, the families that declare it) of the families' own settings:
+    their config fields that Settings lacks, each a flag and a TOML key of TrainConfig."""
+    base = {f.name for f in fields(Settings)}
+    out = {}
+    for arch, family in nn.FAMILIES.items():
+        for f in fields(family.config):
+            if f.name in base:
+                continue
+            kind, text, archs = out.get(f.name, (f.type, "", []))
+            out[f.name] = (kind, text or f.metadata.get("help", ""), archs + [arch])
+    return out
 
 
-# what a family's model is unless the settings say otherwise
-FAMILY_DEFAULTS = {"gpt": {"bias": True, "tie_weights": True},
-                   "llama": {"bias": False, "tie_weights": False}}
+FAMILY_OPTIONS = _family_options()
+assert set(FAMILY_OPTIONS) == nn.option_names(), \
+    "a family's own setting must be declared with nn.llama.option (a help text)"
+
+
+def _post_init(self):
+    """The family's defaults where the settings left them open (None): bias, tie_weights
+    and its own settings; those of other families stay None."""
+    if self.arch not in nn.FAMILIES:
+        return                                   # (validate refuses it, naming the known)
+    defaults = {f.name: f.default for f in fields(nn.FAMILIES[self.arch].config)}
+    for name in ("bias", "tie_weights", *FAMILY_OPTIONS):
+        if getattr(self, name) is None and name in defaults:
+            setattr(self, name, defaults[name])
+
+
+# Every setting: Settings' fields and then each family's own, defaulting to None (the
+# family's default, filled by __post_init__ for the chosen family).
+TrainConfig = make_dataclass(
+    "TrainConfig", [(name, kind, field(default=None)) for name, (kind, _, _) in
+                    FAMILY_OPTIONS.items()],
+    bases=(Settings,), namespace={"__post_init__": _post_init,
+                                  "__doc__": "Every training setting (--help lists them)."})
+TrainConfig.__module__ = __name__
 
 
 class ConfigError(ValueError):
@@ -172,7 +198,7 @@ def validate(cfg: TrainConfig) -> None:
     from ..parallel.schedules import SCHEDULES
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
-        if f.type == "float" and not math.isfinite(value):
+        if f.type == "float" and value is not None and not math.isfinite(value):
             raise ConfigError(f"{f.name} must be a finite number, got {value}", f.name)
     for name in POSITIVE:
         if getattr(cfg, name) <= 0:
@@ -258,8 +284,30 @@ class _Parser(argparse.ArgumentParser):
 
 
 _helped = [name for group in HELP.values() for name in group]
-assert sorted(_helped) == sorted(f.name for f in fields(TrainConfig)), \
-    "config.HELP must describe every TrainConfig field exactly once"
+assert sorted(_helped) == sorted(f.name for f in fields(Settings)), \
+    "config.HELP must describe every Settings field exactly once"
+
+
+def _help_groups() -> dict:
+    """--help's groups: HELP's, then one per set of families that declare the same settings
+    ("model: llama, qwen2, gemma"), each setting under the families that have it."""
+    groups = {name: dict(options) for name, options in HELP.items()}
+    for name in ("bias", "tie_weights"):
+        groups["model"][name] += f" (default: the family's: {_family_defaults(name)})"
+    for name, (_, text, archs) in FAMILY_OPTIONS.items():
+        groups.setdefault(f"model: {', '.join(archs)}", {})[name] = \
+            f"{text} (default {_family_defaults(name)})"
+    return groups
+
+
+def _family_defaults(name: str) -> str:
+    """A family setting's default: one value, or each family's where they differ."""
+    values = {arch: {f.name: f.default for f in fields(f.config)}.get(name)
+              for arch, f in nn.FAMILIES.items()}
+    values = {arch: v for arch, v in values.items() if v is not None}
+    if len(set(map(repr, values.values()))) == 1:
+        return repr(next(iter(values.values())))
+    return ", ".join(f"{arch} {v!r}" for arch, v in values.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,19 +317,19 @@ def build_parser() -> argparse.ArgumentParser:
                             "the defaults, then --config FILE.toml, then these flags.")
     p.add_argument("--config", help="TOML file of settings (keys as below, with _ or -)")
     known = {f.name: f for f in fields(TrainConfig)}
-    for group, options in HELP.items():
+    for group, options in _help_groups().items():
         g = p.add_argument_group(group)
         for name, text in options.items():
             f = known[name]
             flag = "--" + name.replace("_", "-")
+            said = "" if f.default is None else f" (default {f.default!r})"
             if f.type == "bool":
-                said = "" if f.default is None else f" (default {f.default})"
                 g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                default=None, help=text + said)
             else:
                 g.add_argument(flag, dest=name, default=None,
                                type={"int": int, "float": float, "str": str}[f.type],
-                               help=f"{text} (default {f.default!r})")
+                               help=text + said)
     return p
 
 
@@ -292,10 +340,10 @@ RENAMED = {"--rank": "powersgd_rank"}
 def parse_config(argv=None) -> TrainConfig:
     argv = list(argv) if argv is not None else None
     import sys
-    for old, field in RENAMED.items():
+    for old, name in RENAMED.items():
         for i, a in enumerate(argv if argv is not None else sys.argv[1:]):
             if a == old or a.startswith(old + "="):
-                new = "--" + field.replace("_", "-")
+                new = "--" + name.replace("_", "-")
                 print(f"note: {old} is now {new} (the old spelling still works)")
                 if argv is None:
                     argv = list(sys.argv[1:])
@@ -321,14 +369,15 @@ def parse_config(argv=None) -> TrainConfig:
     return cfg
 
 
-SHAPE = ("arch", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "rope_theta",
-         "norm_eps", "bias", "tie_weights", "experts", "top_k")
+SHAPE = ("arch", "n_layer", "n_head", "n_embd", "bias", "tie_weights", "experts", "top_k",
+         *FAMILY_OPTIONS)
 
 
 def _against_pretrained(values: dict) -> None:
-    """--init-from takes its shape from the folder: a shape setting given beside it that
-    says otherwise is refused (one that agrees is fine)."""
-    if not values.get("init_from") or not any(k in values for k in SHAPE):
+    """--init-from takes its family and shape from the folder, filled in here so that every
+    check before step 1 sees them (its experts for --ep, say): a shape setting given beside
+    it that says otherwise is refused (one that agrees is fine)."""
+    if not values.get("init_from"):
         return
     from ..checkpoint import hf
     try:
@@ -341,3 +390,4 @@ def _against_pretrained(values: dict) -> None:
             raise ConfigError(f"{flag} {values[k]} contradicts --init-from "
                               f"{values['init_from']}, whose {k} is {shape[k]}: the model's "
                               f"shape is the folder's; drop {flag}", k)
+    values.update({k: v for k, v in shape.items() if k in SHAPE})

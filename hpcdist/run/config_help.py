@@ -19,28 +19,24 @@ HELP = {
                       "tokenizer)",
     },
     "model": {
-        "arch": "the model family: gpt (GPT-2: LayerNorm, learned positions, GELU) | llama "
-                "(RMSNorm, rotary positions, SwiGLU, grouped-query attention; with --experts: "
-                "Mixtral)",
+        "arch": "the model family: gpt (GPT-2) | llama (with --experts: Mixtral) | qwen2 | "
+                "gemma (nn/<family>.py; each one's own settings are listed under it below)",
         "n_layer": "transformer blocks", "n_head": "attention heads per block",
-        "n_kv_head": "llama: key/value heads, each shared by n_head / n_kv_head query heads "
-                     "(0: n_head; 1: multi-query)",
         "n_embd": "embedding width", "dropout": "dropout probability (0 disables)",
-        "ffn_hidden": "llama: the SwiGLU MLP's width (0: 8/3 of n_embd, up to a multiple of 64)",
-        "rope_theta": "llama: the rotary embeddings' base", "norm_eps": "llama: RMSNorm's epsilon",
         "vocab_multiple": "pad the token table and the LM head to a multiple of this many "
                           "rows (x the tensor-parallel size), so the head's GEMM is aligned "
                           "for tensor cores: GPT-2's 50,257 -> 50,304 at 64; the padding is "
                           "never sampled, never in the loss, never in checkpoints (0: 64 on "
                           "a GPU, 1 on the CPU, where BLAS gains nothing from it)",
-        "bias": "biases in linear layers and norms (default: the family's, gpt yes, llama no)",
-        "tie_weights": "the output head reuses the token embedding (default: the family's, gpt "
-                       "tied, llama untied)",
+        "bias": "biases in linear layers and norms (rotary families: on the attention's "
+                "projections)",
+        "tie_weights": "the output head reuses the token embedding",
         "checkpoint_activations": "recompute each block's activations in backward (less "
                                   "memory, one more forward)",
-        "init_from": "start from a Hugging Face GPT-2 folder (config.json + "
-                     "model.safetensors): its shape and weights, in any layout; the data must "
-                     "use its tokenizer",
+        "init_from": "start from a Hugging Face model folder (config.json + "
+                     "model.safetensors: GPT-2, Llama, Mistral, Mixtral, Qwen2, Gemma): its "
+                     "family, shape and weights, in any layout; the data must use its "
+                     "tokenizer",
         "dtype": "master precision: fp32 | fp64 (fp64 for exactness tests)",
         "device": "cpu | gpu | auto (gpu: one GPU per rank, by node-local rank)",
     },

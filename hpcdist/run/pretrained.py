@@ -25,6 +25,7 @@ def shape_from_pretrained(cfg, train_set, vocabulary=None) -> None:
     for name, value in shape.items():
         if name not in ("vocab_size", "block_size") and hasattr(cfg, name):
             setattr(cfg, name, value)
+    cfg.__post_init__()                        # the family's defaults for what it left open
     validate(cfg)
 
 
@@ -32,7 +33,7 @@ def _same_tokenizer(folder: str, vocabulary) -> None:
     """Refuse, naming both, data tokenized by another tokenizer of the same size."""
     from ..checkpoint import hf
     from ..data import vocab
-    theirs = hf.gpt2_vocabulary(folder)
+    theirs = hf.folder_vocabulary(folder)
     if theirs is None or vocabulary is None or vocabulary.get("kind") not in ("tokenizer",
                                                                               "chars"):
         return                               # (bare token ids: nothing to compare them by)

@@ -2,6 +2,8 @@
 (held-out accuracy and loss, memory, MFU) or the line of a run stopped by a signal."""
 from __future__ import annotations
 
+from .. import nn
+
 import json
 import signal
 import time
@@ -69,13 +71,11 @@ def vocab_words(model, cfg) -> str:
 
 
 def model_words(cfg) -> str:
-    """The family and its shape, as the header opens: "Llama 2x64 (4 heads, 2 kv heads"."""
-    family, heads = "GPT", f"{cfg.n_head} heads"
-    if cfg.arch == "llama":
-        family = "Llama"
-        kv = cfg.n_kv_head or cfg.n_head
-        heads += f", {kv} kv heads" if kv != cfg.n_head else ""
-    return f"{family} {cfg.n_layer}x{cfg.n_embd} ({heads}"
+    """The family and its shape, as the header opens: "Llama 2x64 (4 heads, 2 kv heads"
+    (the family's own words: nn/<family>.py's describe)."""
+    family = nn.family(cfg.arch)
+    cfg_ = nn.config_of(cfg, vocab_size=1, vocab_multiple=1)
+    return f"{family.title} {cfg_.describe()}"
 
 
 def attention_words(cfg) -> str:

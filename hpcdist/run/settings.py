@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 
+from .. import nn
 from ..device import backend
 
 POSITIVE = ("length", "num_digits", "block_size", "n_layer", "n_head", "n_embd", "steps",
@@ -21,7 +22,28 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "cp_impl": ("ring", "ulysses"), "router": ("softmax", "sigmoid"),
            "balance": ("aux", "bias", "none"), "on_failure": ("abort", "shrink"),
            "shrink_batch": ("scale", "keep"), "attention": ("auto", "flash", "gemms", "cudnn"),
-           "arch": ("gpt", "llama")}
+           "arch": tuple(nn.FAMILIES)}
+
+
+def _foreign_setting(c) -> str | None:
+    """A family's own setting given for a family that has no such setting."""
+    from .config import FAMILY_OPTIONS
+    for name, (_, _, archs) in FAMILY_OPTIONS.items():
+        if getattr(c, name) is not None and c.arch not in archs:
+            flag = "--" + name.replace("_", "-")
+            return (f"{flag} is a setting of {', '.join(archs)}, not of --arch {c.arch}: drop "
+                    f"it, or choose --arch {archs[0]}")
+    return None
+
+
+def _family_problem(c) -> str | None:
+    """The family's own check of its config (nn/<family>.py), naming the value."""
+    try:
+        nn.config_of(c, vocab_size=c.vocab_size or 1,           # (0 here: the data's, and
+                     vocab_multiple=c.vocab_multiple or 1).validate()   # the device's)
+    except ValueError as e:
+        return f"--arch {c.arch}: {e}"
+    return None
 
 
 def _encoding_problem(c) -> str | None:
@@ -58,20 +80,8 @@ SETTINGS = [
      f"timeout must be >= 0 seconds (0: the default), got {c.timeout}"),
     ("data_encoding", _encoding_problem),
     ("attention", lambda c: _attention_problem(c)),
-    ("n_embd", lambda c: c.n_embd % c.n_head and
-     f"n_embd ({c.n_embd}) must be divisible by n_head ({c.n_head})"),
-    ("n_kv_head", lambda c: (c.n_kv_head < 0 or c.n_head % (c.n_kv_head or c.n_head)) and
-     f"n_head ({c.n_head}) must be divisible by n_kv_head ({c.n_kv_head}): each kv head serves "
-     "a whole group of query heads"),
-    ("n_kv_head", lambda c: c.arch == "gpt" and (c.n_kv_head or c.ffn_hidden or
-                                                  c.rope_theta != 10000.0 or c.norm_eps != 1e-5)
-     and "--n-kv-head, --ffn-hidden, --rope-theta and --norm-eps are the Llama family's: add "
-         "--arch llama"),
-    ("n_embd", lambda c: c.arch == "llama" and (c.n_embd // c.n_head) % 2 and
-     f"--arch llama rotates pairs of each head's {c.n_embd // c.n_head} dimensions: the head "
-     "size n_embd / n_head must be even"),
-    ("rope_theta", lambda c: (c.rope_theta <= 0 or c.norm_eps <= 0 or c.ffn_hidden < 0) and
-     "--rope-theta and --norm-eps must be positive, --ffn-hidden >= 0"),
+    ("arch", lambda c: _foreign_setting(c)),
+    ("arch", lambda c: _family_problem(c)),
     ("vocab_multiple", lambda c: c.vocab_multiple < 0 and
      f"--vocab-multiple must be >= 0 (0: 64 on a GPU, 1 on the CPU), got {c.vocab_multiple}"),
     ("dropout", lambda c: not 0.0 <= c.dropout < 1.0 and

@@ -7,7 +7,7 @@ from ...device import backend, kernels
 from ..tensor import ACCUMULATED, Tensor, needs_grad
 from .core import grad_buffer
 
-_TABLES: list = []            # [(pos, hd, theta, dtype, (cos, sin))]: the last few position sets
+_TABLES: list = []            # [(pos, hd, rotary, dtype, (cos, sin))]: the last few position sets
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
@@ -36,22 +36,33 @@ def swiglu(h: Tensor) -> Tensor:
     return Tensor._make(out, (h,), lambda g: (kernels.SWIGLU_BWD(h.data, g),))
 
 
-def rotary(qkv: Tensor, pos, shape, theta: float) -> Tensor:
+def geglu(h: Tensor) -> Tensor:
+    """gelu_tanh(gate) * up of h (..., 2H) = [gate | up] -> (..., H) (Gemma's gated MLP):
+    the GELU's kernels and a product, composed (no fused kernel of its own yet)."""
+    from .core import gelu, mul, split
+    half = h.shape[-1] // 2
+    gate, up = split(h, [half, half], axis=-1)
+    return mul(gelu(gate), up)
+
+
+def rotary(qkv: Tensor, pos, shape, rotary) -> Tensor:
     """qkv (B, T, shape.width) with its q and k heads rotated by their rows' global positions
-    ``pos`` (T,) (kernels.ROTARY; the backward rotates the gradient back)."""
-    cos, sin = tables(pos, shape.head_dim, theta, qkv.data.dtype)
+    ``pos`` (T,) at ``rotary``'s frequencies (nn.attention.Rotary: a base theta, or a scaled
+    kind) (kernels.ROTARY; the backward rotates the gradient back)."""
+    cos, sin = tables(pos, shape.head_dim, rotary, qkv.data.dtype)
     nq, nk, hd = shape.n_head, shape.n_kv_head, shape.head_dim
     out = kernels.ROTARY(qkv.data, cos, sin, nq, nk, hd, 1.0)
     return Tensor._make(out, (qkv,), lambda g: (kernels.ROTARY(g, cos, sin, nq, nk, hd, -1.0),))
 
 
-def tables(pos, hd: int, theta: float, dtype):
+def tables(pos, hd: int, rotary, dtype):
     """(cos, sin) of ``pos``: made once for the position array every block of a step shares
     (the last few kept, with the array itself, so an id is never reused meanwhile)."""
-    for p, h, th, dt, both in _TABLES:
-        if p is pos and h == hd and th == theta and dt == dtype:
+    for p, h, r, dt, both in _TABLES:
+        if p is pos and h == hd and r == rotary and dt == dtype:
             return both
-    both = kernels.rotary_tables(pos, hd, theta, dtype)
-    _TABLES.insert(0, (pos, hd, theta, dtype, both))
+    inv = rotary.frequencies(hd, backend.array_module(pos))
+    both = kernels.rotary_tables(pos, hd, rotary.theta, dtype, frequencies=inv)
+    _TABLES.insert(0, (pos, hd, rotary, dtype, both))
     del _TABLES[8:]
     return both

@@ -323,12 +323,14 @@ extern "C" __global__ void rotary(const T* x, T* out, const T* cs, const T* sn, 
 """
 
 
-def rotary_tables(pos, hd: int, theta: float, dtype):
-    """cos, sin (T, hd/2) of position x theta^(-2i/hd), in ``dtype`` on pos's device."""
+def rotary_tables(pos, hd: int, theta: float, dtype, frequencies=None):
+    """cos, sin (T, hd/2) of position x theta^(-2i/hd) (or x ``frequencies``, float64 on
+    pos's device: a scaled rotary kind's), in ``dtype`` on pos's device."""
     xp = backend.array_module(pos)
     # (made on pos's device: nothing crosses from the host inside a step, which a CUDA
     # graph's capture refuses)
-    inv = 1.0 / (theta ** (xp.arange(0, hd, 2, dtype=np.float64) / hd))
+    inv = frequencies if frequencies is not None else \
+        1.0 / (theta ** (xp.arange(0, hd, 2, dtype=np.float64) / hd))
     ang = xp.asarray(pos).astype(np.float64)[:, None] * inv[None, :]
     return xp.cos(ang).astype(dtype), xp.sin(ang).astype(dtype)
 

@@ -1,0 +1,52 @@
+"""Qwen2 and Qwen2.5, declared as a family: Llama's blocks with biases on q, k and v (none on
+the output projection), a rotary base of 10^6, RMSNorm's epsilon 10^-6, the head tied at the
+small sizes (0.5B-3B) and untied above. What differs from Llama is this file."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .family import Family
+from .llama import Llama, LlamaConfig, LlamaHF
+
+
+@dataclass
+class Qwen2Config(LlamaConfig):
+    rope_theta: float = 1e6
+    norm_eps: float = 1e-6
+    bias: bool = True            # on q, k and v: Qwen2's attention always has them
+
+    arch = "qwen2"
+    out_bias = False             # the output projection: no bias
+
+
+class Qwen2(Llama):
+    """Llama's model over Qwen2's config (its declared differences)."""
+
+
+class Qwen2HF(LlamaHF):
+    """Qwen2's folders: Llama's names; q, k, v biases; ``use_sliding_window`` (off in every
+    released Qwen2) honoured as Mistral's window."""
+
+    model_types = {"qwen2": "Qwen2ForCausalLM"}
+
+    def fields(self, c: dict, where: str) -> dict:
+        out = super().fields(c, where)
+        out["bias"] = True
+        return out
+
+    def model_type(self, cfg) -> str:
+        if cfg.experts:
+            raise ValueError("Qwen2 with experts (Qwen2-MoE) has other names and a shared "
+                             "expert gate: export it as --arch llama, or train it dense")
+        return "qwen2"
+
+    def config_json(self, cfg) -> dict:
+        out = super().config_json(cfg)
+        for key in ("attention_bias", "mlp_bias", "head_dim"):
+            out.pop(key)
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+        return out
+
+
+QWEN2 = Family("qwen2", "Qwen2", Qwen2Config, Qwen2, Qwen2HF(),
+               "Qwen2 / Qwen2.5 (Llama with q, k, v biases, rotary base 10^6)")

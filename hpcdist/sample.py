@@ -35,7 +35,7 @@ def load(path: str):
     meta = reader.manifest.get("meta") or {}
     params = {n[len("param/"):]: reader.tensor(n) for n in reader.tensors
               if n.startswith("param/")}
-    family = nn.family(meta.get("arch", "gpt"))
+    family = nn.family(nn.arch_of(meta))
     vocab_size, _ = params[family.model.PARTS["tokens"] + ".weight"].shape
     dtype = "float64" if meta.get("dtype") == "fp64" else "float32"
     backend.set_default_float(dtype)

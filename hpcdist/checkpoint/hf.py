@@ -15,7 +15,7 @@ __all__ = ["check_weights", "folder_vocabulary", "family", "shape", "params", "l
 def family(folder: str) -> nn.Family:
     """The family that reads ``folder`` (its config.json's model_type); an unknown one is
     refused in one line."""
-    return nn.of_model_type(read_config(folder).get("model_type", "gpt2"), folder)
+    return nn.of_model_type(read_config(folder).get("model_type"), folder)
 
 
 def shape(folder: str) -> dict:

@@ -3,6 +3,7 @@ family and shape, the precision, the data's vocabulary), and the one-line refusa
 checkpoint written by another run."""
 from __future__ import annotations
 
+from .. import nn
 from .errors import CheckpointError
 
 
@@ -17,8 +18,8 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
             "dtype": cfg.dtype, "precision": cfg.precision, "optimizer": cfg.optimizer,
             "compress": cfg.compress,
             "seed": cfg.seed}                 # (the data's order and dropout: the run's own)
-    arch = getattr(cfg, "arch", "gpt")
-    if arch != "gpt":                         # (absent for GPT: older checkpoints compare)
+    arch = nn.arch_of(cfg)
+    if arch != nn.DEFAULT_ARCH:               # (absent for it: older checkpoints compare)
         meta["arch"] = arch
     meta.update(family_settings(cfg, arch))
     if getattr(cfg, "experts", 0):            # (absent without: older checkpoints compare)
@@ -34,7 +35,6 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
 def family_settings(cfg, arch: str) -> dict:
     """The family's own settings (nn.family.own_settings) at their values: the shape a
     resume must share beyond n_layer, n_head and n_embd."""
-    from .. import nn
     return {name: getattr(cfg, name) for name in nn.own_settings(arch)
             if getattr(cfg, name, None) is not None}
 
@@ -51,6 +51,11 @@ def check_meta(manifest: dict, meta: dict, folder: str, vocabulary: dict | None 
         raise CheckpointError(f"{folder} was trained on another vocabulary: {saved['vocab']}; "
                               f"this run's data gives {meta['vocab']}. Resume with the same "
                               "--data and --tokenizer, or start a new run in another --save-dir")
+    theirs, ours = nn.arch_of(saved), nn.arch_of(meta)
+    if theirs != ours:                        # the family first: the rest follows from it
+        raise CheckpointError(f"{folder} holds a {nn.family(theirs).title} model (--arch "
+                              f"{theirs}), this run builds --arch {ours}: resume with --arch "
+                              f"{theirs}, or start a new run in another --save-dir")
     diffs = [f"{k} {saved[k]!r} there, {v!r} here" for k, v in meta.items()
              if k in saved and saved[k] != v]
     if diffs:

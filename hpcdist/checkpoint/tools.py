@@ -113,7 +113,7 @@ def export_config(params: dict, meta: dict, positions: int | None = None):
     ``positions``: the positions the model was built for (a learned table's rows; else the
     checkpoint's record, which an --init-from run took from its folder; else the block)."""
     from .. import nn
-    parts = nn.family(meta.get("arch", "gpt")).model.PARTS
+    parts = nn.family(nn.arch_of(meta)).model.PARTS
     vocab = params[parts["tokens"] + ".weight"]
     table = parts.get("positions")
     block = params[table + ".weight"].shape[0] if table else \
@@ -132,9 +132,6 @@ def export_hf(out: str, params: dict, meta: dict, vocabulary: dict | None = None
     adapter = nn.family(cfg.arch).hf
     tensors = adapter.to_theirs(cfg, params)
     config = adapter.config_json(cfg)
-    if config["tie_word_embeddings"]:
-        for name in [n for n in tensors if n.endswith("lm_head.weight")]:
-            tensors.pop(name)
     os.makedirs(out, exist_ok=True)
     tokenizer = hf_tokenizer(vocabulary) if vocabulary else None
     config["bos_token_id"] = config["eos_token_id"] = None
@@ -158,7 +155,7 @@ def export_names(params: dict, meta: dict, names: str) -> dict:
     """The parameters under another project's names (``--names``): one the checkpoint's
     family declares (nn.Family.exports), else a one-line refusal."""
     from .. import nn
-    f = nn.family(meta.get("arch", "gpt"))
+    f = nn.family(nn.arch_of(meta))
     exports = dict(f.exports)
     if names not in exports:
         raise ValueError(f"--names {names}: a {f.title} checkpoint exports "

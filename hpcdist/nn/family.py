@@ -194,6 +194,15 @@ class Family:
 
 
 FAMILIES: dict = {}          # arch -> Family: filled by nn/__init__.py
+DEFAULT_ARCH = "gpt"         # a run without --arch; a checkpoint or folder naming none
+
+
+def arch_of(settings) -> str:
+    """The family a TrainConfig, a checkpoint's meta dict or a config.json's fields name
+    (none named: ``DEFAULT_ARCH``, as older GPT checkpoints are)."""
+    get = settings.get if isinstance(settings, dict) else \
+        (lambda k, d=None: getattr(settings, k, d))
+    return get("arch") or DEFAULT_ARCH
 
 
 def register(family: Family) -> None:
@@ -207,8 +216,11 @@ def family(arch: str) -> Family:
     return FAMILIES[arch]
 
 
-def of_model_type(model_type: str, where: str) -> Family:
-    """The family that reads Hugging Face folders of ``model_type``."""
+def of_model_type(model_type: str | None, where: str) -> Family:
+    """The family that reads Hugging Face folders of ``model_type`` (None: the default
+    family's first, as GPT-2 folders older than model_type are)."""
+    if model_type is None:
+        return family(DEFAULT_ARCH)
     for f in FAMILIES.values():
         if f.hf is not None and model_type in f.hf.model_types:
             return f
@@ -239,7 +251,7 @@ def config_of(settings, arch: str | None = None, **given):
     import dataclasses
     get = settings.get if isinstance(settings, dict) else \
         (lambda k, d=None: getattr(settings, k, d))
-    cls = family(arch or get("arch") or "gpt").config
+    cls = family(arch or arch_of(settings)).config
     values = {f.name: get(f.name) for f in dataclasses.fields(cls) if get(f.name) is not None}
     values.update(given)
     return cls(**values)

@@ -56,6 +56,21 @@ class GPTConfig:
     def mlp_width(self) -> int:
         return 4 * self.n_embd
 
+    def parameters(self) -> int:
+        """The model's parameters, counted from the declaration (the vocabulary unpadded):
+        what fits.py sizes a run by before anything is allocated."""
+        C, H, b = self.n_embd, self.mlp_width(), int(self.bias)
+        attn = C * 3 * C + 3 * C * b + C * C + C * b
+        norms = 2 * (C + C * b)
+        mlp = C * H + H * b + H * C + C * b
+        expert_w = self.expert_hidden or H
+        expert = C * expert_w + expert_w * b + expert_w * C + C * b
+        moe = C * self.experts + (self.experts + self.shared_experts) * expert
+        blocks = sum(attn + norms + (moe if self.is_moe(i) else mlp)
+                     for i in range(self.n_layer))
+        head = 0 if self.tie_weights else C * self.vocab_size
+        return blocks + (self.vocab_size + self.block_size) * C + C + C * b + head
+
     def validate(self) -> None:
         for name in ("block_size", "vocab_size", "vocab_multiple", "n_layer", "n_head",
                      "n_embd"):

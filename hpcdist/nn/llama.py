@@ -91,6 +91,20 @@ class LlamaConfig:
     def mlp_width(self) -> int:
         return self.hidden()
 
+    def parameters(self) -> int:
+        """The model's parameters, counted from the declaration (the vocabulary unpadded):
+        what fits.py sizes a run by before anything is allocated."""
+        C, shape = self.n_embd, self.attention_shape()
+        attn = C * shape.width + shape.width * int(self.bias) + shape.out_width * C + \
+            C * int(self.bias and self.out_bias)
+        mlp = 3 * C * self.hidden()
+        expert = 3 * C * (self.expert_hidden or self.hidden())
+        moe = C * self.experts + (self.experts + self.shared_experts) * expert
+        blocks = sum(attn + 2 * C + (moe if self.is_moe(i) else mlp)
+                     for i in range(self.n_layer))
+        head = 0 if self.tie_weights else C * self.vocab_size
+        return blocks + self.vocab_size * C + C + head
+
     def head_size(self) -> int:
         return self.head_dim or self.n_embd // self.n_head
 

@@ -34,7 +34,7 @@ class Settings:
     tokenizer: str = ""           # text: a Hugging Face tokenizer.json (default: characters)
     vocab_size: int = 0           # text: raw uint16 shards' vocabulary size
     # model
-    arch: str = "gpt"             # the model family (nn/: gpt, llama, qwen2, gemma)
+    arch: str = nn.DEFAULT_ARCH   # the model family (nn/FAMILIES: its file in nn/)
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64

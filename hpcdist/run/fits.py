@@ -1,6 +1,6 @@
 """Whether the model's state fits before any of it is allocated: parameters, gradients and
-AdamW's two moments per rank (the planner's count of the family's parameters, split by TP and
-PP, sharded by ZeRO), times the ranks on this host, against the memory the host has
+AdamW's two moments per rank (the family's count of its parameters, nn/<family>.py, split by
+TP and PP, sharded by ZeRO), times the ranks on this host, against the memory the host has
 available (or, on a GPU, the device's free memory). Activations come on top, so a refusal
 here is certain; a pass is not a promise. One line, before ``--n-embd 100000`` asks NumPy
 for 224 GiB."""
@@ -13,12 +13,9 @@ GiB = 2 ** 30
 
 def state_bytes(cfg, world: int, vocab: int, seq: int) -> float:
     """Bytes of parameters, gradients and optimizer state one rank holds."""
-    from ..plan import Model
-    model = Model(cfg.n_layer, cfg.n_embd, cfg.n_head, seq, vocab, experts=cfg.experts,
-                  top_k=cfg.top_k, expert_hidden=cfg.expert_hidden, moe_every=cfg.moe_every,
-                  arch=cfg.arch, kv_heads=cfg.n_kv_head, ffn=cfg.ffn_hidden,
-                  tied=cfg.tie_weights)
-    n = model.parameters / (cfg.tp * cfg.pp)
+    from .. import nn
+    declared = nn.config_of(cfg, vocab_size=vocab, block_size=seq, vocab_multiple=1)
+    n = declared.parameters() / (cfg.tp * cfg.pp)
     word = 8 if cfg.dtype == "fp64" else 4
     dp = max(1, world // (cfg.tp * cfg.pp * cfg.cp))
     moments = 2 if cfg.optimizer == "adamw" else 1

@@ -1,0 +1,52 @@
+"""Qwen2, Gemma and Llama 3.1's scaled rotary embeddings cut by every dimension, each read
+through its declaration only (nn/qwen2.py, nn/gemma.py; nn/llama.py's rotary kinds): in fp64
+tensor parallelism (q|k|v biases and Gemma's own head size split with the heads), sequence
+parallelism, pipelines, ring and Ulysses context parallelism (scaled frequencies at global
+positions), ZeRO-3 and recompute follow the one-process run to 1e-10."""
+import os
+
+import numpy as np
+import pytest
+
+from helpers import history, one_process, small
+
+DEVICE = os.environ.get("HPCDIST_DEVICE", "cpu")
+FAMILIES = {
+    "qwen2": dict(arch="qwen2", n_layer=2, n_head=4, n_kv_head=2, n_embd=16, ffn_hidden=32,
+                  rope_theta=500.0),
+    "gemma": dict(arch="gemma", n_layer=2, n_head=4, n_kv_head=2, n_embd=16, head_dim=6,
+                  ffn_hidden=32, rope_theta=500.0),
+    "llama3.1": dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=16, ffn_hidden=32,
+                     rope_theta=500.0, rope_type="llama3", rope_factor=4.0,
+                     rope_original_context=4, tie_weights=True),
+}
+
+
+def _layouts(P):
+    out = [dict(zero=3, checkpoint_activations=True)]
+    if P % 2 == 0:
+        out += [dict(tp=2, sequence_parallel=True), dict(pp=2), dict(cp=2),
+                dict(cp=2, cp_impl="ulysses", zero=1)]
+    if P % 3 == 0:
+        out += [dict(tp=3, n_head=6, n_kv_head=3, n_embd=24, ffn_hidden=24)]
+    if P % 4 == 0:
+        out += [dict(tp=2, pp=2), dict(tp=2, cp=2)]
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("index", range(8))
+def test_every_family_layout_follows_one_process(comm, tmp_path, family, index):
+    layouts = _layouts(comm.size)
+    assert len(layouts) <= 8, "more layouts than test indices: raise the range"
+    if index >= len(layouts):
+        pytest.skip(f"{len(layouts)} layouts at {comm.size} ranks")
+    kw = {**FAMILIES[family], **layouts[index]}
+    replicas = comm.size // (kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1))
+    cfg = small(device=DEVICE, batch_size=4, grad_clip=1.0, out_dir=str(tmp_path), **kw)
+    _, got = history(cfg, comm)
+    _, want = one_process(cfg, tp=1, pp=1, cp=1, zero=0, sequence_parallel=False,
+                          cp_impl="ring", batch_size=4 * replicas,
+                          out_dir=str(tmp_path / "one"))
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-10, err_msg=f"{family} {layouts[index]}")

@@ -1,0 +1,262 @@
+"""The families a user fine-tunes today against transformers: tiny random Llama 3.1 (rotary
+scaling ``llama3``, tied embeddings as at 1B/3B), Qwen2 (q, k, v biases, tied and untied)
+and Gemma (GeGLU, (1 + w) RMSNorm, scaled embeddings, a head size of its own) made by
+transformers itself, nothing downloaded. Each loads with transformers' logits, greedy text
+equals ``generate`` token for token, a trained hpcdist checkpoint exports to a folder
+transformers loads as that family with the same logits, and a bad setting is one line. The
+layouts: tests/mpi/test_families.py."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcdist import nn, sample, train
+from hpcdist.device import backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPE = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+             initializer_range=0.2)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+# kind -> (transformers' config and model classes, settings beyond SHAPE, our arch)
+KINDS = {
+    "llama3.1": ("LlamaConfig", "LlamaForCausalLM",
+                 dict(rope_theta=500.0, rope_scaling=dict(LLAMA3), tie_word_embeddings=True),
+                 "llama"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e4), "qwen2"),
+    "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM",
+                   dict(rope_theta=1e4, tie_word_embeddings=True), "qwen2"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=12, rope_theta=300.0),
+              "gemma"),
+}
+
+
+def made(kind):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config_cls, model_cls, extra, _ = KINDS[kind]
+    cfg = getattr(transformers, config_cls)(**{**SHAPE, **extra})
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():                 # (Gemma starts its norms at 0: move them off it)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.generation_config.eos_token_id = None         # (ours draws on past any token)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def folder(request, tmp_path_factory):
+    kind = request.param
+    model = made(kind)
+    path = tmp_path_factory.mktemp(kind)
+    model.save_pretrained(path, safe_serialization=True)
+    return kind, model, path
+
+
+def test_weights_in_give_transformers_logits(folder):
+    import torch
+    kind, model, path = folder
+    from hpcdist.checkpoint import hf
+    idx = np.random.default_rng(1).integers(0, 61, (3, 40))
+    ref = model(torch.tensor(idx)).logits.detach().numpy()
+    for dtype, tol in (("float32", 1e-4), ("float64", 1e-5)):
+        backend.set_default_float(dtype)
+        ours, _ = hf.load(str(path))
+        assert ours.config.arch == KINDS[kind][3] == hf.family(str(path)).arch
+        got = backend.to_numpy(ours.eval()(backend.to_device(idx)).data)
+        np.testing.assert_allclose(got, ref, atol=tol * np.abs(ref).max(), rtol=0)
+    backend.set_default_float("float32")
+
+
+def test_the_declared_differences_are_what_the_folder_says(folder):
+    kind, _, path = folder
+    from hpcdist.checkpoint import hf
+    cfg = hf.config(str(path))
+    if kind == "llama3.1":
+        assert (cfg.rope_type, cfg.rope_factor, cfg.rope_original_context, cfg.tie_weights) \
+            == ("llama3", 8.0, 16, True)
+    if kind.startswith("qwen2"):
+        assert cfg.bias and not cfg.out_bias and cfg.tie_weights == kind.endswith("tied")
+    if kind == "gemma":
+        assert cfg.head_size() == 12 and cfg.head_size() * cfg.n_head != cfg.n_embd
+        assert cfg.activation == "gelu_tanh" and cfg.norm_offset == 1 and cfg.tie_weights
+
+
+def test_greedy_text_with_the_kv_cache_equals_transformers_generate(folder):
+    import torch
+    kind, model, path = folder
+    ours, _ = sample.load(str(path))
+    for prompt in ([5, 17, 3], [1], list(range(20))):
+        x = torch.tensor([prompt])
+        ref = model.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0,
+                             max_new_tokens=30, do_sample=False)[0].tolist()
+        assert sample.generate(ours, prompt, 30) == ref, kind
+
+
+def test_llama3_scaling_changes_the_frequencies_as_transformers_computes_them():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from hpcdist.nn.attention import Llama3Rotary, Rotary
+    cfg = transformers.LlamaConfig(**{**SHAPE, "hidden_size": 128, "num_attention_heads": 2,
+                                      "max_position_embeddings": 256,
+                                      "rope_theta": 500000.0, "rope_scaling": dict(
+                                          LLAMA3, original_max_position_embeddings=64)})
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    ours = Llama3Rotary(500000.0, 8.0, 1.0, 4.0, 64).frequencies(64, np)
+    plain = Rotary(500000.0).frequencies(64, np)
+    np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=1e-6)
+    slowed, kept = np.isclose(ours, plain / 8, rtol=1e-12), ours == plain
+    assert slowed.any() and kept.any() and (~slowed & ~kept).any()   # and blended between
+    del torch
+
+
+@pytest.fixture(scope="module", params=["llama3.1", "qwen2", "gemma"])
+def trained(request, tmp_path_factory):
+    kind = request.param
+    tmp = tmp_path_factory.mktemp("run-" + kind)
+    extra = {"llama3.1": ["--arch", "llama", "--rope-type", "llama3", "--rope-original-context",
+                          "8", "--tie-weights"],
+             "qwen2": ["--arch", "qwen2", "--n-kv-head", "2"],
+             "gemma": ["--arch", "gemma", "--n-embd", "48", "--n-head", "4",
+                       "--head-dim", "16"]}[kind]
+    cfg = train.parse_config([*extra, "--steps", "3", "--dtype", "fp64", "--batch-size", "8",
+                              "--save-dir", str(tmp / "ck"), "--out-dir", str(tmp / "o")])
+    final = train.train(cfg, log=lambda *a: None)
+    return kind, tmp, cfg, final
+
+
+def test_a_checkpoint_exports_to_a_folder_transformers_loads_as_its_family(trained):
+    import torch
+    transformers = pytest.importorskip("transformers")
+    kind, tmp, cfg, final = trained
+    assert np.isfinite(final["test_loss"])
+    out = tmp / "hf"
+    r = subprocess.run([sys.executable, "-m", "hpcdist.checkpoint", "export", str(tmp / "ck"),
+                        str(out), "--format", "safetensors"], capture_output=True, text=True,
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    config = json.loads((out / "config.json").read_text())
+    want = {"llama3.1": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+            "gemma": ("gemma", "GemmaForCausalLM")}[kind]
+    assert config["model_type"] == want[0]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(theirs).__name__ == want[1]
+    backend.set_default_float("float64")
+    ours, _ = sample.load(str(tmp / "ck"))
+    idx = np.array([[1, 2, 3, 0, 4, 5, 6, 7]])
+    ref = theirs(torch.tensor(idx)).logits.detach().numpy()
+    got = backend.to_numpy(ours(backend.to_device(idx)).data)
+    np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    again, _ = sample.load(str(out))                        # and back in from the folder
+    assert again.config.arch == cfg.arch
+    np.testing.assert_allclose(backend.to_numpy(again(backend.to_device(idx)).data), got,
+                               atol=1e-5 * np.abs(ref).max(), rtol=0)
+    backend.set_default_float("float32")
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--arch", "gemma", "--n-embd", "48", "--n-head", "4", "--head-dim", "9"],
+     "--arch gemma: the head size 9 must be even"),
+    (["--arch", "gemma", "--no-tie-weights"], "Gemma's head is the token table"),
+    (["--arch", "qwen2", "--rope-type", "yarn"], "unknown rope_type 'yarn'"),
+    (["--arch", "llama", "--rope-theta", "-1"], "rope_theta must be positive, got -1.0"),
+    (["--arch", "llama", "--norm-eps", "-1"], "norm_eps must be positive, got -1.0"),
+    (["--arch", "llama", "--ffn-hidden", "-5"], "ffn_hidden must be 0 or more, got -5"),
+    (["--rope-type", "llama3"], "--rope-type is a setting of llama, qwen2, gemma, not of "
+                                "--arch gpt"),
+])
+def test_bad_settings_are_one_line_before_step_one(args, says):
+    r = subprocess.run([sys.executable, "-m", "hpcdist.train", "--steps", "1", *args],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_folder_with_an_unknown_rotary_scaling_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 48, "num_attention_heads": 6,
+        "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 61,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 8 + b"")
+    for args in (["-m", "hpcdist.sample", str(tmp_path), "--ids", "1"],
+                 ["-m", "hpcdist.train", "--init-from", str(tmp_path), "--steps", "1"]):
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert "rotary scaling 'yarn' is not one hpcdist computes" in lines[0], r.stderr
+
+
+def test_help_lists_a_familys_settings_under_it():
+    r = subprocess.run([sys.executable, "-m", "hpcdist.train", "--help"], capture_output=True,
+                       text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    groups = r.stdout.split("\n\n")
+    rotary = next(g for g in groups if g.startswith("model: llama, qwen2, gemma:"))
+    for flag in ("--n-kv-head", "--head-dim", "--rope-theta", "--rope-type", "--ffn-hidden"):
+        assert flag in rotary
+    model = next(g for g in groups if g.startswith("model:\n"))
+    assert "--n-kv-head" not in model and "--rope-theta" not in model
+    assert "qwen2 1000000.0" in rotary                # each family's default where they differ
+
+
+def test_every_family_is_registered_from_one_file():
+    import inspect
+    for arch, f in nn.FAMILIES.items():
+        files = {inspect.getsourcefile(c) for c in (f.config, f.model, type(f.hf))}
+        assert files == {inspect.getsourcefile(f.config)}, arch
+        assert os.path.basename(files.pop()) == arch.replace("gpt", "gpt") + ".py", arch
+
+
+FAMILY_WORDS = r"\b(gpt2?|llama|mistral|mixtral|qwen2?|gemma|wte|wpe|embed_tokens|ln_f|" \
+               r"lm_head|c_attn|n_kv_head|ffn_hidden|rope_theta|norm_eps)\b"
+
+
+def test_no_module_outside_nn_names_a_family():
+    """run/, checkpoint/, plan/, parallel/, comm/, sample.py, train.py read declarations; the
+    names below in code (not in comments or docstrings) are the families' alone."""
+    import ast
+    import re
+    pkg = os.path.join(ROOT, "hpcdist")
+    places = [os.path.join(pkg, d) for d in ("run", "checkpoint", "parallel", "comm")] + \
+        [os.path.join(pkg, f) for f in ("sample.py", "train.py")]
+    found = []
+    for place in places:
+        files = [place] if place.endswith(".py") else [
+            os.path.join(d, n) for d, _, names in os.walk(place) for n in names
+            if n.endswith(".py")]
+        for path in files:
+            tree = ast.parse(open(path).read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    text = node.value
+                elif isinstance(node, ast.Attribute):
+                    text = node.attr
+                else:
+                    continue
+                if isinstance(node, ast.Constant) and len(text) > 40:
+                    continue                 # (messages and docstrings: prose, not a branch)
+                if re.search(FAMILY_WORDS, text, re.I):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {text!r}")
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("gpt", {}), ("gpt", dict(bias=False, tie_weights=False)),
+    ("gpt", dict(experts=4, shared_experts=1, moe_every=2, expert_hidden=40)),
+    ("llama", dict(n_kv_head=2)), ("llama", dict(experts=4, tie_weights=True, bias=True)),
+    ("qwen2", dict(n_kv_head=2)), ("qwen2", dict(tie_weights=True)),
+    ("gemma", dict(head_dim=16, n_kv_head=1)),
+    ("llama", dict(experts=3, shared_experts=2, expert_hidden=32, moe_every=2))])
+def test_a_familys_parameter_count_is_its_models(arch, kw):
+    m = nn.build(arch, n_layer=3, n_head=4, n_embd=32, vocab_size=50, block_size=16, **kw)
+    assert m.config.parameters() == sum(p.data.size for p in m.parameters())

@@ -95,6 +95,7 @@ test-double: venv
 	  echo "== mpiexec -n $$n, device double: every layout over MPI and over NCCL (the matrix)"; \
 	  HPCDIST_DEVICE=double timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
 	    --with-mpi -q -p no:cacheprovider tests/mpi/test_device.py tests/mpi/test_llama.py \
+	    tests/mpi/test_families.py \
 	    -k every_layout || exit 1; \
 	done
 

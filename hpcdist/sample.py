@@ -72,28 +72,58 @@ def choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng
 
 
 def generate(model, ids, n: int, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, stop=None) -> list:
-    """``ids`` followed by ``n`` new tokens (fewer if ``stop`` is drawn)."""
+             top_p: float = 1.0, seed: int = 0, stop=None, say=None) -> list:
+    """``ids`` followed by ``n`` new tokens (fewer if ``stop`` is drawn), each new token run
+    through the model alone against the KV cache, as transformers' ``generate`` does.
+
+    Past ``block_size``: a family with rotary positions continues with the cache (positions
+    have no table; transformers goes on alike), a sliding window keeping the cache to the
+    window; a learned position table ends there, so each token past it sees the last
+    block - 1 (a prompt longer than the block is cropped to them). ``say`` is told once of
+    either."""
     xp, rng = backend.xp(), np.random.default_rng(seed)
     ids = [int(i) for i in ids]
     if not ids:
         raise ValueError("an empty prompt: give at least one token")
     block = model.config.block_size
+    learned = model.PARTS.get("positions") is not None     # (a table of block rows)
+    window = getattr(model.config, "sliding_window", 0) or 0
+    said = set()
+
+    def note(key, line):
+        if say is not None and key not in said:
+            said.add(key)
+            say(line)
+
+    def run(tokens, cache):
+        return model(xp.asarray(np.array([tokens])), cache=cache)
+
     with no_grad():
-        cache, fed = None, 0
-        for _ in range(n):
-            if cache is None or fed >= block:            # (re)build from the last block
-                cache = [{} for _ in model.blocks]
-                window = ids[-(block - 1):] if len(ids) >= block else ids
-                logits = model(xp.asarray(np.array([window])), cache=cache)
-                fed = len(window)
-            else:                                        # one token through the cache
-                logits = model(xp.asarray(np.array([[ids[-1]]])), cache=cache)
-                fed += 1
+        cache = [{} for _ in model.blocks]
+        if learned and len(ids) > block:
+            note("prompt", f"the prompt's {len(ids)} tokens are more than the model's {block} "
+                           f"positions: it continues from the last {block - 1}")
+        first = ids[-(block - 1):] if learned and len(ids) > block else ids
+        if window and len(first) > window:           # (past the window: a row a call)
+            logits = run(first[:window], cache)
+            for t in first[window:]:
+                logits = run([t], cache)
+        else:
+            logits = run(first, cache)
+        fed = len(first)
+        for i in range(n):
             nxt = choose(backend.to_numpy(logits.data[0, -1]), temperature, top_k, top_p, rng)
             ids.append(nxt)
-            if stop is not None and nxt == stop:
+            if (stop is not None and nxt == stop) or i == n - 1:
                 break
+            if learned and fed >= block:              # a learned table ends: the last block
+                note("crop", f"past the model's {block} positions (a learned position "
+                             f"table): each new token sees the last {block - 1}")
+                cache = [{} for _ in model.blocks]
+                window_ids = ids[-(block - 1):]
+                logits, fed = run(window_ids, cache), len(window_ids)
+            else:                                     # one token through the cache
+                logits, fed = run([ids[-1]], cache), fed + 1
     return ids
 
 
@@ -138,7 +168,8 @@ def main(argv=None) -> int:
         else:
             ids = [0]
         out = generate(model, ids, args.tokens, args.temperature, args.top_k, args.top_p,
-                       args.seed)
+                       args.seed, say=lambda line: print(f"note: {line}", file=sys.stderr)
+                       if rank == 0 else None)
     except (OSError, ValueError, KeyError, checkpoint.CheckpointError,
             backend.DeviceError) as e:
         print(f"python -m hpcdist.sample: error: {e}", file=sys.stderr)

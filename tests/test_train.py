@@ -100,7 +100,7 @@ def test_the_evaluation_is_bounded_in_tokens_at_any_context_length(tmp_path):
     assert r.returncode == 0, r.stderr
     final = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][-1]
     assert final["eval_tokens"] == 10 * 64                              # 640 // 64 windows
-    assert "| 640 tokens scored |" in r.stdout
+    assert "| 640 tokens scored in " in r.stdout
     r = run_train("--eval-tokens", "-1")
     assert r.returncode == 2 and "eval_tokens must be 0 or more, got -1" in r.stderr
 

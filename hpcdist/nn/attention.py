@@ -62,8 +62,8 @@ class SelfAttention(Module):
     the probabilities and, with ``rotary``, q and k rotated by their positions first."""
 
     def __init__(self, shape: AttentionShape, dropout: float = 0.0,
-                 rotary: Rotary | None = None):
-        self.shape, self.rotary = shape, rotary
+                 rotary: Rotary | None = None, window: int = 0):
+        self.shape, self.rotary, self.window = shape, rotary, window
         self.attn_drop = Dropout(dropout)
 
     @property
@@ -75,10 +75,11 @@ class SelfAttention(Module):
         (inference; see ``attention``)."""
         if self.rotary is not None:
             qkv = ops.rotary(qkv, pos, self.shape, self.rotary)
-        return attention(qkv, self.shape, self.attn_drop, cache)
+        return attention(qkv, self.shape, self.attn_drop, cache, self.window)
 
 
-def attention(qkv: Tensor, shape: AttentionShape, drop, cache: dict | None = None) -> Tensor:
+def attention(qkv: Tensor, shape: AttentionShape, drop, cache: dict | None = None,
+              window: int = 0) -> Tensor:
     """Causal self-attention of qkv (B, T, shape.width) -> (B, T, shape.out_width): the fused
     op unless the probabilities take dropout (then op by op, the (T, T) probabilities kept).
     ``cache`` (inference): the kv heads' keys and values of the tokens before these, extended
@@ -88,7 +89,7 @@ def attention(qkv: Tensor, shape: AttentionShape, drop, cache: dict | None = Non
         if active(drop):
             raise ValueError("a KV cache is for inference: call model.eval() first (dropout "
                              "is on)")
-        return _cached(qkv, shape, cache)
+        return _cached(qkv, shape, cache, window)
     if not active(drop):
         return ops.fused_attention(qkv, shape.n_head, shape.n_kv_head)
     B, T, _ = qkv.shape
@@ -103,20 +104,29 @@ def attention(qkv: Tensor, shape: AttentionShape, drop, cache: dict | None = Non
     return y.transpose(0, 3, 1, 2, 4).reshape(B, T, shape.out_width)
 
 
-def _cached(qkv: Tensor, shape: AttentionShape, cache: dict) -> Tensor:
+def _cached(qkv: Tensor, shape: AttentionShape, cache: dict, window: int = 0) -> Tensor:
     """The KV-cache step, inference only (no graph): keys and values kept in token layout
     (B, past + T, nkv hd), these rows (at positions past...) over all of them through the
-    flash kernels' blocks (device/kernels/flash_blocks.py), the run's kind of arithmetic."""
+    flash kernels' blocks (device/kernels/flash_blocks.py), the run's kind of arithmetic.
+    ``window`` (sliding-window attention, Mistral's): a row sees itself and the window - 1
+    keys before it; the cache keeps only those (one row a call once it is past the window:
+    hpcdist.sample feeds a long prompt so)."""
     xp = backend.array_module(qkv.data)
     B, T, _ = qkv.shape
     q, k, v = (a.reshape(B, T, -1) for a in shape.views(qkv.data))
-    past = 0
-    if cache.get("k") is not None:
-        past = cache["k"].shape[1]
-        k, v = xp.concatenate([cache["k"], k], axis=1), xp.concatenate([cache["v"], v], axis=1)
+    past, held = 0, 0 if cache.get("k") is None else cache["k"].shape[1]
+    if window and held + T > window and T > 1:
+        raise ValueError(f"{held + T} rows past a sliding window of {window} in one call: "
+                         "feed the rows past the window one at a time")
+    if held:
+        old_k, old_v = cache["k"], cache["v"]
+        if window and held + T > window:           # (T is 1: the window's last keys stay)
+            old_k, old_v = old_k[:, held - (window - 1):], old_v[:, held - (window - 1):]
+        past = old_k.shape[1]
+        k, v = xp.concatenate([old_k, k], axis=1), xp.concatenate([old_v, v], axis=1)
     else:
         k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)
-    cache["k"], cache["v"] = k, v
+    cache["k"], cache["v"], cache["seen"] = k, v, cache.get("seen", held) + T
     fwd = kernels.FLASH_BLOCK_FWD[kernels.attention.kind(qkv.dtype)]
     y, _ = fwd(xp.ascontiguousarray(q), k, v, shape.n_head, shape.n_kv_head,
                1.0 / math.sqrt(shape.head_dim), past, 0)

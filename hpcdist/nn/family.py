@@ -124,16 +124,19 @@ class DecoderLM(Module):
         if isinstance(idx, Tensor):
             idx = idx.data
         past = cached_length(cache)
-        x = self.embed(idx, past)                                    # (B, T, C)
+        x = self.embed(idx, past, cached=cache is not None)          # (B, T, C)
         pos = self.positions(idx.shape[1], past)
         for i, block in enumerate(self.blocks):
             x = self.run_block(block, x, pos) if cache is None else block(x, pos, cache[i])
         return self.head(x, targets, ignore_index)
 
     # The pieces a pipeline stage runs (parallel/pipeline.py): embed, blocks, head.
-    def embed(self, idx, past: int = 0) -> Tensor:
+    def embed(self, idx, past: int = 0, cached: bool = False) -> Tensor:
+        """The token vectors (and a learned table's positions). ``cached``: inference with a
+        KV cache, where a rotary family runs past block_size, as transformers does (only a
+        learned position table ends there)."""
         B, T = idx.shape
-        if past + T > self.config.block_size:
+        if past + T > self.config.block_size and (not cached or self.PARTS.get("positions")):
             raise ValueError(f"sequence length {past + T} exceeds block_size "
                              f"{self.config.block_size}")
         if self.seq is not None:            # the batch's length, for every cut module
@@ -171,9 +174,11 @@ class DecoderLM(Module):
 
 
 def cached_length(cache) -> int:
-    """Tokens a KV cache (one dict per block: "k", "v" (B, tokens, kv heads x head size))
-    holds."""
-    return cache[0]["k"].shape[1] if cache and cache[0].get("k") is not None else 0
+    """Tokens a KV cache (one dict per block: "k", "v" (B, tokens, kv heads x head size),
+    "seen": the tokens it has been fed, where a sliding window keeps fewer) stands for."""
+    if not cache or cache[0].get("k") is None:
+        return 0
+    return cache[0].get("seen", cache[0]["k"].shape[1])
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,15 @@ class GemmaHF(LlamaHF):
         return out
 
     def model_type(self, cfg) -> str:
-        if cfg.experts:
-            raise ValueError("Gemma has no mixture-of-experts form in transformers")
+        if cfg.experts or cfg.sliding_window:
+            raise ValueError("Gemma has no mixture-of-experts or sliding-window form in "
+                             "transformers (Gemma 2's alternates windows by layer)")
         return "gemma"
 
     def config_json(self, cfg) -> dict:
         out = super().config_json(cfg)
         out.pop("mlp_bias")
+        out.pop("sliding_window")
         out["hidden_activation"] = out["hidden_act"]
         return out
 

@@ -204,7 +204,7 @@ class Attention(Module):
     def __init__(self, cfg: LlamaConfig, proj_std: float):
         shape = cfg.attention_shape()
         self.qkv = Linear(cfg.n_embd, shape.width, bias=cfg.bias, std=0.02)
-        self.core = SelfAttention(shape, cfg.dropout, cfg.rotary())
+        self.core = SelfAttention(shape, cfg.dropout, cfg.rotary(), cfg.sliding_window)
         self.proj = Linear(shape.out_width, cfg.n_embd, bias=cfg.bias and cfg.out_bias,
                            std=proj_std)
         self.resid_drop = Dropout(cfg.dropout)
@@ -300,13 +300,14 @@ class LlamaHF(HFAdapter):
         hd = int(c.get("head_dim") or C // nh)
         block = int(c.get("max_position_embeddings", 2048))
         window = int(c.get("sliding_window") or 0) if c.get("use_sliding_window", True) else 0
-        if window and window < block:                 # within the window, all of it seen
-            block = window
+        window = window if 0 < window < block else 0
+        if window:                      # training sees whole blocks: blocks of the window
+            block = window              # (sampling runs past it, the cache kept to the window)
         out = {"n_layer": int(c["num_hidden_layers"]), "n_head": nh, "n_embd": C,
                "n_kv_head": int(c.get("num_key_value_heads") or nh),
                "head_dim": hd if hd * nh != C else 0,
                "ffn_hidden": int(c["intermediate_size"]), "vocab_size": int(c["vocab_size"]),
-               "block_size": block, **rope_fields(c, where),
+               "block_size": block, "sliding_window": window, **rope_fields(c, where),
                "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
                "tie_weights": bool(c.get("tie_word_embeddings", False)),
                "bias": bool(c.get("attention_bias", False))}
@@ -351,7 +352,7 @@ class LlamaHF(HFAdapter):
         return out
 
     def model_type(self, cfg) -> str:
-        return "mixtral" if cfg.experts else "llama"
+        return "mixtral" if cfg.experts else "mistral" if cfg.sliding_window else "llama"
 
     def config_json(self, cfg) -> dict:
         kind = self.model_type(cfg)
@@ -362,13 +363,14 @@ class LlamaHF(HFAdapter):
                "num_attention_heads": int(cfg.n_head), "num_key_value_heads": int(cfg.kv_heads),
                "head_dim": int(shape.head_dim), "hidden_act": self.activations[0],
                "max_position_embeddings": int(cfg.block_size),
+               "sliding_window": int(cfg.sliding_window) or None,
                "rms_norm_eps": float(cfg.norm_eps), **rope_json(cfg),
                "attention_bias": bool(cfg.bias), "mlp_bias": False,
                "tie_word_embeddings": bool(cfg.tie_weights), "attention_dropout": 0.0,
                "torch_dtype": "float32"}
         if cfg.experts:
             out.update(num_local_experts=int(cfg.experts), num_experts_per_tok=int(cfg.top_k),
-                       router_aux_loss_coef=float(cfg.aux_loss_coef), sliding_window=None)
+                       router_aux_loss_coef=float(cfg.aux_loss_coef))
         return out
 
 

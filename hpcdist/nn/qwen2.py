@@ -38,6 +38,9 @@ class Qwen2HF(LlamaHF):
         if cfg.experts:
             raise ValueError("Qwen2 with experts (Qwen2-MoE) has other names and a shared "
                              "expert gate: export it as --arch llama, or train it dense")
+        if cfg.sliding_window:
+            raise ValueError("a Qwen2 with --sliding-window: Qwen2's folders window only "
+                             "some layers (max_window_layers); export it as --arch llama")
         return "qwen2"
 
     def config_json(self, cfg) -> dict:

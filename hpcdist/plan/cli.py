@@ -61,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
     add("--kv-heads", type=int, default=0, help="llama: key/value heads (0: --heads)")
     add("--ffn", type=int, default=0, help="llama: SwiGLU's width (0: 8/3 hidden up to 64)")
     add("--untied", action="store_true", help="an untied head (llama's default)")
+    add("--rope-theta", type=float, default=0.0,
+        help="the rotary base the printed command sets (0: the family's; presets: theirs)")
     add("--seq", type=int, default=2048, help="sequence length")
     add("--vocab", type=int, default=51200, help="vocabulary size")
     add("--vocab-multiple", type=int, default=64,
@@ -133,7 +135,8 @@ def _with_preset(ap, args, argv) -> None:
 def model_of(args) -> Model:
     return Model(args.layers, args.hidden, args.heads, args.seq, args.vocab, args.experts,
                  args.top_k, args.expert_hidden, args.moe_every, args.model, args.kv_heads,
-                 args.ffn, False if args.untied else None, args.vocab_multiple)
+                 args.ffn, False if args.untied else None, args.vocab_multiple,
+                 args.rope_theta)
 
 
 def main(argv=None) -> int:
@@ -293,6 +296,7 @@ def train_args(model: Model, L, settings: Settings) -> list:
         a += ["--n-kv-head", model.kv_heads] if model.kv_heads else []
         a += ["--ffn-hidden", model.ffn] if model.ffn else []
         a += ["--tie-weights"] if model.head_tied else []
+        a += ["--rope-theta", f"{model.rope_theta:g}"] if model.rope_theta else []
     if settings.dtype != "fp32":
         a += ["--precision", settings.dtype]
     if L.pp > 1:

@@ -76,15 +76,16 @@ DEEPSEEK_V3 = dict(layers=61, hidden=7168, heads=128, seq=4096, vocab=129280, ex
 # vocabulary 32,000.
 PRESETS = {
     "llama3-8b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
-                      vocab=128256, seq=8192, gpus=8, batch=8, gpu="h100"),
+                      vocab=128256, seq=8192, gpus=8, batch=8, gpu="h100", rope_theta=5e5),
     "llama3-70b": dict(arch="llama", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
-                       vocab=128256, seq=8192, gpus=512, batch=512, gpu="h100"),
+                       vocab=128256, seq=8192, gpus=512, batch=512, gpu="h100",
+                       rope_theta=5e5),
     "llama3-405b": dict(arch="llama", layers=126, hidden=16384, heads=128, kv_heads=8,
                         ffn=53248, vocab=128256, seq=8192, gpus=16384, batch=2048,
-                        gpu="h100"),
+                        gpu="h100", rope_theta=5e5),
     "mixtral-8x7b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8,
                          ffn=14336, vocab=32000, seq=4096, experts=8, top_k=2, gpus=64,
-                         batch=256, gpu="h100"),
+                         batch=256, gpu="h100", rope_theta=1e6),
 }
 
 # Published Llama runs the planner is held to (bench plan --published): Llama 3 405B on
@@ -119,6 +120,7 @@ class Model:
     tied: bool | None = None    # the head tied to the token table (None: the family's)
     vocab_multiple: int = 1     # the table and head padded to multiples of it x TP (train's
                                 # --vocab-multiple: 64 on a GPU)
+    rope_theta: float = 0.0     # the rotary base of the command printed (0: the family's)
 
     def vocab_rows(self, tp: int) -> int:
         """The token table's (and head's) rows one of ``tp`` ranks holds: the vocabulary

@@ -151,13 +151,15 @@ def final_report(cfg, model, strategy, test_set, history, start, world, t_start,
     trained = time.perf_counter() - t_start
     with strategy.eval_context(), timeline.span("evaluate"):
         accuracy, test_loss, tokens = evaluate_run(cfg, model, test_set, strategy.batch_comm)
+    evaluated = time.perf_counter() - t_start - trained
     ran = max(len(history), 1)          # this rank's steps (a PS worker's own count)
     step_ms = [r["step_ms"] for r in history]
     final = {"event": "final", "accuracy": float(accuracy), "test_loss": float(test_loss),
              "eval_tokens": tokens,
              "train_loss": history[-1]["loss"] if history else float("nan"),
              "steps": cfg.steps, "world": world, "seconds": time.perf_counter() - t_start,
-             "train_seconds": trained, "skipped_steps": strategy.scaler.skipped,
+             "train_seconds": trained, "eval_seconds": evaluated,
+             "skipped_steps": strategy.scaler.skipped,
              "bytes_per_step": train_bytes / ran,
              "step_ms_median": float(np.median(step_ms)) if step_ms else 0.0,
              "memory_peak": strategy.peak_memory(),    # the largest within any step
@@ -179,7 +181,8 @@ def final_report(cfg, model, strategy, test_set, history, start, world, t_start,
     what = "exact-match" if cfg.task != "text" else "next-char" if \
         getattr(test_set, "vocabulary", {}).get("kind") == "chars" else "next-token"
     say(f"held-out accuracy ({what}): {accuracy * 100:.2f}% | held-out loss "
-        f"{test_loss:.4f} | {tokens:,} tokens scored | {final['seconds']:.1f} s")
+        f"{test_loss:.4f} | {tokens:,} tokens scored in {evaluated:.1f} s | run "
+        f"{final['seconds']:.1f} s")
     return final
 
 

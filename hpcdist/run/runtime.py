@@ -125,18 +125,26 @@ class RunFile:
                 pass
 
 
+EARLIER_RUNS = 5      # a new run keeps this many earlier runs' train.log and metrics.jsonl
+
+
 def open_run_file(out_dir: str, name: str, resumed: bool, say):
     """``out_dir/name`` (metrics.jsonl, train.log) for appending. A resumed run continues the
-    file; a new run moves an earlier run's file aside (name.1, .2, ...) rather than
-    truncating it."""
+    file; a new run moves the earlier run's file to name.1 (as logrotate does: .1 the newest,
+    each older one up a number, the ``EARLIER_RUNS`` newest kept), rather than truncating
+    it: runs that share the default out folder do not pile up files there."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     if not resumed and os.path.exists(path) and os.path.getsize(path) > 0:
-        n = 1
-        while os.path.exists(f"{path}.{n}"):
-            n += 1
-        os.replace(path, f"{path}.{n}")
-        say(f"moved the earlier {path} to {path}.{n}")
+        for n in range(EARLIER_RUNS, 0, -1):
+            if os.path.exists(f"{path}.{n}"):
+                if n == EARLIER_RUNS:
+                    os.remove(f"{path}.{n}")
+                else:
+                    os.replace(f"{path}.{n}", f"{path}.{n + 1}")
+        os.replace(path, f"{path}.1")
+        say(f"moved the earlier {path} to {path}.1 (the {EARLIER_RUNS} newest earlier runs' "
+            "are kept)")
     return RunFile(open(path, "a", buffering=1), path)   # a line at a time: tail -f shows each
 
 

@@ -36,7 +36,7 @@ def _layouts(P):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("index", range(8))
-def test_every_family_layout_follows_one_process(comm, tmp_path, family, index):
+def test_every_layout_of_each_family_follows_one_process(comm, tmp_path, family, index):
     layouts = _layouts(comm.size)
     assert len(layouts) <= 8, "more layouts than test indices: raise the range"
     if index >= len(layouts):

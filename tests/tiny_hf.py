@@ -1,0 +1,32 @@
+"""A tiny random Hugging Face model folder, saved by transformers itself (what a user's
+``save_pretrained`` or a download holds): ``python tests/tiny_hf.py FAMILY OUT CORPUS`` trains
+a byte-level BPE of 300 tokens on CORPUS, wraps it as transformers' fast tokenizer, and saves
+both with a random FAMILY model (qwen2, llama, gemma) of that vocabulary. The docs' fine-tune
+walkthrough runs on it (tests/test_docs.py); nothing is downloaded."""
+import sys
+
+
+def main(family: str, out: str, corpus: str) -> None:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([corpus], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    classes = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "llama": ("LlamaConfig", "LlamaForCausalLM"),
+               "gemma": ("GemmaConfig", "GemmaForCausalLM")}[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, classes[0])(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=True, head_dim=16)
+    getattr(transformers, classes[1])(config).save_pretrained(out, safe_serialization=True)
+    fast.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -216,12 +216,7 @@ def main(argv=None) -> int:
             message = str(e)
         message = runtime.agree_on_error(comm, message)
         if message is None:                            # validated: --overwrite moves now
-            try:
-                for line in savedir.commit() if comm.rank == 0 else []:
-                    print(line)
-            except errors as e:
-                message = str(e)
-            message = runtime.agree_on_error(comm, message)
+            message = _commit_folders(comm, errors)
     if message is not None:
         if comm.rank == 0:                             # nothing of a refused run left behind
             savedir.unclaim()
@@ -251,6 +246,18 @@ def _claim_folders(cfg, errors) -> tuple:
     except errors as e:
         return str(e), []
     return None, said
+
+
+def _commit_folders(comm, errors) -> str | None:
+    """The run is validated on every rank: rank 0 carries out what its claim held back
+    (--overwrite's move of the old run); every rank learns whether that failed."""
+    message = None
+    try:
+        for line in savedir.commit() if comm.rank == 0 else []:
+            print(line)
+    except errors as e:
+        message = str(e)
+    return runtime.agree_on_error(comm, message)
 
 
 def _parse_once(argv):

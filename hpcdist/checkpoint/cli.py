@@ -17,7 +17,8 @@ from . import CheckpointError, Reader
 from .tools import choose, export_hf, export_names, verify_all
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    from .. import nn
     ap = argparse.ArgumentParser(prog="python -m hpcdist.checkpoint",
                                  description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -28,14 +29,17 @@ def main(argv=None) -> int:
     ex = sub.add_parser("export")
     ex.add_argument("dir")
     ex.add_argument("out")
-    from .. import nn
     other = sorted({name for f in nn.FAMILIES.values() for name, _ in f.exports})
     ex.add_argument("--names", choices=("hpcdist", *other), default="hpcdist",
                     help=".npz names (safetensors always uses Hugging Face's for the family)")
     ex.add_argument("--format", choices=("npz", "safetensors"), default="npz")
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an existing export at OUT (refused without it)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     try:
         if args.cmd == "verify":
             return verify_all(args.dir)

@@ -234,12 +234,24 @@ def of_model_type(model_type: str | None, where: str) -> Family:
                      f"({', '.join(known)})")
 
 
-def option_names() -> set:
-    """Every family's own settings: the config fields declared with a help text (``option``
-    in nn/llama.py), each a flag of the trainer."""
+def options() -> dict:
+    """Every family's own settings — the config fields declared with a help text (``option``
+    in nn/llama.py), each a flag of the trainer: name -> (type, help, the families that have
+    it), in the order the families declare them."""
     import dataclasses
-    return {f.name for fam in FAMILIES.values() for f in dataclasses.fields(fam.config)
-            if "help" in f.metadata}
+    names = {f.name for fam in FAMILIES.values() for f in dataclasses.fields(fam.config)
+             if "help" in f.metadata}
+    out = {}
+    for arch, fam in FAMILIES.items():
+        for f in dataclasses.fields(fam.config):
+            if f.name in names:
+                kind, text, archs = out.get(f.name, (f.type, "", []))
+                out[f.name] = (kind, text or f.metadata.get("help", ""), archs + [arch])
+    return out
+
+
+def option_names() -> set:
+    return set(options())
 
 
 def own_settings(arch: str) -> list:

@@ -94,9 +94,6 @@ class LoopRole:
         save = bool(cfg.save_dir) and bool(stopped or step == cfg.steps or (
             cfg.save_every and step % cfg.save_every == 0))
         return stopped, step if save else None, step < cfg.steps and not stopped
-    #: a strategy that runs its own loop (a parameter server answering workers) sets this and
-    #: implements ``run``; train.py then hands it the run instead of stepping it
-    brings_loop = False
 
     def run(self, stop, save, stopped: int, start: int) -> dict:
         """The whole run, for a strategy that ``brings_loop``: its final metrics."""

@@ -189,17 +189,6 @@ def model_fields(cfg, arch: str, **given) -> dict:
     return out
 
 
-MOE_FIELDS = ("experts", "top_k", "moe_every", "router", "shared_experts", "expert_hidden",
-              "capacity_factor", "aux_loss_coef", "z_loss_coef", "balance", "bias_rate")
-
-
-def moe_settings(cfg) -> dict:
-    """The GPTConfig's mixture-of-experts fields from a TrainConfig (or a checkpoint's
-    meta dict)."""
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    return {k: get(k) for k in MOE_FIELDS if get(k) is not None}
-
-
 def place_experts(cfg, mesh, model, dp_comm):
     """Every MoE layer's load counted over the ranks that hold other tokens (``dp_comm``:
     data, expert and context parallel; a tensor-parallel group's ranks see the same tokens);

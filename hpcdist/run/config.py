@@ -141,23 +141,10 @@ class Settings:
     allow_singletons: bool = False  # run although MPI started fewer ranks than promised
 
 
-def _family_options() -> dict:
-    """name -> (type, help, the families that declare it) of the families' own settings:
-    their config fields that Settings lacks, each a flag and a TOML key of TrainConfig."""
-    base = {f.name for f in fields(Settings)}
-    out = {}
-    for arch, family in nn.FAMILIES.items():
-        for f in fields(family.config):
-            if f.name in base:
-                continue
-            kind, text, archs = out.get(f.name, (f.type, "", []))
-            out[f.name] = (kind, text or f.metadata.get("help", ""), archs + [arch])
-    return out
-
-
-FAMILY_OPTIONS = _family_options()
-assert set(FAMILY_OPTIONS) == nn.option_names(), \
-    "a family's own setting must be declared with nn.llama.option (a help text)"
+# the families' own settings: name -> (type, help, the families that declare it)
+FAMILY_OPTIONS = nn.options()
+assert not set(FAMILY_OPTIONS) & {f.name for f in fields(Settings)}, \
+    "a family's own setting must not be one every run has"
 
 
 def _post_init(self):

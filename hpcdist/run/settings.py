@@ -27,8 +27,7 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
 
 def _foreign_setting(c) -> str | None:
     """A family's own setting given for a family that has no such setting."""
-    from .config import FAMILY_OPTIONS
-    for name, (_, _, archs) in FAMILY_OPTIONS.items():
+    for name, (_, _, archs) in nn.options().items():
         if getattr(c, name) is not None and c.arch not in archs:
             flag = "--" + name.replace("_", "-")
             return (f"{flag} is a setting of {', '.join(archs)}, not of --arch {c.arch}: drop "

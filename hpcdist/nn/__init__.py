@@ -1,7 +1,7 @@
 """Modules and models: Linear ... GPT, Llama, Qwen2, Gemma; families (nn/family.py) by name in
 FAMILIES, each registered here from the one file that declares it."""
 from .family import (DEFAULT_ARCH, FAMILIES, AttentionShape, DecoderLM, Family, Projection, build, config_of,
-                     arch_of, family, of_model_type, option_names, options, own_settings, register)
+                     arch_of, family, of_model_type, option_names, options, size, own_settings, register)
 from .gemma import GEMMA, Gemma, GemmaConfig
 from .gpt import GPT, GPT_FAMILY, Block, CausalSelfAttention, GPTConfig
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear
@@ -13,7 +13,7 @@ for _family in (GPT_FAMILY, LLAMA, QWEN2, GEMMA):
     register(_family)
 
 __all__ = ["DEFAULT_ARCH", "FAMILIES", "arch_of", "AttentionShape", "DecoderLM", "Family", "Projection", "build",
-           "config_of", "family", "of_model_type", "option_names", "options", "own_settings", "register", "GPT", "GPTConfig", "Llama",
+           "config_of", "family", "of_model_type", "option_names", "options", "size", "own_settings", "register", "GPT", "GPTConfig", "Llama",
            "LlamaConfig", "Qwen2", "Qwen2Config", "Gemma", "GemmaConfig", "RMSNorm", "SwiGLU",
            "Block", "CausalSelfAttention", "MLP", "Dropout", "Embedding", "LayerNorm", "Linear",
            "Module", "ModuleList", "Parameter", "manual_seed"]

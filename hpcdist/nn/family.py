@@ -6,7 +6,7 @@ names (torchtitan's model specs; picotron's module swapping). A family is a modu
 (gpt.py, llama.py) registered in ``FAMILIES``; docs/models.md has the contract."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..device import backend
 from ..autograd.recompute import checkpoint
@@ -187,8 +187,9 @@ class Family:
     ``--arch`` name and title, its config (a dataclass: fields, defaults, validation; the
     fields marked ``option`` become the family's flags), its model (a DecoderLM), its Hugging
     Face adapter (nn/hf_adapter.py: the model_types it reads, names both ways, config.json),
-    one line for ``--arch``'s help, and other name sets an export may write (``exports``:
-    name -> function of the parameters)."""
+    one line for ``--arch``'s help, other name sets an export may write (``exports``:
+    name -> function of the parameters), and its published sizes (``sizes``: name -> the
+    config's fields; the trainer's ``--model NAME``)."""
     arch: str
     title: str
     config: type
@@ -196,6 +197,7 @@ class Family:
     hf: object = None
     about: str = ""
     exports: tuple = ()
+    sizes: dict = field(default_factory=dict)
 
 
 FAMILIES: dict = {}          # arch -> Family: filled by nn/__init__.py
@@ -248,6 +250,16 @@ def options() -> dict:
                 kind, text, archs = out.get(f.name, (f.type, "", []))
                 out[f.name] = (kind, text or f.metadata.get("help", ""), archs + [arch])
     return out
+
+
+def size(name: str) -> tuple:
+    """(arch, the config's fields) of a published size a family declares (``--model``); an
+    unknown name is a ValueError listing the known."""
+    for arch, fam in FAMILIES.items():
+        if name in fam.sizes:
+            return arch, dict(fam.sizes[name])
+    known = [n for fam in FAMILIES.values() for n in fam.sizes]
+    raise ValueError(f"unknown --model {name!r}: one of {', '.join(known)}")
 
 
 def option_names() -> set:

@@ -57,6 +57,14 @@ class GemmaHF(LlamaHF):
         return out
 
 
+# The published sizes (Gemma's config.json files: heads of 256 at both).
+SIZES = {
+    "gemma-2b": dict(n_layer=18, n_head=8, n_kv_head=1, n_embd=2048, head_dim=256,
+                     ffn_hidden=16384, block_size=8192),
+    "gemma-7b": dict(n_layer=28, n_head=16, n_kv_head=16, n_embd=3072, head_dim=256,
+                     ffn_hidden=24576, block_size=8192),
+}
+
 GEMMA = Family("gemma", "Gemma", GemmaConfig, Gemma, GemmaHF(),
                "Gemma (Llama with GeGLU, (1 + w) RMSNorm, embeddings x sqrt(n_embd), "
-               "its own head size)")
+               "its own head size)", sizes=SIZES)

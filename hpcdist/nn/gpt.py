@@ -283,6 +283,12 @@ def nanogpt_names(params: dict) -> dict:
     return out
 
 
+# The published sizes (OpenAI's GPT-2 release: 124M, 350M, 774M, 1558M; 1,024 positions).
+SIZES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+         "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
+         "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),
+         "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024)}
+
 GPT_FAMILY = Family("gpt", "GPT", GPTConfig, GPT, GPT2HF(),
                     "GPT-2 (LayerNorm, learned positions, GELU MLP, tied head)",
-                    exports=(("nanogpt", nanogpt_names),))
+                    exports=(("nanogpt", nanogpt_names),), sizes=SIZES)

@@ -374,6 +374,26 @@ class LlamaHF(HFAdapter):
         return out
 
 
+# The published sizes (their Hugging Face config.json files; the Llama 3 paper, Table 3;
+# Mixtral, arXiv:2401.04088), trained at the context given here (block_size).
+_LLAMA3 = dict(n_kv_head=8, rope_theta=5e5, norm_eps=1e-5, block_size=8192)
+_SCALED = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+               rope_high_freq_factor=4.0, rope_original_context=8192)
+SIZES = {
+    "llama3-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_embd=4096, ffn_hidden=14336),
+    "llama3-70b": dict(_LLAMA3, n_layer=80, n_head=64, n_embd=8192, ffn_hidden=28672),
+    "llama3.1-8b": dict(_LLAMA3, **_SCALED, n_layer=32, n_head=32, n_embd=4096,
+                        ffn_hidden=14336),
+    "llama3.2-1b": dict(_LLAMA3, **dict(_SCALED, rope_factor=32.0), n_layer=16, n_head=32,
+                        n_embd=2048, ffn_hidden=8192, tie_weights=True),
+    "llama3.2-3b": dict(_LLAMA3, **dict(_SCALED, rope_factor=32.0), n_layer=28, n_head=24,
+                        n_embd=3072, ffn_hidden=8192, tie_weights=True),
+    "mistral-7b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336,
+                       rope_theta=1e4, norm_eps=1e-5, block_size=4096, sliding_window=4096),
+    "mixtral-8x7b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336,
+                         rope_theta=1e6, norm_eps=1e-5, block_size=4096, experts=8, top_k=2),
+}
+
 LLAMA = Family("llama", "Llama", LlamaConfig, Llama, LlamaHF(),
                "Llama (RMSNorm, rotary positions, grouped-query attention, SwiGLU; with "
-               "--experts: Mixtral; Mistral's folders too)")
+               "--experts: Mixtral; Mistral's folders too)", sizes=SIZES)

@@ -51,5 +51,15 @@ class Qwen2HF(LlamaHF):
         return out
 
 
+# The published sizes (Qwen2.5's config.json files), trained at 4,096 positions here.
+SIZES = {
+    "qwen2.5-0.5b": dict(n_layer=24, n_head=14, n_kv_head=2, n_embd=896, ffn_hidden=4864,
+                         tie_weights=True, block_size=4096),
+    "qwen2.5-1.5b": dict(n_layer=28, n_head=12, n_kv_head=2, n_embd=1536, ffn_hidden=8960,
+                         tie_weights=True, block_size=4096),
+    "qwen2.5-7b": dict(n_layer=28, n_head=28, n_kv_head=4, n_embd=3584, ffn_hidden=18944,
+                       block_size=4096),
+}
+
 QWEN2 = Family("qwen2", "Qwen2", Qwen2Config, Qwen2, Qwen2HF(),
-               "Qwen2 / Qwen2.5 (Llama with q, k, v biases, rotary base 10^6)")
+               "Qwen2 / Qwen2.5 (Llama with q, k, v biases, rotary base 10^6)", sizes=SIZES)

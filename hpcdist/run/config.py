@@ -34,6 +34,7 @@ class Settings:
     tokenizer: str = ""           # text: a Hugging Face tokenizer.json (default: characters)
     vocab_size: int = 0           # text: raw uint16 shards' vocabulary size
     # model
+    model: str = ""               # a published size (nn/<family>.py's SIZES): its family, shape
     arch: str = nn.DEFAULT_ARCH   # the model family (nn/FAMILIES: its file in nn/)
     n_layer: int = 2
     n_head: int = 4
@@ -343,6 +344,7 @@ def parse_config(argv=None) -> TrainConfig:
     if values.get("data") and "task" not in values:     # a data file means its text task
         values["task"] = "text"
         print("note: --data selects --task text")
+    _sized(values)
     _against_pretrained(values)
     cfg = TrainConfig(**values)
     try:
@@ -358,6 +360,23 @@ def parse_config(argv=None) -> TrainConfig:
 
 SHAPE = ("arch", "n_layer", "n_head", "n_embd", "bias", "tie_weights", "experts", "top_k",
          *FAMILY_OPTIONS)
+
+
+def _sized(values: dict) -> None:
+    """--model NAME: the family and shape of a published size, where the settings say
+    nothing else (a flag or a TOML key given wins; another --arch is refused)."""
+    if not values.get("model"):
+        return
+    try:
+        arch, shape = nn.size(values["model"])
+    except ValueError as e:
+        raise ConfigError(str(e), "model") from None
+    if values.get("arch", arch) != arch:
+        raise ConfigError(f"--model {values['model']} is a {arch} model, not --arch "
+                          f"{values['arch']}: drop one", "arch")
+    values["arch"] = arch
+    for name, value in shape.items():
+        values.setdefault(name, value)
 
 
 def _against_pretrained(values: dict) -> None:

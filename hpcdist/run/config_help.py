@@ -19,6 +19,9 @@ HELP = {
                       "tokenizer)",
     },
     "model": {
+        "model": "a published size, its family and shape (flags given still win): gpt2, "
+                 "gpt2-medium, llama3-8b, llama3.2-1b, mistral-7b, qwen2.5-0.5b, gemma-2b, "
+                 "... (nn/<family>.py's SIZES; an unknown name lists them all)",
         "arch": "the model family: gpt (GPT-2) | llama (with --experts: Mixtral) | qwen2 | "
                 "gemma (nn/<family>.py; each one's own settings are listed under it below)",
         "n_layer": "transformer blocks", "n_head": "attention heads per block",

@@ -1,6 +1,7 @@
 """bf16 in this run: native (bf16 arrays between kernels) where the active module computes in
 bf16, else emulated (float32 storage, every GEMM's operands rounded to bf16 and accumulated in
-fp32, as tensor cores do). ``backend`` re-exports these; the design: docs/gpu.md, "bf16"."""
+fp32, as tensor cores do). ``backend`` re-exports these; the design: docs/gpu.md,
+"Commands" (tensor cores)."""
 from __future__ import annotations
 
 import os

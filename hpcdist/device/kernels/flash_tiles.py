@@ -4,7 +4,7 @@ the shared-memory tiles (16-byte loads, transposed copies for bf16), and a warp'
 the PTX ISA's per-lane fragments: lane l (group g = l / 4, index t = l % 4) holds rows g and
 g + 8, columns 8j + 2t and 8j + 2t + 1 of each 8-column slice j. The device's instructions
 are inline PTX under ``__CUDACC_RTC__``; cudasim.h models each of them, so every kind runs on
-the CPU too. Design and measurements: docs/gpu.md, "Tiled attention"."""
+the CPU too. Measurements: docs/results.md, "Tiled attention, cuDNN, Llama"."""
 
 TILES = r"""
 #ifndef D_PAD

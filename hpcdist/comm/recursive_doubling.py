@@ -61,7 +61,7 @@ def allreduce_inplace(wire, buf, op: str) -> None:
 # below ALLREDUCE_SMALL_BYTES. Rabenseifner sends 2(P-1)/P of it in 2 log2(P) rounds; the
 # ring sends the same bytes in 2(P-1) rounds, each rank talking only to its neighbours.
 #
-# allreduce, microseconds per call by algorithm (``--algorithms``), float32, 2026-11-21:
+# allreduce, microseconds per call by algorithm (``--algorithms``), float32, 2-core machine:
 #   bytes      N=2: RD / Rab / ring      N=4: RD / Rab / ring      N=8: RD / Rab / ring
 #   32 KiB       44 /  132 /  215          155 /  214 /  260          882 / 1075 / 1437
 #   128 KiB     150 /  344 /  129          223 /  267 /  306         1502 / 1354 / 2150

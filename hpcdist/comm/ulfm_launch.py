@@ -9,6 +9,6 @@ LAUNCH = "mpirun --with-ft ulfm --mca btl tcp,self"
 # replacement that dies takes its job down the non-recoverable path: PRRTE reports "exiting
 # improperly", later loses track of the jobs that launched others ("LAUNCHER JOB OBJECT NOT
 # FOUND") and, after several spawns, SIGKILLs ranks of the first job (two 10-minute ZeRO-3
-# runs at 8 ranks died so, 2026-11-27). These make every job's default recoverable, with
+# runs at 8 ranks died so). These make every job's default recoverable, with
 # errors notified: PRRTE 3.0's state_base_recoverable / notify_errors.
 RESPAWN_FLAGS = "--prtemca state_base_recoverable 1 --prtemca state_base_notify_errors 1"

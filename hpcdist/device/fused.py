@@ -145,7 +145,7 @@ class Fused:
         ``run(*args)``, against the twin over every case, on ``backend.xp()`` arrays. Both
         sides run at the arrays' own precision: inside a bf16-emulated run (matmul operands
         rounded to bf16) the twin's GEMMs would round and the kernel's not, and a right
-        kernel be refused (attention ran op by op in bf16 on an H100 so, 2026-11-26)."""
+        kernel be refused (on an H100 attention fell back to op by op in bf16 so)."""
         run = run or (lambda *a: self.launch(kernel, *a))
         emulated = backend.bf16_emulated()
         backend.reset_precision()

@@ -339,7 +339,7 @@ def ready(dtype) -> None:
 def _ready_gemms(dtype) -> None:
     """The GEMM kernel for every layout pair (row- or column-major each side: numba compiles
     one per pair), split over threads and whole: a pair first met inside the first step
-    loaded there (+80 ms of a 4x128 step's 350, 2026-11-26)."""
+    loaded there (+80 ms of a 4x128 step's 350)."""
     def both(rows, cols):                      # C and F order (a slice would be 'A')
         return np.ones((rows, cols), dtype), np.ones((cols, rows), dtype).T
     n = 64 * threads_here()

@@ -132,20 +132,19 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
         say(f"asked to stop ({signal.Signals(stopped).name}) before step {start + 1}: "
             "nothing new to save" + (f"; the checkpoint of step {start} stays the latest"
                                      if start else ""))
-    save, held_out = loop.actions(cfg, comm, model, strategy, sampler, train_set, test_set,
-                                  metrics, say)
+    run = loop.Run(cfg=cfg, comm=comm, model=model, strategy=strategy, train_set=train_set,
+                   test_set=test_set, sampler=sampler, metrics=metrics, meter=meter, say=say)
+    run.save, run.held_out = loop.actions(run)
     if strategy.brings_loop:                         # a parameter server: answers the workers
-        return strategy.run(stop, save, stopped, start)
-    mark = recovery.Mark(cfg, comm)                  # the committed step (--on-failure shrink)
+        return strategy.run(stop, run.save, stopped, start)
+    run.mark = recovery.Mark(cfg, comm)              # the committed step (--on-failure shrink)
     try:
-        final, history = loop.steps(cfg, comm, model, strategy, (train_set, test_set),
-                                    sampler, start, stop, stopped, metrics, meter,
-                                    (save, held_out, mark), say)
+        final, history = loop.steps(run, loop.Start(step=start, stop=stop, stopped=stopped))
     except Exception as e:                           # a peer died: RankLost, else as it was
         for f in (metrics, logfile):
             if f is not None:
                 f.close()
-        raise recovery.caught(e, cfg, strategy, sampler, mark)
+        raise recovery.caught(e, cfg, strategy, sampler, run.mark)
     if backend.device_label() == "gpu":                # (an asked path that could not run:
         say(f"attention ({cfg.attention}): {kernels.attention.choice()}")  # flash, said here)
     if metrics is not None:

@@ -108,7 +108,7 @@ def test_the_evaluation_is_bounded_in_tokens_at_any_context_length(tmp_path):
 BAD = [
     (["--task", "nope"], "unknown task"),
     (["--beta2", "1.5"], "--beta1 and --beta2 (AdamW's moment decays) must be in [0, 1)"),
-    (["--n-embd", "100000"], "optimizer state need 3576.3 GiB a rank"),
+    (["--n-embd", "100000"], "optimizer state need 3576.4 GiB a rank"),
     (["--steps", "0"], "steps must be positive"),
     (["--batch-size", "-3"], "batch_size must be positive"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),

@@ -16,7 +16,7 @@ from .family import AttentionShape, DecoderLM, Family, Projection
 from .hf_adapter import HFAdapter, Renamed
 from .layers import MLP, Dropout, Embedding, LayerNorm, Linear
 from .module import Module, ModuleList
-from .moe import MoE
+from .moe import MoE, moe_settings
 
 
 @dataclass
@@ -120,10 +120,9 @@ class Block(Module):
         self.ln_2 = LayerNorm(cfg.n_embd, cfg.norm_eps, bias=cfg.bias)
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         if cfg.is_moe(layer):
-            self.mlp = MoE(cfg.n_embd, cfg.expert_hidden or 4 * cfg.n_embd, cfg.experts, cfg.top_k, cfg.router,
-                           cfg.shared_experts, cfg.capacity_factor, cfg.aux_loss_coef,
-                           cfg.z_loss_coef, cfg.balance, cfg.bias_rate, cfg.bias, 0.02,
-                           proj_std, cfg.dropout)
+            self.mlp = MoE(cfg.n_embd, cfg.expert_hidden or 4 * cfg.n_embd, cfg.experts,
+                           **moe_settings(cfg), bias=cfg.bias, proj_std=proj_std,
+                           dropout=cfg.dropout)
         else:
             self.mlp = MLP([cfg.n_embd, 4 * cfg.n_embd, cfg.n_embd], activation="gelu",
                            dropout=cfg.dropout, bias=cfg.bias, std=0.02, proj_std=proj_std)

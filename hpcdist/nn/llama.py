@@ -16,7 +16,7 @@ from .hf_adapter import HFAdapter, Renamed, rope_fields, rope_json
 from .gpt import LMLoss
 from .layers import Dropout, Embedding, Linear
 from .module import Module, ModuleList, Parameter
-from .moe import MoE
+from .moe import MoE, moe_settings
 
 
 def option(default, help: str):
@@ -232,10 +232,8 @@ class Block(Module):
         H = cfg.hidden()
         if cfg.is_moe(layer):
             E = cfg.expert_hidden or H
-            self.mlp = MoE(cfg.n_embd, E, cfg.experts, cfg.top_k, cfg.router,
-                           cfg.shared_experts, cfg.capacity_factor, cfg.aux_loss_coef,
-                           cfg.z_loss_coef, cfg.balance, cfg.bias_rate, False, 0.02,
-                           proj_std, cfg.dropout,
+            self.mlp = MoE(cfg.n_embd, E, cfg.experts, **moe_settings(cfg), bias=False,
+                           proj_std=proj_std, dropout=cfg.dropout,
                            expert=lambda: SwiGLU(cfg.n_embd, E, False, 0.02, proj_std,
                                                  activation=cfg.activation))
         else:

@@ -51,12 +51,19 @@ def _with_aux(out: Tensor, aux: Tensor | None, coef: float) -> Tensor:
     return Tensor._make(out.data, (out, aux), backward)
 
 
+def moe_settings(cfg) -> dict:
+    """A family config's mixture-of-experts settings as MoE's keywords."""
+    return dict(top_k=cfg.top_k, score=cfg.router, shared=cfg.shared_experts,
+                capacity_factor=cfg.capacity_factor, aux_loss_coef=cfg.aux_loss_coef,
+                z_loss_coef=cfg.z_loss_coef, balance=cfg.balance, bias_rate=cfg.bias_rate)
+
+
 class MoE(Module):
     """E expert MLPs (C -> H -> C: GELU, or what ``expert()`` makes — Mixtral's SwiGLU) behind
     a top-k router, with ``shared`` always-on expert MLPs beside them. ``forward(x,
     residual)`` -> residual + the mixture, like MLP."""
 
-    def __init__(self, C: int, H: int, experts: int, top_k: int = 2, score: str = "softmax",
+    def __init__(self, C: int, H: int, experts: int, *, top_k: int = 2, score: str = "softmax",
                  shared: int = 0, capacity_factor: float = 0.0, aux_loss_coef: float = 0.01,
                  z_loss_coef: float = 0.0, balance: str = "aux", bias_rate: float = 1e-3,
                  bias: bool = True, std: float = 0.02, proj_std: float = 0.02,

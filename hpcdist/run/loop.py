@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,17 +22,45 @@ from .evaluate import evaluate_run
 from .report import final_report, progress_line, stopped_report
 
 
-def steps(cfg, comm, model, strategy, datasets, sampler, start, stop, stopped, metrics, meter,
-          at, say):
+@dataclass(kw_only=True)
+class Run:
+    """What a training run is made of, built once by train.py and read by the loop: the
+    settings, the communicator, the model and its strategy, the data and its sampler, rank
+    0's metrics file and MFU meter (None elsewhere), the line printer; and ``actions``'s
+    save / held-out evaluation and recovery's Mark, set before the steps."""
+    cfg: object
+    comm: object
+    model: object
+    strategy: object
+    train_set: object
+    test_set: object
+    sampler: object
+    metrics: object = None
+    meter: object = None
+    say: object = print
+    save: object = None
+    held_out: object = None
+    mark: object = None
+
+
+@dataclass(kw_only=True)
+class Start:
+    """Where the steps begin: the steps already done (a resume's), the run's StopRequest
+    (None: nothing watches signals) and the signal that stopped it before step 1 (0: none)."""
+    step: int = 0
+    stop: object = None
+    stopped: int = 0
+
+
+def steps(run: Run, start: Start):
     """The steps, then the final report: (its metrics, every step's record)."""
-    train_set, test_set = datasets
+    cfg, comm, strategy = run.cfg, run.comm, run.strategy
     if backend.device_label() == "cpu":               # the CPU kernels loaded before the clock
         from ..device.kernels import cpu
         cpu.ready(backend.default_float())
     t_start = time.perf_counter()
     inter_start = getattr(strategy.comm, "bytes_inter_node", 0)    # of it, across nodes
-    history, step, stopped = loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped,
-                                  metrics, meter, at, say)
+    history, step, stopped = loop(run, start)
     # the steps' own traffic (gradients, exchanges, the meetings at saves and the end): what
     # the records add up to, not the loss reads between them nor evaluation's gathers
     train_bytes = sum(rec["bytes_sent"] for rec in history)
@@ -39,57 +68,63 @@ def steps(cfg, comm, model, strategy, datasets, sampler, start, stop, stopped, m
     extra = strategy.summary()                      # collective where the strategy gathers
     line = extra.pop("line", None)
     if stopped:
-        final = stopped_report(cfg, stopped, step, start, comm.size, t_start, say)
+        final = stopped_report(cfg, stopped, step, start.step, comm.size, t_start, run.say)
     else:
         runtime.test_hooks("end")
-        final = final_report(cfg, model, strategy, test_set, history, start, comm.size,
-                             t_start, train_bytes, say)
+        final = final_report(run, history, t_start, train_bytes)
         if line:
-            say(line)
+            run.say(line)
     final.update(extra, inter_node_bytes=int(inter))
     return final, history
 
 
-def actions(cfg, comm, model, strategy, sampler, train_set, test_set, metrics, say):
+def actions(run: Run):
     """(save(step), evaluate(step)): a checkpoint (then --keep-last's pruning) and
     --eval-every's held-out evaluation, each collective."""
+    cfg, comm, strategy, say = run.cfg, run.comm, run.strategy, run.say
+
     def save(at: int) -> None:
-        folder = state.save_checkpoint(cfg, at, comm, strategy, sampler, train_set.vocabulary)
+        folder = state.save_checkpoint(cfg, at, comm, strategy, run.sampler,
+                                       run.train_set.vocabulary)
         say(f"saved {folder}")
         if cfg.keep_last and comm.rank == 0:
             for old in checkpoint.prune(cfg.save_dir, cfg.keep_last):
                 say(f"removed {old} (--keep-last {cfg.keep_last})")
 
     def held_out(at: int) -> None:                   # --eval-every (collective)
+        t0 = time.perf_counter()
         with strategy.eval_context(), timeline.span("evaluate"):
-            accuracy, loss, tokens = evaluate_run(cfg, model, test_set, strategy.batch_comm)
+            accuracy, loss, tokens = evaluate_run(cfg, run.model, run.test_set,
+                                                  strategy.batch_comm)
         say(f"step {at:5d} | held-out loss {loss:.4f} | held-out accuracy {accuracy * 100:.2f}%"
-            f" | {tokens:,} tokens scored")
-        if metrics is not None:
-            metrics.write(json.dumps({"event": "eval", "step": at, "test_loss": float(loss),
-                                      "accuracy": float(accuracy), "eval_tokens": tokens}) + "\n")
+            f" | {tokens:,} tokens scored in {time.perf_counter() - t0:.1f} s")
+        if run.metrics is not None:
+            run.metrics.write(json.dumps({"event": "eval", "step": at, "test_loss": float(loss),
+                                          "accuracy": float(accuracy),
+                                          "eval_tokens": tokens}) + "\n")
     return save, held_out
 
 
-def loop(cfg, comm, strategy, train_set, sampler, start, stop, stopped, metrics, meter, at,
-         say):
-    """Steps from ``start`` until ``cfg.steps`` or an agreed stop: (every step's record, the
-    last step, the signal that stopped the run or 0). ``at``: (save(step), evaluate(step),
-    the recovery.Mark each step begins at)."""
-    save, held_out, mark = at
+def loop(run: Run, start: Start):
+    """Steps from ``start.step`` until ``cfg.steps`` or an agreed stop: (every step's record,
+    the last step, the signal that stopped the run or 0)."""
+    cfg, comm, strategy, sampler = run.cfg, run.comm, run.strategy, run.sampler
+    save, held_out, mark, say = run.save, run.held_out, run.mark, run.say
+    stop, stopped = start.stop, start.stopped
+    start = start.step
     if start < cfg.steps and not stopped:
         strategy.begin(stop, start)
     lr_scale = strategy.batch_comm.size if cfg.scale_lr else 1
     delay = straggler_delay(cfg, comm.rank)
     t_start = time.perf_counter()
     history, step, more = [], start, start < cfg.steps and not stopped
-    unread = report.Unread(strategy, meter, metrics)
+    unread = report.Unread(strategy, run.meter, run.metrics)
     while more:
         mark.at(step, sampler)
         step += 1
         runtime.test_hooks(step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
-        rec = train_step(cfg, strategy, train_set, sampler, step, lr, delay)
+        rec = train_step(cfg, strategy, run.train_set, sampler, step, lr, delay)
         history.append(rec)
         unread.add(rec)
         stopped, save_at, more = strategy.control(step, cfg, stop, comm)

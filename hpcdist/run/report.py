@@ -145,9 +145,12 @@ def exit_code(signum: int) -> int:
     return signals.EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
 
 
-def final_report(cfg, model, strategy, test_set, history, start, world, t_start, train_bytes,
-                 say) -> dict:
-    """Held-out accuracy and loss, memory, the run's totals (collective: evaluation)."""
+def final_report(run, history: list, t_start: float, train_bytes: int) -> dict:
+    """Held-out accuracy and loss, memory, the run's totals (collective: evaluation).
+    ``run``: loop.Run."""
+    cfg, model, strategy, test_set, say = run.cfg, run.model, run.strategy, run.test_set, \
+        run.say
+    world = run.comm.size
     trained = time.perf_counter() - t_start
     with strategy.eval_context(), timeline.span("evaluate"):
         accuracy, test_loss, tokens = evaluate_run(cfg, model, test_set, strategy.batch_comm)

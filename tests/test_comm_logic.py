@@ -205,3 +205,13 @@ def test_the_nccl_backend_answers_every_call_of_the_protocol():
     for name in N.REFUSED:
         with pytest.raises(NotImplementedError, match=f"^{name} is not in the NCCL backend"):
             getattr(bare, name)(None, 0)
+
+
+def test_a_layout_names_data_parallelism_with_and_without_experts_apart():
+    from hpcdist.comm.mesh import Layout, Grid
+    for world, tp, pp, cp, ep in [(8, 2, 2, 1, 1), (16, 2, 1, 2, 2), (5, 1, 1, 1, 1),
+                                  (24, 3, 2, 1, 2), (8, 1, 1, 1, 8)]:
+        L = Layout(world, tp, pp, cp, ep)
+        assert L.model * L.replicas == world and L.replicas == L.dp * ep
+        assert Grid(dp=L.dp, tp=tp, pp=pp, cp=cp, ep=ep).size == world
+        assert L.plain == (tp == pp == cp == ep == 1)

@@ -16,6 +16,8 @@ import pytest
 from hpcdist import nn, sample, train
 from hpcdist.device import backend
 
+from hf_oracle import assert_greedy_equals_generate, assert_same_logits, export
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
@@ -96,14 +98,9 @@ def test_the_declared_differences_are_what_the_folder_says(folder):
 
 def test_greedy_text_with_the_kv_cache_equals_transformers_generate(folder):
     """... past the sliding window too (the window's prompt of 20 fed a row a call past 8)."""
-    import torch
     kind, model, path = folder
     ours, _ = sample.load(str(path))
-    for prompt in ([5, 17, 3], [1], list(range(20))):
-        x = torch.tensor([prompt])
-        ref = model.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0,
-                             max_new_tokens=30, do_sample=False)[0].tolist()
-        assert sample.generate(ours, prompt, 30) == ref, kind
+    assert_greedy_equals_generate(ours, model, kind)
 
 
 def test_llama3_scaling_changes_the_frequencies_as_transformers_computes_them():
@@ -146,10 +143,7 @@ def test_rotary_families_sample_past_the_block_as_transformers_does(trained):
     transformers = pytest.importorskip("transformers")
     kind, tmp, cfg, _ = trained
     out = tmp / "hf-long"
-    r = subprocess.run([sys.executable, "-m", "hpcdist.checkpoint", "export", str(tmp / "ck"),
-                        str(out), "--format", "safetensors"], capture_output=True, text=True,
-                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert r.returncode == 0, r.stderr
+    export(tmp / "ck", out)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval().double()
     theirs.generation_config.eos_token_id = None
     backend.set_default_float("float64")
@@ -177,16 +171,11 @@ def test_a_learned_position_table_crops_and_says_so_once():
 
 
 def test_a_checkpoint_exports_to_a_folder_transformers_loads_as_its_family(trained):
-    import torch
     transformers = pytest.importorskip("transformers")
     kind, tmp, cfg, final = trained
     assert np.isfinite(final["test_loss"])
     out = tmp / "hf"
-    r = subprocess.run([sys.executable, "-m", "hpcdist.checkpoint", "export", str(tmp / "ck"),
-                        str(out), "--format", "safetensors"], capture_output=True, text=True,
-                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert r.returncode == 0, r.stderr
-    config = json.loads((out / "config.json").read_text())
+    config = export(tmp / "ck", out)
     want = {"llama3.1": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
             "gemma": ("gemma", "GemmaForCausalLM")}[kind]
     assert config["model_type"] == want[0]
@@ -195,9 +184,7 @@ def test_a_checkpoint_exports_to_a_folder_transformers_loads_as_its_family(train
     backend.set_default_float("float64")
     ours, _ = sample.load(str(tmp / "ck"))
     idx = np.array([[1, 2, 3, 0, 4, 5, 6, 7]])
-    ref = theirs(torch.tensor(idx)).logits.detach().numpy()
-    got = backend.to_numpy(ours(backend.to_device(idx)).data)
-    np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    got, ref = assert_same_logits(ours, theirs, idx)
     again, _ = sample.load(str(out))                        # and back in from the folder
     assert again.config.arch == cfg.arch
     np.testing.assert_allclose(backend.to_numpy(again(backend.to_device(idx)).data), got,

@@ -15,6 +15,8 @@ import pytest
 from hpcdist import nn, sample, train
 from hpcdist.device import backend
 
+from hf_oracle import assert_greedy_equals_generate, assert_same_logits, export
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
@@ -62,14 +64,9 @@ def test_weights_in_give_transformers_logits(folder):
 
 
 def test_greedy_text_with_the_kv_cache_equals_transformers_generate(folder):
-    import torch
     kind, model, path = folder
     ours, _ = sample.load(str(path))
-    for prompt in ([5, 17, 3], [1], list(range(20))):
-        x = torch.tensor([prompt])
-        ref = model.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0,
-                             max_new_tokens=30, do_sample=False)[0].tolist()
-        assert sample.generate(ours, prompt, 30) == ref, kind
+    assert_greedy_equals_generate(ours, model, kind)
     cache = [{} for _ in ours.blocks]
     ours(backend.to_device(np.array([[1, 2, 3]])), cache=cache)
     kv = ours.config.attention_shape().pieces[1]                        # only the kv heads
@@ -89,15 +86,10 @@ def trained(request, tmp_path_factory):
 
 
 def test_a_checkpoint_exports_to_a_folder_transformers_loads(trained):
-    import torch
     transformers = pytest.importorskip("transformers")
     tmp, cfg, _ = trained
     out = tmp / "hf"
-    r = subprocess.run([sys.executable, "-m", "hpcdist.checkpoint", "export", str(tmp / "ck"),
-                        str(out), "--format", "safetensors"], capture_output=True, text=True,
-                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert r.returncode == 0, r.stderr
-    config = json.loads((out / "config.json").read_text())
+    config = export(tmp / "ck", out)
     assert config["model_type"] == ("mixtral" if cfg.experts else "llama")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert type(theirs).__name__ == ("MixtralForCausalLM" if cfg.experts else
@@ -105,9 +97,7 @@ def test_a_checkpoint_exports_to_a_folder_transformers_loads(trained):
     backend.set_default_float("float64")
     ours, _ = sample.load(str(tmp / "ck"))
     idx = np.array([[1, 2, 3, 0, 4, 5, 6, 7]])
-    ref = theirs(torch.tensor(idx)).logits.detach().numpy()
-    got = backend.to_numpy(ours(backend.to_device(idx)).data)
-    np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    got, ref = assert_same_logits(ours, theirs, idx)
     again, _ = sample.load(str(out))                        # and back in from the folder
     np.testing.assert_allclose(backend.to_numpy(again(backend.to_device(idx)).data), got,
                                atol=1e-5 * np.abs(ref).max(), rtol=0)

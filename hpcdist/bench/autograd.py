@@ -116,28 +116,34 @@ def gpt_contenders(cfg, batch: int, lr: float, seed: int = 0, dtype: str = "floa
         import torch
     except ImportError:
         return out
-    twin = torch_llama if cfg.arch == "llama" else torch_gpt
-    p, torch_forward_of = twin(cfg, sd, batch)
-    topt = torch.optim.AdamW(list(p.values()), lr=lr, weight_decay=0.0)
+    # the peer a user picks: scaled_dot_product_attention, as nanoGPT (and torch_llama) has
+    # it; GPT's twin with eager's math attention is an extra row
+    twins = {"pytorch": lambda: torch_llama(cfg, sd, batch)} if cfg.arch == "llama" else \
+        {"pytorch": lambda: torch_gpt(cfg, sd, batch, sdpa=True),
+         "pytorch math": lambda: torch_gpt(cfg, sd, batch, sdpa=False)}
     tidx, ttgt = torch.tensor(idx), torch.tensor(tgt)
-
-    def torch_forward():
-        return torch_forward_of(tidx, ttgt)
-
-    def torch_step():
-        topt.zero_grad()
-        loss = torch_forward()
-        loss.backward()
-        topt.step()
-        return loss.item()
-    out["pytorch"] = torch_step
+    for name, twin in twins.items():
+        out[name] = _torch_step(torch, *twin(), tidx, ttgt, lr)
     return out
+
+
+def _torch_step(torch, params: dict, forward_of, idx, tgt, lr: float):
+    """One AdamW step of a PyTorch twin (its parameters, forward(idx, targets) -> loss)."""
+    opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0)
+
+    def step():
+        opt.zero_grad()
+        loss = forward_of(idx, tgt)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step
 
 
 def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu", sdpa=False):
     """hpcdist's GPT written with torch ops on our parameter shapes (weights in x out):
     (parameters from the state dict ``sd``, forward(idx, targets) -> mean loss). Attention
-    as eager's math path, or with ``sdpa`` as nanoGPT has it
+    as eager's math path, or with ``sdpa`` as nanoGPT has it (the peer gpt_contenders times)
     (``scaled_dot_product_attention(is_causal=True)``)."""
     import torch
     F = torch.nn.functional

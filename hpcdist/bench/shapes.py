@@ -176,6 +176,10 @@ def run(spec: str, thread_counts, steps: int, warmup: int, profile: bool, memory
                 row["pytorch_ms"] = table["pytorch"][0] * 1e3
                 row["ratio"] = table["hpcdist"][0] / table["pytorch"][0]
                 print(f"  hpcdist / pytorch = {row['ratio']:.3f} (target <= 0.95)")
+            if "pytorch math" in table:                # (GPT's twin with math attention)
+                row["pytorch_math_ms"] = table["pytorch math"][0] * 1e3
+                row["ratio_math"] = table["hpcdist"][0] / table["pytorch math"][0]
+                print(f"  hpcdist / pytorch with math attention = {row['ratio_math']:.3f}")
             if profile:
                 row["profile_hpcdist"] = hd_profile(contenders["hpcdist"])
                 if "pytorch" in contenders:

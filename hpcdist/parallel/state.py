@@ -19,6 +19,7 @@ from ..checkpoint import reshard
 from ..optim import intersect
 from .base import owned
 from ..comm.arith import bounds_of
+from ..comm.mesh import Layout
 from ..nn.moe import balance_bias, load_balance_bias
 
 
@@ -96,7 +97,7 @@ def run_layout(cfg, world: int) -> dict:
         return {"world": world, "strategy": "ps", "servers": cfg.servers,
                 **({"vocab_multiple": pad} if pad > 1 else {})}
     layout = {"world": world, "tp": cfg.tp, "pp": cfg.pp,
-              "dp": world // (cfg.tp * cfg.pp * cfg.cp), "zero": cfg.zero,
+              "dp": Layout.of(cfg, world).replicas, "zero": cfg.zero,
               "virtual_stages": cfg.virtual_stages}
     if cfg.cp > 1:                   # (absent at 1: the layouts written before CP compare equal)
         layout["cp"] = cfg.cp

@@ -18,7 +18,7 @@ from ..device import backend, kernels
 from .. import nn, optim
 from ..autograd.tensor import settle_grads
 from ..comm import ulfm
-from ..comm.mesh import ProcessMesh
+from ..comm.mesh import Layout, ProcessMesh
 from ..comm.nccl import make_communicator
 from .base import GradSum, Norm, Strategy, owned
 from .compression import make_compression
@@ -129,10 +129,11 @@ def make_optimizer_factory(cfg):
 
 def make_mesh(cfg, comm):
     """The DP x CP x TP x PP process mesh (None for plain data parallelism)."""
-    if cfg.tp == 1 and cfg.pp == 1 and cfg.cp == 1 and cfg.ep == 1:
+    layout = Layout.of(cfg, comm.size)
+    if layout.plain:
         return None
-    return ProcessMesh(comm, dp=comm.size // (cfg.tp * cfg.pp * cfg.cp * cfg.ep), tp=cfg.tp,
-                       pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, backend=cfg.backend)
+    return ProcessMesh(comm, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                       ep=layout.ep, backend=cfg.backend)
 
 
 def make_model(cfg, comm, mesh, train_set):

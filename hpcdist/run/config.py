@@ -17,6 +17,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .. import nn
+from ..comm.mesh import Layout
 from .config_help import HELP
 from .settings import CHOICES, NON_NEGATIVE, POSITIVE, SETTINGS
 
@@ -206,7 +207,8 @@ def validate(cfg: TrainConfig) -> None:
 
 def validate_world(cfg: TrainConfig, world: int, train_len: int, seq_len: int = 0) -> None:
     """Checks that depend on the world size; identical on every rank, so all fail together."""
-    model = cfg.tp * cfg.pp * cfg.cp
+    layout = Layout.of(cfg, world)
+    model = layout.model
     if world % model:
         raise ConfigError(f"the world size {world} is not divisible by --tp {cfg.tp} x --pp "
                           f"{cfg.pp} x --cp {cfg.cp}: the data-parallel size is world / (tp x "
@@ -214,7 +216,7 @@ def validate_world(cfg: TrainConfig, world: int, train_len: int, seq_len: int = 
     if cfg.cp > 1 and 0 < seq_len < 2 * cfg.cp:
         raise ConfigError(f"--cp {cfg.cp} cuts each sequence into {2 * cfg.cp} chunks; the "
                           f"sequences here have {seq_len} positions", "cp")
-    replicas = world // model
+    replicas = layout.replicas
     if cfg.ep > 1 and replicas % cfg.ep:                 # EP folds over DP
         raise ConfigError(f"--ep {cfg.ep} must divide the data-parallel size {replicas} "
                           f"(world {world} / (tp x pp x cp))", "ep")

@@ -6,6 +6,7 @@ here is certain; a pass is not a promise. One line, before ``--n-embd 100000`` a
 for 224 GiB."""
 from __future__ import annotations
 
+from ..comm.mesh import Layout
 from ..host.meminfo import host_available
 
 GiB = 2 ** 30
@@ -17,7 +18,7 @@ def state_bytes(cfg, world: int, vocab: int, seq: int) -> float:
     declared = nn.config_of(cfg, vocab_size=vocab, block_size=seq, vocab_multiple=1)
     n = declared.parameters() / (cfg.tp * cfg.pp)
     word = 8 if cfg.dtype == "fp64" else 4
-    dp = max(1, world // (cfg.tp * cfg.pp * cfg.cp))
+    dp = max(1, Layout.of(cfg, world).replicas)
     moments = 2 if cfg.optimizer == "adamw" else 1
     params, grads, optimizer = n * word, n * word, moments * n * word
     zero = cfg.zero if cfg.strategy == "collective" else 0

@@ -22,6 +22,7 @@ from .. import checkpoint
 from ..checkpoint import reshard
 from ..comm import Communicator, ulfm, watchdog
 from ..comm.arith import bounds_of
+from ..comm.mesh import Layout
 from ..device import backend
 from ..host import signals, threads
 from ..parallel import state
@@ -125,19 +126,21 @@ def caught(exc: BaseException, cfg, strategy, sampler, mark: Mark) -> BaseExcept
 
 
 def recover(cfg, lost: ulfm.RankLost, datasets):
-    """The survivors' communicator and what ``train`` resumes from (collective over them)."""
+    """(the survivors' communicator, their settings — a copy of ``cfg`` with the layout the
+    survivors can hold —, what ``train`` resumes from) (collective over them)."""
     before = ulfm.rank_count()
     survivors, gone = ulfm.shrink()
     joiners = len(gone) if cfg.respawn and gone else 0
     comm = _rebuild(ulfm.respawn(survivors, joiners, sys.argv[1:]) if joiners else survivors)
     notes = [f"{joiners} new rank(s) joined (--respawn)"] if joiners else []
-    if comm.size % (cfg.tp * cfg.pp * cfg.cp):    # the survivors cannot hold the same cuts
+    cfg = dataclasses.replace(cfg)                # the survivors' settings: the run's stay
+    if comm.size % Layout.of(cfg, comm.size).model:   # the survivors cannot hold the cuts
         notes.append(f"--tp {cfg.tp} x --pp {cfg.pp} x --cp {cfg.cp} does not divide the "
                      f"{comm.size} ranks left: going on as data parallelism over them")
         cfg.tp = cfg.pp = cfg.cp = cfg.virtual_stages = 1
         cfg.pp_split, cfg.micro_batches = "", 0
         validate(cfg)
-    replicas = comm.size // (cfg.tp * cfg.pp * cfg.cp)
+    replicas = Layout.of(cfg, comm.size).replicas
     if cfg.ep > 1 and replicas % cfg.ep:         # the experts go over fewer ranks
         ep = max(d for d in range(1, cfg.ep) if cfg.experts % d == 0 and replicas % d == 0)
         notes.append(f"--ep {cfg.ep} does not divide the {replicas} replicas left: the "
@@ -183,7 +186,7 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
                                 "source": source, "detected": lost.detected,
                                 "recovered": time.time(), "batch_size": cfg.batch_size})
                     + "\n")
-    return comm, (datasets, (reader.folder, note, reader))
+    return comm, cfg, (datasets, (reader.folder, note, reader))
 
 
 def _rebuild(world):
@@ -244,7 +247,7 @@ def train_through_failures(train, cfg, comm, prepared):
             return train(cfg, comm, prepared=prepared)
         except ulfm.RankLost as lost:             # the survivors go on
             try:
-                comm, prepared = recover(cfg, lost, prepared[0])
+                comm, cfg, prepared = recover(cfg, lost, prepared[0])
             except (ConfigError, checkpoint.CheckpointError) as e:
                 if ulfm.rank() == 0:              # of the survivors
                     print(f"hpcdist.train: error: cannot go on after losing a rank: {e}",

@@ -264,3 +264,42 @@ def test_a_tokenizer_json_that_does_not_parse_is_named(tmp_path):
     assert rc == 2
     one_line(err, re.escape(str(bad)) + r".*not a Hugging Face tokenizer.json")
 
+
+
+# ---- the small ones -------------------------------------------------------------------------------
+
+def test_init_from_a_mixtral_folder_takes_its_experts_for_ep(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from hpcdist import train
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=40, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "mix")
+    ours = train.parse_config(["--init-from", str(tmp_path / "mix"), "--ep", "2"])
+    assert (ours.arch, ours.experts, ours.top_k) == ("llama", 4, 2)
+    train.validate_world(ours, 2, 10_000)                 # EP 2 over 2 ranks: fine
+
+
+def test_resuming_another_family_names_it():
+    from hpcdist.checkpoint import CheckpointError, check_meta
+    with pytest.raises(CheckpointError, match=r"holds a Llama model \(--arch llama\), this run "
+                                              r"builds --arch gpt: resume with --arch llama"):
+        check_meta({"meta": {"arch": "llama", "bias": False}}, {"bias": True}, "ck")
+
+
+def test_a_new_run_keeps_the_five_newest_earlier_logs(tmp_path):
+    from hpcdist.run import runtime
+    said = []
+    for run in range(8):
+        f = runtime.open_run_file(str(tmp_path), "train.log", resumed=False, say=said.append)
+        f.write(f"run {run}\n")
+        f.close()
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["train.log"] + [f"train.log.{n}" for n in range(1, 6)]
+    assert (tmp_path / "train.log").read_text() == "run 7\n"
+    assert (tmp_path / "train.log.1").read_text() == "run 6\n"
+    assert (tmp_path / "train.log.5").read_text() == "run 2\n"
+    assert said[-1].endswith("(the 5 newest earlier runs are kept)")

@@ -143,7 +143,7 @@ def open_run_file(out_dir: str, name: str, resumed: bool, say):
                 else:
                     os.replace(f"{path}.{n}", f"{path}.{n + 1}")
         os.replace(path, f"{path}.1")
-        say(f"moved the earlier {path} to {path}.1 (the {EARLIER_RUNS} newest earlier runs' "
+        say(f"moved the earlier {path} to {path}.1 (the {EARLIER_RUNS} newest earlier runs "
             "are kept)")
     return RunFile(open(path, "a", buffering=1), path)   # a line at a time: tail -f shows each
 

@@ -162,14 +162,14 @@ def _resume(cfg, comm, strategy, sampler, resume, say) -> int:
     """Load the checkpoint ``prepare`` found (any layout); the step it holds (0: none)."""
     if resume is None:
         return 0
-    folder, note, reader = resume
+    _, note, reader = resume
     start = 0
-    if folder is not None:
+    if reader is not None:                       # (a recovery from the seed has none)
         extra = state.restore_checkpoint(reader, cfg, comm, strategy, sampler)
         start = reader.step
         note += f" at step {start}" + (f" ({extra})" if extra else "")
     say(note)
-    change = folder is not None and state.schedule_change(reader.scalars.get("schedule"), cfg,
+    change = reader is not None and state.schedule_change(reader.scalars.get("schedule"), cfg,
                                                           start)
     if change:
         say(change)

@@ -121,6 +121,7 @@ def caught(exc: BaseException, cfg, strategy, sampler, mark: Mark) -> BaseExcept
     snap = snapshot(cfg, step, strategy, where, sampler.batch_size * replicas, replicas) \
         if replicated(cfg) else None
     lost.committed, lost.failed_step, lost.replicas = snap, mark.step + 1, replicas
+    lost.committed_step = step                  # (0: nothing committed, the seed's state)
     lost.mirror = mark.mirror
     return lost
 
@@ -164,6 +165,8 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
                          "too, or lost mid-exchange)")
     if reader is None:
         folder, _ = checkpoint.find_resume(cfg.save_dir) if cfg.save_dir else (None, "")
+        if folder is None and getattr(lost, "committed_step", None) == 0 and not joiners:
+            return comm, cfg, _from_the_seed(comm, cfg, lost, gone, before, notes, datasets)
         if folder is None:
             raise checkpoint.CheckpointError(
                 f"no checkpoint {'in ' + cfg.save_dir if cfg.save_dir else '(no --save-dir)'}"
@@ -179,14 +182,33 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
     note = (f"[hpcdist] rank {names} of {before} lost in step {lost.failed_step}; "
             f"{comm.size} ranks go on in this job, rebuilt in {took:.2f} s"
             + "".join(f"; {n}" for n in notes) + f"; resuming from {source}")
+    _record(comm, cfg, lost, gone, reader.step, source)
+    return comm, cfg, (datasets, (reader.folder, note, reader))
+
+
+SEED = "the seed"          # where a recovery before the first committed step resumes from
+
+
+def _from_the_seed(comm, cfg, lost, gone, before, notes, datasets):
+    """A rank lost before any step was committed: the state to go on from is the initial
+    one, which the seed makes on every rank again: what ``train`` starts from (no reader)."""
+    source = "the initial state (no step was committed yet: the seed makes it again)"
+    note = (f"[hpcdist] rank {', '.join(map(str, gone)) or '?'} of {before} lost in step "
+            f"{lost.failed_step}; {comm.size} ranks go on in this job"
+            + "".join(f"; {n}" for n in notes) + f"; starting again from {source}")
+    _record(comm, cfg, lost, gone, 0, source)
+    return datasets, (SEED, note, None)
+
+
+def _record(comm, cfg, lost, gone, resumed_from: int, source: str) -> None:
+    """The recovery's record in metrics.jsonl (rank 0)."""
     if comm.rank == 0 and cfg.out_dir:
         with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"event": "recovered", "lost": gone, "step": lost.failed_step,
-                                "resumed_from": reader.step, "world": comm.size,
+                                "resumed_from": resumed_from, "world": comm.size,
                                 "source": source, "detected": lost.detected,
                                 "recovered": time.time(), "batch_size": cfg.batch_size})
                     + "\n")
-    return comm, cfg, (datasets, (reader.folder, note, reader))
 
 
 def _rebuild(world):

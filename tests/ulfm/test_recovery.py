@@ -111,6 +111,32 @@ def test_a_killed_rank_costs_one_step_and_the_rest_equals_n_minus_1_ranks(tmp_pa
     same_as_resumed(a, ref, (n, n - 1), 6, 10, [*COMMON, *layout])
 
 
+def test_a_rank_lost_before_the_first_committed_step_starts_again_from_the_seed(tmp_path):
+    """ZeRO-2 at 4 ranks without a checkpoint or a mirror, rank 2 killed as step 1 begins:
+    nothing was committed, so the survivors start again from the state the seed makes, and
+    every step and the final model equal (fp64, exactly) a run of 3 ranks from the start."""
+    a, ref = tmp_path / "a", tmp_path / "ref"
+    args = [*COMMON, "--zero", "2", "--mirror-every", "0"]
+    rc, out = finish(launch(4, *args, "--on-failure", "shrink", "--out-dir", str(a),
+                            "--save-dir", str(a / "ck"), HPCDIST_SIGNAL_AT="2:1:SIGKILL"))
+    assert rc == 0, out[-4000:]
+    assert "rank 2 of 4 lost in step 1; 3 ranks go on in this job" in out and \
+        "starting again from the initial state" in out, out[-3000:]
+    events = [r for r in records(a) if r.get("event") == "recovered"]
+    assert [(e["lost"], e["resumed_from"], e["world"]) for e in events] == [([2], 0, 3)]
+    rc, out = finish(launch(3, *args, "--out-dir", str(ref), "--save-dir", str(ref / "ck"),
+                            ft=False))
+    assert rc == 0, out[-4000:]
+    got = {r["step"]: r["loss"] for r in records(a) if "loss" in r}
+    want = {r["step"]: r["loss"] for r in records(ref) if "loss" in r}
+    assert sorted(got) == list(range(1, 11)) and got == want
+    step_a, pa = final_params(a / "ck")
+    step_r, pr = final_params(ref / "ck")
+    assert step_a == step_r == 10 and sorted(pa) == sorted(pr)
+    for name in pa:
+        np.testing.assert_array_equal(pa[name], pr[name], err_msg=name)
+
+
 MIRRORED = [(("--zero", "3"), ("--zero", "3"), ""),
             (("--tp", "2"), (), "--tp 2 x --pp 1 x --cp 1 does not divide the 3 ranks left"),
             (("--pp", "2"), (), "--tp 1 x --pp 2 x --cp 1 does not divide the 3 ranks left"),

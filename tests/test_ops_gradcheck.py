@@ -96,7 +96,7 @@ CASES = {
     "fused_attention": (lambda qkv: ops.fused_attention(qkv, 2), [sym(2, 5, 12)]),
     "fused_attention_gqa": (lambda qkv: ops.fused_attention(qkv, 4, 2), [sym(2, 6, 32)]),
     "fused_attention_mqa": (lambda qkv: ops.fused_attention(qkv, 3, 1), [sym(1, 7, 20)]),
-    # the Llama family's (hpcdist/device/kernels/llama.py)
+    # the rotary families' (hpcdist/device/kernels/rmsnorm.py, swiglu.py, rotary.py)
     "rms_norm": (lambda x, w: ops.rms_norm(x, w, 1e-5), [sym(2, 3, 5), sym(5)]),
     "swiglu": (lambda h: ops.swiglu(h), [sym(2, 3, 8)]),
     "rotary": (lambda qkv: ops.rotary(qkv, _dev(np.arange(3, 8)), AttentionShape(2, 1, 4), 50.0),

@@ -19,6 +19,8 @@ except ModuleNotFoundError:  # Python 3.10
 from .. import nn
 from ..comm.mesh import Layout
 from .config_help import HELP
+from .errors import ConfigError
+from .shape import against_pretrained, sized
 from .settings import CHOICES, NON_NEGATIVE, POSITIVE, SETTINGS
 
 
@@ -168,15 +170,6 @@ TrainConfig = make_dataclass(
     bases=(Settings,), namespace={"__post_init__": _post_init,
                                   "__doc__": "Every training setting (--help lists them)."})
 TrainConfig.__module__ = __name__
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; reported as one line, exit code 2. ``field``: the setting
-    it is about, where there is one (parse_config names the file a TOML value came from)."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -346,8 +339,8 @@ def parse_config(argv=None) -> TrainConfig:
     if values.get("data") and "task" not in values:     # a data file means its text task
         values["task"] = "text"
         print("note: --data selects --task text")
-    _sized(values)
-    _against_pretrained(values)
+    sized(values)
+    against_pretrained(values)
     cfg = TrainConfig(**values)
     try:
         validate(cfg)
@@ -358,44 +351,3 @@ def parse_config(argv=None) -> TrainConfig:
             raise ConfigError(f"{e} ({where})", e.field) from None
         raise
     return cfg
-
-
-SHAPE = ("arch", "n_layer", "n_head", "n_embd", "bias", "tie_weights", "experts", "top_k",
-         *FAMILY_OPTIONS)
-
-
-def _sized(values: dict) -> None:
-    """--model NAME: the family and shape of a published size, where the settings say
-    nothing else (a flag or a TOML key given wins; another --arch is refused)."""
-    if not values.get("model"):
-        return
-    try:
-        arch, shape = nn.size(values["model"])
-    except ValueError as e:
-        raise ConfigError(str(e), "model") from None
-    if values.get("arch", arch) != arch:
-        raise ConfigError(f"--model {values['model']} is a {arch} model, not --arch "
-                          f"{values['arch']}: drop one", "arch")
-    values["arch"] = arch
-    for name, value in shape.items():
-        values.setdefault(name, value)
-
-
-def _against_pretrained(values: dict) -> None:
-    """--init-from takes its family and shape from the folder, filled in here so that every
-    check before step 1 sees them (its experts for --ep, say): a shape setting given beside
-    it that says otherwise is refused (one that agrees is fine)."""
-    if not values.get("init_from"):
-        return
-    from ..checkpoint import hf
-    try:
-        shape = hf.shape(values["init_from"])
-    except (OSError, ValueError, KeyError):
-        return                                  # prepare() reports the folder itself
-    for k in SHAPE:
-        if k in values and k in shape and values[k] != shape[k]:
-            flag = "--" + k.replace("_", "-")
-            raise ConfigError(f"{flag} {values[k]} contradicts --init-from "
-                              f"{values['init_from']}, whose {k} is {shape[k]}: the model's "
-                              f"shape is the folder's; drop {flag}", k)
-    values.update({k: v for k, v in shape.items() if k in SHAPE})

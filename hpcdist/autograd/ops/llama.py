@@ -1,6 +1,7 @@
-"""The Llama family's ops: RMSNorm, SwiGLU from the fused gate | up projection, rotary position
-embeddings on the fused q|k|v. One fused kernel each way (device/kernels/llama.py; numba's on
-the CPU); the weight's gradient straight into its buffer where it has one."""
+"""The rotary families' ops: RMSNorm, SwiGLU (and GeGLU) from the fused gate | up projection,
+rotary position embeddings on the fused q|k|v. One fused kernel each way
+(device/kernels/rmsnorm.py, swiglu.py, rotary.py; numba's on the CPU); the weight's gradient
+straight into its buffer where it has one."""
 from __future__ import annotations
 
 from ...device import backend, kernels

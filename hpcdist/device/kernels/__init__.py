@@ -2,16 +2,18 @@
 GELU (and bias + GELU), LayerNorm, scale + causal mask + softmax, causal attention from the
 fused q|k|v projection (tiled: flash.py), cross-entropy with its gradient, AdamW over the flat buffer, bias +
 residual, a bias's gradient added into its buffer (forward and backward), bf16 GEMMs on
-tensor cores (gemm.py), and the mixture of experts' permutation and combine (moe.py).
-elementwise.py, colsum.py, adamw.py, rows.py, attention.py, gemm.py and moe.py hold them.
+tensor cores (gemm.py), the mixture of experts' permutation and combine (moe.py), RMSNorm
+(rmsnorm.py), SwiGLU (swiglu.py) and rotary embeddings (rotary.py). elementwise.py,
+colsum.py, adamw.py, rows.py, attention.py, gemm.py and moe.py hold the rest.
 
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
 from .attention import attention_bwd, attention_bwd_twin, attention_fwd, attention_twin
 from .flash import FLASH_BWD, FLASH_FWD, flash_bwd_twin, flash_twin
 from .cudnn_attention import CUDNN_BWD, CUDNN_FWD
 from .flash_blocks import FLASH_BLOCK_BWD, FLASH_BLOCK_FWD, block_bwd_twin, block_twin
-from .llama import (RMSNORM_BWD, RMSNORM_FWD, ROTARY, SWIGLU_BWD, SWIGLU_FWD, rmsnorm_bwd_twin,
-                    rmsnorm_twin, rotary_tables, rotary_twin, swiglu_bwd_twin, swiglu_twin)
+from .rmsnorm import RMSNORM_BWD, RMSNORM_FWD, rmsnorm_bwd_twin, rmsnorm_twin
+from .rotary import ROTARY, rotary_tables, rotary_twin
+from .swiglu import SWIGLU_BWD, SWIGLU_FWD, swiglu_bwd_twin, swiglu_twin
 from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
                    operand, product, use_workspace)

@@ -4,6 +4,7 @@ import pytest
 
 import hpcdist as hd
 from hpcdist.autograd import ops
+from hpcdist.nn.attention import Llama3Rotary, Rotary
 from hpcdist.nn.family import AttentionShape
 from conftest import gradcheck
 
@@ -99,8 +100,12 @@ CASES = {
     # the rotary families' (hpcdist/device/kernels/rmsnorm.py, swiglu.py, rotary.py)
     "rms_norm": (lambda x, w: ops.rms_norm(x, w, 1e-5), [sym(2, 3, 5), sym(5)]),
     "swiglu": (lambda h: ops.swiglu(h), [sym(2, 3, 8)]),
-    "rotary": (lambda qkv: ops.rotary(qkv, _dev(np.arange(3, 8)), AttentionShape(2, 1, 4), 50.0),
-               [sym(2, 5, 16)]),
+    "rotary": (lambda qkv: ops.rotary(qkv, _dev(np.arange(3, 8)), AttentionShape(2, 1, 4),
+                                      Rotary(50.0)), [sym(2, 5, 16)]),
+    "rotary_llama3": (lambda qkv: ops.rotary(qkv, _dev(np.arange(3, 8)), AttentionShape(2, 1, 4),
+                                             Llama3Rotary(50.0, 4.0, 1.0, 4.0, 8)),
+                      [sym(2, 5, 16)]),
+    "geglu": (lambda h: ops.geglu(h), [sym(2, 3, 8)]),
     "linear_gelu": (lambda x, w, b: ops.linear_gelu(x, w, b), [sym(2, 3, 4), sym(4, 5), sym(5)]),
     "linear_residual": (lambda x, w, b, r: ops.linear(x, w, b, r),
                         [sym(2, 3, 4), sym(4, 5), sym(5), sym(2, 3, 5)]),

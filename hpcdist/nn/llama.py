@@ -1,11 +1,9 @@
 """Llama (and Mistral, and with experts Mixtral), declared as a family (nn/family.py): RMSNorm
 pre-norm blocks, rotary positions (applied to q and k at each token's global position inside
 attention), grouped-query attention from one fused q|k|v projection, a SwiGLU MLP from one
-fused gate|up projection, no biases, an untied head; Llama 3.1's scaled rotary frequencies as
-a declared rotary kind. Its config declares what a family built on it may change (the gated
-MLP's activation, RMSNorm's offset, scaled embeddings, the output projection's bias): Qwen2
-(nn/qwen2.py) and Gemma (nn/gemma.py) are such declarations. Its Hugging Face adapter
-(LlamaHF) reads and writes Llama, Mistral and Mixtral folders."""
+fused gate|up projection, no biases, an untied head; Llama 3.1's scaled rotary frequencies a
+declared rotary kind. The config declares what a family built on it changes (nn/qwen2.py,
+nn/gemma.py); LlamaHF reads and writes Llama, Mistral and Mixtral folders."""
 from __future__ import annotations
 
 import math

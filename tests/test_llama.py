@@ -113,6 +113,16 @@ def test_a_checkpoint_exports_to_a_folder_transformers_loads(trained):
     (["--arch", "llama", "--n-kv-head", "2", "--n-head", "4", "--cp", "4",
       "--cp-impl", "ulysses"], "cp must divide them"),
     (["--arch", "mamba"], "unknown arch 'mamba'"),
+    # Qwen2's, Gemma's and the rotary settings (tests/test_families.py has the rest of them)
+    (["--arch", "gemma", "--n-embd", "48", "--n-head", "4", "--head-dim", "9"],
+     "--arch gemma: the head size 9 must be even"),
+    (["--arch", "gemma", "--no-tie-weights"], "Gemma's head is the token table"),
+    (["--arch", "qwen2", "--rope-type", "yarn"], "unknown rope_type 'yarn'"),
+    (["--arch", "llama", "--rope-theta", "-1"], "rope_theta must be positive, got -1.0"),
+    (["--arch", "llama", "--norm-eps", "-1"], "norm_eps must be positive, got -1.0"),
+    (["--arch", "llama", "--ffn-hidden", "-5"], "ffn_hidden must be 0 or more, got -5"),
+    (["--rope-type", "llama3"], "--rope-type is a setting of llama, qwen2, gemma, not of "
+                                "--arch gpt"),
 ])
 def test_bad_settings_are_one_line_before_step_one(args, says):
     r = subprocess.run([sys.executable, "-m", "hpcdist.train", "--steps", "1", *args],

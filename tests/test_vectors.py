@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hpcdist.device import backend, cudasim
-from hpcdist.device.kernels import colsum, common, elementwise, layernorm, llama, moe, rows
+from hpcdist.device.kernels import colsum, common, elementwise, layernorm, moe, rmsnorm, rows
 import hpcdist.device.kernels as kernels
 
 pytestmark = pytest.mark.skipif(cudasim.available() is not None,
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(cudasim.available() is not None,
 VECTORIZED = [(kernels.GELU_FWD, common), (kernels.BIAS_GELU, common),
               (kernels.GELU_BWD, common), (kernels.BIAS_RESIDUAL, common),
               (kernels.ADD, common), (kernels.LAYERNORM_FWD, layernorm),
-              (kernels.LAYERNORM_BWD, layernorm), (kernels.RMSNORM_FWD, llama),
-              (kernels.RMSNORM_BWD, llama), (kernels.SWIGLU_FWD, common),
+              (kernels.LAYERNORM_BWD, layernorm), (kernels.RMSNORM_FWD, rmsnorm),
+              (kernels.RMSNORM_BWD, rmsnorm), (kernels.SWIGLU_FWD, common),
               (kernels.SWIGLU_BWD, common), (kernels.WIDEN, common),
               (kernels.CROSS_ENTROPY_FWD, rows), (kernels.CROSS_ENTROPY_BWD, rows),
               (kernels.COLSUM_ADD, colsum), (kernels.ROTARY, common), (kernels.MOE_PERMUTE, moe),

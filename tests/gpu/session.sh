@@ -65,7 +65,7 @@ step profile 30 "python tests/gpu/profile_step.py bf16 24 1024 1024 8 128"
 
 # 3. correctness, side by side
 step tests 120 "HPCDIST_DEVICE=gpu $PYT tests/test_gpu.py tests/test_graphs.py tests/test_ops_gradcheck.py tests/test_torch_oracle.py" &
-step mpi2 120 "HPCDIST_DEVICE=gpu mpiexec -n 2 $PYT --with-mpi tests/mpi/test_device.py tests/mpi/test_llama.py" &
+step mpi2 120 "HPCDIST_DEVICE=gpu mpiexec -n 2 $PYT --with-mpi tests/mpi/test_device.py tests/mpi/test_llama.py tests/mpi/test_families.py" &
 step nccl1 120 "HPCDIST_DEVICE=gpu mpiexec -n 1 $PYT --with-mpi tests/mpi/test_nccl.py tests/mpi/test_device.py tests/mpi/test_llama.py" &
 step train 120 "python -m hpcdist.train --device gpu --steps 30 --log-every 10 --save-dir /tmp/r1 && mpiexec -n 1 python -m hpcdist.train --device gpu --backend nccl --precision bf16 --experts 4 --steps 30 --log-every 10 --save-dir /tmp/r2 && python -m hpcdist.train --device gpu --arch llama --n-kv-head 2 --precision bf16 --attention auto --steps 30 --log-every 10 && python -m hpcdist.train --device gpu --precision bf16 --cuda-graph --steps 30 --log-every 10" &
 wait

@@ -208,7 +208,8 @@ def test_the_nccl_backend_answers_every_call_of_the_protocol():
 
 
 def test_a_layout_names_data_parallelism_with_and_without_experts_apart():
-    from hpcdist.comm.mesh import Layout, Grid
+    from hpcdist.comm.mesh import Grid
+    from hpcdist.host.layout import Layout
     for world, tp, pp, cp, ep in [(8, 2, 2, 1, 1), (16, 2, 1, 2, 2), (5, 1, 1, 1, 1),
                                   (24, 3, 2, 1, 2), (8, 1, 1, 1, 8)]:
         L = Layout(world, tp, pp, cp, ep)

@@ -19,7 +19,7 @@ from ..checkpoint import reshard
 from ..optim import intersect
 from .base import owned
 from ..comm.arith import bounds_of
-from ..comm.mesh import Layout
+from ..host.layout import Layout
 from ..nn.moe import balance_bias, load_balance_bias
 
 

@@ -18,7 +18,8 @@ from ..device import backend, kernels
 from .. import nn, optim
 from ..autograd.tensor import settle_grads
 from ..comm import ulfm
-from ..comm.mesh import Layout, ProcessMesh
+from ..comm.mesh import ProcessMesh
+from ..host.layout import Layout
 from ..comm.nccl import make_communicator
 from .base import GradSum, Norm, Strategy, owned
 from .compression import make_compression

@@ -17,7 +17,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .. import nn
-from ..comm.mesh import Layout
+from ..host.layout import Layout
 from .config_help import HELP
 from .errors import ConfigError
 from .shape import against_pretrained, sized

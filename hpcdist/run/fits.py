@@ -6,7 +6,7 @@ here is certain; a pass is not a promise. One line, before ``--n-embd 100000`` a
 for 224 GiB."""
 from __future__ import annotations
 
-from ..comm.mesh import Layout
+from ..host.layout import Layout
 from ..host.meminfo import host_available
 
 GiB = 2 ** 30

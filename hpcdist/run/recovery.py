@@ -22,7 +22,7 @@ from .. import checkpoint
 from ..checkpoint import reshard
 from ..comm import Communicator, ulfm, watchdog
 from ..comm.arith import bounds_of
-from ..comm.mesh import Layout
+from ..host.layout import Layout
 from ..device import backend
 from ..host import signals, threads
 from ..parallel import state

@@ -11,6 +11,7 @@ resume never continues on scrambled ids.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 
@@ -82,7 +83,15 @@ def canonical(v: dict) -> dict:
 
 
 def digest(v: dict) -> str:
-    return hashlib.sha256(json.dumps(canonical(v), sort_keys=True).encode()).hexdigest()[:12]
+    if v.get("kind") == "tokenizer":      # (parsed once per tokenizer, not at every save)
+        return _tokenizer_digest(v["tokenizer"], int(v["size"]))
+    return hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_digest(text: str, size: int) -> str:
+    v = canonical({"kind": "tokenizer", "size": size, "tokenizer": text})
+    return hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def written_digest(v: dict) -> str:

@@ -238,7 +238,7 @@ def test_no_module_outside_nn_names_a_family():
     import ast
     import re
     pkg = os.path.join(ROOT, "hpcdist")
-    places = [os.path.join(pkg, d) for d in ("run", "checkpoint", "parallel", "comm")] + \
+    places = [os.path.join(pkg, d) for d in ("run", "checkpoint", "parallel", "comm", "plan")] + \
         [os.path.join(pkg, f) for f in ("sample.py", "train.py")]
     found = []
     for place in places:

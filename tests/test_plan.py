@@ -101,25 +101,34 @@ def test_command_line_json(capsys):
             "step_s", "tflops_per_gpu", "bubble"} <= set(rows[0])
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_memory_per_rank_is_what_training_runs_hold(tmp_path, arch):
+# the other rotary families on four layouts (their blocks differ from Llama's in biases, the
+# gated activation, the scaled embeddings and the head size: what these layouts exercise)
+FEW = "DP 4,DP 2 x TP 2 SP,DP 2 x PP 2,DP 4 recompute"
+
+
+@pytest.mark.parametrize("arch,only", [("gpt", None), ("llama", None), ("qwen2", FEW),
+                                       ("gemma", FEW)])
+def test_memory_per_rank_is_what_training_runs_hold(tmp_path, arch, only):
     """``bench plan --memory``: 4-rank ``--trace-memory`` runs (DP, ZeRO 1-3, TP 2 with and
     without SP, PP 2 and 4 with three schedules, recompute) hold the parameter, gradient and
     optimizer bytes the planner predicts for rank 0 exactly, and activations within 10%
     (ZeRO-3 once kept every block's gathered parameters alive through the graph: 1.33x);
-    for GPT and for Llama (GQA, SwiGLU, an untied head)."""
+    for every family (Llama's with GQA, SwiGLU and an untied head; Gemma's heads of their
+    own size), counted from its declaration."""
     import json
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "hpcdist.bench", "plan", "--memory", "--out",
-                        str(tmp_path), "--memory-arch", arch], capture_output=True, text=True,
+                        str(tmp_path), "--memory-arch", arch] +
+                       (["--memory-layouts", only] if only else []),
+                       capture_output=True, text=True,
                        timeout=900, cwd=root, env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.load(open(tmp_path / "bench_plan_memory.json"))
     from hpcdist.bench.plan import MEMORY_LAYOUTS
-    assert len(rows) == 4 * len(MEMORY_LAYOUTS)
+    assert len(rows) == 4 * (len(only.split(",")) if only else len(MEMORY_LAYOUTS))
     state = [row for row in rows if row["kind"] != "activations"]
     assert all(row["planner"] == row["run"] for row in state), state
     acts = [row for row in rows if row["kind"] == "activations"]
@@ -318,7 +327,7 @@ def test_help_shows_every_default(capsys):
     for action in ap._actions:
         if action.option_strings and action.dest != "help" and not action.required:
             flag = action.option_strings[0]
-            start = re.search(r"\n  " + re.escape(flag) + r"[ \n]", text).end()
+            start = re.search(r"\n  " + re.escape(flag) + r"[ ,\n]", text).end()
             block = text[start:].split("\n  --", 1)[0]
             assert "default:" in block, flag
 
@@ -474,3 +483,78 @@ def test_the_planner_counts_the_padded_vocabulary_as_a_gpu_run_holds_it():
     assert b["params"] + b["grads"] + b["optimizer"] - (a["params"] + a["grads"] + a["optimizer"]) \
         == pytest.approx(rows * per_param)
     assert b["activations"] > a["activations"]                  # the logits are wider
+
+
+# Every family through the planner: the counts come from the declaration (nn/family.py's
+# Anatomy), so a family the planner never named is counted as exactly as GPT and Llama.
+FAMILY_SHAPES = [
+    ("gpt", {}), ("gpt", dict(bias=False, tie_weights=False)),
+    ("llama", dict(n_kv_head=2)), ("llama", dict(n_kv_head=1, ffn_hidden=96, tie_weights=True)),
+    ("qwen2", dict(n_kv_head=2)), ("gemma", dict(n_kv_head=1, head_dim=24)),
+    ("llama", dict(n_kv_head=2, experts=4, top_k=2, expert_hidden=48, moe_every=2)),
+    ("gpt", dict(experts=3, top_k=1, moe_every=2))]
+
+
+@pytest.mark.parametrize("arch,kw", FAMILY_SHAPES, ids=[f"{a}-{i}" for i, (a, _) in
+                                                         enumerate(FAMILY_SHAPES)])
+def test_the_planner_counts_each_family_from_its_declaration(arch, kw):
+    """Parameters: the built model's; a block's split and whole parts: what tensor
+    parallelism cuts and keeps in that model (parallel/tp/); FLOPs: 6N + 12 L d T with d the
+    heads' width (Gemma's heads are not n_embd wide)."""
+    from hpcdist import nn
+    nn.manual_seed(0)
+    m = nn.build(arch, n_layer=4, n_head=4, n_embd=64, vocab_size=50, block_size=16, **kw)
+    model = P.Model.of(m.config)
+    assert model.parameters == sum(p.data.size for p in m.parameters())
+    if not model.experts:
+        block = sum(p.data.size for p in m.blocks[0].parameters())
+        assert model.block_split + model.block_whole == block
+        whole = sum(p.data.size for n, p in m.blocks[0].named_parameters()
+                    if p.data.ndim == 1 and not n.startswith(("attn.c_attn", "attn.qkv",
+                                                              "mlp.layers.0", "mlp.gate_up")))
+        assert model.block_whole == whole
+    d = m.config.attention_shape().out_width
+    assert model.attention_width == d
+    table = 0 if m.part("positions") is None else m.part("positions").weight.size
+    dense = model.flops(2, False) / (2 * 16)
+    assert dense == pytest.approx(6 * (model.active_parameters - table) + 12 * 4 * d * 16)
+
+
+@pytest.mark.parametrize("name", sorted(P.PRESETS))
+def test_every_published_size_plans_to_a_command_that_builds_it(name):
+    """Every family's published sizes: the command the planner prints for a layout parses,
+    and the model it builds has the parameters and parts the planner counted (the family's
+    own settings carried as its flags: kv heads, MLP width, head size, rotary base and
+    scaling, tied or not)."""
+    from hpcdist import nn
+    from hpcdist.run.config import parse_config
+    model = P.preset(name)
+    L = P.Layout(1, 2, 4, 1, 1, 4, "1f1b", 1, False, False)
+    args = P.cli.train_args(model, L, P.Settings())
+    cfg = parse_config(args + ["--vocab-size", str(P.PRESETS[name]["vocab"])])
+    built = nn.config_of(cfg)
+    assert cfg.arch == nn.size(name)[0]
+    assert built.parameters() == model.parameters
+    assert built.anatomy() == model.anatomy
+
+
+def test_a_preset_prints_its_family_and_a_command_the_trainer_takes(capsys):
+    from hpcdist.run.config import parse_config
+    assert P.main(["--preset", "gemma-2b", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Gemma 18 layers x 2048 hidden (8 heads, 1 kv head), 2.5 B")
+    line = out.split("run it")[1].splitlines()[1].strip()
+    cfg = parse_config(line.split("hpcdist.train ", 1)[1].split())
+    assert (cfg.arch, cfg.head_dim, cfg.n_kv_head) == ("gemma", 256, 1)
+
+
+def test_a_setting_of_another_family_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        P.main(["--layers", "8", "--hidden", "512", "--heads", "8", "--n-kv-head", "2",
+                "--global-batch", "8", "--gpus", "8"])
+    err = capsys.readouterr().err
+    assert "--n-kv-head: not a setting of the GPT family" in err and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit):
+        P.main(["--arch", "gemma", "--layers", "8", "--hidden", "512", "--heads", "8",
+                "--head-dim", "3", "--global-batch", "8", "--gpus", "8"])
+    assert "head size 3 must be even" in capsys.readouterr().err

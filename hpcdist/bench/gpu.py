@@ -232,10 +232,7 @@ def activations(step, model, shape, mode: str) -> tuple[int, float]:
         memtrace.enable(False)
     cfg = model.config
     two = mode == "bf16" and not backend.bf16_emulated()        # bf16 activations
-    planned = P.Model(L, C, cfg.n_head, T, V, arch=cfg.arch,
-                      kv_heads=getattr(cfg, "n_kv_head", 0) or 0,
-                      ffn=getattr(cfg, "ffn_hidden", 0) or 0, tied=cfg.tie_weights,
-                      vocab_multiple=cfg.vocab_multiple)
+    planned = P.Model.of(cfg, seq=T, vocab=V)
     want = P.activations(planned, P.Layout(1, 1, 1, 0, B, 1, "none", 1, False, False),
                          P.Settings(param_bytes=2 if two else 4, activations="hpcdist",
                                     attention_probs="gemms" in kernels.attention.choice()),
@@ -256,7 +253,8 @@ def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float, dict]:
         step, model = _hpcdist_mode(shape, mode, attention)
         table = model.part("positions")
         flops = mfu.flops_per_token(model.logical_parameters() -
-                                    (table.weight.size if table is not None else 0), L, C, T)
+                                    (table.weight.size if table is not None else 0), L,
+                                    model.config.attention_shape().out_width, T)
         name, precision = f"hpcdist {mode}", mode.removesuffix("+graph")
         try:
             ms = _timed(step, steps)

@@ -50,6 +50,8 @@ def _cases(xp, rows: int, C: int, V: int, dt, rng):
         ("rmsnorm_bwd", lambda: kernels.RMSNORM_BWD(r, x, w, rms), 3 * n),
         ("swiglu_fwd (4C)", lambda: kernels.SWIGLU_FWD(two), 3 * n4),
         ("swiglu_bwd (4C)", lambda: kernels.SWIGLU_BWD(two, g4), 5 * n4),
+        ("geglu_fwd (4C)", lambda: kernels.GEGLU_FWD(two), 3 * n4),
+        ("geglu_bwd (4C)", lambda: kernels.GEGLU_BWD(two, g4), 5 * n4),
         ("colsum_add", lambda: kernels.COLSUM_ADD(x, xp.zeros(C, dtype=dt)), n),
         ("rotary (q|k|v, heads of 64)",
          lambda: kernels.ROTARY(qkv.reshape(1, rows, 3 * C), cos, sin, heads, heads, 64, 1.0),

@@ -19,6 +19,7 @@ import numpy as np
 
 from hpcdist.bench.common import end_job, mpiexec, run_job, start_job, table, write_json
 from hpcdist.run.config import TrainConfig
+from hpcdist import nn
 from hpcdist.data import make_task
 
 # (label, train flags, planner Layout fields) at 8 ranks; global batch fixed
@@ -94,7 +95,7 @@ def _final(n: int, flags: dict, base: dict, out: str) -> dict:
             if '"event": "final"' in line][-1]
 
 
-def memory_rows(model, base: dict, tmp: str, n: int = 4) -> list:
+def memory_rows(model, base: dict, tmp: str, n: int = 4, only: list | None = None) -> list:
     """The planner's memory per rank beside a ``--trace-memory`` training run's, rank 0 (the
     first stage): parameters, gradients and optimizer state (fp32 run: 4 + 4 + 8 bytes per
     parameter) and activations at their most (hpcdist's layers)."""
@@ -102,7 +103,12 @@ def memory_rows(model, base: dict, tmp: str, n: int = 4) -> list:
     settings = P.Settings(param_bytes=4, grad_bytes=4, optimizer_bytes=8, buffers=0.0,
                           activations="hpcdist")
     rows = []
+    known = [label for label, _, _ in MEMORY_LAYOUTS]
+    if only and set(only) - set(known):
+        raise SystemExit(f"unknown layouts {sorted(set(only) - set(known))}: {known}")
     for label, flags, f in MEMORY_LAYOUTS:
+        if only and label not in only:
+            continue
         tp, pp = f["tp"], f["pp"]
         m = 2 * pp if pp > 1 else 1                      # train's default micro-batches
         L = P.Layout(tp, pp, n // (tp * pp), f["zero"], base["batch_size"] // m, m,
@@ -189,17 +195,20 @@ def _sync_cost(n: int) -> float:
 
 def _model(args, arch: str = "gpt"):
     """The planner's view of the model these runs train (the default task's sequences): a
-    GPT, or a Llama with two kv heads (``LLAMA``'s settings)."""
+    GPT, or another family with ``FAMILY_SETTINGS``' settings."""
     from hpcdist import plan as P
     cfg = TrainConfig()
     train_set = make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
                           block_size=cfg.block_size)[0]
-    extra = dict(arch="llama", kv_heads=LLAMA["n_kv_head"]) if arch == "llama" else {}
     return P.Model(args.n_layer, args.n_embd, args.n_head, train_set.block_size,
-                   train_set.vocab_size, **extra)
+                   train_set.vocab_size, arch=arch,
+                   settings=tuple(FAMILY_SETTINGS.get(arch, {}).items()))
 
 
-LLAMA = dict(arch="llama", n_kv_head=2)      # the Llama runs of --memory-arch llama
+# the runs of --memory-arch: grouped-query attention (two kv heads) in the rotary families,
+# Gemma with a head size of its own (not n_embd / n_head)
+FAMILY_SETTINGS = {"llama": dict(n_kv_head=2), "qwen2": dict(n_kv_head=2),
+                   "gemma": dict(n_kv_head=2, head_dim=32)}
 
 
 def main(argv=None) -> int:
@@ -218,8 +227,11 @@ def main(argv=None) -> int:
                     help="only the memory per rank (model state, activations), planner vs "
                          "--trace-memory training runs (4 ranks, 4 layers)")
     ap.add_argument("--memory-embd", type=int, default=256, help="--memory: n_embd")
-    ap.add_argument("--memory-arch", default="gpt", choices=("gpt", "llama"),
-                    help="--memory: the family (llama: two kv heads, SwiGLU, untied)")
+    ap.add_argument("--memory-arch", default="gpt", choices=list(nn.FAMILIES),
+                    help="--memory: the family (the rotary ones with two kv heads; Gemma's "
+                         "heads of 32)")
+    ap.add_argument("--memory-layouts", help="--memory: only these layouts (comma-separated "
+                    "labels of MEMORY_LAYOUTS)")
     ap.add_argument("--published", action="store_true",
                     help="only the comparison with Narayanan et al.'s Table 1 (no runs)")
     args = ap.parse_args(argv)
@@ -229,9 +241,10 @@ def main(argv=None) -> int:
         args.n_embd, args.n_layer = args.memory_embd, 4
         model = _model(args, args.memory_arch)
         base = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                    log_every=10 ** 6, batch_size=32,
-                    **(LLAMA if args.memory_arch == "llama" else {}))
-        rows = memory_rows(model, base, tempfile.mkdtemp())
+                    log_every=10 ** 6, batch_size=32, arch=args.memory_arch,
+                    **FAMILY_SETTINGS.get(args.memory_arch, {}))
+        rows = memory_rows(model, base, tempfile.mkdtemp(),
+                           only=args.memory_layouts.split(",") if args.memory_layouts else None)
         print(table(rows, [("layout", "layout", "s"), ("state", "kind", "s"),
                            ("planner B", "planner", "d"), ("run B", "run", "d"),
                            ("run/planner", "ratio", ".3f")]))

@@ -44,9 +44,7 @@ def llama_published(gpu_name: str = "h100") -> list:
     from hpcdist import plan as P
     gpu, rows = P.HARDWARE[gpu_name], []
     for run in P.LLAMA_PUBLISHED:
-        p = P.PRESETS[run["preset"]]
-        model = P.Model(p["layers"], p["hidden"], p["heads"], p["seq"], p["vocab"],
-                        arch="llama", kv_heads=p["kv_heads"], ffn=p["ffn"])
+        model = P.preset(run["preset"])
         gpus, batch, tp, pp = run["gpus"], run["batch"], run["tp"], run["pp"]
         dp = gpus // (tp * pp)
         best_fit = None

@@ -4,8 +4,8 @@ from .family import (DEFAULT_ARCH, FAMILIES, AttentionShape, DecoderLM, Family, 
                      arch_of, family, of_model_type, option_names, options, size, own_settings, register)
 from .gemma import GEMMA, Gemma, GemmaConfig
 from .gpt import GPT, GPT_FAMILY, Block, CausalSelfAttention, GPTConfig
-from .layers import MLP, Dropout, Embedding, LayerNorm, Linear
-from .llama import LLAMA, Llama, LlamaConfig, RMSNorm, SwiGLU
+from .layers import MLP, Dropout, Embedding, LayerNorm, Linear, RMSNorm, SwiGLU
+from .llama import LLAMA, Llama, LlamaConfig
 from .module import Module, ModuleList, Parameter, manual_seed
 from .qwen2 import QWEN2, Qwen2, Qwen2Config
 

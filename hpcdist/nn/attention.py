@@ -14,7 +14,7 @@ from ..autograd import ops
 from ..autograd.tensor import Tensor
 from ..device import backend, kernels
 from .family import AttentionShape
-from .layers import Dropout
+from .layers import Dropout, active
 from .module import Module
 
 
@@ -131,8 +131,3 @@ def _cached(qkv: Tensor, shape: AttentionShape, cache: dict, window: int = 0) ->
     y, _ = fwd(xp.ascontiguousarray(q), k, v, shape.n_head, shape.n_kv_head,
                1.0 / math.sqrt(shape.head_dim), past, 0)
     return Tensor(y.astype(qkv.dtype, copy=False))
-
-
-def active(drop) -> bool:
-    """Whether a Dropout module drops anything now."""
-    return bool(drop.p) and drop.training

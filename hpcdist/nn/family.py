@@ -72,6 +72,68 @@ class AttentionShape:
 
 
 @dataclass(frozen=True)
+class Anatomy:
+    """What a family's block and ends are made of, as counts need them (the planner's
+    parameters, FLOPs and memory: plan/), declared by each config's ``anatomy()`` without
+    building a model. A block: a norm, attention (``attention``'s heads; q|k|v one
+    column-parallel projection, with ``qkv_bias``; the output projection, row-parallel, with
+    ``out_bias``), a norm, the MLP (``gated``: gate | up one projection, 2 x ``mlp_width``
+    wide, their product into down; else up, the GELU, down; biases on both where
+    ``mlp_bias``), experts of ``expert_width`` in place of the MLP where the config says.
+    ``norm``: "layernorm" (a weight and, with ``norm_bias``, a bias; keeps its mean and
+    1/std) or "rmsnorm" (a weight; keeps 1/std). ``rotary``: positions rotate q and k (else
+    a learned table of block_size rows is added to the token vectors); ``scaled_embeddings``:
+    the token vectors are multiplied by a constant; ``tied``: the head is the token table."""
+    attention: AttentionShape
+    mlp_width: int
+    gated: bool
+    qkv_bias: bool
+    out_bias: bool
+    mlp_bias: bool
+    norm: str
+    norm_bias: bool
+    rotary: bool
+    tied: bool
+    scaled_embeddings: bool = False
+    expert_width: int = 0
+
+    @property
+    def norm_size(self) -> int:
+        """One norm's parameters per unit of width (a weight, and a bias)."""
+        return 1 + int(self.norm_bias)
+
+    def mlp_parameters(self, C: int, width: int | None = None) -> int:
+        """A dense MLP's (or one expert's, ``width``) weights and biases at width C."""
+        f = width or self.mlp_width
+        up = 2 * f if self.gated else f
+        return C * up + f * C + int(self.mlp_bias) * (up + C)
+
+    def column_biases(self) -> int:
+        """A dense block's biases on column-parallel projections (split over TP)."""
+        up = 2 * self.mlp_width if self.gated else self.mlp_width
+        return int(self.qkv_bias) * self.attention.width + int(self.mlp_bias) * up
+
+    def row_biases(self, C: int) -> int:
+        """... and on the row-parallel ones (whole on every TP rank)."""
+        return (int(self.out_bias) + int(self.mlp_bias)) * C
+
+
+def count_parameters(cfg) -> int:
+    """A family config's parameters, counted from its ``anatomy()`` (the vocabulary
+    unpadded): what a run is sized by before anything is allocated, and the planner's count."""
+    a, C = cfg.anatomy(), cfg.n_embd
+    shape = a.attention
+    attn = C * shape.width + shape.out_width * C + int(a.qkv_bias) * shape.width + \
+        int(a.out_bias) * C
+    moe = C * cfg.experts + (cfg.experts + cfg.shared_experts) * \
+        a.mlp_parameters(C, a.expert_width)
+    blocks = sum(attn + 2 * a.norm_size * C +
+                 (moe if cfg.is_moe(i) else a.mlp_parameters(C)) for i in range(cfg.n_layer))
+    tables = cfg.vocab_size * C + (0 if a.rotary else cfg.block_size * C)
+    return blocks + tables + a.norm_size * C + (0 if a.tied else C * cfg.vocab_size)
+
+
+@dataclass(frozen=True)
 class Projection:
     """One linear layer of a block and how tensor parallelism cuts it: ``path`` in the block
     ("attn.c_attn"), ``role`` "column" (outputs split: each of ``pieces``, the widths of the
@@ -188,8 +250,10 @@ class Family:
     fields marked ``option`` become the family's flags), its model (a DecoderLM), its Hugging
     Face adapter (nn/hf_adapter.py: the model_types it reads, names both ways, config.json),
     one line for ``--arch``'s help, other name sets an export may write (``exports``:
-    name -> function of the parameters), and its published sizes (``sizes``: name -> the
-    config's fields; the trainer's ``--model NAME``)."""
+    name -> function of the parameters), its published sizes (``sizes``: name -> the
+    config's fields; the trainer's ``--model NAME``) and what the planner plans them with
+    (``runs``: name -> the published vocabulary, and GPUs and global batch of a run to plan
+    where its command line gives none: ``python -m hpcdist.plan --preset NAME``)."""
     arch: str
     title: str
     config: type
@@ -198,6 +262,7 @@ class Family:
     about: str = ""
     exports: tuple = ()
     sizes: dict = field(default_factory=dict)
+    runs: dict = field(default_factory=dict)
 
 
 FAMILIES: dict = {}          # arch -> Family: filled by nn/__init__.py

@@ -65,6 +65,9 @@ SIZES = {
                      ffn_hidden=24576, block_size=8192),
 }
 
+# What the planner plans the sizes with: the published vocabulary, a run's GPUs and batch.
+RUNS = {name: dict(vocab=256000, gpus=8, batch=16) for name in SIZES}
+
 GEMMA = Family("gemma", "Gemma", GemmaConfig, Gemma, GemmaHF(),
                "Gemma (Llama with GeGLU, (1 + w) RMSNorm, embeddings x sqrt(n_embd), "
-               "its own head size)", sizes=SIZES)
+               "its own head size)", sizes=SIZES, runs=RUNS)

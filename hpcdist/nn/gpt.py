@@ -11,10 +11,10 @@ import numpy as np
 
 from ..autograd import ops
 from ..autograd.tensor import Tensor
-from .attention import SelfAttention, active
-from .family import AttentionShape, DecoderLM, Family, Projection
+from .attention import SelfAttention
+from .family import Anatomy, AttentionShape, DecoderLM, Family, Projection, count_parameters
 from .hf_adapter import HFAdapter, Renamed
-from .layers import MLP, Dropout, Embedding, LayerNorm, Linear
+from .layers import MLP, Dropout, Embedding, LayerNorm, Linear, active
 from .module import Module, ModuleList
 from .moe import MoE, moe_settings
 
@@ -57,19 +57,8 @@ class GPTConfig:
         return 4 * self.n_embd
 
     def parameters(self) -> int:
-        """The model's parameters, counted from the declaration (the vocabulary unpadded):
-        what fits.py sizes a run by before anything is allocated."""
-        C, H, b = self.n_embd, self.mlp_width(), int(self.bias)
-        attn = C * 3 * C + 3 * C * b + C * C + C * b
-        norms = 2 * (C + C * b)
-        mlp = C * H + H * b + H * C + C * b
-        expert_w = self.expert_hidden or H
-        expert = C * expert_w + expert_w * b + expert_w * C + C * b
-        moe = C * self.experts + (self.experts + self.shared_experts) * expert
-        blocks = sum(attn + norms + (moe if self.is_moe(i) else mlp)
-                     for i in range(self.n_layer))
-        head = 0 if self.tie_weights else C * self.vocab_size
-        return blocks + (self.vocab_size + self.block_size) * C + C + C * b + head
+        """The model's parameters, counted from the declaration (nn/family.py)."""
+        return count_parameters(self)
 
     def validate(self) -> None:
         for name in ("block_size", "vocab_size", "vocab_multiple", "n_layer", "n_head",
@@ -86,6 +75,14 @@ class GPTConfig:
     def describe(self) -> str:
         """The run header's words for the shape: "2x64 (4 heads"."""
         return f"{self.n_layer}x{self.n_embd} ({self.n_head} heads"
+
+    def anatomy(self) -> Anatomy:
+        """GPT-2's parts: LayerNorms, learned positions, a GELU MLP of 4 x n_embd, biases
+        everywhere (or nowhere: bias), the head tied or not."""
+        return Anatomy(self.attention_shape(), self.mlp_width(), gated=False,
+                       qkv_bias=self.bias, out_bias=self.bias, mlp_bias=self.bias,
+                       norm="layernorm", norm_bias=self.bias, rotary=False,
+                       tied=self.tie_weights, expert_width=self.expert_hidden or self.mlp_width())
 
 
 class CausalSelfAttention(Module):
@@ -288,6 +285,9 @@ SIZES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
          "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),
          "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024)}
 
+# What the planner plans the sizes with: the published vocabulary, a run's GPUs and batch.
+RUNS = {name: dict(vocab=50257, gpus=8, batch=64) for name in SIZES}
+
 GPT_FAMILY = Family("gpt", "GPT", GPTConfig, GPT, GPT2HF(),
                     "GPT-2 (LayerNorm, learned positions, GELU MLP, tied head)",
-                    exports=(("nanogpt", nanogpt_names),), sizes=SIZES)
+                    exports=(("nanogpt", nanogpt_names),), sizes=SIZES, runs=RUNS)

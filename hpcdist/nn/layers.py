@@ -1,4 +1,4 @@
-"""Layers: Linear, Embedding, LayerNorm, Dropout, MLP."""
+"""Layers: Linear, Embedding, LayerNorm, RMSNorm, Dropout, MLP, the gated MLP (SwiGLU, GeGLU)."""
 from __future__ import annotations
 
 import math
@@ -81,6 +81,11 @@ class LayerNorm(Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def active(drop) -> bool:
+    """Whether a Dropout module drops anything now."""
+    return bool(drop.p) and drop.training
+
+
 class Dropout(Module):
     def __init__(self, p: float = 0.0):
         if not 0.0 <= p < 1.0:
@@ -124,3 +129,41 @@ class MLP(Module):
             return last(x, residual)                     # + residual with the bias: one pass
         x = self.drop(last(x))
         return x if residual is None else residual + x
+
+
+class RMSNorm(Module):
+    """x / rms(x) * (offset + weight): Llama's (offset 0, weight starting at 1) or Gemma's
+    (offset 1, weight starting at 0, as its checkpoints store it)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0):
+        from ..device import backend
+        xp = backend.xp()
+        start = xp.zeros if offset else xp.ones
+        self.weight = Parameter(start(dim, dtype=backend.default_float()))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = self.weight + self.offset if self.offset else self.weight
+        return ops.rms_norm(x, scale, self.eps)
+
+
+_GATES = {"silu": ops.swiglu, "gelu_tanh": ops.geglu}
+
+
+class SwiGLU(Module):
+    """down(act(x gate) * (x up)), gate and up one fused projection [gate | up]; ``act``
+    silu (SwiGLU) or the tanh GELU (GeGLU)."""
+
+    def __init__(self, C: int, H: int, bias: bool = False, std: float = 0.02,
+                 proj_std: float = 0.02, dropout: float = 0.0, activation: str = "silu"):
+        self.gate_up = Linear(C, 2 * H, bias=bias, std=std)
+        self.down = Linear(H, C, bias=bias, std=proj_std)
+        self.drop = Dropout(dropout)
+        self.gate = _GATES[activation]
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        h = self.gate(self.gate_up(x))
+        if residual is not None and not active(self.drop):
+            return self.down(h, residual)
+        out = self.drop(self.down(h))
+        return out if residual is None else residual + out

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 from ..autograd import ops
 from ..autograd.tensor import Tensor
-from .attention import ROTARY_KINDS, Llama3Rotary, Rotary, SelfAttention, active
-from .family import AttentionShape, DecoderLM, Family, Projection
+from .attention import ROTARY_KINDS, Llama3Rotary, Rotary, SelfAttention
+from .family import Anatomy, AttentionShape, DecoderLM, Family, Projection, count_parameters
 from .hf_adapter import HFAdapter, Renamed, rope_fields, rope_json
 from .gpt import LMLoss
-from .layers import Dropout, Embedding, Linear
-from .module import Module, ModuleList, Parameter
+from .layers import Dropout, Embedding, Linear, RMSNorm, SwiGLU, active
+from .module import Module, ModuleList
 from .moe import MoE, moe_settings
 
 
@@ -93,18 +93,8 @@ class LlamaConfig:
         return self.hidden()
 
     def parameters(self) -> int:
-        """The model's parameters, counted from the declaration (the vocabulary unpadded):
-        what fits.py sizes a run by before anything is allocated."""
-        C, shape = self.n_embd, self.attention_shape()
-        attn = C * shape.width + shape.width * int(self.bias) + shape.out_width * C + \
-            C * int(self.bias and self.out_bias)
-        mlp = 3 * C * self.hidden()
-        expert = 3 * C * (self.expert_hidden or self.hidden())
-        moe = C * self.experts + (self.experts + self.shared_experts) * expert
-        blocks = sum(attn + 2 * C + (moe if self.is_moe(i) else mlp)
-                     for i in range(self.n_layer))
-        head = 0 if self.tie_weights else C * self.vocab_size
-        return blocks + self.vocab_size * C + C + head
+        """The model's parameters, counted from the declaration (nn/family.py)."""
+        return count_parameters(self)
 
     def head_size(self) -> int:
         return self.head_dim or self.n_embd // self.n_head
@@ -162,43 +152,13 @@ class LlamaConfig:
         rope = f", rotary {self.rope_type}" if self.rope_type != "default" else ""
         return f"{self.n_layer}x{self.n_embd} ({self.n_head} heads{kv}{hd}{rope}"
 
-
-class RMSNorm(Module):
-    """x / rms(x) * (offset + weight): Llama's (offset 0, weight starting at 1) or Gemma's
-    (offset 1, weight starting at 0, as its checkpoints store it)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0):
-        from ..device import backend
-        xp = backend.xp()
-        start = xp.zeros if offset else xp.ones
-        self.weight = Parameter(start(dim, dtype=backend.default_float()))
-        self.eps, self.offset = eps, offset
-
-    def forward(self, x: Tensor) -> Tensor:
-        scale = self.weight + self.offset if self.offset else self.weight
-        return ops.rms_norm(x, scale, self.eps)
-
-
-_GATES = {"silu": ops.swiglu, "gelu_tanh": ops.geglu}
-
-
-class SwiGLU(Module):
-    """down(act(x gate) * (x up)), gate and up one fused projection [gate | up]; ``act``
-    silu (SwiGLU) or the tanh GELU (GeGLU)."""
-
-    def __init__(self, C: int, H: int, bias: bool = False, std: float = 0.02,
-                 proj_std: float = 0.02, dropout: float = 0.0, activation: str = "silu"):
-        self.gate_up = Linear(C, 2 * H, bias=bias, std=std)
-        self.down = Linear(H, C, bias=bias, std=proj_std)
-        self.drop = Dropout(dropout)
-        self.gate = _GATES[activation]
-
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        h = self.gate(self.gate_up(x))
-        if residual is not None and not active(self.drop):
-            return self.down(h, residual)
-        out = self.drop(self.down(h))
-        return out if residual is None else residual + out
+    def anatomy(self) -> Anatomy:
+        """The rotary families' parts, from the declared differences above."""
+        return Anatomy(self.attention_shape(), self.hidden(), gated=True, qkv_bias=self.bias,
+                       out_bias=self.bias and self.out_bias, mlp_bias=False, norm="rmsnorm",
+                       norm_bias=False, rotary=True, tied=self.tie_weights,
+                       scaled_embeddings=self.scale_embeddings,
+                       expert_width=self.expert_hidden or self.hidden())
 
 
 class Attention(Module):
@@ -381,6 +341,7 @@ _SCALED = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
 SIZES = {
     "llama3-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_embd=4096, ffn_hidden=14336),
     "llama3-70b": dict(_LLAMA3, n_layer=80, n_head=64, n_embd=8192, ffn_hidden=28672),
+    "llama3-405b": dict(_LLAMA3, n_layer=126, n_head=128, n_embd=16384, ffn_hidden=53248),
     "llama3.1-8b": dict(_LLAMA3, **_SCALED, n_layer=32, n_head=32, n_embd=4096,
                         ffn_hidden=14336),
     "llama3.2-1b": dict(_LLAMA3, **dict(_SCALED, rope_factor=32.0), n_layer=16, n_head=32,
@@ -393,6 +354,17 @@ SIZES = {
                          rope_theta=1e6, norm_eps=1e-5, block_size=4096, experts=8, top_k=2),
 }
 
+# What the planner plans the sizes with: the published vocabulary (Llama 3: 128,256; Mistral
+# and Mixtral 32,000), a run's GPUs and global batch (Llama 3 405B: the paper's 16,384 GPUs).
+RUNS = {"llama3-8b": dict(vocab=128256, gpus=8, batch=8),
+        "llama3-70b": dict(vocab=128256, gpus=512, batch=512),
+        "llama3-405b": dict(vocab=128256, gpus=16384, batch=2048),
+        "llama3.1-8b": dict(vocab=128256, gpus=8, batch=8),
+        "llama3.2-1b": dict(vocab=128256, gpus=8, batch=32),
+        "llama3.2-3b": dict(vocab=128256, gpus=8, batch=16),
+        "mistral-7b": dict(vocab=32000, gpus=8, batch=16),
+        "mixtral-8x7b": dict(vocab=32000, gpus=64, batch=256)}
+
 LLAMA = Family("llama", "Llama", LlamaConfig, Llama, LlamaHF(),
                "Llama (RMSNorm, rotary positions, grouped-query attention, SwiGLU; with "
-               "--experts: Mixtral; Mistral's folders too)", sizes=SIZES)
+               "--experts: Mixtral; Mistral's folders too)", sizes=SIZES, runs=RUNS)

@@ -61,5 +61,11 @@ SIZES = {
                        block_size=4096),
 }
 
+# What the planner plans the sizes with: the published vocabulary, a run's GPUs and batch.
+RUNS = {"qwen2.5-0.5b": dict(vocab=151936, gpus=8, batch=32),
+        "qwen2.5-1.5b": dict(vocab=151936, gpus=8, batch=32),
+        "qwen2.5-7b": dict(vocab=151936, gpus=8, batch=16)}
+
 QWEN2 = Family("qwen2", "Qwen2", Qwen2Config, Qwen2, Qwen2HF(),
-               "Qwen2 / Qwen2.5 (Llama with q, k, v biases, rotary base 10^6)", sizes=SIZES)
+               "Qwen2 / Qwen2.5 (Llama with q, k, v biases, rotary base 10^6)", sizes=SIZES,
+               runs=RUNS)

@@ -8,7 +8,9 @@ import re
 import sys
 from dataclasses import replace
 
-from .model import FEATURES, GB, GPU, HARDWARE, PRESETS, Model, Settings
+from .. import nn
+from .facts import GB, GPU, HARDWARE, PRESETS
+from .model import FEATURES, Model, Settings
 from .search import best_per_mesh, plan
 
 
@@ -44,7 +46,9 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
     """The package docstring as written, and every option's default."""
 
     def _get_help_string(self, action):
-        return action.help if action.required else super()._get_help_string(action)
+        if action.required or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,17 +56,22 @@ def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m hpcdist.plan", description=doc.split("\n\n")[0],
                                  formatter_class=_Help, epilog=doc.split("\n\n", 1)[1])
     add = ap.add_argument
-    add("--preset", choices=sorted(PRESETS), help="a published model's shape (and, where "
-        "the command line gives none, a run to plan: GPUs, batch, card)")
-    add("--model", default="gpt", choices=("gpt", "llama"), help="the model family")
+    add("--preset", "--model", dest="preset", choices=sorted(PRESETS), metavar="NAME",
+        help="a published model's shape (its family's, nn/<family>.py) and vocabulary, and "
+             "where the command line gives none a run to plan: GPUs, batch, card; one of "
+             f"{', '.join(PRESETS)}")
+    add("--arch", default=nn.DEFAULT_ARCH, choices=list(nn.FAMILIES),
+        help="the model family (nn/<family>.py; its own settings below)")
     add("--layers", type=int, help="transformer blocks (required without --preset)")
     add("--hidden", type=int, help="model width (required without --preset)")
     add("--heads", type=int, help="attention heads (required without --preset)")
-    add("--kv-heads", type=int, default=0, help="llama: key/value heads (0: --heads)")
-    add("--ffn", type=int, default=0, help="llama: SwiGLU's width (0: 8/3 hidden up to 64)")
-    add("--untied", action="store_true", help="an untied head (llama's default)")
-    add("--rope-theta", type=float, default=0.0,
-        help="the rotary base the printed command sets (0: the family's; presets: theirs)")
+    add("--tie-weights", action=argparse.BooleanOptionalAction, default=None,
+        help="the head is the token table (default: the family's)")
+    add("--bias", action=argparse.BooleanOptionalAction, default=None,
+        help="the family's biases (default: the family's)")
+    for name, (kind, text, archs) in nn.options().items():
+        add("--" + name.replace("_", "-"), type=_TYPES.get(kind, str), default=None,
+            help=f"{', '.join(archs)}: {text} (default: the family's)")
     add("--seq", type=int, default=2048, help="sequence length")
     add("--vocab", type=int, default=51200, help="vocabulary size")
     add("--vocab-multiple", type=int, default=64,
@@ -103,15 +112,26 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+_TYPES = {"int": int, "float": float, "str": str, int: int, float: float, str: str}
+
+# a family config's fields as the planner's flags (the rest: the family's own, same names)
+_PLAN_NAMES = {"n_layer": "layers", "n_embd": "hidden", "n_head": "heads", "block_size": "seq",
+               "vocab_size": "vocab", "tie_weights": "tie_weights", "bias": "bias",
+               "experts": "experts",
+               "top_k": "top_k", "expert_hidden": "expert_hidden", "moe_every": "moe_every"}
+
+
 def _with_preset(ap, args, argv) -> None:
-    """--preset's shape and run in ``args`` where the command line said nothing."""
+    """--preset's shape (its family's SIZES) and run in ``args`` where the command line said
+    nothing."""
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])
              if a.startswith("--")}
     if args.preset:
-        p = PRESETS[args.preset]
-        names = {"arch": "model", "kv_heads": "kv_heads", "batch": "global_batch"}
-        for key, value in p.items():
-            name = names.get(key, key)
+        arch, shape = nn.size(args.preset)
+        values = {"arch": arch, **{_PLAN_NAMES.get(k, k): v for k, v in shape.items()},
+                  **{"global_batch" if k == "batch" else k: v
+                     for k, v in PRESETS[args.preset].items()}}
+        for name, value in values.items():
             if "--" + name.replace("_", "-") not in given:
                 setattr(args, name, value)
     missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads",
@@ -123,20 +143,26 @@ def _with_preset(ap, args, argv) -> None:
                  "gpus", "gpus_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.hidden % args.heads:
-        ap.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
-    if args.kv_heads < 0 or args.ffn < 0 or args.heads % (args.kv_heads or args.heads):
-        ap.error(f"--kv-heads must divide --heads {args.heads} (got {args.kv_heads}), --ffn "
-                 ">= 0")
-    if args.model == "gpt" and (args.kv_heads or args.ffn):
-        ap.error("--kv-heads and --ffn are the Llama family's: add --model llama")
+    own = set(nn.own_settings(args.arch))
+    foreign = [n for n in nn.options() if getattr(args, n) is not None and n not in own]
+    if foreign:
+        title = nn.family(args.arch).title
+        ap.error(f"{', '.join('--' + n.replace('_', '-') for n in foreign)}: not a setting of "
+                 f"the {title} family (--arch {args.arch}); the families that have it: "
+                 f"{', '.join(nn.options()[foreign[0]][2])}")
 
 
 def model_of(args) -> Model:
-    return Model(args.layers, args.hidden, args.heads, args.seq, args.vocab, args.experts,
-                 args.top_k, args.expert_hidden, args.moe_every, args.model, args.kv_heads,
-                 args.ffn, False if args.untied else None, args.vocab_multiple,
-                 args.rope_theta)
+    """The planner's model of the command line (``ValueError``: a setting the family's
+    config refuses)."""
+    settings = tuple((n, getattr(args, n)) for n in nn.own_settings(args.arch)
+                     if getattr(args, n) is not None)
+    model = Model(args.layers, args.hidden, args.heads, args.seq, args.vocab,
+                  experts=args.experts, top_k=args.top_k, expert_hidden=args.expert_hidden,
+                  moe_every=args.moe_every, arch=args.arch, settings=settings,
+                  tied=args.tie_weights, bias=args.bias, vocab_multiple=args.vocab_multiple)
+    model.config                                    # (refuses what the family refuses)
+    return model
 
 
 def main(argv=None) -> int:
@@ -163,7 +189,10 @@ def main(argv=None) -> int:
             args.expert_hidden < 0 or args.moe_every < 1:
         ap.error("--experts >= 0, --top-k between 1 and the experts, --expert-hidden >= 0, "
                  "--moe-every >= 1")
-    model = model_of(args)
+    try:
+        model = model_of(args)
+    except ValueError as e:
+        ap.error(str(e))
     fits, refused = plan(model, gpu, args.gpus, args.gpus_per_node, args.global_batch,
                          settings)
     if args.json:
@@ -171,10 +200,10 @@ def main(argv=None) -> int:
         if not fits:
             print(nothing_fits(refused), file=sys.stderr)
         return 0 if fits else 1
-    heads = f"{model.heads} heads" + (f", {model.kv_heads} kv heads" if model.kv_heads and
-                                        model.kv_heads != model.heads else "")
-    print(f"{'Llama' if model.llama else 'GPT'} {model.layers} layers x {model.hidden} hidden "
-          f"({heads}), "
+    heads = f"{model.heads} heads" + (f", {model.kv_heads} kv head" +
+                                        ("s" if model.kv_heads > 1 else "")
+                                        if model.kv_heads != model.heads else "")
+    print(f"{model.family.title} {model.layers} layers x {model.hidden} hidden ({heads}), "
           f"{model.parameters / 1e9:.1f} B parameters" + (
               f" ({model.experts} experts top-{model.top_k} in {model.moe_layers} blocks: "
               f"{model.active_parameters / 1e9:.1f} B active)" if model.experts else "") +
@@ -291,12 +320,16 @@ def train_args(model: Model, L, settings: Settings) -> list:
     """hpcdist.train's options for layout ``L`` (the data: token shards named DATA)."""
     a = ["--task", "text", "--data", "DATA", "--n-layer", model.layers, "--n-embd",
          model.hidden, "--n-head", model.heads, "--block-size", model.seq]
-    if model.llama:
-        a += ["--arch", "llama"]
-        a += ["--n-kv-head", model.kv_heads] if model.kv_heads else []
-        a += ["--ffn-hidden", model.ffn] if model.ffn else []
-        a += ["--tie-weights"] if model.head_tied else []
-        a += ["--rope-theta", f"{model.rope_theta:g}"] if model.rope_theta else []
+    a += ["--arch", model.arch] if model.arch != nn.DEFAULT_ARCH else []
+    defaults = model.family.config()
+    for name, value in model.settings:            # the family's own, where not its default
+        if value != getattr(defaults, name):
+            a += ["--" + name.replace("_", "-"),
+                  f"{value:.12g}" if isinstance(value, float) else value]
+    if model.head_tied != defaults.tie_weights:
+        a += ["--tie-weights" if model.head_tied else "--no-tie-weights"]
+    if model.config.bias != defaults.bias:
+        a += ["--bias" if model.config.bias else "--no-bias"]
     if settings.dtype != "fp32":
         a += ["--precision", settings.dtype]
     if L.pp > 1:

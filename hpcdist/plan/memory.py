@@ -24,7 +24,7 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
     block = model.block_split / t + model.block_whole + moe_block(model, L)
     sizes = L.stages(model.layers)
     table = model.vocab_rows(t) * h
-    norm = h if model.llama else 2 * h
+    norm = model.norm_size
     head = table                          # (tied: the table's copy; untied: as wide)
     held = {"first": sizes[0] * block + table + model.positions +
             (norm + (0 if model.head_tied else head) if L.pp == 1 else 0),
@@ -52,30 +52,31 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
 
 def moe_block(model: Model, L: Layout) -> float:
     """Parameters an MoE block holds per GPU beyond a dense block's, averaged over the
-    blocks (one in ``moe_every``): the MLP's (8h^2 + 5h)/t (its biases' h on every rank)
-    replaced by the router (hE) and E/ep experts, whole on every tensor-parallel rank (as
-    hpcdist runs them)."""
+    blocks (one in ``moe_every``): the dense MLP's split over TP (its down projection's bias
+    on every rank) replaced by the router (hE) and E/ep experts, whole on every
+    tensor-parallel rank (as hpcdist runs them)."""
     if not model.experts:
         return 0.0
     h, t = model.hidden, L.tp
     moe = h * model.experts + model.experts // L.ep * model.expert_size
-    dense = model.mlp_params / t if model.llama else (8 * h * h + 4 * h) / t + h
+    dense = (model.mlp_params - model.mlp_whole) / t + model.mlp_whole
     return model.moe_layers / model.layers * (moe - dense)
 
 
 def moe_activations(model: Model, L: Layout, settings: Settings) -> float:
     """Bytes one MoE layer stores in forward beyond the dense MLP's: per token k rows
-    through an expert (the gathered input, the hidden pre-activation and its GELU, f each,
-    the output, its gated copy; under EP the rows received and returned: 2h more) and the
-    router's logits and probabilities (2E), against the dense MLP's 8h/t (4h/t each of its
-    hidden pre-activation and output)."""
+    through an expert (the gathered input, the hidden activations — the pre-activation and
+    its GELU, f each, or a gated MLP's gate | up and their product, 3f —, the output, its
+    gated copy; under EP the rows received and returned: 2h more) and the router's logits
+    and probabilities (2E), against the dense MLP's hidden activations split over TP."""
     if not model.experts:
         return 0.0
     h, k, E, t = model.hidden, model.top_k, model.experts, L.tp
-    f = model.expert_hidden or model.mlp_width
+    f = model.anatomy.expert_width
     n = L.micro_batch * model.seq
-    hidden = 3 * f if model.llama else 2 * f        # SwiGLU's gate|up and its product
-    dense = 3 * model.mlp_width / t if model.llama else 8 * h / t
+    kept = 3 if model.anatomy.gated else 2          # hidden activations per unit of width
+    hidden = kept * f
+    dense = kept * model.mlp_width / t
     per_row = hidden + 3 * h + (2 * h if L.ep > 1 else 0)
     return settings.param_bytes * n * (k * per_row + 2 * E - dense)
 
@@ -182,13 +183,15 @@ def stash_at_peak(name: str, P: int, m: int, v: int, stage: str) -> tuple:
 
 def megatron_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tuple:
     """(bytes stored per layer, the layer rebuilt in backward, embedding / head per
-    micro-batch): Korthikanti et al.'s Table 2 for Megatron-LM's 16-bit layers. A Llama layer
-    by the same accounting with fused attention (no s^2 term, the log-sum-exp) and no
-    dropout: the norms' inputs 4sbh, q, k, v 2sb(h + 2k), attention's output 2sbh, the MLP's
-    input 2sbh, its gate|up 4sbf and their product 2sbf (k: kv width, f: SwiGLU's)."""
+    micro-batch): Korthikanti et al.'s Table 2 for Megatron-LM's 16-bit layers, which are
+    GPT-2's (a GELU MLP). A gated layer by the same accounting with fused attention (no s^2
+    term, the log-sum-exp) and no dropout: the norms' inputs 4sbh, q, k, v 2sb w (w: q|k|v's
+    width), attention's output 2sb d (d: heads x head size), the MLP's input 2sbh, its gate|up
+    4sbf and their product 2sbf."""
     s, h, a, t, b = model.seq, model.hidden, model.heads, L.tp, L.micro_batch
-    if model.llama:                       # bytes per token: split over TP, or whole
-        inner = 2 * (h + 2 * model.kv_width) + 2 * h + 6 * model.mlp_width + 4 * a
+    if model.anatomy.gated:               # bytes per token: split over TP, or whole
+        inner = 2 * model.anatomy.attention.width + 2 * model.attention_width + \
+            6 * model.mlp_width + 4 * a
         whole = 8 * h                     # the norms' and the column-parallel inputs
         full = s * b * ((whole + inner) / t if L.sp else whole + inner / t)
     else:
@@ -203,74 +206,84 @@ def megatron_layer(model: Model, L: Layout, settings: Settings, stage: str) -> t
 
 
 def hpcdist_layer(model: Model, L: Layout, settings: Settings, stage: str) -> tuple:
-    """The same three for hpcdist's GPT, tensor by tensor. Every op's output stays with the
-    graph until backward, and some ops keep more (LayerNorm its mean and 1/std; the twins
-    x-hat, GELU's tanh: ``fused_kernels`` drops those); tiled attention keeps no (s, s)
+    """The same three for hpcdist's layers, tensor by tensor, from the family's declaration
+    (``Model.anatomy``). Every op's output stays with the graph until backward, and some ops
+    keep more (a LayerNorm its mean and 1/std, an RMSNorm its 1/std; the twins x-hat and
+    GELU's tanh: ``fused_kernels`` drops those); tiled attention keeps no (s, s)
     (``attention_probs``: the GPU's ``--attention gemms`` does). Per layer, in elements (n =
-    b s tokens of the micro-batch), the twins' count (Llama: ``_llama_layer``):
+    b s tokens of the micro-batch; w: q|k|v's width, rotated q and k kept beside it in a
+    rotary family: 2w; d: attention's output, heads x head size; the MLP's hidden
+    activations m: GELU's pre-activation and output 2f, a gated MLP's gate|up and product 3f):
 
-    - no TP: LN 2nh + 2n (its output, normalised input, mean and 1/std), fused QKV 3nh, the
-      fused attention's output nh, (probabilities bas^2) and log-sum-exp an, the projection
-      with the residual added in place nh, LN 2nh + 2n, fc + bias + GELU 12nh (the
-      pre-activation, the output and the tanh), the projection with the residual nh:
-      22nh + bas^2 + an + 4n;
-    - TP t (parallel/tp/model.py): the column-parallel linears' outputs split (q|k|v 3nh/t
-      with its bias, fc 4nh/t and GELU's 4nh/t), attention's output nh/t; each row-parallel
-      output four times whole (the partial sums, the allreduced result, the bias added, the
-      residual added), the LayerNorms whole: 10nh + 12nh/t + (bas^2 + an)/t + 4n;
-    - and sequence parallel: the two allgathered inputs and the two row-parallel partial sums
-      whole, the rest split: 4nh + 20nh/t + (bas^2 + an)/t + 4n/t (runs: 16.06nh, 14.4nh).
+    - no TP: two norms' outputs 2nh, q|k|v nw, attention's output nd (and log-sum-exp an),
+      each projection with the residual added in place nh, the MLP's mn: GPT-2's 16nh;
+    - TP t (parallel/tp/model.py): the column-parallel outputs split (w, d, m over t, each
+      bias added in place), each row-parallel output whole three times (the partial sums,
+      the allreduced result, the residual added) and once more with a bias (added apart),
+      the norms whole;
+    - and sequence parallel: the two allgathered inputs and the two row-parallel partial
+      sums whole, the rest split (the reduce-scattered output twice, and the bias).
 
     Full recompute keeps each block's output (nh, or nh/t with SP) and rebuilds one layer.
-    First stage: the embeddings and their sum (TP: the masked rows, the reduced sum; SP:
-    reduce-scattered). Last: the final LayerNorm, the logits, the cross-entropy's (TP: its
-    shifted logits' exponentials too), its per-token vectors."""
+    First stage: the token vectors (TP: the masked rows, the reduced sum; SP:
+    reduce-scattered), scaled where the family scales them, a learned position table's rows
+    and their sum. Last: the final norm, the logits, the cross-entropy's (TP: its shifted
+    logits' exponentials too), its per-token vectors."""
     s, h, a, t, b = model.seq, model.hidden, model.heads, L.tp, L.micro_batch
-    n, ab = b * s, settings.param_bytes
+    n, ab, an = b * s, settings.param_bytes, model.anatomy
     scores = (b * a * s * s * bool(settings.attention_probs) + n * a) / t   # (s, s) and lse
-    if model.llama:
-        return _llama_layer(model, L, settings, stage, scores)
-    lnb, tanh = (0, 0) if settings.fused_kernels else (max(ab, 4), 4 * n * h / t)
+    split = t if t > 1 and L.sp else 1
+    qkv = an.attention.width * (2 if an.rotary else 1)
+    hidden = 3 * model.mlp_width if an.gated else 2 * model.mlp_width
+    tanh = 0 if settings.fused_kernels or an.gated else model.mlp_width   # (GELU's twin)
+    inner = (qkv + model.attention_width + hidden + tanh) * n / t        # split over TP
+    biases = int(an.out_bias) + int(an.mlp_bias)        # row outputs with a bias added apart
     if t == 1:
-        full, split = 14 * n * h + tanh + scores, 1
+        rows = 2 * n * h                                # projection + residual, in place
     elif not L.sp:
-        full, split = 8 * n * h + 12 * n * h / t + tanh + scores, 1
-    else:
-        full, split = 4 * n * h + 18 * n * h / t + tanh + scores, t
-    full = full * ab + 2 * (n * h / split) * (lnb + ab) + 2 * 2 * n / split * 4
+        rows = (2 * 3 + biases) * n * h
+    else:                                   # (and the two allgathered inputs, whole)
+        rows = 4 * n * h + (2 * 2 + biases) * n * h / t
+    full = (2 * n * h / split + inner + rows + scores) * ab + 2 * _norm_keeps(model, n / split,
+                                                                             settings)
     act = n * h / split * ab                    # one activation between layers
     # full recompute: the block's output kept, and in backward the rebuilt block beside the
     # gradient arriving at it
     stored, rebuilt = (act, full + act) if L.recompute else (full, 0.0)
     if L.pp > 1:                                # the gradient received, the output being sent
         rebuilt += 2 * act
-    return stored, rebuilt, _gpt_ends(model, L, settings, stage, split, lnb, act)
+    return stored, rebuilt, _ends(model, L, settings, stage, split, act)
 
 
-def _gpt_ends(model: Model, L: Layout, settings: Settings, stage: str, split: int, lnb: float,
-              act: float) -> float:
+def _norm_keeps(model: Model, rows: float, settings: Settings) -> float:
+    """Bytes a norm over ``rows`` rows keeps beyond its output: a LayerNorm its mean and
+    1/std (fp32), an RMSNorm its 1/std (the activations' type), and unfused (the twins) the
+    normalised input x-hat (a LayerNorm's in fp32 at least)."""
+    ab, h = settings.param_bytes, model.hidden
+    if model.anatomy.norm == "layernorm":
+        xhat = 0 if settings.fused_kernels else max(ab, 4)
+        return rows * h * xhat + 2 * rows * 4
+    return rows * ab + (0 if settings.fused_kernels else rows * h * ab)
+
+
+def _ends(model: Model, L: Layout, settings: Settings, stage: str, split: int,
+          act: float) -> float:
     """``hpcdist_layer``'s embedding (first stage) or head (last) per micro-batch."""
     s, h, t, b = model.seq, model.hidden, L.tp, L.micro_batch
-    n, ab = b * s, settings.param_bytes
+    n, ab, an = b * s, settings.param_bytes, model.anatomy
     Vt = model.vocab_rows(t)
     if stage == "first":
-        if t == 1:
-            ends = (2 * n * h + s * h) * ab
-        elif not L.sp:
-            ends = (4 * n * h + n + s * h) * ab
-        else:
-            ends = (2 * n * h + n + (2 * n * h + s * h) / t) * ab
-        ends += 2 * n * 8                                  # the batch's tokens and targets
+        tokens = n * h if t == 1 else 3 * n * h + n if not L.sp else 2 * n * h + n + n * h / t
+        more = int(an.scaled_embeddings) * n * h / split      # the scaled token vectors
+        if not an.rotary:                                     # the positions' rows, the sum
+            more += (n * h + s * h) / split
+        return (tokens + more) * ab + 2 * n * 8               # the batch's tokens, targets
+    norm = n / split * h * ab + _norm_keeps(model, n / split, settings)
+    if t == 1:                              # the fused cross-entropy keeps the logits
+        logits, per_token = n * Vt * ab, n * (ab + 8)     # and lse; the targets
     else:
-        norm = (n * h / split) * (lnb + ab) + 2 * n / split * 4
-        if t == 1:                              # the fused cross-entropy keeps the logits
-            logits, per_token = n * Vt * ab, n * (ab + 8)     # and lse; the targets
-        else:
-            logits, per_token = n * Vt * 3 * ab + (n * h * ab if L.sp else 0), n * 21
-        ends = norm + logits + per_token
-        if L.pp > 1:
-            ends += act                                    # the input received from before
-    return ends
+        logits, per_token = n * Vt * 3 * ab + (n * h * ab if L.sp else 0), n * 21
+    return norm + logits + per_token + (act if L.pp > 1 else 0)
 
 
 def zero_level(level: int):
@@ -278,47 +291,3 @@ def zero_level(level: int):
     class inherits: parallel/capabilities.py; 0: plain data parallelism)."""
     from ..parallel.capabilities import ZERO_SHAPES
     return ZERO_SHAPES[level]
-
-
-def _llama_layer(model: Model, L: Layout, settings: Settings, stage: str, scores: float):
-    """``hpcdist_layer`` for the Llama family, tensor by tensor (k: the kv width, f: SwiGLU's):
-
-    - no TP: RMSNorm nh + n (its output and 1/std), q|k|v n(h + 2k) and rotated again,
-      attention's output nh (and log-sum-exp an), the projection with the residual nh,
-      RMSNorm nh + n, gate|up 2nf, their SwiGLU product nf, the projection with the residual
-      nh: 5nh + 2n(h + 2k) + 3nf + an + 2n;
-    - TP t: the norms whole, the column-parallel outputs split, each row-parallel output three
-      times whole (the partial sums, the allreduced result, the residual added):
-      8nh + (2(h + 2k) + h + 3f + a)n/t + 2n;
-    - and sequence parallel: the norms split, the two gathered inputs whole, the row outputs'
-      partial sums whole and the rest split: 4nh + (7h + 2(h + 2k) + 3f + a)n/t + 2n/t.
-
-    (The twins keep RMSNorm's x-hat too: nh each; ``fused_kernels`` drops it.) First stage:
-    the token table's rows (TP: masked, reduced); last: as GPT's, an RMSNorm's."""
-    s, h, t, b = model.seq, model.hidden, L.tp, L.micro_batch
-    n, ab, k, f = b * s, settings.param_bytes, model.kv_width, model.mlp_width
-    xhat = 0 if settings.fused_kernels else 2 * n * h / (t if L.sp else 1)
-    qkv = 2 * (h + 2 * k)
-    if t == 1:
-        full, split = 5 * n * h + qkv * n + 3 * n * f + 2 * n + xhat, 1
-    elif not L.sp:
-        full, split = 8 * n * h + (qkv + h + 3 * f) * n / t + 2 * n + xhat, 1
-    else:
-        full, split = 4 * n * h + (7 * h + qkv + 3 * f) * n / t + 2 * n / t + xhat, t
-    full = (full + scores) * ab
-    act = n * h / split * ab
-    stored, rebuilt = (act, full + act) if L.recompute else (full, 0.0)
-    if L.pp > 1:
-        rebuilt += 2 * act
-    Vt = model.vocab_rows(t)
-    if stage == "first":
-        ends = (n * h if t == 1 else 3 * n * h + n if not L.sp else
-                2 * n * h + n + n * h / t) * ab + 2 * n * 8
-    else:
-        norm = (n * h + n) / split * ab
-        if t == 1:
-            logits, per_token = n * Vt * ab, n * (ab + 8)
-        else:
-            logits, per_token = n * Vt * 3 * ab + (n * h * ab if L.sp else 0), n * 21
-        ends = norm + logits + per_token + (act if L.pp > 1 else 0)
-    return stored, rebuilt, ends

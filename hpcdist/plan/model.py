@@ -1,110 +1,32 @@
-"""The planner's vocabulary: cards and their links (vendors' datasheets), the published runs
-it is checked against, a model, a layout, an estimate, the assumptions (``Settings``) and
-what a framework offers (``FEATURES``)."""
+"""The planner's vocabulary: a model (any family, counted from its declaration), a layout, an
+estimate, the assumptions (``Settings``) and what a framework offers (``FEATURES``). The cards
+and the published runs: facts.py."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 
-GB = 1e9
+from .. import nn
+from ..nn.family import DEFAULT_ARCH
 
+from .facts import GB, PRESETS
 
-@dataclass(frozen=True)
-class GPU:
-    """A card and its links: dense peak FLOP/s per dtype, memory, NVLink per direction and
-    the network per GPU (bytes/s), and each link's latency."""
-    name: str
-    flops: dict
-    memory: float
-    nvlink: float
-    network: float
-    nvlink_alpha: float = 5e-6
-    network_alpha: float = 10e-6
-
-
-# Vendors' datasheets: A100 (SXM) 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 156 tf32; NVLink 3
-# 600 GB/s per GPU (300 each way); HDR InfiniBand 200 Gb/s per GPU in a DGX A100. H100 SXM
-# 989 TFLOP/s bf16 dense, 67 fp32, 80 GB; NVLink 4 900 GB/s (450 each way); NDR 400 Gb/s per
-# GPU in a DGX H100. H200: H100's compute, 141 GB. H800: H100's compute with NVLink cut to
-# 400 GB/s; DeepSeek-V3's report (arXiv:2412.19437, section 3.2.2) measured 160 GB/s NVLink and
-# 50 GB/s InfiniBand per GPU on its cluster: those are used.
-HARDWARE = {
-    "a100-40g": GPU("A100 40GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-                    40 * GB, 300 * GB, 25 * GB),
-    "a100-80g": GPU("A100 80GB SXM", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-                    80 * GB, 300 * GB, 25 * GB),
-    "h100": GPU("H100 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-                80 * GB, 450 * GB, 50 * GB),
-    "h200": GPU("H200 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-                141 * GB, 450 * GB, 50 * GB),
-    "h800": GPU("H800 SXM", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-                80 * GB, 160 * GB, 50 * GB),
-}
-
-
-# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-# Megatron-LM", SC21, Table 1 (weak scaling on A100 80GB; seq 2048, vocab 51200): parameters
-# (billions), heads, hidden, layers, TP, PP, GPUs, global batch, achieved TFLOP/s per GPU.
-NARAYANAN_TABLE_1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
-
-
-# DeepSeek-V3 (arXiv:2412.19437): 61 layers, hidden 7168, 128 heads, 4096 positions, 129,280
-# tokens; 256 routed experts of width 2048 (SwiGLU: 3 x 7168 x 2048 weights each) and one shared
-# expert, 8 routed per token; the first 3 blocks dense (width 18432). Trained on 2048 H800 with PP
-# 16, EP 64 (over 8 nodes), ZeRO-1 data parallelism, no TP, global batch 15,360; "180K H800 GPU
-# hours per trillion tokens" (1,543 tokens/s per GPU), FP8 GEMMs, DualPipe overlapping the
-# all-to-all with compute. In hpcdist's GPT (GELU experts, MHA, every block MoE): expert width
-# 3072 (2 x 7168 x 3072 = the SwiGLU expert's weights), top-9 (the shared expert counted as a
-# ninth, always chosen); a dense block's MLP has the active weights of 9 experts, so active
-# parameters match (37.8 B against 37 B) and the total is 701 B against 671 B.
-DEEPSEEK_V3 = dict(layers=61, hidden=7168, heads=128, seq=4096, vocab=129280, experts=256,
-                   top_k=9, expert_hidden=3072, gpus=2048, per_node=8, batch=15360, pp=16,
-                   ep=64, zero=1, tokens_per_gpu_s=1e12 / (180e3 * 3600))
-
-
-# Model presets (``python -m hpcdist.plan --preset NAME``): the published shapes, and a run to
-# plan for where the command line gives none. Llama 3 (arXiv:2407.21783, Table 3): 8B 32 x 4096,
-# 32 heads, 8 kv heads, SwiGLU 14336; 70B 80 x 8192, 64 / 8, 28672; 405B 126 x 16384, 128 / 8,
-# 53248; vocabulary 128,256, rotary base 500,000, pretraining at 8,192 positions. Mixtral
-# 8x7B (arXiv:2401.04088): 32 x 4096, 32 / 8 heads, 8 SwiGLU experts of 14336, top-2,
-# vocabulary 32,000.
-PRESETS = {
-    "llama3-8b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
-                      vocab=128256, seq=8192, gpus=8, batch=8, gpu="h100", rope_theta=5e5),
-    "llama3-70b": dict(arch="llama", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
-                       vocab=128256, seq=8192, gpus=512, batch=512, gpu="h100",
-                       rope_theta=5e5),
-    "llama3-405b": dict(arch="llama", layers=126, hidden=16384, heads=128, kv_heads=8,
-                        ffn=53248, vocab=128256, seq=8192, gpus=16384, batch=2048,
-                        gpu="h100", rope_theta=5e5),
-    "mixtral-8x7b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8,
-                         ffn=14336, vocab=32000, seq=4096, experts=8, top_k=2, gpus=64,
-                         batch=256, gpu="h100", rope_theta=1e6),
-}
-
-# Published Llama runs the planner is held to (bench plan --published): Llama 3 405B on
-# 16,384 H100s at 8,192 positions, TP 8 x PP 16 x DP 128, 16M-token batches (2048
-# sequences), 38-43% bf16 MFU (the Llama 3 paper, Table 4: 43% at 8,192 GPUs, 41% and 38%
-# at 16,384); torchtitan's Llama 3.1 8B on 8 H100s, FSDP (ZeRO-3) over all 8, one sequence
-# of 8,192 a GPU: 5,762 tokens/s per GPU (torchtitan's benchmarks, bf16, torch.compile).
-LLAMA_PUBLISHED = [
-    dict(preset="llama3-405b", tp=8, pp=16, zero=1, gpus=16384, batch=2048,
-         mfu=(0.38, 0.43)),
-    dict(preset="llama3-8b", tp=1, pp=1, zero=3, gpus=8, batch=8, tokens_per_gpu_s=5762),
-]
+# the config fields the planner's own words set (the rest: ``Model.settings``)
+_SHAPE = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "seq": "block_size",
+          "vocab": "vocab_size", "experts": "experts", "top_k": "top_k",
+          "expert_hidden": "expert_hidden", "moe_every": "moe_every",
+          "vocab_multiple": "vocab_multiple"}
 
 
 @dataclass(frozen=True)
 class Model:
-    """A model of a family: ``arch`` "gpt" (GPT-2: LayerNorm, learned positions, a GELU MLP
-    of 4h, biases, a tied head) or "llama" (RMSNorm, rotary positions, ``kv_heads`` key/value
-    heads, a SwiGLU MLP of ``ffn``, no biases, an untied head unless ``tied``)."""
+    """A model as the planner counts it: a family (``arch``: any registered in nn/, GPT-2 by
+    default) of ``layers`` blocks ``hidden`` wide with ``heads`` query heads, trained at
+    ``seq`` positions over ``vocab`` tokens, with the family's own ``settings`` ((name, value)
+    pairs by its config's names, as the trainer's flags set them: kv heads, MLP width, head
+    size, rotary base ...), ``tied`` and ``bias`` (None: the family's). Parameters, FLOPs and memory
+    read the family's declaration (``anatomy``: nn/family.py), never its name."""
     layers: int
     hidden: int
     heads: int
@@ -114,13 +36,50 @@ class Model:
     top_k: int = 2
     expert_hidden: int = 0      # an expert's MLP width (0: the dense MLP's)
     moe_every: int = 1          # an MoE MLP in every n-th block, from block 0
-    arch: str = "gpt"
-    kv_heads: int = 0           # llama: key/value heads (0: heads)
-    ffn: int = 0                # llama: SwiGLU's width (0: 8/3 h up to a multiple of 64)
+    arch: str = DEFAULT_ARCH
+    settings: tuple = ()        # the family's own settings: (("n_kv_head", 8), ...)
     tied: bool | None = None    # the head tied to the token table (None: the family's)
+    bias: bool | None = None    # the family's biases on (None: the family's)
     vocab_multiple: int = 1     # the table and head padded to multiples of it x TP (train's
                                 # --vocab-multiple: 64 on a GPU)
-    rope_theta: float = 0.0     # the rotary base of the command printed (0: the family's)
+
+    @classmethod
+    def of(cls, config, seq: int | None = None, vocab: int | None = None) -> "Model":
+        """The planner's model of a family config (nn/<family>.py), at ``seq`` positions
+        (default: its block_size) over ``vocab`` tokens (default: its vocab_size)."""
+        values = {k: getattr(config, name) for k, name in _SHAPE.items()}
+        values.update(seq=seq or values["seq"], vocab=vocab or values["vocab"])
+        defaults = {f.name: f.default for f in dataclasses.fields(type(config))}
+        own = tuple((n, getattr(config, n)) for n in nn.own_settings(config.arch)
+                    if getattr(config, n) != defaults[n])
+        return cls(**values, arch=config.arch, settings=own, tied=config.tie_weights,
+                   bias=config.bias)
+
+    @cached_property
+    def config(self):
+        """The family's config of this shape (ValueError: a setting it refuses)."""
+        fam = nn.family(self.arch)
+        given = {name: getattr(self, k) for k, name in _SHAPE.items()}
+        given.update(dict(self.settings))
+        if self.tied is not None:
+            given["tie_weights"] = self.tied
+        if self.bias is not None:
+            given["bias"] = self.bias
+        known = {f.name for f in dataclasses.fields(fam.config)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"the {fam.title} family has no {', '.join(unknown)}")
+        cfg = fam.config(**given)
+        cfg.validate()
+        return cfg
+
+    @cached_property
+    def anatomy(self):
+        return self.config.anatomy()
+
+    @property
+    def family(self):
+        return nn.family(self.arch)
 
     def vocab_rows(self, tp: int) -> int:
         """The token table's (and head's) rows one of ``tp`` ranks holds: the vocabulary
@@ -129,52 +88,72 @@ class Model:
         return -(-self.vocab // unit) * unit // tp
 
     @property
-    def llama(self) -> bool:
-        return self.arch == "llama"
+    def head_tied(self) -> bool:
+        return self.anatomy.tied
 
     @property
-    def head_tied(self) -> bool:
-        return (not self.llama) if self.tied is None else self.tied
+    def kv_heads(self) -> int:
+        return self.anatomy.attention.n_kv_head
 
     @property
     def kv_width(self) -> int:
         """k's (and v's) width: kv heads x head size."""
-        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+        shape = self.anatomy.attention
+        return shape.n_kv_head * shape.head_dim
+
+    @property
+    def attention_width(self) -> int:
+        """Attention's inner width, heads x head size (n_embd unless the family sets a head
+        size of its own)."""
+        return self.anatomy.attention.out_width
 
     @property
     def mlp_width(self) -> int:
-        if self.llama:
-            return self.ffn or 64 * -(-8 * self.hidden // (3 * 64))
-        return 4 * self.hidden
+        return self.anatomy.mlp_width
 
     @property
     def matmul_weights(self) -> int:
-        """A dense block's weights in matmuls: GPT 12h^2; Llama q|k|v, o and SwiGLU's three."""
-        h = self.hidden
-        if self.llama:
-            return h * (h + 2 * self.kv_width) + h * h + 3 * h * self.mlp_width
-        return 12 * h * h
+        """A dense block's weights in matmuls: q|k|v, the output projection, the MLP's (GPT-2:
+        12h^2)."""
+        a, h = self.anatomy, self.hidden
+        up = 2 * a.mlp_width if a.gated else a.mlp_width
+        return h * a.attention.width + a.attention.out_width * h + h * up + a.mlp_width * h
 
     @property
     def block_split(self) -> int:
         """A dense block's parameters tensor parallelism splits (matmuls, column biases)."""
-        return self.matmul_weights + (0 if self.llama else 7 * self.hidden)
+        return self.matmul_weights + self.anatomy.column_biases()
 
     @property
     def block_whole(self) -> int:
         """... and those every TP rank holds whole (norms, row-parallel biases)."""
-        return 2 * self.hidden if self.llama else 6 * self.hidden
+        a = self.anatomy
+        return 2 * a.norm_size * self.hidden + a.row_biases(self.hidden)
+
+    @property
+    def norm_size(self) -> int:
+        """One norm's parameters (the final norm's)."""
+        return self.anatomy.norm_size * self.hidden
 
     @property
     def mlp_params(self) -> int:
-        """A dense block's MLP: GPT 8h^2 + 5h (with biases), Llama's SwiGLU 3hF."""
-        h = self.hidden
-        return 3 * h * self.mlp_width if self.llama else 8 * h * h + 5 * h
+        """A dense block's MLP, weights and biases (GPT-2: 8h^2 + 5h)."""
+        return self.anatomy.mlp_parameters(self.hidden)
+
+    @property
+    def mlp_whole(self) -> int:
+        """... of which every TP rank holds whole (the down projection's bias)."""
+        return int(self.anatomy.mlp_bias) * self.hidden
+
+    @property
+    def expert_matmuls(self) -> int:
+        """An expert's (and the dense MLP's) matmuls: three gated, two not."""
+        return 3 if self.anatomy.gated else 2
 
     @property
     def positions(self) -> int:
         """The learned position table's parameters (rotary: none)."""
-        return 0 if self.llama else self.seq * self.hidden
+        return 0 if self.anatomy.rotary else self.seq * self.hidden
 
     @property
     def moe_layers(self) -> int:
@@ -182,11 +161,8 @@ class Model:
 
     @property
     def expert_size(self) -> int:
-        """One expert's parameters: GPT's 2hf + f + h (two linears with biases), Llama's
-        SwiGLU 3hf."""
-        h = self.hidden
-        f = self.expert_hidden or self.mlp_width
-        return 3 * h * f if self.llama else 2 * h * f + f + h
+        """One expert's parameters (GPT-2's: 2hf + f + h, two linears with biases)."""
+        return self.anatomy.mlp_parameters(self.hidden, self.anatomy.expert_width)
 
     def moe_change(self, experts_per_token: float) -> float:
         """Parameters the MoE blocks add to a dense model's: each MoE block's MLP replaced by
@@ -197,16 +173,10 @@ class Model:
 
     @property
     def parameters(self) -> float:
-        """GPT: 12lh^2(1 + 13/12h) + (V + s)h: blocks, embeddings (the head tied). Llama: the
-        blocks, the token table, the final norm and an untied head. With experts, every
-        expert of an MoE block."""
-        l, h, V = self.layers, self.hidden, self.vocab
-        head = 0 if self.head_tied else V * h
-        if self.llama:
-            return l * (self.block_split + self.block_whole) + V * h + h + head + \
-                self.moe_change(self.experts)
-        return 12 * l * h * h * (1 + 13 / (12 * h)) + (V + self.seq) * h + head + \
-            self.moe_change(self.experts)
+        """The family's count from its declaration (nn/family.py ``count_parameters``): the
+        blocks, the token table, a learned position table, the final norm, an untied head;
+        with experts, every expert of an MoE block."""
+        return self.config.parameters()
 
     @property
     def active_parameters(self) -> float:
@@ -218,18 +188,29 @@ class Model:
         parameters (the count the training run reports too; Narayanan et al. 2021's eq. 3 up
         to the biases; torchtitan's for Llama), plus one more forward of the blocks under
         full recompute."""
-        B, s, l, h = batch, self.seq, self.layers, self.hidden
-        per_token = flops_per_token(self.active_parameters - self.positions, l, h, s)
-        extra = 2 * l * self.matmul_weights + 4 * l * h * s + \
+        B, s, l, d = batch, self.seq, self.layers, self.attention_width
+        per_token = flops_per_token(self.active_parameters - self.positions, l, d, s)
+        extra = 2 * l * self.matmul_weights + 4 * l * d * s + \
             2 * self.moe_change(self.top_k) if recompute else 0
         return B * s * (per_token + extra)
 
 
-def flops_per_token(params: float, layers: int, hidden: int, seq: int) -> float:
+def preset(name: str) -> Model:
+    """The planner's model of a published size (its family's SIZES and ``PRESETS``'
+    vocabulary)."""
+    arch, shape = nn.size(name)
+    vocab = PRESETS.get(name, {}).get("vocab")
+    config = nn.family(arch).config(**dict(shape, **({"vocab_size": vocab} if vocab
+                                                              else {})))
+    return Model.of(config)
+
+
+def flops_per_token(params: float, layers: int, width: int, seq: int) -> float:
     """Training FLOPs per token as the peers count them (PaLM's appendix, nanoGPT, llm.c):
     6N for every weight's matmuls forward and backward (N without the position table),
-    plus attention's 12 L d T (Q K^T and the weighted sum of V, forward and backward)."""
-    return 6 * params + 12 * layers * hidden * seq
+    plus attention's 12 L d T (Q K^T and the weighted sum of V, forward and backward; d
+    the heads' width)."""
+    return 6 * params + 12 * layers * width * seq
 
 
 @dataclass(frozen=True)

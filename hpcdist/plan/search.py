@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from .model import GPU, Layout, Model, Settings, stage_splits
+from .facts import GPU
+from .model import Layout, Model, Settings, stage_splits
 from .steptime import estimate
 
 

@@ -7,7 +7,8 @@ import math
 from dataclasses import replace
 
 from .memory import hpcdist_layer, memory, moe_block, zero_level
-from .model import GB, GPU, Estimate, Layout, Model, Settings
+from .facts import GB, GPU
+from .model import Estimate, Layout, Model, Settings
 
 
 _SIM: dict = {}
@@ -111,7 +112,8 @@ def layer_times(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Sett
     calibrated CPU terms."""
     s, h, t, b, c = model.seq, model.hidden, L.tp, L.micro_batch, L.cp
     peak = gpu.flops[settings.dtype] * settings.efficiency
-    layer_fwd = (2 * b * s * model.matmul_weights + 4 * b * s * s * h) / t / c
+    d = model.attention_width                   # heads x head size
+    layer_fwd = (2 * b * s * model.matmul_weights + 4 * b * s * s * d) / t / c
     tp_bw, tp_alpha = (gpu.nvlink, gpu.nvlink_alpha) if t <= per_node else \
         (gpu.network, gpu.network_alpha)
     act_bytes = settings.param_bytes * b * s / c * h
@@ -144,19 +146,20 @@ def layer_times(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Sett
 def moe_layer(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Settings) -> tuple:
     """(forward FLOPs an MoE layer adds to a dense layer's, the EP all-to-alls of its
     forward in seconds), averaged over the layers (one in ``moe_every``). FLOPs: k experts
-    per token (4hf each), whole on every tensor-parallel rank, and the router (2hE), for the
-    dense MLP's 16h^2/t. The all-to-alls: the dispatch and the combine, each moving k rows
-    of h per token, (ep - 1)/ep of them to other ranks (the routing assumed balanced),
-    inside the node when the EP group is (tp x cp x ep ranks), with a latency per peer,
-    less the share ``settings.ep_overlap`` hides; the backward runs the same two again."""
+    per token (2hf a matmul: two, or three gated), whole on every tensor-parallel rank, and
+    the router (2hE), for the dense MLP's over t (GPT-2's 16h^2/t). The all-to-alls: the
+    dispatch and the combine, each moving k rows of h per token, (ep - 1)/ep of them to
+    other ranks (the routing assumed balanced), inside the node when the EP group is (tp x
+    cp x ep ranks), with a latency per peer, less the share ``settings.ep_overlap`` hides;
+    the backward runs the same two again."""
     if not model.experts:
         return 0.0, 0.0
     s, h, t, b, c, k = model.seq, model.hidden, L.tp, L.micro_batch, L.cp, model.top_k
-    f = model.expert_hidden or model.mlp_width
+    f = model.anatomy.expert_width
     tokens = b * s / c
     share = model.moe_layers / model.layers
-    mats = 3 if model.llama else 2                 # an expert's matmuls (SwiGLU: three)
-    dense = 2 * (model.mlp_params - (0 if model.llama else 5 * h))
+    mats = model.expert_matmuls                    # an expert's matmuls (gated: three)
+    dense = 2 * mats * h * model.mlp_width
     flops = tokens * (2 * mats * k * h * f + 2 * h * model.experts - dense / t)
     if L.ep == 1:
         return share * flops, 0.0

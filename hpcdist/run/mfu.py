@@ -32,7 +32,8 @@ def model_flops_per_token(model, cfg, seq: int) -> float:
     params -= table.weight.size if table is not None else 0   # matmul (rotary: no table)
     # experts: a token runs through k of each layer's (of those this rank holds, under EP)
     params += sum((m.k - len(m.experts)) * m.expert_size for m in moe_layers(full))
-    return flops_per_token(params, cfg.n_layer, cfg.n_embd, seq)
+    width = full.config.attention_shape().out_width     # heads x head size
+    return flops_per_token(params, cfg.n_layer, width, seq)
 
 
 def _cpu_name() -> str:

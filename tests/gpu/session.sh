@@ -42,7 +42,7 @@ B="python -m hpcdist.bench"
 
 # 1. the kernels' self-check (compiles every variant the table uses)
 step selfcheck 80 "python tests/gpu/selfcheck.py"
-grep -a -E "flash|rmsnorm|swiglu|rotary|cudnn|refus|REFUSED" "$OUT/selfcheck.log"
+grep -a -E "flash|rmsnorm|swiglu|geglu|rotary|cudnn|refus|REFUSED" "$OUT/selfcheck.log"
 
 # 2. the table, alone on the GPU: the memory-bound kernels alone (16 bytes a thread against one
 # element a thread, beside a copy), attention alone, then whole steps

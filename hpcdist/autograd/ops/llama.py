@@ -1,4 +1,4 @@
-"""The rotary families' ops: RMSNorm, SwiGLU (and GeGLU) from the fused gate | up projection,
+"""The rotary families' ops: RMSNorm, SwiGLU and GeGLU from the fused gate | up projection,
 rotary position embeddings on the fused q|k|v. One fused kernel each way
 (device/kernels/rmsnorm.py, swiglu.py, rotary.py; numba's on the CPU); the weight's gradient
 straight into its buffer where it has one."""
@@ -38,12 +38,10 @@ def swiglu(h: Tensor) -> Tensor:
 
 
 def geglu(h: Tensor) -> Tensor:
-    """gelu_tanh(gate) * up of h (..., 2H) = [gate | up] -> (..., H) (Gemma's gated MLP):
-    the GELU's kernels and a product, composed (no fused kernel of its own yet)."""
-    from .core import gelu, mul, split
-    half = h.shape[-1] // 2
-    gate, up = split(h, [half, half], axis=-1)
-    return mul(gelu(gate), up)
+    """gelu_tanh(gate) * up of h (..., 2H) = [gate | up] -> (..., H) (Gemma's gated MLP;
+    kernels.GEGLU_FWD / _BWD)."""
+    out = kernels.GEGLU_FWD(h.data)
+    return Tensor._make(out, (h,), lambda g: (kernels.GEGLU_BWD(h.data, g),))
 
 
 def rotary(qkv: Tensor, pos, shape, rotary) -> Tensor:

@@ -3,7 +3,7 @@ GELU (and bias + GELU), LayerNorm, scale + causal mask + softmax, causal attenti
 fused q|k|v projection (tiled: flash.py), cross-entropy with its gradient, AdamW over the flat buffer, bias +
 residual, a bias's gradient added into its buffer (forward and backward), bf16 GEMMs on
 tensor cores (gemm.py), the mixture of experts' permutation and combine (moe.py), RMSNorm
-(rmsnorm.py), SwiGLU (swiglu.py) and rotary embeddings (rotary.py). elementwise.py,
+(rmsnorm.py), SwiGLU and GeGLU (swiglu.py) and rotary embeddings (rotary.py). elementwise.py,
 colsum.py, adamw.py, rows.py, attention.py, gemm.py and moe.py hold the rest.
 
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
@@ -13,7 +13,8 @@ from .cudnn_attention import CUDNN_BWD, CUDNN_FWD
 from .flash_blocks import FLASH_BLOCK_BWD, FLASH_BLOCK_FWD, block_bwd_twin, block_twin
 from .rmsnorm import RMSNORM_BWD, RMSNORM_FWD, rmsnorm_bwd_twin, rmsnorm_twin
 from .rotary import ROTARY, rotary_tables, rotary_twin
-from .swiglu import SWIGLU_BWD, SWIGLU_FWD, swiglu_bwd_twin, swiglu_twin
+from .swiglu import (GEGLU_BWD, GEGLU_FWD, SWIGLU_BWD, SWIGLU_FWD, geglu_bwd_twin, geglu_twin,
+                     swiglu_bwd_twin, swiglu_twin)
 from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
                    operand, product, use_workspace)
@@ -47,6 +48,7 @@ for _op, _fn in ((BIAS_GELU, _cpu.bias_gelu), (GELU_FWD, _cpu.gelu), (GELU_BWD, 
 from . import cpu_llama as _cpu_llama  # noqa: E402  (numba is imported on first use only)
 for _op, _fn in ((RMSNORM_FWD, _cpu_llama.rmsnorm), (RMSNORM_BWD, _cpu_llama.rmsnorm_bwd),
                  (SWIGLU_FWD, _cpu_llama.swiglu), (SWIGLU_BWD, _cpu_llama.swiglu_bwd),
+                 (GEGLU_FWD, _cpu_llama.geglu), (GEGLU_BWD, _cpu_llama.geglu_bwd),
                  (ROTARY, _cpu_llama.rotary)):
     _op.cpu = _fn
 for _kind in ("exact", "bf16"):                  # (TF32 is the GPU's alone)
@@ -59,7 +61,7 @@ _graphs.BEFORE_CAPTURE.append(use_workspace)
 
 __all__ = ["ADAMW", "ADAMW_LOW", "ADD", "add_twin", "WIDEN", "widen_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",
-           "RMSNORM_BWD", "RMSNORM_FWD", "ROTARY", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
+           "RMSNORM_BWD", "RMSNORM_FWD", "ROTARY", "GEGLU_BWD", "GEGLU_FWD", "geglu_bwd_twin", "geglu_twin", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
            "rmsnorm_twin", "rotary_tables", "rotary_twin", "swiglu_bwd_twin", "swiglu_twin", "BIAS_GELU", "MOE_COMBINE",
            "MOE_COMBINE_BWD", "MOE_PERMUTE", "combine_bwd_twin", "combine_twin", "permute_twin",
            "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",

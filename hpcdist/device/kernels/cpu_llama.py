@@ -1,11 +1,11 @@
-"""The Llama family's ops on the CPU: the numba kernels of cpu_llama_jit.py behind the twins'
+"""The rotary families' ops on the CPU: the numba kernels of cpu_llama_jit.py behind the twins'
 calls (llama.py), on this rank's threads."""
 from __future__ import annotations
 
 import numpy as np
 
 from . import cpu
-from .common import ROW_BLOCK as BLOCK
+from .common import GELU_C, ROW_BLOCK as BLOCK
 
 
 def rmsnorm(x, w, eps):
@@ -44,6 +44,21 @@ def swiglu_bwd(h, g):
     h2 = cpu._mat(h)
     dh = np.empty(h2.shape, h.dtype)
     cpu.jit().swiglu_bwd(h2, cpu._mat(g.astype(h.dtype, copy=False)), dh)
+    return dh.reshape(h.shape)
+
+
+def geglu(h):
+    h2 = cpu._mat(h)
+    y = np.empty((h2.shape[0], h2.shape[1] // 2), h.dtype)
+    cpu.jit().geglu_fwd(h2, y, cpu._c(h, GELU_C), cpu._c(h, 0.044715))
+    return y.reshape(h.shape[:-1] + (y.shape[1],))
+
+
+def geglu_bwd(h, g):
+    h2 = cpu._mat(h)
+    dh = np.empty(h2.shape, h.dtype)
+    cpu.jit().geglu_bwd(h2, cpu._mat(g.astype(h.dtype, copy=False)), dh, cpu._c(h, GELU_C),
+                        cpu._c(h, 0.044715))
     return dh.reshape(h.shape)
 
 

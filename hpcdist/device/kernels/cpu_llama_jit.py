@@ -1,4 +1,4 @@
-"""The Llama family's CPU kernels, compiled by numba (RMSNorm, SwiGLU, rotary embeddings): threads
+"""The rotary families' CPU kernels, compiled by numba (RMSNorm, SwiGLU, GeGLU, rotary embeddings): threads
 over rows as cpu_jit.py's; RMSNorm's weight gradient as partial sums per fixed block of rows
 (the same order at any thread count). Only cpu.jit() imports this (numba on first use)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 from numba import prange
 
 from .common import ROW_BLOCK
-from .cpu_jit import fexp, kernel, like
+from .cpu_jit import fexp, ftanh, kernel, like
 
 BLOCK = ROW_BLOCK
 
@@ -64,6 +64,30 @@ def swiglu_bwd(h, g, dh):
             s = one / (one + e) if a >= 0 else e / (one + e)
             dh[r, j] = gi * u * s * (one + a * (one - s))
             dh[r, H + j] = gi * a * s
+
+
+@kernel
+def geglu_fwd(h, y, c, c3):
+    H = y.shape[1]
+    half, one = like(c, 0.5), like(c, 1.0)
+    for r in prange(y.shape[0]):
+        for j in range(H):
+            a = h[r, j]
+            t, _ = ftanh(c * (a + c3 * a * a * a))
+            y[r, j] = half * a * (one + t) * h[r, H + j]
+
+
+@kernel
+def geglu_bwd(h, g, dh, c, c3):
+    H = g.shape[1]
+    half, one, c33 = like(c, 0.5), like(c, 1.0), like(c, 3.0) * c3
+    for r in prange(g.shape[0]):
+        for j in range(H):
+            a, u, gi = h[r, j], h[r, H + j], g[r, j]
+            t, sech2 = ftanh(c * (a + c3 * a * a * a))
+            d = half * (one + t) + half * a * sech2 * c * (one + c33 * a * a)
+            dh[r, j] = gi * u * d
+            dh[r, H + j] = gi * half * a * (one + t)
 
 
 @kernel

@@ -1,5 +1,6 @@
-"""SwiGLU's fused kernels from the fused gate | up projection (forward, backward), each
-beside its NumPy twin: silu(gate) * up, 16 bytes a thread. Their CPU kernels: cpu_llama.py."""
+"""The gated MLPs' fused kernels from the fused gate | up projection (forward, backward), each
+beside its NumPy twin, 16 bytes a thread: SwiGLU's silu(gate) * up and GeGLU's
+gelu_tanh(gate) * up (Gemma). Their CPU kernels: cpu_llama.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +8,7 @@ import numpy as np
 from .. import backend
 from ..fused import Fused
 from .common import _VECTOR, vectors
+from .elementwise import gelu_bwd_twin, gelu_twin
 
 # ---- SwiGLU --------------------------------------------------------------------------------
 
@@ -107,3 +109,89 @@ SWIGLU_FWD = Fused("swiglu_fwd", _SWIGLU, ["swiglu_fwd"], _swiglu_launch, swiglu
                    lambda xp, rng, dt: _swiglu_cases(xp, rng, dt))
 SWIGLU_BWD = Fused("swiglu_bwd", _SWIGLU, ["swiglu_bwd"], _swiglu_bwd_launch, swiglu_bwd_twin,
                    lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True))
+
+
+# ---- GeGLU ---------------------------------------------------------------------------------
+
+_GEGLU = _VECTOR + r"""
+#define GELU_C ((A)0.7978845608028654)
+// h (N, 2H) = [gate | up] -> y (N, H) = gelu(gate) up, GELU's tanh form; VEC elements of y
+// a thread (H divides by VEC)
+extern "C" __global__ void geglu_fwd(const T* h, T* y, long long n, long long H) {
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i >= n) return;
+    long long r = i / H, c = i % H;
+    alignas(16) T av[VEC], uv[VEC], yv[VEC];
+    copy_vec(av, h + r * 2 * H + c);
+    copy_vec(uv, h + r * 2 * H + H + c);
+#pragma unroll
+    for (int j = 0; j < VEC; j++) {
+        A a = (A)av[j], u = (A)uv[j];
+        A t = tanh(GELU_C * (a + (A)0.044715 * a * a * a));
+        yv[j] = (T)((A)0.5 * a * ((A)1 + t) * u);
+    }
+    copy_vec(y + i, yv);
+}
+// dh = [g up gelu'(gate) | g gelu(gate)], gelu'(a) = (1 + t) / 2 + a (1 - t^2) c (1 + 3
+// 0.044715 a^2) / 2, t = tanh(c (a + 0.044715 a^3))
+extern "C" __global__ void geglu_bwd(const T* h, const T* g, T* dh, long long n, long long H) {
+    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i >= n) return;
+    long long r = i / H, c = i % H;
+    alignas(16) T av[VEC], uv[VEC], gv[VEC], dav[VEC], duv[VEC];
+    copy_vec(av, h + r * 2 * H + c);
+    copy_vec(uv, h + r * 2 * H + H + c);
+    copy_vec(gv, g + i);
+#pragma unroll
+    for (int j = 0; j < VEC; j++) {
+        A a = (A)av[j], u = (A)uv[j], gi = (A)gv[j];
+        A t = tanh(GELU_C * (a + (A)0.044715 * a * a * a));
+        A d = (A)0.5 * ((A)1 + t)
+            + (A)0.5 * a * ((A)1 - t * t) * GELU_C * ((A)1 + (A)3 * (A)0.044715 * a * a);
+        dav[j] = (T)(gi * u * d);
+        duv[j] = (T)(gi * (A)0.5 * a * ((A)1 + t));
+    }
+    copy_vec(dh + r * 2 * H + c, dav);
+    copy_vec(dh + r * 2 * H + H + c, duv);
+}
+"""
+
+
+def geglu_twin(h):
+    """gelu_tanh(gate) * up of h (..., 2H) = [gate | up]."""
+    H = h.shape[-1] // 2
+    return gelu_twin(h[..., :H])[0] * h[..., H:]
+
+
+def geglu_bwd_twin(h, g):
+    xp = backend.array_module(h)
+    H = h.shape[-1] // 2
+    a, u = h[..., :H], h[..., H:]
+    return xp.concatenate([gelu_bwd_twin(a, g * u), g * gelu_twin(a)[0]], axis=-1)
+
+
+def _geglu_launch(k, h):
+    xp = backend.xp()
+    h = xp.ascontiguousarray(h)
+    H = h.shape[-1] // 2
+    y = xp.empty(h.shape[:-1] + (H,), dtype=h.dtype)
+    fn, (blocks, threads) = vectors(k, "geglu_fwd", y.size, h, y, row=H)
+    fn(blocks, threads, (h, y, np.int64(y.size), np.int64(H)))
+    return y
+
+
+def _geglu_bwd_launch(k, h, g):
+    xp = backend.xp()
+    h = xp.ascontiguousarray(h)
+    H = h.shape[-1] // 2
+    dh = xp.empty_like(h)
+    g = xp.ascontiguousarray(g, dtype=h.dtype)
+    fn, (blocks, threads) = vectors(k, "geglu_bwd", g.size, h, g, dh, row=H)
+    fn(blocks, threads, (h, g, dh, np.int64(g.size), np.int64(H)))
+    return dh
+
+
+GEGLU_FWD = Fused("geglu_fwd", _GEGLU, ["geglu_fwd"], _geglu_launch, geglu_twin,
+                  lambda xp, rng, dt: _swiglu_cases(xp, rng, dt))
+GEGLU_BWD = Fused("geglu_bwd", _GEGLU, ["geglu_bwd"], _geglu_bwd_launch, geglu_bwd_twin,
+                  lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True))

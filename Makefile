@@ -22,7 +22,7 @@ STAMP  := $(VENV)/.installed
 # BLAS/OpenMP threads per rank: hpcdist itself divides the node's cores among its ranks
 # (hpcdist/host/threads.py), so `make train` and `mpirun -n 8 python -m hpcdist.train` run alike.
 
-.PHONY: venv train test test-unit test-mpi test-double test-cupy test-cupy-if-installed \
+.PHONY: venv train test test-unit test-mpi test-double cupy test-cupy test-cupy-if-installed \
         test-faults test-ulfm venv-ompi test-cluster cluster-test test-slurm test-gpu soak \
         slurm-up slurm-down bench clean
 
@@ -99,19 +99,22 @@ test-double: venv
 	    -k every_layout || exit 1; \
 	done
 
-# The GPU code held to the real CuPy, without a GPU: CuPy's wheel (with NCCL's, NVRTC's and cuBLAS's)
-# installs and imports on any machine. test-cupy installs them into .venv when missing (CI
-# does this), then checks every name the device double offers against CuPy (kind and
-# arguments) and runs every CUDA kernel on the CPU execution model (device/cudasim.py; also
-# part of test-unit), and NCCL's real unique id through hpcdist's bootstrap at 2 ranks into the
-# constructor call as CuPy declares it. Plain `make test` runs these only where CuPy is
-# installed, and says so in one line where it is not.
+# The GPU code held to the real CuPy, without a GPU: CuPy's wheel (with NCCL's, NVRTC's and
+# cuBLAS's) installs and imports on any machine. `make cupy` installs them into .venv when
+# missing (CI does this before `make test`); test-cupy installs them and then checks every
+# name the device double offers against CuPy (kind and arguments), runs every CUDA kernel on
+# the CPU execution model (device/cudasim.py; also part of test-unit), and NCCL's real unique
+# id through hpcdist's bootstrap at 2 ranks into the constructor call as CuPy declares it.
+# Plain `make test` runs these only where CuPy is installed, and says so in one line where it
+# is not.
 CUPY_WHEELS ?= cupy-cuda12x==14.2.* nvidia-nccl-cu12 nvidia-cuda-nvrtc-cu12 nvidia-cublas-cu12
 
-test-cupy: venv
+cupy: venv
 	@$(BIN)/python -c "import cupy; from cupy_backends.cuda.libs import cublas" 2>/dev/null || { \
-	  echo "test-cupy: installing $(CUPY_WHEELS) into $(VENV) (no GPU needed)"; \
+	  echo "make cupy: installing $(CUPY_WHEELS) into $(VENV) (no GPU needed)"; \
 	  $(BIN)/python -m pip install -q $(CUPY_WHEELS); }
+
+test-cupy: cupy
 	@$(MAKE) --no-print-directory test-cupy-if-installed
 
 test-cupy-if-installed: venv

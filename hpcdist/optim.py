@@ -87,7 +87,7 @@ def decay_ranges_in(ranges, lo: int, hi: int):
 
 # ---- update rules on flat arrays ---------------------------------------------------------------
 
-def sgd_update(p, g, state: dict, step: int, lr: float, momentum=0.0, dampening=0.0,
+def sgd_update(p, g, state: dict, step: int, lr: float, momentum=0.0, *, dampening=0.0,
                nesterov=False, weight_decay=0.0, decay_ranges=None) -> None:
     """One SGD step in place (torch.optim.SGD semantics: L2 decay is added to the gradient)."""
     if weight_decay:
@@ -105,7 +105,7 @@ def sgd_update(p, g, state: dict, step: int, lr: float, momentum=0.0, dampening=
     p -= lr * g
 
 
-def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, beta2=0.999, eps=1e-8,
+def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, *, beta2=0.999, eps=1e-8,
                  weight_decay=0.0, decay_ranges=None, low=None) -> bool:
     """One AdamW step in place: bias-corrected moments, decoupled weight decay. ``low``: a
     bf16 array the device kernel also writes the new parameters into (mixed precision's
@@ -217,8 +217,9 @@ class SGD(Optimizer):
         self.momentum, self.dampening, self.nesterov = momentum, dampening, nesterov
 
     def update(self, p, g, state, step, lr, decay_ranges):
-        sgd_update(p, g, state, step, lr, self.momentum, self.dampening, self.nesterov,
-                   self.weight_decay, decay_ranges)
+        sgd_update(p, g, state, step, lr, self.momentum, dampening=self.dampening,
+                   nesterov=self.nesterov, weight_decay=self.weight_decay,
+                   decay_ranges=decay_ranges)
 
 
 class AdamW(Optimizer):
@@ -231,8 +232,9 @@ class AdamW(Optimizer):
         self.betas, self.eps = tuple(betas), eps
 
     def update(self, p, g, state, step, lr, decay_ranges) -> bool:
-        return adamw_update(p, g, state, step, lr, self.betas[0], self.betas[1], self.eps,
-                            self.weight_decay, decay_ranges, low=self.copy_into)
+        return adamw_update(p, g, state, step, lr, self.betas[0], beta2=self.betas[1],
+                            eps=self.eps, weight_decay=self.weight_decay,
+                            decay_ranges=decay_ranges, low=self.copy_into)
 
 
 # ---- schedule and clipping -------------------------------------------------------------------

@@ -72,7 +72,7 @@ def choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng
 
 
 def generate(model, ids, n: int, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, stop=None, say=None) -> list:
+             top_p: float = 1.0, *, seed: int = 0, stop=None, say=None) -> list:
     """``ids`` followed by ``n`` new tokens (fewer if ``stop`` is drawn), each new token run
     through the model alone against the KV cache, as transformers' ``generate`` does.
 
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         else:
             ids = [0]
         out = generate(model, ids, args.tokens, args.temperature, args.top_k, args.top_p,
-                       args.seed, say=lambda line: print(f"note: {line}", file=sys.stderr)
+                       seed=args.seed, say=lambda line: print(f"note: {line}", file=sys.stderr)
                        if rank == 0 else None)
     except (OSError, ValueError, KeyError, checkpoint.CheckpointError,
             backend.DeviceError) as e:

@@ -123,7 +123,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
         if comm.rank == 0 else None
     meter = mfu.Meter(model, cfg, train_set.block_size, comm.size, comm.nodes,
                       threads.usable_cores()) if comm.rank == 0 else None
-    for line in header(cfg, model, strategy, comm.size, hosts, train_set, test_set):
+    for line in header(cfg, model, strategy, comm.size, hosts, train_set, test_set=test_set):
         say(line)
     if meter is not None:
         say(meter.describe())

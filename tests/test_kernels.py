@@ -126,7 +126,8 @@ def test_adamw_twin_is_optims_update(float64):
         mask[a:b] = 1
     p2, state = p.copy(), {}
     for step in (1, 2, 3):
-        optim.adamw_update(p2, g, state, step, 1e-2, 0.9, 0.99, 1e-8, 0.1, ranges)
+        optim.adamw_update(p2, g, state, step, 1e-2, 0.9, beta2=0.99, eps=1e-8,
+                           weight_decay=0.1, decay_ranges=ranges)
     p1, m, v = p.copy(), np.zeros(50), np.zeros(50)
     for step in (1, 2, 3):
         kernels.adamw_twin(p1, g, m, v, mask, 1e-2, 0.9, 0.99, 1e-8, 0.1, step)

@@ -152,6 +152,23 @@ def test_sizes_a_newcomer_can_read():
     assert not too_long, too_long
 
 
+def test_no_function_takes_more_than_six_positional_arguments():
+    """Past six, a function's arguments are named at the call (keyword-only) or grouped in an
+    object (a layout, a config): outside the kernels' launchers (device/kernels/), whose
+    arguments are the kernel's own."""
+    found = []
+    for name, path in MODS.items():
+        if name.startswith("hpcdist.device.kernels"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = [a.arg for a in node.args.posonlyargs + node.args.args]
+                n = len(args) - (1 if args and args[0] in ("self", "cls") else 0)
+                if n > 6:
+                    found.append(f"{name}.{node.name}: {n} positional")
+    assert not found, found
+
+
 def test_the_parallel_layer_reads_declarations_not_a_familys_names():
     """parallel/ cuts any family by what it declares (nn/family.py: parts by role, projections
     by their roles, one attention shape): no GPT-2 attribute name and no q|k|v arithmetic of

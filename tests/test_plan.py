@@ -167,16 +167,16 @@ def test_shared_cores_hide_the_bubble_but_not_the_critical_path():
     model = P.Model(8, 256, 4, 64, 100)
     L = P.Layout(1, 4, 2, 0, 4, 8, "1f1b", 1, False, False)
     gpu = P.GPU("cpu", {"fp32": 1e10}, 1e10, 1e9, 1e9, 1e-5, 1e-5)
-    alone = P.estimate(model, L, gpu, 8, 8, 64, P.Settings(dtype="fp32", efficiency=1.0))
-    shared = P.estimate(model, L, gpu, 8, 8, 64, P.Settings(dtype="fp32", efficiency=1.0,
+    alone = P.estimate(model, L, gpu, 8, 8, 64, settings=P.Settings(dtype="fp32", efficiency=1.0))
+    shared = P.estimate(model, L, gpu, 8, 8, 64, settings=P.Settings(dtype="fp32", efficiency=1.0,
                                                             ranks_per_core=4))
     assert alone.bubble == pytest.approx(3 / 11, rel=0.05)            # (P - 1) / (m + P - 1)
     assert shared.bubble == pytest.approx(0.0, abs=1e-9)
     assert shared.parts["pipeline"] == pytest.approx(alone.parts["pipeline"] * 8 / 11, rel=0.05)
     few = P.Layout(1, 4, 2, 0, 16, 2, "gpipe", 1, False, False)        # m = 2: path-bound
-    e = P.estimate(model, few, gpu, 8, 8, 64, P.Settings(dtype="fp32", efficiency=1.0,
+    e = P.estimate(model, few, gpu, 8, 8, 64, settings=P.Settings(dtype="fp32", efficiency=1.0,
                                                         ranks_per_core=1.5))
-    a = P.estimate(model, few, gpu, 8, 8, 64, P.Settings(dtype="fp32", efficiency=1.0))
+    a = P.estimate(model, few, gpu, 8, 8, 64, settings=P.Settings(dtype="fp32", efficiency=1.0))
     assert e.parts["pipeline"] == pytest.approx(a.parts["pipeline"] / 1.5)
 
 
@@ -447,7 +447,7 @@ def test_deepseek_v3_published_throughput():
     rate = {}
     for overlap in (0.0, 1.0):
         s = P.Settings(activations="hpcdist", ep_overlap=overlap)
-        e = P.estimate(m, L, P.HARDWARE["h800"], d["gpus"], d["per_node"], d["batch"], s)
+        e = P.estimate(m, L, P.HARDWARE["h800"], d["gpus"], d["per_node"], d["batch"], settings=s)
         assert e.fits, e.why
         rate[overlap] = d["batch"] * d["seq"] / e.step_s / d["gpus"]
     assert rate[1.0] == pytest.approx(d["tokens_per_gpu_s"], rel=0.15)

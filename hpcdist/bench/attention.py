@@ -36,7 +36,7 @@ def _time(fn, reps: int) -> float:
     return best * 1e3
 
 
-def _hpcdist(B, H, T, hs, kind, path, reps):
+def _hpcdist(B, H, T, hs, kind, path, *, reps):
     from hpcdist.device import backend, kernels
     xp = backend.xp()
     rng = np.random.default_rng(0)
@@ -66,7 +66,7 @@ def _hpcdist(B, H, T, hs, kind, path, reps):
     return ms, (pool.total_bytes() - qkv.nbytes - dy.nbytes if pool else 0), ran
 
 
-def _torch(B, H, T, hs, kind, reps, device):
+def _torch(B, H, T, hs, kind, reps, *, device):
     import torch
     F = torch.nn.functional
     torch.backends.cuda.matmul.allow_tf32 = kind == "tf32"
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
                     continue                    # (the GEMM path's probabilities: 16 GiB cap)
                 if path == "cudnn" and (kind != "bf16" or kernels.cudnn_attention.why_not()):
                     continue
-                ms, mem, ran = _hpcdist(B, H, T, hs, kind, path, args.reps)
+                ms, mem, ran = _hpcdist(B, H, T, hs, kind, path, reps=args.reps)
                 if path not in ran:
                     print(f"{shape:>16s} {kind:5s} hpcdist {path}: not run ({ran}; refused: "
                           f"{fused.refusals()})", flush=True)
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
             if not args.no_torch:
                 try:
                     cells["torch sdpa"] = _torch(B, H, T, hs, kind, args.reps,
-                                                 "cuda" if args.device == "gpu" else "cpu")
+                                                 device="cuda" if args.device == "gpu" else "cpu")
                 except ImportError:
                     pass
             for name, (ms, mem) in cells.items():

@@ -309,7 +309,8 @@ def main(argv=None) -> int:
         print(f"autograd at training shapes | numpy {np.__version__} | CPU kernels "
               f"{cpu.describe()}")
         rows = shapes.run(args.shapes, counts, args.steps, args.warmup, args.profile,
-                          args.memory, gpt_contenders, run_table, args.out, args.arch)
+                          args.memory, gpt_contenders=gpt_contenders, run_table=run_table,
+                          out=args.out, arch=args.arch)
         if any("ratio" in r for r in rows):
             print(f"median hpcdist / pytorch over the table: {shapes.median_ratio(rows):.3f}")
         return 0

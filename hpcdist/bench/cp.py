@@ -10,7 +10,7 @@ import tempfile
 from hpcdist.bench.common import emit, pyplot, relaunch, table, write_json
 
 
-def comm_model(impl: str, n: int, layers: int, B: int, T: int, C: int, e: int, a: float,
+def comm_model(impl: str, n: int, layers: int, B: int, T: int, C: int, *, e: int, a: float,
                b: float) -> float:
     """Seconds one rank spends in context-parallel messages per step (alpha-beta, even split:
     each message alpha + bytes * beta, one after another)."""
@@ -32,7 +32,7 @@ def _config(args, data, T, cp, impl, out):
                        trace_memory=True, eval_batch=1)
 
 
-def measure(args, comm, data, T, cp, impl, steps, record=None) -> dict:
+def measure(args, comm, data, T, cp, impl, *, steps, record=None) -> dict:
     """Train ``steps`` steps of sequences of T; {peak bytes (max over ranks), median ms, cp
     seconds per step (this rank)}."""
     import numpy as np
@@ -70,7 +70,7 @@ def longest(args, comm, data, cp, impl, budget) -> dict:
     """The longest T (a multiple of 2 cp) whose step peak stays within ``budget`` bytes."""
     fits, miss, T = None, None, args.start
     while T <= args.max_seq:
-        if measure(args, comm, data, T, cp, impl, 2)["peak"] <= budget:
+        if measure(args, comm, data, T, cp, impl, steps=2)["peak"] <= budget:
             fits, T = T, 2 * T
         else:
             miss = T
@@ -83,7 +83,7 @@ def longest(args, comm, data, cp, impl, budget) -> dict:
         mid = (fits + miss) // 2 // (2 * cp) * (2 * cp)
         if mid in (fits, miss):
             break
-        if measure(args, comm, data, mid, cp, impl, 2)["peak"] <= budget:
+        if measure(args, comm, data, mid, cp, impl, steps=2)["peak"] <= budget:
             fits = mid
         else:
             miss = mid
@@ -122,13 +122,13 @@ def worker(args) -> int:
         for impl in ("ring", "ulysses"):
             if impl == "ulysses" and args.n_head % n:
                 continue
-            got = measure(args, comm, data, T, n, impl, args.steps)
-            model = comm_model(impl, n, args.n_layer, 1, T, args.n_embd, 4, a, b)
+            got = measure(args, comm, data, T, n, impl, steps=args.steps)
+            model = comm_model(impl, n, args.n_layer, 1, T, args.n_embd, e=4, a=a, b=b)
             if comm.rank == 0:
                 emit({"part": "time", "impl": impl, "T": T, "step_ms": got["ms"],
                       "comm_ms": got["cp_ms"], "model_ms": model * 1e3})
     rec = timeline.Recorder(comm.rank)
-    measure(args, comm, data, args.seqs[-1], n, "ring", 2, record=rec)
+    measure(args, comm, data, args.seqs[-1], n, "ring", steps=2, record=rec)
     spans = [(name, (t0 - rec.events[0][3]) / 1e6, (t1 - t0) / 1e6)
              for name, cat, _, t0, t1, _ in rec.events if cat == "cp"]
     everyone = comm.mpi.gather(spans, root=0)

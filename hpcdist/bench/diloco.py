@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def train(n: int, data: str, steps: int, folder: str, extra=(), limit: float = 1800,
-          stop_at: int = 0) -> dict:
+          *, stop_at: int = 0) -> dict:
     """One run of ``n`` ranks to ``steps``; its final record. ``stop_at``: a checkpoint
     and a stop after that step (the schedule still the ``steps``-step one: the warm-up is
     the first steps of the run it starts)."""

@@ -39,7 +39,7 @@ def _family() -> str:
     return {"gpt": "GPT", "llama": "Llama"}[ARCH[0]]
 
 
-def _step_fn(L, C, T, B, V, H=0, seed=0, precision="fp32", graph=False):
+def _step_fn(L, C, T, B, V, H=0, *, seed=0, precision="fp32", graph=False):
     """One training step as the trainer's data-parallel path takes it on one rank: forward,
     backward, (mixed precision: the compute gradient into the fp32 master's, as DDP's
     buckets do), AdamW, the compute copy of the weights. ``graph``: all but AdamW replayed
@@ -81,7 +81,7 @@ def _step_fn(L, C, T, B, V, H=0, seed=0, precision="fp32", graph=False):
 COUNTS = (("op by op", "0", "fp32"), ("fused", "1", "fp32"), ("fused bf16", "1", "bf16"))
 
 
-def count(L, C, T, B, V, H=0, which=COUNTS) -> dict:
+def count(L, C, T, B, V, H=0, *, which=COUNTS) -> dict:
     """Launches of one step: op by op and fused in fp32, fused in bf16 (on the device double,
     where bf16 runs natively: bf16 weights, activations and gradients)."""
     from hpcdist.device import backend, double as device_double

@@ -320,7 +320,7 @@ def main(argv=None) -> int:
         m = 2 * pp if pp > 1 else 1                      # train's default micro-batches
         L = P.Layout(tp, pp, dp, fields["zero"], B // dp // m, m,
                      fields.get("schedule", "none"), v, False, False)
-        est = P.estimate(model, L, gpu, n, n, B, settings)
+        est = P.estimate(model, L, gpu, n, n, B, settings=settings)
         rows.append({"layout": label, "predicted_ms": est.step_s * 1e3, "runs": [],
                      "flags": dict(flags, batch_size=B // dp)})
     # each layout twice, in two passes (a slow spell of the shared machine hits one pass)

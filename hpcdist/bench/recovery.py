@@ -114,7 +114,7 @@ def time_to_next_step(n: int, tmp: str, rng, layout=()) -> dict:
 
 
 def goodput(n: int, minutes: float, every: float, tmp: str, rng, respawn: bool,
-            layout=()) -> dict:
+            *, layout=()) -> dict:
     out = tempfile.mkdtemp(prefix=f"goodput-{n}" + ("-respawn-" if respawn else "-"), dir=tmp)
     proc = launch(n, out, 10 ** 7, [*(["--respawn"] if respawn else []), *layout])
     wait_steps(out, 20)
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
                   f"{r['median_step_s']:.3f} | {r['rebuild_s']:.3f} |", flush=True)
     if args.minutes:
         g = goodput(args.start, args.minutes, args.every, args.tmp, rng, args.respawn,
-                    args.layout.split())
+                    layout=args.layout.split())
         result["goodput"] = g
         print(f"goodput: {g['goodput'] * 100:.1f}% of {g['wall_s']:.0f} s in committed steps, "
               f"{g['kills']} ranks killed ({args.start} -> {g['worlds'][-1] if g['worlds'] else args.start} ranks); "

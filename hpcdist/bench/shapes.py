@@ -156,7 +156,7 @@ def torch_profile(step, steps: int = 3) -> dict:
 
 
 def run(spec: str, thread_counts, steps: int, warmup: int, profile: bool, memory: bool,
-        gpt_contenders, run_table, out: str = "runs/bench_shapes.json",
+        *, gpt_contenders, run_table, out: str = "runs/bench_shapes.json",
         arch: str = "gpt") -> list:
     """The table; ``gpt_contenders`` and ``run_table``: bench.autograd's; ``arch``: the
     family (llama: a quarter of the heads kv heads)."""

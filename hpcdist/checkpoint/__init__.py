@@ -104,7 +104,7 @@ def _gather_json(comm, obj) -> list:
 
 
 def save(save_dir: str, step: int, comm, pieces: list, own: dict, meta: dict | None = None,
-         scalars: dict | None = None) -> str:
+         *, scalars: dict | None = None) -> str:
     """Write a checkpoint collectively; return its folder.
 
     ``pieces``: [(name, cut, logical shape, (a, b), array)] this rank writes (reshard.py);

@@ -25,7 +25,7 @@ class Args:
                  "rank", "size")
 
     def __init__(self, op=None, root=None, algorithm="auto", out=None, wire_dtype=None,
-                 total=None, counts=None, extra=None, rank=0, size=1):
+                 total=None, *, counts=None, extra=None, rank=0, size=1):
         self.op, self.root, self.algorithm, self.out = op, root, algorithm, out
         self.wire_dtype, self.total, self.counts, self.extra = wire_dtype, total, counts, extra
         self.rank, self.size = rank, size

@@ -17,7 +17,7 @@ from .collectives import ALLREDUCE, Args
 from .handle import Done, Handle
 
 
-def collective(c, kind, blocking: bool, buf, op=None, root=None, algorithm="auto", out=None,
+def collective(c, kind, blocking: bool, buf, op=None, root=None, *, algorithm="auto", out=None,
                wire_dtype=None, total=None, counts=None, extra=None):
     """``kind`` (collectives.py) on ``buf`` over the Communicator ``c``: the result, or a
     Handle of it when not ``blocking``."""
@@ -26,12 +26,13 @@ def collective(c, kind, blocking: bool, buf, op=None, root=None, algorithm="auto
             plan = c._memos.get((kind, buf.size, buf.dtype, op, root, algorithm, total,
                                  out is None))
             if plan is not None and plan.fits(buf, out):     # checked and chosen before
-                return _short(c, c._wire, kind, None, plan, buf, plan.args_for(out))
+                return _short(c, c._wire, kind, None, plan, buf, a=plan.args_for(out))
         elif buf is None and timeline._active is None:
             plan = c._memos.get(kind)
             if plan is not None:
-                return _short(c, c._wire, kind, None, plan, None, plan.args)
-    a = Args(op, root, algorithm, out, wire_dtype, total, counts, extra, c.rank, c.size)
+                return _short(c, c._wire, kind, None, plan, None, a=plan.args)
+    a = Args(op, root, algorithm, out, wire_dtype, total, counts=counts, extra=extra,
+             rank=c.rank, size=c.size)
     select.check_name(kind.name, a.algorithm)                                      # check
     call = c._ledger.open(kind.name, buf, blocking=blocking, **kind.check(buf, a))
     nbytes = kind.nbytes(buf, a)
@@ -39,17 +40,17 @@ def collective(c, kind, blocking: bool, buf, op=None, root=None, algorithm="auto
                                       or c._wire.staged(buf))
     call.algorithm = select.choose(kind.name, nbytes, c.size, a.algorithm,         # choose
                                    c._auto.get(kind.name, "auto"), short,
-                                   c.topology if a.counts is None else None)
+                                   topology=c.topology if a.counts is None else None)
     if call.algorithm == select.SHORT:
         if blocking and not c.debug and timeline.active() is None:
             _remember(c, kind, buf, a)
     else:
         a.algorithm = call.algorithm
     if blocking:
-        return _watched(c, c._wire, kind, call, buf, a, nbytes)
+        return _watched(c, c._wire, kind, call, buf, a, nbytes=nbytes)
 
     def run(wire):
-        return _counted(wire, lambda: _watched(c, wire, kind, call, buf, a, nbytes))
+        return _counted(wire, lambda: _watched(c, wire, kind, call, buf, a, nbytes=nbytes))
 
     if c.size == 1:           # nothing to wait for: done now, no progress-thread handoff (13%
         return Handle(Done(lambda: run(c._bg_wire)), c._ledger, call,    # of a DDP step)
@@ -80,7 +81,7 @@ def agree_only(c, kind: str, buf, op=None, root=None, length=None) -> int:
     return call.seq
 
 
-def _watched(c, wire, kind, call, buf, a, nbytes: int = 0):
+def _watched(c, wire, kind, call, buf, a, *, nbytes: int = 0):
     """The watchdog and the timeline around the data's move: the one place every checked
     call enters them. (A memo hit — never taken while the timeline records — is watched by
     the ledger's lean wait, registered only if its exchange does not complete at once.)"""
@@ -92,7 +93,7 @@ def _watched(c, wire, kind, call, buf, a, nbytes: int = 0):
             "2-level" if label == "hierarchical" else "inter")
         with timeline.collective(call.kind, label, nbytes, c.size, link) as record:
             if call.algorithm == select.SHORT:
-                return _short(c, wire, kind, call, None, buf, a)
+                return _short(c, wire, kind, call, None, buf, a=a)
             c._ledger.agree(wire.exchanges, call)      # a mismatch raises alike on every rank
             try:
                 return kind.run(wire, buf, a, record)                 # the algorithm, the wire
@@ -107,7 +108,7 @@ def _watched(c, wire, kind, call, buf, a, nbytes: int = 0):
         watchdog.leave(wait)
 
 
-def _short(c, wire, kind, call, plan, buf, a):
+def _short(c, wire, kind, call, plan, buf, *, a):
     """The short exchange: this rank's payload rides in the agreement, which folds
     every rank's; then the kind takes its result out. ``plan``: a memo hit's (numbered and
     agreed with its cached key); else ``call``'s."""
@@ -146,14 +147,15 @@ class Memo:
         self.kind, self.writes = kind, kind.writes_buf
         # the call's arguments but ``out`` (which the key leaves out): the same for every
         # call this plan takes
-        self.args = Args(a.op, a.root, a.algorithm, None, None, a.total, None, a.extra,
-                         a.rank, a.size)
-        self.args_out = Args(a.op, a.root, a.algorithm, None, None, a.total, None, a.extra,
-                             a.rank, a.size)
+        self.args = Args(a.op, a.root, a.algorithm, None, None, a.total, extra=a.extra,
+                         rank=a.rank, size=a.size)
+        self.args_out = Args(a.op, a.root, a.algorithm, None, None, a.total, extra=a.extra,
+                             rank=a.rank, size=a.size)
         size, dtype, self.fold, self.fields = kind.short_form(host, a)
         self.payload = (size, dtype)
-        self.static = ledger.static_key(self.fields[0], True, select.SHORT, *self.fields[1:],
-                                        -1, True)
+        name, length, dtype, op, root = self.fields
+        self.static = ledger.static_key(name, True, select.SHORT, length, dtype, op,
+                                        root=root, k=-1, ok=True)
         self.check_out = a.out is not None
 
     def args_for(self, out):

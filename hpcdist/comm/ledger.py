@@ -41,7 +41,7 @@ class Call:
     __slots__ = ("kind", "seq", "blocking", "length", "dtype", "op", "root", "k", "problem",
                  "shape", "where", "algorithm")
 
-    def __init__(self, kind, seq, blocking, length=0, dtype=None, op=None, root=-1, k=-1,
+    def __init__(self, kind, seq, blocking, length=0, dtype=None, op=None, *, root=-1, k=-1,
                  problem=None, shape=None, where=None, algorithm=""):
         self.kind, self.seq, self.blocking, self.length, self.dtype = kind, seq, blocking, length, dtype
         self.op, self.root, self.k, self.problem, self.shape, self.where = op, root, k, problem, shape, where
@@ -51,8 +51,8 @@ class Call:
         """The call as a number every rank computes alike (see ``key``)."""
         ok = self.problem is None
         return key(self.kind, self.seq, self.blocking, self.algorithm,
-                   self.length if ok else -1, self.dtype if ok else None, self.op, self.root,
-                   self.k, ok, self.where, self.shape)
+                   self.length if ok else -1, self.dtype if ok else None, op=self.op,
+                   root=self.root, k=self.k, ok=ok, where=self.where, shape=self.shape)
 
     def describe(self) -> str:
         s = f"call #{self.seq} {self.kind}" + ("" if self.blocking else " (non-blocking)")
@@ -76,15 +76,15 @@ class Call:
         return s
 
 
-def key(kind, seq, blocking, algorithm, length, dtype, op, root, k, ok, where=None,
+def key(kind, seq, blocking, algorithm, length, dtype, *, op, root, k, ok, where=None,
         shape=None) -> int:
     """A call as a 62-bit number: ``hash`` of ints, which is not salted per process (``hash``
     of a str is). ``where`` and ``shape`` count only in debug mode (``where`` set)."""
-    return hash((seq, static_key(kind, blocking, algorithm, length, dtype, op, root, k, ok,
-                                 where, shape))) & KEY_MASK
+    return hash((seq, static_key(kind, blocking, algorithm, length, dtype, op, root=root, k=k,
+                                 ok=ok, where=where, shape=shape))) & KEY_MASK
 
 
-def static_key(kind, blocking, algorithm, length, dtype, op, root, k, ok, where=None,
+def static_key(kind, blocking, algorithm, length, dtype, op, *, root, k, ok, where=None,
                shape=None) -> int:
     """Everything of a call's key but its number (cacheable: ``key`` is
     ``hash((seq, static_key)) & KEY_MASK``)."""
@@ -244,7 +244,7 @@ class Ledger:
         self._lean_wait = watchdog.Wait(label, 0, "", 0, peers)
 
     def open(self, kind, buf=None, name="buf", blocking=True, op=None, root=None,
-             length=None, k=-1, problem=None, out=None) -> Call:
+             *, length=None, k=-1, problem=None, out=None) -> Call:
         """This rank's side of the next call (in the caller's thread, so blocking and
         non-blocking calls share one numbering). Raises here an error of an earlier
         non-blocking call that nobody waited for."""
@@ -279,7 +279,7 @@ class Ledger:
         wait.seq, wait.kind, wait.nbytes = seq, fields[0], ex.data.nbytes
         if not ex.run(hash((seq, static)) & KEY_MASK, fold, wait):
             kind, length, dtype, op, root = fields
-            mismatch(exchanges.wire, Call(kind, seq, True, length, dtype, op, root,
+            mismatch(exchanges.wire, Call(kind, seq, True, length, dtype, op, root=root,
                                           algorithm=SHORT), self.label)
 
     # handles of non-blocking calls

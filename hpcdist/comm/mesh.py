@@ -120,7 +120,7 @@ class ProcessMesh:
     """
 
     def __init__(self, comm, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                 backend: str = "mpi"):
+                 *, backend: str = "mpi"):
         validate_mesh(comm.size, dp, tp, pp, cp, ep)
         self.world, self.grid = comm, Grid(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
         self.backend = backend          # "nccl": every group is an NCCL communicator

@@ -42,7 +42,7 @@ def reduce_scatter_inplace(wire, buf, op: str, bounds=None, wire_dtype=None) -> 
 
 
 def allgather_inplace(wire, buf, bounds, pos=None, left=None, right=None,
-                      wire_dtype=None) -> None:
+                      *, wire_dtype=None) -> None:
     """Fill every piece of ``buf`` from the rank that owns it.
 
     ``bounds[i]`` is piece i's [lo, hi); the rank at ring position ``pos`` owns piece ``pos``

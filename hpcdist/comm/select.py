@@ -99,15 +99,15 @@ def check_name(kind: str, algorithm: str) -> None:
 
 
 def choose(kind: str, nbytes: int, world: int, algorithm: str = "auto", forced: str = "auto",
-           short: bool = True, topology: Topology | None = None) -> str:
+           short: bool = True, *, topology: Topology | None = None) -> str:
     """``choose_among``'s answer, remembered (not where the ranks span nodes: the links
     decide there)."""
     if topology is not None and topology.two_level:
-        return choose_among(kind, nbytes, world, algorithm, forced, short, topology)
+        return choose_among(kind, nbytes, world, algorithm, forced, short, topology=topology)
     key = (kind, nbytes, world, algorithm, forced, short, CHANGES[0])
     name = _CHOSEN.get(key)
     if name is None:
-        name = choose_among(kind, nbytes, world, algorithm, forced, short, None)
+        name = choose_among(kind, nbytes, world, algorithm, forced, short, topology=None)
         if len(_CHOSEN) > 4096:
             _CHOSEN.clear()
         _CHOSEN[key] = name
@@ -116,7 +116,7 @@ def choose(kind: str, nbytes: int, world: int, algorithm: str = "auto", forced: 
 
 def choose_among(kind: str, nbytes: int, world: int, algorithm: str = "auto",
                  forced: str = "auto", short: bool = True,
-                 topology: Topology | None = None) -> str:
+                 *, topology: Topology | None = None) -> str:
     """The algorithm a ``kind`` call of ``nbytes`` (payload) runs. SHORT — the data carried
     by the ledger's agreement (short.py) — is one more algorithm, chosen for short calls of
     a rides_short choice where ``short`` (the buffer is on the host or staged there); a

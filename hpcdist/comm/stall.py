@@ -73,7 +73,7 @@ def silent_by_node(silent: list, hosts: list | None) -> str:
 
 
 def format_report(me: dict, overdue, statuses: dict, silent: list, deadline: float,
-                  why: str, hosts: list | None = None, grace_s: float = 0.0) -> str:
+                  why: str, *, hosts: list | None = None, grace_s: float = 0.0) -> str:
     """One readable report: this rank's wait, every rank's state, who did not arrive
     (``hosts[r]``: rank r's host, to name the nodes that went quiet)."""
     lines = [f"[hpcdist watchdog] rank {me['rank']} (host {me['host']}, pid {me['pid']}) "

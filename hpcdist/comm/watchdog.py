@@ -360,7 +360,7 @@ class Watchdog(threading.Thread):
                else "waited past its deadline in")
         deadline = grace() if self.urgent else timeout()
         sys.stderr.write(format_report(me, overdue, statuses, silent, deadline, why,
-                                       self.hosts, grace()))
+                                       hosts=self.hosts, grace_s=grace()))
         sys.stderr.flush()
         from . import abort
         abort.end_job(EXIT_TIMEOUT)

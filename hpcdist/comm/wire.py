@@ -157,7 +157,7 @@ class Wire:
     def Recv(self, buf, source, tag=0, status=None):
         self.mpi.Recv(self._buf(buf, "Recv"), source, tag, status)
 
-    def Sendrecv(self, sendbuf, dest, sendtag, recvbuf, source, recvtag, status=None):
+    def Sendrecv(self, sendbuf, dest, sendtag, recvbuf, source, recvtag, *, status=None):
         self.mpi.Sendrecv(self._out(sendbuf, "Sendrecv", dest), dest, sendtag,
                           self._buf(recvbuf, "Sendrecv"), source, recvtag, status)
 

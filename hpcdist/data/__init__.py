@@ -128,7 +128,7 @@ class DistributedSampler:
     """
 
     def __init__(self, n: int, batch_size: int, rank: int = 0, world: int = 1, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = True):
+                 shuffle: bool = True, *, drop_last: bool = True):
         if n <= 0:
             raise ValueError("the dataset is empty")
         if batch_size <= 0:

@@ -133,7 +133,7 @@ def _encode(files, tok, train, val, val_fraction: float, errors: str) -> None:
 
 
 def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
-            shard_tokens: int = 100_000_000, val_fraction: float = 0.05, replace: bool = False,
+            shard_tokens: int = 100_000_000, val_fraction: float = 0.05, *, replace: bool = False,
             errors: str = "strict", say=print) -> dict:
     """Tokenizer + shards of ``files`` in ``out``; returns counts. Everything is written to a
     folder beside the shards first and moved in only once complete: a failure leaves ``out``
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         ap.error("--shard-tokens must be >= 1 and --val-fraction in [0, 1)")
     try:
         prepare(args.files, args.out, args.vocab_size, args.tokenizer, args.shard_tokens,
-                args.val_fraction, args.replace, args.encoding_errors)
+                args.val_fraction, replace=args.replace, errors=args.encoding_errors)
     except OSError as e:
         what = f"{e.filename}: {e.strerror}" if e.filename else str(e)
         print(f"python -m hpcdist.data: error: {what}; nothing was written to {args.out}",

@@ -53,7 +53,7 @@ class Fused:
     twin's largest output; ``library``: the library call its launcher makes besides its
     kernels (cuBLAS), if any."""
 
-    def __init__(self, name, source, kernels, launch, twin, cases, launches=1,
+    def __init__(self, name, source, kernels, launch, twin, cases, *, launches=1,
                  tolerance=1e-5, compare=None, dtypes=tuple(DTYPES), library=None,
                  may_skip=lambda args: False, ctypes=lambda dtype, defines: {}):
         self.name, self.source, self.kernels = name, source, kernels

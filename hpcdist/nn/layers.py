@@ -155,7 +155,7 @@ class SwiGLU(Module):
     silu (SwiGLU) or the tanh GELU (GeGLU)."""
 
     def __init__(self, C: int, H: int, bias: bool = False, std: float = 0.02,
-                 proj_std: float = 0.02, dropout: float = 0.0, activation: str = "silu"):
+                 proj_std: float = 0.02, dropout: float = 0.0, *, activation: str = "silu"):
         self.gate_up = Linear(C, 2 * H, bias=bias, std=std)
         self.down = Linear(H, C, bias=bias, std=proj_std)
         self.drop = Dropout(dropout)

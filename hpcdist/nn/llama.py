@@ -199,7 +199,7 @@ class Block(Module):
                                                  activation=cfg.activation))
         else:
             self.mlp = SwiGLU(cfg.n_embd, H, False, 0.02, proj_std, cfg.dropout,
-                              cfg.activation)
+                              activation=cfg.activation)
 
     def projections(self) -> list:
         out = [Projection("attn.qkv", "column", self.attn.core.shape.pieces),

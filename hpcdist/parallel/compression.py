@@ -267,7 +267,7 @@ class _Then:
 
 def make_compression(name: str, density: float = 0.01, momentum: float = 0.9,
                      clip: float = 0.0, warmup_steps: int = 0, rank: int = 1,
-                     start_step: int = 0):
+                     *, start_step: int = 0):
     if name == "none":
         return NoCompression()
     if name == "fp16":

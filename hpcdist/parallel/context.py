@@ -220,7 +220,7 @@ def _as_slice(ix: np.ndarray):
     return ix if len(ix) else None
 
 
-def bytes_per_layer(impl: str, n: int, B: int, T: int, C: int, itemsize: int,
+def bytes_per_layer(impl: str, n: int, B: int, T: int, C: int, itemsize: int, *,
                     backward: bool = True) -> int:
     """Bytes the context-parallel group sends for one layer's attention on B sequences of T
     positions, summed over its ranks (C: the width of this rank's heads). Ring: the payload

@@ -35,7 +35,7 @@ class DistributedDataParallel:
     """
 
     def __init__(self, model, comm, flat: FlatParams | None = None, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0, overlap: bool = True, compression=None,
+                 first_bucket_mb: float = 1.0, overlap: bool = True, *, compression=None,
                  compute=None, experts=(), expert_comm=None):
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError("bucket sizes must be positive")

@@ -135,7 +135,7 @@ class PipelineStrategy(Strategy):
     everything else is the inner strategy's."""
 
     def __init__(self, inner, pmodel: PipelineModel, mesh, name: str, m: int, v: int,
-                 embed_comm=None):
+                 *, embed_comm=None):
         self.inner, self.model, self.mesh = inner, pmodel, mesh
         self.pp = mesh.pp_comm
         self.P, self.m, self.v, self.name = mesh.pp, m, v, name

@@ -145,7 +145,7 @@ class PSServer(Strategy):
     brings_loop = True              # it answers the workers until they are done
 
     def __init__(self, model, comm, server_comm, make_optimizer, servers: int,
-                 max_staleness: int, cfg):
+                 max_staleness: int, *, cfg):
         self.model, self.comm, self.mesh, self.cfg = model, comm, None, cfg
         self.scaler = LossScaler(enabled=False)
         flat = FlatParams(model.parameters())          # the flat order: names, decay ranges

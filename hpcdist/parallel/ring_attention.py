@@ -57,7 +57,7 @@ def _mask(edges, dtype, seen: float, unseen: float):
     return xp.where(edges[0] >= edges[1], seen, unseen).astype(dtype)
 
 
-def _block_forward(q, k, v, seen, keep, scale, out, lse) -> None:
+def _block_forward(q, k, v, seen, keep, scale, *, out, lse) -> None:
     """Merge the attention of q over one K/V block into (out, lse), in place (``seen``:
     ``ContextParallel.visible`` of the block; ``keep``: its dropout, kept / (1 - p))."""
     rows, cols, edges = seen
@@ -85,7 +85,7 @@ def _block_forward(q, k, v, seen, keep, scale, out, lse) -> None:
     lse[..., rows] = new
 
 
-def _block_backward(q, k, v, seen, keep, scale, dout, lse, D, dq):
+def _block_backward(q, k, v, seen, keep, scale, *, dout, lse, D, dq):
     """dq += this block's part (in place); returns (dk, dv) of the block. With dropout
     (``keep``), D = rowsum(dout * out) of the dropped output is still the softmax's term."""
     xp = backend.array_module(q)
@@ -114,7 +114,7 @@ def _block_backward(q, k, v, seen, keep, scale, dout, lse, D, dq):
     return dkv
 
 
-def _look(cp, draw, p: float, dtype, xp, groups: int, src: int):
+def _look(cp, draw, p: float, dtype, xp, groups: int, *, src: int):
     """What this rank's queries see of rank ``src``'s keys (``ContextParallel.visible``), and
     their dropout there, kept / (1 - p), from the one-process draw (``draw``; None without)."""
     seen = cp.visible(src, xp)
@@ -145,7 +145,7 @@ def ring_attention(cp, qkv: Tensor, shape, p: float = 0.0) -> Tensor:
     look = functools.partial(_look, cp, cp.attention_draw(B, shape.n_head, p), p, q.dtype, xp,
                              shape.n_kv_head)
     rotate_forward(cp, xp.stack([k, v]), lambda kb, vb, src: _block_forward(
-        q, kb, vb, *look(src), scale, out, lse))
+        q, kb, vb, *look(src=src), scale, out=out, lse=lse))
     y = _tokens(out).astype(qkv.dtype)
 
     def backward(g):
@@ -153,7 +153,7 @@ def ring_attention(cp, qkv: Tensor, shape, p: float = 0.0) -> Tensor:
         D = (dout * out).sum(axis=-1)
         dq = xp.zeros_like(q)
         dkv = rotate_backward(cp, xp.stack([k, v]), lambda kb, vb, src: _block_backward(
-            q, kb, vb, *look(src), scale, dout, lse, D, dq))
+            q, kb, vb, *look(src=src), scale, dout=dout, lse=lse, D=D, dq=dq))
         d = xp.concatenate([_tokens(dq), _tokens(dkv[0]), _tokens(dkv[1])], axis=-1)
         return (d.astype(qkv.dtype),)
     return Tensor._make(y, (qkv,), backward)

@@ -29,7 +29,7 @@ def _pairs(cp, src):
                 yield (q0, q1, qp), (k0, k1, kp)
 
 
-def _merge(out, lse, q0: int, q1: int, y, l, nh: int) -> None:
+def _merge(out, lse, q0: int, q1: int, y, l, *, nh: int) -> None:
     """Rows q0:q1 of (out, lse) and a block's (y, l), merged by log-sum-exp, in place (a row
     that has seen nothing yet keeps y 0 and lse -inf)."""
     xp = backend.array_module(out)
@@ -63,7 +63,7 @@ def ring_flash(cp, qkv: Tensor, shape) -> Tensor:
     def forward(kb, vb, src):
         for (q0, q1, qp), (k0, k1, kp) in _pairs(cp, src):
             y, l = fwd(q[:, q0:q1], kb[:, k0:k1], vb[:, k0:k1], nh, nkv, scale, qp, kp)
-            _merge(out, lse, q0, q1, y.astype(ct), l.astype(ct), nh)
+            _merge(out, lse, q0, q1, y.astype(ct), l.astype(ct), nh=nh)
     rotate_forward(cp, xp.stack([k, v]), forward)
 
     def backward(g):

@@ -222,8 +222,8 @@ def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
                     if key0 not in post_time:      # post every op of the batch now
                         post_time[key0] = clock[s]
                         for j, op in enumerate(a.ops):
-                            _post(posted, matched, message_key(op, s, P, v), op, s, idx[s], j,
-                                  clock[s], c["send"])
+                            _post(posted, matched, message_key(op, s, P, v), op, s, idx[s], j=j,
+                                  t=clock[s], send_cost=c["send"])
                         progress = True
                     # receives block; sends are posted and complete when their receive is
                     # posted, waited for at the end of the step (below)
@@ -235,17 +235,17 @@ def verify(schedule: list[list[Action]], P: int, m: int, v: int = 1, costs=None,
                     sends[s] += [(idx[s], j) for j, op in enumerate(a.ops) if op.kind == "SEND"]
                     got[s].update((op.what, op.mb, op.chunk) for op in a.ops if op.kind == "RECV")
                 else:
-                    _compute(a, s, idx[s], P, v, c, got[s], events[s], clock, busy, live[s],
-                             peak)
+                    _compute(a, s, idx[s], P, v, c, got=got[s], events=events[s], clock=clock,
+                             busy=busy, live=live[s], peak=peak)
                 idx[s] += 1
                 progress = True
-    _check_end(schedule, P, idx, posted, matched, sends, clock, peak, stash_limit)
+    _check_end(schedule, P, idx, posted, matched, sends, clock=clock, peak=peak, limit=stash_limit)
     makespan = max(clock)
     bubble = 1.0 - sum(busy) / (P * makespan) if makespan else 0.0
     return Verdict(makespan, bubble, peak, busy, events)
 
 
-def _compute(a, s, i, P, v, c, got, events, clock, busy, live, peak) -> None:
+def _compute(a, s, i, P, v, c, *, got, events, clock, busy, live, peak) -> None:
     """Stage s runs compute action ``a`` (its ``i``-th): its input must have arrived; the
     clock, busy time, events and the stash of live micro-batches move on."""
     k = a.chunk * P + s                 # the data this compute needs is here
@@ -266,7 +266,7 @@ def _compute(a, s, i, P, v, c, got, events, clock, busy, live, peak) -> None:
     peak[s] = max(peak[s], len(live))
 
 
-def _check_end(schedule, P, idx, posted, matched, sends, clock, peak, limit) -> None:
+def _check_end(schedule, P, idx, posted, matched, sends, *, clock, peak, limit) -> None:
     """After the walk: every stage finished, every message matched, each stage's clock past
     its sends' completion, no stage's stash above the schedule's promise (``limit``)."""
     stuck = [s for s in range(P) if idx[s] < len(schedule[s])]
@@ -287,7 +287,7 @@ def _check_end(schedule, P, idx, posted, matched, sends, clock, peak, limit) -> 
                                     f"{limit[s]} the schedule promises")
 
 
-def _post(posted, matched, key, op, s, i, j, t, send_cost) -> None:
+def _post(posted, matched, key, op, s, i, *, j, t, send_cost) -> None:
     other = "RECV" if op.kind == "SEND" else "SEND"
     queue = posted.setdefault(key, [])
     for n, e in enumerate(queue):

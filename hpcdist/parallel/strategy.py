@@ -40,7 +40,7 @@ __all__ = ["Strategy", "DataParallelStrategy", "Norm", "GradSum", "build_strateg
 class DataParallelStrategy(Strategy):
     """The plain data-parallel path (``--zero 0``): DDP + mixed precision + a full optimizer."""
 
-    def __init__(self, model, ddp, opt, mp, dp_comm, norm=None, grad_sum=None, mesh=None):
+    def __init__(self, model, ddp, opt, mp, dp_comm, norm=None, *, grad_sum=None, mesh=None):
         self.model, self.ddp, self.opt, self.mp = model, ddp, opt, mp
         mp.attach(opt)                             # the optimizer writes the compute copy
         self.dp_comm, self.mesh = dp_comm, mesh
@@ -255,7 +255,7 @@ def build_parameter_server(cfg, comm, train_set):
     if worker:
         return model, PSWorker(model, comm, sub, cfg.servers)
     return model, PSServer(model, comm, sub, make_optimizer_factory(cfg), cfg.servers,
-                           cfg.max_staleness, cfg)
+                           cfg.max_staleness, cfg=cfg)
 
 
 def build_groups(cfg, comm, train_set):
@@ -315,7 +315,7 @@ def build_strategy(cfg, comm, train_set):
         mp = MixedPrecision(model.parameters(), cfg.precision, scaler)
         compression = make_compression(cfg.compress, cfg.density, cfg.compress_momentum,
                                        cfg.compress_clip, cfg.density_warmup, cfg.powersgd_rank,
-                                       cfg.powersgd_start)
+                                       start_step=cfg.powersgd_start)
         ddp = DistributedDataParallel(model, dp_comm, flat=mp.master, compute=mp.compute,
                                       bucket_mb=cfg.bucket_mb,
                                       first_bucket_mb=cfg.first_bucket_mb,
@@ -323,9 +323,9 @@ def build_strategy(cfg, comm, train_set):
                                       compression=compression, experts=experts,
                                       expert_comm=mesh.expert_dp_comm if experts else None)
         strategy = DataParallelStrategy(model, ddp, make_optimizer(mp.master), mp, dp_comm,
-                                        norm, grad_sum, mesh)
+                                        norm, grad_sum=grad_sum, mesh=mesh)
     if cfg.pp > 1:
         strategy = PipelineStrategy(strategy, model, mesh, cfg.schedule,
                                     cfg.micro_batches or 2 * cfg.pp, cfg.virtual_stages,
-                                    embed_comm)
+                                    embed_comm=embed_comm)
     return model, strategy

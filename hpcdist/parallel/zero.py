@@ -44,7 +44,7 @@ class Zero(ZeroShape, Strategy):
     level = 0
 
     def __init__(self, model, comm, make_optimizer, compute_dtype=None,
-                 scaler=None, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 scaler=None, bucket_mb: float = 25.0, *, first_bucket_mb: float = 1.0,
                  norm=None, grad_sum=None, mesh=None, overlap: bool = True):
         self.model, self.comm, self.mesh = model, comm, mesh
         self.overlap = overlap            # ZeRO-2: reduce-scatter buckets as backward fills them

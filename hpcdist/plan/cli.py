@@ -217,11 +217,11 @@ def main(argv=None) -> int:
     print(command(model, fits, args.gpus, args.gpus_per_node, settings))
     if args.diloco:
         print(diloco_advice(model, fits, gpu, args.gpus, args.gpus_per_node,
-                            args.global_batch, settings, args.diloco))
+                            args.global_batch, settings=settings, H=args.diloco))
     return 0
 
 
-def diloco_advice(model, fits, gpu, gpus: int, per_node: int, batch: int, settings,
+def diloco_advice(model, fits, gpu, gpus: int, per_node: int, batch: int, *, settings,
                   H: int) -> str:
     """The step of the fastest layout with data parallelism across nodes (and no pipeline),
     at this network and slower ones: the share DDP computes (its gradient exchange,
@@ -241,7 +241,7 @@ def diloco_advice(model, fits, gpu, gpus: int, per_node: int, batch: int, settin
              "  network GB/s   DDP exchange s   DDP computing   DiLoCo computing"]
     for factor in (1, 10, 100, 1000):
         g = replace(gpu, network=gpu.network / factor)
-        e = estimate(model, L, g, gpus, per_node, batch, settings)
+        e = estimate(model, L, g, gpus, per_node, batch, settings=settings)
         work = e.step_s - e.parts["dp"]
         lines.append(f"  {g.network / GB:12.2f} {e.parts['dp']:16.3f} {work / e.step_s:15.0%} "
                      f"{work / (work + e.parts['dp'] / H):18.0%}")

@@ -30,8 +30,8 @@ def candidates(model: Model, gpus: int, per_node: int, batch: int,
                 if why:
                     refused.append(({**base, "schedule": f"{name} v{v}"}, why))
                     continue
-                ok.extend(_variants(model, base, split, b, per_replica // b, name, v,
-                                    settings, refused))
+                ok.extend(_variants(model, base, split, b, per_replica // b, name, v=v,
+                                    settings=settings, refused=refused))
     return ok + _hybrid(ok, per_node), refused
 
 
@@ -51,7 +51,8 @@ def meshes(model: Model, gpus: int, per_node: int, batch: int, settings: Setting
         for cp in [c for c in settings.cp_sizes if (gpus // tp) % c == 0 and tp * c <= gpus]:
             for pp in _divisors(gpus // (tp * cp)):
                 base = {"tp": tp, "cp": cp, "pp": pp, "dp": gpus // (tp * pp * cp)}
-                why = _mesh_problem(model, tp, pp, base["dp"], cp, per_node, batch, settings)
+                why = _mesh_problem(model, tp, pp, base["dp"], cp, per_node, batch=batch,
+                                    settings=settings)
                 splits = stage_splits(model.layers, pp)
                 if not settings.uneven_splits:
                     splits = [s for s in splits if s == ()][:1]
@@ -68,7 +69,7 @@ def _expert_sizes(model, dp: int) -> list:
     return [e for e in _divisors(dp) if model.experts % e == 0] if model.experts else [1]
 
 
-def _variants(model, base, split, b, m, name, v, settings, refused) -> list:
+def _variants(model, base, split, b, m, name, *, v, settings, refused) -> list:
     """The layouts of one mesh, micro-batch and schedule: ZeRO level, recompute, sequence
     parallelism, the context-parallel variant, the expert-parallel size."""
     out = []
@@ -111,7 +112,7 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _mesh_problem(model, tp, pp, dp, cp, per_node, batch, settings) -> str | None:
+def _mesh_problem(model, tp, pp, dp, cp, per_node, *, batch, settings) -> str | None:
     if tp > per_node and not settings.tp_across_nodes:
         return f"TP {tp} leaves the node ({per_node} GPUs): its collectives per layer would " \
                "cross the network (--tp-across-nodes to consider it)"
@@ -152,7 +153,7 @@ def plan(model: Model, gpu: GPU, gpus: int, per_node: int, batch: int,
             refused.append((asdict(L), f"ulysses splits the {kv} kv heads a TP rank holds "
                             f"over CP {L.cp}: it must divide them"))
             continue
-        e = estimate(model, L, gpu, gpus, per_node, batch, settings)
+        e = estimate(model, L, gpu, gpus, per_node, batch, settings=settings)
         if e.fits:
             fits.append(e)
         else:

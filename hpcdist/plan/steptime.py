@@ -56,7 +56,7 @@ def _allreduce(nbytes: float, n: int, bw: float, alpha: float) -> float:
 
 
 def estimate(model: Model, L: Layout, gpu: GPU, gpus: int, per_node: int, batch: int,
-             settings: Settings = Settings()) -> Estimate:
+             *, settings: Settings = Settings()) -> Estimate:
     e = Estimate(L)
     e.memory = memory(model, L, settings)
     usable = gpu.memory * settings.memory_headroom

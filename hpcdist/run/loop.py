@@ -68,7 +68,7 @@ def steps(run: Run, start: Start):
     extra = strategy.summary()                      # collective where the strategy gathers
     line = extra.pop("line", None)
     if stopped:
-        final = stopped_report(cfg, stopped, step, start.step, comm.size, t_start, run.say)
+        final = stopped_report(cfg, stopped, step, start.step, comm.size, t_start, say=run.say)
     else:
         runtime.test_hooks("end")
         final = final_report(run, history, t_start, train_bytes)
@@ -124,7 +124,7 @@ def loop(run: Run, start: Start):
         step += 1
         runtime.test_hooks(step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
-        rec = train_step(cfg, strategy, run.train_set, sampler, step, lr, delay)
+        rec = train_step(cfg, strategy, run.train_set, sampler, step, lr, delay=delay)
         history.append(rec)
         unread.add(rec)
         stopped, save_at, more = strategy.control(step, cfg, stop, comm)
@@ -160,7 +160,7 @@ def straggler_delay(cfg, rank: int) -> float:
 
 
 def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
-               delay: float = 0.0) -> dict:
+               *, delay: float = 0.0) -> dict:
     """One optimizer step over ``cfg.grad_accum`` micro-batches; its metrics record.
     ``delay``: seconds this rank sleeps in the step (a straggler)."""
     xp = backend.xp()

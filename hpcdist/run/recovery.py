@@ -166,7 +166,8 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
     if reader is None:
         folder, _ = checkpoint.find_resume(cfg.save_dir) if cfg.save_dir else (None, "")
         if folder is None and getattr(lost, "committed_step", None) == 0 and not joiners:
-            return comm, cfg, _from_the_seed(comm, cfg, lost, gone, before, notes, datasets)
+            return comm, cfg, _from_the_seed(comm, cfg, lost, gone, before, notes,
+                                             datasets=datasets)
         if folder is None:
             raise checkpoint.CheckpointError(
                 f"no checkpoint {'in ' + cfg.save_dir if cfg.save_dir else '(no --save-dir)'}"
@@ -189,7 +190,7 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
 SEED = "the seed"          # where a recovery before the first committed step resumes from
 
 
-def _from_the_seed(comm, cfg, lost, gone, before, notes, datasets):
+def _from_the_seed(comm, cfg, lost, gone, before, notes, *, datasets):
     """A rank lost before any step was committed: the state to go on from is the initial
     one, which the seed makes on every rank again: what ``train`` starts from (no reader)."""
     source = "the initial state (no step was committed yet: the seed makes it again)"

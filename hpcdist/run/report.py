@@ -20,7 +20,7 @@ from .evaluate import evaluate_run
 from .preemption import EXIT_PREEMPTED
 
 
-def header(cfg, model, strategy, world, hosts, train_set, test_set) -> list[str]:
+def header(cfg, model, strategy, world, hosts, train_set, *, test_set) -> list[str]:
     """The run's header: model, task, device, world and layout, precision, the strategy's
     own lines (``describe``), steps."""
     data_size = strategy.batch_comm.size
@@ -124,7 +124,7 @@ def progress_line(rec: dict, steps: int, eta: float) -> str:
 
 
 def stopped_report(cfg, stopped: int, step: int, start: int, world: int, t_start: float,
-                   say) -> dict:
+                   *, say) -> dict:
     name = signal.Signals(stopped).name
     code = exit_code(stopped)
     if step > start and cfg.save_dir:

@@ -61,7 +61,7 @@ class ColumnParallelLinear(Module):
     model's parallel.sequence.Sequence), split along the sequence (allgather, backward
     reduce-scatter). ``logical``: the whole weight's shape where ``weight`` is padded."""
 
-    def __init__(self, weight, bias, comm, pieces=1, seq=None, logical=None, multiple=1):
+    def __init__(self, weight, bias, comm, pieces=1, seq=None, logical=None, *, multiple=1):
         C_out = weight.shape[1]
         pieces = piece_spec(piece_widths(C_out, pieces))
         for width in piece_widths(C_out, pieces):

@@ -11,4 +11,4 @@ from .core import (_lift, _unbroadcast, _xp, add, sub, mul, div, neg, pow, exp, 
 from .nn import (embedding, attend, softmax, causal_softmax, fused_attention, log_softmax,
                  cross_entropy, layer_norm, dropout, where, masked_fill, cast,
                  moe_permute, moe_combine)
-from .llama import geglu, rms_norm, rotary, swiglu
+from .norm_gate_rope import geglu, rms_norm, rotary, swiglu

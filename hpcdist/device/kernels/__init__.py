@@ -45,11 +45,11 @@ for _op, _fn in ((BIAS_GELU, _cpu.bias_gelu), (GELU_FWD, _cpu.gelu), (GELU_BWD, 
                  (MOE_PERMUTE, _cpu.moe_permute), (MOE_COMBINE, _cpu.moe_combine),
                  (MOE_COMBINE_BWD, _cpu.moe_combine_bwd)):
     _op.cpu = _fn
-from . import cpu_llama as _cpu_llama  # noqa: E402  (numba is imported on first use only)
-for _op, _fn in ((RMSNORM_FWD, _cpu_llama.rmsnorm), (RMSNORM_BWD, _cpu_llama.rmsnorm_bwd),
-                 (SWIGLU_FWD, _cpu_llama.swiglu), (SWIGLU_BWD, _cpu_llama.swiglu_bwd),
-                 (GEGLU_FWD, _cpu_llama.geglu), (GEGLU_BWD, _cpu_llama.geglu_bwd),
-                 (ROTARY, _cpu_llama.rotary)):
+from . import cpu_norm_gate_rope as _cpu_norm_gate_rope  # noqa: E402  (numba is imported on first use only)
+for _op, _fn in ((RMSNORM_FWD, _cpu_norm_gate_rope.rmsnorm), (RMSNORM_BWD, _cpu_norm_gate_rope.rmsnorm_bwd),
+                 (SWIGLU_FWD, _cpu_norm_gate_rope.swiglu), (SWIGLU_BWD, _cpu_norm_gate_rope.swiglu_bwd),
+                 (GEGLU_FWD, _cpu_norm_gate_rope.geglu), (GEGLU_BWD, _cpu_norm_gate_rope.geglu_bwd),
+                 (ROTARY, _cpu_norm_gate_rope.rotary)):
     _op.cpu = _fn
 for _kind in ("exact", "bf16"):                  # (TF32 is the GPU's alone)
     FLASH_FWD[_kind].cpu = _cpu_attention.flash_fwd(_kind)

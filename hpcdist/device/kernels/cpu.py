@@ -70,7 +70,7 @@ def jit():
             if not os.environ.get("NUMBA_THREADING_LAYER"):
                 numba.config.THREADING_LAYER = _layer()
             from . import cpu_jit
-            from . import cpu_llama_jit  # noqa: F401  (its kernels join cpu_jit's)
+            from . import cpu_norm_gate_rope_jit  # noqa: F401  (its kernels join cpu_jit's)
             if blas.find() is not None:
                 from . import cpu_gemm  # noqa: F401  (its kernels join cpu_jit's)
         except ImportError as e:           # numba absent or broken: the twins run

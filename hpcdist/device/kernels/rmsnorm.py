@@ -1,6 +1,6 @@
 """RMSNorm's fused kernels (forward, backward), each beside its NumPy twin: x / rms(x) * w,
 one warp a row forward; the weight's gradient summed by the last block. Their CPU kernels:
-cpu_llama.py."""
+cpu_norm_gate_rope.py."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,6 +1,6 @@
 """Rotary position embeddings on the fused q|k|v (forward; the backward is the rotation
 back), beside the NumPy twin, and the cos / sin tables of a rotary kind's frequencies. Its CPU
-kernel: cpu_llama.py."""
+kernel: cpu_norm_gate_rope.py."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,6 +1,6 @@
 """The gated MLPs' fused kernels from the fused gate | up projection (forward, backward), each
 beside its NumPy twin, 16 bytes a thread: SwiGLU's silu(gate) * up and GeGLU's
-gelu_tanh(gate) * up (Gemma). Their CPU kernels: cpu_llama.py."""
+gelu_tanh(gate) * up (Gemma). Their CPU kernels: cpu_norm_gate_rope.py."""
 from __future__ import annotations
 
 import numpy as np

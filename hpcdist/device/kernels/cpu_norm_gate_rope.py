@@ -1,5 +1,5 @@
-"""The rotary families' ops on the CPU: the numba kernels of cpu_llama_jit.py behind the twins'
-calls (llama.py), on this rank's threads."""
+"""The rotary families' ops on the CPU: the numba kernels of cpu_norm_gate_rope_jit.py behind the twins'
+calls (rmsnorm.py, swiglu.py, rotary.py), on this rank's threads."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ from .common import GELU_C, ROW_BLOCK as BLOCK
 
 
 def rmsnorm(x, w, eps):
-    """twin: llama.rmsnorm_twin (no x-hat kept: the backward recomputes it)."""
+    """twin: rmsnorm.rmsnorm_twin (no x-hat kept: the backward recomputes it)."""
     x2 = cpu._mat(x)
     y = np.empty(x2.shape, x.dtype)
     rstd = np.empty(x2.shape[0], x.dtype)

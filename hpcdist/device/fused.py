@@ -8,6 +8,7 @@ keeps both side by side). Where each runs — the list goes on in docs/gpu.md,
 "hpcdist/device/fused.py"."""
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
@@ -15,7 +16,7 @@ import numpy as np
 from . import backend
 
 _REGISTRY: dict = {}
-cpu_wanted = None               # kernels/cpu.py's size and dtype rule (kernels/__init__.py)
+_cpu_rule = []                  # kernels/cpu.py's ``wanted``, imported at the first CPU op
 _refused: dict = {}             # name -> why it is not used
 DTYPES = {"float32": ("float", "float"), "float64": ("double", "double"),
           "bfloat16": ("bf16", "float")}
@@ -44,6 +45,14 @@ struct bf16 {
 BF16_TOLERANCE = 8e-3
 
 
+def cpu_wanted(a) -> bool:
+    """Whether the CPU kernels take an op on ``a`` (kernels/cpu.py's size and dtype rule)."""
+    if not _cpu_rule:
+        from .kernels.cpu import wanted
+        _cpu_rule.append(wanted)
+    return _cpu_rule[0](a)
+
+
 class Fused:
     """One fused op. ``source``: CUDA C with ``T``/``A``; ``kernels``: the ``extern "C"``
     functions it defines; ``launch(mod, *args)``: runs them (``mod(name)`` -> RawKernel) and
@@ -51,11 +60,13 @@ class Fused:
     kernels one call starts (or a function of the call's arguments); ``cases(xp, rng)``:
     inputs for the self-check; ``tolerance``: the largest error allowed, relative to the
     twin's largest output; ``library``: the library call its launcher makes besides its
-    kernels (cuBLAS), if any."""
+    kernels (cuBLAS), if any; ``cpu``: its CPU kernel, the twin's signature, named
+    "module.function" in device/kernels/ (or (that, arguments): a function made by one),
+    imported at its first use."""
 
     def __init__(self, name, source, kernels, launch, twin, cases, *, launches=1,
                  tolerance=1e-5, compare=None, dtypes=tuple(DTYPES), library=None,
-                 may_skip=lambda args: False, ctypes=lambda dtype, defines: {}):
+                 may_skip=lambda args: False, ctypes=lambda dtype, defines: {}, cpu=None):
         self.name, self.source, self.kernels = name, source, kernels
         self.library = library
         self.dtypes = dtypes            # the dtypes it is written for (others: the twin)
@@ -67,12 +78,27 @@ class Fused:
                                     # as None there (a path that has no use for it)
         self.ctypes = ctypes        # ctypes(dtype, defines): {a typedef of the source: its
                                     # NumPy dtype} for what kernel arguments name (cudasim)
-        self.cpu = None             # its CPU kernel (kernels/cpu.py), the twin's signature
+        self._cpu_spec, self._cpu = cpu, None
         self._modules: dict = {}
         self._functions: dict = {}        # (dtype, defines, kernel) -> its compiled handle
         self._checked: dict = {}          # dtype -> passed the self-check
         self._cpu_checked: dict = {}      # dtype -> the CPU kernel passed it
         _REGISTRY[name] = self
+
+    @property
+    def cpu(self):
+        """Its CPU kernel (None: the twin runs on the CPU)."""
+        if self._cpu is None and self._cpu_spec is not None:
+            path, *args = self._cpu_spec if isinstance(self._cpu_spec, tuple) else \
+                (self._cpu_spec,)
+            module, fn = path.rsplit(".", 1)
+            made = getattr(importlib.import_module(f"{__package__}.kernels.{module}"), fn)
+            self._cpu = made(*args) if args else made
+        return self._cpu
+
+    @cpu.setter
+    def cpu(self, fn) -> None:                   # (tests put a wrong one in its place)
+        self._cpu, self._cpu_spec = fn, None
 
     def code(self, dtype: str, defines: dict | None = None) -> str:
         """The source for ``dtype``; ``defines``: compile-time constants of one variant (a

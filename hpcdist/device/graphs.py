@@ -14,8 +14,14 @@ from . import backend
 from .errors import DeviceError
 
 
-# called before each capture (kernels/__init__.py installs cuBLAS's workspace: gemm.py)
-BEFORE_CAPTURE: list = []
+BEFORE_CAPTURE: list = []     # called before each capture (``before_capture``)
+
+
+def before_capture(prepare) -> None:
+    """Call ``prepare()`` before each capture (kernels/__init__.py hands over cuBLAS's
+    workspace: gemm.py)."""
+    if prepare not in BEFORE_CAPTURE:
+        BEFORE_CAPTURE.append(prepare)
 
 
 class CapturedStep:

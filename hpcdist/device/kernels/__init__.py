@@ -30,34 +30,14 @@ from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, SOFTMAX_CAUSAL_BWD, SOF
                    softmax_causal_twin)
 from .moe import (MOE_COMBINE, MOE_COMBINE_BWD, MOE_PERMUTE, combine_bwd_twin, combine_twin,
                   permute_twin)
+from .. import backend as _backend, graphs as _graphs
 from . import cpu as _cpu
-from . import cpu_attention as _cpu_attention
-from .. import fused as _fused
 
-# Each fused op's CPU kernel (cpu.py): the twin's signature, taken where cpu.wanted says.
-for _op, _fn in ((BIAS_GELU, _cpu.bias_gelu), (GELU_FWD, _cpu.gelu), (GELU_BWD, _cpu.gelu_bwd),
-                 (BIAS_RESIDUAL, _cpu.bias_residual), (COLSUM_ADD, _cpu.colsum_add),
-                 (ADAMW, _cpu.adamw), (LAYERNORM_FWD, _cpu.layernorm),
-                 (LAYERNORM_BWD, _cpu.layernorm_bwd), (SOFTMAX_CAUSAL_FWD, _cpu.softmax_causal),
-                 (SOFTMAX_CAUSAL_BWD, _cpu.softmax_causal_bwd),
-                 (CROSS_ENTROPY_FWD, _cpu.cross_entropy),
-                 (CROSS_ENTROPY_BWD, _cpu.cross_entropy_bwd),
-                 (MOE_PERMUTE, _cpu.moe_permute), (MOE_COMBINE, _cpu.moe_combine),
-                 (MOE_COMBINE_BWD, _cpu.moe_combine_bwd)):
-    _op.cpu = _fn
-from . import cpu_norm_gate_rope as _cpu_norm_gate_rope  # noqa: E402  (numba is imported on first use only)
-for _op, _fn in ((RMSNORM_FWD, _cpu_norm_gate_rope.rmsnorm), (RMSNORM_BWD, _cpu_norm_gate_rope.rmsnorm_bwd),
-                 (SWIGLU_FWD, _cpu_norm_gate_rope.swiglu), (SWIGLU_BWD, _cpu_norm_gate_rope.swiglu_bwd),
-                 (GEGLU_FWD, _cpu_norm_gate_rope.geglu), (GEGLU_BWD, _cpu_norm_gate_rope.geglu_bwd),
-                 (ROTARY, _cpu_norm_gate_rope.rotary)):
-    _op.cpu = _fn
-for _kind in ("exact", "bf16"):                  # (TF32 is the GPU's alone)
-    FLASH_FWD[_kind].cpu = _cpu_attention.flash_fwd(_kind)
-    FLASH_BWD[_kind].cpu = _cpu_attention.flash_bwd(_kind)
-_fused.cpu_wanted = _cpu.wanted
-from .. import backend as _backend, graphs as _graphs  # noqa: E402
+# The CPU kernels each op runs are declared with it (``Fused(..., cpu=...)``); the engine's
+# own two (the GEMM over the rank's threads, the row scatter-add) and cuBLAS's workspace for
+# a captured graph are handed over here, by the calls that take them.
 _backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows, device_gemm)
-_graphs.BEFORE_CAPTURE.append(use_workspace)
+_graphs.before_capture(use_workspace)
 
 __all__ = ["ADAMW", "ADAMW_LOW", "ADD", "add_twin", "WIDEN", "widen_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",

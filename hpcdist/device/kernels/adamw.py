@@ -100,7 +100,8 @@ def _adamw_cases(xp, rng, dt):
 
 
 ADAMW = Fused("adamw", _ADAMW, ["adamw"], _adamw_launch, adamw_twin, _adamw_cases,
-              tolerance=1e-5)
+              tolerance=1e-5,
+              cpu="cpu.adamw")
 
 
 def adamw_low_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, low):

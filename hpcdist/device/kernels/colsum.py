@@ -90,4 +90,5 @@ def _colsum_cases(xp, rng, dt):
 
 
 COLSUM_ADD = Fused("colsum_add", _COLSUM, ["colsum_add"], _colsum_launch, colsum_add_twin,
-                   _colsum_cases, tolerance=1e-5)
+                   _colsum_cases, tolerance=1e-5,
+                   cpu="cpu.colsum_add")

@@ -140,14 +140,17 @@ def _elementwise_cases(xp, rng, dtype, n_in=1):
 
 
 GELU_FWD = Fused("gelu_fwd", _GELU, ["gelu_fwd"], _gelu_launch, gelu_twin,
-                 lambda xp, rng, dt: _elementwise_cases(xp, rng, dt, 1), compare=1)
+                 lambda xp, rng, dt: _elementwise_cases(xp, rng, dt, 1), compare=1,
+                 cpu="cpu.gelu")
 BIAS_GELU = Fused("bias_gelu_fwd", _GELU, ["bias_gelu_fwd"], _bias_gelu_launch, bias_gelu_twin,
                   lambda xp, rng, dt: ((x, xp.asarray(rng.standard_normal(x.shape[-1])
                                                      .astype(dt)))
                                        for (x,) in _elementwise_cases(xp, rng, dt, 1)),
-                  compare=1)
+                  compare=1,
+                  cpu="cpu.bias_gelu")
 GELU_BWD = Fused("gelu_bwd", _GELU, ["gelu_bwd"], _gelu_bwd_launch, gelu_bwd_twin,
-                 lambda xp, rng, dt: _elementwise_cases(xp, rng, dt, 2))
+                 lambda xp, rng, dt: _elementwise_cases(xp, rng, dt, 2),
+                 cpu="cpu.gelu_bwd")
 
 
 # ---- bias and residual added into a product ------------------------------------------------
@@ -206,7 +209,8 @@ def _bias_residual_cases(xp, rng, dt):
 
 
 BIAS_RESIDUAL = Fused("bias_residual", _BIAS_RESIDUAL, ["bias_residual"], _bias_residual_launch,
-                      bias_residual_twin, _bias_residual_cases)
+                      bias_residual_twin, _bias_residual_cases,
+                      cpu="cpu.bias_residual")
 
 # ---- two gradients of one tensor, summed -----------------------------------------------------
 

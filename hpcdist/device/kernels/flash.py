@@ -308,15 +308,16 @@ for _kind in ("exact", "bf16", "tf32"):
                "tf32": ("float32",)}[_kind]
     _packs = _kind == "bf16"                    # (float32 in: q, k, v rounded to bf16 first)
     _ctypes = (lambda dtype, defines, kind=_kind: {"S": _storage(kind, dtype)})
+    _cpu = (lambda way: None if _kind == "tf32" else (f"cpu_attention.flash_{way}", _kind))
     FLASH_FWD[_kind] = Fused(
         "flash_fwd" + _suffix, FLASH_SOURCE, ["flash_pack", "flash_fwd"][not _packs:],
         _fwd_launch(_kind), _fwd, lambda xp, rng, dt: _cases(xp, rng, dt),
         launches=lambda qkv, *_, p=_packs: 1 + (p and qkv.dtype == np.float32),
-        tolerance=TOLERANCE[_kind][0], dtypes=_dtypes, ctypes=_ctypes)
+        tolerance=TOLERANCE[_kind][0], dtypes=_dtypes, ctypes=_ctypes, cpu=_cpu("fwd"))
     FLASH_BWD[_kind] = Fused(
         "flash_bwd" + _suffix, FLASH_SOURCE,
         ["flash_pack", "flash_dot", "flash_bwd_kv", "flash_bwd_q"][not _packs:],
         _bwd_launch(_kind), _bwd,
         lambda xp, rng, dt, r=_rounding: _cases(xp, rng, dt, True, r),
         launches=lambda qkv, *_, p=_packs: 3 + (p and qkv.dtype == np.float32),
-        tolerance=TOLERANCE[_kind][1], dtypes=_dtypes, ctypes=_ctypes)
+        tolerance=TOLERANCE[_kind][1], dtypes=_dtypes, ctypes=_ctypes, cpu=_cpu("bwd"))

@@ -240,7 +240,9 @@ def _ln_cases(xp, rng, dt, backward=False):
 
 
 LAYERNORM_FWD = Fused("layernorm_fwd", _LAYERNORM, ["layernorm_fwd"], _layernorm_launch,
-                      layernorm_twin, lambda xp, rng, dt: _ln_cases(xp, rng, dt), compare=3)
+                      layernorm_twin, lambda xp, rng, dt: _ln_cases(xp, rng, dt), compare=3,
+                      cpu="cpu.layernorm")
 LAYERNORM_BWD = Fused("layernorm_bwd", _LAYERNORM, ["layernorm_bwd"], _layernorm_bwd_launch,
                       layernorm_bwd_twin, lambda xp, rng, dt: _ln_cases(xp, rng, dt, True),
-                      tolerance=1e-4)     # gw, gb: atomic sums in another order
+                      tolerance=1e-4,
+                      cpu="cpu.layernorm_bwd")     # gw, gb: atomic sums in another order

@@ -184,7 +184,9 @@ def _rmsnorm_cases(xp, rng, dt, backward=False):
 
 
 RMSNORM_FWD = Fused("rmsnorm_fwd", _RMSNORM, ["rmsnorm_fwd"], _rmsnorm_launch, rmsnorm_twin,
-                    lambda xp, rng, dt: _rmsnorm_cases(xp, rng, dt), compare=2)
+                    lambda xp, rng, dt: _rmsnorm_cases(xp, rng, dt), compare=2,
+                    cpu="cpu_norm_gate_rope.rmsnorm")
 RMSNORM_BWD = Fused("rmsnorm_bwd", _RMSNORM, ["rmsnorm_bwd"], _rmsnorm_bwd_launch,
                     rmsnorm_bwd_twin, lambda xp, rng, dt: _rmsnorm_cases(xp, rng, dt, True),
-                    tolerance=1e-4)
+                    tolerance=1e-4,
+                    cpu="cpu_norm_gate_rope.rmsnorm_bwd")

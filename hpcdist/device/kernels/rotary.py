@@ -93,4 +93,5 @@ def _rotary_cases(xp, rng, dt):
             yield x, cos, sin, nq, nk, hd, sign
 
 
-ROTARY = Fused("rotary", _ROTARY, ["rotary"], _rotary_launch, rotary_twin, _rotary_cases)
+ROTARY = Fused("rotary", _ROTARY, ["rotary"], _rotary_launch, rotary_twin, _rotary_cases,
+               cpu="cpu_norm_gate_rope.rotary")

@@ -96,10 +96,12 @@ def _softmax_cases(xp, rng, dt, backward=False):
 
 SOFTMAX_CAUSAL_FWD = Fused("softmax_causal_fwd", _SOFTMAX, ["softmax_causal_fwd"],
                            _softmax_launch, softmax_causal_twin,
-                           lambda xp, rng, dt: _softmax_cases(xp, rng, dt))
+                           lambda xp, rng, dt: _softmax_cases(xp, rng, dt),
+                           cpu="cpu.softmax_causal")
 SOFTMAX_CAUSAL_BWD = Fused("softmax_causal_bwd", _SOFTMAX, ["softmax_causal_bwd"],
                            _softmax_bwd_launch, softmax_causal_bwd_twin,
-                           lambda xp, rng, dt: _softmax_cases(xp, rng, dt, True))
+                           lambda xp, rng, dt: _softmax_cases(xp, rng, dt, True),
+                           cpu="cpu.softmax_causal_bwd")
 
 
 # ---- cross-entropy -------------------------------------------------------------------------
@@ -246,7 +248,9 @@ def _ce_cases(xp, rng, dt, backward=False):
 
 CROSS_ENTROPY_FWD = Fused("cross_entropy_fwd", _CROSS_ENTROPY, ["cross_entropy_fwd"],
                           _ce_launch, cross_entropy_twin,
-                          lambda xp, rng, dt: _ce_cases(xp, rng, dt), tolerance=1e-5)
+                          lambda xp, rng, dt: _ce_cases(xp, rng, dt), tolerance=1e-5,
+                          cpu="cpu.cross_entropy")
 CROSS_ENTROPY_BWD = Fused("cross_entropy_bwd", _CROSS_ENTROPY, ["cross_entropy_bwd"],
                           _ce_bwd_launch, cross_entropy_bwd_twin,
-                          lambda xp, rng, dt: _ce_cases(xp, rng, dt, True))
+                          lambda xp, rng, dt: _ce_cases(xp, rng, dt, True),
+                          cpu="cpu.cross_entropy_bwd")

@@ -106,9 +106,11 @@ def _swiglu_cases(xp, rng, dt, backward=False):
 
 
 SWIGLU_FWD = Fused("swiglu_fwd", _SWIGLU, ["swiglu_fwd"], _swiglu_launch, swiglu_twin,
-                   lambda xp, rng, dt: _swiglu_cases(xp, rng, dt))
+                   lambda xp, rng, dt: _swiglu_cases(xp, rng, dt),
+                   cpu="cpu_norm_gate_rope.swiglu")
 SWIGLU_BWD = Fused("swiglu_bwd", _SWIGLU, ["swiglu_bwd"], _swiglu_bwd_launch, swiglu_bwd_twin,
-                   lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True))
+                   lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True),
+                   cpu="cpu_norm_gate_rope.swiglu_bwd")
 
 
 # ---- GeGLU ---------------------------------------------------------------------------------
@@ -192,6 +194,8 @@ def _geglu_bwd_launch(k, h, g):
 
 
 GEGLU_FWD = Fused("geglu_fwd", _GEGLU, ["geglu_fwd"], _geglu_launch, geglu_twin,
-                  lambda xp, rng, dt: _swiglu_cases(xp, rng, dt))
+                  lambda xp, rng, dt: _swiglu_cases(xp, rng, dt),
+                  cpu="cpu_norm_gate_rope.geglu")
 GEGLU_BWD = Fused("geglu_bwd", _GEGLU, ["geglu_bwd"], _geglu_bwd_launch, geglu_bwd_twin,
-                  lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True))
+                  lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True),
+                  cpu="cpu_norm_gate_rope.geglu_bwd")

@@ -81,9 +81,7 @@ HOW = {
                "--oversubscribe on 2 cores) and a rank killed"),
     ".venv/bin/python -m hpcdist.bench recovery": (SKIP, "a benchmark (minutes) under Open "
                                                          "MPI; tests/ulfm covers its runs"),
-    "python -m pytest -q tests/test_layers.py": ("python -m pytest -q -p no:cacheprovider "
-                                                 "{repo}/tests/test_layers.py",
-                                                 "the repository's test file"),
+    "python -m pytest -q tests/test_layers.py": (SKIP, "part of make test (unit)"),
     "python -m pytest -q tests/test_kernels_cpu.py": (SKIP, "part of make test (unit)"),
     "mpirun -n 8 python -m hpcdist.train --tp": (None, "+ " + SHORT),
     "mpirun -n 8 python -m hpcdist.train --pp 4": (None, "+ " + SHORT),

@@ -1,5 +1,5 @@
-"""``python -m hpcdist.plan``: the layout to run a GPT on a cluster, with memory, step time and
-bubble for every layout considered.
+"""``python -m hpcdist.plan``: the layout to run a model of any family (nn/) on a cluster,
+with memory, step time and bubble for every layout considered.
 
     python -m hpcdist.plan --layers 80 --hidden 8192 --heads 64 --seq 2048 --vocab 32000 \
         --global-batch 1536 --gpus 512 --gpus-per-node 8 --gpu a100-80g

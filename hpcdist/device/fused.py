@@ -46,10 +46,11 @@ BF16_TOLERANCE = 8e-3
 
 
 def cpu_wanted(a) -> bool:
-    """Whether the CPU kernels take an op on ``a`` (kernels/cpu.py's size and dtype rule)."""
+    """Whether the CPU kernels take an op on ``a``: kernels/cpu.py's size and dtype rule,
+    found by name at the first CPU op, as each op's CPU kernel is (kernels/cpu.py reads this
+    module's registry: neither imports the other at import)."""
     if not _cpu_rule:
-        from .kernels.cpu import wanted
-        _cpu_rule.append(wanted)
+        _cpu_rule.append(importlib.import_module(f"{__package__}.kernels.cpu").wanted)
     return _cpu_rule[0](a)
 
 

@@ -73,25 +73,32 @@ def swiglu_bwd_twin(h, g):
     return xp.concatenate([g * u * s * (1.0 + a * (1.0 - s)), g * a * s], axis=-1)
 
 
-def _swiglu_launch(k, h):
-    xp = backend.xp()
-    h = xp.ascontiguousarray(h)
-    H = h.shape[-1] // 2
-    y = xp.empty(h.shape[:-1] + (H,), dtype=h.dtype)
-    fn, (blocks, threads) = vectors(k, "swiglu_fwd", y.size, h, y, row=H)
-    fn(blocks, threads, (h, y, np.int64(y.size), np.int64(H)))
-    return y
+def _gated_launch(name: str):
+    """The launcher of the gated kernel ``name`` (swiglu_fwd, geglu_fwd): h (..., 2H) ->
+    y (..., H), VEC elements of y a thread."""
+    def launch(k, h):
+        xp = backend.xp()
+        h = xp.ascontiguousarray(h)
+        H = h.shape[-1] // 2
+        y = xp.empty(h.shape[:-1] + (H,), dtype=h.dtype)
+        fn, (blocks, threads) = vectors(k, name, y.size, h, y, row=H)
+        fn(blocks, threads, (h, y, np.int64(y.size), np.int64(H)))
+        return y
+    return launch
 
 
-def _swiglu_bwd_launch(k, h, g):
-    xp = backend.xp()
-    h = xp.ascontiguousarray(h)
-    H = h.shape[-1] // 2
-    dh = xp.empty_like(h)
-    g = xp.ascontiguousarray(g, dtype=h.dtype)
-    fn, (blocks, threads) = vectors(k, "swiglu_bwd", g.size, h, g, dh, row=H)
-    fn(blocks, threads, (h, g, dh, np.int64(g.size), np.int64(H)))
-    return dh
+def _gated_bwd_launch(name: str):
+    """... and of its backward (swiglu_bwd, geglu_bwd): (h, g) -> dh (..., 2H)."""
+    def launch(k, h, g):
+        xp = backend.xp()
+        h = xp.ascontiguousarray(h)
+        H = h.shape[-1] // 2
+        dh = xp.empty_like(h)
+        g = xp.ascontiguousarray(g, dtype=h.dtype)
+        fn, (blocks, threads) = vectors(k, name, g.size, h, g, dh, row=H)
+        fn(blocks, threads, (h, g, dh, np.int64(g.size), np.int64(H)))
+        return dh
+    return launch
 
 
 def _swiglu_cases(xp, rng, dt, backward=False):
@@ -105,11 +112,11 @@ def _swiglu_cases(xp, rng, dt, backward=False):
     yield (big,) if not backward else (big, xp.ones((1, 3), dtype=dt))
 
 
-SWIGLU_FWD = Fused("swiglu_fwd", _SWIGLU, ["swiglu_fwd"], _swiglu_launch, swiglu_twin,
-                   lambda xp, rng, dt: _swiglu_cases(xp, rng, dt),
+SWIGLU_FWD = Fused("swiglu_fwd", _SWIGLU, ["swiglu_fwd"], _gated_launch("swiglu_fwd"),
+                   swiglu_twin, lambda xp, rng, dt: _swiglu_cases(xp, rng, dt),
                    cpu="cpu_norm_gate_rope.swiglu")
-SWIGLU_BWD = Fused("swiglu_bwd", _SWIGLU, ["swiglu_bwd"], _swiglu_bwd_launch, swiglu_bwd_twin,
-                   lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True),
+SWIGLU_BWD = Fused("swiglu_bwd", _SWIGLU, ["swiglu_bwd"], _gated_bwd_launch("swiglu_bwd"),
+                   swiglu_bwd_twin, lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True),
                    cpu="cpu_norm_gate_rope.swiglu_bwd")
 
 
@@ -172,30 +179,9 @@ def geglu_bwd_twin(h, g):
     return xp.concatenate([gelu_bwd_twin(a, g * u), g * gelu_twin(a)[0]], axis=-1)
 
 
-def _geglu_launch(k, h):
-    xp = backend.xp()
-    h = xp.ascontiguousarray(h)
-    H = h.shape[-1] // 2
-    y = xp.empty(h.shape[:-1] + (H,), dtype=h.dtype)
-    fn, (blocks, threads) = vectors(k, "geglu_fwd", y.size, h, y, row=H)
-    fn(blocks, threads, (h, y, np.int64(y.size), np.int64(H)))
-    return y
-
-
-def _geglu_bwd_launch(k, h, g):
-    xp = backend.xp()
-    h = xp.ascontiguousarray(h)
-    H = h.shape[-1] // 2
-    dh = xp.empty_like(h)
-    g = xp.ascontiguousarray(g, dtype=h.dtype)
-    fn, (blocks, threads) = vectors(k, "geglu_bwd", g.size, h, g, dh, row=H)
-    fn(blocks, threads, (h, g, dh, np.int64(g.size), np.int64(H)))
-    return dh
-
-
-GEGLU_FWD = Fused("geglu_fwd", _GEGLU, ["geglu_fwd"], _geglu_launch, geglu_twin,
+GEGLU_FWD = Fused("geglu_fwd", _GEGLU, ["geglu_fwd"], _gated_launch("geglu_fwd"), geglu_twin,
                   lambda xp, rng, dt: _swiglu_cases(xp, rng, dt),
                   cpu="cpu_norm_gate_rope.geglu")
-GEGLU_BWD = Fused("geglu_bwd", _GEGLU, ["geglu_bwd"], _geglu_bwd_launch, geglu_bwd_twin,
-                  lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True),
+GEGLU_BWD = Fused("geglu_bwd", _GEGLU, ["geglu_bwd"], _gated_bwd_launch("geglu_bwd"),
+                  geglu_bwd_twin, lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True),
                   cpu="cpu_norm_gate_rope.geglu_bwd")

@@ -10,12 +10,27 @@ from ..fused import Fused
 from .common import _VECTOR, vectors
 from .elementwise import gelu_bwd_twin, gelu_twin
 
-# ---- SwiGLU --------------------------------------------------------------------------------
+# ---- the two gated activations -------------------------------------------------------------
 
-_SWIGLU = _VECTOR + r"""
-// h (N, 2H) = [gate | up] -> y (N, H) = silu(gate) up, silu(a) = a sigmoid(a); VEC elements
-// of y a thread (H divides by VEC: a vector stays in its row's half)
-extern "C" __global__ void swiglu_fwd(const T* h, T* y, long long n, long long H) {
+_GATED = _VECTOR + r"""
+#define GELU_C ((A)0.7978845608028654)
+// f(a), and its derivative in d: KIND 0 silu(a) = a sigmoid(a), silu' = s (1 + a (1 - s));
+// KIND 1 GELU's tanh form, gelu' = (1 + t) / 2 + a (1 - t^2) c (1 + 3 0.044715 a^2) / 2,
+// t = tanh(c (a + 0.044715 a^3)) (the forward drops d: a few flops of a memory-bound pass)
+template <int KIND> __device__ __forceinline__ A gate_of(A a, A& d) {
+    if (KIND == 0) {
+        A s = (A)1 / ((A)1 + exp(-a));
+        d = s * ((A)1 + a * ((A)1 - s));
+        return a * s;
+    }
+    A t = tanh(GELU_C * (a + (A)0.044715 * a * a * a));
+    d = (A)0.5 * ((A)1 + t)
+        + (A)0.5 * a * ((A)1 - t * t) * GELU_C * ((A)1 + (A)3 * (A)0.044715 * a * a);
+    return (A)0.5 * a * ((A)1 + t);
+}
+// h (N, 2H) = [gate | up] -> y (N, H) = f(gate) up; VEC elements of y a thread (H divides by
+// VEC: a vector stays in its row's half)
+template <int KIND> __device__ void gated_fwd(const T* h, T* y, long long n, long long H) {
     long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (i >= n) return;
     long long r = i / H, c = i % H;
@@ -24,13 +39,14 @@ extern "C" __global__ void swiglu_fwd(const T* h, T* y, long long n, long long H
     copy_vec(uv, h + r * 2 * H + H + c);
 #pragma unroll
     for (int j = 0; j < VEC; j++) {
-        A a = (A)av[j], u = (A)uv[j];
-        yv[j] = (T)(a / ((A)1 + exp(-a)) * u);
+        A d;
+        yv[j] = (T)(gate_of<KIND>((A)av[j], d) * (A)uv[j]);
     }
     copy_vec(y + i, yv);
 }
-// dh = [g up silu'(gate) | g silu(gate)], silu'(a) = s (1 + a (1 - s)), s = sigmoid(a)
-extern "C" __global__ void swiglu_bwd(const T* h, const T* g, T* dh, long long n, long long H) {
+// dh = [g up f'(gate) | g f(gate)]
+template <int KIND> __device__ void gated_bwd(const T* h, const T* g, T* dh, long long n,
+                                              long long H) {
     long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (i >= n) return;
     long long r = i / H, c = i % H;
@@ -40,13 +56,25 @@ extern "C" __global__ void swiglu_bwd(const T* h, const T* g, T* dh, long long n
     copy_vec(gv, g + i);
 #pragma unroll
     for (int j = 0; j < VEC; j++) {
-        A a = (A)av[j], u = (A)uv[j], gi = (A)gv[j];
-        A s = (A)1 / ((A)1 + exp(-a));
-        dav[j] = (T)(gi * u * s * ((A)1 + a * ((A)1 - s)));
-        duv[j] = (T)(gi * a * s);
+        A d, gi = (A)gv[j];
+        A f = gate_of<KIND>((A)av[j], d);
+        dav[j] = (T)(gi * (A)uv[j] * d);
+        duv[j] = (T)(gi * f);
     }
     copy_vec(dh + r * 2 * H + c, dav);
     copy_vec(dh + r * 2 * H + H + c, duv);
+}
+extern "C" __global__ void swiglu_fwd(const T* h, T* y, long long n, long long H) {
+    gated_fwd<0>(h, y, n, H);
+}
+extern "C" __global__ void swiglu_bwd(const T* h, const T* g, T* dh, long long n, long long H) {
+    gated_bwd<0>(h, g, dh, n, H);
+}
+extern "C" __global__ void geglu_fwd(const T* h, T* y, long long n, long long H) {
+    gated_fwd<1>(h, y, n, H);
+}
+extern "C" __global__ void geglu_bwd(const T* h, const T* g, T* dh, long long n, long long H) {
+    gated_bwd<1>(h, g, dh, n, H);
 }
 """
 
@@ -112,59 +140,15 @@ def _swiglu_cases(xp, rng, dt, backward=False):
     yield (big,) if not backward else (big, xp.ones((1, 3), dtype=dt))
 
 
-SWIGLU_FWD = Fused("swiglu_fwd", _SWIGLU, ["swiglu_fwd"], _gated_launch("swiglu_fwd"),
+SWIGLU_FWD = Fused("swiglu_fwd", _GATED, ["swiglu_fwd"], _gated_launch("swiglu_fwd"),
                    swiglu_twin, lambda xp, rng, dt: _swiglu_cases(xp, rng, dt),
                    cpu="cpu_norm_gate_rope.swiglu")
-SWIGLU_BWD = Fused("swiglu_bwd", _SWIGLU, ["swiglu_bwd"], _gated_bwd_launch("swiglu_bwd"),
+SWIGLU_BWD = Fused("swiglu_bwd", _GATED, ["swiglu_bwd"], _gated_bwd_launch("swiglu_bwd"),
                    swiglu_bwd_twin, lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True),
                    cpu="cpu_norm_gate_rope.swiglu_bwd")
 
 
 # ---- GeGLU ---------------------------------------------------------------------------------
-
-_GEGLU = _VECTOR + r"""
-#define GELU_C ((A)0.7978845608028654)
-// h (N, 2H) = [gate | up] -> y (N, H) = gelu(gate) up, GELU's tanh form; VEC elements of y
-// a thread (H divides by VEC)
-extern "C" __global__ void geglu_fwd(const T* h, T* y, long long n, long long H) {
-    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    if (i >= n) return;
-    long long r = i / H, c = i % H;
-    alignas(16) T av[VEC], uv[VEC], yv[VEC];
-    copy_vec(av, h + r * 2 * H + c);
-    copy_vec(uv, h + r * 2 * H + H + c);
-#pragma unroll
-    for (int j = 0; j < VEC; j++) {
-        A a = (A)av[j], u = (A)uv[j];
-        A t = tanh(GELU_C * (a + (A)0.044715 * a * a * a));
-        yv[j] = (T)((A)0.5 * a * ((A)1 + t) * u);
-    }
-    copy_vec(y + i, yv);
-}
-// dh = [g up gelu'(gate) | g gelu(gate)], gelu'(a) = (1 + t) / 2 + a (1 - t^2) c (1 + 3
-// 0.044715 a^2) / 2, t = tanh(c (a + 0.044715 a^3))
-extern "C" __global__ void geglu_bwd(const T* h, const T* g, T* dh, long long n, long long H) {
-    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    if (i >= n) return;
-    long long r = i / H, c = i % H;
-    alignas(16) T av[VEC], uv[VEC], gv[VEC], dav[VEC], duv[VEC];
-    copy_vec(av, h + r * 2 * H + c);
-    copy_vec(uv, h + r * 2 * H + H + c);
-    copy_vec(gv, g + i);
-#pragma unroll
-    for (int j = 0; j < VEC; j++) {
-        A a = (A)av[j], u = (A)uv[j], gi = (A)gv[j];
-        A t = tanh(GELU_C * (a + (A)0.044715 * a * a * a));
-        A d = (A)0.5 * ((A)1 + t)
-            + (A)0.5 * a * ((A)1 - t * t) * GELU_C * ((A)1 + (A)3 * (A)0.044715 * a * a);
-        dav[j] = (T)(gi * u * d);
-        duv[j] = (T)(gi * (A)0.5 * a * ((A)1 + t));
-    }
-    copy_vec(dh + r * 2 * H + c, dav);
-    copy_vec(dh + r * 2 * H + H + c, duv);
-}
-"""
-
 
 def geglu_twin(h):
     """gelu_tanh(gate) * up of h (..., 2H) = [gate | up]."""
@@ -179,9 +163,9 @@ def geglu_bwd_twin(h, g):
     return xp.concatenate([gelu_bwd_twin(a, g * u), g * gelu_twin(a)[0]], axis=-1)
 
 
-GEGLU_FWD = Fused("geglu_fwd", _GEGLU, ["geglu_fwd"], _gated_launch("geglu_fwd"), geglu_twin,
+GEGLU_FWD = Fused("geglu_fwd", _GATED, ["geglu_fwd"], _gated_launch("geglu_fwd"), geglu_twin,
                   lambda xp, rng, dt: _swiglu_cases(xp, rng, dt),
                   cpu="cpu_norm_gate_rope.geglu")
-GEGLU_BWD = Fused("geglu_bwd", _GEGLU, ["geglu_bwd"], _gated_bwd_launch("geglu_bwd"),
+GEGLU_BWD = Fused("geglu_bwd", _GATED, ["geglu_bwd"], _gated_bwd_launch("geglu_bwd"),
                   geglu_bwd_twin, lambda xp, rng, dt: _swiglu_cases(xp, rng, dt, True),
                   cpu="cpu_norm_gate_rope.geglu_bwd")

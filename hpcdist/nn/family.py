@@ -127,8 +127,9 @@ def count_parameters(cfg) -> int:
         int(a.out_bias) * C
     moe = C * cfg.experts + (cfg.experts + cfg.shared_experts) * \
         a.mlp_parameters(C, a.expert_width)
-    blocks = sum(attn + 2 * a.norm_size * C +
-                 (moe if cfg.is_moe(i) else a.mlp_parameters(C)) for i in range(cfg.n_layer))
+    with_experts = sum(1 for i in range(cfg.n_layer) if cfg.is_moe(i))
+    blocks = cfg.n_layer * (attn + 2 * a.norm_size * C) + with_experts * moe + \
+        (cfg.n_layer - with_experts) * a.mlp_parameters(C)
     tables = cfg.vocab_size * C + (0 if a.rotary else cfg.block_size * C)
     return blocks + tables + a.norm_size * C + (0 if a.tied else C * cfg.vocab_size)
 

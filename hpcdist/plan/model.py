@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+import functools
 from functools import cached_property
 
 from .. import nn
@@ -55,27 +56,14 @@ class Model:
         return cls(**values, arch=config.arch, settings=own, tied=config.tie_weights,
                    bias=config.bias)
 
-    @cached_property
+    @property
     def config(self):
         """The family's config of this shape (ValueError: a setting it refuses)."""
-        fam = nn.family(self.arch)
-        given = {name: getattr(self, k) for k, name in _SHAPE.items()}
-        given.update(dict(self.settings))
-        if self.tied is not None:
-            given["tie_weights"] = self.tied
-        if self.bias is not None:
-            given["bias"] = self.bias
-        known = {f.name for f in dataclasses.fields(fam.config)}
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise ValueError(f"the {fam.title} family has no {', '.join(unknown)}")
-        cfg = fam.config(**given)
-        cfg.validate()
-        return cfg
+        return _config(self)
 
-    @cached_property
+    @property
     def anatomy(self):
-        return self.config.anatomy()
+        return _anatomy(self)
 
     @property
     def family(self):
@@ -171,7 +159,7 @@ class Model:
         return self.moe_layers * (h * self.experts + experts_per_token * self.expert_size
                                   - self.mlp_params)
 
-    @property
+    @cached_property
     def parameters(self) -> float:
         """The family's count from its declaration (nn/family.py ``count_parameters``): the
         blocks, the token table, a learned position table, the final norm, an untied head;
@@ -193,6 +181,31 @@ class Model:
         extra = 2 * l * self.matmul_weights + 4 * l * d * s + \
             2 * self.moe_change(self.top_k) if recompute else 0
         return B * s * (per_token + extra)
+
+
+@functools.lru_cache(maxsize=512)
+def _config(model: Model):
+    """``Model.config``, made once per model (the search asks it of every layout, and of a
+    copy at each context-parallel size)."""
+    fam = nn.family(model.arch)
+    given = {name: getattr(model, k) for k, name in _SHAPE.items()}
+    given.update(dict(model.settings))
+    if model.tied is not None:
+        given["tie_weights"] = model.tied
+    if model.bias is not None:
+        given["bias"] = model.bias
+    known = {f.name for f in dataclasses.fields(fam.config)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"the {fam.title} family has no {', '.join(unknown)}")
+    cfg = fam.config(**given)
+    cfg.validate()
+    return cfg
+
+
+@functools.lru_cache(maxsize=512)
+def _anatomy(model: Model):
+    return _config(model).anatomy()
 
 
 def preset(name: str) -> Model:

@@ -116,16 +116,21 @@ _TYPES = {"int": int, "float": float, "str": str, int: int, float: float, str: s
 
 # a family config's fields as the planner's flags (the rest: the family's own, same names)
 _PLAN_NAMES = {"n_layer": "layers", "n_embd": "hidden", "n_head": "heads", "block_size": "seq",
-               "vocab_size": "vocab", "tie_weights": "tie_weights", "bias": "bias",
-               "experts": "experts",
-               "top_k": "top_k", "expert_hidden": "expert_hidden", "moe_every": "moe_every"}
+               "vocab_size": "vocab"}
+
+
+def _in_planner_words(message: str) -> str:
+    """A family config's refusal with the planner's flags for its fields (n_embd: --hidden)."""
+    for name, flag in _PLAN_NAMES.items():
+        message = re.sub(rf"\b{name}\b", "--" + flag, message)
+    return message
 
 
 def _with_preset(ap, args, argv) -> None:
     """--preset's shape (its family's SIZES) and run in ``args`` where the command line said
     nothing."""
-    given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])
-             if a.startswith("--")}
+    given = {a.split("=")[0].replace("--no-", "--")
+             for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     if args.preset:
         arch, shape = nn.size(args.preset)
         values = {"arch": arch, **{_PLAN_NAMES.get(k, k): v for k, v in shape.items()},
@@ -192,7 +197,7 @@ def main(argv=None) -> int:
     try:
         model = model_of(args)
     except ValueError as e:
-        ap.error(str(e))
+        ap.error(_in_planner_words(str(e)))
     fits, refused = plan(model, gpu, args.gpus, args.gpus_per_node, args.global_batch,
                          settings)
     if args.json:

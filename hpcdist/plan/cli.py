@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 
 from .. import nn
+from ..run.config import add_setting
 from .facts import GB, GPU, HARDWARE, PRESETS
 from .model import FEATURES, Model, Settings
 from .search import best_per_mesh, plan
@@ -70,8 +71,7 @@ def parser() -> argparse.ArgumentParser:
     add("--bias", action=argparse.BooleanOptionalAction, default=None,
         help="the family's biases (default: the family's)")
     for name, (kind, text, archs) in nn.options().items():
-        add("--" + name.replace("_", "-"), type=_TYPES.get(kind, str), default=None,
-            help=f"{', '.join(archs)}: {text} (default: the family's)")
+        add_setting(ap, name, kind, f"{', '.join(archs)}: {text} (default: the family's)")
     add("--seq", type=int, default=2048, help="sequence length")
     add("--vocab", type=int, default=51200, help="vocabulary size")
     add("--vocab-multiple", type=int, default=64,
@@ -111,8 +111,6 @@ def parser() -> argparse.ArgumentParser:
         "network bandwidth and slower ones")
     return ap
 
-
-_TYPES = {"int": int, "float": float, "str": str, int: int, float: float, str: str}
 
 # a family config's fields as the planner's flags (the rest: the family's own, same names)
 _PLAN_NAMES = {"n_layer": "layers", "n_embd": "hidden", "n_head": "heads", "block_size": "seq",
@@ -325,7 +323,7 @@ def train_args(model: Model, L, settings: Settings) -> list:
     """hpcdist.train's options for layout ``L`` (the data: token shards named DATA)."""
     a = ["--task", "text", "--data", "DATA", "--n-layer", model.layers, "--n-embd",
          model.hidden, "--n-head", model.heads, "--block-size", model.seq]
-    a += ["--arch", model.arch] if model.arch != nn.DEFAULT_ARCH else []
+    a += ["--arch", model.arch]
     defaults = model.family.config()
     for name, value in model.settings:            # the family's own, where not its default
         if value != getattr(defaults, name):

@@ -304,16 +304,22 @@ def build_parser() -> argparse.ArgumentParser:
         g = p.add_argument_group(group)
         for name, text in options.items():
             f = known[name]
-            flag = "--" + name.replace("_", "-")
             said = "" if f.default is None else f" (default {f.default!r})"
-            if f.type == "bool":
-                g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                               default=None, help=text + said)
-            else:
-                g.add_argument(flag, dest=name, default=None,
-                               type={"int": int, "float": float, "str": str}[f.type],
-                               help=text + said)
+            add_setting(g, name, f.type, text + said)
     return p
+
+
+def add_setting(parser, name: str, kind: str, text: str) -> None:
+    """The flag of setting ``name`` of type ``kind`` (a field's annotation: "int", "float",
+    "str", "bool"), None when not given (the default is decided after parsing): the trainer's
+    settings, and the families' own in the planner's parser too."""
+    flag = "--" + name.replace("_", "-")
+    if kind == "bool":
+        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                            default=None, help=text)
+    else:
+        parser.add_argument(flag, dest=name, default=None,
+                            type={"int": int, "float": float, "str": str}[kind], help=text)
 
 
 # Old spellings still accepted, with a note: flag -> field.

@@ -57,7 +57,7 @@ def steps(run: Run, start: Start):
     cfg, comm, strategy = run.cfg, run.comm, run.strategy
     if backend.device_label() == "cpu":               # the CPU kernels loaded before the clock
         from ..device.kernels import cpu
-        cpu.ready(backend.default_float())
+        cpu.ready(backend.default_float(), largest=largest_activation(run))
     t_start = time.perf_counter()
     inter_start = getattr(strategy.comm, "bytes_inter_node", 0)    # of it, across nodes
     history, step, stopped = loop(run, start)
@@ -103,6 +103,14 @@ def actions(run: Run):
                                           "accuracy": float(accuracy),
                                           "eval_tokens": tokens}) + "\n")
     return save, held_out
+
+
+def largest_activation(run: Run) -> int:
+    """An upper bound on the elements of a step's widest activation: a step's rows (the
+    batch's tokens) times the widest dimension of any parameter (the vocabulary, the MLP's
+    width, q | k | v)."""
+    widest = max((max(p.shape) for p in run.model.parameters() if p.shape), default=1)
+    return run.cfg.batch_size * run.train_set.block_size * widest
 
 
 def loop(run: Run, start: Start):
@@ -187,7 +195,7 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
         with timeline.span("optimizer step"):
             applied, norm = strategy.apply(lr, cfg.grad_clip)
         experts = moe.after_step(strategy.model, applied)    # balancing; load and drops
-        if span is not None and counts is not None:   # the device double's counts, per step
+        if span is not None and counts is not None:   # the GPU stand-in's counts, per step
             after = backend.device_counts()
             span.update(launches=after[0] - counts[0], device_reads=after[1] - counts[1])
     dt = time.perf_counter() - t0

@@ -318,11 +318,17 @@ def moe_combine_bwd(g, ys, w, order, k):
     return gys, gw
 
 
-def ready(dtype) -> None:
+def ready(dtype, largest: int | None = None) -> None:
     """Load and self-check, now, every CPU kernel this rank will run for ``dtype`` (what the
-    first use of each would do inside the first step: ~1.4 s there at GPT 4x128)."""
+    first use of each would do inside the first step: ~1.4 s there at GPT 4x128).
+    ``largest``: a bound on a step's widest activation; below ``MIN_SIZE`` no op on
+    activations takes a kernel, and nothing is loaded here (about a second of a rank's
+    start): the optimizer's kernel over the flat parameters, where those reach the size,
+    loads at its first use."""
     dtype = np.dtype(dtype)
     if dtype not in DTYPES or not on() or threads.threads < 1:
+        return
+    if largest is not None and largest < MIN_SIZE:
         return
     try:
         for op in fused.registry().values():

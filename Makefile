@@ -22,7 +22,7 @@ STAMP  := $(VENV)/.installed
 # BLAS/OpenMP threads per rank: hpcdist itself divides the node's cores among its ranks
 # (hpcdist/host/threads.py), so `make train` and `mpirun -n 8 python -m hpcdist.train` run alike.
 
-.PHONY: venv train test test-unit test-mpi test-double cupy test-cupy test-cupy-if-installed \
+.PHONY: venv train test test-unit test-mpi test-standin cupy test-cupy test-cupy-if-installed \
         test-faults test-ulfm venv-ompi test-cluster cluster-test test-slurm test-gpu soak \
         slurm-up slurm-down bench clean
 
@@ -61,7 +61,7 @@ train: venv
 MPI_SIZES ?= 1 2 3 4 5 8
 MPI_TIMEOUT ?= 600
 
-test: test-unit test-cupy-if-installed test-mpi test-double test-faults test-ulfm test-cluster \
+test: test-unit test-cupy-if-installed test-mpi test-standin test-faults test-ulfm test-cluster \
       test-slurm
 
 test-unit: venv
@@ -75,26 +75,27 @@ test-mpi: venv
 	    -p no:cacheprovider tests/mpi || exit 1; \
 	done
 
-# The GPU path without a GPU: the training tests once more with every array a device double
-# (hpcdist/device/double.py) that MPI refuses to read, so a buffer that reaches MPI without
-# staging fails here instead of crashing a GPU job. (tests/mpi/test_device.py runs on the
-# device double whatever HPCDIST_DEVICE says: test-mpi runs it at every size.)
-DOUBLE_SIZES ?= 2 3
-DOUBLE_TESTS = tests/mpi/test_modes.py tests/mpi/test_zero.py \
+# The GPU path without a GPU: the training tests once more on the GPU stand-in
+# (hpcdist/device/standin.py): device arrays that MPI refuses to read, so a buffer that
+# reaches MPI without staging fails here instead of crashing a GPU job.
+# (tests/mpi/test_device.py runs on the GPU stand-in whatever HPCDIST_DEVICE says: test-mpi
+# runs it at every size.)
+STANDIN_SIZES ?= 2 3
+STANDIN_TESTS = tests/mpi/test_modes.py tests/mpi/test_zero.py \
                tests/mpi/test_ddp.py tests/mpi/test_pipeline.py tests/mpi/test_tensor_parallel.py \
                tests/mpi/test_context_parallel.py tests/mpi/test_moe.py tests/mpi/test_llama.py
 
-test-double: venv
-	HPCDIST_DEVICE=double $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+test-standin: venv
+	HPCDIST_DEVICE=standin $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
 	  tests/test_ops_gradcheck.py tests/test_torch_oracle.py
-	@for n in $(DOUBLE_SIZES); do \
-	  echo "== HPCDIST_DEVICE=double mpiexec -n $$n pytest --with-mpi (training and device tests)"; \
-	  HPCDIST_DEVICE=double timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
-	    --with-mpi -q -p no:cacheprovider $(DOUBLE_TESTS) || exit 1; \
+	@for n in $(STANDIN_SIZES); do \
+	  echo "== HPCDIST_DEVICE=standin mpiexec -n $$n pytest --with-mpi (training and device tests)"; \
+	  HPCDIST_DEVICE=standin timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
+	    --with-mpi -q -p no:cacheprovider $(STANDIN_TESTS) || exit 1; \
 	done
 	@for n in 4 8; do \
-	  echo "== mpiexec -n $$n, device double: every layout over MPI and over NCCL (the matrix)"; \
-	  HPCDIST_DEVICE=double timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
+	  echo "== mpiexec -n $$n, GPU stand-in: every layout over MPI and over NCCL (the matrix)"; \
+	  HPCDIST_DEVICE=standin timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(BIN)/python -m pytest \
 	    --with-mpi -q -p no:cacheprovider tests/mpi/test_llama.py tests/mpi/test_families.py \
 	    -k every_layout || exit 1; \
 	done
@@ -102,7 +103,7 @@ test-double: venv
 # The GPU code held to the real CuPy, without a GPU: CuPy's wheel (with NCCL's, NVRTC's and
 # cuBLAS's) installs and imports on any machine. `make cupy` installs them into .venv when
 # missing (CI does this before `make test`); test-cupy installs them and then checks every
-# name the device double offers against CuPy (kind and arguments), runs every CUDA kernel on
+# name the GPU stand-in offers against CuPy (kind and arguments), runs every CUDA kernel on
 # the CPU execution model (device/cudasim.py; also part of test-unit), and NCCL's real unique
 # id through hpcdist's bootstrap at 2 ranks into the constructor call as CuPy declares it.
 # Plain `make test` runs these only where CuPy is installed, and says so in one line where it
@@ -121,7 +122,7 @@ test-cupy-if-installed: venv
 	@if ! $(BIN)/python -c "import cupy" 2>/dev/null; then \
 	  echo "test-cupy: skipped, CuPy is not installed here (make test-cupy installs it and checks the GPU code against it)"; \
 	  exit 0; fi; \
-	echo "== the device double and the GPU code against the real CuPy (tests/cupy)"; \
+	echo "== the GPU stand-in and the GPU code against the real CuPy (tests/cupy)"; \
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cupy tests/test_kernels_cpu.py && \
 	echo "== mpiexec -n 2: NCCL's real id through hpcdist's bootstrap" && \
 	timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python -m pytest --with-mpi -q \

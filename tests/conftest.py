@@ -9,8 +9,8 @@ import hpcdist as hd  # noqa: E402
 from hpcdist.device import backend  # noqa: E402
 
 # The unit tests run on the device $HPCDIST_DEVICE names (cpu unless set): make test-gpu runs
-# the op gradchecks and the PyTorch oracles with HPCDIST_DEVICE=gpu, and HPCDIST_DEVICE=double
-# runs them on the device double without a GPU. Comparisons take device arrays: the
+# the op gradchecks and the PyTorch oracles with HPCDIST_DEVICE=gpu, and HPCDIST_DEVICE=standin
+# runs them on the GPU stand-in without a GPU. Comparisons take device arrays: the
 # np.testing assertions below copy them to the host first (a CuPy array refuses implicit
 # conversion).
 backend.init(os.environ.get("HPCDIST_DEVICE", "cpu"))

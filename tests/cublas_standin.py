@@ -1,5 +1,5 @@
-"""cuBLAS's gemmEx and the constants kernels/gemm.py asks for, over host memory (the device
-double's pointers are host addresses): what the GEMM launchers hand cuBLAS, checked against
+"""cuBLAS's gemmEx and the constants kernels/gemm.py asks for, over host memory (the standin
+GPU's pointers are host addresses): what the GEMM launchers hand cuBLAS, checked against
 its column-major contract without a GPU. Each call is recorded as (transa, transb, m, n, k,
 lda, ldb, ldc, Atype, Btype, Ctype, computeType, algo)."""
 import ctypes

@@ -301,9 +301,9 @@ def test_kernels_bench_times_each_memory_bound_kernel_both_ways(tmp_path):
     kernel timed 16 bytes a thread and one element a thread as a replayed graph, the bytes
     each call must move, and the copy the last column is measured against."""
     out_json = tmp_path / "kernels.json"
-    out = bench("kernels", "--device", "double", "--rows", "48", "--embd", "64", "--vocab",
+    out = bench("kernels", "--device", "standin", "--rows", "48", "--embd", "64", "--vocab",
                 "128", "--reps", "1", "--calls", "2", "--out", str(out_json))
-    assert "bf16, 48 rows x 64 (double; us a call, graph)" in out
+    assert "bf16, 48 rows x 64 (standin; us a call, graph)" in out
     rows = {r["kernel"]: r for r in json.loads(out_json.read_text())["kernels"]}
     assert len(rows) == 17 and all(r["timed as"] == "graph" and r["us"] > 0 for r in rows.values())
     assert rows["add2 (engine's gradient sum)"]["bytes"] == 3 * 48 * 64 * 2

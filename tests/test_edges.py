@@ -312,11 +312,11 @@ def test_mfu_probes_again_past_90_percent_and_keeps_the_best(tmp_path, monkeypat
     assert calls == [1]
 
 
-def test_the_device_double_reports_no_mfu(tmp_path):
-    rc, out, err = py("-m", "hpcdist.train", "--device", "double", "--steps", "2",
+def test_the_emulated_reports_no_mfu(tmp_path):
+    rc, out, err = py("-m", "hpcdist.train", "--device", "standin", "--steps", "2",
                       "--log-every", "1", "--batch-size", "8", "--out-dir", str(tmp_path))
     assert rc == 0, err
-    assert "MFU not reported: the device double has no peak" in out
+    assert "MFU not reported: the GPU stand-in has no peak" in out
     assert "MFU" not in "".join(ln for ln in out.splitlines() if ln.startswith("step"))
 
 
@@ -383,7 +383,7 @@ def test_docs_gpu_opens_with_what_is_verified_on_which_card():
     rows = [ln for ln in head[1].splitlines() if ln.startswith("| ") and "---" not in ln][1:]
     assert len(rows) >= 5 and all(ln.count("|") == 4 for ln in rows)
     # each row says plainly where it ran: a card named, or "never" (executing on the CPU's
-    # model of the device is not running on a GPU), or the double's own runs
+    # model of the device is not running on a GPU), or the GPU stand-in's own runs
     for row in rows:
         where = row.split("|")[2]
         assert "H100" in where or "H200" in where or "never" in where or "make test" in where

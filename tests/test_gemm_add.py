@@ -1,7 +1,7 @@
 """A weight's gradient added by the GEMM into its buffer (kernels/gemm_add.py): the cuBLAS
 call's layout against cuBLAS's column-major contract with a stand-in gemmEx over host memory
-(the device double's pointers are host addresses), in fp32, TF32, fp64 and bf16; and on the
-device double a training step's weight gradients through it, equal to the CPU's, one launch
+(the GPU stand-in's pointers are host addresses), in fp32, TF32, fp64 and bf16; and on the
+GPU stand-in a training step's weight gradients through it, equal to the CPU's, one launch
 each; the device's one-pass zeroing of the gradients."""
 import numpy as np
 import pytest
@@ -22,7 +22,7 @@ def test_the_gradient_gemm_hands_cublas_its_operands_column_major(monkeypatch, d
     prev = backend.device_label()
     calls = []
     monkeypatch.setattr(gemm, "lib", fake_cublas(calls))
-    backend.init("double")
+    backend.init("standin")
     dt = backend.dtype(dtype)
     try:
         xp, rng = backend.xp(), np.random.default_rng(5)
@@ -52,8 +52,8 @@ def test_the_gradient_gemm_hands_cublas_its_operands_column_major(monkeypatch, d
 
 def _step_grads(device, steps=2):
     """Two SGD steps of a small GPT on ``device``: the weights' gradients of the last, the
-    launches of the last (on the double) and the parameters."""
-    from hpcdist.device import double as dd
+    launches of the last (on the GPU stand-in) and the parameters."""
+    from hpcdist.device import standin as dd
     prev = backend.device_label()
     backend.init(device)
     try:
@@ -75,21 +75,21 @@ def _step_grads(device, steps=2):
 
 
 def test_weight_gradients_through_the_gemm_equal_the_cpus(monkeypatch, float64):
-    """On the device double the linear layers' weight gradients go through GEMM_ADD (one
+    """On the GPU stand-in the linear layers' weight gradients go through GEMM_ADD (one
     launch each, into the gradient buffer) and equal the CPU's; without it (the product and
     the engine's addition) the step takes a launch more a weight."""
     cpu, _ = _step_grads("cpu")
     seen = []
     twin = kernels.GEMM_ADD.twin
     monkeypatch.setattr(kernels.GEMM_ADD, "twin", lambda *a: seen.append(a[2].shape) or twin(*a))
-    dev, launches = _step_grads("double")
+    dev, launches = _step_grads("standin")
     assert len(seen) >= 2 * 2 * 4          # two steps, two layers, four weights each
     for name, g in cpu.items():
         np.testing.assert_allclose(dev[name], g, rtol=1e-10, atol=1e-12, err_msg=name)
     from hpcdist.device.kernels import gemm_add
     monkeypatch.setattr(gemm_add, "matmul_add", lambda *a, **k: False)
     monkeypatch.setattr(kernels, "matmul_add", lambda *a, **k: False)
-    _, without = _step_grads("double")
+    _, without = _step_grads("standin")
     assert without >= launches + 2 * 4, (without, launches)
 
 
@@ -97,9 +97,9 @@ def test_a_device_zeroes_its_gradients_in_one_pass():
     """zero_grad(lazy=True) on device arrays zeroes every gradient in one pass, one launch
     (lazily, each bias's and norm's buffer would take one at its first write); on the host
     it stays lazy (no pass)."""
-    from hpcdist.device import double as dd
+    from hpcdist.device import standin as dd
     prev = backend.device_label()
-    for device, launches, zero in (("double", 1, True), ("cpu", 0, False)):
+    for device, launches, zero in (("standin", 1, True), ("cpu", 0, False)):
         backend.init(device)
         try:
             w = nn.Parameter(backend.to_device(np.ones((3, 2))))
@@ -121,7 +121,7 @@ def test_a_workspace_of_our_own_is_given_after_each_stream(monkeypatch):
     calls, events = [], []
     monkeypatch.setattr(gemm, "lib", fake_cublas(calls, events))
     monkeypatch.setattr(gemm, "_workspace", [])
-    backend.init("double")
+    backend.init("standin")
     try:
         xp = backend.xp()
         a, b = xp.ones((3, 4), np.float32), xp.ones((4, 5), np.float32)

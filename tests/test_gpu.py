@@ -1,5 +1,5 @@
-"""What the GPU path adds beside the CPU one: bf16 emulation, staging helpers, the device
-double. Runs on the CPU (numbers checked against ml_dtypes) and, under make test-gpu, on the
+"""What the GPU path adds beside the CPU one: bf16 emulation, staging helpers, the standin
+GPU. Runs on the CPU (numbers checked against ml_dtypes) and, under make test-gpu, on the
 GPU ($HPCDIST_DEVICE=gpu)."""
 import numpy as np
 import pytest
@@ -51,9 +51,9 @@ def test_staging_round_trip_through_reused_host_buffers():
         assert staging.to_host(x, key=1).ctypes.data != h.ctypes.data
 
 
-def test_the_device_double_refuses_host_arrays_and_mpi():
+def test_the_emulated_refuses_host_arrays_and_mpi():
     from mpi4py import MPI
-    from hpcdist.device import double as dd
+    from hpcdist.device import standin as dd
     d = dd.asarray(np.ones(4))
     assert dd.BUFFER_CLOSED
     with pytest.raises(TypeError):
@@ -65,8 +65,8 @@ def test_the_device_double_refuses_host_arrays_and_mpi():
     np.testing.assert_array_equal(dd.asnumpy(d * 2 + 1), np.full(4, 3.0))
 
 
-def test_the_double_offers_only_the_listed_cupy_surface():
-    from hpcdist.device import double as dd
+def test_the_gpu_standin_offers_only_the_listed_cupy_surface():
+    from hpcdist.device import standin as dd
     d = dd.asarray(np.ones((2, 3)))
     with pytest.raises(AttributeError, match="'writeable'"):
         d.flags.writeable                                # CuPy's flags have none
@@ -84,11 +84,11 @@ def test_the_double_offers_only_the_listed_cupy_surface():
     assert isinstance(dd.cupyx.scatter_add, object) and not hasattr(dd, "scatter_add")
 
 
-def test_the_doubles_in_place_math_returns_the_array_itself():
+def test_the_gpu_standins_in_place_math_returns_the_array_itself():
     """``a += b`` is ``a = a.__iadd__(b)``: CuPy returns a itself, so a parameter's gradient
-    stays the view of its flat buffer. The double returned a new wrapper until 2026-11-27 and
+    stays the view of its flat buffer. The GPU stand-in returned a new wrapper until 2026-11-27 and
     so hid the GPU's lazy zeroing from the launch count (448 counted, 547 on a GPU)."""
-    from hpcdist.device import double as dd
+    from hpcdist.device import standin as dd
     a = dd.zeros(4)
     view = a[1:]
     before = view
@@ -98,11 +98,11 @@ def test_the_doubles_in_place_math_returns_the_array_itself():
     assert dd.add(a, 1.0, out=a) is a
 
 
-def test_the_double_sorts_no_bf16_as_cupy_sorts_none():
+def test_the_gpu_standin_sorts_no_bf16_as_cupy_sorts_none():
     """CuPy 14 refuses to sort bfloat16 (an H200 run of ``--precision bf16 --experts 4`` hit
-    it in the router) and reduces it fine: so does the double."""
+    it in the router) and reduces it fine: so does the GPU stand-in."""
     ml = pytest.importorskip("ml_dtypes")
-    from hpcdist.device import double as dd
+    from hpcdist.device import standin as dd
     d = dd.asarray(np.array([3.0, 1.0, 2.0]).astype(ml.bfloat16))
     for sort in (dd.argsort, lambda a: dd.argpartition(a, 1)):
         with pytest.raises(NotImplementedError, match="bfloat16"):
@@ -141,10 +141,10 @@ def test_a_bf16_mixture_routes_in_float32_and_keeps_bf16_gradients():
         assert all(p.grad is not None and p.grad.dtype == bf for p in moe.parameters())
 
 
-def test_the_doubles_generator_is_cupys_kind():
+def test_the_gpu_standins_generator_is_cupys_kind():
     """CuPy's bit_generator.state is a method returning a device pointer; hpcdist's dropout
     state must never be taken from it."""
-    from hpcdist.device import double as dd
+    from hpcdist.device import standin as dd
     gen = dd.random.default_rng(0)
     assert callable(gen.bit_generator.state) and isinstance(gen.bit_generator.state(), int)
 
@@ -154,7 +154,7 @@ def test_dropout_state_saves_restores_and_matches_across_devices():
     on the device (so recomputation and resumes replay the forward's masks anywhere)."""
     import json
     from hpcdist.autograd import ops
-    from hpcdist.device import double as dd
+    from hpcdist.device import standin as dd
     backend.seed(5)
     state = json.loads(json.dumps(backend.rng_state()))       # what a checkpoint stores
     x = hd.tensor(np.ones((7, 33)))
@@ -192,7 +192,7 @@ def test_recomputed_dropout_equals_the_forward_on_this_device(float64):
 
 
 def test_sampling_with_the_kv_cache_runs_on_this_device():
-    """hpcdist.sample on the active device (the double under test-double, a GPU under
+    """hpcdist.sample on the active device (the GPU stand-in under test-emulated, a GPU under
     test-gpu) draws what the whole forward's argmax gives at every step."""
     from hpcdist import nn, sample
     nn.manual_seed(2)
@@ -221,39 +221,39 @@ def _trained(out, device, *flags):
 @pytest.mark.parametrize("flags", [(), ("--grad-clip", "0.05"), ("--precision", "bf16"),
                                    ("--grad-accum", "2", "--dropout", "0.1")])
 def test_no_device_read_inside_a_step(tmp_path, flags):
-    """On the device double (which counts every device-to-host read), a training step reads
+    """On the GPU stand-in (which counts every device-to-host read), a training step reads
     nothing back: the losses and gradient norms of 3 steps are read at the log step, in one
     transfer; clipping runs on the device. The numbers equal the CPU run's."""
     from hpcdist.host import timeline
     rec = timeline.Recorder(0)
     timeline.activate(rec)
     try:
-        double = _trained(tmp_path, "double", *flags)
+        standin = _trained(tmp_path, "standin", *flags)
     finally:
         timeline.deactivate()
     steps = [args for name, _, _, _, _, args in rec.events if name == "step"]
     assert [s["device_reads"] for s in steps] == [0] * 6, steps
     assert len({s["launches"] for s in steps[1:]}) == 1 and steps[1]["launches"] > 50, steps
     cpu = _trained(tmp_path, "cpu", *flags)
-    for d, c in zip(double["history"], cpu["history"]):
+    for d, c in zip(standin["history"], cpu["history"]):
         assert isinstance(d["loss"], float) and isinstance(d["grad_norm"], float)
         np.testing.assert_allclose([d["loss"], d["grad_norm"]], [c["loss"], c["grad_norm"]],
                                    rtol=2e-2 if "bf16" in flags else 1e-6)
 
 
 def test_the_experts_permutation_and_combine_are_one_launch_each_way():
-    """On the device double or a GPU: an MoE layer's permutation and its combine are one
+    """On the GPU stand-in or a GPU: an MoE layer's permutation and its combine are one
     kernel each, forward and backward (the combine's backward one more for the gates; counted
-    where launches are counted, on the double), and their results equal the NumPy twins on
+    where launches are counted, on the GPU stand-in), and their results equal the NumPy twins on
     the host."""
     from hpcdist.autograd import ops
     from hpcdist.device import kernels
     from hpcdist.device.surface import LAUNCHES
     if backend.device_label() == "cpu":
-        pytest.skip("counts launches on the device double or a GPU")
+        pytest.skip("counts launches on the GPU stand-in or a GPU")
 
     def launched(before):
-        return LAUNCHES.count - before if backend.device_label() == "double" else None
+        return LAUNCHES.count - before if backend.device_label() == "standin" else None
     rng, xp, k = np.random.default_rng(0), backend.xp(), 2
     x_host = rng.standard_normal((6, 8))
     order_host = np.argsort(rng.integers(0, 4, 12), kind="stable")
@@ -285,7 +285,7 @@ def test_a_long_context_holds_activations_linear_in_its_length():
     """The tiled attention keeps no T x T buffer: a GPT step at T 4096 holds twice the
     activations of T 2048, not four times, and its peak within a step (tracemalloc's; on a
     GPU the pool's bytes in use) grows no faster; the planner's count for the shape is the
-    CPU's and the double's (whose twins keep LayerNorm's x-hat and GELU's tanh, which the
+    CPU's and the GPU stand-in's (whose twins keep LayerNorm's x-hat and GELU's tanh, which the
     kernels do not: the planner's fused_kernels=False), and on a GPU it holds to 10%
     (issue 59's T 8192 target, at a smaller shape)."""
     from hpcdist import nn
@@ -310,13 +310,13 @@ def test_a_long_context_holds_activations_linear_in_its_length():
         memtrace.enable(False)
         backend.set_default_float(prev)
     assert 1.8 < held[4096]["activations"] / held[2048]["activations"] < 2.2, held
-    assert held[4096]["peak"] / held[2048]["peak"] < 2.2, held      # (T x T: 4; the double's
+    assert held[4096]["peak"] / held[2048]["peak"] < 2.2, held      # (T x T: 4; the GPU stand-in's
     #                                                  twins' scratch is capped at 64 MiB)
     device = backend.device_label()
     want = P.activations(P.Model(1, 64, 2, 4096, 12),
                          P.Layout(1, 1, 1, 0, 1, 1, "none", 1, False, False),
                          P.Settings(param_bytes=4, activations="hpcdist",
-                                    fused_kernels=device != "double"))
+                                    fused_kernels=device != "standin"))
     bound = 0.10 if device == "gpu" else 0.02
     assert held[4096]["activations"] == pytest.approx(want, rel=bound), (held, want)
 

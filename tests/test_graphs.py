@@ -1,6 +1,6 @@
 """CUDA graphs (device/graphs.py): a training step's forward and backward captured once and
 replayed, each step's batch copied into the array the graph reads, equal to the same steps run
-eagerly. On the device double (the default here) every call captures again and the capture
+eagerly. On the GPU stand-in (the default here) every call captures again and the capture
 refuses device reads, synchronizations and host copies as CUDA does; under make test-gpu
 ($HPCDIST_DEVICE=gpu, tests/gpu/session.sh) the same tests replay a real graph."""
 import numpy as np
@@ -13,9 +13,9 @@ from hpcdist.device.surface import READS
 
 @pytest.fixture
 def device():
-    """The GPU where the suite runs on one, else the device double."""
+    """The GPU where the suite runs on one, else the GPU stand-in."""
     prev = backend.device_label()
-    label = "gpu" if prev == "gpu" else "double"
+    label = "gpu" if prev == "gpu" else "standin"
     backend.init(label)
     yield label
     backend.init(prev)
@@ -43,7 +43,7 @@ def _train(graph: bool, precision="fp32", arch="gpt", steps=5):
 def test_replayed_steps_equal_eager_steps_with_a_new_batch_each(device, arch, precision):
     want_losses, want_weights, _ = _train(False, precision, arch)
     losses, weights, step = _train(True, precision, arch)
-    assert step.graph.captures == (3 if device == "double" else 1)  # 2 warm-up calls, 3 more
+    assert step.graph.captures == (3 if device == "standin" else 1)  # 2 warm-up calls, 3 more
     tol = 2e-2 if precision == "bf16" else 1e-5                     # (atomics' order on a GPU)
     np.testing.assert_allclose(losses, want_losses, rtol=tol)
     # the weights to 1e-4 absolute: a GPU's atomics (norms' and the embedding's weight
@@ -83,8 +83,8 @@ def test_a_host_array_copied_in_inside_the_step_is_refused(device):
 
 
 def test_a_synchronization_inside_the_step_is_refused(device):
-    if device != "double":
-        pytest.skip("the double's refusal; a GPU's own refusal ends the capture itself")
+    if device != "standin":
+        pytest.skip("the GPU stand-in's refusal; a GPU's own refusal ends the capture itself")
     step = graphs.capture(lambda: backend.xp().cuda.get_current_stream().synchronize(), 1)
     step()
     with pytest.raises(DeviceError, match="synchronization"):

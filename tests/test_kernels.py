@@ -1,5 +1,5 @@
 """The fused kernels' machinery: a kernel is used only after it equals its twin, a wrong one
-is refused and said, the double counts a fused op as its launches, and an op that adds a
+is refused and said, the GPU stand-in counts a fused op as its launches, and an op that adds a
 parameter's gradient straight into its buffer gives the gradients (and hooks) of the engine's
 own addition."""
 import numpy as np
@@ -160,7 +160,7 @@ def test_gradients_added_straight_into_buffers_equal_the_engines_addition(float6
     assert sorted(fired_direct.values()) == sorted(fired_plain.values())   # once per pass
 
 
-def test_the_double_counts_a_fused_op_as_its_launches(monkeypatch):
+def test_the_gpu_standin_counts_a_fused_op_as_its_launches(monkeypatch):
     pytest.importorskip("numpy")
     from hpcdist.bench.gpu import count
     prev = backend.device_label()
@@ -178,10 +178,10 @@ def test_adamw_writes_the_bf16_compute_copy_in_its_own_kernel():
     """Mixed precision on the device path: the optimizer's kernel (ADAMW_LOW) leaves the
     model's bf16 weights equal to the fp32 master rounded to bf16 after every step, and the
     run equals the one that copies the master over after the step (the CPU's way)."""
-    from hpcdist.device import double as device_double
+    from hpcdist.device import standin
     from hpcdist.parallel.mixed_precision import MixedPrecision
     prev = backend.device_label()
-    backend.init("double")
+    backend.init("standin")
     try:
         cfg = nn.GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=2, n_embd=16)
         runs = []
@@ -200,10 +200,10 @@ def test_adamw_writes_the_bf16_compute_copy_in_its_own_kernel():
                 _, loss = model(idx, idx)
                 loss.backward()
                 mp.master.grad[...] = mp.compute.grad
-                device_double.LAUNCHES.count = 0
+                standin.LAUNCHES.count = 0
                 opt.step()
                 mp.after_step()
-                launches = device_double.LAUNCHES.count
+                launches = standin.LAUNCHES.count
                 losses.append(float(backend.to_numpy(loss.data).astype(np.float64)))
                 want = backend.round_to_bf16(backend.to_numpy(mp.master.data))
                 np.testing.assert_array_equal(
@@ -235,7 +235,7 @@ def test_the_bf16_gemm_hands_cublas_its_operands_column_major(monkeypatch):
     prev = backend.device_label()
     calls = []
     monkeypatch.setattr(gemm, "lib", fake_cublas(calls))
-    backend.init("double")
+    backend.init("standin")
     try:
         xp, rng = backend.xp(), np.random.default_rng(3)
         for n, k, m in ((1, 1, 1), (5, 3, 7), (33, 64, 17)):

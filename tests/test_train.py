@@ -49,7 +49,7 @@ def test_the_header_says_when_dropout_keeps_the_probabilities():
     assert "op by op" in words and "--dropout 0" in words
 
 
-@pytest.mark.parametrize("device", ["cpu", "double"])
+@pytest.mark.parametrize("device", ["cpu", "standin"])
 def test_a_context_of_8192_trains_in_little_memory(tmp_path, device):
     """Issue 59's bound on every machine: GPT 2x64, 2 heads, T 8192, batch 1 trains 2 steps
     (and scores its held-out tokens) under 1.2 GB of resident memory, the process's own peak
@@ -162,7 +162,7 @@ BAD = [
      "shards its state (compression's residuals), so the survivors restore from the last"),
     (["--mirror-every", "-1"], "--mirror-every must be >= 0"),
     (["--on-failure", "shrink", "--strategy", "ps"], "with --strategy ps is not built"),
-    (["--on-failure", "shrink", "--respawn", "--backend", "nccl", "--device", "double"],
+    (["--on-failure", "shrink", "--respawn", "--backend", "nccl", "--device", "standin"],
      "--respawn with --backend nccl is not built (a new process would need the lost rank's"),
     (["--shrink-batch", "keep"], "--shrink-batch and --respawn are for --on-failure shrink"),
     (["--respawn"], "--shrink-batch and --respawn are for --on-failure shrink"),

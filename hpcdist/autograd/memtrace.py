@@ -31,7 +31,7 @@ def enable(on: bool = True) -> None:
 
 
 def _gpu() -> bool:
-    """Device arrays: the pool's bytes in use (the double's pool reads tracemalloc)."""
+    """Device arrays: the pool's bytes in use (the GPU stand-in's pool reads tracemalloc)."""
     return backend.device() == "gpu"
 
 

@@ -3,7 +3,7 @@
 kernels), autocast and torch.compile: ms, tokens/s, TFLOP/s, MFU, peak memory, ratio to each.
 
 ``--count`` (any machine): the device operations one GPT training step issues — forward,
-backward, AdamW — counted on the device double, where every array operation is one launch and
+backward, AdamW — counted on the GPU stand-in, where every array operation is one launch and
 a fused kernel (hpcdist/device/kernels/) counts as its own launches: once with the fused kernels
 (``HPCDIST_FUSED=1``, the default) and once with their twins op by op, side by side.
 
@@ -82,22 +82,22 @@ COUNTS = (("op by op", "0", "fp32"), ("fused", "1", "fp32"), ("fused bf16", "1",
 
 
 def count(L, C, T, B, V, H=0, *, which=COUNTS) -> dict:
-    """Launches of one step: op by op and fused in fp32, fused in bf16 (on the device double,
+    """Launches of one step: op by op and fused in fp32, fused in bf16 (on the GPU stand-in,
     where bf16 runs natively: bf16 weights, activations and gradients)."""
-    from hpcdist.device import backend, double as device_double
-    backend.init("double")
+    from hpcdist.device import backend, standin
+    backend.init("standin")
     out, before = {}, os.environ.get("HPCDIST_FUSED")
     try:
         for name, fused, precision in which:
             os.environ["HPCDIST_FUSED"] = fused
-            print(f"counting the launches of two {_family()} {L}x{C} steps on the device "
-                  f"double, {name} (about a minute each)...", file=sys.stderr, flush=True)
+            print(f"counting the launches of two {_family()} {L}x{C} steps on the standin "
+                  f"GPU, {name} (about a minute each)...", file=sys.stderr, flush=True)
             backend.reset_precision()
             step, _ = _step_fn(L, C, T, B, V, H, precision=precision)
             step()                                        # first step: buffers made once
-            device_double.LAUNCHES.count = 0
+            standin.LAUNCHES.count = 0
             step()
-            out[name] = device_double.LAUNCHES.count
+            out[name] = standin.LAUNCHES.count
     finally:
         backend.reset_precision()
         if before is None:                                  # as the caller had it
@@ -245,7 +245,7 @@ def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float, dict]:
     from hpcdist.device.errors import DeviceError
     from hpcdist.run import mfu
     pool = backend.xp().get_default_memory_pool()
-    free = getattr(pool, "free_all_blocks", lambda: None)     # (the double's pool: none)
+    free = getattr(pool, "free_all_blocks", lambda: None)     # (the GPU stand-in's pool: none)
     rows, flops, acts = {}, 0.0, {}
     L, C, T = shape[:3]
     for mode in modes:
@@ -314,7 +314,7 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench gpu", description=__doc__)
-    ap.add_argument("--count", action="store_true", help="count launches on the device double")
+    ap.add_argument("--count", action="store_true", help="count launches on the GPU stand-in")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--embd", type=int, default=768)
     ap.add_argument("--heads", type=int, default=0, help="attention heads (0: embd / 64)")
@@ -353,7 +353,7 @@ def main(argv=None) -> int:
     else:
         from hpcdist.device import backend
         if backend.gpu_count() == 0:
-            print("no GPU visible: run with --count to count launches on the device double")
+            print("no GPU visible: run with --count to count launches on the GPU stand-in")
             return 0
         peers = () if args.no_torch else [p for p in args.peers.split(",") if p]
         res = measure(shape, args.steps, [m for m in args.modes.split(",") if m], peers,

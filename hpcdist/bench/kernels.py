@@ -7,7 +7,7 @@ thread (as it runs) and one element a thread (``common.VECTORS`` off), beside a 
 MLP's activation (rows x 4C: what this card's memory does at best, the yardstick of the last
 column). Each time is a CUDA graph of ``--calls`` calls replayed (kernels back to back: the
 host's launches are not timed), the best of ``--reps``. Bytes: what the call must read and
-write once. ``--device double`` runs the same on the CPU's model of a device (its times say
+write once. ``--device standin`` runs the same on the CPU's model of a device (its times say
 nothing: a check of the command)."""
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def measure(rows: int, C: int, V: int, dtype: str, calls: int, reps: int) -> lis
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench kernels", description=__doc__)
-    ap.add_argument("--device", default="gpu", choices=("gpu", "double"))
+    ap.add_argument("--device", default="gpu", choices=("gpu", "standin"))
     ap.add_argument("--rows", type=int, default=8192, help="batch x sequence")
     ap.add_argument("--embd", type=int, default=1024, help="the model's width C")
     ap.add_argument("--vocab", type=int, default=50304, help="the logits' width (GPT-2's "
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from hpcdist.device import backend, fused
     if args.device == "gpu" and backend.gpu_count() == 0:
-        print("no GPU visible: these are the GPU's kernels (--device double checks the "
+        print("no GPU visible: these are the GPU's kernels (--device standin checks the "
               "command on the CPU's model of one; its times say nothing)")
         return 0
     backend.init(args.device)

@@ -1,7 +1,7 @@
 """NCCL calls and bytes per training step, layout by layout:
-``python -m hpcdist.bench nccl [--ranks 8] [--device double|gpu]``.
+``python -m hpcdist.bench nccl [--ranks 8] [--device standin|gpu]``.
 
-Every layout trains a few steps with ``--backend nccl`` (on the device double's NCCL stand-in
+Every layout trains a few steps with ``--backend nccl`` (on the NCCL stand-in
 where no GPU is, on the real NCCL on a GPU per rank); the NCCL communicators count their own
 calls and the bytes each rank sends (``comm.nccl.counts()``: ring-equivalent bytes for
 the collectives, the payload for point-to-point). What a row says: how many NCCL calls one
@@ -95,8 +95,8 @@ def worker(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hpcdist.bench nccl", description=__doc__)
     p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--device", default="double", choices=("double", "gpu"),
-                   help="double: the NCCL stand-in on the CPU; gpu: the real NCCL")
+    p.add_argument("--device", default="standin", choices=("standin", "gpu"),
+                   help="standin: the NCCL stand-in on the CPU; gpu: the real NCCL")
     p.add_argument("--steps", type=int, default=2, help="steps counted (after a first one)")
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)

@@ -98,7 +98,7 @@ class NcclCommunicator:
             uid[:] = pack_unique_id(self.nccl.get_unique_id())
         self.host.bcast(uid, root=0)
         if ulfm.world() is not None and hasattr(self.nccl, "_use_world"):
-            self.nccl._use_world(ulfm.world())   # the device double's stand-in: after a
+            self.nccl._use_world(ulfm.world())   # the NCCL stand-in: after a
             # recovery its MPI rendezvous must look among the survivors (NCCL's needs no MPI)
         self.comm = self.nccl.NcclCommunicator(self.size, unpack_unique_id(uid), self.rank)
         self.bytes_sent = 0                            # ring-equivalent payload bytes

@@ -24,7 +24,7 @@ from . import p2p, watchdog
 def watched(nc, kind: str, nbytes: int = 0, seq: int = 0, peers: str | None = None):
     """The watchdog's wait and the timeline's record around NCCL work of communicator ``nc``
     (``seq``: the ledger's number of a collective; point-to-point has none). On a GPU the
-    host waits where it synchronizes with the stream; on the device double, in the call."""
+    host waits where it synchronizes with the stream; on the GPU stand-in, in the call."""
     who = peers or ("all ranks" if nc.host.label == "world" else nc.host.label)
     name = "NCCL " + (nc.label if nc.label == nc.host.label else
                       f"{nc.label} ({nc.host.label})")

@@ -4,8 +4,8 @@ Everything above this layer asks for ``xp()`` and writes array math against it, 
 code runs on both devices. The device is decided once per process, at the entry point, by
 ``init(device, local_rank)``; ``HPCDIST_DEVICE=cpu|gpu|auto`` sets the default.
 
-``double`` is a third device for machines without a GPU: arrays that behave as device arrays
-(``is_gpu_array`` is true, math works) but that MPI refuses to read (device_double.py). Every
+``standin`` is a third device for machines without a GPU: arrays that behave as device arrays
+(``is_gpu_array`` is true, math works) but that MPI refuses to read (standin.py). Every
 GPU code path runs on it, and any buffer that reaches MPI without staging fails loudly.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from . import precision
 from .precision import (BF16_MODES, bf16_emulated, bf16_why, bfloat16,  # noqa: F401
                         compute_dtype, dtype, native_bf16, reset_precision)
 
-DEVICES = ("cpu", "gpu", "auto", "double")
+DEVICES = ("cpu", "gpu", "auto", "standin")
 
 MALLOC_TUNED = malloc.tune()   # (host/malloc.py: freed temporaries stay in the heap)
 
@@ -45,8 +45,8 @@ def _import_cupy():
 
 
 def _cupyx():
-    """``cupyx`` of the active device module (the device double has its own)."""
-    if _cupy.__name__ == "hpcdist.device.double":
+    """``cupyx`` of the active device module (the GPU stand-in has its own)."""
+    if _cupy.__name__ == "hpcdist.device.standin":
         return _cupy.cupyx
     import cupyx
     return cupyx
@@ -62,7 +62,7 @@ def gpu_count() -> int:
 
 
 def device_free() -> float | None:
-    """Bytes free on this rank's GPU (the double: the host's), None on the CPU."""
+    """Bytes free on this rank's GPU (the GPU stand-in: the host's), None on the CPU."""
     if device_label() == "cpu":
         return None
     return float(xp().cuda.runtime.memGetInfo()[0])
@@ -85,24 +85,26 @@ def init(device: str | None = None, local_rank: int | None = None) -> str:
     """Choose the array module for this process; return the device chosen ("cpu" or "gpu").
 
     Args:
-        device: "cpu", "gpu" or "auto" (GPU when one is visible); default $HPCDIST_DEVICE or "cpu".
+        device: "cpu", "gpu", "auto" (GPU when one is visible) or "standin" (the GPU code path
+            on NumPy); default $HPCDIST_DEVICE or "cpu".
         local_rank: node-local rank; on the GPU the process binds to GPU ``local_rank % count``.
     """
     global _xp, _device, _cupy
     device = (device or os.environ.get("HPCDIST_DEVICE") or "cpu").lower()
     precision.forget_probe(None)              # NumPy computes in bf16 (ml_dtypes)
     if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
+        renamed = " (the GPU stand-in, once called 'double', is 'standin')" * (device == "double")
+        raise ValueError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}{renamed}")
     if device == "auto":
         device = "gpu" if gpu_count() > 0 else "cpu"
-    if device == "double":
-        from . import double as device_double
-        _cupy = device_double
-        _xp, _device = device_double, "gpu"
+    if device == "standin":
+        from . import standin
+        _cupy = standin
+        _xp, _device = standin, "gpu"
         precision.forget_probe(_bf16_probe)   # the device's bf16 asked at first use
-        return "double"
+        return "standin"
     if device == "gpu":
-        if _cupy is not None and _cupy.__name__ == "hpcdist.device.double":
+        if _cupy is not None and _cupy.__name__ == "hpcdist.device.standin":
             _cupy = None
         cupy = _import_cupy()
         n = gpu_count()
@@ -114,8 +116,8 @@ def init(device: str | None = None, local_rank: int | None = None) -> str:
         _xp, _device = cupy, "gpu"
         precision.forget_probe(_bf16_probe)
     else:
-        if _cupy is not None and _cupy.__name__ == "hpcdist.device.double":
-            _cupy = None                      # the double is not a GPU for later questions
+        if _cupy is not None and _cupy.__name__ == "hpcdist.device.standin":
+            _cupy = None                      # the GPU stand-in is not a GPU for later questions
         _xp, _device = np, "cpu"
     return _device
 
@@ -130,9 +132,9 @@ def device() -> str:
 
 
 def device_label() -> str:
-    """What the run's header calls the device: "cpu", "gpu", or "double" (device_double)."""
-    return "double" if _cupy is not None and _xp is _cupy and \
-        _cupy.__name__ == "hpcdist.device.double" else _device
+    """What the run's header calls the device: "cpu", "gpu", or "standin" (standin.py)."""
+    return "standin" if _cupy is not None and _xp is _cupy and \
+        _cupy.__name__ == "hpcdist.device.standin" else _device
 
 
 def array_module(arr):
@@ -348,20 +350,20 @@ def cupy_library(module: str):
 
 
 def device_counts():
-    """(kernel launches, device-to-host reads) so far, as the device double counts them; None
+    """(kernel launches, device-to-host reads) so far, as the GPU stand-in counts them; None
     on other devices (a GPU does not count them for us)."""
-    if device_label() != "double":
+    if device_label() != "standin":
         return None
     from .surface import LAUNCHES, READS
     return LAUNCHES.count, READS.count
 
 
 def nccl_module():
-    """``cupy.cuda.nccl``, or a DeviceError that says what is missing (on the device double:
-    its stand-in, double_nccl)."""
-    if _cupy is not None and _cupy.__name__ == "hpcdist.device.double":
-        from . import double_nccl
-        return double_nccl
+    """``cupy.cuda.nccl``, or a DeviceError that says what is missing (on the GPU stand-in:
+    its stand-in, standin_nccl)."""
+    if _cupy is not None and _cupy.__name__ == "hpcdist.device.standin":
+        from . import standin_nccl
+        return standin_nccl
     cupy = _import_cupy()
     try:
         from cupy.cuda import nccl

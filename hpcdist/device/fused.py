@@ -120,11 +120,11 @@ class Fused:
                 return self.cpu(*args)
             return self.twin(*args)
         dtype = dtype_name(args[0].dtype)
-        if label == "double":
-            from . import double as device_double
+        if label == "standin":
+            from . import standin
             if dtype not in self.dtypes:          # (a GPU runs the twin op by op too)
                 return self.twin(*args)
-            with device_double.one_launch(self.count(args)):
+            with standin.one_launch(self.count(args)):
                 return self.twin(*args)
         if label != "gpu" or dtype not in self.dtypes:
             return self.twin(*args)
@@ -137,7 +137,7 @@ class Fused:
 
     def native(self, dtype) -> bool:
         """Whether this op takes arrays of ``dtype`` as they are on this device (a kernel for
-        it on a GPU or the device double; the CPU's 2-byte floats go through float32)."""
+        it on a GPU or the GPU stand-in; the CPU's 2-byte floats go through float32)."""
         return backend.device_label() != "cpu" and np.dtype(dtype).name in self.dtypes
 
     def count(self, args) -> int:

@@ -1,5 +1,5 @@
 """The CuPy surface hpcdist may use, as CuPy 14 declares it: name -> (kind, signature), and
-the count of what a GPU would launch through it. The device double (device_double.py) offers
+the count of what a GPU would launch through it. The GPU stand-in (standin.py) offers
 exactly this; tests/cupy checks every entry against the real CuPy (make test-cupy)."""
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ NCCL = {
 # What kernels/gemm.py calls outside cupy's public module on a GPU (tensor-core GEMMs and
 # gemm_add.py's gradients through gemm_ex): module (cublas: cupy_backends.cuda.libs.cublas,
 # runtime: cupy_backends.cuda.api.runtime, device: cupy.cuda.device, linalg:
-# cupy._core._routines_linalg) and name. Not offered by the double, which runs the GEMMs'
+# cupy._core._routines_linalg) and name. Not offered by the GPU stand-in, which runs the GEMMs'
 # twins; checked against CuPy and cuBLAS's wheels by make test-cupy.
 CUBLAS = {
     "cublas.gemmEx": ("function", "(intptr_t handle, int transa, int transb, int m, int n, "
@@ -154,7 +154,7 @@ def cupy_result_type(inputs, result):
     """A ufunc's ``result`` (NumPy's) with the dtype CuPy gives it where the two differ: NumPy
     with ml_dtypes makes bf16 @ bf16 float32 (ml_dtypes #235), and bf16 times a Python float
     too; CuPy keeps bf16 (its GEMM writes bf16 from an fp32 accumulation; a Python scalar is
-    weak, NEP 50). So a native bf16 run's activations stay bf16 on the double as on a GPU."""
+    weak, NEP 50). So a native bf16 run's activations stay bf16 on the GPU stand-in as on a GPU."""
     arrays = [x for x in inputs if hasattr(x, "dtype")]
     if arrays and all(x.dtype.name == "bfloat16" for x in arrays) and \
             all(hasattr(x, "dtype") or isinstance(x, (int, float)) for x in inputs) and \
@@ -211,7 +211,7 @@ class _Reads:
     ``asnumpy`` and the implicit ones (``float(x)``, ``int(x)``, ``bool(x)``, ``if x``). Each
     holds the host until the device has finished everything queued before it."""
     count = 0
-    capturing = 0       # streams capturing a CUDA graph now (double_runtime's): reads refused
+    capturing = 0       # streams capturing a CUDA graph now (standin_runtime's): reads refused
 
     def add(self) -> None:
         if self.capturing:

@@ -123,8 +123,8 @@ CONTEXT = [   # parallel/context.py: each sequence split over cp ranks, attentio
 ]
 
 NCCL = [   # comm/nccl.py: every group's device arrays over NCCL, host values over MPI
-    ("backend", lambda c: c.backend == "nccl" and c.device not in ("gpu", "double") and
-     "--backend nccl needs --device gpu (NCCL moves GPU memory; --device double runs its "
+    ("backend", lambda c: c.backend == "nccl" and c.device not in ("gpu", "standin") and
+     "--backend nccl needs --device gpu (NCCL moves GPU memory; --device standin runs its "
      "stand-in)"),
     ("backend", lambda c: c.backend == "nccl" and c.compress in ("topk", "fp16") and
      f"--compress {c.compress} runs on the MPI backend ("

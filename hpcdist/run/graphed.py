@@ -42,7 +42,7 @@ def describe(cfg) -> str:
     if not cfg.cuda_graph:
         return ""
     return {"cpu": "--cuda-graph has no effect on the cpu",
-            "double": "CUDA graphs (the device double captures at every micro-batch and "
+            "standin": "CUDA graphs (the GPU stand-in captures at every micro-batch and "
                       "refuses what a GPU's capture would)"}.get(
         backend.device_label(), "forward and backward replayed as CUDA graphs (captured at "
                                 "each batch shape's third micro-batch; gradients averaged "

@@ -141,7 +141,7 @@ def gpu_peak(precision: str) -> tuple[float, str]:
 
 class Meter:
     """MFU of a run: ``peak`` (FLOP/s the hardware offers the whole job; 0 where unknown, as on
-    the device double) and ``rate`` -> (TFLOP/s, MFU or None) of a step. On a CPU a step past
+    the GPU stand-in) and ``rate`` -> (TFLOP/s, MFU or None) of a step. On a CPU a step past
     ``REPROBE`` of the cached peak probes the peak again once (the cache was measured under
     load) and keeps the larger."""
 
@@ -150,8 +150,8 @@ class Meter:
     def __init__(self, model, cfg, seq: int, world: int, nodes: int, cores_per_node: int):
         self.per_token = model_flops_per_token(model, cfg, seq)
         self.cpu = None
-        if backend.device_label() == "double":
-            one, self.source = 0.0, "the device double has no peak"
+        if backend.device_label() == "standin":
+            one, self.source = 0.0, "the GPU stand-in has no peak"
         elif backend.device() == "gpu":
             one, self.source = gpu_peak(peak_mode(cfg))
         else:

@@ -1,11 +1,11 @@
-"""The device double's CuPy surface checked against the real CuPy (imported without a GPU).
+"""The GPU stand-in's CuPy surface checked against the real CuPy (imported without a GPU).
 
-``problems(tables)`` walks every entry of the double's tables (device_surface.MODULE, NDARRAY,
+``problems(tables)`` walks every entry of the GPU stand-in's tables (device_surface.MODULE, NDARRAY,
 FLAGS, CUDA, CUPYX, RANDOM, NCCL) and returns what does not hold, first mismatch first:
 
 - the name exists in CuPy;
 - it is the same kind (function, ufunc, class, dtype, constant, method, property);
-- the parameters the double lets hpcdist pass bind to CuPy's signature: each listed
+- the parameters the GPU stand-in lets hpcdist pass bind to CuPy's signature: each listed
   positional parameter sits at the same place under the same name, each keyword is
   accepted, nothing CuPy requires is missing;
 - typed entries (NCCL) have CuPy's C types, and ``get_unique_id`` returns what the table
@@ -20,7 +20,7 @@ import inspect
 
 import numpy as np
 
-from hpcdist.device import double as dd
+from hpcdist.device import standin as dd
 
 
 def _resolve(root, dotted: str):
@@ -102,7 +102,7 @@ def bind_problems(declared: str, real: str) -> list[str]:
     for q in rp:
         if q.default is P.empty and q.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) \
                 and q.name not in d_names and q.name != "self":
-            out.append(f"CuPy's {real} requires {q.name!r}, which the double does not take")
+            out.append(f"CuPy's {real} requires {q.name!r}, which the GPU stand-in does not take")
     return out
 
 
@@ -142,7 +142,7 @@ def _check(where: str, real_obj, kind: str, text, owner=None, attr=None) -> list
         if got == "missing":
             return [f"{where}: CuPy has no such attribute"]
         if got != kind:
-            return [f"{where}: a {kind} in the double, a {got} in CuPy"]
+            return [f"{where}: a {kind} in the GPU stand-in, a {got} in CuPy"]
     elif kind == "dtype":
         try:
             np.dtype(real_obj)
@@ -154,13 +154,13 @@ def _check(where: str, real_obj, kind: str, text, owner=None, attr=None) -> list
     else:
         got = _kind_of(real_obj)
         if got != kind:
-            return [f"{where}: a {kind} in the double, a {got} in CuPy"]
+            return [f"{where}: a {kind} in the GPU stand-in, a {got} in CuPy"]
     if text is None:
         return out
     if kind == "ufunc":
         n = len(dd.signature(text).parameters)
         if real_obj.nin != n:
-            out.append(f"{where}: {n} inputs in the double, {real_obj.nin} in CuPy")
+            out.append(f"{where}: {n} inputs in the GPU stand-in, {real_obj.nin} in CuPy")
         return out
     real = real_signature_text(real_obj if kind != "class" else real_obj)
     if real is None:
@@ -171,7 +171,7 @@ def _check(where: str, real_obj, kind: str, text, owner=None, attr=None) -> list
     if declared_types:
         real_types = [t for t in dd.typed_parameters(real) if t[1] != "config"]
         if declared_types != real_types[:len(declared_types)]:
-            out.append(f"{where}: typed {declared_types} in the double, {real_types} in CuPy")
+            out.append(f"{where}: typed {declared_types} in the GPU stand-in, {real_types} in CuPy")
     return out
 
 
@@ -201,7 +201,7 @@ def _random_attr(root, dotted):
 
 
 def problems(tables=None) -> list[str]:
-    """Every entry of the double's surface that the real CuPy contradicts."""
+    """Every entry of the GPU stand-in's surface that the real CuPy contradicts."""
     import cupy
     tables = tables or {name: getattr(dd, name) for name in
                         ("MODULE", "NDARRAY", "CUDA", "CUPYX", "RANDOM", "NCCL", "FLAGS")}
@@ -239,6 +239,6 @@ def problems(tables=None) -> list[str]:
                 want = text.split("->")[1].strip()
                 got = type(obj()).__name__
                 if got != want:
-                    out.append(f"{where}: returns {got} in CuPy, {want} in the double")
+                    out.append(f"{where}: returns {got} in CuPy, {want} in the GPU stand-in")
     del cupy
     return out

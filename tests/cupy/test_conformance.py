@@ -1,4 +1,4 @@
-"""The device double offers only what CuPy 14 offers (make test-cupy: needs the CuPy wheel,
+"""The GPU stand-in offers only what CuPy 14 offers (make test-cupy: needs the CuPy wheel,
 which installs and imports without a GPU). Each planted mismatch below is one that reached a
 GPU before this test existed."""
 import pytest
@@ -6,7 +6,7 @@ import pytest
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed: make test-cupy installs it")
 
 import surface  # noqa: E402  (tests/cupy/surface.py)
-from hpcdist.device import double as dd  # noqa: E402
+from hpcdist.device import standin as dd  # noqa: E402
 
 
 def tables(**changes):
@@ -17,7 +17,7 @@ def tables(**changes):
     return out
 
 
-def test_every_name_the_double_offers_is_cupys_with_its_kind_and_arguments():
+def test_every_name_the_emulated_gpu_offers_is_cupys_with_its_kind_and_arguments():
     found = surface.problems()
     assert not found, f"{len(found)} mismatches, the first: {found[0]}"
 
@@ -47,7 +47,7 @@ def test_a_planted_flags_writeable_is_caught():
 def test_a_planted_nccl_id_of_another_type_is_caught():
     nccl = dict(dd.NCCL, get_unique_id=("function", "() -> tuple"))
     found = surface.problems(tables(NCCL=nccl))
-    assert found == ["cupy.cuda.nccl.get_unique_id: returns bytes in CuPy, tuple in the double"]
+    assert found == ["cupy.cuda.nccl.get_unique_id: returns bytes in CuPy, tuple in the GPU stand-in"]
     ctor = dict(dd.NCCL, NcclCommunicator=("class", "(int ndev, tuple commId, int rank)"))
     found = surface.problems(tables(NCCL=ctor))
     assert found and "commId" in found[0] and "bytes" in found[0], found
@@ -56,7 +56,7 @@ def test_a_planted_nccl_id_of_another_type_is_caught():
 def test_a_planted_bit_generator_state_property_is_caught():
     rnd = dict(dd.RANDOM, **{"XORWOW.state": ("property", None)})
     found = surface.problems(tables(RANDOM=rnd))
-    assert found == ["cupy.random.XORWOW.state: a property in the double, a method in CuPy"]
+    assert found == ["cupy.random.XORWOW.state: a property in the GPU stand-in, a method in CuPy"]
 
 
 def test_planted_names_kinds_and_arguments_are_caught():
@@ -73,4 +73,4 @@ def test_planted_names_kinds_and_arguments_are_caught():
         assert found and found[0].startswith(f"cupy.{name}"), (name, found)
     found = surface.problems(tables(NDARRAY={"shape": ("method", "(self)")}, MODULE={},
                                     CUDA={}, CUPYX={}, RANDOM={}, NCCL={}, FLAGS=()))
-    assert found == ["cupy.ndarray.shape: a method in the double, a property in CuPy"]
+    assert found == ["cupy.ndarray.shape: a method in the GPU stand-in, a property in CuPy"]

@@ -139,11 +139,11 @@ def sigterm_in_collective(comm):
 
 
 def nccl_stalled_receive(comm):
-    """Over NCCL (the device double's stand-in), rank 0 waits for a message that rank BAD
+    """Over NCCL (the NCCL stand-in), rank 0 waits for a message that rank BAD
     never sends; the other ranks wait in a barrier."""
     from hpcdist.device import backend
     from hpcdist.comm.nccl import NcclCommunicator
-    backend.init("double", comm.local_rank)
+    backend.init("standin", comm.local_rank)
     nc = NcclCommunicator(host=comm)
     nc.allreduce(backend.xp().ones(4))
     if comm.rank == 0:

@@ -1,7 +1,7 @@
 """The host's share of a training step on a lent GPU. GPT 12 layers at a shape whose GPU work
 is negligible (C 64, T 16, batch 2): the step's wall time is what Python, hpcdist and CuPy
-spend issuing it. Prints ms a step, the launches of the same step (counted on the device
-double) and so the host's microseconds a launch, then the functions that spend it (cProfile,
+spend issuing it. Prints ms a step, the launches of the same step (counted on the standin
+GPU) and so the host's microseconds a launch, then the functions that spend it (cProfile,
 by own time). ``python tests/gpu/host_step.py [MODE ...]`` (default fp32 bf16); run by
 tests/gpu/session.sh. On 2026-11-27 (H200) the 12x768 T 256 step took 22.6 ms in bf16 for
 about 13.5 ms of kernels: host-bound."""

@@ -1,7 +1,7 @@
 """Device arrays through every collective and every training layout.
 
 The device is $HPCDIST_DEVICE when it names one (``gpu`` under ``make test-gpu``), else the
-device double (hpcdist/device/double.py): arrays that act as device arrays but that MPI
+GPU stand-in (hpcdist/device/standin.py): arrays that act as device arrays but that MPI
 refuses to read, so any path that hands an unstaged device array to MPI fails here, on a
 machine without a GPU. Expectations: MPI's built-in collectives on host copies, and the
 1-rank CPU run of the same training configuration (fp64, per-step loss and gradient norm).
@@ -23,8 +23,8 @@ from helpers import small
 
 pytestmark = pytest.mark.mpi
 
-DEVICE = os.environ.get("HPCDIST_DEVICE", "double")
-DEVICE = DEVICE if DEVICE in ("gpu", "double") else "double"
+DEVICE = os.environ.get("HPCDIST_DEVICE", "standin")
+DEVICE = DEVICE if DEVICE in ("gpu", "standin") else "standin"
 
 
 @pytest.fixture(autouse=True)
@@ -185,7 +185,7 @@ def test_an_unstaged_device_array_never_reaches_mpi(comm):
     d = dev(np.ones(8))
     with pytest.raises(WireError, match="without staging"):
         comm._wire.Send(d, comm.rank, 0)
-    if DEVICE == "double":           # and MPI itself cannot read the double
+    if DEVICE == "standin":           # and MPI itself cannot read the GPU stand-in
         with pytest.raises(TypeError):
             comm.mpi.Send(d, comm.rank, 0)
 
@@ -233,7 +233,7 @@ def _layouts(P):
 @pytest.mark.parametrize("backend_name", ["mpi", "nccl"])
 @pytest.mark.parametrize("index", range(20))
 def test_every_layout_on_device_follows_the_cpu_run(comm, tmp_path, index, backend_name):
-    """fp64: each layout, with its collectives over MPI or over NCCL (the double's stand-in
+    """fp64: each layout, with its collectives over MPI or over NCCL (the NCCL stand-in
     where no GPU is), equals the one-process CPU run to 1e-10."""
     layouts = _layouts(comm.size)
     assert len(layouts) <= 20, "more layouts than test indices: raise the range"
@@ -241,7 +241,7 @@ def test_every_layout_on_device_follows_the_cpu_run(comm, tmp_path, index, backe
         pytest.skip(f"{len(layouts)} layouts at {comm.size} ranks")
     if backend_name == "nccl" and (DEVICE == "cpu" or (
             DEVICE == "gpu" and backend.gpu_count() < comm.size)):
-        pytest.skip("NCCL needs a device array per rank: --device double, or a GPU per rank")
+        pytest.skip("NCCL needs a device array per rank: --device standin, or a GPU per rank")
     kw = {**dict(n_layer=2, n_head=2, n_embd=16), **layouts[index]}
     P = comm.size
     replicas = P // (kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1))

@@ -39,7 +39,7 @@ def _layouts(P):
 @pytest.mark.parametrize("backend_name", ["mpi", "nccl"])
 @pytest.mark.parametrize("index", range(20))
 def test_every_llama_layout_follows_one_process(comm, tmp_path, index, backend_name):
-    """... over MPI, and over NCCL where each rank has a device array (the double's stand-in
+    """... over MPI, and over NCCL where each rank has a device array (the NCCL stand-in
     where no GPU is; a GPU each on a GPU machine)."""
     layouts = _layouts(comm.size)
     assert len(layouts) <= 20, "more layouts than test indices: raise the range"
@@ -47,7 +47,7 @@ def test_every_llama_layout_follows_one_process(comm, tmp_path, index, backend_n
         pytest.skip(f"{len(layouts)} layouts at {comm.size} ranks")
     if backend_name == "nccl" and (DEVICE == "cpu" or (
             DEVICE == "gpu" and gpu_count() < comm.size)):
-        pytest.skip("NCCL needs a device array per rank: --device double, or a GPU per rank")
+        pytest.skip("NCCL needs a device array per rank: --device standin, or a GPU per rank")
     kw = {**LLAMA, **layouts[index], "backend": backend_name}
     if kw.pop("tp_ok", 1) == 0:                       # MQA over TP 2: refused in one line
         with pytest.raises(ConfigError, match="must divide n_kv_head"):

@@ -2,8 +2,8 @@
 CPU run.
 
 Where CuPy sees at least as many GPUs as there are ranks (NCCL refuses two ranks on one GPU),
-the suite runs on the real NCCL; elsewhere on the device double's stand-in
-(device/double_nccl.py: every call bound to CuPy's typed signature, the data moved by MPI's
+the suite runs on the real NCCL; elsewhere on the NCCL stand-in
+(device/standin_nccl.py: every call bound to CuPy's typed signature, the data moved by MPI's
 built-ins), so the NCCL backend's whole protocol runs in every ``make test``.
 """
 import numpy as np
@@ -31,8 +31,8 @@ def test_unique_id_round_trips_in_both_spellings():
 
 @pytest.fixture(scope="module")
 def nccl(comm):
-    """The NCCL backend on the real NCCL (a GPU per rank) or on the double's stand-in."""
-    device = "gpu" if backend.gpu_count() >= comm.size else "double"
+    """The NCCL backend on the real NCCL (a GPU per rank) or on the NCCL stand-in."""
+    device = "gpu" if backend.gpu_count() >= comm.size else "standin"
     backend.init(device, comm.local_rank)
     nc = NcclCommunicator(comm.mpi)
     nc.device = device
@@ -43,7 +43,7 @@ def nccl(comm):
 
 def test_the_stand_in_refuses_what_cupy_refuses(comm, nccl):
     """An id of CuPy 13's spelling (a tuple), or a float count, is a TypeError, as in CuPy."""
-    if nccl.device != "double":
+    if nccl.device != "standin":
         pytest.skip("the real NCCL is here")
     nccl_mod = backend.nccl_module()
     with pytest.raises(TypeError, match="commId must be bytes"):
@@ -281,7 +281,7 @@ _PY_TYPES = {"int": int, "size_t": int, "intptr_t": int, "bytes": bytes}
 
 def _call_problems(typed_text: str, args) -> list:
     """Which of ``args`` do not have the C type ``typed_text`` gives their parameter."""
-    from hpcdist.device.double import typed_parameters
+    from hpcdist.device.standin import typed_parameters
     out = []
     for (ctype, name), value in zip(typed_parameters(typed_text), args):
         want = _PY_TYPES.get(ctype)

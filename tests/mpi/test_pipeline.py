@@ -123,7 +123,7 @@ def test_measured_stash_1f1b_against_gpipe(comm, tmp_path):
 # to rounding for the first steps and then drift apart (bf16: chaotically, a step's loss later
 # differs by up to 13% either way), so: the first 3 steps within 1%, each step of the first
 # half within MP_TOL, the mean of the last 5 within MP_TAIL. Measured 2026-11-27 (2 and 4
-# ranks, CPU and the device double, 1F1B, interleaved, ZB-H1): first half 0.05-5.6%, all 20
+# ranks, CPU and the GPU stand-in, 1F1B, interleaved, ZB-H1): first half 0.05-5.6%, all 20
 # steps 0.3-13.2%, the last 5 steps' mean 0.1-6.4%.
 MP_TOL, MP_TAIL = 0.08, 0.1
 

@@ -1,5 +1,5 @@
 """A rank dies while the others wait inside NCCL (run by test_recovery.py under mpirun --with-ft
-ulfm, 3 ranks, on the device double).
+ulfm, 3 ranks, on the GPU stand-in).
 
 A real NCCL kernel waiting for a dead peer never returns and no MPI revoke reaches it: here
 the survivors' NCCL call blocks until the communicator is aborted, as a kernel does. Rank 2
@@ -18,7 +18,7 @@ from mpi4py import MPI
 from hpcdist.comm import nccl, ulfm
 from hpcdist.device import backend
 
-backend.init("double")
+backend.init("standin")
 ulfm.enable_world()
 nc = nccl.NcclCommunicator(MPI.COMM_WORLD)
 rank = nc.rank

@@ -252,12 +252,12 @@ def test_without_the_fault_tolerance_switch_the_flag_is_refused_in_one_line(tmp_
 
 
 def test_over_nccl_the_survivors_abort_and_build_new_communicators(tmp_path):
-    """--backend nccl (the device double's NCCL), ZeRO-3 at 4 ranks, rank 2 killed as step 7
+    """--backend nccl (the GPU stand-in's NCCL), ZeRO-3 at 4 ranks, rank 2 killed as step 7
     begins: the NCCL communicators are aborted, the survivors make new ones over the 3 left,
     restore step 6 from the buddies' memory, and steps 7-10 and the final model equal (fp64,
     exactly) the same NCCL run saved at step 6 and resumed on 3 ranks."""
     a, ref = tmp_path / "a", tmp_path / "ref"
-    args = [*COMMON, "--zero", "3", "--device", "double", "--backend", "nccl"]
+    args = [*COMMON, "--zero", "3", "--device", "standin", "--backend", "nccl"]
     rc, out = finish(launch(4, *args, "--on-failure", "shrink", "--out-dir", str(a),
                             "--save-dir", str(a / "ck"), HPCDIST_SIGNAL_AT="2:7:SIGKILL"))
     assert rc == 0, out[-4000:]

@@ -69,7 +69,7 @@ def matmul_add(a, b, into, overwrite: bool = False) -> bool:
     """``into += a @ b`` (``overwrite``: ``into = a @ b``) inside the GEMM where it can be,
     saving the product's array and the pass that adds it (a weight's gradient into its
     buffer): NumPy's BLAS on the CPU in float32/float64; cuBLAS on a GPU in fp32, fp64, bf16
-    (the device double runs the twin, one launch); not under bf16 emulation (its GEMMs round
+    (the GPU stand-in runs the twin, one launch); not under bf16 emulation (its GEMMs round
     their operands: BF16_GEMM). False: not done, the caller adds."""
     if backend.bf16_emulated() and a.dtype == np.float32:
         return False
@@ -88,7 +88,7 @@ def matmul_add(a, b, into, overwrite: bool = False) -> bool:
 
 
 def device_gemm(a, b):
-    """``a @ b`` of two matrices on a GPU (or the double) as one gemmEx into a new array, or
+    """``a @ b`` of two matrices on a GPU (or the GPU stand-in) as one gemmEx into a new array, or
     None where GEMM_ADD does not take it (the caller multiplies through CuPy). CuPy's own GEMM
     runs cuBLAS through wrappers that refuse a CUDA graph's capture (device/graphs.py), and
     costs the host ~30 us a call against this one's ~15."""

@@ -1,9 +1,9 @@
-"""The device double's NCCL: ``cupy.cuda.nccl`` as hpcdist calls it, over MPI's own collectives.
+"""The GPU stand-in's NCCL: ``cupy.cuda.nccl`` as hpcdist calls it, over MPI's own collectives.
 
 Where no GPU is, this stands in for NCCL so that the NCCL backend (comm/nccl.py) runs its
 whole protocol with the arguments and types a real ``NcclCommunicator`` takes (each call binds
 to the typed signature in ``surface.NCCL``). The data moves with MPI's built-in collectives on
-the arrays behind the pointers (the double's pointers are host addresses). The ranks meet as
+the arrays behind the pointers (the GPU stand-in's pointers are host addresses). The ranks meet as
 NCCL's do over its id's socket address: each writes its rank under a folder named by the id's
 token, and their MPI communicator is made from that group of the world (MPI_COMM_WORLD, or the
 survivors after an in-job recovery: ``_use_world``). ``abort`` is ``ncclCommAbort``: the
@@ -61,7 +61,8 @@ def _bind(name: str, args: tuple) -> None:
 
 def get_unique_id() -> bytes:
     _bind("get_unique_id", ())
-    return b"hpcdist-double" + os.urandom(16).hex().encode() + bytes(128 - 46)
+    tag = b"hpcdist-standin" + os.urandom(16).hex().encode()
+    return tag + bytes(128 - len(tag))
 
 
 def groupStart() -> None:           # noqa: N802 (NCCL's name)

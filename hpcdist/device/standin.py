@@ -1,10 +1,10 @@
 """A stand-in for CuPy on machines without a GPU: device arrays that MPI cannot read, and only
 the CuPy that hpcdist may call.
 
-``backend.init("double")`` (``--device double``, ``HPCDIST_DEVICE=double``) makes this module
+``backend.init("standin")`` (``--device standin``, ``HPCDIST_DEVICE=standin``) makes this module
 the array module. Its arrays are NumPy arrays underneath, so every op computes exactly as on
 the CPU, but they behave as CuPy's do towards hpcdist and MPI — the list goes on in
-docs/gpu.md, "hpcdist/device/double.py"."""
+docs/gpu.md, "hpcdist/device/standin.py"."""
 from __future__ import annotations
 
 import ctypes
@@ -13,7 +13,7 @@ import types
 
 import numpy as _np
 
-from . import double_runtime
+from . import standin_runtime
 from .surface import (CUBLAS, CUDA, CUPYX, FLAGS, LAUNCHES, MODULE, NCCL, READS, NDARRAY,
                       NOT_LAUNCHES, RANDOM, UFUNC_KWARGS, cupy_result_type, one_launch,
                       signature, typed_parameters)
@@ -43,15 +43,15 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
     """A device array: NumPy math, no host buffer export, only CuPy's attributes."""
 
     def __dlpack__(self, *args, **kwargs):
-        raise TypeError("a device array (hpcdist device double) has no host memory to export: "
+        raise TypeError("a device array (hpcdist GPU stand-in) has no host memory to export: "
                         "stage it through the Communicator")
 
     def __dlpack_device__(self):
-        raise TypeError("a device array (hpcdist device double) has no host device")
+        raise TypeError("a device array (hpcdist GPU stand-in) has no host device")
 
     if sys.version_info >= (3, 12):            # PEP 688: refuse the buffer protocol itself
         def __buffer__(self, flags):
-            raise TypeError("a device array (hpcdist device double) exports no host buffer")
+            raise TypeError("a device array (hpcdist GPU stand-in) exports no host buffer")
 
     @property
     def flags(self):
@@ -84,7 +84,7 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
         _np.ndarray.__setitem__(self, idx, value)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        # CuPy refuses host arrays in device math (TypeError); so does the double, so that
+        # CuPy refuses host arrays in device math (TypeError); so does the GPU stand-in, so that
         # a forgotten to_device fails here and not first on a GPU machine.
         for x in inputs + tuple(kwargs.get("out", ())):
             if type(x) is _np.ndarray and x.ndim > 0:
@@ -154,7 +154,7 @@ def _bind_method(name: str, text: str, impl=None):
 
 
 class _NotInCuPy:
-    """An attribute NumPy arrays have and the double withholds (CuPy lacks it, or hpcdist
+    """An attribute NumPy arrays have and the GPU stand-in withholds (CuPy lacks it, or hpcdist
     has not listed it in NDARRAY)."""
 
     def __init__(self, name):
@@ -162,7 +162,7 @@ class _NotInCuPy:
 
     def __get__(self, obj, cls=None):
         raise AttributeError(
-            f"'cupy.ndarray' (hpcdist device double) has no attribute {self.name!r} in the "
+            f"'cupy.ndarray' (hpcdist GPU stand-in) has no attribute {self.name!r} in the "
             "surface hpcdist may use: list it in device_surface.NDARRAY (make test-cupy "
             "checks it against CuPy) or use another call")
 
@@ -224,7 +224,7 @@ def _host(x):
 
 
 def _refuse_host_arrays(name, args):
-    """CuPy's functions take no NumPy arrays (TypeError); nor do the double's."""
+    """CuPy's functions take no NumPy arrays (TypeError); nor do the GPU stand-in's."""
     for x in args:
         if type(x) is _np.ndarray and x.ndim > 0:
             raise TypeError(f"{name}: a host (NumPy) array passed to a device function; "
@@ -329,9 +329,9 @@ for _name, (_kind, _text) in MODULE.items():
 
 def __getattr__(name):
     raise AttributeError(
-        f"module 'cupy' (hpcdist device double) has no attribute {name!r} in the surface "
+        f"module 'cupy' (hpcdist GPU stand-in) has no attribute {name!r} in the surface "
         "hpcdist may use: list it in device_surface.MODULE (make test-cupy checks it against "
         "CuPy) or use another call")
 
 
-cupyx, cuda, random = double_runtime.namespaces(_function, _device, _host)
+cupyx, cuda, random = standin_runtime.namespaces(_function, _device, _host)

@@ -1,7 +1,7 @@
-"""The device double's runtime beside its arrays: ``cupyx.scatter_add``, ``cupy.cuda`` (streams
+"""The GPU stand-in's runtime beside its arrays: ``cupyx.scatter_add``, ``cupy.cuda`` (streams
 that capture CUDA graphs, devices, pinned memory, memory pools and information) and
-``cupy.random`` (NumPy's draws as device arrays), built by ``namespaces`` from double.py's
-binders (this module imports none of double.py: it is called with them)."""
+``cupy.random`` (NumPy's draws as device arrays), built by ``namespaces`` from standin.py's
+binders (this module imports none of standin.py: it is called with them)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,11 +13,11 @@ from .surface import CUDA, CUPYX, READS
 
 
 class _Stream:
-    """A stream: the double's work is done when a call returns. A capture (``begin_capture``
+    """A stream: the GPU stand-in's work is done when a call returns. A capture (``begin_capture``
     to ``end_capture``) runs the work as it is issued and refuses what CUDA refuses inside
-    one: device-to-host reads (READS), synchronizations, host arrays copied in (double.py);
+    one: device-to-host reads (READS), synchronizations, host arrays copied in (standin.py);
     its graph's ``launch`` does nothing (graphs.py captures again at each call on the
-    double)."""
+    GPU stand-in)."""
     ptr = 0
 
     def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
@@ -50,18 +50,18 @@ class _Stream:
 
 class _Graph:
     def launch(self, stream=None) -> None:
-        """Nothing: the double ran the captured work as it was issued."""
+        """Nothing: the GPU stand-in ran the captured work as it was issued."""
 
 
 class _PrivatePool:
-    """``cupy.cuda.MemoryPool``: the double's arrays are NumPy's; ``malloc`` is what
-    ``using_allocator`` is handed (and never called: the double allocates through NumPy)."""
+    """``cupy.cuda.MemoryPool``: the GPU stand-in's arrays are NumPy's; ``malloc`` is what
+    ``using_allocator`` is handed (and never called: the GPU stand-in allocates through NumPy)."""
 
     def __init__(self, allocator=None):
         pass
 
     def malloc(self, size):
-        raise RuntimeError("the device double allocates through NumPy")
+        raise RuntimeError("the GPU stand-in allocates through NumPy")
 
     def total_bytes(self) -> int:
         return 0
@@ -92,7 +92,7 @@ def _alloc_pinned_memory(size):
 
 
 def _mem_info():
-    """(free, total) bytes of the device: the double's memory is the host's."""
+    """(free, total) bytes of the device: the GPU stand-in's memory is the host's."""
     from ..host.meminfo import host_available
     free = host_available() or float(1 << 40)
     return int(free), int(free)
@@ -124,7 +124,7 @@ class _Generator:
 
 
 def namespaces(function, device, host) -> tuple:
-    """(cupyx, cupy.cuda, cupy.random) of the double: ``function(name, text, impl, where)``
+    """(cupyx, cupy.cuda, cupy.random) of the GPU stand-in: ``function(name, text, impl, where)``
     binds a call to CuPy's signature, ``device``/``host`` wrap and unwrap arrays."""
     def scatter_add(a, slices, value):
         """``cupyx.scatter_add``: a[slices] += value, repeated indices accumulating."""
@@ -145,7 +145,7 @@ def namespaces(function, device, host) -> tuple:
             getDeviceCount=lambda: 1,
             getDeviceProperties=function(
                 "getDeviceProperties", CUDA["runtime.getDeviceProperties"][1],
-                lambda device: {"name": b"hpcdist device double"}, "cupy.cuda.runtime"),
+                lambda device: {"name": b"hpcdist GPU stand-in"}, "cupy.cuda.runtime"),
             memGetInfo=function("memGetInfo", CUDA["runtime.memGetInfo"][1], _mem_info,
                                 "cupy.cuda.runtime")))
     random = types.SimpleNamespace(default_rng=lambda seed=None: _Generator(

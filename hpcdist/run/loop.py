@@ -127,6 +127,7 @@ def loop(run: Run, start: Start):
     t_start = time.perf_counter()
     history, step, more = [], start, start < cfg.steps and not stopped
     unread = report.Unread(strategy, run.meter, run.metrics)
+    mark.unread = unread                         # (a recovery writes what it settled)
     while more:
         mark.at(step, sampler)
         step += 1
@@ -137,6 +138,8 @@ def loop(run: Run, start: Start):
         unread.add(rec)
         stopped, save_at, more = strategy.control(step, cfg, stop, comm)
         rec["bytes_sent"] += strategy.control_bytes()   # (a meeting at a save or the end)
+        if mark.recovers:                        # the committed step's record kept on the host
+            unread.settle()
         if more and mark.mirror is not None:     # peers' memory holds the committed state
             t0 = time.perf_counter()
             with timeline.span("mirror", step=step):

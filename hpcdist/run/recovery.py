@@ -40,6 +40,8 @@ class Mark:
     def __init__(self, cfg=None, comm=None):
         self.mirror = mirror.Mirror(cfg.mirror_every, comm) if cfg is not None and \
             ulfm.enabled() and mirrored(cfg) else None
+        self.recovers = cfg is not None and ulfm.enabled()
+        self.unread = None                      # the loop's report.Unread
 
     def at(self, step: int, sampler) -> None:
         self.step, self.sampler, self.commits = step, (sampler.epoch, sampler.position), \
@@ -123,6 +125,8 @@ def caught(exc: BaseException, cfg, strategy, sampler, mark: Mark) -> BaseExcept
     lost.committed, lost.failed_step, lost.replicas = snap, mark.step + 1, replicas
     lost.committed_step = step                  # (0: nothing committed, the seed's state)
     lost.mirror = mark.mirror
+    lost.records = [r for r in (mark.unread.settled if mark.unread is not None else [])
+                    if r["step"] <= step]       # committed steps' records not yet written
     return lost
 
 
@@ -185,6 +189,20 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
             + "".join(f"; {n}" for n in notes) + f"; resuming from {source}")
     _record(comm, cfg, lost, gone, reader.step, source)
     return comm, cfg, (datasets, (reader.folder, note, reader))
+
+
+def _write_records(cfg, comm, lost, prepared) -> None:
+    """The records of the committed steps the survivors go on from, which the lost run had
+    settled but not yet written (every survivor holds them alike): the new rank 0 appends
+    them to metrics.jsonl before the run goes on."""
+    reader = prepared[1][2]
+    upto = reader.step if reader is not None else 0
+    records = [r for r in getattr(lost, "records", []) if r["step"] <= upto]
+    if comm.rank != 0 or not records or not cfg.out_dir:
+        return
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
 
 
 SEED = "the seed"          # where a recovery before the first committed step resumes from
@@ -276,6 +294,7 @@ def train_through_failures(train, cfg, comm, prepared):
                     print(f"hpcdist.train: error: cannot go on after losing a rank: {e}",
                           file=sys.stderr)
                 return None
+            _write_records(cfg, comm, lost, prepared)
         except checkpoint.CheckpointError as e:   # raised alike on every rank (agreed)
             if comm.rank == 0:
                 print(f"hpcdist.train: error: {e}", file=sys.stderr)

@@ -202,11 +202,15 @@ class Unread:
     """The steps whose loss and gradient norm are still on the device, read together at log
     steps (and before a save or the end): one wait for the device and one collective for
     several steps, none inside a step. On a GPU a step's time is then the interval's mean
-    (its kernels run after the host has moved on); on the CPU each step keeps its own."""
+    (its kernels run after the host has moved on); on the CPU each step keeps its own.
+    ``settle`` reads them without writing: under --on-failure shrink every step's record is
+    settled after the step, so that the records of committed steps outlive a lost rank
+    (their mean over the replicas needs every replica's loss)."""
 
     def __init__(self, strategy, meter, metrics):
         self.strategy, self.meter, self.metrics = strategy, meter, metrics
         self.records: list = []
+        self.settled: list = []                   # read, not yet written
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -215,7 +219,8 @@ class Unread:
     def add(self, rec: dict) -> None:
         self.records.append(rec)
 
-    def read(self) -> None:
+    def settle(self) -> None:
+        """Read the pending records' losses and norms (one device read, one collective)."""
         recs, self.records = self.records, []
         if not recs:
             return
@@ -236,14 +241,24 @@ class Unread:
                 r["tflops"], mfu = self.meter.rate(r["tokens_per_s"])
                 if mfu is not None:
                     r["mfu"] = mfu
-            if self.metrics is not None:
-                self.metrics.write(json.dumps(r) + "\n")
-        if self.metrics is not None:
-            self.metrics.flush()
+        self.settled += recs
         bad = next((r for r in recs if not np.isfinite(r["loss"])), None)
         if bad is not None:
+            self.write()
             raise FloatingPointError(f"loss became {bad['loss']} at step {bad['step']}; "
                                      "lower --lr")
+
+    def read(self) -> None:
+        """Settle the pending records and write every settled one to metrics.jsonl."""
+        self.settle()
+        self.write()
+
+    def write(self) -> None:
+        recs, self.settled = self.settled, []
+        if self.metrics is not None and recs:
+            for r in recs:
+                self.metrics.write(json.dumps(r) + "\n")
+            self.metrics.flush()
 
 
 def inter_node(cfg, comm, strategy, start: int) -> float:

@@ -559,3 +559,30 @@ def test_a_setting_of_another_family_is_one_line(capsys):
         P.main(["--arch", "gemma", "--layers", "8", "--hidden", "512", "--heads", "8",
                 "--head-dim", "3", "--global-batch", "8", "--gpus", "8"])
     assert "head size 3 must be even" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_context_parallel_messages_carry_the_kv_heads_width(impl):
+    """Ring attention passes K and V around, so with grouped-query attention its hops carry
+    the kv heads' width, not n_embd; Ulysses' all-to-alls move q, k, v and the output. Against
+    the hand count on a layout where nothing hides the messages (a tiny block per hop)."""
+    from hpcdist.plan.steptime import layer_times
+    gpu = P.HARDWARE["h100"]
+    s, h, c, b = 4096, 4096, 4, 1
+    settings = P.Settings(efficiency=1e9)      # (the block's compute takes no time)
+    L = P.Layout(1, 1, 1, 0, b, 1, "none", 1, False, False, cp=c, cp_impl=impl)
+    times = {}
+    for kv in (32, 8):
+        model = P.Model(2, h, 32, s, 32000, arch="llama", settings=(("n_kv_head", kv),))
+        times[kv] = layer_times(model, L, gpu, 8, settings)[3]
+    width = settings.param_bytes * b * s / c            # bytes per unit of width
+    fixed = (c - 1) * (gpu.nvlink_alpha + settings.call_overhead) * (2 if impl == "ulysses"
+                                                                      else 1)
+    kv_bytes = {kv: 2 * width * h * kv / 32 for kv in (32, 8)}
+    if impl == "ring":
+        want = {kv: fixed + (c - 1) * kv_bytes[kv] / gpu.nvlink for kv in (32, 8)}
+    else:
+        want = {kv: fixed + (2 * width * h + kv_bytes[kv]) * (c - 1) / c / gpu.nvlink
+                for kv in (32, 8)}
+    assert times == pytest.approx(want, rel=1e-6)
+    assert times[8] < times[32]

@@ -191,20 +191,6 @@ def recover(cfg, lost: ulfm.RankLost, datasets):
     return comm, cfg, (datasets, (reader.folder, note, reader))
 
 
-def _write_records(cfg, comm, lost, prepared) -> None:
-    """The records of the committed steps the survivors go on from, which the lost run had
-    settled but not yet written (every survivor holds them alike): the new rank 0 appends
-    them to metrics.jsonl before the run goes on."""
-    reader = prepared[1][2]
-    upto = reader.step if reader is not None else 0
-    records = [r for r in getattr(lost, "records", []) if r["step"] <= upto]
-    if comm.rank != 0 or not records or not cfg.out_dir:
-        return
-    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-
-
 SEED = "the seed"          # where a recovery before the first committed step resumes from
 
 
@@ -220,9 +206,14 @@ def _from_the_seed(comm, cfg, lost, gone, before, notes, *, datasets):
 
 
 def _record(comm, cfg, lost, gone, resumed_from: int, source: str) -> None:
-    """The recovery's record in metrics.jsonl (rank 0)."""
+    """The recovery's record in metrics.jsonl (rank 0), after the records of the committed
+    steps the survivors go on from that the lost run had settled but not yet written (every
+    survivor holds them alike)."""
     if comm.rank == 0 and cfg.out_dir:
         with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+            for r in getattr(lost, "records", []):
+                if r["step"] <= resumed_from:
+                    f.write(json.dumps(r) + "\n")
             f.write(json.dumps({"event": "recovered", "lost": gone, "step": lost.failed_step,
                                 "resumed_from": resumed_from, "world": comm.size,
                                 "source": source, "detected": lost.detected,
@@ -294,7 +285,6 @@ def train_through_failures(train, cfg, comm, prepared):
                     print(f"hpcdist.train: error: cannot go on after losing a rank: {e}",
                           file=sys.stderr)
                 return None
-            _write_records(cfg, comm, lost, prepared)
         except checkpoint.CheckpointError as e:   # raised alike on every rank (agreed)
             if comm.rank == 0:
                 print(f"hpcdist.train: error: {e}", file=sys.stderr)

@@ -133,13 +133,15 @@ def loop(run: Run, start: Start):
         step += 1
         runtime.test_hooks(step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
-        rec = train_step(cfg, strategy, run.train_set, sampler, step, lr, delay=delay)
+        rec = train_step(cfg, strategy, run.train_set, sampler, step, lr, delay=delay,
+                         settle=mark.recovers)
         history.append(rec)
-        unread.add(rec)
+        unread.add(rec, meaned=mark.recovers)
         stopped, save_at, more = strategy.control(step, cfg, stop, comm)
         rec["bytes_sent"] += strategy.control_bytes()   # (a meeting at a save or the end)
         if mark.recovers:                        # the committed step's record kept on the host
-            unread.settle()
+            unread.settle()                      # (its loss meaned before the commit: no
+                                                 # collective here)
         if more and mark.mirror is not None:     # peers' memory holds the committed state
             t0 = time.perf_counter()
             with timeline.span("mirror", step=step):
@@ -171,9 +173,11 @@ def straggler_delay(cfg, rank: int) -> float:
 
 
 def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
-               *, delay: float = 0.0) -> dict:
+               *, delay: float = 0.0, settle: bool = False) -> dict:
     """One optimizer step over ``cfg.grad_accum`` micro-batches; its metrics record.
-    ``delay``: seconds this rank sleeps in the step (a straggler)."""
+    ``delay``: seconds this rank sleeps in the step (a straggler). ``settle`` (under
+    --on-failure shrink): the loss's mean over the replicas is read before the step is
+    committed, so that a committed step's record never needs a rank lost after it."""
     xp = backend.xp()
     forward_backward = graphed.forward_backward(cfg, strategy)
     host = isinstance(forward_backward, graphed.GraphedForwardBackward)   # (copies batches in)
@@ -195,6 +199,9 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
                                              1.0 / cfg.grad_accum)
         with timeline.span("gradient sync"):
             strategy.sync()
+        loss = loss_sum / cfg.grad_accum     # the mean over the replicas: Unread.settle
+        if settle:
+            loss = strategy.mean_losses([loss])[0]
         with timeline.span("optimizer step"):
             applied, norm = strategy.apply(lr, cfg.grad_clip)
         experts = moe.after_step(strategy.model, applied)    # balancing; load and drops
@@ -203,7 +210,6 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
             span.update(launches=after[0] - counts[0], device_reads=after[1] - counts[1])
     dt = time.perf_counter() - t0
     held = memtrace.finish()
-    loss = loss_sum / cfg.grad_accum     # the mean over the replicas: Unread.read
     tokens = cfg.batch_size * cfg.grad_accum * train_set.block_size * strategy.batch_comm.size
     return {"step": step, "loss": loss, "lr": lr, "step_ms": dt * 1e3, "time": time.time(),
             "tokens_per_s": tokens / dt, "grad_norm": norm,

@@ -204,29 +204,36 @@ class Unread:
     several steps, none inside a step. On a GPU a step's time is then the interval's mean
     (its kernels run after the host has moved on); on the CPU each step keeps its own.
     ``settle`` reads them without writing: under --on-failure shrink every step's record is
-    settled after the step, so that the records of committed steps outlive a lost rank
-    (their mean over the replicas needs every replica's loss)."""
+    settled after the step (its loss already the replicas' mean, read before the step was
+    committed: ``meaned``), so that the records of committed steps outlive a lost rank."""
 
     def __init__(self, strategy, meter, metrics):
         self.strategy, self.meter, self.metrics = strategy, meter, metrics
         self.records: list = []
+        self.meaned: list = []                    # each record's loss already the mean
         self.settled: list = []                   # read, not yet written
         self.restart_clock()
 
     def restart_clock(self) -> None:
         self.t0 = time.perf_counter()
 
-    def add(self, rec: dict) -> None:
+    def add(self, rec: dict, meaned: bool = False) -> None:
         self.records.append(rec)
+        self.meaned.append(meaned)
 
     def settle(self) -> None:
-        """Read the pending records' losses and norms (one device read, one collective)."""
-        recs, self.records = self.records, []
+        """Read the pending records' losses and norms (one device read, one collective for
+        the losses not yet meaned over the replicas)."""
+        recs, meaned, self.records, self.meaned = self.records, self.meaned, [], []
         if not recs:
             return
         host = backend.host_values([r["loss"] for r in recs] + [
             0.0 if r["grad_norm"] is None else r["grad_norm"] for r in recs])   # one read
-        losses, norms = self.strategy.mean_losses(list(host[:len(recs)])), host[len(recs):]
+        losses, norms = list(host[:len(recs)]), host[len(recs):]
+        todo = [i for i, done in enumerate(meaned) if not done]
+        if todo:                                  # (the same records on every rank)
+            for i, loss in zip(todo, self.strategy.mean_losses([losses[i] for i in todo])):
+                losses[i] = loss
         if backend.device() == "gpu":             # the interval, now that the device is done
             backend.synchronize()
             ms = (time.perf_counter() - self.t0) * 1e3 / len(recs)
@@ -235,7 +242,7 @@ class Unread:
                 r["step_ms"] = ms
         self.restart_clock()
         for r, loss, norm in zip(recs, losses, norms):
-            r["loss"] = loss
+            r["loss"] = float(loss)
             r["grad_norm"] = None if r["grad_norm"] is None else float(norm)
             if self.meter is not None:
                 r["tflops"], mfu = self.meter.rate(r["tokens_per_s"])

@@ -59,9 +59,12 @@ def _bind(name: str, args: tuple) -> None:
                             f"{type(value).__name__}")
 
 
+ID_PREFIX = b"hpcdist-standin"      # then 32 random hex digits: the rendezvous folder's name
+
+
 def get_unique_id() -> bytes:
     _bind("get_unique_id", ())
-    tag = b"hpcdist-standin" + os.urandom(16).hex().encode()
+    tag = ID_PREFIX + os.urandom(16).hex().encode()
     return tag + bytes(128 - len(tag))
 
 
@@ -114,7 +117,8 @@ def _rendezvous(ndev: int, comm_id: bytes, rank: int):
     """The MPI communicator of the ``ndev`` ranks holding ``comm_id``, in NCCL rank order."""
     world = _world or MPI.COMM_WORLD
     folder = os.path.join(tempfile.gettempdir(),
-                          "hpcdist-nccl-" + comm_id[14:46].decode(errors="replace"))
+                          "hpcdist-nccl-" + comm_id[len(ID_PREFIX):len(ID_PREFIX) + 32]
+                          .decode(errors="replace"))
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"{rank}.tmp"), "w") as f:
         f.write(str(world.Get_rank()))

@@ -215,8 +215,6 @@ def test_every_command_shown_has_a_way_to_run_here():
 def folder(tmp_path_factory):
     """A fresh folder with the venv first on PATH, as `. .venv/bin/activate` makes it."""
     tmp = tmp_path_factory.mktemp("docs")
-    for name, text in SETUP.items():
-        (tmp / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCDIST_", "PYTEST"))
            and k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                          "NUMBA_NUM_THREADS")}
@@ -224,20 +222,18 @@ def folder(tmp_path_factory):
     return tmp, env
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_commands_run_as_typed_and_print_what_the_docs_show(folder):
-    tmp, env = folder
-    if shutil.which("mpirun", path=env["PATH"]) is None:
-        pytest.skip("no mpirun in the venv or on PATH")
+def run_doc(doc: str, tmp: Path, env: dict) -> list:
+    """Run one document's commands in order in its own folder ``tmp`` (a document's commands
+    may read what its earlier ones wrote); the failures."""
+    for name, text in SETUP.items():
+        (tmp / name).write_text(text)
     failures = []
-    for doc, cmd, sample in ALL:
+    for _, cmd, sample in [x for x in ALL if x[0] == doc]:
         key = how(cmd)
         run, why = HOW[key]
         if run == SKIP:
             continue
-        if ("transformers" in cmd or "transformers" in why) and subprocess.run(
-                [sys.executable, "-c", "import transformers"], capture_output=True).returncode:
+        if ("transformers" in cmd or "transformers" in why) and not HAVE_TRANSFORMERS:
             continue
         line = cmd if run is None else run
         if run is None and why.startswith("+ "):
@@ -261,4 +257,28 @@ def test_the_commands_run_as_typed_and_print_what_the_docs_show(folder):
             if skeleton(want) not in printed:
                 failures.append(f"{doc}: `{cmd}` printed no line like `{want}`; it printed:\n"
                                 + r.stdout[-1500:])
+    return failures
+
+
+HAVE_TRANSFORMERS = subprocess.run([sys.executable, "-c", "import transformers"],
+                                   capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_commands_run_as_typed_and_print_what_the_docs_show(folder):
+    """Each document in a fresh folder of its own, two documents at a time (many of their
+    commands are one process: the two cores share them), its commands in order."""
+    from concurrent.futures import ThreadPoolExecutor
+    tmp, env = folder
+    if shutil.which("mpirun", path=env["PATH"]) is None:
+        pytest.skip("no mpirun in the venv or on PATH")
+    docs = list(dict.fromkeys(doc for doc, _, _ in ALL))
+    folders = []
+    for doc in docs:
+        folders.append(tmp / doc.replace(".md", ""))
+        folders[-1].mkdir()
+    with ThreadPoolExecutor(2) as pool:
+        found = list(pool.map(lambda d, f: run_doc(d, f, env), docs, folders))
+    failures = [f for doc_failures in found for f in doc_failures]
     assert not failures, "\n\n".join(failures)

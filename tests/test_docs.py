@@ -103,7 +103,9 @@ HOW = {
                                                         "ranks: tests/test_bench_smoke.py "
                                                         "runs peers small"),
     "python -m hpcdist.bench pipeline": (SKIP, "a benchmark: tests/test_bench_smoke.py"),
-    "python -m hpcdist.bench plot runs/trace.json": (None, "as shown"),
+    "python -m hpcdist.bench plot runs/trace.json": (
+        "mpirun -n 4 python -m hpcdist.train --pp 2 --trace runs/trace.json " + SHORT +
+        " && {cmd}", "after a short --pp 2 run with --trace in the document's folder"),
     "mpirun -n 2 python -m hpcdist.train --steps 300 --save-dir runs/ck":
         ("mpirun -n 2 python -m hpcdist.train --steps 20 --save-dir runs/ck --save-every 10",
          "shortened"),

@@ -103,11 +103,12 @@ test-standin: venv
 # The GPU code held to the real CuPy, without a GPU: CuPy's wheel (with NCCL's, NVRTC's and
 # cuBLAS's) installs and imports on any machine. `make cupy` installs them into .venv when
 # missing (CI does this before `make test`); test-cupy installs them and then checks every
-# name the GPU stand-in offers against CuPy (kind and arguments), runs every CUDA kernel on
-# the CPU execution model (device/cudasim.py; also part of test-unit), and NCCL's real unique
-# id through hpcdist's bootstrap at 2 ranks into the constructor call as CuPy declares it.
-# Plain `make test` runs these only where CuPy is installed, and says so in one line where it
-# is not.
+# name the GPU stand-in offers against CuPy (kind and arguments), compiles every kernel with
+# NVRTC, checks NCCL's real unique id through hpcdist's bootstrap at 2 ranks into the
+# constructor call as CuPy declares it, and runs every CUDA kernel on the CPU execution model
+# (device/cudasim.py: tests/test_kernels_cpu.py, which test-unit runs in `make test`).
+# Plain `make test` runs the CuPy part only where CuPy is installed, and says so in one line
+# where it is not.
 CUPY_WHEELS ?= cupy-cuda12x==14.2.* nvidia-nccl-cu12 nvidia-cuda-nvrtc-cu12 nvidia-cublas-cu12
 
 cupy: venv
@@ -117,13 +118,14 @@ cupy: venv
 
 test-cupy: cupy
 	@$(MAKE) --no-print-directory test-cupy-if-installed
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_kernels_cpu.py
 
 test-cupy-if-installed: venv
 	@if ! $(BIN)/python -c "import cupy" 2>/dev/null; then \
 	  echo "test-cupy: skipped, CuPy is not installed here (make test-cupy installs it and checks the GPU code against it)"; \
 	  exit 0; fi; \
 	echo "== the GPU stand-in and the GPU code against the real CuPy (tests/cupy)"; \
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cupy tests/test_kernels_cpu.py && \
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cupy && \
 	echo "== mpiexec -n 2: NCCL's real id through hpcdist's bootstrap" && \
 	timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n 2 $(BIN)/python -m pytest --with-mpi -q \
 	  -p no:cacheprovider tests/mpi/test_nccl.py

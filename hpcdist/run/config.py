@@ -130,7 +130,7 @@ class Settings:
     shrink_batch: str = "scale"   # after a shrink: scale | keep the global batch
     respawn: bool = False         # after a shrink: spawn replacements, which join the job
     mirror_every: int = 1         # shrink, sharded state: a buddy's memory holds it every K steps
-    device: str = "cpu"           # cpu | gpu | auto
+    device: str = "cpu"           # cpu | gpu | auto | standin
     dtype: str = "fp32"           # fp32 | fp64 (master precision; fp64 for exactness tests)
     log_every: int = 50
     eval_every: int = 0           # held-out evaluation every N steps (0 = at the end only)

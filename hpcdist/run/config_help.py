@@ -41,7 +41,8 @@ HELP = {
                      "family, shape and weights, in any layout; the data must use its "
                      "tokenizer",
         "dtype": "master precision: fp32 | fp64 (fp64 for exactness tests)",
-        "device": "cpu | gpu | auto (gpu: one GPU per rank, by node-local rank)",
+        "device": "cpu | gpu | auto (gpu: one GPU per rank, by node-local rank) | standin "
+                  "(the GPU code path on the CPU, for tests: arrays MPI cannot read)",
     },
     "experts": {
         "experts": "experts per MoE layer (0: dense MLPs everywhere)",

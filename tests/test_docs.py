@@ -32,7 +32,8 @@ HOW = {
                              "cuBLAS's wheels"),
     "python -m hpcdist.bench gpu --count": (SKIP, "tests/test_kernels.py counts a small GPT's "
                                                   "launches the same way"),
-    "python -m hpcdist.bench kernels --device standin": (None, "as shown (the GPU stand-in: seconds)"),
+    "python -m hpcdist.bench kernels --device standin": (None, "as shown (the GPU stand-in: "
+                                                               "seconds)"),
     "module load": (SKIP, "a cluster's environment modules"),
     "python3 -m venv .venv": (SKIP, "what make venv does (this test runs inside that venv)"),
     "pip install --no-binary=mpi4py": (SKIP, "builds mpi4py against a cluster's MPI"),

@@ -1,7 +1,8 @@
 """The GPU stand-in's CuPy surface checked against the real CuPy (imported without a GPU).
 
-``problems(tables)`` walks every entry of the GPU stand-in's tables (device_surface.MODULE, NDARRAY,
-FLAGS, CUDA, CUPYX, RANDOM, NCCL) and returns what does not hold, first mismatch first:
+``problems(tables)`` walks every entry of the GPU stand-in's tables (device_surface.MODULE,
+NDARRAY, FLAGS, CUDA, CUPYX, RANDOM, NCCL) and returns what does not hold, first mismatch
+first:
 
 - the name exists in CuPy;
 - it is the same kind (function, ufunc, class, dtype, constant, method, property);
@@ -171,7 +172,8 @@ def _check(where: str, real_obj, kind: str, text, owner=None, attr=None) -> list
     if declared_types:
         real_types = [t for t in dd.typed_parameters(real) if t[1] != "config"]
         if declared_types != real_types[:len(declared_types)]:
-            out.append(f"{where}: typed {declared_types} in the GPU stand-in, {real_types} in CuPy")
+            out.append(f"{where}: typed {declared_types} in the GPU stand-in, {real_types} "
+                       "in CuPy")
     return out
 
 

@@ -47,7 +47,8 @@ def test_a_planted_flags_writeable_is_caught():
 def test_a_planted_nccl_id_of_another_type_is_caught():
     nccl = dict(dd.NCCL, get_unique_id=("function", "() -> tuple"))
     found = surface.problems(tables(NCCL=nccl))
-    assert found == ["cupy.cuda.nccl.get_unique_id: returns bytes in CuPy, tuple in the GPU stand-in"]
+    assert found == ["cupy.cuda.nccl.get_unique_id: returns bytes in CuPy, tuple in the GPU "
+                     "stand-in"]
     ctor = dict(dd.NCCL, NcclCommunicator=("class", "(int ndev, tuple commId, int rank)"))
     found = surface.problems(tables(NCCL=ctor))
     assert found and "commId" in found[0] and "bytes" in found[0], found

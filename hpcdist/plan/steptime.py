@@ -116,22 +116,22 @@ def layer_times(model: Model, L: Layout, gpu: GPU, per_node: int, settings: Sett
     layer_fwd = (2 * b * s * model.matmul_weights + 4 * b * s * s * d) / t / c
     tp_bw, tp_alpha = (gpu.nvlink, gpu.nvlink_alpha) if t <= per_node else \
         (gpu.network, gpu.network_alpha)
-    act_bytes = settings.param_bytes * b * s / c * h
+    token_bytes = settings.param_bytes * b * s / c  # a rank's tokens, one element each
+    act_bytes = token_bytes * h
     call = settings.call_overhead
     tp_fwd = 2 * (_allreduce(act_bytes, t, tp_bw, tp_alpha) + call) if t > 1 else 0.0
     cp_fwd = 0.0
     if c > 1:
         bw, alpha = (gpu.nvlink, gpu.nvlink_alpha) if t * c <= per_node else \
             (gpu.network, gpu.network_alpha)
-        width = act_bytes / h                      # bytes per unit of width of s/c tokens
         kv = model.kv_width                      # (grouped-query attention: fewer than d)
         if L.cp_impl == "ring":         # c - 1 hops of K and V, each beside a block's attention
-            hop = alpha + call + 2 * width * kv / t / bw
+            hop = alpha + call + 2 * token_bytes * kv / t / bw
             block = 4 * b * (s / c) ** 2 * d / t / 2 / peak
             cp_fwd = (c - 1) * max(0.0, hop - block)
         else:                           # q, k, v and the output, (c - 1)/c of them each
             cp_fwd = 2 * (c - 1) * (alpha + call) + \
-                width * (2 * d + 2 * kv) / t * (c - 1) / c / bw
+                token_bytes * (2 * d + 2 * kv) / t * (c - 1) / c / bw
     moe, ep_fwd = moe_layer(model, L, gpu, per_node, settings)
     layer_fwd += moe
     over = settings.layer_overhead

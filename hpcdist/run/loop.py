@@ -126,7 +126,7 @@ def loop(run: Run, start: Start):
     delay = straggler_delay(cfg, comm.rank)
     t_start = time.perf_counter()
     history, step, more = [], start, start < cfg.steps and not stopped
-    unread = report.Unread(strategy, run.meter, run.metrics)
+    unread = report.Unread(strategy, run.meter, run.metrics, meaned=mark.recovers)
     mark.unread = unread                         # (a recovery writes what it settled)
     while more:
         mark.at(step, sampler)
@@ -136,7 +136,7 @@ def loop(run: Run, start: Start):
         rec = train_step(cfg, strategy, run.train_set, sampler, step, lr, delay=delay,
                          settle=mark.recovers)
         history.append(rec)
-        unread.add(rec, meaned=mark.recovers)
+        unread.add(rec)
         stopped, save_at, more = strategy.control(step, cfg, stop, comm)
         rec["bytes_sent"] += strategy.control_bytes()   # (a meeting at a save or the end)
         if mark.recovers:                        # the committed step's record kept on the host

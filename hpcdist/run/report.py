@@ -204,36 +204,33 @@ class Unread:
     several steps, none inside a step. On a GPU a step's time is then the interval's mean
     (its kernels run after the host has moved on); on the CPU each step keeps its own.
     ``settle`` reads them without writing: under --on-failure shrink every step's record is
-    settled after the step (its loss already the replicas' mean, read before the step was
-    committed: ``meaned``), so that the records of committed steps outlive a lost rank."""
+    settled after the step (``meaned``: its loss is already the replicas' mean, read before
+    the step was committed), so that the records of committed steps outlive a lost rank."""
 
-    def __init__(self, strategy, meter, metrics):
+    def __init__(self, strategy, meter, metrics, meaned: bool = False):
         self.strategy, self.meter, self.metrics = strategy, meter, metrics
+        self.meaned = meaned
         self.records: list = []
-        self.meaned: list = []                    # each record's loss already the mean
         self.settled: list = []                   # read, not yet written
         self.restart_clock()
 
     def restart_clock(self) -> None:
         self.t0 = time.perf_counter()
 
-    def add(self, rec: dict, meaned: bool = False) -> None:
+    def add(self, rec: dict) -> None:
         self.records.append(rec)
-        self.meaned.append(meaned)
 
     def settle(self) -> None:
-        """Read the pending records' losses and norms (one device read, one collective for
-        the losses not yet meaned over the replicas)."""
-        recs, meaned, self.records, self.meaned = self.records, self.meaned, [], []
+        """Read the pending records' losses and norms (one device read, and one collective
+        for their mean over the replicas unless it was taken in the step)."""
+        recs, self.records = self.records, []
         if not recs:
             return
         host = backend.host_values([r["loss"] for r in recs] + [
             0.0 if r["grad_norm"] is None else r["grad_norm"] for r in recs])   # one read
-        losses, norms = list(host[:len(recs)]), host[len(recs):]
-        todo = [i for i, done in enumerate(meaned) if not done]
-        if todo:                                  # (the same records on every rank)
-            for i, loss in zip(todo, self.strategy.mean_losses([losses[i] for i in todo])):
-                losses[i] = loss
+        losses, norms = host[:len(recs)], host[len(recs):]
+        if not self.meaned:
+            losses = self.strategy.mean_losses(list(losses))
         if backend.device() == "gpu":             # the interval, now that the device is done
             backend.synchronize()
             ms = (time.perf_counter() - self.t0) * 1e3 / len(recs)

@@ -106,15 +106,20 @@ def sgd_update(p, g, state: dict, step: int, lr: float, momentum=0.0, *, dampeni
 
 
 def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, *, beta2=0.999, eps=1e-8,
-                 weight_decay=0.0, decay_ranges=None, low=None) -> bool:
+                 weight_decay=0.0, decay_ranges=None, low=None, schedule=None) -> bool:
     """One AdamW step in place: bias-corrected moments, decoupled weight decay. ``low``: a
     bf16 array the device kernel also writes the new parameters into (mixed precision's
-    compute copy); True when it did (else the caller copies)."""
+    compute copy); True when it did (else the caller copies). ``schedule``: a
+    DeviceSchedule whose step count and learning rate the step advances and reads on the
+    device (``step`` and ``lr`` are then not used)."""
     xp = backend.array_module(p)
     if "exp_avg" not in state:
         state["exp_avg"] = xp.zeros_like(p)
         state["exp_avg_sq"] = xp.zeros_like(p)
     m, v = state["exp_avg"], state["exp_avg_sq"]
+    if schedule is not None:
+        return schedule.adamw(p, g, m, v, _decay_mask(p.size, decay_ranges), (beta1, beta2),
+                              eps=eps, weight_decay=weight_decay, low=low)
     if low is not None and backend.is_gpu_array(p) and g.dtype == p.dtype == np.float32 and \
             low.dtype.name == "bfloat16" and low.shape == p.shape and low.flags.c_contiguous:
         kernels.ADAMW_LOW(p, g, m, v, _decay_mask(p.size, decay_ranges), lr, beta1, beta2,
@@ -159,6 +164,43 @@ def _decay_mask(n: int, decay_ranges) -> object:
             host[a:b] = 1
         mask = _MASKS[key] = backend.to_device(host)
     return mask
+
+
+class DeviceSchedule:
+    """The step count and learning rate on the device, for a step replayed as a CUDA graph
+    (run/graphed.py), where a host value would stay what it was at the capture:
+    ``state`` = [step, lr, 1 - beta1^step, sqrt(1 - beta2^step)] (float64), advanced by one
+    kernel (``LR_SCHEDULE``: lr_at's warmup and cosine) and read by AdamW's own
+    (``ADAMW_SCHED``, ``ADAMW_LOW_SCHED``). ``host_step`` is the step count the device holds,
+    as the host knows it without reading it (``sync`` sets it to the optimizer's)."""
+
+    def __init__(self, base_lr: float, warmup: int, total: int, min_lr: float = 0.0):
+        self.base_lr, self.warmup, self.total, self.min_lr = base_lr, warmup, total, min_lr
+        self.state = backend.to_device(np.zeros(4, dtype=np.float64))
+        self.host_step = 0
+
+    def sync(self, step_count: int) -> None:
+        """The device's step count set to ``step_count`` (a copy in: outside a capture)."""
+        if step_count != self.host_step:
+            self.state[...] = backend.to_device(np.array([step_count, 0, 0, 0], np.float64))
+            self.host_step = step_count
+
+    def adamw(self, p, g, m, v, decay, betas, *, eps: float, weight_decay: float,
+              low=None) -> bool:
+        """The next step's schedule, then AdamW reading it; True when ``low`` was written."""
+        beta1, beta2 = betas
+        if g.dtype != p.dtype:
+            raise TypeError(f"a scheduled AdamW step takes a {p.dtype} gradient for {p.dtype} "
+                            f"parameters, not {g.dtype}")
+        kernels.LR_SCHEDULE(self.state, self.base_lr, self.min_lr, self.warmup, self.total,
+                            beta1, beta2)
+        if low is not None and g.dtype == p.dtype == np.float32 and \
+                low.dtype.name == "bfloat16" and low.shape == p.shape and low.flags.c_contiguous:
+            kernels.ADAMW_LOW_SCHED(p, g, m, v, decay, self.state, beta1, beta2, eps,
+                                    weight_decay, low)
+            return True
+        kernels.ADAMW_SCHED(p, g, m, v, decay, self.state, beta1, beta2, eps, weight_decay)
+        return False
 
 
 # ---- optimizers ----------------------------------------------------------------------------------
@@ -230,11 +272,13 @@ class AdamW(Optimizer):
                 raise ValueError(f"Adam betas must be in [0, 1), got {betas}")
         super().__init__(params, lr, weight_decay)
         self.betas, self.eps = tuple(betas), eps
+        self.schedule: DeviceSchedule | None = None   # step and lr on the device (graphs)
 
     def update(self, p, g, state, step, lr, decay_ranges) -> bool:
         return adamw_update(p, g, state, step, lr, self.betas[0], beta2=self.betas[1],
                             eps=self.eps, weight_decay=self.weight_decay,
-                            decay_ranges=decay_ranges, low=self.copy_into)
+                            decay_ranges=decay_ranges, low=self.copy_into,
+                            schedule=self.schedule)
 
 
 # ---- schedule and clipping -------------------------------------------------------------------

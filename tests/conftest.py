@@ -33,6 +33,15 @@ for _name in ("assert_allclose", "assert_array_equal", "assert_array_less"):
     setattr(np.testing, _name, _on_host(getattr(np.testing, _name)))
 
 
+@pytest.fixture(autouse=True)
+def _no_fp8_after():
+    """A run's --precision fp8 (a process-wide setting each run makes) ends with its test:
+    the ops of the next test compute as it asks."""
+    yield
+    from hpcdist.device import fp8
+    fp8.set_linears(False)
+
+
 @pytest.fixture
 def float64():
     """New parameters and float tensors in float64 for the duration of a test."""

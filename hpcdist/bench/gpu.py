@@ -42,9 +42,10 @@ def _family() -> str:
 def _step_fn(L, C, T, B, V, H=0, *, seed=0, precision="fp32", graph=False):
     """One training step as the trainer's data-parallel path takes it on one rank: forward,
     backward, (mixed precision: the compute gradient into the fp32 master's, as DDP's
-    buckets do), AdamW, the compute copy of the weights. ``graph``: all but AdamW replayed
-    as one CUDA graph (device/graphs.py; AdamW's step count and learning rate are host
-    values its kernel is given at each call)."""
+    buckets do), AdamW, the compute copy of the weights. ``graph``: the whole step replayed as
+    one CUDA graph (device/graphs.py), AdamW's step count and learning rate on the device
+    (optim.DeviceSchedule, here a constant 1e-4), as the trainer's --cuda-graph on one
+    replica."""
     from hpcdist.device import backend, graphs, kernels
     from hpcdist import nn, optim
     from hpcdist.parallel.mixed_precision import MixedPrecision
@@ -57,24 +58,29 @@ def _step_fn(L, C, T, B, V, H=0, *, seed=0, precision="fp32", graph=False):
     rng = np.random.default_rng(seed)
     idx = backend.to_device(rng.integers(0, V, (B, T)))
 
-    def gradients():
+    def one_step():
         mp.zero_grad()
         _, loss = model(idx, idx)
         loss.backward()
         if mp.mixed:
             kernels.WIDEN(mp.compute.grad, mp.master.grad)     # (master.grad[...] = ...)
-        return loss.data
-
-    compute = graphs.capture(gradients) if graph else gradients
-
-    def step():
-        loss = compute()
         opt.step()
         mp.after_step()
-        return loss
+        return loss.data
+
+    step, captured = one_step, None
+    if graph:
+        opt.schedule = optim.DeviceSchedule(1e-4, 0, 1 << 40, min_lr=1e-4)   # (constant)
+        captured = graphs.capture(one_step)
+
+        def step():
+            loss = captured()
+            if captured.replayed:             # (the host's count: Python ran at capture only)
+                opt.step_count += 1
+            return loss
     # what a caller may reach: the graph, the tokens the step reads (write a new batch into
     # them), the fp32 master weights
-    step.graph, step.idx, step.master = (compute if graph else None), idx, mp.master
+    step.graph, step.idx, step.master = captured, idx, mp.master
     return step, model
 
 
@@ -125,7 +131,8 @@ def _timed(step, steps: int) -> float:
 
 
 def _hpcdist_mode(shape, mode: str, attention: str = "auto"):
-    """(step, model) of ``mode``: fp32, tf32 or bf16, each with "+graph" (a CUDA graph)."""
+    """(step, model) of ``mode``: fp32, tf32, bf16 or fp8 (the linear layers' GEMMs on fp8's
+    values: device/fp8.py), each with "+graph" (a CUDA graph)."""
     from hpcdist.device import backend, kernels
     precision, graph = mode.removesuffix("+graph"), mode.endswith("+graph")
     backend.reset_precision()
@@ -133,18 +140,22 @@ def _hpcdist_mode(shape, mode: str, attention: str = "auto"):
     kernels.attention.configure(attention, graphs=graph)
     # bf16: native where this CuPy computes in bf16 (backend.native_bf16), else fp32 storage
     # with bf16 GEMMs
-    return _step_fn(*shape, precision="bf16" if precision == "bf16" else "fp32", graph=graph)
+    return _step_fn(*shape, precision=precision if precision in ("bf16", "fp8") else "fp32",
+                    graph=graph)
 
 
-# PyTorch's rows: (name, precision, attention: "math" (eager's unfused) or "sdpa", compiled)
-PEERS = {"eager": [("torch eager fp32", "fp32", "math", False),
-                   ("torch eager tf32", "tf32", "math", False),
-                   ("torch eager bf16 autocast", "bf16", "math", False)],
-         "sdpa": [("torch sdpa fp32", "fp32", "sdpa", False),
-                  ("torch sdpa tf32", "tf32", "sdpa", False),
-                  ("torch sdpa bf16 autocast", "bf16", "sdpa", False)],
-         "compile": [("torch.compile fp32", "fp32", "sdpa", True),
-                     ("torch.compile bf16 autocast", "bf16", "sdpa", True)]}
+# PyTorch's rows: (name, precision, attention: "math" (eager's unfused) or "sdpa",
+# torch.compile's mode: None eager, "default", "max-autotune-no-cudagraphs")
+PEERS = {"eager": [("torch eager fp32", "fp32", "math", None),
+                   ("torch eager tf32", "tf32", "math", None),
+                   ("torch eager bf16 autocast", "bf16", "math", None)],
+         "sdpa": [("torch sdpa fp32", "fp32", "sdpa", None),
+                  ("torch sdpa tf32", "tf32", "sdpa", None),
+                  ("torch sdpa bf16 autocast", "bf16", "sdpa", None)],
+         "compile": [("torch.compile fp32", "fp32", "sdpa", "default"),
+                     ("torch.compile bf16 autocast", "bf16", "sdpa", "default"),
+                     ("torch.compile max-autotune-no-cudagraphs bf16 autocast", "bf16", "sdpa",
+                      "max-autotune-no-cudagraphs")]}
 
 
 def _torch_steps(shape, modes):
@@ -166,7 +177,7 @@ def _torch_steps(shape, modes):
         else:
             p, forward = torch_gpt(cfg, sd, B, device="cuda", sdpa=attention == "sdpa")
         opt = torch.optim.AdamW(list(p.values()), lr=1e-4, fused=True)
-        fwd = torch.compile(forward) if compiled else forward
+        fwd = torch.compile(forward, mode=compiled) if compiled else forward
         bf16 = prec == "bf16"
 
         def step(fwd=fwd, opt=opt, bf16=bf16):
@@ -300,9 +311,10 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
                "tflops": round(rate / 1e12, 2),
                "mfu": round(rate / peak, 4) if peak and rate <= peak else None,
                "peak_from": source, "peak_memory_gib": round(peak_bytes / 2**30, 2)}
-        if name.startswith("hpcdist"):
+        if name.startswith("hpcdist"):          # (fp8 against bf16's peers: torch has none)
             row["vs"] = {other: round(ms / o[0], 3) for other, o in rows.items()
-                         if not other.startswith("hpcdist") and o[1] == prec}
+                         if not other.startswith("hpcdist") and
+                         o[1] == ("bf16" if prec == "fp8" else prec)}
         if name in acts:
             held, want = acts[name]
             row.update(activations_gib=round(held / 2**30, 3),
@@ -329,8 +341,8 @@ def main(argv=None) -> int:
                          "trainer does, 64 on a GPU; 1: unpadded)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--modes", default="fp32,tf32,bf16",
-                    help="hpcdist's precisions to time: fp32, tf32, bf16; each with +graph: "
-                    "the step's forward and backward replayed as one CUDA graph")
+                    help="hpcdist's precisions to time: fp32, tf32, bf16, fp8; each with +graph: "
+                    "the whole step (AdamW included) replayed as one CUDA graph")
     ap.add_argument("--no-torch", action="store_true", help="time hpcdist only")
     ap.add_argument("--peers", default="eager,sdpa,compile",
                     help="PyTorch's rows: eager (math attention), sdpa, compile")
@@ -340,7 +352,16 @@ def main(argv=None) -> int:
                     help="hpcdist's attention (auto: the fastest on this shape, measured; "
                     "one that cannot run a row runs flash, and the row says so)")
     ap.add_argument("--out", default="", help="write the results as JSON here")
+    ap.add_argument("--quality", action="store_true",
+                    help="fp8's held-out loss against bf16's on real text (bench/fp8_quality.py;"
+                    " --steps counts training steps there)")
+    ap.add_argument("--quality-device", default="gpu", choices=("gpu", "cpu", "standin"))
+    ap.add_argument("--eval-every", type=int, default=100, help="--quality: held-out every N")
+    ap.add_argument("--quality-out", default=os.path.join("runs", "fp8_quality"))
     args = ap.parse_args(argv)
+    if args.quality:
+        from hpcdist.bench.fp8_quality import quality
+        return quality(args)
     shape = (args.layers, args.embd, args.seq, args.batch, args.vocab, args.heads)
     ARCH[0] = args.arch
     PAD[0] = args.vocab_multiple

@@ -5,9 +5,10 @@ is what its capture returned (device arrays the replays overwrite). The rules a 
 ``fn`` reads what changes between steps from arrays it already holds (copy new values in
 before each call), reads nothing back to the host, and takes no decision from device values;
 Python runs once, at the capture. Its arrays come from a pool of their own that the graph
-keeps (other arrays never reuse its blocks). The GPU stand-in runs ``fn`` at each call inside
-a capture that refuses device reads, synchronizations and host arrays copied in, as a GPU
-would; the CPU runs ``fn``."""
+keeps (other arrays never reuse its blocks). The GPU stand-in captures as a GPU does: once,
+refusing device reads, synchronizations and host arrays copied in, and its replays run the
+launches it recorded, with the arguments of the capture (standin_graph.py), so a host value
+the graph froze stays frozen there too; the CPU runs ``fn``."""
 from __future__ import annotations
 
 from . import backend
@@ -35,11 +36,13 @@ class CapturedStep:
                              "(first calls compile, check and measure, which a graph cannot)")
         self.fn, self.warmup = fn, warmup
         self.out = None
-        self.captures = 0             # how often fn was recorded (the GPU stand-in: every call)
+        self.captures = 0             # how often fn was recorded
+        self.replayed = False         # the last call replayed the graph (fn's Python not run)
         self._graph = self._stream = self._pool = None
 
     def __call__(self):
         label = backend.device_label()
+        self.replayed = False
         if label == "cpu":
             self.out = self.fn()
             return self.out
@@ -47,8 +50,10 @@ class CapturedStep:
             self.warmup -= 1
             self.out = self.fn()
             return self.out
-        if self._graph is None or label == "standin":      # the GPU stand-in runs what it records
+        if self._graph is None:
             self._capture()
+        else:
+            self.replayed = True
         self._graph.launch(stream=backend.xp().cuda.get_current_stream())
         return self.out
 

@@ -62,8 +62,11 @@ def compute_dtype(precision: str) -> np.dtype:
 
     bf16 on a CuPy without bfloat16 is emulated with bf16's numbers: arrays stay float32 and
     every matmul rounds its operands to bf16 (round to nearest even) and accumulates in fp32,
-    which is what tensor cores do with bf16 inputs. ``bf16_emulated()`` says when."""
+    which is what tensor cores do with bf16 inputs. ``bf16_emulated()`` says when. "fp8"
+    computes in bf16 (only the linear layers' GEMMs take fp8 operands: device/fp8.py)."""
     global _bf16_operands
+    if isinstance(precision, str) and precision.lower() == "fp8":
+        precision = "bf16"
     if isinstance(precision, str) and precision.lower() in ("bf16", "bfloat16") \
             and not native_bf16():
         _bf16_operands = True

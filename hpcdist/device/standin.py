@@ -14,6 +14,7 @@ import types
 import numpy as _np
 
 from . import standin_runtime
+from .standin_graph import RECORDER, inside, record
 from .surface import (CUBLAS, CUDA, CUPYX, FLAGS, LAUNCHES, MODULE, NCCL, READS, NDARRAY,
                       NOT_LAUNCHES, RANDOM, UFUNC_KWARGS, cupy_result_type, one_launch,
                       signature, typed_parameters)
@@ -75,13 +76,20 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
 
     def __getitem__(self, idx):
         items = idx if isinstance(idx, tuple) else (idx,)
+        out = _np.ndarray.__getitem__(self, idx)
+        if not isinstance(out, _np.ndarray):       # an element: CuPy's is a 0-d device view
+            out = _np.ndarray.__getitem__(self, items + (Ellipsis,))
         if any(isinstance(i, (_np.ndarray, list)) for i in items):
             LAUNCHES.add()                         # a gather by index
-        return _np.ndarray.__getitem__(self, idx)
+            if RECORDER.on:
+                record(lambda: _np.ndarray.__getitem__(_host(self), _host(idx)), out)
+        return out
 
     def __setitem__(self, idx, value):
         LAUNCHES.add()                             # a copy (or scatter) kernel
-        _np.ndarray.__setitem__(self, idx, value)
+        _np.ndarray.__setitem__(self, idx, _host(value))     # (a 0-d device value: no read)
+        if RECORDER.on:
+            record(lambda: _np.ndarray.__setitem__(_host(self), _host(idx), _host(value)))
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         # CuPy refuses host arrays in device math (TypeError); so does the GPU stand-in, so that
@@ -97,12 +105,18 @@ class ndarray(_np.ndarray):            # noqa: N801 (CuPy's name)
         if outs is not None:
             kwargs["out"] = tuple(_host(o) for o in outs)
         LAUNCHES.add()
-        result = getattr(ufunc, method)(*_host(inputs), **kwargs)
-        if method == "at":
-            return None
-        if outs is not None:              # CuPy returns ``out`` itself: ``a += b`` keeps a
-            return outs[0] if len(outs) == 1 else outs
-        return _device(cupy_result_type(inputs, result))
+        run = lambda: getattr(ufunc, method)(*_host(inputs), **kwargs)   # noqa: E731
+        result = run()
+        if method == "at" or outs is not None:
+            if RECORDER.on:
+                record(run)                     # it writes in place: running it is its replay
+            if method == "at":
+                return None
+            return outs[0] if len(outs) == 1 else outs  # (CuPy returns ``out``: a += b keeps a)
+        result = _device(cupy_result_type(inputs, result))
+        if RECORDER.on:
+            record(run, result)
+        return result
 
 
 def _get(self, stream=None, order="C", out=None, blocking=True):
@@ -121,6 +135,8 @@ def _set(self, arr, stream=None):
         raise TypeError("set() takes a host array")
     _upload("set", arr)
     _np.ndarray.view(self, _np.ndarray)[...] = arr
+    if RECORDER.on:                             # a scalar, written by a fill kernel
+        record(lambda: _np.copyto(_host(self), arr))
 
 
 def _item(self):
@@ -142,15 +158,31 @@ def _bind_method(name: str, text: str, impl=None):
                             f": {e}") from None
         if impl is not None:
             return impl(self, *args, **kwargs)
-        if name not in NOT_LAUNCHES and not (name == "astype" and _np.dtype(
-                args[0] if args else kwargs.get("dtype")) == self.dtype and
-                not kwargs.get("copy", True)):
-            LAUNCHES.add()
+        launches = name not in NOT_LAUNCHES and not (name == "astype" and _np.dtype(
+            args[0] if args else kwargs.get("dtype")) == self.dtype and
+            not kwargs.get("copy", True))
         # NumPy's method on a host view: its internal ufunc calls are NumPy's business
-        return _device(base(_np.ndarray.view(self, _np.ndarray), *_host(args),
-                            **{k: _host(v) for k, v in kwargs.items()}))
+        run = lambda: base(_host(self), *_host(args),    # noqa: E731
+                           **{k: _host(v) for k, v in kwargs.items()})
+        out = _device(run())
+        launches = launches or _copied(name, out, self)
+        if launches:
+            LAUNCHES.add()
+            if RECORDER.on:
+                record(run, out)
+        return out
     method.__name__ = name
     return method
+
+
+VIEWS = ("reshape", "ravel", "transpose", "swapaxes", "view")
+
+
+def _copied(name: str, out, source) -> bool:
+    """A view-making call that had to copy (reshaping a transposed array): on a GPU a copy
+    kernel, so a launch, and one a graph records."""
+    return name in VIEWS and isinstance(out, _np.ndarray) and isinstance(source, _np.ndarray) \
+        and out.size > 0 and not _np.may_share_memory(out, source)
 
 
 class _NotInCuPy:
@@ -256,12 +288,26 @@ def _function(name: str, text: str, impl=None, where: str = "cupy"):
         except TypeError as e:
             raise TypeError(f"{where}.{name}{text}: {e}") from None
         _refuse_bf16_sorts(name, args)
-        if name not in NOT_LAUNCHES:
+        launches = name not in NOT_LAUNCHES and not where.startswith("cupy.cuda")  # (runtime)
+        if launches:
             LAUNCHES.add()
+        recorded = launches and RECORDER.on
         if impl is not None:
-            return impl(*args, **kwargs)
+            if not recorded:
+                return impl(*args, **kwargs)
+            with inside():                        # (its own operations are this launch)
+                out = impl(*args, **kwargs)
+            record(lambda: impl(*args, **kwargs), out)
+            return out
         _refuse_host_arrays(name, args + tuple(kwargs.values()))
-        return _device(fn(*_host(args), **{k: _host(v) for k, v in kwargs.items()}))
+        run = lambda: fn(*_host(args), **{k: _host(v) for k, v in kwargs.items()})  # noqa
+        out = _device(run())
+        if not launches and args and _copied(name, out, args[0]):
+            LAUNCHES.add()
+            recorded = RECORDER.on
+        if recorded:
+            record(run, out)
+        return out
     call.__name__ = name
     return call
 
@@ -285,7 +331,10 @@ def _asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
 def _array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocking=False):
     if not isinstance(obj, ndarray):
         _upload("array", obj)
-    return _np.array(_host(obj), dtype=dtype, copy=True).view(ndarray)
+    out = _np.array(_host(obj), dtype=dtype, copy=True).view(ndarray)
+    if RECORDER.on and isinstance(obj, ndarray):   # a device copy: a launch
+        record(lambda: _host(obj), out)
+    return out
 
 
 def _asnumpy(a, stream=None, order="C", out=None, *, blocking=True):

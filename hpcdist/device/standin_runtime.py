@@ -9,15 +9,16 @@ import types
 
 import numpy as _np
 
+from . import standin_graph
 from .surface import CUDA, CUPYX, READS
 
 
 class _Stream:
     """A stream: the GPU stand-in's work is done when a call returns. A capture (``begin_capture``
-    to ``end_capture``) runs the work as it is issued and refuses what CUDA refuses inside
-    one: device-to-host reads (READS), synchronizations, host arrays copied in (standin.py);
-    its graph's ``launch`` does nothing (graphs.py captures again at each call on the
-    GPU stand-in)."""
+    to ``end_capture``) runs the work as it is issued, records each launch
+    (standin_graph.py: its graph's ``launch`` replays them) and refuses what CUDA refuses
+    inside one: device-to-host reads (READS), synchronizations, host arrays copied in
+    (standin.py)."""
     ptr = 0
 
     def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
@@ -31,6 +32,7 @@ class _Stream:
     def begin_capture(self, mode=None) -> None:
         if self._capturing:
             raise RuntimeError("the stream is capturing already")
+        standin_graph.begin()
         self._capturing = True
         READS.capturing += 1
 
@@ -39,18 +41,13 @@ class _Stream:
             raise RuntimeError("the stream is not capturing")
         self._capturing = False
         READS.capturing -= 1
-        return _Graph()
+        return standin_graph.end()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *args):
         return False
-
-
-class _Graph:
-    def launch(self, stream=None) -> None:
-        """Nothing: the GPU stand-in ran the captured work as it was issued."""
 
 
 class _PrivatePool:
@@ -136,7 +133,7 @@ def namespaces(function, device, host) -> tuple:
         get_current_stream=function("get_current_stream", CUDA["get_current_stream"][1],
                                     lambda device_id=-1: _STREAM, "cupy.cuda"),
         Device=_Device, Stream=_Stream, MemoryPool=_PrivatePool,
-        graph=types.SimpleNamespace(Graph=_Graph),
+        graph=types.SimpleNamespace(Graph=standin_graph.Graph),
         using_allocator=function("using_allocator", CUDA["using_allocator"][1],
                                  _using_allocator, "cupy.cuda"),
         alloc_pinned_memory=function("alloc_pinned_memory", CUDA["alloc_pinned_memory"][1],

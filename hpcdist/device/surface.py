@@ -41,6 +41,8 @@ MODULE = {
     "bitwise_or": ("ufunc", "(x1, x2)"), "divide": ("ufunc", "(x1, x2)"),
     "cos": ("ufunc", "(x)"), "sin": ("ufunc", "(x)"),
     "exp": ("ufunc", "(x)"), "isfinite": ("ufunc", "(x)"), "isnan": ("ufunc", "(x)"),
+    "exp2": ("ufunc", "(x)"), "log2": ("ufunc", "(x)"), "floor": ("ufunc", "(x)"),
+    "frexp": ("ufunc", "(x)"), "ldexp": ("ufunc", "(x1, x2)"),
     "log": ("ufunc", "(x)"), "maximum": ("ufunc", "(x1, x2)"),
     "minimum": ("ufunc", "(x1, x2)"), "multiply": ("ufunc", "(x1, x2)"),
     "reciprocal": ("ufunc", "(x)"), "rint": ("ufunc", "(x)"), "sqrt": ("ufunc", "(x)"),

@@ -303,27 +303,32 @@ MIXED_PRECISION = [   # parallel/mixed_precision.py: fp32 master weights
 ]
 
 
+def graph_problem(c) -> str | None:
+    """Why a CUDA graph cannot hold this run's forward and backward (None: it can): a graph
+    replays kernels at fixed addresses with the arguments of its capture, so nothing inside
+    may read the device from the host, take a host value that changes (dropout's seeds,
+    fp16's loss scale) or talk to another rank over MPI; DDP averages the gradients after
+    backward instead."""
+    return ("mixture of experts routes by counts the host reads (--experts)" if c.experts else
+            "attention's GEMM path runs batched GEMMs through CuPy, whose cuBLAS calls refuse "
+            "a capture (--attention auto leaves it out)" if c.attention == "gemms" else
+            "dropout's random offsets are host values a graph would freeze (--dropout)"
+            if c.dropout else
+            "fp16's dynamic loss scale is a host value a graph would freeze (--precision bf16 "
+            "needs no scale)" if c.precision == "fp16" else
+            "tensor, pipeline and context parallelism talk to other ranks inside forward and "
+            "backward" if c.tp * c.pp * c.cp > 1 else
+            f"--zero {c.zero} moves shards inside the step" if c.zero else
+            f"--strategy {c.strategy} is not built with it" if c.strategy != "collective" else
+            f"--compress {c.compress} is not built with it" if c.compress != "none" else
+            "--on-failure shrink rebuilds the layout a graph holds" if c.on_failure == "shrink"
+            else None)
+
+
 def _cuda_graph_problem(c) -> str | None:
-    """--cuda-graph (run/graphed.py): a graph replays kernels at fixed addresses with the
-    arguments of its capture, so nothing inside forward and backward may read the device from
-    the host, take a host value that changes (dropout's seeds, fp16's loss scale) or talk
-    to another rank over MPI; DDP averages the gradients after backward instead."""
-    if not c.cuda_graph:
-        return None
-    why = ("mixture of experts routes by counts the host reads (--experts)" if c.experts else
-           "attention's GEMM path runs batched GEMMs through CuPy, whose cuBLAS calls refuse a "
-           "capture (--attention auto leaves it out)" if c.attention == "gemms" else
-           "dropout's random offsets are host values a graph would freeze (--dropout)"
-           if c.dropout else
-           "fp16's dynamic loss scale is a host value a graph would freeze (--precision bf16 "
-           "needs no scale)" if c.precision == "fp16" else
-           "tensor, pipeline and context parallelism talk to other ranks inside forward and "
-           "backward" if c.tp * c.pp * c.cp > 1 else
-           f"--zero {c.zero} moves shards inside the step" if c.zero else
-           f"--strategy {c.strategy} is not built with it" if c.strategy != "collective" else
-           f"--compress {c.compress} is not built with it" if c.compress != "none" else
-           "--on-failure shrink rebuilds the layout a graph holds" if c.on_failure == "shrink"
-           else None)
+    """--cuda-graph on (run/graphed.py) where a graph cannot hold the step: refused (auto
+    is not: the run says why it stays eager)."""
+    why = graph_problem(c) if c.cuda_graph == "on" else None
     return why and f"--cuda-graph: {why}; run without --cuda-graph"
 
 

@@ -79,6 +79,11 @@ class DistributedDataParallel:
         return self.module(*args, **kwargs)
 
     @property
+    def averages_nothing(self) -> bool:
+        """One rank without compression: the gradient is its own average (no MPI at all)."""
+        return self._identity
+
+    @property
     def overlap(self) -> bool:
         """Whether buckets launch during backward (False: all at ``sync_gradients``)."""
         return self.queue.overlap

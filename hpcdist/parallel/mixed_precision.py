@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import backend
+from ..device import backend, fp8
 from ..optim import FlatParams
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 
 
 def averaging(buf, size: int) -> str:
@@ -102,6 +102,7 @@ class MixedPrecision:
             raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
         self.precision = precision
         params = list(params)
+        fp8.set_linears(precision == "fp8")      # fp8: bf16, the linear layers' GEMMs in fp8
         low = backend.compute_dtype(precision)   # bf16 without CuPy bf16: float32, emulated
         if low == np.float32:
             self.compute = self.master = FlatParams(params)

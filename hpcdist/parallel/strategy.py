@@ -14,7 +14,7 @@ import contextlib
 
 import numpy as np
 
-from ..device import backend, kernels
+from ..device import backend, fp8, kernels
 from .. import nn, optim
 from ..autograd.tensor import settle_grads
 from ..comm import ulfm
@@ -143,8 +143,12 @@ def make_model(cfg, comm, mesh, train_set):
     group draw the same masks for the activations they all hold)."""
     backend.set_default_float("float64" if cfg.dtype == "fp64" else "float32")
     backend.reset_precision()
+    if cfg.precision == "fp8" and fp8.hopper_problem():
+        raise backend.DeviceError(f"--precision fp8: {fp8.hopper_problem()}; use --precision "
+                                  "bf16")
+    fp8.set_linears(cfg.precision == "fp8")   # (every strategy's: ZeRO makes no MixedPrecision)
     kernels.configure(cfg.tf32)
-    kernels.attention.configure(cfg.attention, graphs=cfg.cuda_graph)
+    kernels.attention.configure(cfg.attention, graphs=cfg.cuda_graph != "off")
     if cfg.attention == "cudnn" and kernels.cudnn_attention.why_not():
         raise backend.DeviceError(f"--attention cudnn: {kernels.cudnn_attention.why_not()}")
     nn.manual_seed(cfg.seed)

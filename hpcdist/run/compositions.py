@@ -41,7 +41,7 @@ FEATURES = {                    # name -> the settings that ask for it
     "in-job recovery": {"on_failure": "shrink", "save_dir": "runs/ck"},
     "experts": {"experts": 4},
     "EP": {"experts": 4, "ep": 2},
-    "CUDA graphs": {"cuda_graph": True, "device": "gpu"},
+    "CUDA graphs": {"cuda_graph": "on", "device": "gpu"},
 }
 
 

@@ -77,7 +77,7 @@ class Settings:
     loss_scale: float = 65536.0   # fp16: initial dynamic loss scale
     tf32: bool = False            # fp32 GEMMs on TF32 tensor cores (GPU, compute capability 8+)
     attention: str = "auto"       # auto | flash | gemms | cudnn (device/kernels/attention.py)
-    cuda_graph: bool = False      # forward and backward replayed as one CUDA graph (run/graphed.py)
+    cuda_graph: str = "off"       # off | on | auto: steps replayed as CUDA graphs (run/graphed.py)
     backend: str = "mpi"          # mpi | nccl (nccl: GPU only)
     zero: int = 0                 # ZeRO level: 0 (plain DDP), 1, 2 or 3
     strategy: str = "collective"  # collective (DDP/ZeRO/TP/PP) | ps | diloco (groups, H steps)
@@ -314,13 +314,19 @@ def add_setting(parser, name: str, kind: str, text: str) -> None:
     "str", "bool"), None when not given (the default is decided after parsing): the trainer's
     settings, and the families' own in the planner's parser too."""
     flag = "--" + name.replace("_", "-")
-    if kind == "bool":
+    if name in BARE:                   # given alone: its value there (--cuda-graph: on)
+        parser.add_argument(flag, dest=name, nargs="?", const=BARE[name], default=None,
+                            help=text)
+    elif kind == "bool":
         parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                             default=None, help=text)
     else:
         parser.add_argument(flag, dest=name, default=None,
                             type={"int": int, "float": float, "str": str}[kind], help=text)
 
+
+# Settings of several values whose flag alone means one of them.
+BARE = {"cuda_graph": "on"}
 
 # Old spellings still accepted, with a note: flag -> field.
 RENAMED = {"--rank": "powersgd_rank"}
@@ -342,6 +348,8 @@ def parse_config(argv=None) -> TrainConfig:
     flags = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     from_file = set(values) - set(flags)
     values.update(flags)
+    if isinstance(values.get("cuda_graph"), bool):      # (a config file's true / false)
+        values["cuda_graph"] = "on" if values["cuda_graph"] else "off"
     if values.get("data") and "task" not in values:     # a data file means its text task
         values["task"] = "text"
         print("note: --data selects --task text")

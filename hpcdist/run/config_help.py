@@ -72,7 +72,9 @@ HELP = {
         "beta1": "AdamW beta1", "beta2": "AdamW beta2", "momentum": "SGD momentum",
         "grad_clip": "clip the global gradient norm to this (0 disables)",
         "scale_lr": "multiply lr by the number of data-parallel replicas",
-        "precision": "compute precision fp32 | fp16 | bf16 (fp32 master weights)",
+        "precision": "compute precision fp32 | fp16 | bf16 | fp8 (fp32 master weights; fp8: "
+                     "bf16 with the linear layers' GEMMs on e4m3 / e5m2 values, per-tensor "
+                     "scales, emulated exactly; a GPU must be an H100 or H200)",
         "tf32": "fp32 GEMMs on TF32 tensor cores (GPU with compute capability 8 or more; "
                 "10-bit mantissa inputs, fp32 accumulation; no effect on the CPU)",
         "loss_scale": "fp16: initial dynamic loss scale", "seed": "seed of the model and data",
@@ -81,10 +83,13 @@ HELP = {
                      "cuBLAS around the fused softmax, T x T kept; auto weighs it up to T = 14 x "
                      "the head size) | cudnn (GPU, bf16: "
                      "cuDNN's fused attention, pip install 'hpcdist[cudnn]')",
-        "cuda_graph": "each micro-batch's forward and backward recorded once as a CUDA graph "
-                      "and replayed (GPU: the host's ~40 us a launch leave the step; gradients "
-                      "averaged after backward, not during it; dense models without dropout, "
-                      "one model replica a rank; no effect on the CPU)",
+        "cuda_graph": "off | on (the flag alone) | auto: the step recorded once as a CUDA "
+                      "graph and replayed (GPU: the host's ~40 us a launch leave the step). "
+                      "One replica: the whole step, AdamW's learning rate on the device; "
+                      "several: each micro-batch's forward and backward, gradients averaged "
+                      "after it. auto times the first steps both ways and keeps the faster "
+                      "(and runs eagerly what a graph cannot hold). Dense models without "
+                      "dropout, one model replica a rank; no effect on the CPU",
     },
     "parallelism": {
         "tp": "tensor-parallel size: heads, MLP width and vocabulary split over tp neighbouring "

@@ -1,21 +1,30 @@
-"""``--cuda-graph``: each micro-batch's forward and backward recorded once as a CUDA graph
-(device/graphs.py) and replayed, one graph per batch shape. The batch is copied into arrays
-the graph reads; DDP averages the gradients after backward (``sync``), not from its hooks
-during it: MPI inside a graph cannot be. What a graph cannot hold is refused before the run
-(parallel/capabilities.py, ``CUDA_GRAPH``). On the CPU the step runs as it is."""
+"""``--cuda-graph``: a step recorded once as a CUDA graph (device/graphs.py) and replayed. One
+data-parallel replica: the whole step is one graph (``GraphedStep``: forward and backward of
+every micro-batch, the fp32 master's gradient, clipping, and AdamW with its step count and
+learning rate on the device, optim.DeviceSchedule). Several replicas over MPI: each
+micro-batch's forward and backward (``GraphedForwardBackward``), the gradients averaged after
+it, the optimizer eager. One graph per batch shape; batches are copied in, results copied
+out. ``--cuda-graph auto`` times the first steps both ways and keeps the faster
+(``AutoChoice``). What a graph cannot hold is refused before the run (parallel/capabilities.py)
+or, under auto, run eagerly. On the CPU the step runs as it is. The design: docs/gpu.md,
+"run/graphed.py"."""
 from __future__ import annotations
 
 import numpy as np
 
+import time
+
+from .. import optim
 from ..device import backend, graphs
+from ..parallel.capabilities import graph_problem
 
 
 class GraphedForwardBackward:
     """``strategy.forward_backward(x, y, scale)`` replayed as a graph: host batches in,
     the loss (a device scalar the next replay overwrites) out."""
 
-    def __init__(self, strategy):
-        self.strategy = strategy
+    def __init__(self, strategy, warmup: int = 2):
+        self.strategy, self.warmup = strategy, warmup
         self.graphs: dict = {}        # (x's and y's shapes and dtypes, scale) ->
                                       # (x, y on the device, the captured step)
 
@@ -26,7 +35,7 @@ class GraphedForwardBackward:
         if entry is None:
             xd, yd = backend.to_device(x).copy(), backend.to_device(y).copy()
             entry = self.graphs[key] = (xd, yd, graphs.capture(
-                lambda: self._forward_backward(xd, yd, scale)))
+                lambda: self._forward_backward(xd, yd, scale), self.warmup))
         xd, yd, step = entry
         xd.set(np.ascontiguousarray(x))
         yd.set(np.ascontiguousarray(y))
@@ -37,24 +46,170 @@ class GraphedForwardBackward:
             return self.strategy.forward_backward(x, y, scale)
 
 
-def describe(cfg) -> str:
+class GraphedStep:
+    """The whole step as one graph, on one data-parallel replica (``whole_step_problem``):
+    host batches in, (loss, gradient norm) out as device scalars of their own."""
+
+    def __init__(self, cfg, strategy, warmup: int = 2):
+        self.strategy, self.opt, self.grad_clip = strategy, strategy.opt, cfg.grad_clip
+        self.warmup = warmup
+        self.opt.schedule = optim.DeviceSchedule(cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
+        self.graphs: dict = {}        # the batches' shapes and dtypes -> (their device arrays,
+                                      # the captured step)
+
+    def __call__(self, batches):
+        """One optimizer step over ``batches`` ([(x, y)] on the host, a micro-batch each)."""
+        batches = [(np.asarray(x), np.asarray(y)) for x, y in batches]
+        key = tuple((x.shape, x.dtype.str, y.shape, y.dtype.str) for x, y in batches)
+        entry = self.graphs.get(key)
+        if entry is None:
+            arrays = [(backend.to_device(x).copy(), backend.to_device(y).copy())
+                      for x, y in batches]
+            entry = self.graphs[key] = (arrays, graphs.capture(lambda: self._step(arrays),
+                                                               self.warmup))
+        arrays, step = entry
+        for (xd, yd), (x, y) in zip(arrays, batches):
+            xd.set(np.ascontiguousarray(x))
+            yd.set(np.ascontiguousarray(y))
+        self.opt.schedule.sync(self.opt.step_count)
+        loss, norm = step()
+        if step.replayed:             # (the Python that counts the step ran only at capture)
+            self.opt.step_count += 1
+        self.opt.schedule.host_step = self.opt.step_count
+        return loss.copy(), norm.copy()
+
+    def _step(self, arrays):
+        s, n = self.strategy, len(arrays)
+        s.zero_grad()
+        loss_sum = 0.0
+        for micro, (x, y) in enumerate(arrays):
+            with s.micro_context(micro == n - 1):
+                loss_sum += s.forward_backward(x, y, 1.0 / n)
+        s.sync()
+        # (the learning rate passed is not read: AdamW reads the device's schedule)
+        applied, norm = s.apply(0.0, self.grad_clip)
+        return loss_sum / n, norm
+
+    def close(self) -> None:
+        """Back to the host's learning rate (the run goes on eagerly)."""
+        self.opt.schedule = None
+        self.graphs.clear()
+
+
+class AutoChoice:
+    """``--cuda-graph auto``: the run's steps 2-3 eagerly and 6-7 replayed are timed (the
+    device waited for at both ends of each), step 4 warms the graph up and step 5 captures
+    it; from step 8 the faster runs, and the run says which with both times. A run a graph
+    cannot hold runs eagerly and says why at the start."""
+    EAGER, WARM, GRAPH = (2, 3), 4, (6, 7)  # the timed windows (first and last step of
+                                            # each) and the graph's first (warm-up) step
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self, cfg, strategy):
+        self.cfg, self.strategy = cfg, strategy
+        self.k, self.t0, self.ms = 0, 0.0, {}
+        self.graph = None
+        self.why = "the CPU runs no graph" if backend.device_label() == "cpu" else \
+            graph_problem(cfg)
+        self.choice = "eager" if self.why else None     # None: still measuring
+
+    def current(self):
+        """What this step calls (forward_backward's answer)."""
+        if self.choice == "graph" or (self.choice is None and self.k >= self.WARM):
+            if self.graph is None:          # (kernels compiled and checked by the eager steps)
+                self.graph = made(self.cfg, self.strategy, warmup=1)
+            return self.graph
+        return self.strategy.forward_backward
+
+    def before_step(self) -> None:
+        self.k += 1
+        if self.choice is None and self.k in (self.EAGER[0], self.GRAPH[0]):
+            backend.synchronize()
+            self.t0 = self.clock()
+
+    def after_step(self) -> str | None:
+        """A line for the run's log when the choice is made."""
+        if self.choice is not None or self.k not in (self.EAGER[1], self.GRAPH[1]):
+            return None
+        backend.synchronize()
+        way, (first, last) = ("eager", self.EAGER) if self.k == self.EAGER[1] else \
+            ("graph", self.GRAPH)
+        self.ms[way] = (self.clock() - self.t0) * 1e3 / (last - first + 1)
+        if way == "eager":
+            return None
+        self.choice = "graph" if self.ms["graph"] <= self.ms["eager"] else "eager"
+        if self.choice == "eager":
+            if isinstance(self.graph, GraphedStep):
+                self.graph.close()
+            self.graph = None
+        return (f"--cuda-graph auto: {self.ms['eager']:.2f} ms a step eager, "
+                f"{self.ms['graph']:.2f} ms replayed as a graph: {self.choice} from here on")
+
+
+def made(cfg, strategy, warmup: int = 2):
+    """The step's graph: the whole step (one replica) or each micro-batch's forward and
+    backward."""
+    if whole_step_problem(cfg, strategy) is None:
+        return GraphedStep(cfg, strategy, warmup)
+    return GraphedForwardBackward(strategy, warmup)
+
+
+def whole_step_problem(cfg, strategy) -> str | None:
+    """Why --cuda-graph cannot hold this run's whole step (None: it can)."""
+    from ..parallel.strategy import DataParallelStrategy
+    if not isinstance(strategy, DataParallelStrategy):
+        return "the strategy runs its own optimizer step"
+    if not strategy.ddp.averages_nothing or strategy.batch_comm.size > 1:
+        return "gradients are averaged over MPI between backward and the optimizer"
+    if strategy.grad_sum is not None or strategy.norm.comms:
+        return "the gradient's sums or norm are added up over MPI"
+    if not isinstance(strategy.opt, optim.AdamW):
+        return f"--optimizer {cfg.optimizer} reads its learning rate on the host"
+    if strategy.scaler.enabled:
+        return "a loss scale is a host value"
+    return None
+
+
+def describe(cfg, strategy) -> str:
     """The header's words for --cuda-graph ("" without it)."""
-    if not cfg.cuda_graph:
+    if cfg.cuda_graph == "off":
         return ""
-    return {"cpu": "--cuda-graph has no effect on the cpu",
-            "standin": "CUDA graphs (the GPU stand-in captures at every micro-batch and "
-                      "refuses what a GPU's capture would)"}.get(
-        backend.device_label(), "forward and backward replayed as CUDA graphs (captured at "
-                                "each batch shape's third micro-batch; gradients averaged "
-                                "after backward)")
+    label = backend.device_label()
+    if label == "cpu":
+        return f"--cuda-graph {cfg.cuda_graph} has no effect on the cpu"
+    if cfg.cuda_graph == "auto" and auto(cfg, strategy).why:
+        return f"--cuda-graph auto: eager ({auto(cfg, strategy).why})"
+    where = " (the GPU stand-in: it replays the launches it recorded)" * (label == "standin")
+    why = whole_step_problem(cfg, strategy)
+    way = (f"the whole step replayed as one CUDA graph{where}: forward, backward, clipping "
+           "and AdamW, its learning rate on the device" if why is None else
+           f"forward and backward replayed as CUDA graphs{where}, the optimizer eager ({why})")
+    if cfg.cuda_graph == "auto":
+        return (f"--cuda-graph auto: steps {AutoChoice.EAGER[0]}-{AutoChoice.EAGER[1]} eager "
+                f"and {AutoChoice.GRAPH[0]}-{AutoChoice.GRAPH[1]} as a graph timed, the faster "
+                f"kept; the graph: {way}")
+    return way
+
+
+def auto(cfg, strategy) -> AutoChoice | None:
+    """The run's ``AutoChoice`` under --cuda-graph auto (None otherwise), made once."""
+    if cfg.cuda_graph != "auto":
+        return None
+    choice = getattr(strategy, "graph_choice", None)
+    if choice is None:
+        choice = strategy.graph_choice = AutoChoice(cfg, strategy)
+    return choice
 
 
 def forward_backward(cfg, strategy):
-    """What a step calls for each micro-batch: the strategy's, or its graph (--cuda-graph),
-    made once per strategy."""
-    if not cfg.cuda_graph or backend.device_label() == "cpu":
+    """What a step calls: the strategy's forward and backward for each micro-batch, its
+    graph (--cuda-graph), or the whole step's (``GraphedStep``), made once per strategy;
+    under auto, the way being timed or chosen."""
+    if cfg.cuda_graph == "off" or backend.device_label() == "cpu":
         return strategy.forward_backward
+    if cfg.cuda_graph == "auto":
+        return auto(cfg, strategy).current()
     graphed = getattr(strategy, "graphed", None)
     if graphed is None:
-        graphed = strategy.graphed = GraphedForwardBackward(strategy)
+        graphed = strategy.graphed = made(cfg, strategy)
     return graphed

@@ -127,14 +127,19 @@ def loop(run: Run, start: Start):
     t_start = time.perf_counter()
     history, step, more = [], start, start < cfg.steps and not stopped
     unread = report.Unread(strategy, run.meter, run.metrics, meaned=mark.recovers)
+    choice = graphed.auto(cfg, strategy)         # --cuda-graph auto: timed, then chosen
     mark.unread = unread                         # (a recovery writes what it settled)
     while more:
         mark.at(step, sampler)
         step += 1
         runtime.test_hooks(step)
         lr = optim.lr_at(step, cfg.lr * lr_scale, cfg.warmup, cfg.steps, cfg.min_lr * lr_scale)
+        if choice is not None:
+            choice.before_step()
         rec = train_step(cfg, strategy, run.train_set, sampler, step, lr, delay=delay,
                          settle=mark.recovers)
+        if choice is not None and (chosen := choice.after_step()):
+            say(chosen)
         history.append(rec)
         unread.add(rec)
         stopped, save_at, more = strategy.control(step, cfg, stop, comm)
@@ -178,9 +183,7 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
     ``delay``: seconds this rank sleeps in the step (a straggler). ``settle`` (under
     --on-failure shrink): the loss's mean over the replicas is read before the step is
     committed, so that a committed step's record never needs a rank lost after it."""
-    xp = backend.xp()
     forward_backward = graphed.forward_backward(cfg, strategy)
-    host = isinstance(forward_backward, graphed.GraphedForwardBackward)   # (copies batches in)
     t0 = time.perf_counter()
     bytes0 = strategy.comm.bytes_sent
     memtrace.start()
@@ -188,22 +191,14 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
     with timeline.span("step", step=step) as span:
         if delay:
             time.sleep(delay)
-        strategy.zero_grad()
-        loss_sum = 0.0                                   # stays on the device (Unread)
-        for micro in range(cfg.grad_accum):
-            x, y = train_set.batch(sampler.next_batch())
-            last = micro == cfg.grad_accum - 1           # communicate on the last only
-            with strategy.micro_context(last), _overflow_ok(strategy):
-                loss_sum += forward_backward(*((x, y) if host else (xp.asarray(x),
-                                                                     xp.asarray(y))),
-                                             1.0 / cfg.grad_accum)
-        with timeline.span("gradient sync"):
-            strategy.sync()
-        loss = loss_sum / cfg.grad_accum     # the mean over the replicas: Unread.settle
-        if settle:
-            loss = strategy.mean_losses([loss])[0]
-        with timeline.span("optimizer step"):
-            applied, norm = strategy.apply(lr, cfg.grad_clip)
+        if isinstance(forward_backward, graphed.GraphedStep):     # the whole step: one graph
+            with timeline.span("graphed step"):
+                loss, norm = forward_backward([train_set.batch(sampler.next_batch())
+                                               for _ in range(cfg.grad_accum)])
+            applied = True
+        else:
+            loss, applied, norm = _eager_step(cfg, strategy, train_set, sampler, lr,
+                                              forward_backward=forward_backward, settle=settle)
         experts = moe.after_step(strategy.model, applied)    # balancing; load and drops
         if span is not None and counts is not None:   # the GPU stand-in's counts, per step
             after = backend.device_counts()
@@ -218,6 +213,30 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
             **experts,
             **({"memory_activations": held["activations"], "memory_step_peak": held["peak"]}
                if held else {})}
+
+
+def _eager_step(cfg, strategy, train_set, sampler, lr: float, *, forward_backward,
+                settle: bool):
+    """A step's work from the host, op by op (or each micro-batch's forward and backward as
+    a graph): (loss, applied, gradient norm)."""
+    xp = backend.xp()
+    host = isinstance(forward_backward, graphed.GraphedForwardBackward)   # (copies batches in)
+    strategy.zero_grad()
+    loss_sum = 0.0                                   # stays on the device (Unread)
+    for micro in range(cfg.grad_accum):
+        x, y = train_set.batch(sampler.next_batch())
+        last = micro == cfg.grad_accum - 1           # communicate on the last only
+        with strategy.micro_context(last), _overflow_ok(strategy):
+            loss_sum += forward_backward(*((x, y) if host else (xp.asarray(x), xp.asarray(y))),
+                                         1.0 / cfg.grad_accum)
+    with timeline.span("gradient sync"):
+        strategy.sync()
+    loss = loss_sum / cfg.grad_accum     # the mean over the replicas: Unread.settle
+    if settle:
+        loss = strategy.mean_losses([loss])[0]
+    with timeline.span("optimizer step"):
+        applied, norm = strategy.apply(lr, cfg.grad_clip)
+    return loss, applied, norm
 
 
 def _overflow_ok(strategy):

@@ -122,6 +122,8 @@ def peak_mode(cfg) -> str:
         return "fp64"
     if cfg.precision in ("bf16", "fp16"):
         return cfg.precision
+    if cfg.precision == "fp8":          # (fp8's values on bf16 GEMMs: bf16's peak until
+        return "bf16"                   # cuBLASLt's FP8 GEMM is built)
     return "tf32" if getattr(cfg, "tf32", False) else "fp32"
 
 
@@ -134,7 +136,8 @@ def gpu_peak(precision: str) -> tuple[float, str]:
         if card.name.split()[0] in name:
             if precision == "tf32":         # dense TF32 is half of dense bf16 (A100, H100)
                 return card.flops["bf16"] / 2, f"{card.name} tf32 (half the bf16 datasheet)"
-            p = "bf16" if precision in ("bf16", "fp16") else "fp32"
+            p = "bf16" if precision in ("bf16", "fp16", "fp8") else "fp32"  # (fp8: its
+            # values on bf16 GEMMs until cuBLASLt's FP8 GEMM is built)
             return card.flops[p], f"{card.name} {p} datasheet"
     return 0.0, f"no table entry for {name}"
 

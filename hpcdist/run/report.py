@@ -40,13 +40,17 @@ def header(cfg, model, strategy, world, hosts, train_set, *, test_set) -> list[s
         emulated = (f" (GEMMs in bf16 on tensor cores, activations fp32: {why})"
                     if backend.device_label() == "gpu" else
                     f" (emulated: matmul operands rounded to bf16, fp32 storage; {why})")
-    elif cfg.precision == "bf16" and backend.device_label() != "cpu":
+    elif cfg.precision in ("bf16", "fp8") and backend.device_label() != "cpu":
         emulated = " (native: bf16 weights, activations and gradients; fp32 master weights)"
+    if cfg.precision == "fp8":
+        emulated += (" | fp8: the linear layers' GEMMs on e4m3 operands and e5m2 gradients, "
+                     "per-tensor power-of-two scales; fp8's values on bf16 GEMMs (exact, "
+                     "not fp8's speed: cuBLASLt's FP8 GEMM is not built)")
     if cfg.tf32:
         emulated += " | " + kernels.describe(cfg.tf32)
     emulated += " | " + attention_words(cfg)
-    if cfg.cuda_graph:
-        emulated += " | " + graphed.describe(cfg)
+    if cfg.cuda_graph != "off":
+        emulated += " | " + graphed.describe(cfg, strategy)
     moe = (f", {cfg.experts} experts top-{cfg.top_k} ({cfg.router}"
            f"{', every ' + str(cfg.moe_every) + ' blocks' if cfg.moe_every > 1 else ''})"
            if cfg.experts else "")

@@ -16,12 +16,13 @@ NON_NEGATIVE = ("eval_tokens",)
 CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
            "compress": ("none", "fp16", "topk", "powersgd"),
-           "precision": ("fp32", "fp16", "bf16"),
+           "precision": ("fp32", "fp16", "bf16", "fp8"),
            "backend": ("mpi", "nccl"), "strategy": ("collective", "ps", "diloco"),
            "shard_group": ("all", "node"), "outer_wire": ("fp32", "fp16", "bf16", "int8", "int4"),
            "cp_impl": ("ring", "ulysses"), "router": ("softmax", "sigmoid"),
            "balance": ("aux", "bias", "none"), "on_failure": ("abort", "shrink"),
            "shrink_batch": ("scale", "keep"), "attention": ("auto", "flash", "gemms", "cudnn"),
+           "cuda_graph": ("off", "on", "auto"),
            "arch": tuple(nn.FAMILIES)}
 
 
@@ -59,7 +60,7 @@ def _attention_problem(c) -> str | None:
     if c.device == "cpu":
         return (f"--attention {c.attention} runs on a GPU (this run: --device cpu); use "
                 "--attention flash or auto")
-    if c.attention == "cudnn" and (c.precision != "bf16" or c.dtype == "fp64"):
+    if c.attention == "cudnn" and (c.precision not in ("bf16", "fp8") or c.dtype == "fp64"):
         return (f"--attention cudnn takes bf16 (cuDNN's fused attention has no {c.precision} "
                 "kernel): add --precision bf16, or use --attention flash")
     return None

@@ -51,7 +51,7 @@ grep -a -E "GB/s|of copy|%" "$OUT/kernels.log" | head -n 20
 step attention 50 "$B attention --reps 5 --out $OUT/attention.json"
 step table 80 "$B gpu --layers 24 --embd 1024 --heads 16 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16,bf16+graph,tf32 --peers sdpa,eager --peer-modes bf16,tf32 --out $OUT/medium.json"
 step table 50 "$B gpu --layers 12 --embd 768 --seq 1024 --batch 8 --steps 6 --modes bf16 --peers sdpa,eager --peer-modes bf16 --out $OUT/small1024.json"
-step table 80 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes fp32,tf32,bf16,tf32+graph,bf16+graph --peers eager,sdpa --out $OUT/small256.json"
+step table 90 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes fp32,tf32,bf16,tf32+graph,bf16+graph,fp8 --peers sdpa,compile --peer-modes bf16 --out $OUT/small256.json"
 step table 30 "HPCDIST_CUBLAS_WORKSPACE_MB=0 $B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes tf32+graph,bf16+graph --no-torch --out $OUT/small256-own-workspace.json"
 step table 30 "HPCDIST_BF16=emulated $B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16 --no-torch --out $OUT/small256-emulated.json"
 step table 25 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16 --no-torch --vocab-multiple 1 --out $OUT/small256-unpadded.json"
@@ -64,10 +64,10 @@ grep -a -E "us a launch" "$OUT/host.log"
 step profile 30 "python tests/gpu/profile_step.py bf16 24 1024 1024 8 128"
 
 # 3. correctness, side by side
-step tests 120 "HPCDIST_DEVICE=gpu $PYT tests/test_gpu.py tests/test_graphs.py tests/test_ops_gradcheck.py tests/test_torch_oracle.py" &
+step tests 120 "HPCDIST_DEVICE=gpu $PYT tests/test_gpu.py tests/test_graphs.py tests/test_fp8.py tests/test_ops_gradcheck.py tests/test_torch_oracle.py" &
 step mpi2 120 "HPCDIST_DEVICE=gpu mpiexec -n 2 $PYT --with-mpi tests/mpi/test_device.py tests/mpi/test_llama.py tests/mpi/test_families.py" &
 step nccl1 120 "HPCDIST_DEVICE=gpu mpiexec -n 1 $PYT --with-mpi tests/mpi/test_nccl.py tests/mpi/test_device.py tests/mpi/test_llama.py" &
-step train 120 "python -m hpcdist.train --device gpu --steps 30 --log-every 10 --save-dir /tmp/r1 && mpiexec -n 1 python -m hpcdist.train --device gpu --backend nccl --precision bf16 --experts 4 --steps 30 --log-every 10 --save-dir /tmp/r2 && python -m hpcdist.train --device gpu --arch llama --n-kv-head 2 --precision bf16 --attention auto --steps 30 --log-every 10 && python -m hpcdist.train --device gpu --precision bf16 --cuda-graph --steps 30 --log-every 10" &
+step train 120 "python -m hpcdist.train --device gpu --steps 30 --log-every 10 --save-dir /tmp/r1 && mpiexec -n 1 python -m hpcdist.train --device gpu --backend nccl --precision bf16 --experts 4 --steps 30 --log-every 10 --save-dir /tmp/r2 && python -m hpcdist.train --device gpu --arch llama --n-kv-head 2 --precision bf16 --attention auto --steps 30 --log-every 10 && python -m hpcdist.train --device gpu --precision bf16 --cuda-graph --steps 30 --log-every 10 && python -m hpcdist.train --device gpu --precision bf16 --cuda-graph auto --steps 30 --log-every 10 && python -m hpcdist.train --device gpu --precision fp8 --steps 30 --log-every 10" &
 wait
 for f in tests mpi2 nccl1 train; do echo "---- $f"; grep -a -E "passed|failed|error|Error|refus|REFUSED|FAILED|step +30|loss|attention" "$OUT/$f.log" | tail -n 14; done
 # a lease returns at most 8 files from $OUT (2026-11-27 lost table.log, tests.log and train.log

@@ -9,7 +9,7 @@ from helpers import small
 
 pytestmark = pytest.mark.mpi
 
-MODES = [(p, z, "none") for p in ("fp32", "fp16", "bf16") for z in (0, 1, 2, 3)] + \
+MODES = [(p, z, "none") for p in ("fp32", "fp16", "bf16", "fp8") for z in (0, 1, 2, 3)] + \
         [(p, 0, c) for p in ("fp32", "fp16", "bf16") for c in ("fp16", "topk")]
 
 
@@ -26,3 +26,35 @@ def test_mode_trains_several_steps(comm, tmp_path, precision, zero, compress):
     everyone = np.empty((comm.size, p.size), np.float32)
     comm.mpi.Allgather(p, everyone)
     assert (everyone == everyone[0]).all(), "replicas differ after training"
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, n_head=4), dict(pp=2, n_layer=2, batch_size=4),
+                                    dict(tp=2, sequence_parallel=True, n_head=4)])
+def test_fp8_trains_in_the_model_parallel_layouts(comm, tmp_path, layout):
+    """--precision fp8 under tensor and pipeline parallelism: each rank scales the tensors it
+    holds (a shard's own amax), the run trains, and the ranks that hold the same weights agree
+    (the replicas' check above, per layout)."""
+    size = layout.get("tp", 1) * layout.get("pp", 1)
+    if comm.size % size:
+        pytest.skip(f"{size} ranks per model replica")
+    cfg = small(precision="fp8", dtype="fp32", steps=4, out_dir=str(tmp_path), **layout)
+    final = train(cfg, comm, log=lambda *a: None)
+    assert final["steps"] == 4 and np.isfinite(final["train_loss"]), final
+    assert np.isfinite(final["test_loss"])
+
+
+@pytest.mark.parametrize("extra", [{}, dict(precision="bf16", grad_accum=2, batch_size=4)])
+def test_cuda_graphs_over_several_replicas_equal_the_eager_run(comm, tmp_path, extra):
+    """--cuda-graph on the GPU stand-in (which replays what it recorded): one rank replays
+    the whole step; several replay each micro-batch's forward and backward and average the
+    gradients over MPI after it. Either way the losses and norms are the eager run's."""
+    from helpers import history
+    from hpcdist.device import backend
+    prev = backend.device_label()
+    try:
+        runs = [history(small(device="standin", dtype="fp32", steps=6, cuda_graph=graph,
+                              out_dir=str(tmp_path / graph), **extra), comm)[1]
+                for graph in ("off", "on")]
+    finally:
+        backend.init(prev)
+    np.testing.assert_allclose(runs[1], runs[0], rtol=2e-2 if extra else 1e-5)

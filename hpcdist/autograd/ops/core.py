@@ -144,14 +144,15 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
     """``x @ w + b (+ residual)`` as one node: the bias (and a residual stream) added into
     the product in place, one fused pass on a GPU (kernels.BIAS_RESIDUAL); the bias's
     gradient one row sum, added straight into its buffer where it has one (COLSUM_ADD).
-    x and the gradient are converted once (kernels.operand: bf16 runs) for the products they
-    enter; w where it is used (kept, it would hold ZeRO-3's gathered weights alive)."""
+    x and the gradient are converted once (kernels.linear_operand: bf16 runs, fp8's values)
+    for the products they enter; w where it is used (kept, it would hold ZeRO-3's gathered
+    weights alive)."""
     if x.ndim < 2:
         y = matmul(x, w)
         y = y if b is None else add(y, b)
         return y if residual is None else add(y, residual)
-    xo = kernels.operand(x.data)
-    out = kernels.product(xo, kernels.operand(w.data))
+    xo = kernels.linear_operand(x.data)
+    out = kernels.product(xo, kernels.linear_operand(w.data), dtype=x.dtype)
     if b is not None or residual is not None:
         kernels.BIAS_RESIDUAL(out, None if b is None else b.data,
                               None if residual is None else residual.data)
@@ -159,9 +160,9 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
 
     def backward(g):
         gx = gw = gb = None
-        go = kernels.operand(g)
+        go = kernels.linear_operand(g, gradient=True)
         if needs_grad(x):                   # (w read now: ZeRO-3 gathers it again)
-            gx = kernels.product(go, kernels.operand(w.data).T)
+            gx = kernels.product(go, kernels.linear_operand(w.data).T, dtype=g.dtype)
         if needs_grad(w) or (b is not None and needs_grad(b)):
             g2 = g.reshape(-1, m)
             if needs_grad(w):
@@ -178,14 +179,15 @@ def linear_gelu(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
     """``gelu(x @ w + b)`` as one node: the bias and the GELU in one pass after the GEMM
     (kernels.BIAS_GELU), the GELU's backward in one more (GELU_BWD)."""
     k, m = w.shape
-    xo = kernels.operand(x.data)
-    h = kernels.product(xo, kernels.operand(w.data))
+    xo = kernels.linear_operand(x.data)
+    h = kernels.product(xo, kernels.linear_operand(w.data), dtype=x.dtype)
     out, t = kernels.BIAS_GELU(h, b.data)                 # h now holds x @ w + b
 
     def backward(g):
         gh = kernels.GELU_BWD(h, g, t)
-        go = kernels.operand(gh)
-        gx = kernels.product(go, kernels.operand(w.data).T) if needs_grad(x) else None
+        go = kernels.linear_operand(gh, gradient=True)
+        gx = kernels.product(go, kernels.linear_operand(w.data).T, dtype=gh.dtype) \
+            if needs_grad(x) else None
         gw = _weight_grad(xo.reshape(-1, k).T, go.reshape(-1, m), w) if needs_grad(w) else None
         return gx, gw, _bias_grad(gh.reshape(-1, m), b) if needs_grad(b) else None
     return Tensor._make(out, (x, w, b), backward)
@@ -219,7 +221,7 @@ def _weight_grad(xt, g2, w: Tensor):
     if into is not None and kernels.matmul_add(xt, g2, into, overwrite=stale):
         written(w)
         return ACCUMULATED
-    return kernels.product(xt, g2)
+    return kernels.product(xt, g2, dtype=w.data.dtype)
 
 
 def _bias_grad(g2, b: Tensor):

@@ -1,6 +1,11 @@
 """AdamW over the whole flat buffer in one kernel, beside its NumPy twin (optim.adamw_update's
 order): fp32 or fp64 parameters in place, and the variant that also writes the bf16 compute
-copy of the new parameters (mixed precision: no second pass)."""
+copy of the new parameters (mixed precision: no second pass).
+
+Each has a variant that reads its step's learning rate and bias corrections from the device
+(``*_sched``: ``sched`` = [step, lr, 1 - beta1^step, sqrt(1 - beta2^step)], float64) as
+``LR_SCHEDULE``'s one-thread kernel advances them (optim.DeviceSchedule): a step replayed as
+a CUDA graph then needs no value from the host (the host's would be frozen at the capture)."""
 from __future__ import annotations
 
 import math
@@ -37,6 +42,27 @@ extern "C" __global__ void adamw(T* p, const T* g, T* m, T* v, const unsigned ch
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) adamw_at(i, p, g, m, v, decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2);
 }
+// the learning rate and bias corrections of this step, from the device (LR_SCHEDULE's)
+#define SCHED(s) (A)s[1], beta1, beta2, eps, wd, (A)s[2], (A)s[3]
+extern "C" __global__ void adamw_sched(T* p, const T* g, T* m, T* v,
+                                       const unsigned char* decay, long long n,
+                                       const double* sched, A beta1, A beta2, A eps, A wd) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) adamw_at(i, p, g, m, v, decay, SCHED(sched));
+}
+__device__ __forceinline__ unsigned short bf16_nearest(T out) {
+    unsigned u = __float_as_uint((float)out);
+    return ((u & 0x7fffffffu) > 0x7f800000u)
+        ? (unsigned short)((u >> 16) | 0x40u)                       // NaN stays a NaN
+        : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); // nearest, ties even
+}
+extern "C" __global__ void adamw_low_sched(T* p, const T* g, T* m, T* v,
+                                           const unsigned char* decay, long long n,
+                                           const double* sched, A beta1, A beta2, A eps,
+                                           A wd, unsigned short* low) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) low[i] = bf16_nearest(adamw_at(i, p, g, m, v, decay, SCHED(sched)));
+}
 // the same step writing the bf16 compute copy of the new parameters beside the fp32 master
 // (mixed precision: no second pass over the parameters), rounded to nearest even
 extern "C" __global__ void adamw_low(T* p, const T* g, T* m, T* v, const unsigned char* decay,
@@ -44,11 +70,8 @@ extern "C" __global__ void adamw_low(T* p, const T* g, T* m, T* v, const unsigne
                                      A bias1, A sqrt_bias2, unsigned short* low) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    T out = adamw_at(i, p, g, m, v, decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2);
-    unsigned u = __float_as_uint((float)out);
-    low[i] = ((u & 0x7fffffffu) > 0x7f800000u)
-        ? (unsigned short)((u >> 16) | 0x40u)                       // NaN stays a NaN
-        : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); // nearest, ties even
+    low[i] = bf16_nearest(adamw_at(i, p, g, m, v, decay, lr, beta1, beta2, eps, wd, bias1,
+                                   sqrt_bias2));
 }
 """
 
@@ -67,6 +90,13 @@ def adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step) -> None:
     """Adam's moments and bias-corrected step, in place, the same operations in the same order
     through one scratch array (the textbook expressions make three flat temporaries: a step's
     peak memory, and time). optim.adamw_update runs it on the host."""
+    _moments_and_step(p, g, m, v, beta1, beta2, eps, math.sqrt(1.0 - beta2 ** step),
+                      lr / (1.0 - beta1 ** step))
+
+
+def _moments_and_step(p, g, m, v, beta1, beta2, eps, sqrt_bias2, step_size) -> None:
+    """adam_step_twin's body, its bias corrections given (host numbers, or 0-d device
+    arrays: the scheduled twins')."""
     xp = backend.array_module(p)
     tmp = g * g
     tmp *= 1.0 - beta2
@@ -76,10 +106,10 @@ def adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step) -> None:
     m *= beta1
     m += tmp
     xp.sqrt(v, out=tmp)
-    tmp /= math.sqrt(1.0 - beta2 ** step)
+    tmp /= sqrt_bias2
     tmp += eps
     xp.divide(m, tmp, out=tmp)
-    tmp *= lr / (1.0 - beta1 ** step)
+    tmp *= step_size
     p -= tmp
 
 
@@ -129,3 +159,125 @@ def _adamw_low_cases(xp, rng, dt):
 # rounding is exact: the tolerance is the update's, as ADAMW's)
 ADAMW_LOW = Fused("adamw_low", _ADAMW, ["adamw_low"], _adamw_low_launch, adamw_low_twin,
                   _adamw_low_cases, tolerance=1e-5, dtypes=("float32",))
+
+
+# ---- the step's schedule on the device, and AdamW reading it -------------------------------
+
+_LR_SCHEDULE = r"""
+// optim.lr_at on the device, one thread: the next step's count, learning rate (linear warmup,
+// then cosine to min_lr at total) and AdamW's bias corrections, in sched
+extern "C" __global__ void lr_schedule(double* sched, double base_lr, double min_lr,
+                                       long long warmup, long long total, double beta1,
+                                       double beta2) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double step = sched[0] + 1.0, lr;
+    if (warmup > 0 && step <= (double)warmup) {
+        lr = base_lr * step / (double)warmup;
+    } else if (step >= (double)total) {
+        lr = min_lr;
+    } else {
+        long long span = total - warmup > 1 ? total - warmup : 1;
+        double progress = (step - (double)warmup) / (double)span;
+        lr = min_lr + 0.5 * (base_lr - min_lr) * (1.0 + cos(3.141592653589793 * progress));
+    }
+    sched[0] = step;
+    sched[1] = lr;
+    sched[2] = 1.0 - pow(beta1, step);
+    sched[3] = sqrt(1.0 - pow(beta2, step));
+}
+"""
+
+
+def lr_schedule_twin(sched, base_lr, min_lr, warmup, total, beta1, beta2):
+    """``sched`` (float64 [step, lr, 1 - beta1^step, sqrt(1 - beta2^step)]) advanced one step
+    in place, as optim.lr_at counts: device operations only (no value read to the host)."""
+    xp = backend.array_module(sched)
+    step = sched[0] + 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    lr = xp.where(step >= total, min_lr,
+                  min_lr + 0.5 * (base_lr - min_lr) * (1.0 + xp.cos(math.pi * progress)))
+    if warmup > 0:
+        lr = xp.where(step <= warmup, base_lr * step / warmup, lr)
+    sched[1] = lr
+    sched[2] = 1.0 - beta1 ** step
+    sched[3] = xp.sqrt(1.0 - beta2 ** step)
+    sched[0] = step
+    return sched
+
+
+def _lr_schedule_launch(k, sched, base_lr, min_lr, warmup, total, beta1, beta2):
+    f = np.float64
+    k("lr_schedule")((1,), (32,), (sched, f(base_lr), f(min_lr), np.int64(warmup),
+                                   np.int64(total), f(beta1), f(beta2)))
+    return sched
+
+
+def _lr_schedule_cases(xp, rng, dt):
+    for warmup, total in ((0, 10), (4, 10), (4, 4), (3, 1)):
+        for step in range(0, total + 3):
+            yield (xp.asarray(np.array([step, 0, 0, 0], dtype=np.float64)), 3e-4, 3e-5, warmup,
+                   total, 0.9, 0.95)
+
+
+LR_SCHEDULE = Fused("lr_schedule", _LR_SCHEDULE, ["lr_schedule"], _lr_schedule_launch,
+                    lr_schedule_twin, _lr_schedule_cases, tolerance=1e-12, dtypes=("float64",))
+
+
+def _sched_terms(sched, dtype):
+    """(lr, 1 - beta1^step, sqrt(1 - beta2^step)) of ``sched`` as 0-d arrays of ``dtype``
+    (where the kernel rounds them to its A)."""
+    return tuple(sched[i].astype(dtype) for i in (1, 2, 3))
+
+
+def adamw_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd):
+    """adamw_twin with its learning rate and bias corrections read from ``sched`` on the
+    device (LR_SCHEDULE's)."""
+    xp = backend.array_module(p)
+    lr, bias1, sqrt_bias2 = _sched_terms(sched, p.dtype)
+    if wd:
+        p *= xp.where(decay.astype(bool), 1.0 - lr * wd, 1.0).astype(p.dtype)
+    _moments_and_step(p, g, m, v, beta1, beta2, eps, sqrt_bias2, lr / bias1)
+    return p, m, v
+
+
+def _adamw_sched_launch(k, p, g, m, v, decay, sched, beta1, beta2, eps, wd):
+    acc = np.float64 if p.dtype == np.float64 else np.float32
+    s = lambda x: _scalar(acc, x)   # noqa: E731
+    k("adamw_sched")(*grid(p.size), (p, g, m, v, decay, np.int64(p.size), sched, s(beta1),
+                                     s(beta2), s(eps), s(wd)))
+    return p, m, v
+
+
+def _sched_cases(xp, rng, dt):
+    for p, g, m, v, decay, lr, beta1, beta2, eps, wd, step in _adamw_cases(xp, rng, dt):
+        sched = np.array([step, lr, 1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step)])
+        yield p, g, m, v, decay, xp.asarray(sched), beta1, beta2, eps, wd
+
+
+ADAMW_SCHED = Fused("adamw_sched", _ADAMW, ["adamw_sched"], _adamw_sched_launch,
+                    adamw_sched_twin, _sched_cases, tolerance=1e-5)
+
+
+def adamw_low_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd, low):
+    """adamw_sched_twin, then ``low``: the new parameters in its dtype (bf16)."""
+    adamw_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd)
+    low[...] = backend.round_to_bf16(p)
+    return p, m, v, low
+
+
+def _adamw_low_sched_launch(k, p, g, m, v, decay, sched, beta1, beta2, eps, wd, low):
+    s = lambda x: _scalar(np.float32, x)   # noqa: E731
+    k("adamw_low_sched")(*grid(p.size), (p, g, m, v, decay, np.int64(p.size), sched, s(beta1),
+                                         s(beta2), s(eps), s(wd), low.view(np.uint16)))
+    return p, m, v, low
+
+
+def _low_sched_cases(xp, rng, dt):
+    bf16 = backend.bfloat16()
+    for args in _sched_cases(xp, rng, dt):
+        yield args + (xp.zeros(args[0].shape, dtype=bf16),)
+
+
+ADAMW_LOW_SCHED = Fused("adamw_low_sched", _ADAMW, ["adamw_low_sched"],
+                        _adamw_low_sched_launch, adamw_low_sched_twin, _low_sched_cases,
+                        tolerance=1e-5, dtypes=("float32",))

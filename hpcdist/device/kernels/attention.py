@@ -108,7 +108,7 @@ def check(path: str, precision: str, head: int, device: str) -> str | None:
     if device != "gpu":
         return f"--attention {path} runs on a GPU (this run: --device {device}); flash runs here"
     if path == "cudnn":
-        if precision != "bf16":
+        if precision not in ("bf16", "fp8"):
             return (f"--attention cudnn takes bf16 (cuDNN's fused attention has no {precision}"
                     f" kernel): use --precision bf16 or --attention flash")
         if not cudnn_attention.takes(head):

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from .. import backend
+from .. import backend, fp8
 from ..surface import CUBLAS
 from ..fused import Fused, grid
 
@@ -305,15 +305,28 @@ def operand(x):
     return backend.round_to_bf16(x)
 
 
-def product(a, b):
+def linear_operand(x, gradient: bool = False):
+    """``operand(x)`` for a linear layer's GEMM; under ``--precision fp8`` x's values as an
+    FP8 GEMM takes them (device/fp8.py: e4m3, or e5m2 for a ``gradient``, scaled by a power
+    of two, in float32)."""
+    if fp8.linears():
+        from .fp8_quant import FP8_QUANTIZE                 # (it imports this module's kin)
+        fmt = fp8.E5M2 if gradient else fp8.E4M3
+        return FP8_QUANTIZE(x, fmt.max, fmt.mantissa, fmt.min_exp)
+    return operand(x)
+
+
+def product(a, b, dtype=None):
     """``a @ b`` of two ``operand`` results: (..., k) @ (k, m), any leading axes on a
-    contiguous left side, or 2-D views (transposes too)."""
+    contiguous left side, or 2-D views (transposes too); ``dtype``: the result's, where the
+    operands' differs (fp8's float32 operands of a bf16 layer)."""
     if a.dtype == np.uint16:
         if a.ndim > 2:
             out = _gemm_words(a.reshape(-1, a.shape[-1]), b)
             return out.reshape(a.shape[:-1] + b.shape[-1:])
         return _gemm_words(a, b)
-    return backend.matmul(a, b, rounding=False)
+    out = backend.matmul(a, b, rounding=False)
+    return out if dtype is None or out.dtype == dtype else out.astype(dtype)
 
 
 def _round_launch(k, x):

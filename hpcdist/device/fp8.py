@@ -82,8 +82,8 @@ def linears() -> bool:
 
 
 def hopper_problem() -> str | None:
-    """Why this device may not run --precision fp8 (None: it may): a GPU must be an H100 or
-    H200 (compute capability 9.x, where FP8 tensor cores are); the CPU and the GPU stand-in
+    """Why this device may not run --precision fp8 (None: it may): a GPU must have FP8 tensor
+    cores (compute capability 9.0 or later: H100, H200, B200); the CPU and the GPU stand-in
     run the emulation, to check a run before it goes to one."""
     if backend.device_label() != "gpu":
         return None
@@ -92,7 +92,7 @@ def hopper_problem() -> str | None:
         major, minor = int(props["major"]), int(props["minor"])
     except Exception as e:                        # noqa: BLE001 (the device's own words)
         return f"the GPU's compute capability could not be read ({e})"
-    if major != 9:
-        return (f"FP8 tensor cores need an H100 or H200 (compute capability 9.x); this GPU's "
-                f"is {major}.{minor}")
+    if major < 9:
+        return (f"FP8 tensor cores need compute capability 9.0 or later (H100, H200, B200); "
+                f"this GPU's is {major}.{minor}")
     return None

@@ -83,10 +83,6 @@ def end() -> "Graph":
     return Graph(ops)
 
 
-def abandon() -> None:
-    RECORDER.ops = None
-
-
 class Graph:
     """``cupy.cuda.graph.Graph``: ``launch`` replays the recorded operations in order."""
 

@@ -152,7 +152,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
         y = y if b is None else add(y, b)
         return y if residual is None else add(y, residual)
     xo = kernels.linear_operand(x.data)
-    out = kernels.product(xo, kernels.linear_operand(w.data), dtype=x.dtype)
+    out = kernels.product(xo, kernels.linear_operand(w.data))
     if b is not None or residual is not None:
         kernels.BIAS_RESIDUAL(out, None if b is None else b.data,
                               None if residual is None else residual.data)
@@ -162,7 +162,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
         gx = gw = gb = None
         go = kernels.linear_operand(g, gradient=True)
         if needs_grad(x):                   # (w read now: ZeRO-3 gathers it again)
-            gx = kernels.product(go, kernels.linear_operand(w.data).T, dtype=g.dtype)
+            gx = kernels.product(go, kernels.linear_operand(w.data).T)
         if needs_grad(w) or (b is not None and needs_grad(b)):
             g2 = g.reshape(-1, m)
             if needs_grad(w):
@@ -180,14 +180,13 @@ def linear_gelu(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
     (kernels.BIAS_GELU), the GELU's backward in one more (GELU_BWD)."""
     k, m = w.shape
     xo = kernels.linear_operand(x.data)
-    h = kernels.product(xo, kernels.linear_operand(w.data), dtype=x.dtype)
+    h = kernels.product(xo, kernels.linear_operand(w.data))
     out, t = kernels.BIAS_GELU(h, b.data)                 # h now holds x @ w + b
 
     def backward(g):
         gh = kernels.GELU_BWD(h, g, t)
         go = kernels.linear_operand(gh, gradient=True)
-        gx = kernels.product(go, kernels.linear_operand(w.data).T, dtype=gh.dtype) \
-            if needs_grad(x) else None
+        gx = kernels.product(go, kernels.linear_operand(w.data).T) if needs_grad(x) else None
         gw = _weight_grad(xo.reshape(-1, k).T, go.reshape(-1, m), w) if needs_grad(w) else None
         return gx, gw, _bias_grad(gh.reshape(-1, m), b) if needs_grad(b) else None
     return Tensor._make(out, (x, w, b), backward)
@@ -221,7 +220,7 @@ def _weight_grad(xt, g2, w: Tensor):
     if into is not None and kernels.matmul_add(xt, g2, into, overwrite=stale):
         written(w)
         return ACCUMULATED
-    return kernels.product(xt, g2, dtype=w.data.dtype)
+    return kernels.product(xt, g2)
 
 
 def _bias_grad(g2, b: Tensor):

@@ -308,7 +308,7 @@ def operand(x):
 def linear_operand(x, gradient: bool = False):
     """``operand(x)`` for a linear layer's GEMM; under ``--precision fp8`` x's values as an
     FP8 GEMM takes them (device/fp8.py: e4m3, or e5m2 for a ``gradient``, scaled by a power
-    of two, in float32)."""
+    of two), in x's dtype."""
     if fp8.linears():
         from .fp8_quant import FP8_QUANTIZE                 # (it imports this module's kin)
         fmt = fp8.E5M2 if gradient else fp8.E4M3
@@ -316,17 +316,15 @@ def linear_operand(x, gradient: bool = False):
     return operand(x)
 
 
-def product(a, b, dtype=None):
+def product(a, b):
     """``a @ b`` of two ``operand`` results: (..., k) @ (k, m), any leading axes on a
-    contiguous left side, or 2-D views (transposes too); ``dtype``: the result's, where the
-    operands' differs (fp8's float32 operands of a bf16 layer)."""
+    contiguous left side, or 2-D views (transposes too)."""
     if a.dtype == np.uint16:
         if a.ndim > 2:
             out = _gemm_words(a.reshape(-1, a.shape[-1]), b)
             return out.reshape(a.shape[:-1] + b.shape[-1:])
         return _gemm_words(a, b)
-    out = backend.matmul(a, b, rounding=False)
-    return out if dtype is None or out.dtype == dtype else out.astype(dtype)
+    return backend.matmul(a, b, rounding=False)
 
 
 def _round_launch(k, x):

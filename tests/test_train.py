@@ -120,7 +120,7 @@ BAD = [
     (["--compress", "topk"], "compresses nothing"),
     (["--backend", "nccl"], "needs --device gpu"),
     (["--save-every", "5"], "need --save-dir"),
-    (["--precision", "fp8"], "unknown precision"),
+    (["--precision", "fp4"], "unknown precision"),
     (["--density", "0"], "density must be in"),
     (["--length", "3", "--num-digits", "2", "--batch-size", "64"], "fewer than one global step"),
     (["--zero", "4"], "--zero must be 0, 1, 2 or 3"),

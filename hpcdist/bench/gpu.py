@@ -68,16 +68,18 @@ def _step_fn(L, C, T, B, V, H=0, *, seed=0, precision="fp32", graph=False):
         mp.after_step()
         return loss.data
 
-    step, captured = one_step, None
+    captured = None
     if graph:
         opt.schedule = optim.DeviceSchedule(1e-4, 0, 1 << 40, min_lr=1e-4)   # (constant)
         captured = graphs.capture(one_step)
 
-        def step():
-            loss = captured()
-            if captured.replayed:             # (the host's count: Python ran at capture only)
-                opt.step_count += 1
-            return loss
+    def step():
+        if captured is None:
+            return one_step()
+        loss = captured()
+        if captured.replayed:                 # (the host's count: Python ran at capture only)
+            opt.step_count += 1
+        return loss
     # what a caller may reach: the graph, the tokens the step reads (write a new batch into
     # them), the fp32 master weights
     step.graph, step.idx, step.master = captured, idx, mp.master
@@ -242,7 +244,7 @@ def activations(step, model, shape, mode: str) -> tuple[int, float]:
     finally:
         memtrace.enable(False)
     cfg = model.config
-    two = mode == "bf16" and not backend.bf16_emulated()        # bf16 activations
+    two = mode in ("bf16", "fp8") and not backend.bf16_emulated()   # bf16 activations
     planned = P.Model.of(cfg, seq=T, vocab=V)
     want = P.activations(planned, P.Layout(1, 1, 1, 0, B, 1, "none", 1, False, False),
                          P.Settings(param_bytes=2 if two else 4, activations="hpcdist",

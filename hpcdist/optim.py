@@ -120,8 +120,7 @@ def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, *, beta2=0.
     if schedule is not None:
         return schedule.adamw(p, g, m, v, _decay_mask(p.size, decay_ranges), (beta1, beta2),
                               eps=eps, weight_decay=weight_decay, low=low)
-    if low is not None and backend.is_gpu_array(p) and g.dtype == p.dtype == np.float32 and \
-            low.dtype.name == "bfloat16" and low.shape == p.shape and low.flags.c_contiguous:
+    if backend.is_gpu_array(p) and _writes_low(p, g, low):
         kernels.ADAMW_LOW(p, g, m, v, _decay_mask(p.size, decay_ranges), lr, beta1, beta2,
                           eps, weight_decay, step, low)
         return True
@@ -147,6 +146,12 @@ def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, *, beta2=0.
         return False
     kernels.adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step)   # the fused one's twin
     return False
+
+
+def _writes_low(p, g, low) -> bool:
+    """Whether AdamW's own kernel can write the bf16 compute copy ``low`` of fp32 ``p``."""
+    return low is not None and g.dtype == p.dtype == np.float32 and \
+        low.dtype.name == "bfloat16" and low.shape == p.shape and low.flags.c_contiguous
 
 
 _MASKS: dict = {}
@@ -194,8 +199,7 @@ class DeviceSchedule:
                             f"parameters, not {g.dtype}")
         kernels.LR_SCHEDULE(self.state, self.base_lr, self.min_lr, self.warmup, self.total,
                             beta1, beta2)
-        if low is not None and g.dtype == p.dtype == np.float32 and \
-                low.dtype.name == "bfloat16" and low.shape == p.shape and low.flags.c_contiguous:
+        if _writes_low(p, g, low):
             kernels.ADAMW_LOW_SCHED(p, g, m, v, decay, self.state, beta1, beta2, eps,
                                     weight_decay, low)
             return True

@@ -129,7 +129,7 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line(monkeypatch):
         runtime=types.SimpleNamespace(getDeviceProperties=lambda i: props)))
     monkeypatch.setattr(fp8.backend, "device_label", lambda: "gpu")
     monkeypatch.setattr(fp8.backend, "xp", lambda: fake)
-    assert fp8.hopper_problem() == ("FP8 tensor cores need compute capability 9.0 or later "
+    assert fp8.fp8_cores_problem() == ("FP8 tensor cores need compute capability 9.0 or later "
                                     "(H100, H200, B200); this GPU's is 8.0")
     props.update(major=9)
-    assert fp8.hopper_problem() is None
+    assert fp8.fp8_cores_problem() is None

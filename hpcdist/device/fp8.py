@@ -81,7 +81,7 @@ def linears() -> bool:
     return _ON[0]
 
 
-def hopper_problem() -> str | None:
+def fp8_cores_problem() -> str | None:
     """Why this device may not run --precision fp8 (None: it may): a GPU must have FP8 tensor
     cores (compute capability 9.0 or later: H100, H200, B200); the CPU and the GPU stand-in
     run the emulation, to check a run before it goes to one."""

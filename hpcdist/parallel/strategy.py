@@ -143,9 +143,9 @@ def make_model(cfg, comm, mesh, train_set):
     group draw the same masks for the activations they all hold)."""
     backend.set_default_float("float64" if cfg.dtype == "fp64" else "float32")
     backend.reset_precision()
-    if cfg.precision == "fp8" and fp8.hopper_problem():
-        raise backend.DeviceError(f"--precision fp8: {fp8.hopper_problem()}; use --precision "
-                                  "bf16")
+    why = fp8.fp8_cores_problem() if cfg.precision == "fp8" else None
+    if why:
+        raise backend.DeviceError(f"--precision fp8: {why}; use --precision bf16")
     fp8.set_linears(cfg.precision == "fp8")   # (every strategy's: ZeRO makes no MixedPrecision)
     kernels.configure(cfg.tf32)
     kernels.attention.configure(cfg.attention, graphs=cfg.cuda_graph != "off")

@@ -26,19 +26,18 @@ class GraphedForwardBackward:
     def __init__(self, strategy, warmup: int = 2):
         self.strategy, self.warmup = strategy, warmup
         self.graphs: dict = {}        # (x's and y's shapes and dtypes, scale) ->
-                                      # (x, y on the device, the captured step)
+                                      # ([x, y] on the device, the captured step)
 
     def __call__(self, x, y, scale: float = 1.0):
-        x, y = np.asarray(x), np.asarray(y)
-        key = (x.shape, x.dtype.str, y.shape, y.dtype.str, scale)
+        host = [np.asarray(x), np.asarray(y)]
+        key = (_shapes(host), scale)
         entry = self.graphs.get(key)
         if entry is None:
-            xd, yd = backend.to_device(x).copy(), backend.to_device(y).copy()
-            entry = self.graphs[key] = (xd, yd, graphs.capture(
+            xd, yd = _device_copies(host)
+            entry = self.graphs[key] = ([xd, yd], graphs.capture(
                 lambda: self._forward_backward(xd, yd, scale), self.warmup))
-        xd, yd, step = entry
-        xd.set(np.ascontiguousarray(x))
-        yd.set(np.ascontiguousarray(y))
+        arrays, step = entry
+        _copy_in(arrays, host)
         return step()
 
     def _forward_backward(self, x, y, scale):
@@ -59,18 +58,16 @@ class GraphedStep:
 
     def __call__(self, batches):
         """One optimizer step over ``batches`` ([(x, y)] on the host, a micro-batch each)."""
-        batches = [(np.asarray(x), np.asarray(y)) for x, y in batches]
-        key = tuple((x.shape, x.dtype.str, y.shape, y.dtype.str) for x, y in batches)
+        host = [np.asarray(a) for pair in batches for a in pair]     # x0, y0, x1, y1, ...
+        key = _shapes(host)
         entry = self.graphs.get(key)
         if entry is None:
-            arrays = [(backend.to_device(x).copy(), backend.to_device(y).copy())
-                      for x, y in batches]
-            entry = self.graphs[key] = (arrays, graphs.capture(lambda: self._step(arrays),
+            arrays = _device_copies(host)
+            pairs = list(zip(arrays[::2], arrays[1::2]))
+            entry = self.graphs[key] = (arrays, graphs.capture(lambda: self._step(pairs),
                                                                self.warmup))
         arrays, step = entry
-        for (xd, yd), (x, y) in zip(arrays, batches):
-            xd.set(np.ascontiguousarray(x))
-            yd.set(np.ascontiguousarray(y))
+        _copy_in(arrays, host)
         self.opt.schedule.sync(self.opt.step_count)
         loss, norm = step()
         if step.replayed:             # (the Python that counts the step ran only at capture)
@@ -94,6 +91,21 @@ class GraphedStep:
         """Back to the host's learning rate (the run goes on eagerly)."""
         self.opt.schedule = None
         self.graphs.clear()
+
+
+def _shapes(host) -> tuple:
+    """A graph's key: the shapes and dtypes of the host arrays it reads."""
+    return tuple((a.shape, a.dtype.str) for a in host)
+
+
+def _device_copies(host) -> list:
+    """Device arrays of their own for the graph to read (the batch is copied into them)."""
+    return [backend.to_device(a).copy() for a in host]
+
+
+def _copy_in(arrays, host) -> None:
+    for d, h in zip(arrays, host):
+        d.set(np.ascontiguousarray(h))
 
 
 class AutoChoice:
@@ -177,8 +189,9 @@ def describe(cfg, strategy) -> str:
     label = backend.device_label()
     if label == "cpu":
         return f"--cuda-graph {cfg.cuda_graph} has no effect on the cpu"
-    if cfg.cuda_graph == "auto" and auto(cfg, strategy).why:
-        return f"--cuda-graph auto: eager ({auto(cfg, strategy).why})"
+    choice = auto(cfg, strategy)
+    if choice is not None and choice.why:
+        return f"--cuda-graph auto: eager ({choice.why})"
     where = " (the GPU stand-in: it replays the launches it recorded)" * (label == "standin")
     why = whole_step_problem(cfg, strategy)
     way = (f"the whole step replayed as one CUDA graph{where}: forward, backward, clipping "

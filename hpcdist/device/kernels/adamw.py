@@ -137,6 +137,10 @@ ADAMW = Fused("adamw", _ADAMW, ["adamw"], _adamw_launch, adamw_twin, _adamw_case
 def adamw_low_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, low):
     """AdamW's step (adamw_twin), then ``low``: the new parameters in its dtype (bf16)."""
     adamw_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step)
+    return _low_copy(p, m, v, low)
+
+
+def _low_copy(p, m, v, low):
     low[...] = backend.round_to_bf16(p)          # (exact in a bf16 array, and in a float32 one)
     return p, m, v, low
 
@@ -149,16 +153,19 @@ def _adamw_low_launch(k, p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, low
     return p, m, v, low
 
 
-def _adamw_low_cases(xp, rng, dt):
-    bf16 = backend.bfloat16()
-    for args in _adamw_cases(xp, rng, dt):
-        yield args + (xp.zeros(args[0].shape, dtype=bf16),)
+def _with_low(cases):
+    """``cases`` with a bf16 array for the compute copy after each case's arguments."""
+    def with_low(xp, rng, dt):
+        bf16 = backend.bfloat16()
+        for args in cases(xp, rng, dt):
+            yield args + (xp.zeros(args[0].shape, dtype=bf16),)
+    return with_low
 
 
 # fp32 master weights in, their bf16 compute copy written by the same kernel (the copy's
 # rounding is exact: the tolerance is the update's, as ADAMW's)
 ADAMW_LOW = Fused("adamw_low", _ADAMW, ["adamw_low"], _adamw_low_launch, adamw_low_twin,
-                  _adamw_low_cases, tolerance=1e-5, dtypes=("float32",))
+                  _with_low(_adamw_cases), tolerance=1e-5, dtypes=("float32",))
 
 
 # ---- the step's schedule on the device, and AdamW reading it -------------------------------
@@ -261,8 +268,7 @@ ADAMW_SCHED = Fused("adamw_sched", _ADAMW, ["adamw_sched"], _adamw_sched_launch,
 def adamw_low_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd, low):
     """adamw_sched_twin, then ``low``: the new parameters in its dtype (bf16)."""
     adamw_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd)
-    low[...] = backend.round_to_bf16(p)
-    return p, m, v, low
+    return _low_copy(p, m, v, low)
 
 
 def _adamw_low_sched_launch(k, p, g, m, v, decay, sched, beta1, beta2, eps, wd, low):
@@ -272,12 +278,6 @@ def _adamw_low_sched_launch(k, p, g, m, v, decay, sched, beta1, beta2, eps, wd, 
     return p, m, v, low
 
 
-def _low_sched_cases(xp, rng, dt):
-    bf16 = backend.bfloat16()
-    for args in _sched_cases(xp, rng, dt):
-        yield args + (xp.zeros(args[0].shape, dtype=bf16),)
-
-
 ADAMW_LOW_SCHED = Fused("adamw_low_sched", _ADAMW, ["adamw_low_sched"],
-                        _adamw_low_sched_launch, adamw_low_sched_twin, _low_sched_cases,
+                        _adamw_low_sched_launch, adamw_low_sched_twin, _with_low(_sched_cases),
                         tolerance=1e-5, dtypes=("float32",))

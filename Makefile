@@ -26,7 +26,12 @@ STAMP  := $(VENV)/.installed
         test-faults test-ulfm venv-ompi test-cluster cluster-test test-slurm test-gpu soak \
         slurm-up slurm-down bench clean
 
+# Each target's first step: hpcdist's bytecode written where it is stale. Every rank of every
+# job imports ~150 of hpcdist's modules; where PYTHONDONTWRITEBYTECODE is set (this project's
+# development machines set it) Python would compile them from source in each process: a
+# seventh of a small job's start (an 8-rank 12-step run on 2 cores: 9.2 s -> 7.9 s).
 venv: $(STAMP)
+	@$(BIN)/python -m compileall -q hpcdist >/dev/null
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

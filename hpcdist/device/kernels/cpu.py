@@ -57,6 +57,8 @@ def describe() -> str:
     g = blas.find()
     gemms = (f"GEMMs and attention call {g.where} from the kernels" if g is not None
              else f"attention on NumPy's GEMMs: {blas.why_not}")
+    if blas.mkl_why_not:
+        gemms += f"; MKL not taken: {blas.mkl_why_not}"
     return (f"numba {importlib.metadata.version('numba')} (ops of >= {MIN_SIZE:,} elements; "
             f"smaller ones: the NumPy twins; {gemms})")
 

@@ -145,3 +145,30 @@ def test_a_gemm_adds_into_a_buffer_in_place(n, monkeypatch):
     assert not cpu.gemm_add(np.ones((4, 8))[:, ::2], np.ones((4, 4)), buf)
     assert not buf.any()
     monkeypatch.setattr(cpu, "_threads", 0)
+
+
+def test_the_kernels_call_mkl_where_its_wheel_is_and_numpys_blas_when_asked():
+    """host/blas.py takes the mkl wheel's libmkl_rt where this environment has one (make venv
+    installs it on x86-64 Linux), NumPy's BLAS under HPCDIST_BLAS=numpy; a GEMM split over two
+    threads through either equals the float64 product to float32's rounding."""
+    import glob
+    import os
+    import subprocess
+    import sys
+    code = ("import numpy as np; from hpcdist.host import blas, threads; threads.limit(2); "
+            "from hpcdist.device.kernels import cpu; g = blas.find(); "
+            "r = np.random.default_rng(0); a = r.standard_normal((512, 384), np.float32); "
+            "b = r.standard_normal((384, 640), np.float32); c = cpu.gemm(a, b); "
+            "w = a.astype(np.float64) @ b; "
+            "print(g.where, g.int_bits, np.abs(c - w).max() / np.abs(w).max())")
+    mkl = bool(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
+    for choice in ("auto", "numpy"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, HPCDIST_BLAS=choice))
+        assert r.returncode == 0, r.stderr[-2000:]
+        *lib, bits, err = r.stdout.split()
+        lib, bits, err = " ".join(lib), int(bits), float(err)
+        assert lib.startswith("mkl") == (mkl and choice == "auto"), (choice, lib)
+        assert err < 1e-5, (lib, err)
+        if lib.startswith("mkl"):
+            assert bits == 32                       # LP64, as it was set

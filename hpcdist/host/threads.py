@@ -95,9 +95,9 @@ def _limit(n: int) -> None:
         from threadpoolctl import threadpool_limits
     except ImportError:                                # the environment variables must do
         return
-    limits = threadpool_limits(limits=n)
+    threadpool_limits(limits=n)
     _applied = n
-    _hold_blas(n, limits)
+    _hold_blas(n)
 
 
 blas_single = False    # BLAS held to one thread a call: host/pool.py spreads the work itself
@@ -111,12 +111,15 @@ def limit(n: int) -> None:
     _limit(n)
 
 
-def _hold_blas(n: int, limits) -> None:
+def _hold_blas(n: int) -> None:
     """With more than one thread, BLAS on one thread a call where host/pool.py spreads the
     work itself (it says why and when)."""
     global blas_single
     from . import blas as callable_blas
-    blas = limits.get_original_num_threads().get("blas") is not None
+    from threadpoolctl import threadpool_info
+    # whether a BLAS is loaded (not from the limits' original counts: NumPy's and MKL's
+    # differ, and threadpoolctl warns of it)
+    blas = any(i.get("user_api") == "blas" for i in threadpool_info())
     blas_single = n > 1 and blas and callable_blas.split_here()
     if blas_single:
         from threadpoolctl import threadpool_limits

@@ -151,7 +151,7 @@ def test_the_kernels_call_mkl_where_its_wheel_is_and_numpys_blas_when_asked():
     """host/blas.py takes the mkl wheel's libmkl_rt where this environment has one (make venv
     installs it on x86-64 Linux), NumPy's BLAS under HPCDIST_BLAS=numpy; a GEMM split over two
     threads through either equals the float64 product to float32's rounding."""
-    import glob
+    import importlib.metadata
     import os
     import subprocess
     import sys
@@ -161,7 +161,10 @@ def test_the_kernels_call_mkl_where_its_wheel_is_and_numpys_blas_when_asked():
             "b = r.standard_normal((384, 640), np.float32); c = cpu.gemm(a, b); "
             "w = a.astype(np.float64) @ b; "
             "print(g.where, g.int_bits, np.abs(c - w).max() / np.abs(w).max())")
-    mkl = bool(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
+    try:
+        mkl = any(f.name.startswith("libmkl_rt.so") for f in importlib.metadata.files("mkl"))
+    except importlib.metadata.PackageNotFoundError:
+        mkl = False
     for choice in ("auto", "numpy"):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=120, env=dict(os.environ, HPCDIST_BLAS=choice))

@@ -12,10 +12,8 @@ the run header says why and NumPy's BLAS runs (docs/autograd.md)."""
 from __future__ import annotations
 
 import ctypes
-import glob
 import importlib.util
 import os
-import sys
 from typing import NamedTuple
 
 
@@ -94,18 +92,30 @@ def _look() -> Gemm | None:
 mkl_why_not: str | None = None      # why an installed MKL was not taken (the run header says)
 
 
+def mkl_library() -> str | None:
+    """The path of the ``mkl`` wheel's libmkl_rt (from the wheel's own file list, wherever
+    pip put it: a venv's lib/, ~/.local/lib), None without the wheel."""
+    import importlib.metadata
+    try:
+        files = importlib.metadata.files("mkl") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = sorted(str(f.locate()) for f in files if f.name.startswith("libmkl_rt.so"))
+    return os.path.normpath(found[-1]) if found else None
+
+
 def _mkl() -> Gemm | None:
-    """MKL's CBLAS GEMMs from the ``mkl`` wheel's libmkl_rt (in this environment's lib/),
-    sequential, LP64; None where the wheel is absent or the library refuses."""
+    """MKL's CBLAS GEMMs from the ``mkl`` wheel's libmkl_rt, sequential, LP64; None where the
+    wheel is absent or the library refuses (``mkl_why_not`` says why)."""
     global mkl_why_not
-    found = sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
-    if not found:
+    path = mkl_library()
+    if path is None:
         return None
     try:
-        lib = ctypes.CDLL(found[-1], mode=os.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0))
+        lib = ctypes.CDLL(path, mode=os.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0))
         # before any other MKL call: no threads of MKL's own, 32-bit sizes
         if lib.MKL_Set_Threading_Layer(MKL_SEQUENTIAL) != MKL_SEQUENTIAL:
-            mkl_why_not = f"{found[-1]} refused its sequential layer"
+            mkl_why_not = f"{path} refused its sequential layer"
             return None
         lib.MKL_Set_Interface_Layer(MKL_LP64)
         s, d = lib.cblas_sgemm, lib.cblas_dgemm
@@ -113,12 +123,8 @@ def _mkl() -> Gemm | None:
         mkl_why_not = f"{type(e).__name__}: {e}"[:200]
         return None
     import importlib.metadata
-    try:
-        version = importlib.metadata.version("mkl")
-    except importlib.metadata.PackageNotFoundError:
-        version = os.path.basename(found[-1])
     return Gemm(ctypes.cast(s, ctypes.c_void_p).value, ctypes.cast(d, ctypes.c_void_p).value,
-                32, f"mkl {version}")
+                32, f"mkl {importlib.metadata.version('mkl')}")
 
 
 def int_type():

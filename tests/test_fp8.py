@@ -92,6 +92,46 @@ def test_a_linear_layer_computes_on_fp8_values(device):
     assert not np.array_equal(plain[0], y) and not np.array_equal(plain[2], gw)
 
 
+def test_the_linear_layer_equals_pytorchs_scaled_mm_on_the_same_codes():
+    """bench gpu's fp8 peer (bench/float8_peer.py: torchao's tensorwise recipe through
+    ``torch._scaled_mm``, which PyTorch runs on the CPU too) quantizes every operand to the
+    values hpcdist's emulation computes on, bit for bit, and its forward and both gradients
+    equal the layer's to bf16's rounding: the peer and the emulation are one recipe."""
+    torch = pytest.importorskip("torch")
+    from hpcdist.autograd import ops
+    from hpcdist.autograd.tensor import Tensor
+    from hpcdist.bench.float8_peer import E4M3_MAX, E5M2_MAX, float8_matmul, to_fp8
+    prev = backend.device_label()
+    backend.init("cpu")
+    bf16 = backend.bfloat16()
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((2, 16, 64)) * 3).astype(bf16)
+    w = (rng.standard_normal((64, 48)) * 0.02).astype(bf16)
+    dy = (rng.standard_normal((2, 16, 48)) * 1e-3).astype(bf16)
+    as_torch = {a.shape: torch.tensor(a.astype(np.float32)).to(torch.bfloat16) for a in (x, w, dy)}
+    for a, dtype, top, fmt in ((x, torch.float8_e4m3fn, E4M3_MAX, fp8.E4M3),
+                               (w, torch.float8_e4m3fn, E4M3_MAX, fp8.E4M3),
+                               (dy, torch.float8_e5m2, E5M2_MAX, fp8.E5M2)):
+        codes, inv = to_fp8(as_torch[a.shape], dtype, top)
+        np.testing.assert_array_equal((codes.float() * inv).numpy(),
+                                      fp8.quantized(a.astype(np.float32), fmt))
+    fp8.set_linears(True)
+    try:
+        xt, wt = (Tensor(a, requires_grad=True) for a in (x, w))
+        y = ops.linear(xt, wt, None)
+        y.backward(dy)
+        ours = [a.astype(np.float64) for a in (y.data, xt.grad, wt.grad)]
+    finally:
+        fp8.set_linears(False)
+        backend.init(prev)
+    tx, tw = (as_torch[a.shape].clone().requires_grad_() for a in (x, w))
+    ty = float8_matmul(tx, tw)
+    ty.backward(as_torch[dy.shape])
+    for got, want in zip(ours, (ty, tx.grad, tw.grad)):
+        want = want.detach().double().numpy()
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -8 * np.abs(want).max())
+
+
 def _trained(tmp_path, device, precision):
     from hpcdist import train
     from hpcdist.comm import Communicator

@@ -140,12 +140,15 @@ def _torch_step(torch, params: dict, forward_of, idx, tgt, lr: float):
     return step
 
 
-def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu", sdpa=False):
+def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu", sdpa=False,
+              mm=None):
     """hpcdist's GPT written with torch ops on our parameter shapes (weights in x out):
     (parameters from the state dict ``sd``, forward(idx, targets) -> mean loss). Attention
     as eager's math path, or with ``sdpa`` as nanoGPT has it (the peer gpt_contenders times)
-    (``scaled_dot_product_attention(is_causal=True)``)."""
+    (``scaled_dot_product_attention(is_causal=True)``). ``mm(x, w)``: the blocks' linear
+    layers' product (default ``x @ w``; bench/float8_peer.py's for fp8), not the head's."""
     import torch
+    mm = mm or torch.matmul
     F = torch.nn.functional
     p = {k: torch.tensor(v, requires_grad=True, device=device) for k, v in sd.items()}
     B, T, C, nh = batch, cfg.block_size, cfg.n_embd, cfg.n_head
@@ -156,7 +159,7 @@ def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu", sdpa
         for i in range(cfg.n_layer):
             b = f"blocks.{i}."
             h = F.layer_norm(x, (C,), p[b + "ln_1.weight"], p[b + "ln_1.bias"])
-            q, k, v = (h @ p[b + "attn.c_attn.weight"] + p[b + "attn.c_attn.bias"]).split(C, 2)
+            q, k, v = (mm(h, p[b + "attn.c_attn.weight"]) + p[b + "attn.c_attn.bias"]).split(C, 2)
             q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
             if sdpa:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -165,22 +168,23 @@ def torch_gpt(cfg: nn.GPTConfig, sd: dict, batch: int, device: str = "cpu", sdpa
                     mask, float("-inf"))
                 y = att.softmax(-1) @ v
             y = y.transpose(1, 2).reshape(B, T, C)
-            x = x + y @ p[b + "attn.c_proj.weight"] + p[b + "attn.c_proj.bias"]
+            x = x + mm(y, p[b + "attn.c_proj.weight"]) + p[b + "attn.c_proj.bias"]
             h = F.layer_norm(x, (C,), p[b + "ln_2.weight"], p[b + "ln_2.bias"])
-            h = F.gelu(h @ p[b + "mlp.layers.0.weight"] + p[b + "mlp.layers.0.bias"],
+            h = F.gelu(mm(h, p[b + "mlp.layers.0.weight"]) + p[b + "mlp.layers.0.bias"],
                        approximate="tanh")
-            x = x + h @ p[b + "mlp.layers.1.weight"] + p[b + "mlp.layers.1.bias"]
+            x = x + mm(h, p[b + "mlp.layers.1.weight"]) + p[b + "mlp.layers.1.bias"]
         x = F.layer_norm(x, (C,), p["ln_f.weight"], p["ln_f.bias"])
         return F.cross_entropy((x @ p["wte.weight"].T).reshape(-1, cfg.vocab_size),
                                ttgt.reshape(-1))
     return p, forward
 
 
-def torch_llama(cfg, sd: dict, batch: int, device: str = "cpu"):
+def torch_llama(cfg, sd: dict, batch: int, device: str = "cpu", mm=None):
     """hpcdist's Llama written with torch ops on our parameter shapes, as torch_gpt is:
     RMSNorm, rotary embeddings (the half-split layout) on q and k, grouped-query attention
-    (SDPA with the kv heads expanded), SwiGLU, an untied head."""
+    (SDPA with the kv heads expanded), SwiGLU, an untied head; ``mm`` as torch_gpt's."""
     import torch
+    mm = mm or torch.matmul
     F = torch.nn.functional
     p = {k: torch.tensor(v, requires_grad=True, device=device) for k, v in sd.items()}
     B, T, C, nh = batch, cfg.block_size, cfg.n_embd, cfg.n_head
@@ -201,14 +205,14 @@ def torch_llama(cfg, sd: dict, batch: int, device: str = "cpu"):
         for i in range(cfg.n_layer):
             b = f"blocks.{i}."
             h = rms(x, p[b + "attn_norm.weight"])
-            q, k, v = (h @ p[b + "attn.qkv.weight"]).split([nh * hd, nkv * hd, nkv * hd], 2)
+            q, k, v = mm(h, p[b + "attn.qkv.weight"]).split([nh * hd, nkv * hd, nkv * hd], 2)
             q = rope(q.view(B, T, nh, hd).transpose(1, 2))
             k = rope(k.view(B, T, nkv, hd).transpose(1, 2)).repeat_interleave(nh // nkv, 1)
             v = v.view(B, T, nkv, hd).transpose(1, 2).repeat_interleave(nh // nkv, 1)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + y.transpose(1, 2).reshape(B, T, C) @ p[b + "attn.proj.weight"]
-            g, u = (rms(x, p[b + "mlp_norm.weight"]) @ p[b + "mlp.gate_up.weight"]).chunk(2, -1)
-            x = x + (F.silu(g) * u) @ p[b + "mlp.down.weight"]
+            x = x + mm(y.transpose(1, 2).reshape(B, T, C), p[b + "attn.proj.weight"])
+            g, u = mm(rms(x, p[b + "mlp_norm.weight"]), p[b + "mlp.gate_up.weight"]).chunk(2, -1)
+            x = x + mm(F.silu(g) * u, p[b + "mlp.down.weight"])
         x = rms(x, p["norm.weight"])
         head = p["lm_head.weight"] if "lm_head.weight" in p else p["embed_tokens.weight"].T
         return F.cross_entropy((x @ head).reshape(-1, cfg.vocab_size), ttgt.reshape(-1))

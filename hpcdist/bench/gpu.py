@@ -14,10 +14,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
+from hpcdist.bench.gpu_peers import peer_rows, said, timed
 
 ARCH = ["gpt"]          # the family the bench times (--arch; llama: a quarter kv heads)
 PAD = [0]               # --vocab-multiple (0: as the trainer pads, 64 on a GPU, 1 on the CPU)
@@ -119,19 +119,6 @@ def count(L, C, T, B, V, H=0, *, which=COUNTS) -> dict:
     return out
 
 
-def _timed(step, steps: int) -> float:
-    """ms per step after two warm-up steps, the device waited for at both ends."""
-    from hpcdist.device import backend
-    for _ in range(2):
-        step()
-    backend.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    backend.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e3
-
-
 def _hpcdist_mode(shape, mode: str, attention: str = "auto"):
     """(step, model) of ``mode``: fp32, tf32, bf16 or fp8 (the linear layers' GEMMs on fp8's
     values: device/fp8.py), each with "+graph" (a CUDA graph)."""
@@ -144,87 +131,6 @@ def _hpcdist_mode(shape, mode: str, attention: str = "auto"):
     # with bf16 GEMMs
     return _step_fn(*shape, precision=precision if precision in ("bf16", "fp8") else "fp32",
                     graph=graph)
-
-
-# PyTorch's rows: (name, precision, attention: "math" (eager's unfused) or "sdpa",
-# torch.compile's mode: None eager, "default", "max-autotune-no-cudagraphs")
-PEERS = {"eager": [("torch eager fp32", "fp32", "math", None),
-                   ("torch eager tf32", "tf32", "math", None),
-                   ("torch eager bf16 autocast", "bf16", "math", None)],
-         "sdpa": [("torch sdpa fp32", "fp32", "sdpa", None),
-                  ("torch sdpa tf32", "tf32", "sdpa", None),
-                  ("torch sdpa bf16 autocast", "bf16", "sdpa", None)],
-         "compile": [("torch.compile fp32", "fp32", "sdpa", "default"),
-                     ("torch.compile bf16 autocast", "bf16", "sdpa", "default"),
-                     ("torch.compile max-autotune-no-cudagraphs bf16 autocast", "bf16", "sdpa",
-                      "max-autotune-no-cudagraphs")]}
-
-
-def _torch_steps(shape, modes):
-    """PyTorch on the same network and weights: {name: (step, precision)}, made one at a
-    time (a generator: the last one's memory goes before the next is built)."""
-    import torch
-    from hpcdist import nn
-    from hpcdist.bench.autograd import torch_gpt, torch_llama
-    L, C, T, B, V, H = shape
-    cfg = _config(*shape)
-    nn.manual_seed(0)
-    sd = {k: np.asarray(v) for k, v in nn.FAMILIES[cfg.arch].model(cfg).state_dict().items()}
-    idx = torch.tensor(np.random.default_rng(0).integers(0, V, (B, T)), device="cuda")
-    for name, prec, attention, compiled in modes:
-        if cfg.arch == "llama":
-            if attention != "sdpa":
-                continue                       # (its twin has SDPA's attention only)
-            p, forward = torch_llama(cfg, sd, B, device="cuda")
-        else:
-            p, forward = torch_gpt(cfg, sd, B, device="cuda", sdpa=attention == "sdpa")
-        opt = torch.optim.AdamW(list(p.values()), lr=1e-4, fused=True)
-        fwd = torch.compile(forward, mode=compiled) if compiled else forward
-        bf16 = prec == "bf16"
-
-        def step(fwd=fwd, opt=opt, bf16=bf16):
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-                loss = fwd(idx, idx)
-            loss.backward()
-            opt.step()
-        yield name, step, prec
-
-
-def _said(name, rows):
-    """Each row on stderr as it is timed (a run cut short keeps what it measured)."""
-    ms, _, peak = rows[name]
-    print(f"  {name}: {ms:.2f} ms/step, peak memory {peak / 2**30:.2f} GiB", file=sys.stderr,
-          flush=True)
-
-
-def _peer_rows(shape, steps: int, peers, precisions=None) -> dict:
-    """PyTorch's step in each of ``peers`` (eager, sdpa, compile; none without torch), at
-    each of ``precisions`` (None: all three)."""
-    if not peers:
-        return {}
-    try:
-        import torch
-    except ImportError:
-        return {}
-    rows = {}
-    modes = [m for p in peers for m in PEERS[p] if precisions is None or m[1] in precisions]
-    torch.backends.cuda.matmul.allow_tf32 = False
-    for name, step, prec in _torch_steps(shape, modes):
-        torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
-        torch.cuda.reset_peak_memory_stats()
-        try:
-            ms = _timed(step, steps)
-        except torch.OutOfMemoryError:
-            print(f"  {name}: out of GPU memory", file=sys.stderr, flush=True)
-            continue
-        finally:
-            del step
-        rows[name] = (ms, prec, torch.cuda.max_memory_reserved())
-        _said(name, rows)
-        torch.cuda.empty_cache()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return rows
 
 
 def activations(step, model, shape, mode: str) -> tuple[int, float]:
@@ -270,14 +176,14 @@ def _hpcdist_rows(shape, steps, modes, attention) -> tuple[dict, float, dict]:
                                     model.config.attention_shape().out_width, T)
         name, precision = f"hpcdist {mode}", mode.removesuffix("+graph")
         try:
-            ms = _timed(step, steps)
+            ms = timed(step, steps)
         except DeviceError as e:           # a step a graph cannot hold: said, the rest timed
             print(f"  {name}: {e}", file=sys.stderr, flush=True)
             del step, model
             continue
         graph = step.graph.pool_bytes() if step.graph else 0      # (its pool: activations)
         rows[name] = (ms, precision, getattr(pool, "total_bytes", lambda: 0)() + graph)
-        _said(name, rows)
+        said(name, rows)
         if step.graph:             # a replay runs no Python: memtrace sees nothing of it
             print(f"    attention: {kernels.attention.choice()}; the graph's own pool "
                   f"{graph / 2**30:.2f} GiB", file=sys.stderr, flush=True)
@@ -302,7 +208,7 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
     backend.init("gpu")
     L, C, T, B, V, H = shape
     rows, flops, acts = _hpcdist_rows(shape, steps, modes, attention)
-    rows.update(_peer_rows(shape, steps, peers, peer_modes))
+    rows.update(peer_rows(shape, _config(*shape), steps, peers, peer_modes))
     res = {"model": f"{_family()} {L}x{C}, "
                     f"{H or max(1, C // 64)} heads, T {T}, batch {B}, vocab {V}",
            "refused": fused.refusals(), "rows": {}}
@@ -313,10 +219,10 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
                "tflops": round(rate / 1e12, 2),
                "mfu": round(rate / peak, 4) if peak and rate <= peak else None,
                "peak_from": source, "peak_memory_gib": round(peak_bytes / 2**30, 2)}
-        if name.startswith("hpcdist"):          # (fp8 against bf16's peers: torch has none)
+        if name.startswith("hpcdist"):          # (fp8 against bf16's peers and fp8's)
             row["vs"] = {other: round(ms / o[0], 3) for other, o in rows.items()
                          if not other.startswith("hpcdist") and
-                         o[1] == ("bf16" if prec == "fp8" else prec)}
+                         o[1] in (("bf16", "fp8") if prec == "fp8" else (prec,))}
         if name in acts:
             held, want = acts[name]
             row.update(activations_gib=round(held / 2**30, 3),
@@ -347,8 +253,9 @@ def main(argv=None) -> int:
                     "the whole step (AdamW included) replayed as one CUDA graph")
     ap.add_argument("--no-torch", action="store_true", help="time hpcdist only")
     ap.add_argument("--peers", default="eager,sdpa,compile",
-                    help="PyTorch's rows: eager (math attention), sdpa, compile")
-    ap.add_argument("--peer-modes", default="fp32,tf32,bf16",
+                    help="PyTorch's rows: eager (math attention), sdpa, compile, fp8 "
+                         "(torchao's tensorwise float8 through torch._scaled_mm)")
+    ap.add_argument("--peer-modes", default="fp32,tf32,bf16,fp8",
                     help="the precisions PyTorch's rows run at")
     ap.add_argument("--attention", default="auto", choices=("auto", "flash", "gemms", "cudnn"),
                     help="hpcdist's attention (auto: the fastest on this shape, measured; "

@@ -10,7 +10,8 @@ import io
 import pstats
 import sys
 
-from hpcdist.bench.gpu import _hpcdist_mode, _timed, count
+from hpcdist.bench.gpu import _hpcdist_mode, count
+from hpcdist.bench.gpu_peers import timed
 from hpcdist.device import backend
 
 SHAPE = (12, 64, 16, 2, 128, 4)          # layers, embd, seq, batch, vocab, heads
@@ -19,7 +20,7 @@ SHAPE = (12, 64, 16, 2, 128, 4)          # layers, embd, seq, batch, vocab, head
 def host_ms(mode: str, steps: int = 30):
     """(ms a step, the cProfile text of 10 more) of the tiny step in ``mode`` on the GPU."""
     step, _ = _hpcdist_mode(SHAPE, mode)
-    ms = _timed(step, steps)
+    ms = timed(step, steps)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(10):

@@ -7,7 +7,9 @@ tensor to the same codes: tests/test_fp8.py checks hpcdist's emulation against t
 where PyTorch runs ``_scaled_mm`` too. The LM head stays in bf16 on both sides."""
 from __future__ import annotations
 
-E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+import functools
+
+from hpcdist.device.fp8 import E4M3, E5M2
 
 
 def to_fp8(t, dtype, top: float):
@@ -29,6 +31,7 @@ def _mm(a, a_inv, b, b_inv, out_dtype):
                             scale_b=b_inv, out_dtype=out_dtype)
 
 
+@functools.cache
 def _function():
     import torch
 
@@ -40,8 +43,8 @@ def _function():
         def forward(ctx, x, w):
             out_dtype = x.dtype if x.dtype != torch.float32 else torch.bfloat16
             x2 = x.reshape(-1, x.shape[-1])
-            xq, x_inv = to_fp8(x2, torch.float8_e4m3fn, E4M3_MAX)
-            wq, w_inv = to_fp8(w, torch.float8_e4m3fn, E4M3_MAX)
+            xq, x_inv = to_fp8(x2, torch.float8_e4m3fn, E4M3.max)
+            wq, w_inv = to_fp8(w, torch.float8_e4m3fn, E4M3.max)
             ctx.save_for_backward(xq, x_inv, wq, w_inv)
             ctx.shape, ctx.w_dtype = x.shape, w.dtype
             return _mm(xq, x_inv, wq, w_inv, out_dtype).reshape(*x.shape[:-1], w.shape[1])
@@ -50,7 +53,7 @@ def _function():
         def backward(ctx, g):
             xq, x_inv, wq, w_inv = ctx.saved_tensors
             g2 = g.reshape(-1, g.shape[-1])
-            gq, g_inv = to_fp8(g2, torch.float8_e5m2, E5M2_MAX)
+            gq, g_inv = to_fp8(g2, torch.float8_e5m2, E5M2.max)
             dx = _mm(gq, g_inv, wq.t(), w_inv, g.dtype)
             dw = _mm(xq.t(), x_inv, gq, g_inv, g.dtype)
             return dx.reshape(ctx.shape), dw.to(ctx.w_dtype)
@@ -58,12 +61,7 @@ def _function():
     return Float8Matmul
 
 
-_FUNCTION = []
-
-
 def float8_matmul(x, w):
     """``x @ w`` with the GEMMs of torchao's tensorwise float8 recipe (the linear layers' ``mm``
     of bench.autograd's PyTorch twins)."""
-    if not _FUNCTION:
-        _FUNCTION.append(_function())
-    return _FUNCTION[0].apply(x, w)
+    return _function().apply(x, w)

@@ -27,11 +27,11 @@ SHAPE = "4x128:128"                      # layers x width : context (heads of 64
 
 def shape_of(text: str) -> dict:
     """``LxC:T`` -> the GPT's layers, width, heads (of 64) and context."""
+    from hpcdist.bench.shapes import layers_width
     try:
         lc, t = text.split(":")
-        n_layer, n_embd = (int(v) for v in lc.split("x"))
-        return dict(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64),
-                    block_size=int(t))
+        n_layer, n_embd, n_head = layers_width(lc)
+        return dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=int(t))
     except ValueError:
         raise SystemExit(f"--shape {text!r}: expected layers x width : context, e.g. 6x384:256")
 

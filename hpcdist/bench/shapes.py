@@ -41,14 +41,19 @@ TORCH_PARTS = (("GEMMs", ("aten::mm", "aten::addmm")),
                ("fused kernels", ("gelu", "layer_norm", "log_softmax", "nll_loss")))
 
 
+def layers_width(text: str) -> tuple[int, int, int]:
+    """"LxC" -> (layers, width, heads of 64, at least one)."""
+    L, C = (int(v) for v in text.lower().split("x"))
+    return L, C, max(1, C // 64)
+
+
 def parse(spec: str, arch: str = "gpt"):
     """"LxC:T:V:B,..." -> [(the family's config, batch)] (heads of 64; Llama: a quarter of
     them kv heads, at least one)."""
     out = []
     for item in spec.split(","):
         shape, T, V, B = item.strip().split(":")
-        L, C = (int(v) for v in shape.lower().split("x"))
-        heads = max(1, C // 64)
+        L, C, heads = layers_width(shape)
         extra = dict(n_kv_head=max(1, heads // 4)) if arch == "llama" else {}
         out.append((nn.FAMILIES[arch].config(block_size=int(T), vocab_size=int(V), n_layer=L,
                                          n_head=heads, n_embd=C, **extra), int(B)))

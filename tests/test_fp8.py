@@ -92,6 +92,63 @@ def test_a_linear_layer_computes_on_fp8_values(device):
     assert not np.array_equal(plain[0], y) and not np.array_equal(plain[2], gw)
 
 
+def test_a_layer_kept_out_computes_as_in_bf16_forward_and_backward():
+    """Inside fp8.kept_out() (the LM head, a router) a linear layer's forward and its backward,
+    run after the context has closed, equal the bf16 layer's bit for bit; outside, they
+    differ."""
+    from hpcdist.autograd import ops
+    from hpcdist.autograd.tensor import Tensor
+    rng = np.random.default_rng(2)
+    x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in ((6, 32), (32, 24), (6, 24)))
+
+    def run(on, kept_out):
+        fp8.set_linears(on)
+        try:
+            xt, wt = Tensor(x.copy(), requires_grad=True), Tensor(w.copy(), requires_grad=True)
+            if kept_out:
+                with fp8.kept_out():
+                    y = ops.linear(xt, wt)
+            else:
+                y = ops.linear(xt, wt)
+            y.backward(dy)
+            return y.data, xt.grad, wt.grad
+        finally:
+            fp8.set_linears(False)
+    plain, kept, quantized = run(False, False), run(True, True), run(True, False)
+    for a, b, c in zip(plain, kept, quantized):
+        np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("experts", [0, 4], ids=["llama", "mixtral"])
+def test_the_lm_head_and_the_routers_are_kept_out(monkeypatch, experts):
+    """Under fp8 the blocks' linear layers (attention's, the MLPs', the experts') compute in
+    fp8; the untied LM head (the forward's last) and each mixture of experts' router do not."""
+    from hpcdist.autograd.tensor import Tensor
+    from hpcdist.device import kernels
+    from hpcdist.nn.family import build
+    from hpcdist.nn.moe import MoE
+    seen, made = [], kernels.linear_operands
+
+    def spy(split=None):
+        seen.append(fp8.linears())
+        return made(split)
+    monkeypatch.setattr(kernels, "linear_operands", spy)
+    model = build("llama", n_layer=2, n_embd=32, n_head=4, experts=experts, top_k=2)
+    idx = np.random.default_rng(0).integers(0, 16, (2, 8))
+    fp8.set_linears(True)
+    try:
+        _, loss = model(idx, idx)
+        loss.backward()
+    finally:
+        fp8.set_linears(False)
+    routers = sum(isinstance(m, MoE) for m in model.modules())
+    assert routers == (2 if experts else 0)
+    assert seen[-1] is False and seen.count(False) == routers + 1
+    assert seen.count(True) >= 8                         # (4 a block at least)
+    assert isinstance(loss, Tensor)
+
+
 def test_the_linear_layer_equals_pytorchs_scaled_mm_on_the_same_codes():
     """bench gpu's fp8 peer (bench/float8_peer.py: torchao's tensorwise recipe through
     ``torch._scaled_mm``, which PyTorch runs on the CPU too) quantizes every operand to the

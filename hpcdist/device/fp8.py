@@ -1,16 +1,17 @@
 """FP8 for the linear layers' GEMMs (``--precision fp8``): e4m3 for the forward's operands
 (activations and weights), e5m2 for the gradients, each tensor scaled into its format's range
 by the largest power of two its current absolute maximum allows (per-tensor dynamic scaling,
-torchao's tensorwise recipe; delayed scaling from an amax history is not built). A value
+torchao's tensorwise recipe; a tensor-parallel shard by its whole tensor's: ``Split``). A value
 rounded to fp8 and multiplied back is then exact in bf16, so a bf16 GEMM with fp32
 accumulation over those values is what an FP8 tensor-core GEMM computes from the codes and
-their scales: every device runs that (``kernels.linear_operand``, ``FP8_QUANTIZE``), fp8's
+their scales: every device runs that (``kernels.linear_operands``, ``FP8_QUANTIZE``), fp8's
 numbers at bf16's speed — cuBLASLt's FP8 matmul is not built. Rounding: nearest, ties to even,
 saturating, NaN kept, through float32 frexp / rint / ldexp on any array module, equal to
 ml_dtypes' float8 types bit for bit (tests/test_fp8.py). The design: docs/gpu.md,
 "hpcdist/device/fp8.py"."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,31 +46,65 @@ def round_to_fp8(x, fmt: Format):
     return xp.clip(q, -fmt.max, fmt.max)
 
 
-def scale_of(x, fmt: Format):
-    """The largest power of two that brings ``x``'s largest finite-or-infinite magnitude (NaNs
-    left out) to at most ``fmt.max`` (a 0-d float32 array where x lives: no read to the host);
-    an all-zero x's as if its amax were 1. frexp, not log2: exact at every power of two, as
-    the CUDA kernel computes it (kernels/fp8_quant.py)."""
+def amax_of(x):
+    """``x``'s largest finite-or-infinite magnitude, NaNs left out (a 0-d float32 array where x
+    lives: no read to the host)."""
     xp = backend.array_module(x)
     a = xp.abs(x.astype(np.float32, copy=False))
-    amax = xp.where(xp.isnan(a), 0, a).max().astype(np.float32)
+    return xp.where(xp.isnan(a), 0, a).max().astype(np.float32)
+
+
+def scale_for(amax, fmt: Format):
+    """The largest power of two that brings ``amax`` to at most ``fmt.max`` (an amax of 0: as
+    if it were 1). frexp, not log2: exact at every power of two, as the CUDA kernels compute
+    it (kernels/fp8_quant.py)."""
+    xp = backend.array_module(amax)
+    amax = xp.asarray(amax, dtype=np.float32).reshape(())
     safe = xp.where(amax > 0, amax, np.float32(1.0)).astype(np.float32)
     _, e = xp.frexp(np.float32(fmt.max) / safe)          # max / amax in [2^(e-1), 2^e)
     return xp.ldexp(xp.ones_like(safe), e - 1)
 
 
-def quantized(x, fmt: Format):
-    """``x`` as an fp8 GEMM sees it: round(x * s) / s, s = ``scale_of(x)``, in x's dtype
-    (exact in bf16 and float32). The twin of kernels.FP8_QUANTIZE (two launches on a GPU)."""
+def scale_of(x, fmt: Format):
+    """``scale_for(amax_of(x), fmt)``: x's own per-tensor scale."""
+    return scale_for(amax_of(x), fmt)
+
+
+def quantized(x, fmt: Format, amax=None):
+    """``x`` as an fp8 GEMM sees it: round(x * s) / s, s = ``scale_for(amax)`` (x's own amax
+    where none is given; a larger one where x is a shard of a tensor: ``Split``), in x's
+    dtype (exact in bf16 and float32). The twin of kernels.FP8_QUANTIZE (two launches on a
+    GPU) and of FP8_ROUND (one, given the amax)."""
     x32 = x.astype(np.float32)
-    s = scale_of(x32, fmt)
+    s = scale_for(amax_of(x32) if amax is None else amax, fmt)
     x32 *= s
     q = round_to_fp8(x32, fmt)
     q /= s
     return q if q.dtype == x.dtype else q.astype(x.dtype)
 
 
+@dataclass(frozen=True)
+class Split:
+    """Which fp8 operands of one linear layer are split over ``comm``'s ranks (a tensor-
+    parallel shard: a column-parallel layer's weight and output gradient, a row-parallel
+    layer's input and weight): each is scaled by the group's amax (one max-allreduce of a
+    scalar), as one rank holding the whole tensor would scale it, so a tensor-parallel fp8
+    run quantizes to the one-rank run's codes."""
+    comm: object
+    operands: frozenset          # of "input", "weight", "gradient"
+
+    def over(self, operand: str):
+        """The communicator ``operand``'s amax is reduced over (None: its own is the
+        tensor's)."""
+        return self.comm if operand in self.operands and self.comm.size > 1 else None
+
+
+def split_over(split: Split | None, operand: str):
+    return None if split is None else split.over(operand)
+
+
 _ON = [False]
+_OUT = [0]            # kept_out() contexts open now
 
 
 def set_linears(on: bool) -> None:
@@ -78,7 +113,20 @@ def set_linears(on: bool) -> None:
 
 
 def linears() -> bool:
-    return _ON[0]
+    """Whether a linear layer whose forward runs now computes in fp8."""
+    return _ON[0] and not _OUT[0]
+
+
+@contextlib.contextmanager
+def kept_out():
+    """The linear layers whose forward runs inside compute as in bf16, forward and backward,
+    under --precision fp8 too: the LM head (its logits decide the loss; torchao's recipe
+    leaves it out too) and a mixture of experts' router (its scores decide the routing)."""
+    _OUT[0] += 1
+    try:
+        yield
+    finally:
+        _OUT[0] -= 1
 
 
 def fp8_cores_problem() -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..device import backend
+from ..device import backend, fp8
 from ..autograd.recompute import checkpoint
 from ..autograd.tensor import Tensor
 from .module import Module
@@ -228,7 +228,8 @@ class DecoderLM(Module):
         """(logits, loss) of the final norm and the LM head (logits alone without targets)."""
         x = self.part("norm")(x)
         head = self.part("head")
-        logits = self.part("tokens").attend(x) if head is None else head(x)
+        with fp8.kept_out():                  # (--precision fp8: the head computes in bf16)
+            logits = self.part("tokens").attend(x) if head is None else head(x)
         return self.part("loss")(logits, targets, ignore_index)
 
     @property

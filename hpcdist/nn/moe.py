@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from ..device import backend
+from ..device import backend, fp8
 from ..autograd import ops
 from ..autograd.recompute import recomputing
 from ..autograd.tensor import Tensor
@@ -98,7 +98,8 @@ class MoE(Module):
         """Scores (N, E) with their graph, and the chosen (N, k) experts (host-free: device).
         A 2-byte float's router logits are scored in float32 (Megatron's fp32 router): the
         choice and the balancing losses keep float32's resolution (and CuPy sorts no bf16)."""
-        logits = self.router(x2)
+        with fp8.kept_out():                  # (--precision fp8: the router in bf16)
+            logits = self.router(x2)
         if logits.data.dtype.itemsize < 4:
             logits = ops.cast(logits, np.float32)
         probs = ops.softmax(logits, axis=-1) if self.score == "softmax" else \

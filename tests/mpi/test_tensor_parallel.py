@@ -8,6 +8,7 @@ import hpcdist as hd
 from hpcdist.device import backend
 from hpcdist.comm.mesh import ProcessMesh
 from hpcdist.parallel import tp
+from hpcdist.parallel.tp.layers import column_pieces
 from hpcdist.train import train
 
 from helpers import history, one_process, small
@@ -185,3 +186,63 @@ def test_shards_are_slices_of_the_one_model(comm):
             np.testing.assert_array_equal(rebuilt, whole, err_msg=name)
     finally:
         backend.set_default_float("float32")
+
+
+def _fp8_layer_run(layer, x, g):
+    """(output, input gradient, weight gradient, bias gradient) of ``layer`` on ``x`` with
+    output gradient ``g``, under --precision fp8's quantization."""
+    t = hd.tensor(x.copy(), requires_grad=True)
+    out = layer(t)
+    (out * hd.tensor(g)).sum().backward()
+    bias = None if layer.bias is None else backend.to_numpy(layer.bias.grad)
+    return (backend.to_numpy(out.data), backend.to_numpy(t.grad),
+            backend.to_numpy(layer.weight.grad), bias)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_an_fp8_shard_is_scaled_by_the_whole_tensors_amax(comm, kind):
+    """--precision fp8 under tensor parallelism: a sharded operand (a column-parallel layer's
+    weight and output gradient, a row-parallel layer's input and weight) is scaled by the
+    whole tensor's amax, so the layer's output and gradients equal the one-rank layer's
+    (fp64 storage: fp8's codes exact, the sums in another order); scaled by each shard's own
+    amax, they do not (the shards' magnitudes differ by orders)."""
+    from hpcdist.device import fp8
+    from hpcdist.nn.layers import Linear
+    n, r = comm.size, comm.rank
+    rng = np.random.default_rng(11)                       # the same tensors on every rank
+    k, m = 4 * n, 6 * n
+    x = rng.standard_normal((5, k)) * 10.0 ** np.linspace(-1.5, 1.5, k)
+    w = rng.standard_normal((k, m)) * 10.0 ** np.add.outer(np.linspace(-1, 1, k),
+                                                             np.linspace(-2, 2, m))
+    b = rng.standard_normal(m)
+    g = rng.standard_normal((5, m)) * 10.0 ** np.linspace(-2, 2, m)
+    dense = Linear(k, m)
+    dense.weight.data, dense.bias.data = backend.to_device(w), backend.to_device(b)  # (fp64)
+    fp8.set_linears(True)
+    try:
+        want = _fp8_layer_run(dense, x, g)
+        if kind == "column":
+            layer = tp.ColumnParallelLinear(backend.to_device(w), backend.to_device(b), comm)
+            lo, hi = column_pieces(m, 1, r, n)[0]
+            mine = (want[0][:, lo:hi], want[1], want[2][:, lo:hi], want[3][lo:hi])
+            args = (x, g[:, lo:hi])
+        else:
+            layer = tp.RowParallelLinear(backend.to_device(w), backend.to_device(b), comm)
+            lo, hi = column_pieces(k, 1, r, n)[0]
+            mine = (want[0], want[1][:, lo:hi], want[2][lo:hi], want[3])
+            args = (x[:, lo:hi], g)
+        got = _fp8_layer_run(layer, *args)
+        for name, a, e in zip(("output", "input gradient", "weight gradient",
+                               "bias gradient"), got, mine):
+            np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12 * np.abs(e).max(),
+                                       err_msg=f"{kind}-parallel, {name}, {n} ranks")
+        layer.weight.grad = None
+        layer.bias.grad = None
+        layer.split = fp8.Split(comm, frozenset())        # each shard by its own amax
+        alone = _fp8_layer_run(layer, *args)
+    finally:
+        fp8.set_linears(False)
+    if n > 1:             # (fp8 is a floating format: a shard's own power-of-two scale
+                          # differs where the whole tensor's pushes its values to subnormals)
+        differs = not all(np.allclose(a, e, rtol=1e-6) for a, e in zip(alone, mine))
+        assert comm.mpi.allreduce(int(differs)), "each shard's own scale gave the same numbers"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 
-from ...device import backend, kernels
+from ...device import backend, fp8, kernels
 from ..tensor import ACCUMULATED, Tensor, needs_grad, stale, written
 
 
@@ -140,19 +140,20 @@ def gelu(a: Tensor) -> Tensor:
 # ---- matmul ----------------------------------------------------------------------------------
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
-           residual: Tensor | None = None) -> Tensor:
+           residual: Tensor | None = None, *, split: fp8.Split | None = None) -> Tensor:
     """``x @ w + b (+ residual)`` as one node: the bias (and a residual stream) added into
     the product in place, one fused pass on a GPU (kernels.BIAS_RESIDUAL); the bias's
     gradient one row sum, added straight into its buffer where it has one (COLSUM_ADD).
-    x and the gradient are converted once (kernels.linear_operand: bf16 runs, fp8's values)
+    x and the gradient are converted once (kernels.linear_operands: bf16 runs, fp8's values)
     for the products they enter; w where it is used (kept, it would hold ZeRO-3's gathered
-    weights alive)."""
+    weights alive). ``split``: which operands are tensor-parallel shards (fp8's scales)."""
     if x.ndim < 2:
         y = matmul(x, w)
         y = y if b is None else add(y, b)
         return y if residual is None else add(y, residual)
-    xo = kernels.linear_operand(x.data)
-    out = kernels.product(xo, kernels.linear_operand(w.data))
+    operand = kernels.linear_operands(split)
+    xo = operand(x.data, "input")
+    out = kernels.product(xo, operand(w.data, "weight"))
     if b is not None or residual is not None:
         kernels.BIAS_RESIDUAL(out, None if b is None else b.data,
                               None if residual is None else residual.data)
@@ -160,9 +161,9 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
 
     def backward(g):
         gx = gw = gb = None
-        go = kernels.linear_operand(g, gradient=True)
+        go = operand(g, "gradient")
         if needs_grad(x):                   # (w read now: ZeRO-3 gathers it again)
-            gx = kernels.product(go, kernels.linear_operand(w.data).T)
+            gx = kernels.product(go, operand(w.data, "weight").T)
         if needs_grad(w) or (b is not None and needs_grad(b)):
             g2 = g.reshape(-1, m)
             if needs_grad(w):
@@ -175,18 +176,19 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
     return Tensor._make(out, parents if residual is None else parents + (residual,), backward)
 
 
-def linear_gelu(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+def linear_gelu(x: Tensor, w: Tensor, b: Tensor, *, split: fp8.Split | None = None) -> Tensor:
     """``gelu(x @ w + b)`` as one node: the bias and the GELU in one pass after the GEMM
-    (kernels.BIAS_GELU), the GELU's backward in one more (GELU_BWD)."""
+    (kernels.BIAS_GELU), the GELU's backward in one more (GELU_BWD); ``split`` as linear's."""
     k, m = w.shape
-    xo = kernels.linear_operand(x.data)
-    h = kernels.product(xo, kernels.linear_operand(w.data))
+    operand = kernels.linear_operands(split)
+    xo = operand(x.data, "input")
+    h = kernels.product(xo, operand(w.data, "weight"))
     out, t = kernels.BIAS_GELU(h, b.data)                 # h now holds x @ w + b
 
     def backward(g):
         gh = kernels.GELU_BWD(h, g, t)
-        go = kernels.linear_operand(gh, gradient=True)
-        gx = kernels.product(go, kernels.linear_operand(w.data).T) if needs_grad(x) else None
+        go = operand(gh, "gradient")
+        gx = kernels.product(go, operand(w.data, "weight").T) if needs_grad(x) else None
         gw = _weight_grad(xo.reshape(-1, k).T, go.reshape(-1, m), w) if needs_grad(w) else None
         return gx, gw, _bias_grad(gh.reshape(-1, m), b) if needs_grad(b) else None
     return Tensor._make(out, (x, w, b), backward)

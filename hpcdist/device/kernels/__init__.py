@@ -17,7 +17,7 @@ from .swiglu import (GEGLU_BWD, GEGLU_FWD, SWIGLU_BWD, SWIGLU_FWD, geglu_bwd_twi
                      swiglu_bwd_twin, swiglu_twin)
 from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
-                   operand, product, use_workspace, linear_operand)
+                   operand, product, use_workspace, linear_operands)
 from .gemm_add import GEMM_ADD, GEMM_ADD_TF32, device_gemm, gemm_add_twin, matmul_add
 from .elementwise import (ADD, BIAS_GELU, BIAS_RESIDUAL, GELU_BWD, GELU_FWD, WIDEN, add_twin,
                           bias_gelu_twin, bias_residual_twin, gelu_bwd_twin, gelu_twin,
@@ -29,7 +29,7 @@ from .layernorm import LAYERNORM_BWD, LAYERNORM_FWD, layernorm_bwd_twin, layerno
 from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD,
                    cross_entropy_bwd_twin, cross_entropy_twin, softmax_causal_bwd_twin,
                    softmax_causal_twin)
-from .fp8_quant import FP8_QUANTIZE
+from .fp8_quant import FP8_AMAX, FP8_QUANTIZE, FP8_ROUND
 from .moe import (MOE_COMBINE, MOE_COMBINE_BWD, MOE_PERMUTE, combine_bwd_twin, combine_twin,
                   permute_twin)
 from .. import backend as _backend, graphs as _graphs
@@ -41,14 +41,14 @@ from . import cpu as _cpu
 _backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows, device_gemm)
 _graphs.before_capture(use_workspace)
 
-__all__ = ["ADAMW", "ADAMW_LOW", "FP8_QUANTIZE", "ADAMW_LOW_SCHED", "ADAMW_SCHED", "LR_SCHEDULE", "ADD", "add_twin", "WIDEN", "widen_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
+__all__ = ["ADAMW", "ADAMW_LOW", "FP8_AMAX", "FP8_QUANTIZE", "FP8_ROUND", "ADAMW_LOW_SCHED", "ADAMW_SCHED", "LR_SCHEDULE", "ADD", "add_twin", "WIDEN", "widen_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",
            "RMSNORM_BWD", "RMSNORM_FWD", "ROTARY", "GEGLU_BWD", "GEGLU_FWD", "geglu_bwd_twin", "geglu_twin", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
            "rmsnorm_twin", "rotary_tables", "rotary_twin", "swiglu_bwd_twin", "swiglu_twin", "BIAS_GELU", "MOE_COMBINE",
            "MOE_COMBINE_BWD", "MOE_PERMUTE", "combine_bwd_twin", "combine_twin", "permute_twin",
            "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",
            "GELU_BWD", "GELU_C", "GELU_FWD", "LAYERNORM_BWD", "LAYERNORM_FWD",
-           "FROM_BF16", "ROUND_BF16", "SOFTMAX_CAUSAL_BWD", "operand", "linear_operand", "product", "SOFTMAX_CAUSAL_FWD", "TO_BF16", "adam_step_twin", "adamw_twin",
+           "FROM_BF16", "ROUND_BF16", "SOFTMAX_CAUSAL_BWD", "operand", "linear_operands", "product", "SOFTMAX_CAUSAL_FWD", "TO_BF16", "adam_step_twin", "adamw_twin",
            "attention_bwd", "attention_bwd_twin", "attention_fwd", "attention_twin",
            "bias_gelu_twin", "flash_bwd_twin", "flash_twin",
            "bias_residual_twin", "colsum_add_twin", "configure", "describe",

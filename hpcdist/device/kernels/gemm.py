@@ -8,6 +8,7 @@ self-checked kernel whose twin rounds the operands and multiplies in float32.
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/gemm.py"."""
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -305,15 +306,26 @@ def operand(x):
     return backend.round_to_bf16(x)
 
 
-def linear_operand(x, gradient: bool = False):
-    """``operand(x)`` for a linear layer's GEMM; under ``--precision fp8`` x's values as an
-    FP8 GEMM takes them (device/fp8.py: e4m3, or e5m2 for a ``gradient``, scaled by a power
-    of two), in x's dtype."""
-    if fp8.linears():
-        from .fp8_quant import FP8_QUANTIZE                 # (it imports this module's kin)
-        fmt = fp8.E5M2 if gradient else fp8.E4M3
+def linear_operands(split=None):
+    """How one linear layer's GEMMs take their operands, fixed as its forward runs (its
+    backward quantizes as its forward did): ``f(x, role)``, role "input", "weight" or
+    "gradient", -> ``operand(x)``; under ``--precision fp8`` (outside ``fp8.kept_out()``) x's
+    values as an FP8 GEMM takes them (device/fp8.py: e4m3, e5m2 for the gradient, scaled by
+    a power of two), in x's dtype, scaled by the whole tensor's amax where ``split``
+    (fp8.Split) says x is a shard: one max-allreduce of a scalar over its ranks."""
+    if not fp8.linears():
+        return lambda x, role: operand(x)
+    return functools.partial(_fp8_operand, split)
+
+
+def _fp8_operand(split, x, role: str):
+    from .fp8_quant import FP8_AMAX, FP8_QUANTIZE, FP8_ROUND   # (it imports this module's kin)
+    fmt = fp8.E5M2 if role == "gradient" else fp8.E4M3
+    over = fp8.split_over(split, role)
+    if over is None:
         return FP8_QUANTIZE(x, fmt.max, fmt.mantissa, fmt.min_exp)
-    return operand(x)
+    amax = over.allreduce(FP8_AMAX(x), op="max")
+    return FP8_ROUND(x, amax, fmt.max, fmt.mantissa, fmt.min_exp)
 
 
 def product(a, b):

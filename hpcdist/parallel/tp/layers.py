@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...device import backend
+from ...device import backend, fp8
 from ...autograd import ops
 from ...nn.module import Module, Parameter, Shard, pad_axis, padded_length
 from ...autograd.tensor import Tensor
@@ -72,6 +72,7 @@ class ColumnParallelLinear(Module):
         self.weight = Parameter(take(weight, 1, cols))
         self.bias = Parameter(take(bias, 0, cols)) if bias is not None else None
         self.comm, self.seq = comm, seq
+        self.split = fp8.Split(comm, frozenset({"weight", "gradient"}))   # (fp8's scales)
         self.shard_spec = {"weight": Shard(1, pieces, logical or tuple(weight.shape),
                                            multiple),
                            "bias": Shard(0, pieces, (C_out,))}
@@ -81,14 +82,14 @@ class ColumnParallelLinear(Module):
             copy_to_tp(x, self.comm)
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.linear(self._input(x), self.weight, self.bias)
+        return ops.linear(self._input(x), self.weight, self.bias, split=self.split)
 
     def gelu(self, x: Tensor) -> Tensor:
         """gelu(x @ W + b) of this rank's columns: the bias and the GELU in one pass."""
         x = self._input(x)
         if self.bias is not None and x.ndim >= 2:
-            return ops.linear_gelu(x, self.weight, self.bias)
-        return ops.gelu(ops.linear(x, self.weight, self.bias))
+            return ops.linear_gelu(x, self.weight, self.bias, split=self.split)
+        return ops.gelu(ops.linear(x, self.weight, self.bias, split=self.split))
 
 
 class RowParallelLinear(Module):
@@ -102,11 +103,12 @@ class RowParallelLinear(Module):
         self.bias = Parameter(backend.array_module(bias).array(bias)) if bias is not None \
             else None
         self.comm, self.sp = comm, sequence_parallel
+        self.split = fp8.Split(comm, frozenset({"input", "weight"}))       # (fp8's scales)
         self.shard_spec = {"weight": Shard(0, 1, tuple(weight.shape)), "bias": None}
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """``residual``: added after the reduction, as the bias is."""
-        y = ops.linear(x, self.weight)
+        y = ops.linear(x, self.weight, split=self.split)
         y = reduce_scatter_to_sp(y, self.comm) if self.sp else reduce_from_tp(y, self.comm)
         y = y + self.bias if self.bias is not None else y
         return y if residual is None else residual + y

@@ -14,7 +14,7 @@ import numpy as np
 
 from .device import backend, kernels
 from .device.kernels import cpu as cpu_kernels
-from .autograd.tensor import forget_grads, settle_grads
+from .autograd.lazy_zero import forget_grads, settle_grads
 
 
 class FlatParams:

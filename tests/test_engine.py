@@ -153,3 +153,37 @@ def test_backward_on_a_leaf(float64):
     w = nn.Parameter(np.array([1.0, 2.0]))
     w.backward(np.array([3.0, 4.0]))
     np.testing.assert_allclose(w.grad, [3.0, 4.0])
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_a_norm_adds_its_inputs_other_gradient_in_its_own_pass(monkeypatch, norm, dtype):
+    """x feeds a norm and, as the residual stream does, another op whose backward runs first:
+    the norm's backward takes x's gradient so far (``adds_first``) and adds it into its own,
+    so the engine sums nothing for x; x's gradient equals the two paths' sum taken apart.
+    bf16 on the CPU normalises in float32, so the norm adds it after its kernel there."""
+    from hpcdist.autograd import ops, tensor
+    from hpcdist.device import backend
+    dt = np.float64 if dtype == "float64" else backend.bfloat16()
+    rng = np.random.default_rng(5)
+    x0, w0, a, b = (rng.standard_normal(s) for s in ((3, 4, 16), (16,), (3, 4, 16), (3, 4, 16)))
+    sums = []
+    engine_sum = tensor.summed
+    monkeypatch.setattr(tensor, "summed", lambda p, q: sums.append(1) or engine_sum(p, q))
+
+    def grads(together):
+        x = hd.tensor(x0.astype(dt), requires_grad=True)
+        w = hd.tensor(w0.astype(dt), requires_grad=True)
+        normed = ops.layer_norm(x, w, None) if norm == "layer_norm" else ops.rms_norm(x, w)
+        if together:        # the other path's op is made last: its backward runs first
+            (normed * hd.tensor(a.astype(dt)) + x * hd.tensor(b.astype(dt))).sum().backward()
+            return x.grad.astype(np.float64)
+        (normed * hd.tensor(a.astype(dt))).sum().backward()
+        apart = x.grad.astype(np.float64)
+        x.grad = None
+        (x * hd.tensor(b.astype(dt))).sum().backward()
+        return apart + x.grad.astype(np.float64)
+    both = grads(True)
+    assert sums == [] or dtype == "bfloat16"
+    np.testing.assert_allclose(both, grads(False), rtol=1e-12 if dtype == "float64" else 2e-2,
+                               atol=0 if dtype == "float64" else 2e-2)

@@ -3,8 +3,10 @@
 A Tensor holds ``data`` (an xp array) and, once backward has run, ``grad`` (an xp array of the
 same shape). Ops (autograd/ops/) build a result Tensor that remembers its parents and a closure
 ``backward(g) -> tuple of parent gradients``. ``Tensor.backward`` sorts the graph without
-recursion (deep graphs are fine), walks it in reverse, sums gradients of reused nodes, and
-frees the graph as it goes. Leaves may carry hooks that fire once their gradient for this
+recursion (deep graphs are fine), walks it in reverse, sums gradients of reused nodes (a
+closure marked ``adds_first`` is called ``backward(g, prior)`` with its first parent's sum so
+far and adds it into its own: a norm's backward, the residual stream's), and frees the graph
+as it goes. Leaves may carry hooks that fire once their gradient for this
 backward pass is final; DDP starts its bucket allreduce from them.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 
 from ..device import backend, kernels
 from . import memtrace
+from .lazy_zero import overwrite, settle_grads
 
 _grad_enabled = True
 _pass = None            # the zero-bubble split's pass: None (whole backward), "I" or "W"
@@ -223,6 +226,11 @@ class Tensor:
             g = grads.pop(id(node), None)
             if defer_weights is not None and g is not None:
                 parent_grads = _input_gradients(node, g, defer_weights)
+            elif g is not None and getattr(node._backward, "adds_first", False):
+                # it adds its first parent's gradient so far into its own (one pass less)
+                first = node._parents[0]
+                prior = grads.pop(id(first), None) if first.requires_grad else None
+                parent_grads = node._backward(g, prior)
             else:
                 # No gradient arrived (every path carried None): still release the parents.
                 parent_grads = node._backward(g) if g is not None else \
@@ -239,7 +247,7 @@ class Tensor:
                     accumulated.add(key)
                 elif pg is not None:
                     prev = grads.get(key)
-                    grads[key] = pg if prev is None else _summed(prev, pg)
+                    grads[key] = pg if prev is None else summed(prev, pg)
                 pending[key] -= 1
                 if pending[key]:
                     continue
@@ -249,7 +257,7 @@ class Tensor:
                     ready.append(p)
 
 
-def _summed(a, b):
+def summed(a, b):
     """Two gradients of one tensor summed into a new array: on a device, one kernel that reads
     16 bytes a thread where both are of one shape and dtype (kernels.ADD), else xp's ``+``."""
     if backend.is_gpu_array(a) and a.shape == b.shape and a.dtype == b.dtype:
@@ -305,34 +313,7 @@ def _consumer_counts(root: Tensor) -> dict:
 
 
 ACCUMULATED = object()   # an op's backward returns this for a leaf whose .grad it added into
-_stale: dict = {}        # id -> leaf whose .grad holds the last step's values (forget_grads)
 _depth = 0               # backward() calls running (one nests in recompute's)
-
-
-def forget_grads(params) -> None:
-    """Zeroing without the pass (optim's ``zero_grad(lazy=True)``): each gradient's next write
-    overwrites it (the engine copies; a weight's GEMM writes with BLAS's beta = 0), and the
-    outermost backward() zeroes what it did not reach as it ends (``settle_grads``)."""
-    for p in params:
-        if p.grad is not None:
-            _stale[id(p)] = p
-
-
-def settle_grads() -> None:
-    """Zero the gradients ``forget_grads`` marked that nothing wrote since (unused ones)."""
-    for p in _stale.values():
-        p.grad[...] = 0
-    _stale.clear()
-
-
-def stale(t: Tensor) -> bool:
-    """Whether ``t.grad`` holds the last step's values (forget_grads; nothing wrote it since)."""
-    return id(t) in _stale
-
-
-def written(t: Tensor) -> None:
-    """``t.grad`` holds this step's values now (an op wrote it directly)."""
-    _stale.pop(id(t), None)
 
 
 def _finalize_leaf(leaf: Tensor, g, accumulated: bool = False) -> None:
@@ -345,7 +326,7 @@ def _finalize_leaf(leaf: Tensor, g, accumulated: bool = False) -> None:
         return
     if leaf.grad is None:
         leaf.grad = g.astype(leaf.data.dtype, copy=True)
-    elif _stale.pop(id(leaf), None) is not None:
+    elif overwrite(leaf):
         leaf.grad[...] = g
     else:
         leaf.grad += g

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..device import backend, fp8, kernels
 from .. import nn, optim
-from ..autograd.tensor import settle_grads
+from ..autograd.lazy_zero import settle_grads
 from ..comm import ulfm
 from ..comm.mesh import ProcessMesh
 from ..host.layout import Layout

@@ -5,7 +5,8 @@ from __future__ import annotations
 import builtins
 
 from ...device import backend, fp8, kernels
-from ..tensor import ACCUMULATED, Tensor, needs_grad, stale, written
+from ..lazy_zero import stale, written
+from ..tensor import ACCUMULATED, Tensor, needs_grad
 
 
 def _lift(x, like: Tensor | None = None) -> Tensor:

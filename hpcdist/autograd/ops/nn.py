@@ -8,7 +8,7 @@ import builtins
 import numpy as np
 
 from ...device import backend, kernels
-from ..tensor import ACCUMULATED, Tensor, needs_grad
+from ..tensor import ACCUMULATED, Tensor, needs_grad, summed
 from .core import _lift, _unbroadcast, _weight_grad, _xp, grad_buffer
 
 
@@ -124,6 +124,20 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100,
     return Tensor._make(out.astype(acc), (logits,), backward)
 
 
+def norm_prior(prior, x):
+    """``prior`` — the gradient a norm's input has from its other consumers so far (the
+    engine's ``adds_first``) — where the norm's backward kernel can add it into its own
+    (x's shape and dtype), else None (the backward adds it after: ``with_prior``)."""
+    if prior is not None and prior.shape == x.shape and prior.dtype == x.dtype:
+        return prior
+    return None
+
+
+def with_prior(gx, prior, added):
+    """gx plus ``prior`` unless the kernel ``added`` it."""
+    return gx if prior is None or added is not None else summed(prior, gx)
+
+
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
     """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``: one fused
     kernel each way (kernels.LAYERNORM_FWD / _BWD; the twin in place, means as sums times
@@ -145,20 +159,23 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
         out = out.astype(dt)
     affine = tuple(t for t in (weight, bias) if t is not None)
 
-    def backward(g):
+    def backward(g, prior=None):
         # the weight read again, not kept: under ZeRO-3 it is a view of its block's gathered
         # parameters, which the forward has released (and the backward gathers anew)
         w = f32(weight.data) if weight is not None else ones()
         # the weight's and bias's gradients go straight into their buffers where they can
         gw_into = grad_buffer(weight) if weight is not None and not low else None
         gb_into = grad_buffer(bias) if bias is not None and not low else None
-        gx, gw, gb = kernels.LAYERNORM_BWD(f32(g), xd, w, mean, rstd, xhat, gw_into, gb_into)
-        grads = [gx.astype(dt) if low else gx]
+        add = norm_prior(prior, xd)                        # x's other gradient, in the pass
+        gx, gw, gb = kernels.LAYERNORM_BWD(f32(g), xd, w, mean, rstd, xhat, gw_into, gb_into,
+                                           add)
+        grads = [with_prior(gx.astype(dt) if low else gx, prior, add)]
         for t, grad, into in ((weight, gw, gw_into), (bias, gb, gb_into)):
             if t is not None:
                 grads.append(None if not needs_grad(t) else ACCUMULATED if into is not None
                              else grad.astype(t.data.dtype, copy=False))
         return tuple(grads)
+    backward.adds_first = True
     return Tensor._make(out, (x,) + affine, backward)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from ...device import backend, kernels
 from ..tensor import ACCUMULATED, Tensor, needs_grad
 from .core import grad_buffer
+from .nn import norm_prior, with_prior
 
 _TABLES: list = []            # [(pos, hd, rotary, dtype, (cos, sin))]: the last few position sets
 
@@ -22,12 +23,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     xd = f32(x.data)
     out, rstd, xhat = kernels.RMSNORM_FWD(xd, f32(weight.data), eps)
 
-    def backward(g):
+    def backward(g, prior=None):
         into = grad_buffer(weight) if not low else None   # (the weight read again: ZeRO-3)
-        gx, gw = kernels.RMSNORM_BWD(f32(g), xd, f32(weight.data), rstd, xhat, into)
+        add = norm_prior(prior, xd)                        # x's other gradient, in the pass
+        gx, gw = kernels.RMSNORM_BWD(f32(g), xd, f32(weight.data), rstd, xhat, into, add)
         gw = None if not needs_grad(weight) else ACCUMULATED if into is not None else \
             gw.astype(weight.data.dtype, copy=False)
-        return gx.astype(dt, copy=False), gw
+        return with_prior(gx.astype(dt, copy=False), prior, add), gw
+    backward.adds_first = True
     return Tensor._make(out.astype(dt, copy=False), (x, weight), backward)
 
 

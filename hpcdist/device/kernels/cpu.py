@@ -233,7 +233,7 @@ def layernorm(x, w, b, eps):
     return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead), None
 
 
-def layernorm_bwd(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None):
+def layernorm_bwd(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None, add=None):
     x2 = _mat(x)
     R, C = x2.shape
     gx = np.empty(x2.shape, x.dtype)
@@ -244,6 +244,8 @@ def layernorm_bwd(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None):
                         np.ascontiguousarray(mean, dtype=x.dtype).reshape(-1),
                         np.ascontiguousarray(rstd, dtype=x.dtype).reshape(-1), gx, gw_part,
                         gb_part, _c(x, 1.0 / C))
+    if add is not None:
+        gx += _mat(add)
     return (gx.reshape(x.shape),) + added_into(gw_part.sum(axis=0), gb_part.sum(axis=0),
                                                gw_into, gb_into)
 

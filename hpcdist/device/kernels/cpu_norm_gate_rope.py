@@ -17,7 +17,7 @@ def rmsnorm(x, w, eps):
     return y.reshape(x.shape), rstd.reshape(x.shape[:-1]), None
 
 
-def rmsnorm_bwd(g, x, w, rstd, xhat=None, gw_into=None):
+def rmsnorm_bwd(g, x, w, rstd, xhat=None, gw_into=None, add=None):
     x2 = cpu._mat(x)
     R, C = x2.shape
     gx = np.empty(x2.shape, x.dtype)
@@ -26,6 +26,8 @@ def rmsnorm_bwd(g, x, w, rstd, xhat=None, gw_into=None):
                           np.ascontiguousarray(w, dtype=x.dtype),
                           np.ascontiguousarray(rstd, dtype=x.dtype).reshape(-1), gx, part,
                           cpu._c(x, 1.0 / C))
+    if add is not None:
+        gx += cpu._mat(add)
     gw = part.sum(axis=0)
     if gw_into is not None:
         gw_into += gw

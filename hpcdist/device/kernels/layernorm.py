@@ -57,11 +57,12 @@ extern "C" __global__ void layernorm_fwd(const T* x, const T* w, const T* b, T* 
 // workspace (gb = gw + C) added into the 2-byte buffers gw_low, gb_low by the last block
 // (common.py's finish_into). gx is written in a second
 // pass over the block's rows and columns as one flat loop: inside a loop over rows, NVVM split
-// each 16-byte store into scalar ones.
+// each 16-byte store into scalar ones. ``adds``: the gradient x already has from its other
+// consumers (the residual stream's) is added to gx in that pass, rounded once.
 extern "C" __global__ void layernorm_bwd(const T* g, const T* x, const T* w, const A* mean,
-                                         const A* rstd, T* gx, A* gw, A* gb, T* gw_low,
-                                         T* gb_low, unsigned* done, long long rows, int C,
-                                         int per, int finish) {
+                                         const A* rstd, const T* add, T* gx, A* gw, A* gb,
+                                         T* gw_low, T* gb_low, unsigned* done, long long rows,
+                                         int C, int per, int finish, int adds) {
     __shared__ A shared[32];
     __shared__ A stats[64];                              // each row's two means
     extern __shared__ unsigned char smem[];
@@ -69,7 +70,7 @@ extern "C" __global__ void layernorm_bwd(const T* g, const T* x, const T* w, con
     long long r0 = (long long)blockIdx.x * per;
     if (r0 >= rows) return;
     int n = (int)((r0 + per < rows ? r0 + per : rows) - r0);
-    alignas(16) T gv[VEC], xv[VEC], wv[VEC], ov[VEC];
+    alignas(16) T gv[VEC], xv[VEC], wv[VEC], av[VEC], ov[VEC];
     if (per > 1)
         for (int c = threadIdx.x; c < C; c += blockDim.x) { part[c] = 0; part[C + c] = 0; }
     __syncthreads();                       // (threads zero other columns than they add to)
@@ -102,10 +103,11 @@ extern "C" __global__ void layernorm_bwd(const T* g, const T* x, const T* w, con
         copy_vec(gv, g + at);
         copy_vec(xv, x + at);
         copy_vec(wv, w + (i - k * vectors) * VEC);
+        if (adds) copy_vec(av, add + at);
 #pragma unroll
         for (int j = 0; j < VEC; j++) {
             A xhat = ((A)xv[j] - m) * rs, gh = (A)gv[j] * (A)wv[j];
-            ov[j] = (T)(rs * (gh - s1 - xhat * s2));
+            ov[j] = (T)(rs * (gh - s1 - xhat * s2) + (adds ? (A)av[j] : (A)0));
         }
         copy_vec(gx + at, ov);
     }
@@ -142,14 +144,16 @@ def layernorm_twin(x, w, b, eps):
     return out, mean[..., 0], rstd[..., 0], xc
 
 
-def layernorm_bwd_twin(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None):
+def layernorm_bwd_twin(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None, add=None):
     """(gx, gw, gb) of y = (x - mean) rstd w + b; ``xhat`` the forward's normalised x when it
     kept it; ``gw_into``/``gb_into``: add the weight and bias gradients into these (returned
-    as gw, gb) instead of new arrays. 2-byte floats: in float32, gx rounded back, the sums
-    added into the buffers (or returned) in their dtype."""
+    as gw, gb) instead of new arrays; ``add``: x's gradient from elsewhere, added to gx.
+    2-byte floats: in float32, gx rounded back, the sums added into the buffers (or
+    returned) in their dtype."""
     if low(x):
         gx, gw, gb = layernorm_bwd_twin(wide(g), wide(x), wide(w), mean, rstd, wide(xhat)
-                                        if xhat is not None else None)
+                                        if xhat is not None else None,
+                                        add=None if add is None else wide(add))
         return (gx.astype(x.dtype),) + tuple(summed(sums_, into, x.dtype) for sums_, into in
                                              ((gw, gw_into), (gb, gb_into)))
     xp = backend.array_module(x)
@@ -167,6 +171,8 @@ def layernorm_bwd_twin(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=Non
     gx -= m1
     gx -= xhat * m2
     gx *= rstd[..., None]
+    if add is not None:
+        gx += add
     C = x.shape[-1]
     flat_g = g.reshape(-1, C)
     gw = xp.einsum("nc,nc->c", flat_g, xhat.reshape(-1, C))
@@ -198,7 +204,8 @@ def _layernorm_launch(k, x, w, b, eps):
     return y, mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1]), None
 
 
-def _layernorm_bwd_launch(k, g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None):
+def _layernorm_bwd_launch(k, g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None,
+                          add=None):
     xp = backend.xp()
     rows, C = _rows(x)
     acc = accumulator(x.dtype)
@@ -213,13 +220,16 @@ def _layernorm_bwd_launch(k, g, x, w, mean, rstd, xhat=None, gw_into=None, gb_in
         lows = (gx, gx)                                  # (valid pointers, not written)
     per, shm = rows_per_block(rows, 2 * C * np.dtype(acc).itemsize)
     g = xp.ascontiguousarray(g)
-    vec = vector_width(x.size, g, x, w, gx, row=C)
+    add = None if add is None else xp.ascontiguousarray(add, dtype=x.dtype)
+    vec = vector_width(x.size, g, x, w, gx, *(() if add is None else (add,)), row=C)
     k("layernorm_bwd", {"VEC": vec})((max(-(-rows // per), 1),), (row_threads(C, vec),),
                                      (g, x, w, xp.ascontiguousarray(mean, dtype=acc),
-                                      xp.ascontiguousarray(rstd, dtype=acc), gx, gw, gb, *lows,
+                                      xp.ascontiguousarray(rstd, dtype=acc),
+                                      g if add is None else add, gx, gw, gb, *lows,
                                       kept_zeros(xp, 1, np.uint32, "norm counter"),
                                       np.int64(rows), np.int32(C), np.int32(per),
-                                      np.int32(finish)), shared_mem=shm)
+                                      np.int32(finish), np.int32(add is not None)),
+                                     shared_mem=shm)
     if finish:
         return gx, gw_into, gb_into
     return gx, summed(gw, gw_into, x.dtype), summed(gb, gb_into, x.dtype)
@@ -237,6 +247,8 @@ def _ln_cases(xp, rng, dt, backward=False):
             yield g, x, w, mean, rstd
             into = [xp.asarray(rng.standard_normal(shape[-1]).astype(dt)) for _ in range(2)]
             yield g, x, w, mean, rstd, None, into[0], into[1]      # added into buffers
+            add = xp.asarray(rng.standard_normal(shape).astype(dt))
+            yield g, x, w, mean, rstd, None, None, None, add        # x's other gradient
 
 
 LAYERNORM_FWD = Fused("layernorm_fwd", _LAYERNORM, ["layernorm_fwd"], _layernorm_launch,

@@ -43,10 +43,10 @@ extern "C" __global__ void rmsnorm_fwd(const T* x, const T* w, T* y, A* rstd, lo
 // VEC-wide columns) and added once a block into gw (zeros, or its own gradient buffer);
 // per == 1 (a row too wide for the shared sums): added row by row. ``finish``: gw a kept
 // workspace added into the 2-byte buffer gw_low by the last block. gx in a second, flat pass
-// (LayerNorm's backward says why)
-extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const A* rstd, T* gx,
-                                       A* gw, T* gw_low, unsigned* done, long long rows, int C,
-                                       int per, int finish) {
+// (LayerNorm's backward says why), ``adds``: with x's gradient from elsewhere added to it
+extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const A* rstd,
+                                       const T* add, T* gx, A* gw, T* gw_low, unsigned* done,
+                                       long long rows, int C, int per, int finish, int adds) {
     __shared__ A shared[32];
     __shared__ A stats[32];                              // each row's mean(g w xhat)
     extern __shared__ unsigned char smem[];
@@ -54,7 +54,7 @@ extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const
     long long r0 = (long long)blockIdx.x * per;
     if (r0 >= rows) return;
     int n = (int)((r0 + per < rows ? r0 + per : rows) - r0);
-    alignas(16) T gv[VEC], xv[VEC], wv[VEC], ov[VEC];
+    alignas(16) T gv[VEC], xv[VEC], wv[VEC], av[VEC], ov[VEC];
     if (per > 1)
         for (int c = threadIdx.x; c < C; c += blockDim.x) part[c] = 0;
     __syncthreads();                       // (threads zero other columns than they add to)
@@ -85,9 +85,11 @@ extern "C" __global__ void rmsnorm_bwd(const T* g, const T* x, const T* w, const
         copy_vec(gv, g + at);
         copy_vec(xv, x + at);
         copy_vec(wv, w + (i - k * vectors) * VEC);
+        if (adds) copy_vec(av, add + at);
 #pragma unroll
         for (int j = 0; j < VEC; j++)
-            ov[j] = (T)(rs * ((A)gv[j] * (A)wv[j] - (A)xv[j] * rs * s));
+            ov[j] = (T)(rs * ((A)gv[j] * (A)wv[j] - (A)xv[j] * rs * s) +
+                        (adds ? (A)av[j] : (A)0));
         copy_vec(gx + at, ov);
     }
     __syncthreads();
@@ -111,18 +113,22 @@ def rmsnorm_twin(x, w, eps):
     return xhat * w, rstd[..., 0], xhat
 
 
-def rmsnorm_bwd_twin(g, x, w, rstd, xhat=None, gw_into=None):
-    """(gx, gw) of y = x rstd w; ``gw_into``: the weight's gradient added into it. 2-byte
-    floats in float32, gx and gw rounded back."""
+def rmsnorm_bwd_twin(g, x, w, rstd, xhat=None, gw_into=None, add=None):
+    """(gx, gw) of y = x rstd w; ``gw_into``: the weight's gradient added into it; ``add``:
+    x's gradient from elsewhere, added to gx. 2-byte floats in float32, gx and gw rounded
+    back."""
     if low(x):
         gx, gw = rmsnorm_bwd_twin(wide(g), wide(x), wide(w), rstd,
-                                  wide(xhat) if xhat is not None else None)
+                                  wide(xhat) if xhat is not None else None,
+                                  add=None if add is None else wide(add))
         return gx.astype(x.dtype), summed(gw, gw_into, x.dtype)
     if xhat is None:
         xhat = x * rstd[..., None]
     gxhat = g * w
     m = (gxhat * xhat).sum(axis=-1, keepdims=True) * (1.0 / x.shape[-1])
     gx = (gxhat - xhat * m) * rstd[..., None]
+    if add is not None:
+        gx += add
     C = x.shape[-1]
     gw = (g.reshape(-1, C) * xhat.reshape(-1, C)).sum(axis=0)
     if gw_into is not None:
@@ -146,7 +152,7 @@ def _rmsnorm_launch(k, x, w, eps):
     return y, rstd.reshape(x.shape[:-1]), None
 
 
-def _rmsnorm_bwd_launch(k, g, x, w, rstd, xhat=None, gw_into=None):
+def _rmsnorm_bwd_launch(k, g, x, w, rstd, xhat=None, gw_into=None, add=None):
     xp = backend.xp()
     x = xp.ascontiguousarray(x)
     rows, C = _rows(x)
@@ -156,13 +162,16 @@ def _rmsnorm_bwd_launch(k, g, x, w, rstd, xhat=None, gw_into=None):
     gw = kept_zeros(xp, C, acc, "norm sums")[:C] if finish else sums(gw_into, C, acc)
     per, shm = rows_per_block(rows, C * np.dtype(acc).itemsize)
     g, w = xp.ascontiguousarray(g, dtype=x.dtype), xp.ascontiguousarray(w)
-    vec = vector_width(x.size, g, x, w, gx, row=C)
+    add = None if add is None else xp.ascontiguousarray(add, dtype=x.dtype)
+    vec = vector_width(x.size, g, x, w, gx, *(() if add is None else (add,)), row=C)
     k("rmsnorm_bwd", {"VEC": vec})((max(-(-rows // per), 1),), (row_threads(C, vec),),
                                    (g, x, w, xp.ascontiguousarray(rstd, dtype=acc).reshape(-1),
-                                    gx, gw, gw_into if finish else gx,
+                                    g if add is None else add, gx, gw,
+                                    gw_into if finish else gx,
                                     kept_zeros(xp, 1, np.uint32, "norm counter"),
                                     np.int64(rows), np.int32(C), np.int32(per),
-                                    np.int32(finish)), shared_mem=shm)
+                                    np.int32(finish), np.int32(add is not None)),
+                                   shared_mem=shm)
     return gx, gw_into if finish else summed(gw, gw_into, x.dtype)
 
 
@@ -178,6 +187,8 @@ def _rmsnorm_cases(xp, rng, dt, backward=False):
             yield g, x, w, rstd
             into = xp.asarray(rng.standard_normal(shape[-1]).astype(dt))
             yield g, x, w, rstd, None, into                   # added into its buffer
+            add = xp.asarray(rng.standard_normal(shape).astype(dt))
+            yield g, x, w, rstd, None, None, add              # x's other gradient
     x = xp.zeros((2, 8), dtype=dt)                  # all-zero rows: rstd = 1/sqrt(eps)
     yield (x, xp.ones(8, dtype=dt), 1e-6) if not backward else \
         (xp.ones((2, 8), dtype=dt), x, xp.ones(8, dtype=dt), rmsnorm_twin(x, x[0], 1e-6)[1])

@@ -1,12 +1,11 @@
-"""The array ops: elementwise arithmetic and functions, matmul and the fused linear
-layers, reductions, shapes (the package docstring says what an op is)."""
+"""The array ops: elementwise arithmetic and functions, matmul, reductions, shapes (the
+package docstring says what an op is; the linear layers: linear.py)."""
 from __future__ import annotations
 
 import builtins
 
-from ...device import backend, fp8, kernels
-from ..lazy_zero import stale, written
-from ..tensor import ACCUMULATED, Tensor, needs_grad
+from ...device import backend, kernels
+from ..tensor import Tensor, needs_grad
 
 
 def _lift(x, like: Tensor | None = None) -> Tensor:
@@ -139,102 +138,6 @@ def gelu(a: Tensor) -> Tensor:
 
 
 # ---- matmul ----------------------------------------------------------------------------------
-
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
-           residual: Tensor | None = None, *, split: fp8.Split | None = None) -> Tensor:
-    """``x @ w + b (+ residual)`` as one node: the bias (and a residual stream) added into
-    the product in place, one fused pass on a GPU (kernels.BIAS_RESIDUAL); the bias's
-    gradient one row sum, added straight into its buffer where it has one (COLSUM_ADD).
-    x and the gradient are converted once (kernels.linear_operands: bf16 runs, fp8's values)
-    for the products they enter; w where it is used (kept, it would hold ZeRO-3's gathered
-    weights alive). ``split``: which operands are tensor-parallel shards (fp8's scales)."""
-    if x.ndim < 2:
-        y = matmul(x, w)
-        y = y if b is None else add(y, b)
-        return y if residual is None else add(y, residual)
-    operand = kernels.linear_operands(split)
-    xo = operand(x.data, "input")
-    out = kernels.product(xo, operand(w.data, "weight"))
-    if b is not None or residual is not None:
-        kernels.BIAS_RESIDUAL(out, None if b is None else b.data,
-                              None if residual is None else residual.data)
-    k, m = w.shape
-
-    def backward(g):
-        gx = gw = gb = None
-        go = operand(g, "gradient")
-        if needs_grad(x):                   # (w read now: ZeRO-3 gathers it again)
-            gx = kernels.product(go, operand(w.data, "weight").T)
-        if needs_grad(w) or (b is not None and needs_grad(b)):
-            g2 = g.reshape(-1, m)
-            if needs_grad(w):
-                gw = _weight_grad(xo.reshape(-1, k).T, go.reshape(-1, m), w)
-            if b is not None and needs_grad(b):
-                gb = _bias_grad(g2, b)
-        grads = (gx, gw) if b is None else (gx, gw, gb)
-        return grads if residual is None else grads + (g,)
-    parents = (x, w) if b is None else (x, w, b)
-    return Tensor._make(out, parents if residual is None else parents + (residual,), backward)
-
-
-def linear_gelu(x: Tensor, w: Tensor, b: Tensor, *, split: fp8.Split | None = None) -> Tensor:
-    """``gelu(x @ w + b)`` as one node: the bias and the GELU in one pass after the GEMM
-    (kernels.BIAS_GELU), the GELU's backward in one more (GELU_BWD); ``split`` as linear's."""
-    k, m = w.shape
-    operand = kernels.linear_operands(split)
-    xo = operand(x.data, "input")
-    h = kernels.product(xo, operand(w.data, "weight"))
-    out, t = kernels.BIAS_GELU(h, b.data)                 # h now holds x @ w + b
-
-    def backward(g):
-        gh = kernels.GELU_BWD(h, g, t)
-        go = operand(gh, "gradient")
-        gx = kernels.product(go, operand(w.data, "weight").T) if needs_grad(x) else None
-        gw = _weight_grad(xo.reshape(-1, k).T, go.reshape(-1, m), w) if needs_grad(w) else None
-        return gx, gw, _bias_grad(gh.reshape(-1, m), b) if needs_grad(b) else None
-    return Tensor._make(out, (x, w, b), backward)
-
-
-def grad_target(t: Tensor):
-    """(the array an op's backward may write ``t``'s gradient into, True when it must
-    overwrite: it holds the last step's), or (None, False): ``t`` is no leaf needing its
-    gradient now, or has no buffer. The op then returns ``ACCUMULATED`` (after ``written``):
-    no addition by the engine, one pass less a parameter."""
-    if t._backward is None and t.grad is not None and needs_grad(t) and \
-            t.grad.dtype == t.data.dtype:
-        return t.grad, stale(t)
-    return None, False
-
-
-def grad_buffer(t: Tensor):
-    """grad_target's array for an op that can only add into it (zeroed first if stale)."""
-    into, stale = grad_target(t)
-    if stale:
-        into[...] = 0
-        written(t)
-    return into
-
-
-def _weight_grad(xt, g2, w: Tensor):
-    """``xt @ g2`` (two ``kernels.operand``s), w's gradient: added by the GEMM itself into w's
-    gradient buffer where it has one and the device can (kernels.matmul_add: no product
-    array, no addition by the engine), else returned."""
-    into, stale = grad_target(w)
-    if into is not None and kernels.matmul_add(xt, g2, into, overwrite=stale):
-        written(w)
-        return ACCUMULATED
-    return kernels.product(xt, g2)
-
-
-def _bias_grad(g2, b: Tensor):
-    """The row sum of g2 (N, m): added straight into ``b``'s gradient buffer where it has one
-    (one pass, and no addition by the engine), else returned."""
-    into = grad_buffer(b)
-    if into is None:
-        return g2.sum(axis=0)
-    kernels.COLSUM_ADD(g2, into)
-    return ACCUMULATED
-
 
 def matmul(a, b) -> Tensor:
     """Batched matmul with numpy's broadcasting rules; 1-D operands are promoted as numpy does."""

@@ -9,7 +9,8 @@ import numpy as np
 
 from ...device import backend, kernels
 from ..tensor import ACCUMULATED, Tensor, needs_grad, summed
-from .core import _lift, _unbroadcast, _weight_grad, _xp, grad_buffer
+from .core import _lift, _unbroadcast, _xp
+from .linear import _weight_grad, grad_buffer
 
 
 # ---- neural-net ops --------------------------------------------------------------------------

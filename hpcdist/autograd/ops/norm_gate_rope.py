@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...device import backend, kernels
 from ..tensor import ACCUMULATED, Tensor, needs_grad
-from .core import grad_buffer
+from .linear import grad_buffer
 from .nn import norm_prior, with_prior
 
 _TABLES: list = []            # [(pos, hd, rotary, dtype, (cos, sin))]: the last few position sets

@@ -10,13 +10,52 @@ from .. import backend
 from ..fused import Fused
 from .common import _FINISH, _VECTOR, _rows, accumulator, kept_zeros, vector_width
 
-_COLSUM = _VECTOR + _FINISH + r"""
+# the block's column sums — thread (x, y)'s ``s`` over its VEC columns from c0, for rows y,
+# y + 8, ... of its chunk — added into out: thread (x, 0) adds the 8 partial sums in order. One
+# chunk: into out directly. Several: into part[chunk][c], then the block that finishes its
+# column group last (a counter per group, after a fence) adds the chunks' sums in chunk order
+# into out and zeroes the counter for the next call (gelu_colsum.py shares it)
+COLSUM_STORE = r"""
+// out[c0 + j] += t[j] for the VEC columns, 16 bytes at a time
+__device__ __forceinline__ void colsum_into(T* out, const A* t, int c0) {
+    alignas(16) T o[VEC];
+    copy_vec(o, out + c0);
+#pragma unroll
+    for (int j = 0; j < VEC; j++) o[j] = (T)((A)o[j] + t[j]);
+    copy_vec(out + c0, o);
+}
+__device__ __forceinline__ void colsum_store(const A* s, A (*acc)[32 * VEC + 1], T* out,
+                                             A* part, unsigned* done, int C, int c0) {
+    A t[VEC];
+    for (int j = 0; j < VEC; j++) acc[threadIdx.y][threadIdx.x * VEC + j] = s[j];
+    __syncthreads();
+    if (threadIdx.y == 0 && c0 < C) {
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            t[j] = 0;
+            for (int y = 0; y < 8; y++) t[j] += acc[y][threadIdx.x * VEC + j];
+        }
+        if (gridDim.y == 1) colsum_into(out, t, c0);
+        else
+            for (int j = 0; j < VEC; j++) part[blockIdx.y * C + c0 + j] = t[j];
+    }
+    if (gridDim.y == 1 || !last_to_arrive(done + blockIdx.x, gridDim.y)) return;
+    if (threadIdx.y == 0 && c0 < C) {
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            t[j] = 0;
+            for (unsigned k = 0; k < gridDim.y; k++) t[j] += read_l2(part + k * C + c0 + j);
+        }
+        colsum_into(out, t, c0);
+    }
+    if (threadIdx.x == 0 && threadIdx.y == 0) done[blockIdx.x] = 0;
+}
+"""
+
+_COLSUM = _VECTOR + _FINISH + COLSUM_STORE + r"""
 // out[c] += sum over rows of g[r, c]. blockIdx.x: a group of 32 VEC columns; blockIdx.y: a
 // chunk of the rows. Thread (x, y) of a 32 x 8 block sums rows y, y + 8, ... of its chunk over
-// its VEC columns (a warp reads 32 x 16 contiguous bytes of a row); thread (x, 0) adds the 8
-// partial sums in order. One chunk: into out directly. Several: into part[chunk][c], then
-// the block that finishes its column group last (a counter per group, after a fence) adds
-// the chunks' sums in chunk order into out and zeroes the counter for the next call. (One
+// its VEC columns (a warp reads 32 x 16 contiguous bytes of a row), then colsum_store. (One
 // block per 32 columns over every row left most of an H200 idle: 20 us a call at GPT-2
 // medium, 400 us before that at one thread a column.)
 extern "C" __global__ void colsum_add(const T* g, T* out, A* part, unsigned* done,
@@ -33,23 +72,7 @@ extern "C" __global__ void colsum_add(const T* g, T* out, A* part, unsigned* don
             copy_vec(gv, g + r * C + c0);
             for (int j = 0; j < VEC; j++) s[j] += (A)gv[j];
         }
-    for (int j = 0; j < VEC; j++) acc[threadIdx.y][threadIdx.x * VEC + j] = s[j];
-    __syncthreads();
-    if (threadIdx.y == 0 && c0 < C)
-        for (int j = 0; j < VEC; j++) {
-            A t = 0;
-            for (int y = 0; y < 8; y++) t += acc[y][threadIdx.x * VEC + j];
-            if (gridDim.y == 1) out[c0 + j] = (T)((A)out[c0 + j] + t);
-            else part[blockIdx.y * C + c0 + j] = t;
-        }
-    if (gridDim.y == 1 || !last_to_arrive(done + blockIdx.x, gridDim.y)) return;
-    if (threadIdx.y == 0 && c0 < C)
-        for (int j = 0; j < VEC; j++) {
-            A t = 0;
-            for (unsigned k = 0; k < gridDim.y; k++) t += read_l2(part + k * C + c0 + j);
-            out[c0 + j] = (T)((A)out[c0 + j] + t);
-        }
-    if (threadIdx.x == 0 && threadIdx.y == 0) done[blockIdx.x] = 0;
+    colsum_store(s, acc, out, part, done, C, c0);
 }
 """
 

@@ -212,6 +212,13 @@ def colsum_add(g, out):
     return out
 
 
+def gelu_bwd_colsum(h, g, t, out):
+    """twin: gelu_colsum.gelu_bwd_colsum_twin, the two CPU kernels one after the other."""
+    gh = gelu_bwd(h, g, t)
+    colsum_add(gh, out)
+    return gh
+
+
 def adamw(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):
     """twin: adamw.adamw_twin, on flat contiguous buffers."""
     s = p.dtype.type

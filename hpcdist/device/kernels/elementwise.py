@@ -13,8 +13,17 @@ from .common import _VECTOR, GELU_C, vectors
 
 # ---- GELU ----------------------------------------------------------------------------------
 
-_GELU = _VECTOR + r"""
+# d gelu(v) / dv, tanh form (gelu_colsum.py's kernel shares it)
+GELU_GRAD = r"""
 #define GELU_C ((A)0.7978845608028654)
+__device__ __forceinline__ A gelu_grad_of(A v) {
+    A t = tanh(GELU_C * (v + (A)0.044715 * v * v * v));
+    return (A)0.5 * ((A)1 + t)
+        + (A)0.5 * v * ((A)1 - t * t) * GELU_C * ((A)1 + (A)3 * (A)0.044715 * v * v);
+}
+"""
+
+_GELU = _VECTOR + GELU_GRAD + r"""
 __device__ __forceinline__ A gelu_of(A v) {
     A t = tanh(GELU_C * (v + (A)0.044715 * v * v * v));
     return (A)0.5 * v * ((A)1 + t);
@@ -52,13 +61,7 @@ extern "C" __global__ void gelu_bwd(const T* x, const T* g, T* gx, long long n) 
     copy_vec(xv, x + i);
     copy_vec(gv, g + i);
 #pragma unroll
-    for (int j = 0; j < VEC; j++) {
-        A v = (A)xv[j];
-        A t = tanh(GELU_C * (v + (A)0.044715 * v * v * v));
-        A d = (A)0.5 * ((A)1 + t)
-            + (A)0.5 * v * ((A)1 - t * t) * GELU_C * ((A)1 + (A)3 * (A)0.044715 * v * v);
-        ov[j] = (T)((A)gv[j] * d);
-    }
+    for (int j = 0; j < VEC; j++) ov[j] = (T)((A)gv[j] * gelu_grad_of((A)xv[j]));
     copy_vec(gx + i, ov);
 }
 """

@@ -3,8 +3,6 @@ log-softmax and cross-entropy, LayerNorm, dropout, where and masked_fill, a dtyp
 mixture of experts' permutation and combination."""
 from __future__ import annotations
 
-import builtins
-
 import numpy as np
 
 from ...device import backend, kernels
@@ -109,20 +107,16 @@ def cross_entropy(logits: Tensor, targets, ignore_index: int = -100,
     vocab = None if vocab is None or vocab >= V else int(vocab)
     z = logits.data.reshape(-1, V)
     acc = np.float32 if z.dtype.itemsize < 4 else z.dtype          # (bf16, fp16)
-    if backend.is_gpu_array(targets):
-        t = targets.reshape(-1)                   # counted where they are: no device read
-        count = xp.maximum((t != ignore_index).sum(), 1).astype(acc)
-    else:
-        count = builtins.max(int((np.asarray(targets) != ignore_index).sum()), 1)
-        t = xp.asarray(targets).reshape(-1)      # host targets go to the logits' device
+    # host targets go to the logits' device; counted there with the loss (no device read)
+    t = targets.reshape(-1) if backend.is_gpu_array(targets) else \
+        xp.asarray(targets).reshape(-1)
     nll, lse = kernels.CROSS_ENTROPY_FWD(z, t, ignore_index, vocab)
-    out = nll.astype(acc, copy=False).sum() / count
+    out, per = kernels.CROSS_ENTROPY_MEAN(nll.astype(acc, copy=False), t, ignore_index)
 
-    def backward(g):
-        weight = (g / count).astype(z.dtype)
-        return (kernels.CROSS_ENTROPY_BWD(z, t, lse, ignore_index, weight, vocab)
+    def backward(g):                  # (the weight of each scored position: g / their count)
+        return (kernels.CROSS_ENTROPY_BWD(z, t, lse, ignore_index, g * per, vocab)
                 .reshape(logits.shape),)
-    return Tensor._make(out.astype(acc), (logits,), backward)
+    return Tensor._make(out, (logits,), backward)
 
 
 def norm_prior(prior, x):

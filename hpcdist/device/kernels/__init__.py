@@ -26,7 +26,7 @@ from .colsum import COLSUM_ADD, colsum_add_twin
 from .adamw import (ADAMW, ADAMW_LOW, ADAMW_LOW_SCHED, ADAMW_SCHED, LR_SCHEDULE, adam_step_twin,
                     adamw_twin)
 from .layernorm import LAYERNORM_BWD, LAYERNORM_FWD, layernorm_bwd_twin, layernorm_twin
-from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD,
+from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, CROSS_ENTROPY_MEAN, SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD,
                    cross_entropy_bwd_twin, cross_entropy_twin, softmax_causal_bwd_twin,
                    softmax_causal_twin)
 from .fp8_quant import FP8_AMAX, FP8_QUANTIZE, FP8_ROUND
@@ -47,7 +47,7 @@ __all__ = ["ADAMW", "ADAMW_LOW", "FP8_AMAX", "FP8_QUANTIZE", "FP8_ROUND", "GELU_
            "RMSNORM_BWD", "RMSNORM_FWD", "ROTARY", "GEGLU_BWD", "GEGLU_FWD", "geglu_bwd_twin", "geglu_twin", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
            "rmsnorm_twin", "rotary_tables", "rotary_twin", "swiglu_bwd_twin", "swiglu_twin", "BIAS_GELU", "MOE_COMBINE",
            "MOE_COMBINE_BWD", "MOE_PERMUTE", "combine_bwd_twin", "combine_twin", "permute_twin",
-           "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD",
+           "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD", "CROSS_ENTROPY_MEAN",
            "GELU_BWD", "GELU_C", "GELU_FWD", "LAYERNORM_BWD", "LAYERNORM_FWD",
            "FROM_BF16", "ROUND_BF16", "SOFTMAX_CAUSAL_BWD", "operand", "linear_operands", "product", "SOFTMAX_CAUSAL_FWD", "TO_BF16", "adam_step_twin", "adamw_twin",
            "attention_bwd", "attention_bwd_twin", "attention_fwd", "attention_twin",

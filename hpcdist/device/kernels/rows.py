@@ -138,14 +138,15 @@ extern "C" __global__ void cross_entropy_fwd(const T* z, const long long* t, A* 
     }
 }
 // the gradient: (softmax - onehot(t)) * weight, 0 on ignored rows and padding columns
+// (weight: the loss's gradient over the positions scored, in the accumulator's type)
 extern "C" __global__ void cross_entropy_bwd(const T* z, const long long* t, const A* lse,
                                              T* gz, long long rows, int V, int Vv,
-                                             long long ignore, const T* weight) {
+                                             long long ignore, const A* weight) {
     long long r = blockIdx.x;
     if (r >= rows) return;
     long long target = t[r];
     bool skip = target == ignore || target < 0 || target >= Vv;
-    A l = lse[r], wt = (A)weight[0];
+    A l = lse[r], wt = weight[0];
     alignas(16) T zv[VEC], gv[VEC];
     for (int c = threadIdx.x * VEC; c < V; c += blockDim.x * VEC) {
         copy_vec(zv, z + r * V + c);
@@ -154,6 +155,27 @@ extern "C" __global__ void cross_entropy_bwd(const T* z, const long long* t, con
             gv[j] = (T)(skip || c + j >= Vv ? (A)0
                         : (exp((A)zv[j] - l) - (c + j == target ? (A)1 : (A)0)) * wt);
         copy_vec(gz + r * V + c, gv);
+    }
+}
+"""
+
+_CE_MEAN = _COMMON + r"""
+// the mean loss over the positions scored, and 1 / their count (at least 1), from the rows'
+// nll: one block, the threads' strided sums added in the block's fixed order
+extern "C" __global__ void cross_entropy_mean(const T* nll, const long long* t, T* out,
+                                              long long rows, long long ignore) {
+    __shared__ A shared[32];
+    A s = 0, c = 0;
+    for (long long r = threadIdx.x; r < rows; r += blockDim.x) {
+        s += (A)nll[r];
+        if (t[r] != ignore) c += (A)1;
+    }
+    s = block_sum(s, shared);
+    c = block_sum(c, shared);
+    if (threadIdx.x == 0) {
+        A n = c > (A)1 ? c : (A)1;
+        out[0] = (T)(s / n);
+        out[1] = (T)((A)1 / n);
     }
 }
 """
@@ -174,6 +196,15 @@ def cross_entropy_twin(z, t, ignore, vocab=None):
     rows = xp.arange(z.shape[0])
     nll = (lse - shifted[rows, safe]) * valid
     return nll, lse + z.max(axis=1)
+
+
+def cross_entropy_mean_twin(nll, t, ignore):
+    """(the mean of ``nll`` over the positions whose target is not ``ignore``, 1 / their count
+    (at least 1)) as 0-d arrays of nll's dtype: the loss and its gradient's weight, on the
+    device (no read)."""
+    xp = backend.array_module(nll)
+    count = xp.maximum((t != ignore).sum(), 1).astype(nll.dtype)
+    return nll.sum() / count, 1 / count
 
 
 def cross_entropy_bwd_twin(z, t, lse, ignore, weight, vocab=None):
@@ -222,9 +253,25 @@ def _ce_bwd_launch(k, z, t, lse, ignore, weight, vocab=None):
                                           np.int64(rows), np.int32(V),
                                           np.int32(V if vocab is None else vocab),
                                           np.int64(ignore),
-                                          xp.ascontiguousarray(weight, dtype=z.dtype)
-                                          .reshape(1)))
+                                          xp.ascontiguousarray(weight, dtype=acc).reshape(1)))
     return gz
+
+
+def _ce_mean_launch(k, nll, t, ignore):
+    xp = backend.xp()
+    out = xp.empty(2, dtype=nll.dtype)
+    k("cross_entropy_mean")((1,), (ROW_THREADS,),
+                            (xp.ascontiguousarray(nll), xp.ascontiguousarray(t, dtype=np.int64),
+                             out, np.int64(nll.size), np.int64(ignore)))
+    return out[0], out[1]
+
+
+def _ce_mean_cases(xp, rng, dt):
+    for rows in (1, 7, 1000, 4096, 9001):
+        t = rng.integers(0, 50, rows)
+        t[::3] = -100
+        yield xp.asarray(rng.exponential(3.0, rows).astype(dt)), xp.asarray(t), -100
+    yield xp.zeros(5, dtype=dt), xp.asarray(np.full(5, -100)), -100     # nothing scored
 
 
 def _ce_cases(xp, rng, dt, backward=False):
@@ -250,6 +297,9 @@ CROSS_ENTROPY_FWD = Fused("cross_entropy_fwd", _CROSS_ENTROPY, ["cross_entropy_f
                           _ce_launch, cross_entropy_twin,
                           lambda xp, rng, dt: _ce_cases(xp, rng, dt), tolerance=1e-5,
                           cpu="cpu.cross_entropy")
+CROSS_ENTROPY_MEAN = Fused("cross_entropy_mean", _CE_MEAN, ["cross_entropy_mean"],
+                           _ce_mean_launch, cross_entropy_mean_twin, _ce_mean_cases,
+                           tolerance=1e-5, dtypes=("float32", "float64"))
 CROSS_ENTROPY_BWD = Fused("cross_entropy_bwd", _CROSS_ENTROPY, ["cross_entropy_bwd"],
                           _ce_bwd_launch, cross_entropy_bwd_twin,
                           lambda xp, rng, dt: _ce_cases(xp, rng, dt, True),

@@ -305,9 +305,10 @@ def test_kernels_bench_times_each_memory_bound_kernel_both_ways(tmp_path):
                 "128", "--reps", "1", "--calls", "2", "--out", str(out_json))
     assert "bf16, 48 rows x 64 (standin; us a call, graph)" in out
     rows = {r["kernel"]: r for r in json.loads(out_json.read_text())["kernels"]}
-    assert len(rows) == 17 and all(r["timed as"] == "graph" and r["us"] > 0 for r in rows.values())
+    assert len(rows) == 19 and all(r["timed as"] == "graph" and r["us"] > 0 for r in rows.values())
     assert rows["add2 (engine's gradient sum)"]["bytes"] == 3 * 48 * 64 * 2
     assert rows["swiglu_bwd (4C)"]["bytes"] == 5 * 48 * 4 * 64 * 2
+    assert rows["layernorm_bwd + the residual's gradient"]["bytes"] == 4 * 48 * 64 * 2
     assert rows["geglu_fwd (4C)"]["bytes"] == 3 * 48 * 4 * 64 * 2
     assert rows["cross_entropy_bwd (V 128)"]["bytes"] == 2 * 48 * 128 * 2
     assert all("us one a thread" in r for k, r in rows.items() if not k.startswith("copy"))

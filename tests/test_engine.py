@@ -187,3 +187,44 @@ def test_a_norm_adds_its_inputs_other_gradient_in_its_own_pass(monkeypatch, norm
     assert sums == [] or dtype == "bfloat16"
     np.testing.assert_allclose(both, grads(False), rtol=1e-12 if dtype == "float64" else 2e-2,
                                atol=0 if dtype == "float64" else 2e-2)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("device", ["cpu", "standin"])
+def test_a_projection_and_the_norm_after_it_in_one_pass_equal_them_apart(kind, device):
+    """``linear_norm`` (the residual stream after a projection and its norm, the bias, the
+    residual and the norm in one kernel after the GEMM) equals ``linear`` then the norm:
+    both outputs and every gradient; on the GPU stand-in it is one launch fewer."""
+    from hpcdist.autograd import ops
+    from hpcdist.device import backend, standin
+    prev = backend.device_label()
+    backend.init(device)
+    try:
+        rng = np.random.default_rng(9)
+        arrays = [rng.standard_normal(s) for s in ((2, 5, 24), (24, 16), (16,), (2, 5, 16),
+                                                    (16,), (16,), (2, 5, 16), (2, 5, 16))]
+        results = []
+        for together in (False, True):
+            x, w, b, r, nw, nb = (hd.tensor(backend.to_device(a), requires_grad=True)
+                                  for a in arrays[:6])
+            norm = (lambda t, fuse=None: ops.layer_norm(t, nw, nb, 1e-5, fuse=fuse)) \
+                if kind == "layer" else (lambda t, fuse=None: ops.rms_norm(t, nw, 1e-6, fuse=fuse))
+            standin.LAUNCHES.count = 0
+            if together:
+                y, h = ops.linear_norm(x, w, b, r, norm)
+            else:
+                y = ops.linear(x, w, b, r)
+                h = norm(y)
+            launches = standin.LAUNCHES.count
+            (y * hd.tensor(backend.to_device(arrays[6])) +
+             h * hd.tensor(backend.to_device(arrays[7]))).sum().backward()
+            results.append(([backend.to_numpy(t.data) for t in (y, h)] +
+                            [backend.to_numpy(t.grad) for t in (x, w, b, r, nw)
+                             + ((nb,) if kind == "layer" else ())], launches))
+        (apart, n_apart), (together, n_together) = results
+        for a, t in zip(apart, together):
+            np.testing.assert_allclose(t, a, rtol=1e-12, atol=1e-12)
+        if device == "standin":
+            assert n_together == n_apart - 1, (n_apart, n_together)
+    finally:
+        backend.init(prev)

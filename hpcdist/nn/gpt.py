@@ -94,12 +94,15 @@ class CausalSelfAttention(Module):
         self.resid_drop = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, pos=None, cache: dict | None = None,
-                residual: Tensor | None = None):
+                residual: Tensor | None = None, norm=None):
         """``cache``: this layer's KV cache (inference); ``residual``: added to the output
-        (with the projection's bias, in one pass)."""
+        (with the projection's bias, in one pass); ``norm``: the result's norm too, in that
+        pass (returns both)."""
         y = self.core(self.c_attn(x), pos, cache)
-        return self.c_proj(y, residual) if not active(self.resid_drop) else \
-            _add(self.resid_drop(self.c_proj(y)), residual)
+        if not active(self.resid_drop):
+            return self.c_proj(y, residual, norm)
+        out = _add(self.resid_drop(self.c_proj(y)), residual)
+        return out if norm is None else (out, norm(out))
 
 
 def _add(out: Tensor, residual: Tensor | None) -> Tensor:
@@ -137,8 +140,8 @@ class Block(Module):
         return [(self.attn, "resid_drop"), (self.mlp, "drop")]
 
     def forward(self, x: Tensor, pos=None, cache: dict | None = None) -> Tensor:
-        x = self.attn(self.ln_1(x), pos, cache, residual=x)   # x + attn(ln(x))
-        return self.mlp(self.ln_2(x), residual=x)             # x + mlp(ln(x))
+        x, h = self.attn(self.ln_1(x), pos, cache, residual=x, norm=self.ln_2)
+        return self.mlp(h, residual=x)           # x + attn(ln(x)), then x + mlp(ln(x))
 
 
 class LMLoss(Module):

@@ -36,8 +36,11 @@ class Linear(Module):
         else:
             self.bias = None
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """``residual``: added to the output with the bias, in one pass."""
+    def forward(self, x: Tensor, residual: Tensor | None = None, norm=None):
+        """``residual``: added to the output with the bias, in one pass; ``norm``: a
+        LayerNorm or RMSNorm of the result too, in the same pass (returns both)."""
+        if norm is not None:
+            return ops.linear_norm(x, self.weight, self.bias, residual, norm)
         return ops.linear(x, self.weight, self.bias, residual)
 
     def gelu(self, x: Tensor) -> Tensor:
@@ -77,8 +80,9 @@ class LayerNorm(Module):
         self.bias = Parameter(xp.zeros(dim, dtype=backend.default_float())) if bias else None
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+    def forward(self, x: Tensor, fuse=None) -> Tensor:
+        """``fuse``: a projection's (bias, residual) to add into x first (ops.linear_norm)."""
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, fuse=fuse)
 
 
 def active(drop) -> bool:
@@ -142,9 +146,10 @@ class RMSNorm(Module):
         self.weight = Parameter(start(dim, dtype=backend.default_float()))
         self.eps, self.offset = eps, offset
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, fuse=None) -> Tensor:
+        """``fuse``: a projection's (bias, residual) to add into x first (ops.linear_norm)."""
         scale = self.weight + self.offset if self.offset else self.weight
-        return ops.rms_norm(x, scale, self.eps)
+        return ops.rms_norm(x, scale, self.eps, fuse=fuse)
 
 
 _GATES = {"silu": ops.swiglu, "gelu_tanh": ops.geglu}

@@ -171,12 +171,14 @@ class Attention(Module):
         self.resid_drop = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, pos=None, cache: dict | None = None,
-                residual: Tensor | None = None):
+                residual: Tensor | None = None, norm=None):
+        """``norm``: the result's norm too, with the residual in one pass (returns both)."""
         y = self.core(self.qkv(x), pos, cache)
         if not active(self.resid_drop):
-            return self.proj(y, residual)
+            return self.proj(y, residual, norm)
         out = self.resid_drop(self.proj(y))
-        return out if residual is None else residual + out
+        out = out if residual is None else residual + out
+        return out if norm is None else (out, norm(out))
 
 
 class Block(Module):
@@ -213,8 +215,8 @@ class Block(Module):
         return [(self.attn, "resid_drop"), (self.mlp, "drop")]
 
     def forward(self, x: Tensor, pos=None, cache: dict | None = None) -> Tensor:
-        x = self.attn(self.attn_norm(x), pos, cache, residual=x)
-        return self.mlp(self.mlp_norm(x), residual=x)
+        x, h = self.attn(self.attn_norm(x), pos, cache, residual=x, norm=self.mlp_norm)
+        return self.mlp(h, residual=x)
 
 
 class Llama(DecoderLM):

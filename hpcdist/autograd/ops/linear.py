@@ -12,13 +12,15 @@ from .core import add, matmul
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
-           residual: Tensor | None = None, *, split: fp8.Split | None = None) -> Tensor:
+           residual: Tensor | None = None, *, split: fp8.Split | None = None,
+           later: bool = False) -> Tensor:
     """``x @ w + b (+ residual)`` as one node: the bias (and a residual stream) added into
     the product in place, one fused pass on a GPU (kernels.BIAS_RESIDUAL); the bias's
     gradient one row sum, added straight into its buffer where it has one (COLSUM_ADD).
     x and the gradient are converted once (kernels.linear_operands: bf16 runs, fp8's values)
     for the products they enter; w where it is used (kept, it would hold ZeRO-3's gathered
-    weights alive). ``split``: which operands are tensor-parallel shards (fp8's scales)."""
+    weights alive). ``split``: which operands are tensor-parallel shards (fp8's scales).
+    ``later``: the bias and residual are left for the next op to add (``linear_norm``)."""
     if x.ndim < 2:
         y = matmul(x, w)
         y = y if b is None else add(y, b)
@@ -26,7 +28,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
     operand = kernels.linear_operands(split)
     xo = operand(x.data, "input")
     out = kernels.product(xo, operand(w.data, "weight"))
-    if b is not None or residual is not None:
+    if (b is not None or residual is not None) and not later:
         kernels.BIAS_RESIDUAL(out, None if b is None else b.data,
                               None if residual is None else residual.data)
     k, m = w.shape
@@ -46,6 +48,20 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
         return grads if residual is None else grads + (g,)
     parents = (x, w) if b is None else (x, w, b)
     return Tensor._make(out, parents if residual is None else parents + (residual,), backward)
+
+
+def linear_norm(x: Tensor, w: Tensor, b: Tensor | None, residual: Tensor | None, norm, *,
+                split: fp8.Split | None = None) -> tuple:
+    """(``linear(x, w, b, residual)``, ``norm`` of it) — the residual stream after a
+    projection and the next block part's normed input — with the bias, the residual and the
+    norm in one pass after the GEMM: ``norm(y, fuse=(bias, residual))`` (a LayerNorm's or
+    RMSNorm's module) adds them into y in its kernel. Two nodes, as the ops apart make."""
+    if x.ndim < 2:
+        out = linear(x, w, b, residual, split=split)
+        return out, norm(out)
+    y = linear(x, w, b, residual, split=split, later=True)
+    return y, norm(y, fuse=(None if b is None else b.data,
+                            None if residual is None else residual.data))
 
 
 def linear_gelu(x: Tensor, w: Tensor, b: Tensor, *, split: fp8.Split | None = None) -> Tensor:

@@ -128,17 +128,33 @@ def norm_prior(prior, x):
     return None
 
 
+def fused_epilogue(fuse, x, low: bool) -> bool:
+    """Whether a norm's kernel adds the projection's bias and residual (``fuse``) into x
+    itself: the arrays all of x's dtype and the norm computing in it; else they are added
+    here, in their own pass, and False."""
+    if fuse is None:
+        return False
+    given = [a for a in fuse if a is not None]
+    if not low and x.flags.c_contiguous and all(a.dtype == x.dtype for a in given):
+        return True
+    kernels.BIAS_RESIDUAL(x, *fuse)
+    return False
+
+
 def with_prior(gx, prior, added):
     """gx plus ``prior`` unless the kernel ``added`` it."""
     return gx if prior is None or added is not None else summed(prior, gx)
 
 
-def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5, *,
+               fuse=None) -> Tensor:
     """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``: one fused
     kernel each way (kernels.LAYERNORM_FWD / _BWD; the twin in place, means as sums times
     1/C: NumPy's ``mean`` costs a Python layer per call). 2-byte floats are normalized in
     float32 and rounded back: inside the kernel where it takes them (bf16 on a GPU), else
-    by converting around it."""
+    by converting around it. ``fuse``: (bias, residual) arrays (either None) the projection
+    that made x left for this op to add into x.data first (``linear_norm``): in the norm's
+    kernel (RESIDUAL_LAYERNORM), or in a pass of their own ahead of it."""
     xp = _xp(x)
     dt = x.data.dtype
     low = dt.itemsize < 4 and dt.kind in "fV" and not kernels.LAYERNORM_FWD.native(dt)
@@ -148,8 +164,12 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     zeros = lambda: xp.zeros(C, dtype=xp.float32 if low else dt)    # noqa: E731
     w = f32(weight.data) if weight is not None else ones()
     b = f32(bias.data) if bias is not None else zeros()
-    xd = f32(x.data)
-    out, mean, rstd, xhat = kernels.LAYERNORM_FWD(xd, w, b, eps)
+    if fused_epilogue(fuse, x.data, low):
+        _, out, mean, rstd, xhat = kernels.RESIDUAL_LAYERNORM(x.data, *fuse, w, b, eps)
+        xd = x.data
+    else:
+        xd = f32(x.data)
+        out, mean, rstd, xhat = kernels.LAYERNORM_FWD(xd, w, b, eps)
     if low:
         out = out.astype(dt)
     affine = tuple(t for t in (weight, bias) if t is not None)

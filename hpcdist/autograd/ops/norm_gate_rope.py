@@ -7,21 +7,26 @@ from __future__ import annotations
 from ...device import backend, kernels
 from ..tensor import ACCUMULATED, Tensor, needs_grad
 from .linear import grad_buffer
-from .nn import norm_prior, with_prior
+from .nn import fused_epilogue, norm_prior, with_prior
 
 _TABLES: list = []            # [(pos, hd, rotary, dtype, (cos, sin))]: the last few position sets
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, fuse=None) -> Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis (kernels.RMSNORM_FWD / _BWD).
     2-byte floats are normalised in float32 and rounded back: inside the kernel where it
-    takes them (bf16 on a GPU), else by converting around it."""
+    takes them (bf16 on a GPU), else by converting around it. ``fuse``: as layer_norm's
+    (RESIDUAL_RMSNORM)."""
     xp = backend.array_module(x.data)
     dt = x.data.dtype
     low = dt.itemsize < 4 and dt.kind in "fV" and not kernels.RMSNORM_FWD.native(dt)
     f32 = (lambda a: a.astype(xp.float32)) if low else (lambda a: a)
-    xd = f32(x.data)
-    out, rstd, xhat = kernels.RMSNORM_FWD(xd, f32(weight.data), eps)
+    if fused_epilogue(fuse, x.data, low):
+        xd = x.data
+        _, out, rstd, xhat = kernels.RESIDUAL_RMSNORM(xd, *fuse, weight.data, eps)
+    else:
+        xd = f32(x.data)
+        out, rstd, xhat = kernels.RMSNORM_FWD(xd, f32(weight.data), eps)
 
     def backward(g, prior=None):
         into = grad_buffer(weight) if not low else None   # (the weight read again: ZeRO-3)

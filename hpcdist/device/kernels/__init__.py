@@ -11,7 +11,8 @@ from .attention import attention_bwd, attention_bwd_twin, attention_fwd, attenti
 from .flash import FLASH_BWD, FLASH_FWD, flash_bwd_twin, flash_twin
 from .cudnn_attention import CUDNN_BWD, CUDNN_FWD
 from .flash_blocks import FLASH_BLOCK_BWD, FLASH_BLOCK_FWD, block_bwd_twin, block_twin
-from .rmsnorm import RMSNORM_BWD, RMSNORM_FWD, rmsnorm_bwd_twin, rmsnorm_twin
+from .rmsnorm import (RESIDUAL_RMSNORM, RMSNORM_BWD, RMSNORM_FWD, rmsnorm_bwd_twin,
+                      rmsnorm_twin)
 from .rotary import ROTARY, rotary_tables, rotary_twin
 from .swiglu import (GEGLU_BWD, GEGLU_FWD, SWIGLU_BWD, SWIGLU_FWD, geglu_bwd_twin, geglu_twin,
                      swiglu_bwd_twin, swiglu_twin)
@@ -25,7 +26,8 @@ from .elementwise import (ADD, BIAS_GELU, BIAS_RESIDUAL, GELU_BWD, GELU_FWD, WID
 from .colsum import COLSUM_ADD, colsum_add_twin
 from .adamw import (ADAMW, ADAMW_LOW, ADAMW_LOW_SCHED, ADAMW_SCHED, LR_SCHEDULE, adam_step_twin,
                     adamw_twin)
-from .layernorm import LAYERNORM_BWD, LAYERNORM_FWD, layernorm_bwd_twin, layernorm_twin
+from .layernorm import (LAYERNORM_BWD, LAYERNORM_FWD, RESIDUAL_LAYERNORM, layernorm_bwd_twin,
+                        layernorm_twin)
 from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, CROSS_ENTROPY_MEAN, SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD,
                    cross_entropy_bwd_twin, cross_entropy_twin, softmax_causal_bwd_twin,
                    softmax_causal_twin)
@@ -44,7 +46,7 @@ _graphs.before_capture(use_workspace)
 
 __all__ = ["ADAMW", "ADAMW_LOW", "FP8_AMAX", "FP8_QUANTIZE", "FP8_ROUND", "GELU_BWD_COLSUM", "ADAMW_LOW_SCHED", "ADAMW_SCHED", "LR_SCHEDULE", "ADD", "add_twin", "WIDEN", "widen_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",
-           "RMSNORM_BWD", "RMSNORM_FWD", "ROTARY", "GEGLU_BWD", "GEGLU_FWD", "geglu_bwd_twin", "geglu_twin", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
+           "RMSNORM_BWD", "RMSNORM_FWD", "RESIDUAL_RMSNORM", "RESIDUAL_LAYERNORM", "ROTARY", "GEGLU_BWD", "GEGLU_FWD", "geglu_bwd_twin", "geglu_twin", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
            "rmsnorm_twin", "rotary_tables", "rotary_twin", "swiglu_bwd_twin", "swiglu_twin", "BIAS_GELU", "MOE_COMBINE",
            "MOE_COMBINE_BWD", "MOE_PERMUTE", "combine_bwd_twin", "combine_twin", "permute_twin",
            "BIAS_RESIDUAL", "COLSUM_ADD", "CROSS_ENTROPY_BWD", "CROSS_ENTROPY_FWD", "CROSS_ENTROPY_MEAN",

@@ -207,6 +207,12 @@ def sumsq(x) -> float:
     return float(part.sum())
 
 
+def residual_layernorm(x, bias, residual, w, b, eps):
+    """twin: layernorm.residual_layernorm_twin, the two CPU kernels one after the other."""
+    bias_residual(x, bias, residual)
+    return (x,) + layernorm(x, w, b, eps)
+
+
 def colsum_add(g, out):
     out += _colsum(_mat(g))
     return out

@@ -17,6 +17,12 @@ def rmsnorm(x, w, eps):
     return y.reshape(x.shape), rstd.reshape(x.shape[:-1]), None
 
 
+def residual_rmsnorm(x, bias, residual, w, eps):
+    """twin: rmsnorm.residual_rmsnorm_twin, the two CPU kernels one after the other."""
+    cpu.bias_residual(x, bias, residual)
+    return (x,) + rmsnorm(x, w, eps)
+
+
 def rmsnorm_bwd(g, x, w, rstd, xhat=None, gw_into=None, add=None):
     x2 = cpu._mat(x)
     R, C = x2.shape

@@ -7,6 +7,7 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused
+from .elementwise import bias_residual_twin
 from .common import (_COMMON, _FINISH, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator, finishes,
                      kept_zeros, low, row_threads, rows_per_block, sums, summed, vector_width,
                      wide)
@@ -14,23 +15,42 @@ from .common import (_COMMON, _FINISH, _VECTOR, WARP_ROWS, _rows, _scalar, accum
 
 # ---- LayerNorm -----------------------------------------------------------------------------
 
-_LAYERNORM = _COMMON + _VECTOR + _FINISH + r"""
+# a row of the residual stream made in place, ahead of the norm that reads it: x += bias +
+# residual (flags say which), by the lanes that read it back (their own elements: no barrier)
+RESIDUAL_ROW = r"""
+// the lane's sum of the new row's values (``squares``: of their squares)
+__device__ __forceinline__ A residual_row(T* xr, const T* bias, const T* rr, int C, int lane,
+                                          int has_bias, int has_res, int squares) {
+    alignas(16) T xv[VEC], bv[VEC], rv[VEC];
+    A s = 0;
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        copy_vec(xv, xr + c);
+        if (has_bias) copy_vec(bv, bias + c);
+        if (has_res) copy_vec(rv, rr + c);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            A v = (A)xv[j];
+            if (has_bias) v += (A)bv[j];
+            if (has_res) v += (A)rv[j];
+            xv[j] = (T)v;
+            v = (A)xv[j];                                // (the stored value, as the twin's)
+            s += squares ? v * v : v;
+        }
+        copy_vec(xr + c, xv);
+    }
+    return s;
+}
+"""
+
+_LAYERNORM = _COMMON + _VECTOR + _FINISH + RESIDUAL_ROW + r"""
 // one warp per row of C (blockDim.x / 32 rows a block), VEC elements a lane at a time (C
 // divides by VEC): y = (x - mean) * rstd * w + b; mean and rstd kept for backward. No block
 // barrier; GPT-2 medium's row of 1,024 bf16 is four 16-byte loads a lane a pass (a block a
 // row with 2-byte loads took 30 us a call on an H200, a quarter of its memory's speed).
-extern "C" __global__ void layernorm_fwd(const T* x, const T* w, const T* b, T* y,
-                                         A* mean, A* rstd, long long rows, int C, A eps) {
-    int lane = threadIdx.x & 31;
-    long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= rows) return;                               // (the whole warp: one row a warp)
-    const T* xr = x + r * C;
+// ``layernorm_row``: the passes after the lane's sum s of the row
+__device__ __forceinline__ void layernorm_row(const T* xr, const T* w, const T* b, T* yr,
+                                              A* mean, A* rstd, int C, A eps, int lane, A s) {
     alignas(16) T xv[VEC], wv[VEC], bv[VEC], yv[VEC];
-    A s = 0;
-    for (int c = lane * VEC; c < C; c += 32 * VEC) {
-        copy_vec(xv, xr + c);
-        for (int j = 0; j < VEC; j++) s += (A)xv[j];
-    }
     A m = lane_sum(s) / (A)C;
     A q = 0;
     for (int c = lane * VEC; c < C; c += 32 * VEC) {
@@ -44,9 +64,34 @@ extern "C" __global__ void layernorm_fwd(const T* x, const T* w, const T* b, T* 
         copy_vec(bv, b + c);
 #pragma unroll
         for (int j = 0; j < VEC; j++) yv[j] = (T)(((A)xv[j] - m) * rs * (A)wv[j] + (A)bv[j]);
-        copy_vec(y + r * C + c, yv);
+        copy_vec(yr + c, yv);
     }
-    if (lane == 0) { mean[r] = m; rstd[r] = rs; }
+    if (lane == 0) { *mean = m; *rstd = rs; }
+}
+extern "C" __global__ void layernorm_fwd(const T* x, const T* w, const T* b, T* y,
+                                         A* mean, A* rstd, long long rows, int C, A eps) {
+    int lane = threadIdx.x & 31;
+    long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;                               // (the whole warp: one row a warp)
+    const T* xr = x + r * C;
+    alignas(16) T xv[VEC];
+    A s = 0;
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        copy_vec(xv, xr + c);
+        for (int j = 0; j < VEC; j++) s += (A)xv[j];
+    }
+    layernorm_row(xr, w, b, y + r * C, mean + r, rstd + r, C, eps, lane, s);
+}
+// x += bias + residual in place (the residual stream after a projection), then its LayerNorm
+extern "C" __global__ void residual_layernorm_fwd(T* x, const T* bias, const T* res,
+                                                  const T* w, const T* b, T* y, A* mean,
+                                                  A* rstd, long long rows, int C, A eps,
+                                                  int has_bias, int has_res) {
+    int lane = threadIdx.x & 31;
+    long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    A s = residual_row(x + r * C, bias, res + r * C * has_res, C, lane, has_bias, has_res, 0);
+    layernorm_row(x + r * C, w, b, y + r * C, mean + r, rstd + r, C, eps, lane, s);
 }
 // one block per ``per`` rows (<= 32): gx = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat)),
 // gxhat = g w; the weight and bias gradients summed over the block's rows in shared memory
@@ -144,6 +189,13 @@ def layernorm_twin(x, w, b, eps):
     return out, mean[..., 0], rstd[..., 0], xc
 
 
+def residual_layernorm_twin(x, bias, residual, w, b, eps):
+    """``x += bias; x += residual`` in place (either None: left out), then LayerNorm of x:
+    (x, y, mean, rstd, xhat)."""
+    bias_residual_twin(x, bias, residual)
+    return (x,) + layernorm_twin(x, w, b, eps)
+
+
 def layernorm_bwd_twin(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None, add=None):
     """(gx, gw, gb) of y = (x - mean) rstd w + b; ``xhat`` the forward's normalised x when it
     kept it; ``gw_into``/``gb_into``: add the weight and bias gradients into these (returned
@@ -204,6 +256,22 @@ def _layernorm_launch(k, x, w, b, eps):
     return y, mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1]), None
 
 
+def _residual_layernorm_launch(k, x, bias, residual, w, b, eps):
+    xp = backend.xp()
+    rows, C = _rows(x)
+    acc = accumulator(x.dtype)
+    y = xp.empty_like(x)
+    mean, rstd = xp.empty(rows, dtype=acc), xp.empty(rows, dtype=acc)
+    given = [xp.ascontiguousarray(a) for a in (bias, residual) if a is not None]
+    vec = vector_width(x.size, x, w, b, y, *given, row=C)
+    k("residual_layernorm_fwd", {"VEC": vec})(
+        (max(-(-rows // WARP_ROWS), 1),), (32 * WARP_ROWS,),
+        (x, x if bias is None else given[0], x if residual is None else given[-1], w, b, y,
+         mean, rstd, np.int64(rows), np.int32(C), _scalar(acc, eps),
+         np.int32(bias is not None), np.int32(residual is not None)))
+    return x, y, mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1]), None
+
+
 def _layernorm_bwd_launch(k, g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None,
                           add=None):
     xp = backend.xp()
@@ -254,6 +322,19 @@ def _ln_cases(xp, rng, dt, backward=False):
 LAYERNORM_FWD = Fused("layernorm_fwd", _LAYERNORM, ["layernorm_fwd"], _layernorm_launch,
                       layernorm_twin, lambda xp, rng, dt: _ln_cases(xp, rng, dt), compare=3,
                       cpu="cpu.layernorm")
+
+def _residual_ln_cases(xp, rng, dt):
+    for x, w, b, eps in _ln_cases(xp, rng, dt):
+        C = x.shape[-1]
+        bias = xp.asarray(rng.standard_normal(C).astype(dt))
+        residual = xp.asarray(rng.standard_normal(x.shape).astype(dt))
+        for given in ((bias, residual), (None, residual), (bias, None)):
+            yield (x.copy(),) + given + (w, b, eps)
+
+
+RESIDUAL_LAYERNORM = Fused("residual_layernorm_fwd", _LAYERNORM, ["residual_layernorm_fwd"],
+                           _residual_layernorm_launch, residual_layernorm_twin,
+                           _residual_ln_cases, compare=4, cpu="cpu.residual_layernorm")
 LAYERNORM_BWD = Fused("layernorm_bwd", _LAYERNORM, ["layernorm_bwd"], _layernorm_bwd_launch,
                       layernorm_bwd_twin, lambda xp, rng, dt: _ln_cases(xp, rng, dt, True),
                       tolerance=1e-4,

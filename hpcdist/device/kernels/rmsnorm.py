@@ -7,36 +7,54 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused
+from .elementwise import bias_residual_twin
+from .layernorm import RESIDUAL_ROW
 from .common import (_COMMON, _FINISH, _VECTOR, WARP_ROWS, _rows, _scalar, accumulator, finishes,
                      kept_zeros, low, row_threads, rows_per_block, sums, summed, vector_width,
                      wide)
 
 # ---- RMSNorm -------------------------------------------------------------------------------
 
-_RMSNORM = _COMMON + _VECTOR + _FINISH + r"""
+_RMSNORM = _COMMON + _VECTOR + _FINISH + RESIDUAL_ROW + r"""
 // one warp per row of C, VEC elements a lane at a time (LayerNorm's forward says why): y = x
-// rstd w, rstd = 1 / sqrt(mean(x^2) + eps), kept for backward
-extern "C" __global__ void rmsnorm_fwd(const T* x, const T* w, T* y, A* rstd, long long rows,
-                                       int C, A eps) {
-    int lane = threadIdx.x & 31;
-    long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= rows) return;                               // (the whole warp: one row a warp)
-    const T* xr = x + r * C;
+// rstd w, rstd = 1 / sqrt(mean(x^2) + eps), kept for backward. ``rmsnorm_row``: the pass
+// after the lane's sum of squares q of the row
+__device__ __forceinline__ void rmsnorm_row(const T* xr, const T* w, T* yr, A* rstd, int C,
+                                            A eps, int lane, A q) {
     alignas(16) T xv[VEC], wv[VEC], yv[VEC];
-    A q = 0;
-    for (int c = lane * VEC; c < C; c += 32 * VEC) {
-        copy_vec(xv, xr + c);
-        for (int j = 0; j < VEC; j++) { A v = (A)xv[j]; q += v * v; }
-    }
     A rs = (A)1 / sqrt(lane_sum(q) / (A)C + eps);
     for (int c = lane * VEC; c < C; c += 32 * VEC) {
         copy_vec(xv, xr + c);
         copy_vec(wv, w + c);
 #pragma unroll
         for (int j = 0; j < VEC; j++) yv[j] = (T)((A)xv[j] * rs * (A)wv[j]);
-        copy_vec(y + r * C + c, yv);
+        copy_vec(yr + c, yv);
     }
-    if (lane == 0) rstd[r] = rs;
+    if (lane == 0) *rstd = rs;
+}
+extern "C" __global__ void rmsnorm_fwd(const T* x, const T* w, T* y, A* rstd, long long rows,
+                                       int C, A eps) {
+    int lane = threadIdx.x & 31;
+    long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;                               // (the whole warp: one row a warp)
+    const T* xr = x + r * C;
+    alignas(16) T xv[VEC];
+    A q = 0;
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        copy_vec(xv, xr + c);
+        for (int j = 0; j < VEC; j++) { A v = (A)xv[j]; q += v * v; }
+    }
+    rmsnorm_row(xr, w, y + r * C, rstd + r, C, eps, lane, q);
+}
+// x += bias + residual in place (the residual stream after a projection), then its RMSNorm
+extern "C" __global__ void residual_rmsnorm_fwd(T* x, const T* bias, const T* res, const T* w,
+                                                T* y, A* rstd, long long rows, int C, A eps,
+                                                int has_bias, int has_res) {
+    int lane = threadIdx.x & 31;
+    long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    A q = residual_row(x + r * C, bias, res + r * C * has_res, C, lane, has_bias, has_res, 1);
+    rmsnorm_row(x + r * C, w, y + r * C, rstd + r, C, eps, lane, q);
 }
 // one block per ``per`` rows (<= 32): gx = rstd (g w - xhat mean(g w xhat)), xhat = x rstd;
 // the weight's gradient summed over the block's rows in shared memory (each thread owns its
@@ -113,6 +131,13 @@ def rmsnorm_twin(x, w, eps):
     return xhat * w, rstd[..., 0], xhat
 
 
+def residual_rmsnorm_twin(x, bias, residual, w, eps):
+    """``x += bias; x += residual`` in place (either None: left out), then RMSNorm of x:
+    (x, y, rstd, xhat)."""
+    bias_residual_twin(x, bias, residual)
+    return (x,) + rmsnorm_twin(x, w, eps)
+
+
 def rmsnorm_bwd_twin(g, x, w, rstd, xhat=None, gw_into=None, add=None):
     """(gx, gw) of y = x rstd w; ``gw_into``: the weight's gradient added into it; ``add``:
     x's gradient from elsewhere, added to gx. 2-byte floats in float32, gx and gw rounded
@@ -150,6 +175,23 @@ def _rmsnorm_launch(k, x, w, eps):
                                    (x, w, y, rstd, np.int64(rows), np.int32(C),
                                     _scalar(acc, eps)))
     return y, rstd.reshape(x.shape[:-1]), None
+
+
+def _residual_rmsnorm_launch(k, x, bias, residual, w, eps):
+    xp = backend.xp()
+    rows, C = _rows(x)
+    acc = accumulator(x.dtype)
+    y = xp.empty_like(x)
+    rstd = xp.empty(rows, dtype=acc)
+    w = xp.ascontiguousarray(w)
+    given = [xp.ascontiguousarray(a) for a in (bias, residual) if a is not None]
+    vec = vector_width(x.size, x, w, y, *given, row=C)
+    k("residual_rmsnorm_fwd", {"VEC": vec})(
+        (max(-(-rows // WARP_ROWS), 1),), (32 * WARP_ROWS,),
+        (x, x if bias is None else given[0], x if residual is None else given[-1], w, y, rstd,
+         np.int64(rows), np.int32(C), _scalar(acc, eps), np.int32(bias is not None),
+         np.int32(residual is not None)))
+    return x, y, rstd.reshape(x.shape[:-1]), None
 
 
 def _rmsnorm_bwd_launch(k, g, x, w, rstd, xhat=None, gw_into=None, add=None):
@@ -197,6 +239,18 @@ def _rmsnorm_cases(xp, rng, dt, backward=False):
 RMSNORM_FWD = Fused("rmsnorm_fwd", _RMSNORM, ["rmsnorm_fwd"], _rmsnorm_launch, rmsnorm_twin,
                     lambda xp, rng, dt: _rmsnorm_cases(xp, rng, dt), compare=2,
                     cpu="cpu_norm_gate_rope.rmsnorm")
+
+def _residual_rms_cases(xp, rng, dt):
+    for x, w, eps in _rmsnorm_cases(xp, rng, dt):
+        bias = xp.asarray(rng.standard_normal(x.shape[-1]).astype(dt))
+        residual = xp.asarray(rng.standard_normal(x.shape).astype(dt))
+        for given in ((None, residual), (bias, residual), (bias, None)):
+            yield (x.copy(),) + given + (w, eps)
+
+
+RESIDUAL_RMSNORM = Fused("residual_rmsnorm_fwd", _RMSNORM, ["residual_rmsnorm_fwd"],
+                         _residual_rmsnorm_launch, residual_rmsnorm_twin, _residual_rms_cases,
+                         compare=3, cpu="cpu_norm_gate_rope.residual_rmsnorm")
 RMSNORM_BWD = Fused("rmsnorm_bwd", _RMSNORM, ["rmsnorm_bwd"], _rmsnorm_bwd_launch,
                     rmsnorm_bwd_twin, lambda xp, rng, dt: _rmsnorm_cases(xp, rng, dt, True),
                     tolerance=1e-4,

@@ -106,12 +106,14 @@ class RowParallelLinear(Module):
         self.split = fp8.Split(comm, frozenset({"input", "weight"}))       # (fp8's scales)
         self.shard_spec = {"weight": Shard(0, 1, tuple(weight.shape)), "bias": None}
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """``residual``: added after the reduction, as the bias is."""
+    def forward(self, x: Tensor, residual: Tensor | None = None, norm=None):
+        """``residual``: added after the reduction, as the bias is; ``norm``: the result's
+        norm too (returns both; a pass of its own)."""
         y = ops.linear(x, self.weight, split=self.split)
         y = reduce_scatter_to_sp(y, self.comm) if self.sp else reduce_from_tp(y, self.comm)
         y = y + self.bias if self.bias is not None else y
-        return y if residual is None else residual + y
+        y = y if residual is None else residual + y
+        return y if norm is None else (y, norm(y))
 
 
 def padded_vocab(V: int, world: int, multiple: int = 1) -> int:

@@ -15,10 +15,19 @@ from .common import (_COMMON, _FINISH, _VECTOR, WARP_ROWS, _rows, _scalar, accum
 
 # ---- LayerNorm -----------------------------------------------------------------------------
 
-# a row of the residual stream made in place, ahead of the norm that reads it: x += bias +
-# residual (flags say which), by the lanes that read it back (their own elements: no barrier)
+# a norm's first pass over a row (the lane's sum of its values, or of their squares), and the
+# same made where the row is made in place: x += bias + residual (flags say which), by the
+# lanes that read it back (their own elements: no barrier)
 RESIDUAL_ROW = r"""
-// the lane's sum of the new row's values (``squares``: of their squares)
+__device__ __forceinline__ A row_sum(const T* xr, int C, int lane, int squares) {
+    alignas(16) T xv[VEC];
+    A s = 0;
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        copy_vec(xv, xr + c);
+        for (int j = 0; j < VEC; j++) { A v = (A)xv[j]; s += squares ? v * v : v; }
+    }
+    return s;
+}
 __device__ __forceinline__ A residual_row(T* xr, const T* bias, const T* rr, int C, int lane,
                                           int has_bias, int has_res, int squares) {
     alignas(16) T xv[VEC], bv[VEC], rv[VEC];
@@ -73,14 +82,8 @@ extern "C" __global__ void layernorm_fwd(const T* x, const T* w, const T* b, T* 
     int lane = threadIdx.x & 31;
     long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;                               // (the whole warp: one row a warp)
-    const T* xr = x + r * C;
-    alignas(16) T xv[VEC];
-    A s = 0;
-    for (int c = lane * VEC; c < C; c += 32 * VEC) {
-        copy_vec(xv, xr + c);
-        for (int j = 0; j < VEC; j++) s += (A)xv[j];
-    }
-    layernorm_row(xr, w, b, y + r * C, mean + r, rstd + r, C, eps, lane, s);
+    layernorm_row(x + r * C, w, b, y + r * C, mean + r, rstd + r, C, eps, lane,
+                  row_sum(x + r * C, C, lane, 0));
 }
 // x += bias + residual in place (the residual stream after a projection), then its LayerNorm
 extern "C" __global__ void residual_layernorm_fwd(T* x, const T* bias, const T* res,

@@ -37,14 +37,7 @@ extern "C" __global__ void rmsnorm_fwd(const T* x, const T* w, T* y, A* rstd, lo
     int lane = threadIdx.x & 31;
     long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= rows) return;                               // (the whole warp: one row a warp)
-    const T* xr = x + r * C;
-    alignas(16) T xv[VEC];
-    A q = 0;
-    for (int c = lane * VEC; c < C; c += 32 * VEC) {
-        copy_vec(xv, xr + c);
-        for (int j = 0; j < VEC; j++) { A v = (A)xv[j]; q += v * v; }
-    }
-    rmsnorm_row(xr, w, y + r * C, rstd + r, C, eps, lane, q);
+    rmsnorm_row(x + r * C, w, y + r * C, rstd + r, C, eps, lane, row_sum(x + r * C, C, lane, 1));
 }
 // x += bias + residual in place (the residual stream after a projection), then its RMSNorm
 extern "C" __global__ void residual_rmsnorm_fwd(T* x, const T* bias, const T* res, const T* w,

@@ -312,19 +312,24 @@ def linear_operands(split=None):
     "gradient", -> ``operand(x)``; under ``--precision fp8`` (outside ``fp8.kept_out()``) x's
     values as an FP8 GEMM takes them (device/fp8.py: e4m3, e5m2 for the gradient, scaled by
     a power of two), in x's dtype, scaled by the whole tensor's amax where ``split``
-    (fp8.Split) says x is a shard: one max-allreduce of a scalar over its ranks."""
+    (fp8.Split) says x is a shard: one max-allreduce of a scalar over its ranks (a weight's
+    once: its backward reads the same values as its forward)."""
     if not fp8.linears():
         return lambda x, role: operand(x)
-    return functools.partial(_fp8_operand, split)
+    return functools.partial(_fp8_operand, split, {})
 
 
-def _fp8_operand(split, x, role: str):
+def _fp8_operand(split, reduced: dict, x, role: str):
     from .fp8_quant import FP8_AMAX, FP8_QUANTIZE, FP8_ROUND   # (it imports this module's kin)
     fmt = fp8.E5M2 if role == "gradient" else fp8.E4M3
     over = fp8.split_over(split, role)
     if over is None:
         return FP8_QUANTIZE(x, fmt.max, fmt.mantissa, fmt.min_exp)
-    amax = over.allreduce(FP8_AMAX(x), op="max")
+    amax = reduced.get(role)
+    if amax is None:
+        amax = over.allreduce(FP8_AMAX(x), op="max")
+        if role == "weight":
+            reduced[role] = amax
     return FP8_ROUND(x, amax, fmt.max, fmt.mantissa, fmt.min_exp)
 
 

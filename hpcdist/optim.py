@@ -14,7 +14,7 @@ import numpy as np
 
 from .device import backend, kernels
 from .device.kernels import cpu as cpu_kernels
-from .autograd.lazy_zero import forget_grads, settle_grads
+from .autograd.lazy_zero import forget_grads, settle_grads, zeroed_grads
 
 
 class FlatParams:
@@ -62,11 +62,13 @@ class FlatParams:
         norm's) would cost a launch to zero at its first write (8 a GPT layer), where one pass
         over all of them is one launch (and little of the GPU's bandwidth)."""
         views = getattr(self, "_views", None)      # (a shard's or master copy's: none)
-        if lazy and views and not backend.is_gpu_array(self.grad) and \
-                all(p.grad is v for p, v in zip(self.params, views)):
+        ours = views and all(p.grad is v for p, v in zip(self.params, views))
+        if lazy and ours and not backend.is_gpu_array(self.grad):
             forget_grads(self.params)
         else:
             self.grad[...] = 0
+            if ours:                                 # (a GEMM's epilogue may write them)
+                zeroed_grads(self.params)
 
 
 def intersect(a: int, b: int, lo: int, hi: int) -> tuple[int, int]:

@@ -53,3 +53,104 @@ def fake_cublas(calls, events=None):
                                "cublas.setStream": set_stream,
                                "cublas.setWorkspace": set_workspace})
     return lambda dotted: names[dotted]
+
+
+def cublaslt_path():
+    """The libcublasLt of the nvidia-cublas wheel (CuPy's), or None where it is not installed:
+    its host functions (descriptors, layouts, preferences) run without a GPU."""
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec("nvidia.cublas") if importlib.util.find_spec("nvidia") \
+        else None
+    for root in (spec.submodule_search_locations if spec else []) or []:
+        path = os.path.join(root, "lib", "libcublasLt.so.12")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def fake_cublaslt(real, calls):
+    """``api`` for kernels/cublaslt.py: the real library's host functions (``real(name)``)
+    for every descriptor, and over host memory, in their place, the three calls that need a
+    GPU: the handle, the heuristic (one algorithm) and cublasLtMatmul, which reads the
+    descriptors back from the real library and computes what cuBLASLt documents:
+    D = epilogue(alpha op(A) op(B) + beta C), column-major, summed in float64 and stored in
+    D's type; BIAS adds a vector over D's rows; GELU_AUX_BIAS writes the biased sum to the
+    aux matrix and its GELU (tanh form) to D; DGELU_BGRAD multiplies by the GELU's derivative
+    at the aux matrix and writes D's sums over its columns to the bias pointer; BGRADA writes
+    op(A)'s sums over k to the bias pointer. ``calls`` collects each matmul's (transa, transb, m, n, k, epilogue, compute
+    type)."""
+    import ml_dtypes
+    types = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 14: np.dtype(ml_dtypes.bfloat16)}
+
+    def attr(getter, obj, which, kind):
+        v, written = kind(), ctypes.c_size_t()
+        real(getter)(obj, which, ctypes.byref(v), ctypes.sizeof(v), ctypes.byref(written))
+        assert written.value == ctypes.sizeof(v), (getter, which, written.value)
+        return v.value
+
+    def layout(obj):
+        get = (lambda w, k: attr("cublasLtMatrixLayoutGetAttribute", obj, w, k))
+        return (types[get(0, ctypes.c_uint32)], get(2, ctypes.c_uint64), get(3, ctypes.c_uint64),
+                get(4, ctypes.c_int64), get(1, ctypes.c_int32))
+
+    def matrix(ptr, spec):
+        dtype, rows, cols, ld, order = spec
+        assert order == 0 and ld >= rows, spec                      # column-major
+        raw = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint8)),
+                                    shape=(cols * ld * dtype.itemsize,))
+        return raw.view(dtype).reshape(cols, ld)[:, :rows].T
+
+    def vector(ptr, dtype, n):
+        raw = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint8)),
+                                    shape=(n * dtype.itemsize,))
+        return raw.view(dtype)
+
+    def create(handle):
+        handle._obj.value = 7
+
+    def heuristic(handle, desc, a, b, c, d, pref, wanted, result, count):
+        assert handle == 7 and wanted == 1
+        count._obj.value, result._obj.state = 1, 0
+
+    def matmul(handle, desc, alpha, A, adesc, B, bdesc, beta, C, cdesc, D, ddesc, algo, ws,
+               ws_size, stream):
+        get = (lambda w, k: attr("cublasLtMatmulDescGetAttribute", desc, w, k))
+        ta, tb, epi = get(3, ctypes.c_int32), get(4, ctypes.c_int32), get(7, ctypes.c_int32)
+        scalar = ctypes.c_double if get(0, ctypes.c_int32) == 70 else ctypes.c_float
+        al = ctypes.cast(alpha, ctypes.POINTER(scalar))[0]
+        be = ctypes.cast(beta, ctypes.POINTER(scalar))[0]
+        a = matrix(A, layout(adesc)).astype(np.float64)
+        b = matrix(B, layout(bdesc)).astype(np.float64)
+        a, b = (a.T if ta else a), (b.T if tb else b)
+        assert cdesc == ddesc or layout(cdesc) == layout(ddesc)
+        d = matrix(D, layout(ddesc))
+        before = matrix(C, layout(cdesc)).astype(np.float64) if be else 0.0
+        calls.append((ta, tb, a.shape[0], b.shape[1], a.shape[1], epi, get(0, ctypes.c_int32)))
+        out = al * (a @ b) + be * before
+        if epi in (4, 164):                                       # BIAS, GELU_AUX_BIAS
+            out = out + vector(get(8, ctypes.c_void_p), d.dtype, d.shape[0])[:, None]
+        if epi == 164:
+            ld = get(12, ctypes.c_int64)
+            assert ld % 8 == 0 and ld >= d.shape[0], ld
+            aux = matrix(get(11, ctypes.c_void_p), (d.dtype, d.shape[0], d.shape[1], ld, 0))
+            aux[...] = out.astype(d.dtype)
+            c0 = (2 / np.pi) ** 0.5
+            out = 0.5 * out * (1 + np.tanh(c0 * (out + 0.044715 * out ** 3)))
+        if epi == 208:                                            # DGELU_BGRAD
+            ld = get(12, ctypes.c_int64)
+            assert ld % 8 == 0 and ld >= d.shape[0], ld
+            x = matrix(get(11, ctypes.c_void_p),
+                       (d.dtype, d.shape[0], d.shape[1], ld, 0)).astype(np.float64)
+            c0 = (2 / np.pi) ** 0.5
+            t = np.tanh(c0 * (x + 0.044715 * x ** 3))
+            out = out * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c0 * (1 + 3 * 0.044715 * x * x))
+            vector(get(8, ctypes.c_void_p), d.dtype, d.shape[0])[...] = out.sum(axis=1)
+        if epi == 256:                                            # BGRADA
+            vector(get(8, ctypes.c_void_p), d.dtype, d.shape[0])[...] = a.sum(axis=1)
+        assert epi in (1, 4, 164, 208, 256), epi
+        d[...] = out.astype(d.dtype)
+
+    fakes = {"cublasLtCreate": create, "cublasLtMatmulAlgoGetHeuristic": heuristic,
+             "cublasLtMatmul": matmul}
+    return lambda name: fakes[name] if name in fakes else real(name)

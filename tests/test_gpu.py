@@ -1,6 +1,8 @@
 """What the GPU path adds beside the CPU one: bf16 emulation, staging helpers, the standin
 GPU. Runs on the CPU (numbers checked against ml_dtypes) and, under make test-gpu, on the
 GPU ($HPCDIST_DEVICE=gpu)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -317,6 +319,9 @@ def test_a_long_context_holds_activations_linear_in_its_length():
                          P.Layout(1, 1, 1, 0, 1, 1, "none", 1, False, False),
                          P.Settings(param_bytes=4, activations="hpcdist",
                                     fused_kernels=device != "standin"))
+    if device == "standin" and \
+            os.environ.get("HPCDIST_CUBLASLT", "1") != "0":
+        want -= 4096 * 4 * 64 * 4     # (its MLP runs GEMM_BIAS_GELU's twin: no tanh kept)
     bound = 0.10 if device == "gpu" else 0.02
     assert held[4096]["activations"] == pytest.approx(want, rel=bound), (held, want)
 

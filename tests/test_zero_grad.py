@@ -89,3 +89,31 @@ def test_zero_grad_is_a_pass_by_default(float64):
     w.grad[...] = 5.0                # a user's own gradient, then the step: kept
     opt.step()
     np.testing.assert_allclose(w.data, np.full(3, 0.5))
+
+
+def test_a_zeroed_gradient_may_be_overwritten_only_where_its_zeroing_is_replayed():
+    """``fresh``: a gradient the device's zero_grad zeroed may be written instead of added
+    into (a GEMM's epilogue writes a bias's gradient) until anything writes it, until the
+    backward ends, and never inside a CUDA graph capture that began after the zeroing (its
+    replays, a later micro-batch's, would overwrite the earlier one's gradient)."""
+    from hpcdist.device import graphs
+    p = nn.Parameter(np.ones(3))
+    p.grad = np.zeros(3)
+    opt = optim.AdamW([p], lr=0.1)
+    assert not lazy_zero.fresh(p)
+    opt.zero_grad()                          # (a pass of zeros: then marked)
+    assert lazy_zero.fresh(p)
+    graphs._capturing.append(-1)             # a capture begins after the zeroing
+    try:
+        assert not lazy_zero.fresh(p)
+        opt.zero_grad()                      # zeroed inside it: every replay zeroes it too
+        assert lazy_zero.fresh(p)
+    finally:
+        graphs._capturing.pop()
+    assert not lazy_zero.fresh(p)
+    opt.zero_grad()
+    lazy_zero.written(p)
+    assert not lazy_zero.fresh(p)
+    opt.zero_grad()
+    lazy_zero.settle_grads()
+    assert not lazy_zero.fresh(p) and not p.grad.any()

@@ -219,6 +219,14 @@ class Tensor:
             return
         pending = _consumer_counts(self)
         grads = {id(self): grad}
+        _running.append((pending, grads))
+        try:
+            self._drain(pending, grads, defer_weights, retain_graph)
+        finally:
+            _running.pop()
+
+    def _drain(self, pending: dict, grads: dict, defer_weights, retain_graph: bool) -> None:
+        """Run each node's backward once all its consumers have sent theirs, from this one."""
         accumulated = set()                  # leaves an op's backward added into directly
         ready = [self]
         while ready:
@@ -255,6 +263,19 @@ class Tensor:
                     _finalize_leaf(p, grads.pop(key, None), key in accumulated)
                 else:
                     ready.append(p)
+
+
+_running: list = []      # (pending, grads) of each backward() running, the innermost last
+
+
+def sole_gradient(t) -> bool:
+    """Whether the gradient the running op's backward returns for ``t`` is all that ``t``
+    gets: no other consumer has sent one, and none is still to run (an op may then hand
+    ``t``'s producer a gradient already taken through its next step: ops.linear's GELU)."""
+    if not _running or _pass is not None:
+        return False
+    pending, grads = _running[-1]
+    return pending.get(id(t)) == 1 and id(t) not in grads
 
 
 def summed(a, b):

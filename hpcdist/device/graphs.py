@@ -16,6 +16,15 @@ from .errors import DeviceError
 
 
 BEFORE_CAPTURE: list = []     # called before each capture (``before_capture``)
+_capturing: list = []         # a token of each capture running now (``capture_token``)
+_captures = [0]
+
+
+def capture_token():
+    """A token of the capture running now (None: none). A host fact that holds at capture but
+    may not at a replay — a buffer zeroed before the graph began, which the graph will not
+    zero again — is worth acting on only inside the capture that saw it."""
+    return _capturing[-1] if _capturing else None
 
 
 def before_capture(prepare) -> None:
@@ -68,6 +77,8 @@ class CapturedStep:
             prepare()
         with cuda.using_allocator(self._pool.malloc), self._stream:
             self._stream.begin_capture()
+            _captures[0] += 1
+            _capturing.append(_captures[0])
             try:
                 out = self.fn()
             except Exception as e:
@@ -75,6 +86,8 @@ class CapturedStep:
                 raise DeviceError(f"the step cannot be captured as a CUDA graph: {e} (a graph "
                                   "holds kernels only: no host reads, synchronizations or "
                                   "decisions on device values inside the step)") from e
+            finally:
+                _capturing.pop()
             self._graph = self._stream.end_capture()
         self.out = out
         self.captures += 1

@@ -42,7 +42,7 @@ B="python -m hpcdist.bench"
 
 # 1. the kernels' self-check (compiles every variant the table uses)
 step selfcheck 80 "python tests/gpu/selfcheck.py"
-grep -a -E "flash|rmsnorm|swiglu|geglu|rotary|cudnn|refus|REFUSED" "$OUT/selfcheck.log"
+grep -a -E "flash|rmsnorm|swiglu|geglu|rotary|cudnn|gemm_|refus|REFUSED" "$OUT/selfcheck.log"
 
 # 2. the table, alone on the GPU: the memory-bound kernels alone (16 bytes a thread against one
 # element a thread, beside a copy), attention alone, then whole steps
@@ -52,6 +52,7 @@ step attention 50 "$B attention --reps 5 --out $OUT/attention.json"
 step table 80 "$B gpu --layers 24 --embd 1024 --heads 16 --seq 1024 --batch 8 --vocab 128 --steps 6 --modes bf16,bf16+graph,tf32 --peers sdpa,eager --peer-modes bf16,tf32 --out $OUT/medium.json"
 step table 50 "$B gpu --layers 12 --embd 768 --seq 1024 --batch 8 --steps 6 --modes bf16 --peers sdpa,eager --peer-modes bf16 --out $OUT/small1024.json"
 step table 120 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes fp32,tf32,bf16,tf32+graph,bf16+graph,fp8 --peers sdpa,compile,fp8 --peer-modes bf16,fp8 --out $OUT/small256.json"
+step table 25 "HPCDIST_CUBLASLT=0 $B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16,bf16+graph --no-torch --out $OUT/small256-no-epilogues.json"
 step table 30 "HPCDIST_CUBLAS_WORKSPACE_MB=0 $B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes tf32+graph,bf16+graph --no-torch --out $OUT/small256-own-workspace.json"
 step table 30 "HPCDIST_BF16=emulated $B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16 --no-torch --out $OUT/small256-emulated.json"
 step table 25 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16 --no-torch --vocab-multiple 1 --out $OUT/small256-unpadded.json"

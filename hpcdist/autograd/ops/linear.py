@@ -6,8 +6,8 @@ engine, one pass less a parameter."""
 from __future__ import annotations
 
 from ...device import fp8, kernels
-from ..lazy_zero import stale, written
-from ..tensor import ACCUMULATED, Tensor, needs_grad
+from ..lazy_zero import fresh, stale, written
+from ..tensor import ACCUMULATED, Tensor, needs_grad, sole_gradient
 from .core import add, matmul
 
 
@@ -27,27 +27,69 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
         return y if residual is None else add(y, residual)
     operand = kernels.linear_operands(split)
     xo = operand(x.data, "input")
-    out = kernels.product(xo, operand(w.data, "weight"))
-    if (b is not None or residual is not None) and not later:
-        kernels.BIAS_RESIDUAL(out, None if b is None else b.data,
-                              None if residual is None else residual.data)
     k, m = w.shape
+    if later:
+        out = kernels.product(xo, operand(w.data, "weight"))
+    else:
+        out = _product_and_epilogue(xo, operand(w.data, "weight"), b, residual)
+    gelu = getattr(x._backward, "gelu", None)      # (x = gelu(h): its backward may be ours)
 
     def backward(g):
         gx = gw = gb = None
         go = operand(g, "gradient")
         if needs_grad(x):                   # (w read now: ZeRO-3 gathers it again)
-            gx = kernels.product(go, operand(w.data, "weight").T)
+            wt = operand(w.data, "weight").T
+            gx = _through_gelu(go, wt, gelu) if gelu is not None and sole_gradient(x) \
+                else None
+            gx = kernels.product(go, wt) if gx is None else gx
         if needs_grad(w) or (b is not None and needs_grad(b)):
             g2 = g.reshape(-1, m)
-            if needs_grad(w):
+            if needs_grad(w) and b is not None and go is g and \
+                    _weight_bias_grads(xo.reshape(-1, k).T, go.reshape(-1, m), w, b):
+                gw = gb = ACCUMULATED
+            elif needs_grad(w):
                 gw = _weight_grad(xo.reshape(-1, k).T, go.reshape(-1, m), w)
-            if b is not None and needs_grad(b):
+            if b is not None and needs_grad(b) and gb is None:
                 gb = _bias_grad(g2, b)
         grads = (gx, gw) if b is None else (gx, gw, gb)
         return grads if residual is None else grads + (g,)
     parents = (x, w) if b is None else (x, w, b)
     return Tensor._make(out, parents if residual is None else parents + (residual,), backward)
+
+
+def _product_and_epilogue(xo, wo, b: Tensor | None, residual: Tensor | None):
+    """``xo @ wo + b (+ residual)``: the bias and residual in the GEMM's epilogue where
+    cuBLASLt takes them (kernels.bias_product), else added in one pass after it."""
+    m = wo.shape[1]
+    if b is not None and xo.flags.c_contiguous:
+        out = kernels.bias_product(xo.reshape(-1, xo.shape[-1]), wo, b.data,
+                                   None if residual is None else residual.data.reshape(-1, m))
+        if out is not None:
+            return out.reshape(xo.shape[:-1] + (m,))
+    out = kernels.product(xo, wo)
+    if b is not None or residual is not None:
+        kernels.BIAS_RESIDUAL(out, None if b is None else b.data,
+                              None if residual is None else residual.data)
+    return out
+
+
+def _through_gelu(go, wt, gelu: dict):
+    """The gradient of ``h`` for x = gelu(h) (a ``linear_gelu``'s output whose gradient this
+    op's is all of): ``(go @ wt) * gelu'(h)`` by one GEMM that also writes the GELU's bias's
+    gradient (kernels.gelu_grad_product), or None where it cannot (the bias's buffer holds
+    some of this step's, another dtype, no cuBLASLt). The GELU's backward then takes its
+    ``g`` as h's gradient (``gelu["taken"]``)."""
+    h, b = gelu["h"], gelu["b"]
+    into, _ = grad_target(b)
+    if into is None or not fresh(b) or go.dtype != h.dtype or not go.flags.c_contiguous:
+        return None
+    gh = kernels.gelu_grad_product(go.reshape(-1, go.shape[-1]), wt,
+                                   h.reshape(-1, h.shape[-1]), into)
+    if gh is None:
+        return None
+    written(b)
+    gelu["taken"] = True
+    return gh.reshape(h.shape)
 
 
 def linear_norm(x: Tensor, w: Tensor, b: Tensor | None, residual: Tensor | None, norm, *,
@@ -65,27 +107,43 @@ def linear_norm(x: Tensor, w: Tensor, b: Tensor | None, residual: Tensor | None,
 
 
 def linear_gelu(x: Tensor, w: Tensor, b: Tensor, *, split: fp8.Split | None = None) -> Tensor:
-    """``gelu(x @ w + b)`` as one node: the bias and the GELU in one pass after the GEMM
-    (kernels.BIAS_GELU), the GELU's backward with the bias's gradient in one more
-    (GELU_BWD_COLSUM, where the bias has its buffer); ``split`` as linear's."""
+    """``gelu(x @ w + b)`` as one node: the bias and the GELU in the GEMM's epilogue
+    (kernels.gelu_product) or in one pass after it (BIAS_GELU); the GELU's backward with the
+    bias's gradient in one more (GELU_BWD_COLSUM, where the bias has its buffer), or done by
+    the next layer's input-gradient GEMM (``_through_gelu``); ``split`` as linear's."""
     k, m = w.shape
     operand = kernels.linear_operands(split)
     xo = operand(x.data, "input")
-    h = kernels.product(xo, operand(w.data, "weight"))
-    out, t = kernels.BIAS_GELU(h, b.data)                 # h now holds x @ w + b
+    done = kernels.gelu_product(xo.reshape(-1, k), operand(w.data, "weight"), b.data) \
+        if xo.flags.c_contiguous else None                # (the bias and GELU in the GEMM)
+    if done is not None:
+        (out, h), t = (d.reshape(x.shape[:-1] + (m,)) for d in done), None
+    else:
+        h = kernels.product(xo, operand(w.data, "weight"))
+        out, t = kernels.BIAS_GELU(h, b.data)             # h now holds x @ w + b
+    state = {"h": h, "b": b, "taken": False}
 
     def backward(g):
-        into = grad_buffer(b) if needs_grad(b) else None
-        if into is not None and into.dtype == h.dtype:    # the bias's gradient in the pass
-            gh, gb = kernels.GELU_BWD_COLSUM(h, g, t, into), ACCUMULATED
+        if state["taken"]:       # g is h's gradient already, and b's gradient is written
+            state["taken"] = False
+            gh, gb = g, ACCUMULATED
         else:
-            gh = kernels.GELU_BWD(h, g, t)
-            gb = _bias_grad(gh.reshape(-1, m), b) if needs_grad(b) else None
+            gh, gb = _gelu_backward(h, g, t, b)
         go = operand(gh, "gradient")
         gx = kernels.product(go, operand(w.data, "weight").T) if needs_grad(x) else None
         gw = _weight_grad(xo.reshape(-1, k).T, go.reshape(-1, m), w) if needs_grad(w) else None
         return gx, gw, gb
+    backward.gelu = state                # (what the next linear's backward may take over)
     return Tensor._make(out, (x, w, b), backward)
+
+
+def _gelu_backward(h, g, t, b: Tensor):
+    """(h's gradient, b's: ACCUMULATED where it went into its buffer) of gelu(h), h = ... + b."""
+    into = grad_buffer(b) if needs_grad(b) else None
+    if into is not None and into.dtype == h.dtype:        # the bias's gradient in the pass
+        return kernels.GELU_BWD_COLSUM(h, g, t, into), ACCUMULATED
+    gh = kernels.GELU_BWD(h, g, t)
+    return gh, _bias_grad(gh.reshape(-1, h.shape[-1]), b) if needs_grad(b) else None
 
 
 def grad_target(t: Tensor):
@@ -104,7 +162,8 @@ def grad_buffer(t: Tensor):
     into, stale = grad_target(t)
     if stale:
         into[...] = 0
-        written(t)
+    if into is not None:
+        written(t)                       # (added into from here: no epilogue overwrites it)
     return into
 
 
@@ -117,6 +176,20 @@ def _weight_grad(xt, g2, w: Tensor):
         written(w)
         return ACCUMULATED
     return kernels.product(xt, g2)
+
+
+def _weight_bias_grads(xt, g2, w: Tensor, b: Tensor) -> bool:
+    """w's and b's gradients by one GEMM into their buffers (kernels.weight_bias_grads: b's
+    row sum as the GEMM's epilogue), where both have a buffer and b's holds the last step's
+    or was zeroed since any write (the epilogue writes it, it cannot add); False: not done."""
+    into, stale_w = grad_target(w)
+    vector, _ = grad_target(b)
+    if into is None or vector is None or not (fresh(b) and needs_grad(b)) or \
+            not kernels.weight_bias_grads(xt, g2, into, vector, overwrite=stale_w):
+        return False
+    written(w)
+    written(b)
+    return True
 
 
 def _bias_grad(g2, b: Tensor):

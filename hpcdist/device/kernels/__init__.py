@@ -20,6 +20,10 @@ from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
                    operand, product, use_workspace, linear_operands)
 from .gemm_add import GEMM_ADD, GEMM_ADD_TF32, device_gemm, gemm_add_twin, matmul_add
+from .gemm_epilogue import (GEMM_BGRAD, GEMM_BGRAD_TF32, GEMM_BIAS, GEMM_BIAS_GELU,
+                            GEMM_BIAS_GELU_TF32, GEMM_BIAS_TF32, GEMM_DGELU_BGRAD,
+                            GEMM_DGELU_BGRAD_TF32, bias_product, gelu_grad_product,
+                            gelu_product, weight_bias_grads)
 from .elementwise import (ADD, BIAS_GELU, BIAS_RESIDUAL, GELU_BWD, GELU_FWD, WIDEN, add_twin,
                           bias_gelu_twin, bias_residual_twin, gelu_bwd_twin, gelu_twin,
                           widen_twin)
@@ -56,6 +60,9 @@ __all__ = ["ADAMW", "ADAMW_LOW", "FP8_AMAX", "FP8_QUANTIZE", "FP8_ROUND", "GELU_
            "bias_gelu_twin", "flash_bwd_twin", "flash_twin",
            "bias_residual_twin", "colsum_add_twin", "configure", "describe",
            "cross_entropy_bwd_twin", "cross_entropy_twin", "gelu_bwd_twin", "gelu_twin",
-           "GEMM_ADD", "GEMM_ADD_TF32", "gemm_add_twin", "gemm_twin", "layernorm_bwd_twin",
+           "GEMM_ADD", "GEMM_ADD_TF32", "GEMM_BGRAD", "GEMM_BGRAD_TF32", "GEMM_BIAS", "GEMM_BIAS_GELU",
+           "GEMM_BIAS_GELU_TF32", "GEMM_BIAS_TF32", "GEMM_DGELU_BGRAD",
+           "GEMM_DGELU_BGRAD_TF32", "bias_product", "gelu_grad_product", "gelu_product",
+           "weight_bias_grads", "gemm_add_twin", "gemm_twin", "layernorm_bwd_twin",
            "layernorm_twin", "matmul", "matmul_add",
            "softmax_causal_bwd_twin", "softmax_causal_twin"]

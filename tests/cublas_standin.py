@@ -78,8 +78,8 @@ def fake_cublaslt(real, calls):
     D's type; BIAS adds a vector over D's rows; GELU_AUX_BIAS writes the biased sum to the
     aux matrix and its GELU (tanh form) to D; DGELU_BGRAD multiplies by the GELU's derivative
     at the aux matrix and writes D's sums over its columns to the bias pointer; BGRADA writes
-    op(A)'s sums over k to the bias pointer. ``calls`` collects each matmul's (transa, transb, m, n, k, epilogue, compute
-    type)."""
+    op(A)'s sums over k to the bias pointer. ``calls`` collects each matmul's (transa,
+    transb, m, n, k, epilogue, compute type)."""
     import ml_dtypes
     types = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 14: np.dtype(ml_dtypes.bfloat16)}
 

@@ -16,15 +16,18 @@ OPS = [(name, dt) for name, op in sorted(fused.registry().items()) if not op.lib
 
 
 def test_every_kernel_of_the_source_tree_is_covered():
-    """Each ``extern "C"`` kernel is run by some op the model checks (the GEMMs' cuBLAS calls
-    and cuDNN's are the things outside it: the gemmEx contract is tested in test_kernels.py
-    against a stand-in over host memory)."""
+    """Each ``extern "C"`` kernel is run by some op the model checks (the GEMMs' cuBLAS and
+    cuBLASLt calls and cuDNN's are the things outside it: the gemmEx contract is tested in
+    test_kernels.py, cublasLtMatmul's in test_cublaslt.py, against stand-ins over host
+    memory)."""
     declared = {k for op in fused.registry().values()
                 for k in cudasim.translate(op.code(op.dtypes[0]))[1]}
     run = {k for op in fused.registry().values() if not op.library for k in op.kernels}
     assert declared and declared == run
     assert {op.name for op in fused.registry().values() if op.library} == \
-        {"bf16_gemm", "gemm_add", "gemm_add_tf32", "cudnn_fwd", "cudnn_bwd"}
+        {"bf16_gemm", "gemm_add", "gemm_add_tf32", "cudnn_fwd", "cudnn_bwd"} | \
+        {f"gemm_{op}{tf}" for op in ("bias", "bias_gelu", "dgelu_bgrad", "bgrad")
+         for tf in ("", "_tf32")}
 
 
 @pytest.mark.parametrize("name,dtype", OPS, ids=[f"{n}-{d}" for n, d in OPS])

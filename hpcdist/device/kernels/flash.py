@@ -172,7 +172,7 @@ def shared_bytes(kernel: str, kind: str, hs: int, itemsize: int) -> int:
     acc = 8 if itemsize == 8 else 4
     if kernel == "flash_fwd":
         return s * ((rt + 2 * ct) * ld + trans + scratch)
-    if kernel == "flash_bwd_kv":
+    if kernel in ("flash_bwd_kv", "flash_bwd_kvq"):        # (kvq: the larger of its two)
         return 2 * ct * acc + s * ((2 * rt + 2 * ct) * ld + 2 * trans + scratch)
     return s * ((2 * rt + 2 * ct) * ld + trans + scratch)            # flash_bwd_q
 
@@ -258,12 +258,9 @@ def _bwd_launch(kind):
         tiles = -(-T // (16 * warps))
         common = (*_ints(T, T, nh, nkv, hs), W, W, W, *offsets, *_ints(0, 0, 1),
                   _vectors(kind, src, hs), acc(scale))
-        fn, shm = _get(k, "flash_bwd_kv", kind, hs, qkv.itemsize)
-        fn((tiles, nkv, B), (32 * warps,),
-           (src, src, src, dsrc, lse, dvec, dqkv, dqkv, *common), shared_mem=shm)
-        fn, shm = _get(k, "flash_bwd_q", kind, hs, qkv.itemsize)
-        fn((tiles, nh, B), (32 * warps,),
-           (src, src, src, dsrc, lse, dvec, dqkv, *common), shared_mem=shm)
+        fn, shm = _get(k, "flash_bwd_kvq", kind, hs, qkv.itemsize)      # dk, dv and dq
+        fn((tiles, nkv + nh, B), (32 * warps,),
+           (src, src, src, dsrc, lse, dvec, dqkv, dqkv, dqkv, *common), shared_mem=shm)
         return dqkv
     return launch
 
@@ -316,8 +313,8 @@ for _kind in ("exact", "bf16", "tf32"):
         tolerance=TOLERANCE[_kind][0], dtypes=_dtypes, ctypes=_ctypes, cpu=_cpu("fwd"))
     FLASH_BWD[_kind] = Fused(
         "flash_bwd" + _suffix, FLASH_SOURCE,
-        ["flash_pack", "flash_dot", "flash_bwd_kv", "flash_bwd_q"][not _packs:],
+        ["flash_pack", "flash_dot", "flash_bwd_kvq"][not _packs:],
         _bwd_launch(_kind), _bwd,
         lambda xp, rng, dt, r=_rounding: _cases(xp, rng, dt, True, r),
-        launches=lambda qkv, *_, p=_packs: 3 + (p and qkv.dtype == np.float32),
+        launches=lambda qkv, *_, p=_packs: 2 + (p and qkv.dtype == np.float32),
         tolerance=TOLERANCE[_kind][1], dtypes=_dtypes, ctypes=_ctypes, cpu=_cpu("bwd"))

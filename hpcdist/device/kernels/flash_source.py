@@ -137,10 +137,10 @@ extern "C" __global__ void flash_dot(const T* y, const T* dy, A* dvec, S* dy16, 
 // loops over the query tiles (of every query head sharing it) that see them: no atomics.
 // p = exp(scale q k - lse), ds = p (dy v - dvec); dv = p^T dy, dk = scale ds^T q.
 // Grid (key tiles, nkv, B).
-extern "C" __global__ void flash_bwd_kv(const S* q, const S* k, const S* v, const S* dy,
-        const A* lse, const A* dvec, T* dk, T* dv, int Tq, int Tk, int nh, int nkv, int hs,
-        long long sq, long long sk, long long sv, int oq, int ok, int ov, int q_pos, int k_pos,
-        int causal, int vec, A scale) {
+__device__ __forceinline__ void bwd_kv(int kh, int b, int tile, const S* q, const S* k,
+        const S* v, const S* dy, const A* lse, const A* dvec, T* dk, T* dv, int Tq, int Tk,
+        int nh, int nkv, int hs, long long sq, long long sk, long long sv, int oq, int ok,
+        int ov, int q_pos, int k_pos, int causal, int vec, A scale) {
     extern __shared__ unsigned char smem[];
     A* stat = (A*)smem;                                   // lse (base 2), dvec of the tile
     S* Ks = (S*)(stat + 2 * CT);
@@ -151,8 +151,8 @@ extern "C" __global__ void flash_bwd_kv(const S* q, const S* k, const S* v, cons
     S* Dt = Qt + TRANS * D_PAD * LDC;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     S* scratch = Dt + TRANS * D_PAD * LDC + warp * 16 * LDS;
-    int kh = blockIdx.y, b = blockIdx.z, group = nh / nkv;
-    int j0 = blockIdx.x * RT;
+    int group = nh / nkv;
+    int j0 = tile * RT;
     long long C = (long long)nh * hs;
     load_tile<RT, false>(Ks, Ks, 0, k + (long long)b * Tk * sk + ok + (long long)kh * hs +
                          (long long)j0 * sk, sk, min(RT, Tk - j0), hs, vec);
@@ -231,10 +231,10 @@ extern "C" __global__ void flash_bwd_kv(const S* q, const S* k, const S* v, cons
 
 // dq (laid out as q): a block owns RT queries and loops over the key tiles they see;
 // dq = scale ds k. Grid (query tiles, nh, B).
-extern "C" __global__ void flash_bwd_q(const S* q, const S* k, const S* v, const S* dy,
-        const A* lse, const A* dvec, T* dq, int Tq, int Tk, int nh, int nkv, int hs,
-        long long sq, long long sk, long long sv, int oq, int ok, int ov, int q_pos, int k_pos,
-        int causal, int vec, A scale) {
+__device__ __forceinline__ void bwd_q(int h, int b, int tile, const S* q, const S* k,
+        const S* v, const S* dy, const A* lse, const A* dvec, T* dq, int Tq, int Tk, int nh,
+        int nkv, int hs, long long sq, long long sk, long long sv, int oq, int ok, int ov,
+        int q_pos, int k_pos, int causal, int vec, A scale) {
     extern __shared__ unsigned char smem[];
     S* Qs = (S*)smem;
     S* Ds = Qs + RT * LD;
@@ -243,8 +243,8 @@ extern "C" __global__ void flash_bwd_q(const S* q, const S* k, const S* v, const
     S* Kt = Vs + CT * LD;                                 // (bf16: k's transpose)
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     S* scratch = Kt + TRANS * D_PAD * LDC + warp * 16 * LDS;
-    int h = blockIdx.y, b = blockIdx.z, kh = h / (nh / nkv);
-    int i0 = (gridDim.x - 1 - blockIdx.x) * RT;
+    int kh = h / (nh / nkv);
+    int i0 = tile * RT;
     long long C = (long long)nh * hs;
     load_tile<RT, false>(Qs, Qs, 0, q + (long long)b * Tq * sq + oq + (long long)h * hs +
                          (long long)i0 * sq, sq, min(RT, Tq - i0), hs, vec);
@@ -306,5 +306,37 @@ extern "C" __global__ void flash_bwd_q(const S* q, const S* k, const S* v, const
                 if (c < hs) qr[c] = (T)(gq[d][2 * r + e] * (F)scale);
             }
     }
+}
+
+#define BWD_ARGS q, k, v, dy, lse, dvec
+#define BWD_REST Tq, Tk, nh, nkv, hs, sq, sk, sv, oq, ok, ov, q_pos, k_pos, causal, vec, scale
+
+// dk, dv: grid (key tiles, nkv, B)
+extern "C" __global__ void flash_bwd_kv(const S* q, const S* k, const S* v, const S* dy,
+        const A* lse, const A* dvec, T* dk, T* dv, int Tq, int Tk, int nh, int nkv, int hs,
+        long long sq, long long sk, long long sv, int oq, int ok, int ov, int q_pos, int k_pos,
+        int causal, int vec, A scale) {
+    bwd_kv(blockIdx.y, blockIdx.z, blockIdx.x, BWD_ARGS, dk, dv, BWD_REST);
+}
+
+// dq: grid (query tiles, nh, B), the longest rows first
+extern "C" __global__ void flash_bwd_q(const S* q, const S* k, const S* v, const S* dy,
+        const A* lse, const A* dvec, T* dq, int Tq, int Tk, int nh, int nkv, int hs,
+        long long sq, long long sk, long long sv, int oq, int ok, int ov, int q_pos, int k_pos,
+        int causal, int vec, A scale) {
+    bwd_q(blockIdx.y, blockIdx.z, gridDim.x - 1 - blockIdx.x, BWD_ARGS, dq, BWD_REST);
+}
+
+// both in one launch over one set of tiles (Tq = Tk): grid (tiles, nkv + nh, B), the first
+// nkv rows of blocks dk and dv, the rest dq (a block takes one branch whole)
+extern "C" __global__ void flash_bwd_kvq(const S* q, const S* k, const S* v, const S* dy,
+        const A* lse, const A* dvec, T* dk, T* dv, T* dq, int Tq, int Tk, int nh, int nkv,
+        int hs, long long sq, long long sk, long long sv, int oq, int ok, int ov, int q_pos,
+        int k_pos, int causal, int vec, A scale) {
+    if ((int)blockIdx.y < nkv)
+        bwd_kv(blockIdx.y, blockIdx.z, blockIdx.x, BWD_ARGS, dk, dv, BWD_REST);
+    else
+        bwd_q(blockIdx.y - nkv, blockIdx.z, gridDim.x - 1 - blockIdx.x, BWD_ARGS, dq,
+              BWD_REST);
 }
 """

@@ -133,8 +133,8 @@ def plan(a, b, d=None, *, epilogue: str, compute: str, vector=None, aux=None):
     """The plan of ``d = a @ b`` (a (n, k), b (k, m), d (n, m) C-contiguous, None: a new array;
     a, b each C-contiguous or the transpose of such) with ``epilogue``; ``vector`` the bias
     (or its gradient); ``aux``: the (n, m) array of the GELU's input ("new": a new one takes
-    it). Made once per key
-    (the alignment of each pointer in it), then kept; None: cuBLASLt has no algorithm."""
+    it). Made once per key (the alignment of each pointer in it), then kept; None: cuBLASLt
+    has no algorithm."""
     (ab, at), (bb, bt) = _operand(a), _operand(b)
     (n, k), m = a.shape, b.shape[1]
     dtype = a.dtype.name

@@ -5,7 +5,7 @@ gelu'(h) and its column sums (the next layer's input gradient taken through the 
 GELU's bias's gradient); ``GEMM_BGRAD`` a weight's gradient into (+)= a @ b with its bias's,
 b's sums over k. A bias's gradient is written, never added: its buffer must hold nothing of
 this step. Each is one launch (``_TF32``: fp32 on TF32's tensor cores), self-checked against
-its twin (in float32, rounded once) on first use; the GPU stand-in runs the twin.
+its twin (the passes apart's arithmetic) on first use; the GPU stand-in runs the twin.
 ``HPCDIST_CUBLASLT=0`` turns them off. What each replaces: docs/gpu.md, "gemm_epilogue.py"."""
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ import numpy as np
 from .. import backend, fused
 from ..fused import Fused, dtype_name
 from . import cublaslt
-from .elementwise import gelu_bwd_twin, gelu_twin
+from .colsum import colsum_add_twin
+from .common import low
+from .elementwise import bias_gelu_twin, bias_residual_twin
+from .gelu_colsum import gelu_bwd_colsum_twin
+from .gemm_add import gemm_add_twin
 from .gemm import _TO_BF16, tf32_on
 
 
@@ -51,42 +55,43 @@ def _bgrad_launch(k, a, b, into, vector, overwrite=False, tf32=False):
     return into, vector
 
 
-def _f32(x):
-    return x.astype(np.float32) if x.dtype.itemsize == 2 else x
+def _product(a, b):
+    """a @ b as the GEMM stores it (2-byte floats multiplied in float32, rounded once)."""
+    if low(a):
+        return (a.astype(np.float32) @ b.astype(np.float32)).astype(a.dtype)
+    return a @ b
 
+
+# The twins are the passes apart's arithmetic: the GEMM's output stored, then the epilogue's
+# own pass (cuBLASLt rounds once, within the tolerance). The GPU stand-in's numbers then do
+# not depend on whether an epilogue is used — nor on whether a bias's buffer was fresh, which
+# a CUDA graph replaying one micro-batch for the next sees differently from eager steps.
 
 def gemm_bias_twin(a, b, bias, residual=None):
-    """The definition: a @ b + bias (+ residual) in float32 (2-byte floats widened), rounded
-    once to a's dtype."""
-    out = _f32(a) @ _f32(b)
-    out += _f32(bias)
-    if residual is not None:
-        out += _f32(residual)
-    return out.astype(a.dtype)
+    """The definition: a @ b, then ``bias_residual_twin``'s pass."""
+    return bias_residual_twin(_product(a, b), bias, residual)
 
 
 def gemm_bias_gelu_twin(a, b, bias):
-    """(gelu(h), h) for h = a @ b + bias in float32, each rounded once to a's dtype."""
-    h = _f32(a) @ _f32(b)
-    h += _f32(bias)
-    y, _ = gelu_twin(h.copy())
-    return y.astype(a.dtype), h.astype(a.dtype)
+    """(gelu(h), h) for h = a @ b + bias: a @ b, then ``bias_gelu_twin``'s pass."""
+    h = _product(a, b)
+    y, _ = bias_gelu_twin(h, bias)
+    return y, h
 
 
 def gemm_dgelu_bgrad_twin(a, b, h, vector):
-    """(gh = (a @ b) gelu'(h), ``vector`` = gh.sum(axis=0)): in float32, each rounded once."""
-    gh = gelu_bwd_twin(_f32(h), _f32(a) @ _f32(b))
-    vector[...] = gh.sum(axis=0).astype(vector.dtype)
-    return gh.astype(a.dtype), vector
+    """(gh = (a @ b) gelu'(h), ``vector`` = gh's column sums): a @ b, then
+    ``gelu_bwd_colsum_twin``'s pass into ``vector`` zeroed."""
+    vector[...] = 0
+    return gelu_bwd_colsum_twin(h, _product(a, b), None, vector), vector
 
 
 def gemm_bgrad_twin(a, b, into, vector, overwrite=False):
-    """(``into`` (+)= a @ b, ``vector`` = b.sum(axis=0)): in float32, each rounded once."""
-    prod = _f32(a) @ _f32(b)
-    if not overwrite:
-        prod += _f32(into)
-    into[...] = prod.astype(into.dtype)
-    vector[...] = _f32(b).sum(axis=0).astype(vector.dtype)
+    """(``into`` (+)= a @ b, ``vector`` = b's column sums): ``gemm_add_twin``, then
+    ``colsum_add_twin`` into ``vector`` zeroed."""
+    gemm_add_twin(a, b, into, overwrite)
+    vector[...] = 0
+    colsum_add_twin(b, vector)
     return into, vector
 
 

@@ -116,7 +116,9 @@ def test_memory_per_rank_is_what_training_runs_hold(tmp_path, arch, only):
     """``bench plan --memory``: 4-rank ``--trace-memory`` runs (DP, ZeRO 1-3, TP 2 with and
     without SP, PP 2 and 4 with three schedules, recompute) hold the parameter, gradient and
     optimizer bytes the planner predicts for rank 0 exactly, and activations within 10%
-    (ZeRO-3 once kept every block's gathered parameters alive through the graph: 1.33x);
+    (ZeRO-3 once kept every block's gathered parameters alive through the graph: 1.33x;
+    with overlap, a bucket's scratch in the progress thread made "DP 4 recompute" 0.96x or
+    1.08x as the threads interleaved, whence ``--no-overlap`` in these runs);
     for every family (Llama's with GQA, SwiGLU and an untied head; Gemma's heads of their
     own size), counted from its declaration."""
     import json
@@ -135,8 +137,9 @@ def test_memory_per_rank_is_what_training_runs_hold(tmp_path, arch, only):
     assert len(rows) == 4 * (len(only.split(",")) if only else len(MEMORY_LAYOUTS))
     state = [row for row in rows if row["kind"] != "activations"]
     assert all(row["planner"] == row["run"] for row in state), state
-    acts = [row for row in rows if row["kind"] == "activations"]
-    assert all(0.9 <= row["ratio"] <= 1.1 for row in acts), acts
+    off = [(row["layout"], row["planner"], row["run"], round(row["ratio"], 3))
+           for row in rows if row["kind"] == "activations" and not 0.9 <= row["ratio"] <= 1.1]
+    assert not off, off
 
 
 def test_planning_never_starts_mpi():

@@ -42,7 +42,10 @@ def _command(n: int, flags: dict, out: str) -> list:
     args = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcdist.train", "--out-dir", out]
     for k, v in flags.items():
         flag = f"--{k.replace('_', '-')}"
-        args += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]
+        if isinstance(v, bool):                   # train's flags are BooleanOptionalAction
+            args.append(flag if v else f"--no-{k.replace('_', '-')}")
+        else:
+            args += [flag, str(v)]
     return args
 
 
@@ -98,7 +101,12 @@ def _final(n: int, flags: dict, base: dict, out: str) -> dict:
 def memory_rows(model, base: dict, tmp: str, n: int = 4, only: list | None = None) -> list:
     """The planner's memory per rank beside a ``--trace-memory`` training run's, rank 0 (the
     first stage): parameters, gradients and optimizer state (fp32 run: 4 + 4 + 8 bytes per
-    parameter) and activations at their most (hpcdist's layers)."""
+    parameter) and activations at their most (hpcdist's layers).
+
+    The runs average their gradients after the backward (``--no-overlap``): with overlap a
+    bucket's average runs in the progress thread during the backward, and where the measure
+    falls while it runs (recompute's nested backwards) its scratch counts too — up to a
+    bucket's chunks, as the threads happen to interleave (the planner counts the graph)."""
     from hpcdist import plan as P
     settings = P.Settings(param_bytes=4, grad_bytes=4, optimizer_bytes=8, buffers=0.0,
                           activations="hpcdist")
@@ -115,7 +123,7 @@ def memory_rows(model, base: dict, tmp: str, n: int = 4, only: list | None = Non
                      f.get("schedule", "1f1b" if pp > 1 else "none"), f.get("virtual", 1),
                      f.get("recompute", False), f.get("sp", False))
         want = P.memory(model, L, settings, stage="first")
-        final = _final(n, dict(flags, trace_memory=True), dict(base, steps=3),
+        final = _final(n, dict(flags, trace_memory=True, overlap=False), dict(base, steps=3),
                        os.path.join(tmp, "mem_" + label.replace(" ", "_")))
         got = dict(final["memory_state"], activations=final["memory_activations"]["activations"])
         for kind in ("params", "grads", "optimizer", "activations"):

@@ -269,19 +269,14 @@ HAVE_TRANSFORMERS = subprocess.run([sys.executable, "-c", "import transformers"]
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_the_commands_run_as_typed_and_print_what_the_docs_show(folder):
-    """Each document in a fresh folder of its own, two documents at a time (many of their
-    commands are one process: the two cores share them), its commands in order."""
-    from concurrent.futures import ThreadPoolExecutor
+@pytest.mark.parametrize("doc", list(dict.fromkeys(doc for doc, _, _ in ALL)))
+def test_the_commands_run_as_typed_and_print_what_the_docs_show(folder, doc):
+    """Each document in a fresh folder of its own, its commands in order; one test per
+    document, so that pytest-xdist spreads them over its workers (make test-unit's two
+    processes: many of the commands are one process, and the two cores share them)."""
     tmp, env = folder
     if shutil.which("mpirun", path=env["PATH"]) is None:
         pytest.skip("no mpirun in the venv or on PATH")
-    docs = list(dict.fromkeys(doc for doc, _, _ in ALL))
-    folders = []
-    for doc in docs:
-        folders.append(tmp / doc.replace(".md", ""))
-        folders[-1].mkdir()
-    with ThreadPoolExecutor(2) as pool:
-        found = list(pool.map(lambda d, f: run_doc(d, f, env), docs, folders))
-    failures = [f for doc_failures in found for f in doc_failures]
+    (tmp / doc.replace(".md", "")).mkdir()
+    failures = run_doc(doc, tmp / doc.replace(".md", ""), env)
     assert not failures, "\n\n".join(failures)

@@ -4,6 +4,7 @@ size P, the micro-batches m and the virtual stages v. schedules.py registers the
 the communication and verifies the result."""
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 
@@ -135,11 +136,13 @@ def zb_h1(P: int, m: int, costs: dict | None = None) -> list[list[Action]]:
     order: list = [[] for _ in range(P)]
     free = [0.0] * P                                # when each stage is next free
     left = [3 * m] * P
+    ready = [(0.0, q) for q in range(P)]            # (free, stage) of the unfinished stages:
+    # the earliest free first, the lowest stage on a tie (only the stage that acted changes)
 
     def arrived(t_done, t, local):                  # a result is usable once it got here
         return t_done is not None and t_done + (0.0 if local else c["send"]) <= t + 1e-12
-    while any(left):
-        s = min((q for q in range(P) if left[q]), key=lambda q: free[q])
+    while ready:
+        _, s = heapq.heappop(ready)
         t, j, k = free[s], ni[s], nf[s]
         if j < m and arrived(f_end[s][j], t, True) and (
                 s == P - 1 or arrived(i_end[s + 1][j], t, False)):
@@ -162,6 +165,9 @@ def zb_h1(P: int, m: int, costs: dict | None = None) -> list[list[Action]]:
                     if x is not None and x + c["send"] > t]
             soon += [free[q] for q in range(P) if q != s and left[q] and free[q] > t]
             free[s] = min(soon) if soon else t + min(c["F"], c["I"], c["W"])
+            heapq.heappush(ready, (free[s], s))
             continue
         left[s] -= 1
+        if left[s]:
+            heapq.heappush(ready, (free[s], s))
     return order

@@ -150,6 +150,17 @@ def scores(seq: int, heads: float, L: Layout, settings: Settings) -> float:
 
 
 _STASH: dict = {}
+_ORDERS: dict = {}
+
+
+def schedule_order(name: str, P: int, m: int, v: int, costs: dict | None = None) -> list:
+    """Our schedule's action lists (``schedules.make``), made once per (name, P, m, v, costs)
+    in a process: the stash walk and the makespan's simulation share them (read only)."""
+    from ..parallel import schedules as S
+    key = (name, P, m, v, tuple(sorted(costs.items())) if costs else None)
+    if key not in _ORDERS:
+        _ORDERS[key] = S.make(name, P, m, v, costs)
+    return _ORDERS[key]
 
 
 def stash_at_peak(name: str, P: int, m: int, v: int, stage: str) -> tuple:
@@ -170,13 +181,15 @@ def stash_at_peak(name: str, P: int, m: int, v: int, stage: str) -> tuple:
         else:
             costs = {"F": 1.0, "I": 1.0, "W": 1.0} if S.get(name).replan else None
             edge_chunk = 0 if stage == "first" else v - 1
-            live, best = set(), (0, 0)
-            for a in S.make(name, P, m, v, costs)[rank]:
+            live, edge, best = set(), 0, (0, 0)
+            for a in schedule_order(name, P, m, v, costs)[rank]:
                 if a.kind == "F":
                     live.add((a.mb, a.chunk))
-                    best = max(best, (len(live), sum(c == edge_chunk for _, c in live)))
-                elif a.kind in ("B", "W"):
+                    edge += a.chunk == edge_chunk
+                    best = max(best, (len(live), edge))
+                elif a.kind in ("B", "W") and (a.mb, a.chunk) in live:
                     live.discard((a.mb, a.chunk))
+                    edge -= a.chunk == edge_chunk
             _STASH[key] = best
     return _STASH[key]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .memory import hpcdist_layer, memory, moe_block, zero_level
+from .memory import hpcdist_layer, memory, moe_block, schedule_order, zero_level
 from .facts import GB, GPU
 from .model import Estimate, Layout, Model, Settings
 
@@ -32,8 +32,8 @@ def pipeline_makespan(name: str, P: int, m: int, v: int, f: float, b: float) -> 
     if key not in _SIM:
         if P * m * v <= 4096 or record.makespan is None:
             costs = {"F": 1.0, "B": ratio, "I": ratio / 2, "W": ratio / 2}
-            sched = S.make(name, P, m, v, {"F": 1.0, "I": ratio / 2, "W": ratio / 2}
-                           if record.replan else None)
+            sched = schedule_order(name, P, m, v, {"F": 1.0, "I": ratio / 2, "W": ratio / 2}
+                                   if record.replan else None)
             r = S.verify(sched, P, m, v, costs=costs)
             _SIM[key] = (r.makespan, r.bubble)
         else:

@@ -125,6 +125,15 @@ class NcclCommunicator:
         c[1] += int(nbytes)
         self.bytes_sent += int(nbytes)
 
+    def recount(self, calls: dict) -> None:
+        """Count ``calls`` ({kind: [calls, bytes]}) once more: what a CUDA graph's replay
+        sends without the Python that counted it at the capture (run/graphed.py)."""
+        for kind, (n, nbytes) in calls.items():
+            c = self.calls.setdefault(kind, [0, 0])
+            c[0] += n
+            c[1] += nbytes
+            self.bytes_sent += nbytes
+
     @property
     def mpi(self):
         return self.host.mpi

@@ -15,7 +15,7 @@ import contextlib
 
 import numpy as np
 
-from ..device import backend
+from ..device import backend, graphs
 from ..host import timeline
 from . import p2p, watchdog
 
@@ -46,6 +46,8 @@ class StreamHandle:
         return True
 
     def wait(self):
+        if graphs.capture_token() is not None:  # a CUDA graph's capture: the stream's order
+            return self._result                 # is the wait (a synchronize would end it)
         with watched(self._nc, f"wait for {self._kind}"):
             backend.synchronize(self._result)
         return self._result

@@ -20,6 +20,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .standin_graph import RECORDER, record
 from .surface import NCCL, signature, typed_parameters
 
 # NCCL's codes (nccl.h): data types and reduction ops
@@ -139,6 +140,15 @@ def _rendezvous(ndev: int, comm_id: bytes, rank: int):
     return comm
 
 
+def _captured(run) -> None:
+    """A collective run now and, inside a CUDA graph's capture, recorded: a replay runs it
+    again on the same memory, as a captured NCCL kernel does (NCCL 2.9 and later take a
+    capturing stream)."""
+    run()
+    if RECORDER.on:
+        record(run)
+
+
 class NcclCommunicator:
     """NCCL's communicator: its collectives by MPI's built-ins on the pointed-to arrays."""
 
@@ -150,30 +160,35 @@ class NcclCommunicator:
         _bind("NcclCommunicator.allReduce", (self, sendbuf, recvbuf, count, datatype, op,
                                              stream))
         out = _array(recvbuf, count, datatype)
-        _reduced(self._comm, None if sendbuf == recvbuf else _array(sendbuf, count, datatype),
-                 out, _OPS[op])
+        src = None if sendbuf == recvbuf else _array(sendbuf, count, datatype)
+        _captured(lambda: _reduced(self._comm, src, out, _OPS[op]))
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
         _bind("NcclCommunicator.reduceScatter", (self, sendbuf, recvbuf, recvcount, datatype,
                                                  op, stream))
         n = self._comm.Get_size()
         src, out = _array(sendbuf, recvcount * n, datatype), _array(recvbuf, recvcount, datatype)
+        _captured(lambda: self._reduce_scatter(src, out, recvcount, _OPS[op]))
+
+    def _reduce_scatter(self, src, out, recvcount: int, op) -> None:
         if out.dtype.name == "bfloat16":            # (no MPI type: summed in float32)
             wide = src.astype(np.float32)
-            self._comm.Allreduce(MPI.IN_PLACE, wide, op=_OPS[op])
+            self._comm.Allreduce(MPI.IN_PLACE, wide, op=op)
             r = self._comm.Get_rank()
             out[...] = wide[r * recvcount:(r + 1) * recvcount]
             return
-        self._comm.Reduce_scatter_block(src, out, op=_OPS[op])
+        self._comm.Reduce_scatter_block(src, out, op=op)
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):       # noqa: N802
         _bind("NcclCommunicator.allGather", (self, sendbuf, recvbuf, count, datatype, stream))
-        self._comm.Allgather(_moved(sendbuf, count, datatype),
-                             _moved(recvbuf, count * self._comm.Get_size(), datatype))
+        mine = _moved(sendbuf, count, datatype)
+        every = _moved(recvbuf, count * self._comm.Get_size(), datatype)
+        _captured(lambda: self._comm.Allgather(mine, every))
 
     def bcast(self, buff, count, datatype, root, stream):
         _bind("NcclCommunicator.bcast", (self, buff, count, datatype, root, stream))
-        self._comm.Bcast(_moved(buff, count, datatype), root=root)
+        data = _moved(buff, count, datatype)
+        _captured(lambda: self._comm.Bcast(data, root=root))
 
     def send(self, sendbuf, count, datatype, peer, stream):
         _bind("NcclCommunicator.send", (self, sendbuf, count, datatype, peer, stream))

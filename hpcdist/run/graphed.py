@@ -1,9 +1,9 @@
 """``--cuda-graph``: a step recorded once as a CUDA graph (device/graphs.py) and replayed. One
-data-parallel replica: the whole step is one graph (``GraphedStep``: forward and backward of
-every micro-batch, the fp32 master's gradient, clipping, and AdamW with its step count and
-learning rate on the device, optim.DeviceSchedule). Several replicas over MPI: each
-micro-batch's forward and backward (``GraphedForwardBackward``), the gradients averaged after
-it, the optimizer eager. One graph per batch shape; batches are copied in, results copied
+data-parallel replica, or several over NCCL: the whole step is one graph (``GraphedStep``:
+forward and backward of every micro-batch, the buckets' NCCL allreduces on the step's stream,
+the fp32 master's gradient, clipping, and AdamW with its step count and learning rate on the
+device, optim.DeviceSchedule). Several replicas over MPI: each micro-batch's forward and
+backward (``GraphedForwardBackward``), the gradients averaged after it, the optimizer eager. One graph per batch shape; batches are copied in, results copied
 out. ``--cuda-graph auto`` times the first steps both ways and keeps the faster
 (``AutoChoice``). What a graph cannot hold is refused before the run (parallel/capabilities.py)
 or, under auto, run eagerly. On the CPU the step runs as it is. The design: docs/gpu.md,
@@ -65,13 +65,19 @@ class GraphedStep:
             arrays = _device_copies(host)
             pairs = list(zip(arrays[::2], arrays[1::2]))
             entry = self.graphs[key] = (arrays, graphs.capture(lambda: self._step(pairs),
-                                                               self.warmup))
-        arrays, step = entry
+                                                               self.warmup), {})
+        arrays, step, sent = entry
         _copy_in(arrays, host)
         self.opt.schedule.sync(self.opt.step_count)
+        comm, captures = self.strategy.comm, step.captures
+        before = _calls(comm)
         loss, norm = step()
+        if step.captures > captures:  # what the capture's Python counted, each replay sends
+            sent.update(_calls_since(comm, before))
         if step.replayed:             # (the Python that counts the step ran only at capture)
             self.opt.step_count += 1
+            if sent:
+                comm.recount(sent)
         self.opt.schedule.host_step = self.opt.step_count
         return loss.copy(), norm.copy()
 
@@ -91,6 +97,18 @@ class GraphedStep:
         """Back to the host's learning rate (the run goes on eagerly)."""
         self.opt.schedule = None
         self.graphs.clear()
+
+
+def _calls(comm) -> dict:
+    """The communicator's counts per kind of call ({kind: [calls, bytes]}; the NCCL
+    backend's: a graph holds no MPI call)."""
+    return {k: list(v) for k, v in getattr(comm, "calls", {}).items()}
+
+
+def _calls_since(comm, before: dict) -> dict:
+    now = _calls(comm)
+    return {k: [n - before.get(k, [0, 0])[0], b - before.get(k, [0, 0])[1]]
+            for k, (n, b) in now.items() if [n, b] != before.get(k, [0, 0])}
 
 
 def _shapes(host) -> tuple:
@@ -171,8 +189,10 @@ def whole_step_problem(cfg, strategy) -> str | None:
     from ..parallel.strategy import DataParallelStrategy
     if not isinstance(strategy, DataParallelStrategy):
         return "the strategy runs its own optimizer step"
-    if not strategy.ddp.averages_nothing or strategy.batch_comm.size > 1:
-        return "gradients are averaged over MPI between backward and the optimizer"
+    if not _over_nccl(strategy.comm) and (not strategy.ddp.averages_nothing or
+                                          strategy.batch_comm.size > 1):
+        return ("gradients are averaged over MPI between backward and the optimizer "
+                "(--backend nccl averages them inside the graph)")
     if strategy.grad_sum is not None or strategy.norm.comms:
         return "the gradient's sums or norm are added up over MPI"
     if not isinstance(strategy.opt, optim.AdamW):
@@ -180,6 +200,13 @@ def whole_step_problem(cfg, strategy) -> str | None:
     if strategy.scaler.enabled:
         return "a loss scale is a host value"
     return None
+
+
+def _over_nccl(comm) -> bool:
+    """DDP's buckets go through NCCL on the step's stream, which a graph captures (NCCL 2.9
+    and later; the GPU stand-in's NCCL records them)."""
+    from ..comm.nccl import NcclCommunicator
+    return isinstance(comm, NcclCommunicator)
 
 
 def describe(cfg, strategy) -> str:

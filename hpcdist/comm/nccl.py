@@ -126,8 +126,7 @@ class NcclCommunicator:
         self.bytes_sent += int(nbytes)
 
     def recount(self, calls: dict) -> None:
-        """Count ``calls`` ({kind: [calls, bytes]}) once more: what a CUDA graph's replay
-        sends without the Python that counted it at the capture (run/graphed.py)."""
+        """Count ``calls`` ({kind: [calls, bytes]}) again: a CUDA graph's replay's."""
         for kind, (n, nbytes) in calls.items():
             c = self.calls.setdefault(kind, [0, 0])
             c[0] += n

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 
 import numpy as np
 
@@ -43,6 +44,29 @@ struct bf16 {
 # one rounding of an output is at most half a bf16 step, 2^-8 of its value; a kernel that
 # keeps an intermediate in bf16 between its passes may take one more
 BF16_TOLERANCE = 8e-3
+
+
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+
+
+def only_kernels(source: str, kernels) -> str:
+    """``source`` without the ``extern "C"`` kernels that are not in ``kernels``: ops that
+    share a source (flash attention's forward, backward and ring blocks) compile only their
+    own, in NVRTC and in cudasim (each kernel inlines its device functions: the forward's
+    module compiled every backward too)."""
+    keep, out, at = set(kernels), [], 0
+    for m in _KERNEL.finditer(source):
+        if m.group(1) in keep or m.start() < at:
+            continue
+        depth, end = 0, source.index("{", m.end())
+        while True:                                  # to the brace that closes the body
+            depth += {"{": 1, "}": -1}.get(source[end], 0)
+            end += 1
+            if depth == 0:
+                break
+        out.append(source[at:m.start()])
+        at = end
+    return "".join(out) + source[at:]
 
 
 def cpu_wanted(a) -> bool:
@@ -107,7 +131,7 @@ class Fused:
         t, a = DTYPES[dtype]
         macros = "".join(f"#define {k} {v}\n" for k, v in sorted((defines or {}).items()))
         return (BF16 if dtype == "bfloat16" else "") + f"typedef {t} T;\ntypedef {a} A;\n" + \
-            macros + self.source
+            macros + only_kernels(self.source, self.kernels)
 
     def tolerance_for(self, dtype: str) -> float:
         return max(self.tolerance, BF16_TOLERANCE) if dtype == "bfloat16" else self.tolerance

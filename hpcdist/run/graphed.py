@@ -1,13 +1,13 @@
 """``--cuda-graph``: a step recorded once as a CUDA graph (device/graphs.py) and replayed. One
 data-parallel replica, or several over NCCL: the whole step is one graph (``GraphedStep``:
-forward and backward of every micro-batch, the buckets' NCCL allreduces on the step's stream,
+every micro-batch's forward and backward, the buckets' NCCL allreduces on the step's stream,
 the fp32 master's gradient, clipping, and AdamW with its step count and learning rate on the
 device, optim.DeviceSchedule). Several replicas over MPI: each micro-batch's forward and
-backward (``GraphedForwardBackward``), the gradients averaged after it, the optimizer eager. One graph per batch shape; batches are copied in, results copied
-out. ``--cuda-graph auto`` times the first steps both ways and keeps the faster
-(``AutoChoice``). What a graph cannot hold is refused before the run (parallel/capabilities.py)
-or, under auto, run eagerly. On the CPU the step runs as it is. The design: docs/gpu.md,
-"run/graphed.py"."""
+backward (``GraphedForwardBackward``), the gradients averaged after it, the optimizer eager.
+One graph per batch shape; batches are copied in, results copied out. ``--cuda-graph auto``
+times the first steps both ways and keeps the faster (``AutoChoice``). What a graph cannot
+hold is refused before the run (parallel/capabilities.py) or, under auto, run eagerly. On the
+CPU the step runs as it is. The design: docs/gpu.md, "run/graphed.py"."""
 from __future__ import annotations
 
 import numpy as np

@@ -88,7 +88,8 @@ HELP = {
                       "graph and replayed (GPU: the host's ~40 us a launch leave the step). "
                       "One replica, or several over --backend nccl: the whole step, "
                       "AdamW's learning rate on the device; several over MPI: each "
-                      "micro-batch's forward and backward, gradients averaged after it. auto times the first steps both ways and keeps the faster "
+                      "micro-batch's forward and backward, gradients averaged after it. "
+                      "auto times the first steps both ways and keeps the faster "
                       "(and runs eagerly what a graph cannot hold). Dense models without "
                       "dropout, one model replica a rank; no effect on the CPU",
     },

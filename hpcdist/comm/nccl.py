@@ -125,14 +125,6 @@ class NcclCommunicator:
         c[1] += int(nbytes)
         self.bytes_sent += int(nbytes)
 
-    def recount(self, calls: dict) -> None:
-        """Count ``calls`` ({kind: [calls, bytes]}) again: a CUDA graph's replay's."""
-        for kind, (n, nbytes) in calls.items():
-            c = self.calls.setdefault(kind, [0, 0])
-            c[0] += n
-            c[1] += nbytes
-            self.bytes_sent += nbytes
-
     @property
     def mpi(self):
         return self.host.mpi

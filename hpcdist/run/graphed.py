@@ -77,7 +77,7 @@ class GraphedStep:
         if step.replayed:             # (the Python that counts the step ran only at capture)
             self.opt.step_count += 1
             if sent:
-                comm.recount(sent)
+                _recount(comm, sent)
         self.opt.schedule.host_step = self.opt.step_count
         return loss.copy(), norm.copy()
 
@@ -109,6 +109,16 @@ def _calls_since(comm, before: dict) -> dict:
     now = _calls(comm)
     return {k: [n - before.get(k, [0, 0])[0], b - before.get(k, [0, 0])[1]]
             for k, (n, b) in now.items() if [n, b] != before.get(k, [0, 0])}
+
+
+def _recount(comm, calls: dict) -> None:
+    """Count ``calls`` ({kind: [calls, bytes]}) on the NCCL communicator once more: what a
+    replay sends without the Python that counted it at the capture."""
+    for kind, (n, nbytes) in calls.items():
+        c = comm.calls.setdefault(kind, [0, 0])
+        c[0] += n
+        c[1] += nbytes
+        comm.bytes_sent += nbytes
 
 
 def _shapes(host) -> tuple:

@@ -277,6 +277,7 @@ def test_the_commands_run_as_typed_and_print_what_the_docs_show(folder, doc):
     tmp, env = folder
     if shutil.which("mpirun", path=env["PATH"]) is None:
         pytest.skip("no mpirun in the venv or on PATH")
-    (tmp / doc.replace(".md", "")).mkdir()
-    failures = run_doc(doc, tmp / doc.replace(".md", ""), env)
+    own = tmp / doc.replace(".md", "")
+    own.mkdir()
+    failures = run_doc(doc, own, env)
     assert not failures, "\n\n".join(failures)

@@ -79,9 +79,12 @@ def fake_cublaslt(real, calls):
     aux matrix and its GELU (tanh form) to D; DGELU_BGRAD multiplies by the GELU's derivative
     at the aux matrix and writes D's sums over its columns to the bias pointer; BGRADA writes
     op(A)'s sums over k to the bias pointer. ``calls`` collects each matmul's (transa,
-    transb, m, n, k, epilogue, compute type)."""
+    transb, m, n, k, epilogue, compute type). FP8 (A or B of e4m3 or e5m2 codes) as its
+    contract says: "TN" only (A transposed, B not), leading dimensions multiples of 16, not
+    both e5m2, D float32 or bf16, each operand times the float32 at its scale pointer."""
     import ml_dtypes
-    types = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 14: np.dtype(ml_dtypes.bfloat16)}
+    types = {0: np.dtype(np.float32), 1: np.dtype(np.float64), 14: np.dtype(ml_dtypes.bfloat16),
+             28: np.dtype(ml_dtypes.float8_e4m3fn), 29: np.dtype(ml_dtypes.float8_e5m2)}
 
     def attr(getter, obj, which, kind):
         v, written = kind(), ctypes.c_size_t()
@@ -122,6 +125,16 @@ def fake_cublaslt(real, calls):
         be = ctypes.cast(beta, ctypes.POINTER(scalar))[0]
         a = matrix(A, layout(adesc)).astype(np.float64)
         b = matrix(B, layout(bdesc)).astype(np.float64)
+        if 1 in (layout(adesc)[0].itemsize, layout(bdesc)[0].itemsize):       # FP8
+            assert layout(adesc)[0].itemsize == layout(bdesc)[0].itemsize == 1
+            assert (ta, tb) == (1, 0), ("FP8 is TN only", ta, tb)
+            assert layout(adesc)[3] % 16 == 0 and layout(bdesc)[3] % 16 == 0
+            assert not layout(adesc)[0] == layout(bdesc)[0] == types[29], "e5m2 x e5m2"
+            assert layout(ddesc)[0] in (types[0], types[14]), layout(ddesc)
+            for which, x in ((17, "a"), (18, "b")):
+                ptr = get(which, ctypes.c_void_p)
+                scale = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float))[0] if ptr else 1.0
+                a, b = (a * scale, b) if x == "a" else (a, b * scale)
         a, b = (a.T if ta else a), (b.T if tb else b)
         assert cdesc == ddesc or layout(cdesc) == layout(ddesc)
         d = matrix(D, layout(ddesc))

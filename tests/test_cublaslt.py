@@ -179,3 +179,33 @@ def test_the_gelu_backward_moves_into_the_next_gemm_only_when_it_has_all_the_gra
     # apart: the projection's bias and weight gradients, its input gradient, the GELU's
     # backward; fused: bias and weight in one, the input gradient through the GELU
     assert n_apart - n_fused == (1 if other_consumer else 2), (n_apart, n_fused)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fp8_matmul_equals_its_twin_through_the_real_descriptors(lt, dtype):
+    """FP8_GEMM's launch — the amax and codes kernels in the CUDA model (device/cudasim.py),
+    then cuBLASLt's FP8 matmul with its descriptors built by the real library (e4m3 and e5m2
+    layouts, "TN", the two scale pointers) and computed by the stand-in, which refuses what
+    cuBLASLt's FP8 contract refuses — equals its twin (the quantized values' product) on every
+    self-check case, e5m2 on either side."""
+    from hpcdist.device import cudasim
+    from hpcdist.device.kernels import fp8_gemm
+    if cudasim.available() is not None:
+        pytest.skip(f"the CUDA execution model: {cudasim.available()}")
+    op, xp = fp8_gemm.FP8_GEMM, backend.xp()
+    model = cudasim.kernels(op, dtype)
+
+    def k(name, defines=None):             # (the model reads the stand-in's arrays as NumPy's)
+        kernel = model(name, defines)
+        return lambda grid, block, args: kernel(grid, block, tuple(
+            np.asarray(a) if isinstance(a, np.ndarray) else a for a in args))
+    n = 0
+    for args in op.cases(xp, np.random.default_rng(5), backend.dtype(dtype)):
+        want = np.asarray(op.twin(*[fused._widened(a) for a in args]), np.float64)
+        got = np.asarray(op.launch(k, *[fused._copy(a) for a in args]), np.float64)
+        assert got.shape == want.shape
+        assert fused._error(want, got) <= op.tolerance_for(dtype), args[0].shape
+        assert fused._error(want, np.asarray(args[0], np.float64) @ np.asarray(args[1])) > 1e-3
+        n += 1
+    assert n == 9 and len(lt) == n
+    assert {c[:2] for c in lt} == {(1, 0)} and {c[6] for c in lt} == {cublaslt.COMPUTE["32F"]}

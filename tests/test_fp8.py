@@ -2,7 +2,8 @@
 layers' GEMMs, scaled per tensor by a power of two. The rounding against ml_dtypes' float8
 types bit for bit; a linear layer's forward and backward against the same GEMMs written
 from ml_dtypes' casts; the trainer's fp8 run against its bf16 run, on the CPU and on the GPU
-stand-in; the refusal on a GPU without FP8 tensor cores."""
+stand-in; the codes cuBLASLt's FP8 matmul takes, and a layer on them against the emulation;
+the refusal on a GPU without FP8 tensor cores."""
 import types
 
 import numpy as np
@@ -41,6 +42,26 @@ def test_rounding_equals_ml_dtypes_bit_for_bit(device, fmt):
     assert np.signbit(got[x == 0]).tolist() == np.signbit(x[x == 0]).tolist()
 
 
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=str)
+def test_the_codes_are_ml_dtypes_bits(device, fmt):
+    """fp8.encode (the codes' twin: kernels/fp8_gemm.py) writes ml_dtypes' bits for every
+    rounded value, 0x7f for a NaN; fp8.decode reads every one of the 256 codes as ml_dtypes
+    does and inverts encode."""
+    q = fp8.round_to_fp8(backend.to_device(_values()), fmt)
+    got = backend.to_numpy(fp8.encode(q, fmt))
+    q = backend.to_numpy(q)
+    want = q.astype(CASTS[fmt]).view(np.uint8)
+    nan = np.isnan(q)
+    assert nan.any() and (got[nan] == 0x7f).all()
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    back = backend.to_numpy(fp8.decode(backend.to_device(got), fmt))
+    np.testing.assert_array_equal(back, q)
+    assert np.signbit(back[q == 0]).tolist() == np.signbit(q[q == 0]).tolist()
+    every = np.arange(256, dtype=np.uint8)
+    np.testing.assert_array_equal(backend.to_numpy(fp8.decode(backend.to_device(every), fmt)),
+                                  every.view(CASTS[fmt]).astype(np.float32))
+
+
 def test_the_scale_is_the_largest_power_of_two_that_fits(device):
     for amax in (3e-5, 0.7, 1.0, 448.0, 449.0, 9e6):
         x = backend.to_device(np.array([amax / 3, -amax], dtype=np.float32))
@@ -59,18 +80,20 @@ def _oracle(x, fmt):
     return np.clip(x * s, -fmt.max, fmt.max).astype(CASTS[fmt]).astype(np.float64) / s
 
 
-def test_a_linear_layer_computes_on_fp8_values(device):
+@pytest.mark.parametrize("t,m", [(5, 40), (8, 32)], ids=["values", "codes"])
+def test_a_linear_layer_computes_on_fp8_values(device, t, m):
     """y = Q4(x) Q4(w) + b, dx = Q5(dy) Q4(w)^T, dw = Q4(x)^T Q5(dy): the layer's bf16
     results equal these float64 products of ml_dtypes' fp8 values to bf16's rounding, and
-    differ from the bf16 layer's (the fp8 path ran)."""
+    differ from the bf16 layer's (the fp8 path ran): on the values (any shape) and, on the
+    stand-in, on the codes (dimensions of multiples of 16: kernels/fp8_gemm.py)."""
     from hpcdist.autograd import ops
     from hpcdist.autograd.tensor import Tensor
     bf16 = backend.bfloat16()
     rng = np.random.default_rng(1)
-    x = (rng.standard_normal((2, 5, 48)) * 3).astype(bf16)
-    w = (rng.standard_normal((48, 40)) * 0.02).astype(bf16)
-    b = (rng.standard_normal(40) * 0.1).astype(bf16)
-    dy = (rng.standard_normal((2, 5, 40)) * 1e-3).astype(bf16)
+    x = (rng.standard_normal((2, t, 48)) * 3).astype(bf16)
+    w = (rng.standard_normal((48, m)) * 0.02).astype(bf16)
+    b = (rng.standard_normal(m) * 0.1).astype(bf16)
+    dy = (rng.standard_normal((2, t, m)) * 1e-3).astype(bf16)
 
     def run(on):
         fp8.set_linears(on)
@@ -85,11 +108,62 @@ def test_a_linear_layer_computes_on_fp8_values(device):
     y, gx, gw, gb = run(True)
     qx, qw, qg = _oracle(x, fp8.E4M3), _oracle(w, fp8.E4M3), _oracle(dy, fp8.E5M2)
     wants = (qx @ qw + b.astype(np.float64), qg @ qw.T,
-             qx.reshape(-1, 48).T @ qg.reshape(-1, 40), dy.astype(np.float64).sum((0, 1)))
+             qx.reshape(-1, 48).T @ qg.reshape(-1, m), dy.astype(np.float64).sum((0, 1)))
     for got, want in zip((y, gx, gw, gb), wants):
         np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())
     plain = run(False)
     assert not np.array_equal(plain[0], y) and not np.array_equal(plain[2], gw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_the_stand_in_the_gemms_take_codes_equal_to_the_emulation(monkeypatch, dtype):
+    """A linear layer whose dimensions are multiples of 16 runs its three GEMMs on fp8 codes
+    (kernels/fp8_gemm.py: the codes in both layouts, cuBLASLt's FP8 matmul as its twin on the
+    stand-in; the weight's gradient written into its buffer): its output and gradients equal
+    the values' emulation (HPCDIST_FP8_GEMM=emulated) to a summation order, the weight's
+    gradient added into what the buffer held; a layer of other dimensions keeps the
+    emulation."""
+    from hpcdist.autograd import ops
+    from hpcdist.autograd.tensor import Tensor
+    from hpcdist.device.kernels import fp8_gemm
+    made, products = fp8_gemm.product, []
+    monkeypatch.setattr(fp8_gemm, "product",
+                        lambda *a, **k: products.append(a[0].shape) or made(*a, **k))
+    dt = backend.dtype(dtype)
+    rng = np.random.default_rng(4)
+
+    def run(shape, emulated):
+        monkeypatch.setenv("HPCDIST_FP8_GEMM", "emulated" if emulated else "codes")
+        (n, t, k), m = shape, 32
+        x, w = rng.standard_normal((n, t, k)) * 3, rng.standard_normal((k, m)) * 0.05
+        b, dy = rng.standard_normal(m) * 0.1, rng.standard_normal((n, t, m)) * 1e-3
+        xt, wt, bt = (Tensor(backend.to_device(a.astype(dt)), requires_grad=True)
+                      for a in (x, w, b))
+        wt.grad = backend.to_device(np.full((k, m), 0.25).astype(dt))   # (added into)
+        fp8.set_linears(True)
+        try:
+            y = ops.linear(xt, wt, bt)
+            y.backward(backend.to_device(dy.astype(dt)))
+        finally:
+            fp8.set_linears(False)
+        return [backend.to_numpy(a).astype(np.float64) for a in (y.data, xt.grad, wt.grad)]
+    prev = backend.device_label()
+    backend.init("standin")
+    try:
+        for shape, codes in (((2, 8, 48), True), ((2, 5, 48), False)):
+            rng = np.random.default_rng(4)
+            got = run(shape, emulated=False)
+            assert len(products) == (3 if codes else 0), products
+            rng = np.random.default_rng(4)
+            want = run(shape, emulated=True)
+            assert len(products) == (3 if codes else 0)
+            products.clear()
+            tol = 8e-3 if dtype == "bfloat16" else 1e-6
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max())
+            assert np.abs(got[2] - 0.25).max() > 0 and np.abs(got[2]).min() > 0.1
+    finally:
+        backend.init(prev)
 
 
 def test_a_layer_kept_out_computes_as_in_bf16_forward_and_backward():
@@ -130,9 +204,9 @@ def test_the_lm_head_and_the_routers_are_kept_out(monkeypatch, experts):
     from hpcdist.nn.moe import MoE
     seen, made = [], kernels.linear_operands
 
-    def spy(split=None):
+    def spy(split=None, *layer):
         seen.append(fp8.linears())
-        return made(split)
+        return made(split, *layer)
     monkeypatch.setattr(kernels, "linear_operands", spy)
     model = build("llama", n_layer=2, n_embd=32, n_head=4, experts=experts, top_k=2)
     idx = np.random.default_rng(0).integers(0, 16, (2, 8))

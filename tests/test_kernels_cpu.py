@@ -25,7 +25,7 @@ def test_every_kernel_of_the_source_tree_is_covered():
     run = {k for op in fused.registry().values() if not op.library for k in op.kernels}
     assert declared and declared == run
     assert {op.name for op in fused.registry().values() if op.library} == \
-        {"bf16_gemm", "gemm_add", "gemm_add_tf32", "cudnn_fwd", "cudnn_bwd"} | \
+        {"bf16_gemm", "gemm_add", "gemm_add_tf32", "cudnn_fwd", "cudnn_bwd", "fp8_gemm"} | \
         {f"gemm_{op}{tf}" for op in ("bias", "bias_gelu", "dgelu_bgrad", "bgrad")
          for tf in ("", "_tf32")}
 

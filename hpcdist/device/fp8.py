@@ -3,12 +3,11 @@
 by the largest power of two its current absolute maximum allows (per-tensor dynamic scaling,
 torchao's tensorwise recipe; a tensor-parallel shard by its whole tensor's: ``Split``). A value
 rounded to fp8 and multiplied back is then exact in bf16, so a bf16 GEMM with fp32
-accumulation over those values is what an FP8 tensor-core GEMM computes from the codes and
-their scales: every device runs that (``kernels.linear_operands``, ``FP8_QUANTIZE``), fp8's
-numbers at bf16's speed — cuBLASLt's FP8 matmul is not built. Rounding: nearest, ties to even,
-saturating, NaN kept, through float32 frexp / rint / ldexp on any array module, equal to
-ml_dtypes' float8 types bit for bit (tests/test_fp8.py). The design: docs/gpu.md,
-"hpcdist/device/fp8.py"."""
+accumulation over those values computes what an FP8 tensor-core GEMM computes from the codes
+(``encode``) and their scales: the CPU runs that (``FP8_QUANTIZE``), a Hopper GPU cuBLASLt's
+FP8 matmul (kernels/fp8_gemm.py). Rounding: nearest, ties to even, saturating, NaN kept,
+through float32 frexp / rint / ldexp on any array module, equal to ml_dtypes' float8 types
+bit for bit (tests/test_fp8.py). The design: docs/gpu.md, "hpcdist/device/fp8.py"."""
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +43,44 @@ def round_to_fp8(x, fmt: Format):
     step = xp.ldexp(xp.ones_like(x), e - fmt.mantissa)   # the spacing of fmt's values there
     q = xp.rint(x / step) * step                         # (both exact: powers of two)
     return xp.clip(q, -fmt.max, fmt.max)
+
+
+def encode(q, fmt: Format):
+    """The codes (uint8: sign, biased exponent, mantissa bits) of ``q``, values of ``fmt``
+    (``round_to_fp8``'s output) or NaN, which is 0x7f in both formats, its sign dropped (a
+    GPU's NaNs have none to keep); ml_dtypes' float8_e4m3fn and float8_e5m2 bits elsewhere
+    (tests/test_fp8.py)."""
+    xp = backend.array_module(q)
+    q = q.astype(np.float32, copy=False)
+    a = xp.where(xp.isnan(q), np.float32(0), xp.abs(q))
+    _, e = xp.frexp(a)
+    e = e - 1                                              # a in [2^e, 2^(e+1))
+    normal = e >= fmt.min_exp
+    sub = xp.rint(xp.ldexp(a, fmt.mantissa - fmt.min_exp))           # (multiples of a step)
+    frac = xp.rint((xp.ldexp(a, -e) - 1) * (1 << fmt.mantissa))
+    code = xp.where(normal, ((e - fmt.min_exp + 1) << fmt.mantissa) + frac, sub)
+    code = xp.where(a == 0, 0, code).astype(np.uint8)
+    code = code | xp.where(xp.signbit(q), np.uint8(0x80), np.uint8(0)).astype(np.uint8)
+    return xp.where(xp.isnan(q), np.uint8(0x7f), code).astype(np.uint8)
+
+
+def decode(codes, fmt: Format):
+    """The float32 values of fp8 ``codes`` (``encode``'s inverse; e4m3fn's 0x7f and 0xff, and
+    e5m2's all-ones exponents but for its infinities, are NaN)."""
+    xp = backend.array_module(codes)
+    c = codes.astype(np.int32)
+    bits = 7 - fmt.mantissa
+    e, m = (c >> fmt.mantissa) & ((1 << bits) - 1), c & ((1 << fmt.mantissa) - 1)
+    one = xp.ones(c.shape, dtype=np.float32)
+    value = xp.where(e > 0, xp.ldexp(one + xp.ldexp(m.astype(np.float32), -fmt.mantissa),
+                                     e + fmt.min_exp - 1),
+                     xp.ldexp(m.astype(np.float32), fmt.min_exp - fmt.mantissa))
+    top = e == (1 << bits) - 1
+    if fmt.max == E4M3.max:
+        value = xp.where(top & (m == (1 << fmt.mantissa) - 1), np.float32(np.nan), value)
+    else:
+        value = xp.where(top, xp.where(m == 0, np.float32(np.inf), np.float32(np.nan)), value)
+    return xp.where(c & 0x80, -value, value).astype(np.float32)
 
 
 def amax_of(x):

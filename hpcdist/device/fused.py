@@ -290,6 +290,11 @@ def enabled() -> bool:
     return os.environ.get("HPCDIST_FUSED", "1") != "0"
 
 
+def refuse(name: str, why: str) -> None:
+    """Keep why ``name`` (a kernel or a library call) was not used, for ``refusals()``."""
+    _refused[name] = why[:200]
+
+
 def refusals() -> dict:
     """{kernel: why} for every kernel a self-check refused in this process."""
     return dict(_refused)

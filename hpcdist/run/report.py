@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from ..device import backend, kernels
+from ..device.kernels import fp8_gemm
 from ..nn.module import padded_length
 from ..nn.moe import moe_layers
 from ..autograd import memtrace
@@ -44,8 +45,7 @@ def header(cfg, model, strategy, world, hosts, train_set, *, test_set) -> list[s
         emulated = " (native: bf16 weights, activations and gradients; fp32 master weights)"
     if cfg.precision == "fp8":
         emulated += (" | fp8: the linear layers' GEMMs on e4m3 operands and e5m2 gradients, "
-                     "per-tensor power-of-two scales; fp8's values on bf16 GEMMs (exact, "
-                     "not fp8's speed: cuBLASLt's FP8 GEMM is not built)")
+                     "per-tensor power-of-two scales; " + fp8_gemm.describe())
     if cfg.tf32:
         emulated += " | " + kernels.describe(cfg.tf32)
     emulated += " | " + attention_words(cfg)

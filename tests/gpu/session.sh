@@ -58,6 +58,9 @@ step table 30 "HPCDIST_BF16=emulated $B gpu --layers 12 --embd 768 --seq 256 --b
 step table 25 "$B gpu --layers 12 --embd 768 --seq 256 --batch 16 --steps 8 --modes bf16 --no-torch --vocab-multiple 1 --out $OUT/small256-unpadded.json"
 step table 35 "$B gpu --layers 12 --embd 768 --seq 8192 --batch 1 --vocab 128 --steps 3 --modes bf16 --peers sdpa --peer-modes bf16 --out $OUT/long.json"
 step table 55 "$B gpu --arch llama --layers 16 --embd 2048 --seq 2048 --batch 4 --vocab 32000 --steps 4 --modes bf16 --peers sdpa --peer-modes bf16 --out $OUT/llama.json"
+# fp8 on cuBLASLt's FP8 matmul against bf16 and against fp8's emulation (values on bf16 GEMMs)
+step table 70 "$B gpu --arch llama --layers 8 --embd 4096 --seq 2048 --batch 2 --vocab 32000 --steps 4 --modes bf16,fp8 --peers fp8 --peer-modes bf16,fp8 --out $OUT/llama-fp8.json"
+step table 35 "HPCDIST_FP8_GEMM=emulated $B gpu --arch llama --layers 8 --embd 4096 --seq 2048 --batch 2 --vocab 32000 --steps 4 --modes fp8 --no-torch --out $OUT/llama-fp8-emulated.json"
 grep -a -E "ms/step|rc=|out of|attention:" "$OUT/table.log"
 # the host's share of a step (the 12x768 T 256 step was host-bound on 2026-11-27), a profile
 step host 40 "python tests/gpu/host_step.py fp32 bf16"

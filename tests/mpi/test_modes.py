@@ -43,6 +43,37 @@ def test_fp8_trains_in_the_model_parallel_layouts(comm, tmp_path, layout):
     assert np.isfinite(final["test_loss"])
 
 
+@pytest.mark.parametrize("layout", [{}, dict(tp=2), dict(pp=2, n_layer=2, micro_batches=1)],
+                         ids=["dp", "tp", "pp"])
+def test_fp8_on_codes_follows_its_emulation(comm, tmp_path, monkeypatch, layout):
+    """On the GPU stand-in a linear layer whose dimensions are multiples of 16 computes on fp8
+    codes (kernels/fp8_gemm.py: cuBLASLt's FP8 matmul, run there as its twin; a tensor-
+    parallel shard's codes scaled by the group's amax): the losses and norms follow the same
+    run on fp8's values (HPCDIST_FP8_GEMM=emulated), and the codes did run."""
+    from helpers import history
+    from hpcdist.device import backend
+    from hpcdist.device.kernels import fp8_gemm
+    size = layout.get("tp", 1) * layout.get("pp", 1)
+    if comm.size % size:
+        pytest.skip(f"{size} ranks per model replica")
+    made, products = fp8_gemm.product, []
+    monkeypatch.setattr(fp8_gemm, "product", lambda *a, **k: products.append(1) or made(*a, **k))
+    prev, runs = backend.device_label(), []
+    try:
+        for how in ("codes", "emulated"):
+            monkeypatch.setenv("HPCDIST_FP8_GEMM", how)
+            runs.append(history(small(device="standin", precision="fp8", dtype="fp32", steps=4,
+                                      batch_size=16, n_embd=32, n_head=4,
+                                      out_dir=str(tmp_path / how), **layout), comm)[1])
+            if how == "codes":
+                assert products, "no GEMM took fp8 codes"
+                products.clear()
+    finally:
+        backend.init(prev)
+    assert not products
+    np.testing.assert_allclose(runs[0], runs[1], rtol=2e-3)
+
+
 @pytest.mark.parametrize("extra", [{}, dict(precision="bf16", grad_accum=2, batch_size=4)])
 def test_cuda_graphs_over_several_replicas_equal_the_eager_run(comm, tmp_path, extra):
     """--cuda-graph on the GPU stand-in (which replays what it recorded): one rank replays

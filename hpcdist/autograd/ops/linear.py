@@ -25,7 +25,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
         y = matmul(x, w)
         y = y if b is None else add(y, b)
         return y if residual is None else add(y, residual)
-    operand = kernels.linear_operands(split)
+    operand = kernels.linear_operands(split, x.data, w.data)
     xo = operand(x.data, "input")
     k, m = w.shape
     if later:
@@ -112,7 +112,7 @@ def linear_gelu(x: Tensor, w: Tensor, b: Tensor, *, split: fp8.Split | None = No
     bias's gradient in one more (GELU_BWD_COLSUM, where the bias has its buffer), or done by
     the next layer's input-gradient GEMM (``_through_gelu``); ``split`` as linear's."""
     k, m = w.shape
-    operand = kernels.linear_operands(split)
+    operand = kernels.linear_operands(split, x.data, w.data)
     xo = operand(x.data, "input")
     done = kernels.gelu_product(xo.reshape(-1, k), operand(w.data, "weight"), b.data) \
         if xo.flags.c_contiguous else None                # (the bias and GELU in the GEMM)

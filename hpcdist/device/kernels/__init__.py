@@ -36,6 +36,7 @@ from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, CROSS_ENTROPY_MEAN, SOF
                    cross_entropy_bwd_twin, cross_entropy_twin, softmax_causal_bwd_twin,
                    softmax_causal_twin)
 from .fp8_quant import FP8_AMAX, FP8_QUANTIZE, FP8_ROUND
+from .fp8_gemm import FP8_CODES, FP8_GEMM
 from .gelu_colsum import GELU_BWD_COLSUM
 from .moe import (MOE_COMBINE, MOE_COMBINE_BWD, MOE_PERMUTE, combine_bwd_twin, combine_twin,
                   permute_twin)
@@ -48,7 +49,7 @@ from . import cpu as _cpu
 _backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows, device_gemm)
 _graphs.before_capture(use_workspace)
 
-__all__ = ["ADAMW", "ADAMW_LOW", "FP8_AMAX", "FP8_QUANTIZE", "FP8_ROUND", "GELU_BWD_COLSUM", "ADAMW_LOW_SCHED", "ADAMW_SCHED", "LR_SCHEDULE", "ADD", "add_twin", "WIDEN", "widen_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
+__all__ = ["ADAMW", "ADAMW_LOW", "FP8_AMAX", "FP8_CODES", "FP8_GEMM", "FP8_QUANTIZE", "FP8_ROUND", "GELU_BWD_COLSUM", "ADAMW_LOW_SCHED", "ADAMW_SCHED", "LR_SCHEDULE", "ADD", "add_twin", "WIDEN", "widen_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",
            "RMSNORM_BWD", "RMSNORM_FWD", "RESIDUAL_RMSNORM", "RESIDUAL_LAYERNORM", "ROTARY", "GEGLU_BWD", "GEGLU_FWD", "geglu_bwd_twin", "geglu_twin", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
            "rmsnorm_twin", "rotary_tables", "rotary_twin", "swiglu_bwd_twin", "swiglu_twin", "BIAS_GELU", "MOE_COMBINE",

@@ -1,5 +1,6 @@
 """cuBLASLt's matmul with an epilogue, through ctypes (as gemm.py calls cuBLAS): the bias, the
-bias + GELU with its input kept, or a bias's gradient, done by the GEMM as it stores.
+bias + GELU with its input kept, or a bias's gradient, done by the GEMM as it stores; and
+the FP8 matmul of two operands' codes with their scales (``fp8_matmul``: kernels/fp8_gemm.py).
 
 ``matmul(a, b, d, epilogue=..., ...)`` runs ``d = a @ b (+ beta c)`` row-major; cuBLASLt is
 column-major, so it computes d^T = b^T a^T: our ``b`` is its A, our ``a`` its B, and a
@@ -20,9 +21,10 @@ from .. import backend
 # cublasLt.h's values (CUDA 12), as the library's headers give them
 EPILOGUES = {"default": 1, "bias": 4, "gelu_aux_bias": 164, "dgelu_bgrad": 208, "bgrada": 256}
 _DESC = {"compute": 0, "scale": 1, "transa": 3, "transb": 4, "epilogue": 7, "bias": 8,
-         "aux": 11, "aux_ld": 12}
+         "aux": 11, "aux_ld": 12, "a_scale": 17, "b_scale": 18}
 _PREF_WORKSPACE = 1
-_TYPES = {"float32": 0, "float64": 1, "bfloat16": 14}          # cudaDataType
+_PREF_ALIGNMENT = (5, 6, 7, 8)            # the smallest alignment of A, B, C, D (uint32 bytes)
+_TYPES = {"float32": 0, "float64": 1, "bfloat16": 14, "e4m3": 28, "e5m2": 29}  # cudaDataType
 COMPUTE = {"32F": 68, "32F_FAST_TF32": 77, "64F": 70}          # cublasComputeType_t
 
 # (name, argument types, result): p a pointer or handle, i int32, u uint64, q int64, z size_t
@@ -40,6 +42,10 @@ _SIGNATURES = {
 }
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "u": ctypes.c_uint64, "q": ctypes.c_int64,
       "z": ctypes.c_size_t}
+
+
+class NoAlgorithm(RuntimeError):
+    """cuBLASLt's heuristic has no algorithm for a matmul's descriptors."""
 
 
 class HeuristicResult(ctypes.Structure):
@@ -160,6 +166,16 @@ def plan(a, b, d=None, *, epilogue: str, compute: str, vector=None, aux=None):
     layouts = (_layout(dtype, k, m, k) if bt else _layout(dtype, m, k, m),      # A: b
                _layout(dtype, n, k, n) if at else _layout(dtype, k, n, k),      # B: a
                _layout(dtype, m, n, m))                                         # C and D
+    d_align = _alignment(d.data.ptr) if d is not None else 256
+    return _choose(key, desc, layouts, (_alignment(bb.data.ptr), _alignment(ab.data.ptr),
+                                        d_align, d_align))
+
+
+def _choose(key, desc: int, layouts: tuple, aligned: tuple):
+    """The plan of ``desc`` over ``layouts`` (A, B, C = D) with the heuristic's first
+    algorithm for our workspace and for pointers ``aligned`` (A, B, C, D: bytes; its default
+    is 256, and a gradient buffer's view may sit at less), kept under ``key``; None (kept
+    too): it has none."""
     from .gemm import _workspace, use_workspace
     use_workspace()                # (cuBLASLt has none of its own: the one cuBLAS is given)
     size = _workspace[0].size if _workspace else 0
@@ -168,6 +184,10 @@ def plan(a, b, d=None, *, epilogue: str, compute: str, vector=None, aux=None):
     limit = ctypes.c_uint64(size)
     api("cublasLtMatmulPreferenceSetAttribute")(pref.value, _PREF_WORKSPACE,
                                                 ctypes.byref(limit), ctypes.sizeof(limit))
+    for attr, size in zip(_PREF_ALIGNMENT, aligned):
+        least = ctypes.c_uint32(size)
+        api("cublasLtMatmulPreferenceSetAttribute")(pref.value, attr, ctypes.byref(least),
+                                                    ctypes.sizeof(least))
     result, count = HeuristicResult(), ctypes.c_int(0)
     try:
         api("cublasLtMatmulAlgoGetHeuristic")(_handle(), desc, layouts[0], layouts[1],
@@ -178,6 +198,48 @@ def plan(a, b, d=None, *, epilogue: str, compute: str, vector=None, aux=None):
     found = _plans[key] = Plan(key, desc, layouts, result, size) \
         if count.value >= 1 and not result.state else None
     return found
+
+
+def fp8_matmul(a, a_type: str, bt, b_type: str, d, *, scales, beta: float = 0.0):
+    """The FP8 matmul ``d (n, m) = sa sb (a @ bt.T) + beta d`` of fp8 codes: a (n, k) and
+    bt (m, k) C-contiguous uint8 codes of ``a_type`` / ``b_type`` ("e4m3", "e5m2"),
+    ``scales`` = (sa, sb) (1,) float32 arrays on the device (the codes' scales' inverses), d
+    float32 or bf16, fp32 accumulation. cuBLASLt's FP8 is "TN" only: its A is
+    our bt read transposed, its B our a. Raises NoAlgorithm where it has none."""
+    (n, k), m = a.shape, bt.shape[0]
+    key = ("fp8", a_type, b_type, d.dtype.name, n, k, m,
+           tuple(_alignment(x.data.ptr) for x in (a, bt, d)))
+    p = _plans[key] if key in _plans else _fp8_plan(key, a_type, b_type, d.dtype.name, n, k, m)
+    if p is None:
+        raise NoAlgorithm(f"cuBLASLt has no FP8 algorithm for {a_type} ({n}, {k}) @ "
+                          f"{b_type} ({k}, {m}) into {d.dtype.name}")
+    _set(p.desc, "b_scale", scales[0].data.ptr, ctypes.c_void_p)    # (its B is our a)
+    _set(p.desc, "a_scale", scales[1].data.ptr, ctypes.c_void_p)
+    _run(p, bt.data.ptr, a.data.ptr, d, d, beta, np.float32)
+    return d
+
+
+def _fp8_plan(key, a_type: str, b_type: str, d_type: str, n: int, k: int, m: int):
+    desc = ctypes.c_void_p()
+    api("cublasLtMatmulDescCreate")(ctypes.byref(desc), COMPUTE["32F"], _TYPES["float32"])
+    desc = desc.value
+    _set(desc, "transa", 1)
+    _set(desc, "transb", 0)
+    layouts = (_layout(b_type, k, m, k), _layout(a_type, k, n, k), _layout(d_type, m, n, m))
+    a_align, b_align, d_align = key[-1]
+    return _choose(key, desc, layouts, (b_align, a_align, d_align, d_align))
+
+
+def _run(p: Plan, a_ptr: int, b_ptr: int, c, d, beta: float, scalar) -> None:
+    """cublasLtMatmul of plan ``p``: its A at ``a_ptr``, B at ``b_ptr`` (cuBLASLt's names),
+    D = alpha op(A) op(B) + beta C, alpha 1, on the current stream with our workspace."""
+    one, beta = np.array(1.0, scalar), np.array(beta, scalar)
+    from .gemm import _workspace
+    ws = _workspace[0].data.ptr if _workspace and p.workspace else None
+    api("cublasLtMatmul")(_handle(), p.desc, one.ctypes.data, a_ptr, p.layouts[0], b_ptr,
+                          p.layouts[1], beta.ctypes.data, c.data.ptr, p.layouts[2], d.data.ptr,
+                          p.layouts[2], ctypes.addressof(p.algo),     # (its algo field: offset 0)
+                          ws, p.workspace, backend.xp().cuda.get_current_stream().ptr)
 
 
 def matmul(a, b, d, *, epilogue: str = "default", compute: str = "32F", beta: float = 0.0,
@@ -194,14 +256,6 @@ def matmul(a, b, d, *, epilogue: str = "default", compute: str = "32F", beta: fl
         _set(p.desc, "bias", vector.data.ptr, ctypes.c_void_p)
     if aux is not None:
         _set(p.desc, "aux", aux.data.ptr, ctypes.c_void_p)
-    scalar = np.float64 if compute == "64F" else np.float32
-    one, beta = np.array(1.0, scalar), np.array(beta, scalar)
-    c = d if c is None else c
-    from .gemm import _workspace
-    ws = _workspace[0].data.ptr if _workspace and p.workspace else None
-    api("cublasLtMatmul")(_handle(), p.desc, one.ctypes.data, _operand(b)[0].data.ptr,
-                          p.layouts[0], _operand(a)[0].data.ptr, p.layouts[1],
-                          beta.ctypes.data, c.data.ptr, p.layouts[2], d.data.ptr, p.layouts[2],
-                          ctypes.addressof(p.algo),           # (its algo field: offset 0)
-                          ws, p.workspace, backend.xp().cuda.get_current_stream().ptr)
+    _run(p, _operand(b)[0].data.ptr, _operand(a)[0].data.ptr, d if c is None else c, d, beta,
+         np.float64 if compute == "64F" else np.float32)
     return d

@@ -18,13 +18,26 @@ from .. import backend, fp8
 from ..fused import Fused, grid
 from .common import _FINISH, kept_zeros
 
-_FP8 = _FINISH + r"""
+# the scale and the rounding, shared with the codes' kernel (kernels/fp8_gemm.py)
+ROUNDING = r"""
 // the largest power of two s with amax * s <= fmax (amax 0: as if 1)
 __device__ __forceinline__ float fp8_scale_of(float amax, float fmax) {
     int e;
     frexpf(fmax / (amax > 0.0f ? amax : 1.0f), &e);
     return ldexpf(1.0f, e - 1);
 }
+// v rounded to the format: nearest, ties to even, saturated at +-fmax, a NaN kept
+__device__ __forceinline__ float fp8_rounded(float v, int mantissa, int min_exp, float fmax) {
+    int e;
+    frexpf(v, &e);                                         // |v| in [2^(e-1), 2^e)
+    e = e - 1 > min_exp ? e - 1 : min_exp;                 // (subnormals: the smallest step)
+    float step = ldexpf(1.0f, e - mantissa);
+    float q = rintf(v / step) * step;
+    return q > fmax ? fmax : (q < -fmax ? -fmax : q);
+}
+"""
+
+_FP8 = _FINISH + ROUNDING + r"""
 extern "C" __global__ void fp8_amax(const T* x, long long n, A* part, unsigned* done,
                                     float* amax) {
     __shared__ float m[256];
@@ -53,21 +66,13 @@ extern "C" __global__ void fp8_amax(const T* x, long long n, A* part, unsigned* 
         *done = 0;
     }
 }
-// out = round_fp8(x * s) / s, s from the amax: nearest, ties to even, saturated at +-fmax,
-// a NaN kept
+// out = round_fp8(x * s) / s, s from the amax
 extern "C" __global__ void fp8_round(const T* x, T* out, long long n, const float* amax,
                                      int mantissa, int min_exp, float fmax) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float s = fp8_scale_of(*amax, fmax);
-    float v = (float)x[i] * s;
-    int e;
-    frexpf(v, &e);                                         // |v| in [2^(e-1), 2^e)
-    e = e - 1 > min_exp ? e - 1 : min_exp;                 // (subnormals: the smallest step)
-    float step = ldexpf(1.0f, e - mantissa);
-    float q = rintf(v / step) * step;
-    q = q > fmax ? fmax : (q < -fmax ? -fmax : q);
-    out[i] = (T)(q / s);
+    out[i] = (T)(fp8_rounded((float)x[i] * s, mantissa, min_exp, fmax) / s);
 }
 """
 

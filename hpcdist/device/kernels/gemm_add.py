@@ -70,7 +70,15 @@ def matmul_add(a, b, into, overwrite: bool = False) -> bool:
     saving the product's array and the pass that adds it (a weight's gradient into its
     buffer): NumPy's BLAS on the CPU in float32/float64; cuBLAS on a GPU in fp32, fp64, bf16
     (the GPU stand-in runs the twin, one launch); not under bf16 emulation (its GEMMs round
-    their operands: BF16_GEMM). False: not done, the caller adds."""
+    their operands: BF16_GEMM); two fp8 ``Codes`` by cuBLASLt's FP8 matmul into a float32 or
+    bf16 ``into``. False: not done, the caller adds."""
+    if a.dtype == np.uint8:                                  # fp8 codes (kernels/fp8_gemm.py)
+        if into.shape != (a.shape[0], b.shape[1]) or not into.flags.c_contiguous or \
+                dtype_name(into.dtype) not in ("float32", "bfloat16"):
+            return False
+        from .fp8_gemm import product as fp8_product
+        fp8_product(a, b, into, overwrite)
+        return True
     if backend.bf16_emulated() and a.dtype == np.float32:
         return False
     label = backend.device_label()

@@ -133,7 +133,7 @@ def test_memory_per_rank_is_what_training_runs_hold(tmp_path, arch, only):
                        timeout=900, cwd=root, env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.load(open(tmp_path / "bench_plan_memory.json"))
-    from hpcdist.bench.plan import MEMORY_LAYOUTS
+    from hpcdist.bench.plan_memory import MEMORY_LAYOUTS
     assert len(rows) == 4 * (len(only.split(",")) if only else len(MEMORY_LAYOUTS))
     state = [row for row in rows if row["kind"] != "activations"]
     assert all(row["planner"] == row["run"] for row in state), state

@@ -39,7 +39,13 @@ LAYOUTS = [
 
 
 def _command(n: int, flags: dict, out: str) -> list:
-    args = [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcdist.train", "--out-dir", out]
+    return [mpiexec(), "-n", str(n), sys.executable, "-m", "hpcdist.train"] + \
+        train_args(flags, out)
+
+
+def train_args(flags: dict, out: str) -> list:
+    """The trainer's command-line arguments for ``flags`` (TrainConfig fields) and ``out``."""
+    args = ["--out-dir", out]
     for k, v in flags.items():
         flag = f"--{k.replace('_', '-')}"
         if isinstance(v, bool):                   # train's flags are BooleanOptionalAction
@@ -65,30 +71,6 @@ def _train(n: int, flags: dict, base: dict, out: str, env=None) -> float:
     return _median_step(out)
 
 
-# (label, train flags, planner Layout fields) at 4 ranks: model state and activations
-MEMORY_LAYOUTS = [
-    ("DP 4", dict(), dict(tp=1, pp=1, zero=0)),
-    ("DP 4 ZeRO-1", dict(zero=1), dict(tp=1, pp=1, zero=1)),
-    ("DP 4 ZeRO-2", dict(zero=2), dict(tp=1, pp=1, zero=2)),
-    ("DP 4 ZeRO-3", dict(zero=3), dict(tp=1, pp=1, zero=3)),
-    ("DP 4 recompute", dict(checkpoint_activations=True), dict(tp=1, pp=1, zero=0, recompute=True)),
-    ("DP 2 x TP 2", dict(tp=2), dict(tp=2, pp=1, zero=0)),
-    ("DP 2 x TP 2 SP", dict(tp=2, sequence_parallel=True), dict(tp=2, pp=1, zero=0, sp=True)),
-    ("DP 2 x TP 2 SP recompute", dict(tp=2, sequence_parallel=True, checkpoint_activations=True),
-     dict(tp=2, pp=1, zero=0, sp=True, recompute=True)),
-    ("DP 2 x PP 2", dict(pp=2), dict(tp=1, pp=2, zero=0)),
-    ("DP 2 x PP 2 ZeRO-1", dict(pp=2, zero=1), dict(tp=1, pp=2, zero=1)),
-    ("DP 2 x PP 2 recompute", dict(pp=2, checkpoint_activations=True),
-     dict(tp=1, pp=2, zero=0, recompute=True)),
-    ("DP 2 x PP 2 interleaved v2", dict(pp=2, schedule="interleaved", virtual_stages=2),
-     dict(tp=1, pp=2, zero=0, schedule="interleaved", virtual=2)),
-    ("PP 4 GPipe", dict(pp=4, schedule="gpipe"), dict(tp=1, pp=4, zero=0, schedule="gpipe")),
-    ("TP 2 x PP 2 SP recompute", dict(tp=2, pp=2, sequence_parallel=True,
-                                       checkpoint_activations=True),
-     dict(tp=2, pp=2, zero=0, sp=True, recompute=True)),
-]
-
-
 def _final(n: int, flags: dict, base: dict, out: str) -> dict:
     """The run's final record (rank 0's model state and measured activations), every op on
     its fused kernel whatever its size (as a GPU runs them: the planner's fused_kernels; on
@@ -96,40 +78,6 @@ def _final(n: int, flags: dict, base: dict, out: str) -> dict:
     _train(n, flags, base, out, env=dict(os.environ, HPCDIST_CPU_KERNELS_MIN="0"))
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))
             if '"event": "final"' in line][-1]
-
-
-def memory_rows(model, base: dict, tmp: str, n: int = 4, only: list | None = None) -> list:
-    """The planner's memory per rank beside a ``--trace-memory`` training run's, rank 0 (the
-    first stage): parameters, gradients and optimizer state (fp32 run: 4 + 4 + 8 bytes per
-    parameter) and activations at their most (hpcdist's layers).
-
-    The runs average their gradients after the backward (``--no-overlap``): with overlap a
-    bucket's average runs in the progress thread during the backward, and where the measure
-    falls while it runs (recompute's nested backwards) its scratch counts too — up to a
-    bucket's chunks, as the threads happen to interleave (the planner counts the graph)."""
-    from hpcdist import plan as P
-    settings = P.Settings(param_bytes=4, grad_bytes=4, optimizer_bytes=8, buffers=0.0,
-                          activations="hpcdist")
-    rows = []
-    known = [label for label, _, _ in MEMORY_LAYOUTS]
-    if only and set(only) - set(known):
-        raise SystemExit(f"unknown layouts {sorted(set(only) - set(known))}: {known}")
-    for label, flags, f in MEMORY_LAYOUTS:
-        if only and label not in only:
-            continue
-        tp, pp = f["tp"], f["pp"]
-        m = 2 * pp if pp > 1 else 1                      # train's default micro-batches
-        L = P.Layout(tp, pp, n // (tp * pp), f["zero"], base["batch_size"] // m, m,
-                     f.get("schedule", "1f1b" if pp > 1 else "none"), f.get("virtual", 1),
-                     f.get("recompute", False), f.get("sp", False))
-        want = P.memory(model, L, settings, stage="first")
-        final = _final(n, dict(flags, trace_memory=True, overlap=False), dict(base, steps=3),
-                       os.path.join(tmp, "mem_" + label.replace(" ", "_")))
-        got = dict(final["memory_state"], activations=final["memory_activations"]["activations"])
-        for kind in ("params", "grads", "optimizer", "activations"):
-            rows.append({"layout": label, "kind": kind, "planner": int(want[kind]),
-                         "run": int(got[kind]), "ratio": got[kind] / want[kind]})
-    return rows
 
 
 def _links(n: int) -> tuple:
@@ -239,7 +187,7 @@ def main(argv=None) -> int:
                     help="--memory: the family (the rotary ones with two kv heads; Gemma's "
                          "heads of 32)")
     ap.add_argument("--memory-layouts", help="--memory: only these layouts (comma-separated "
-                    "labels of MEMORY_LAYOUTS)")
+                    "labels of plan_memory.MEMORY_LAYOUTS)")
     ap.add_argument("--published", action="store_true",
                     help="only the comparison with Narayanan et al.'s Table 1 (no runs)")
     args = ap.parse_args(argv)
@@ -251,6 +199,7 @@ def main(argv=None) -> int:
         base = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                     log_every=10 ** 6, batch_size=32, arch=args.memory_arch,
                     **FAMILY_SETTINGS.get(args.memory_arch, {}))
+        from hpcdist.bench.plan_memory import memory_rows
         rows = memory_rows(model, base, tempfile.mkdtemp(),
                            only=args.memory_layouts.split(",") if args.memory_layouts else None)
         print(table(rows, [("layout", "layout", "s"), ("state", "kind", "s"),

@@ -155,3 +155,15 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def train_args(flags: dict, out: str) -> list:
+    """The trainer's command-line arguments for ``flags`` (TrainConfig fields) and ``out``."""
+    args = ["--out-dir", out]
+    for k, v in flags.items():
+        flag = f"--{k.replace('_', '-')}"
+        if isinstance(v, bool):                   # train's flags are BooleanOptionalAction
+            args.append(flag if v else f"--no-{k.replace('_', '-')}")
+        else:
+            args += [flag, str(v)]
+    return args

@@ -17,7 +17,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from hpcdist.bench.common import end_job, mpiexec, run_job, start_job, table, write_json
+from hpcdist.bench.common import (end_job, mpiexec, run_job, start_job, table, train_args,
+                                  write_json)
 from hpcdist.run.config import TrainConfig
 from hpcdist import nn
 from hpcdist.data import make_task
@@ -43,16 +44,6 @@ def _command(n: int, flags: dict, out: str) -> list:
         train_args(flags, out)
 
 
-def train_args(flags: dict, out: str) -> list:
-    """The trainer's command-line arguments for ``flags`` (TrainConfig fields) and ``out``."""
-    args = ["--out-dir", out]
-    for k, v in flags.items():
-        flag = f"--{k.replace('_', '-')}"
-        if isinstance(v, bool):                   # train's flags are BooleanOptionalAction
-            args.append(flag if v else f"--no-{k.replace('_', '-')}")
-        else:
-            args += [flag, str(v)]
-    return args
 
 
 def _median_step(out: str) -> float:

@@ -13,8 +13,7 @@ import json
 import os
 import sys
 
-from hpcdist.bench.common import mpiexec, run_job
-from hpcdist.bench.plan import train_args
+from hpcdist.bench.common import mpiexec, run_job, train_args
 
 # (label, train flags, planner Layout fields) at 4 ranks: model state and activations
 MEMORY_LAYOUTS = [

@@ -73,9 +73,9 @@ HELP = {
         "grad_clip": "clip the global gradient norm to this (0 disables)",
         "scale_lr": "multiply lr by the number of data-parallel replicas",
         "precision": "compute precision fp32 | fp16 | bf16 | fp8 (fp32 master weights; fp8: "
-                     "bf16 with the linear layers' GEMMs on e4m3 / e5m2 values, per-tensor "
-                     "scales, emulated exactly; a GPU must have FP8 tensor cores: H100, "
-                     "H200, B200)",
+                     "bf16 with the linear layers' GEMMs on e4m3 / e5m2 codes, per-tensor "
+                     "scales: cuBLASLt's FP8 matmul on a GPU with FP8 tensor cores (H100, "
+                     "H200, B200), an exact emulation on the CPU)",
         "tf32": "fp32 GEMMs on TF32 tensor cores (GPU with compute capability 8 or more; "
                 "10-bit mantissa inputs, fp32 accumulation; no effect on the CPU)",
         "loss_scale": "fp16: initial dynamic loss scale", "seed": "seed of the model and data",

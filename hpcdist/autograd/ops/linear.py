@@ -1,5 +1,5 @@
 """The linear layers as single nodes: ``x @ w + b (+ residual)`` and ``gelu(x @ w + b)``, their
-operands as the GEMMs take them (bf16, fp8's values: kernels.linear_operands), and the
+operands as the GEMMs take them (bf16, fp8's values or codes: kernels.linear_operands), and the
 parameters' gradients written straight into their buffers where they have them (a weight's by
 cuBLAS with beta = 1, a bias's by a row sum fused where it can be) — no addition by the
 engine, one pass less a parameter."""
@@ -17,7 +17,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
     """``x @ w + b (+ residual)`` as one node: the bias (and a residual stream) added into
     the product in place, one fused pass on a GPU (kernels.BIAS_RESIDUAL); the bias's
     gradient one row sum, added straight into its buffer where it has one (COLSUM_ADD).
-    x and the gradient are converted once (kernels.linear_operands: bf16 runs, fp8's values)
+    x and the gradient are converted once (kernels.linear_operands: bf16, fp8's values or codes)
     for the products they enter; w where it is used (kept, it would hold ZeRO-3's gathered
     weights alive). ``split``: which operands are tensor-parallel shards (fp8's scales).
     ``later``: the bias and residual are left for the next op to add (``linear_norm``)."""

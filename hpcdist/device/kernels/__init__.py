@@ -18,7 +18,8 @@ from .swiglu import (GEGLU_BWD, GEGLU_FWD, SWIGLU_BWD, SWIGLU_FWD, geglu_bwd_twi
                      swiglu_bwd_twin, swiglu_twin)
 from .common import GELU_C
 from .gemm import (BF16_GEMM, FROM_BF16, ROUND_BF16, TO_BF16, configure, describe, gemm_twin, matmul,
-                   operand, product, use_workspace, linear_operands)
+                   operand, product, use_workspace)
+from .operands import linear_operands
 from .gemm_add import GEMM_ADD, GEMM_ADD_TF32, device_gemm, gemm_add_twin, matmul_add
 from .gemm_epilogue import (GEMM_BGRAD, GEMM_BGRAD_TF32, GEMM_BIAS, GEMM_BIAS_GELU,
                             GEMM_BIAS_GELU_TF32, GEMM_BIAS_TF32, GEMM_DGELU_BGRAD,

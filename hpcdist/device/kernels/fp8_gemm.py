@@ -93,6 +93,19 @@ class Codes:
         assert self.ndim == 2, self.shape
         return Codes(self.cols, self.rows, self.inverse, self.fmt, self.shape[::-1], self.out)
 
+    def __matmul__(self, b: "Codes"):
+        """The FP8 GEMM ``self @ b`` (``product``)."""
+        return product(self, b)
+
+    def add_product(self, b: "Codes", into, overwrite: bool) -> bool:
+        """``into (+)= self @ b`` by the FP8 GEMM (``overwrite``: =), where ``into`` is the
+        C-contiguous float32 or bf16 (n, m) it may write; False: not done."""
+        if into.shape != (self.shape[0], b.shape[1]) or not into.flags.c_contiguous or \
+                into.dtype.name not in ("float32", "bfloat16"):
+            return False
+        product(self, b, into, overwrite)
+        return True
+
     def reshape(self, *shape) -> "Codes":
         """The same matrix with its leading axes folded or unfolded (the last stays)."""
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape

@@ -8,12 +8,11 @@ self-checked kernel whose twin rounds the operands and multiplies in float32.
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/gemm.py"."""
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
 
-from .. import backend, fp8
+from .. import backend
 from ..surface import CUBLAS
 from ..fused import Fused, grid
 
@@ -306,46 +305,11 @@ def operand(x):
     return backend.round_to_bf16(x)
 
 
-def linear_operands(split=None, x=None, w=None):
-    """How one linear layer's GEMMs take their operands, fixed as its forward runs (its
-    backward quantizes as its forward did): ``f(a, role)``, role "input", "weight" or
-    "gradient", -> ``operand(a)``. Under ``--precision fp8`` (outside ``fp8.kept_out()``),
-    e4m3 (e5m2 for the gradient) scaled by a power of two, by the whole tensor's amax where
-    ``split`` (fp8.Split) says ``a`` is a shard (one max-allreduce of a scalar over its ranks;
-    a weight's once: its backward reads what its forward read): as fp8 codes for cuBLASLt's
-    FP8 matmul where the layer's input ``x`` and weight ``w`` allow it (fp8_gemm.takes: a
-    Hopper GPU, the stand-in), else as their values in a's dtype (device/fp8.py)."""
-    if not fp8.linears():
-        return lambda a, role: operand(a)
-    from .fp8_gemm import takes
-    codes = x is not None and w is not None and x.ndim >= 2 and \
-        takes(x, x.size // w.shape[0], w.shape[0], w.shape[1])
-    return functools.partial(_fp8_operand, split, {}, codes)
-
-
-def _fp8_operand(split, reduced: dict, codes: bool, x, role: str):
-    from .fp8_quant import FP8_AMAX, FP8_QUANTIZE, FP8_ROUND   # (it imports this module's kin)
-    from . import fp8_gemm
-    fmt = fp8.E5M2 if role == "gradient" else fp8.E4M3
-    over = fp8.split_over(split, role)
-    amax = None if over is None else reduced.get(role)
-    if over is not None and amax is None:
-        amax = over.allreduce(FP8_AMAX(x), op="max")
-        if role == "weight":
-            reduced[role] = amax
-    if codes:
-        return fp8_gemm.codes(x, fmt, amax)
-    if amax is None:
-        return FP8_QUANTIZE(x, fmt.max, fmt.mantissa, fmt.min_exp)
-    return FP8_ROUND(x, amax, fmt.max, fmt.mantissa, fmt.min_exp)
-
-
 def product(a, b):
     """``a @ b`` of two ``operand`` results: (..., k) @ (k, m), any leading axes on a
     contiguous left side, or 2-D views (transposes too), or of two fp8 ``Codes``."""
-    if a.dtype == np.uint8:
-        from .fp8_gemm import product as fp8_product
-        return fp8_product(a, b)
+    if a.dtype == np.uint8:                        # fp8 codes: their own product
+        return a @ b
     if a.dtype == np.uint16:
         if a.ndim > 2:
             out = _gemm_words(a.reshape(-1, a.shape[-1]), b)

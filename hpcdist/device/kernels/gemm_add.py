@@ -73,12 +73,7 @@ def matmul_add(a, b, into, overwrite: bool = False) -> bool:
     their operands: BF16_GEMM); two fp8 ``Codes`` by cuBLASLt's FP8 matmul into a float32 or
     bf16 ``into``. False: not done, the caller adds."""
     if a.dtype == np.uint8:                                  # fp8 codes (kernels/fp8_gemm.py)
-        if into.shape != (a.shape[0], b.shape[1]) or not into.flags.c_contiguous or \
-                dtype_name(into.dtype) not in ("float32", "bfloat16"):
-            return False
-        from .fp8_gemm import product as fp8_product
-        fp8_product(a, b, into, overwrite)
-        return True
+        return a.add_product(b, into, overwrite)
     if backend.bf16_emulated() and a.dtype == np.float32:
         return False
     label = backend.device_label()

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import backend, fp8, fused
 from ..fused import Fused
-from .fp8_quant import _FP8, ROUNDING, _amax
+from .fp8_quant import _FP8, FP8_AMAX, ROUNDING, _amax
 
 _CODE_KERNEL = r"""
 // the code of q, an fp8 value of the format or a NaN: sign, biased exponent, mantissa bits
@@ -166,7 +166,6 @@ FP8_CODES = Fused("fp8_codes", _CODES, ["fp8_codes"], _codes_launch, codes_twin,
 def codes(x, fmt: fp8.Format, amax=None):
     """x (2-D, or leading axes folded) as ``Codes`` of ``fmt``, scaled by ``amax`` (a (1,)
     float32 array: a tensor-parallel group's) or x's own (FP8_AMAX: one launch more)."""
-    from .fp8_quant import FP8_AMAX
     x2 = x.reshape(-1, x.shape[-1])
     amax = FP8_AMAX(x2) if amax is None else amax
     rows, cols, inverse = FP8_CODES(x2, amax, fmt.max, fmt.mantissa, fmt.min_exp)
@@ -189,9 +188,10 @@ def product(a: Codes, b: Codes, into=None, overwrite: bool = True):
         raise ValueError(f"fp8 product of {a.shape} and {b.shape}")
     m = b.shape[1]
     label = backend.device_label()
-    d = into if into is not None else backend.xp().empty((n, m), dtype=a.out)
-    if label == "gpu" and _matmul(a, b, d, 0.0 if overwrite else 1.0):
-        return d if into is not None else d.reshape(a.shape[:-1] + (m,))
+    if label == "gpu":
+        d = into if into is not None else backend.xp().empty((n, m), dtype=a.out)
+        if _matmul(a, b, d, 0.0 if overwrite else 1.0):
+            return d if into is not None else d.reshape(a.shape[:-1] + (m,))
     if label == "standin":
         from .. import standin
         with standin.one_launch(1):

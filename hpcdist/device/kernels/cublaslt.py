@@ -135,19 +135,19 @@ class Plan:
         self.algo, self.workspace = algo, workspace
 
 
-def plan(a, b, d=None, *, epilogue: str, compute: str, vector=None, aux=None):
-    """The plan of ``d = a @ b`` (a (n, k), b (k, m), d (n, m) C-contiguous, None: a new array;
-    a, b each C-contiguous or the transpose of such) with ``epilogue``; ``vector`` the bias
-    (or its gradient); ``aux``: the (n, m) array of the GELU's input ("new": a new one takes
-    it). Made once per key (the alignment of each pointer in it), then kept; None: cuBLASLt
-    has no algorithm."""
+def plan(a, b, d=None, *, epilogue: str, compute: str, vector=None, aux=None, c=None):
+    """The plan of ``d = a @ b (+ beta c)`` (a (n, k), b (k, m), d (n, m) C-contiguous, None: a
+    new array; a, b each C-contiguous or the transpose of such; c: d where None) with
+    ``epilogue``; ``vector`` the bias (or its gradient); ``aux``: the (n, m) array of the
+    GELU's input ("new": a new one takes it). Made once per key (the alignment of each pointer
+    in it), then kept; None: cuBLASLt has no algorithm."""
     (ab, at), (bb, bt) = _operand(a), _operand(b)
     (n, k), m = a.shape, b.shape[1]
     dtype = a.dtype.name
-    given = (d, vector, None if isinstance(aux, str) else aux)
+    given = (d, vector, None if isinstance(aux, str) else aux, c)
     ptrs = [x.data.ptr for x in (ab, bb) + tuple(v for v in given if v is not None)]
     key = (dtype, at, bt, n, k, m, epilogue, compute, aux is None, isinstance(aux, str),
-           d is None, tuple(_alignment(p) for p in ptrs))
+           d is None, vector is None, c is None, tuple(_alignment(p) for p in ptrs))
     if key in _plans:
         return _plans[key]
     desc = ctypes.c_void_p()
@@ -167,8 +167,9 @@ def plan(a, b, d=None, *, epilogue: str, compute: str, vector=None, aux=None):
                _layout(dtype, n, k, n) if at else _layout(dtype, k, n, k),      # B: a
                _layout(dtype, m, n, m))                                         # C and D
     d_align = _alignment(d.data.ptr) if d is not None else 256
+    c_align = _alignment(c.data.ptr) if c is not None else d_align
     return _choose(key, desc, layouts, (_alignment(bb.data.ptr), _alignment(ab.data.ptr),
-                                        d_align, d_align))
+                                        c_align, d_align))
 
 
 def _choose(key, desc: int, layouts: tuple, aligned: tuple):
@@ -249,7 +250,7 @@ def matmul(a, b, d, *, epilogue: str = "default", compute: str = "32F", beta: fl
     GELU (tanh form) to d; "dgelu_bgrad" multiplies the product by the GELU's derivative at
     ``aux`` (the forward's kept input) and writes d's sums over its rows to ``vector``;
     "bgrada" writes b's sums over k (m) to ``vector``. Returns d."""
-    p = plan(a, b, d, epilogue=epilogue, compute=compute, vector=vector, aux=aux)
+    p = plan(a, b, d, epilogue=epilogue, compute=compute, vector=vector, aux=aux, c=c)
     if p is None:
         raise RuntimeError(f"cuBLASLt has no algorithm for {epilogue} at {a.shape} @ {b.shape}")
     if vector is not None:                            # (this call's pointers, same alignment)

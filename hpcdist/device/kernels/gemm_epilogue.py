@@ -203,7 +203,7 @@ def bias_product(a, b, bias, residual=None):
     if op is None or not bias.flags.c_contiguous or bias.shape != (b.shape[1],) or (
             residual is not None and (residual.shape != (a.shape[0], b.shape[1])
                                       or not residual.flags.c_contiguous)) \
-            or not _supported(op, a, b, epilogue="bias", vector=bias):
+            or not _supported(op, a, b, epilogue="bias", vector=bias, c=residual):
         return None
     return op(a, b, bias, residual) if residual is not None else op(a, b, bias)
 

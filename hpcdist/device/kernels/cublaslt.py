@@ -210,17 +210,20 @@ def fp8_matmul(a, a_type: str, bt, b_type: str, d, *, scales, beta: float = 0.0)
     (n, k), m = a.shape, bt.shape[0]
     key = ("fp8", a_type, b_type, d.dtype.name, n, k, m,
            tuple(_alignment(x.data.ptr) for x in (a, bt, d)))
-    p = _plans[key] if key in _plans else _fp8_plan(key, a_type, b_type, d.dtype.name, n, k, m)
+    p = _plans[key] if key in _plans else \
+        _fp8_plan(key, (a_type, b_type, d.dtype.name), (n, k, m))
     if p is None:
         raise NoAlgorithm(f"cuBLASLt has no FP8 algorithm for {a_type} ({n}, {k}) @ "
                           f"{b_type} ({k}, {m}) into {d.dtype.name}")
     _set(p.desc, "b_scale", scales[0].data.ptr, ctypes.c_void_p)    # (its B is our a)
     _set(p.desc, "a_scale", scales[1].data.ptr, ctypes.c_void_p)
-    _run(p, bt.data.ptr, a.data.ptr, d, d, beta, np.float32)
+    _run(p, bt.data.ptr, a.data.ptr, d, d, beta=beta, scalar=np.float32)
     return d
 
 
-def _fp8_plan(key, a_type: str, b_type: str, d_type: str, n: int, k: int, m: int):
+def _fp8_plan(key, types: tuple, dims: tuple):
+    """The FP8 plan of ``key``: types (a's, b's, d's), dims (n, k, m) as ``fp8_matmul``'s."""
+    (a_type, b_type, d_type), (n, k, m) = types, dims
     desc = ctypes.c_void_p()
     api("cublasLtMatmulDescCreate")(ctypes.byref(desc), COMPUTE["32F"], _TYPES["float32"])
     desc = desc.value
@@ -231,7 +234,7 @@ def _fp8_plan(key, a_type: str, b_type: str, d_type: str, n: int, k: int, m: int
     return _choose(key, desc, layouts, (b_align, a_align, d_align, d_align))
 
 
-def _run(p: Plan, a_ptr: int, b_ptr: int, c, d, beta: float, scalar) -> None:
+def _run(p: Plan, a_ptr: int, b_ptr: int, c, d, *, beta: float, scalar) -> None:
     """cublasLtMatmul of plan ``p``: its A at ``a_ptr``, B at ``b_ptr`` (cuBLASLt's names),
     D = alpha op(A) op(B) + beta C, alpha 1, on the current stream with our workspace."""
     one, beta = np.array(1.0, scalar), np.array(beta, scalar)
@@ -257,6 +260,6 @@ def matmul(a, b, d, *, epilogue: str = "default", compute: str = "32F", beta: fl
         _set(p.desc, "bias", vector.data.ptr, ctypes.c_void_p)
     if aux is not None:
         _set(p.desc, "aux", aux.data.ptr, ctypes.c_void_p)
-    _run(p, _operand(b)[0].data.ptr, _operand(a)[0].data.ptr, d if c is None else c, d, beta,
-         np.float64 if compute == "64F" else np.float32)
+    _run(p, _operand(b)[0].data.ptr, _operand(a)[0].data.ptr, d if c is None else c, d,
+         beta=beta, scalar=np.float64 if compute == "64F" else np.float32)
     return d

@@ -407,7 +407,8 @@ def test_expert_parameters_total_and_active():
 def test_memory_with_experts_is_what_a_training_run_holds(tmp_path):
     """4 ranks, 4 experts of width 96, EP 2 (and with ZeRO-1 over the ranks holding the same
     experts): rank 0's parameter, gradient and optimizer bytes are the planner's exactly."""
-    from hpcdist.bench.plan import _final, _model
+    from hpcdist.bench.plan import _model
+    from hpcdist.bench.plan_memory import _finals
     from argparse import Namespace
     seq = _model(Namespace(n_layer=2, n_embd=64, n_head=4))     # the default task's shape
     m = P.Model(2, 64, 4, seq.seq, seq.vocab, experts=4, top_k=2, expert_hidden=96)
@@ -415,13 +416,13 @@ def test_memory_with_experts_is_what_a_training_run_holds(tmp_path):
                           activations="hpcdist")
     base = dict(n_layer=2, n_embd=64, n_head=4, batch_size=4, experts=4, top_k=2,
                 expert_hidden=96, log_every=10 ** 6)
-    for zero in (0, 1):
-        final = _final(4, dict(ep=2, zero=zero, trace_memory=True), dict(base, steps=2),
-                       str(tmp_path / f"z{zero}"))
+    runs = [(f"ZeRO-{zero}", dict(base, steps=2, ep=2, zero=zero, trace_memory=True))
+            for zero in (0, 1)]
+    for zero, held in zip((0, 1), _finals(4, runs, str(tmp_path))):
         L = P.Layout(1, 1, 4, zero, 4, 1, "none", 1, False, False, ep=2)
         want = P.memory(m, L, settings, stage="first")
         for kind in ("params", "grads", "optimizer"):
-            assert final["memory_state"][kind] == int(want[kind]), (zero, kind)
+            assert held[kind] == int(want[kind]), (zero, kind)
 
 
 def test_the_all_to_all_crosses_the_network_when_the_ep_group_leaves_the_node():

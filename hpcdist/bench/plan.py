@@ -62,15 +62,6 @@ def _train(n: int, flags: dict, base: dict, out: str, env=None) -> float:
     return _median_step(out)
 
 
-def _final(n: int, flags: dict, base: dict, out: str) -> dict:
-    """The run's final record (rank 0's model state and measured activations), every op on
-    its fused kernel whatever its size (as a GPU runs them: the planner's fused_kernels; on
-    the CPU the small ones would take the NumPy twins, which keep more)."""
-    _train(n, flags, base, out, env=dict(os.environ, HPCDIST_CPU_KERNELS_MIN="0"))
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))
-            if '"event": "final"' in line][-1]
-
-
 def _links(n: int) -> tuple:
     """(alpha s, bytes/s, seconds per small collective call) with ``n`` ranks running:
     a ping-pong between two of them, and the median of 200 1-KiB allreduces over all."""

@@ -224,18 +224,22 @@ def takes(x, n: int, k: int, m: int) -> bool:
     bf16 activations; every dimension a multiple of 16 (cuBLASLt's FP8 alignment: each GEMM of
     the three takes one of them as its k). ``HPCDIST_FP8_GEMM=emulated``: the values' path
     (fp8's numbers through bf16 GEMMs) everywhere, to compare."""
-    if os.environ.get("HPCDIST_FP8_GEMM", "codes") == "emulated" or \
-            x.dtype.name not in ("float32", "bfloat16") or (n % 16) or (k % 16) or (m % 16):
+    if _emulated() or x.dtype.name not in ("float32", "bfloat16") or (n % 16) or (k % 16) \
+            or (m % 16):
         return False
     label = backend.device_label()
     return label == "standin" or (label == "gpu" and FP8_GEMM.ready(x.dtype.name))
 
 
+def _emulated() -> bool:
+    """``HPCDIST_FP8_GEMM=emulated``: fp8's values on bf16 GEMMs everywhere."""
+    return os.environ.get("HPCDIST_FP8_GEMM", "codes") == "emulated"
+
+
 def describe() -> str:
     """The run header's words for how fp8's GEMMs run on this device."""
     values = "fp8's values on bf16 GEMMs (an exact emulation, bf16's speed)"
-    if os.environ.get("HPCDIST_FP8_GEMM", "codes") == "emulated" or \
-            backend.device_label() == "cpu":
+    if _emulated() or backend.device_label() == "cpu":
         return values
     return ("cuBLASLt's FP8 matmul on the codes where a layer's dimensions are multiples of "
             f"16, else {values}")

@@ -6,7 +6,7 @@ the self-check against its twin (the GPU's cases). Each returns what the twin re
 twin keeps for its backward (GELU's tanh, LayerNorm's x-hat, attention's probabilities) the
 kernel does not: its backward recomputes it, as the GPU's does. The kernels run on the
 threads hpcdist gives a rank (host/threads.py), never more: a rank of one thread runs them
-serially. Attention: cpu_attention.py. HPCDIST_CPU_KERNELS=0 turns them off,
+serially. Attention: cpu_attention.py; experts: cpu_moe.py. HPCDIST_CPU_KERNELS=0 turns them off,
 HPCDIST_CPU_KERNELS_MIN sets the size. The rest: docs/autograd.md, "At the shapes people
 train"."""
 from __future__ import annotations
@@ -246,6 +246,14 @@ def layernorm(x, w, b, eps):
     return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead), None
 
 
+def residual(add, gx):
+    """(the rows a norm's backward adds to its input gradient, whether to): ``add`` as gx's
+    matrix in gx's dtype, or (gx, False) without one (one type for the kernel either way)."""
+    if add is None:
+        return gx, False
+    return _mat(np.asarray(add, dtype=gx.dtype)).reshape(gx.shape), True
+
+
 def layernorm_bwd(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None, add=None):
     x2 = _mat(x)
     R, C = x2.shape
@@ -255,10 +263,8 @@ def layernorm_bwd(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None, ad
     jit().layernorm_bwd(_mat(g.astype(x.dtype, copy=False)), x2,
                         np.ascontiguousarray(w, dtype=x.dtype),
                         np.ascontiguousarray(mean, dtype=x.dtype).reshape(-1),
-                        np.ascontiguousarray(rstd, dtype=x.dtype).reshape(-1), gx, gw_part,
-                        gb_part, _c(x, 1.0 / C))
-    if add is not None:
-        gx += _mat(add)
+                        np.ascontiguousarray(rstd, dtype=x.dtype).reshape(-1),
+                        *residual(add, gx), gx, gw_part, gb_part, _c(x, 1.0 / C))
     return (gx.reshape(x.shape),) + added_into(gw_part.sum(axis=0), gb_part.sum(axis=0),
                                                gw_into, gb_into)
 
@@ -307,32 +313,6 @@ def scatter_rows(target, idx, values) -> bool:
     jit().scatter_rows(target, np.ascontiguousarray(idx, dtype=np.int64),
                        np.ascontiguousarray(values))
     return True
-
-
-# ---- mixture of experts ------------------------------------------------------------------
-
-def moe_permute(x, order, k):
-    xs = np.empty((order.size, x.shape[-1]), x.dtype)
-    jit().moe_permute(_mat(x), np.ascontiguousarray(order, np.int64), k, xs)
-    return xs
-
-
-def moe_combine(ys, w, inv, k):
-    """w None: gates of one (times 1 changes no bit of the twin's unscaled sum)."""
-    ys = _mat(ys)
-    w = np.ones(ys.shape[0], ys.dtype) if w is None else np.ascontiguousarray(w, ys.dtype)
-    y = np.empty((inv.size // k, ys.shape[1]), ys.dtype)
-    if k:
-        jit().moe_combine(ys, w, np.ascontiguousarray(inv, np.int64), k, y)
-    return y
-
-
-def moe_combine_bwd(g, ys, w, order, k):
-    ys = _mat(ys)
-    gys, gw = np.empty_like(ys), np.empty(ys.shape[0], ys.dtype)
-    jit().moe_combine_bwd(_mat(g), ys, np.ascontiguousarray(w, ys.dtype),
-                          np.ascontiguousarray(order, np.int64), k, gys, gw)
-    return gys, gw
 
 
 def ready(dtype, largest: int | None = None) -> None:

@@ -246,8 +246,9 @@ def layernorm_fwd(x, w, b, y, mean, rstd, eps):
 
 
 @kernel
-def layernorm_bwd(g, x, w, mean, rstd, gx, gw_part, gb_part, inv_c):
-    """gx per row; the weight's and bias's gradients as partial sums per BLOCK of rows."""
+def layernorm_bwd(g, x, w, mean, rstd, add, has_add, gx, gw_part, gb_part, inv_c):
+    """gx per row (plus ``add``'s row where ``has_add``: the residual's gradient, in the same
+    pass); the weight's and bias's gradients as partial sums per BLOCK of rows."""
     R, C = x.shape
     for k in prange(gw_part.shape[0]):
         gw_part[k, :] = 0
@@ -264,8 +265,12 @@ def layernorm_bwd(g, x, w, mean, rstd, gx, gw_part, gb_part, inv_c):
                 gb_part[k, j] += g[r, j]
             s1 *= inv_c
             s2 *= inv_c
-            for j in range(C):
-                gx[r, j] = rs * (g[r, j] * w[j] - s1 - (x[r, j] - mu) * rs * s2)
+            if has_add:                       # (outside the loops: a branch in one stops
+                for j in range(C):            # its vectorisation)
+                    gx[r, j] = rs * (g[r, j] * w[j] - s1 - (x[r, j] - mu) * rs * s2) + add[r, j]
+            else:
+                for j in range(C):
+                    gx[r, j] = rs * (g[r, j] * w[j] - s1 - (x[r, j] - mu) * rs * s2)
 
 
 @kernel

@@ -30,10 +30,8 @@ def rmsnorm_bwd(g, x, w, rstd, xhat=None, gw_into=None, add=None):
     part = np.empty((-(-R // BLOCK), C), x.dtype)
     cpu.jit().rmsnorm_bwd(cpu._mat(g.astype(x.dtype, copy=False)), x2,
                           np.ascontiguousarray(w, dtype=x.dtype),
-                          np.ascontiguousarray(rstd, dtype=x.dtype).reshape(-1), gx, part,
-                          cpu._c(x, 1.0 / C))
-    if add is not None:
-        gx += cpu._mat(add)
+                          np.ascontiguousarray(rstd, dtype=x.dtype).reshape(-1),
+                          *cpu.residual(add, gx), gx, part, cpu._c(x, 1.0 / C))
     gw = part.sum(axis=0)
     if gw_into is not None:
         gw_into += gw

@@ -26,7 +26,9 @@ def rmsnorm_fwd(x, w, y, rstd, eps):
 
 
 @kernel
-def rmsnorm_bwd(g, x, w, rstd, gx, gw_part, inv_c):
+def rmsnorm_bwd(g, x, w, rstd, add, has_add, gx, gw_part, inv_c):
+    """gx per row (plus ``add``'s row where ``has_add``, in the same pass); the weight's
+    gradient as partial sums per BLOCK of rows."""
     R, C = x.shape
     for k in prange(gw_part.shape[0]):
         gw_part[k, :] = 0
@@ -38,8 +40,12 @@ def rmsnorm_bwd(g, x, w, rstd, gx, gw_part, inv_c):
                 s += g[r, j] * w[j] * xh
                 gw_part[k, j] += g[r, j] * xh
             s *= inv_c
-            for j in range(C):
-                gx[r, j] = rs * (g[r, j] * w[j] - x[r, j] * rs * s)
+            if has_add:
+                for j in range(C):
+                    gx[r, j] = rs * (g[r, j] * w[j] - x[r, j] * rs * s) + add[r, j]
+            else:
+                for j in range(C):
+                    gx[r, j] = rs * (g[r, j] * w[j] - x[r, j] * rs * s)
 
 
 @kernel

@@ -180,11 +180,11 @@ def _cases(xp, rng, dt, which: str):
 
 MOE_PERMUTE = Fused("moe_permute", _MOE, ["moe_permute"], _permute_launch, permute_twin,
                     lambda xp, rng, dt: _cases(xp, rng, dt, "permute"), tolerance=0.0,
-                    cpu="cpu.moe_permute")
+                    cpu="cpu_moe.moe_permute")
 MOE_COMBINE = Fused("moe_combine", _MOE, ["moe_combine"], _combine_launch, combine_twin,
                     lambda xp, rng, dt: _cases(xp, rng, dt, "combine"), tolerance=1e-6,
-                    cpu="cpu.moe_combine")
+                    cpu="cpu_moe.moe_combine")
 MOE_COMBINE_BWD = Fused("moe_combine_bwd", _MOE, ["moe_combine_bwd"], _combine_bwd_launch,
                         combine_bwd_twin, lambda xp, rng, dt: _cases(xp, rng, dt, "bwd"),
                         tolerance=1e-5,
-                        cpu="cpu.moe_combine_bwd")     # gw: a block's sum against NumPy's order
+                        cpu="cpu_moe.moe_combine_bwd")     # gw: a block's sum against NumPy's order

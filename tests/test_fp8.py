@@ -118,17 +118,24 @@ def test_a_linear_layer_computes_on_fp8_values(device, t, m):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_on_the_stand_in_the_gemms_take_codes_equal_to_the_emulation(monkeypatch, dtype):
     """A linear layer whose dimensions are multiples of 16 runs its three GEMMs on fp8 codes
-    (kernels/fp8_gemm.py: the codes in both layouts, cuBLASLt's FP8 matmul as its twin on the
-    stand-in; the weight's gradient written into its buffer): its output and gradients equal
-    the values' emulation (HPCDIST_FP8_GEMM=emulated) to a summation order, the weight's
-    gradient added into what the buffer held; a layer of other dimensions keeps the
-    emulation."""
+    (kernels/fp8_gemm.py: x's and dy's codes in both layouts, the weight's in the one its GEMM
+    reads, forward and backward; cuBLASLt's FP8 matmul as its twin on the stand-in; the
+    weight's gradient written into its buffer): its output and gradients equal the values'
+    emulation (HPCDIST_FP8_GEMM=emulated) to a summation order, the weight's gradient added
+    into what the buffer held; a layer of other dimensions keeps the emulation."""
     from hpcdist.autograd import ops
     from hpcdist.autograd.tensor import Tensor
     from hpcdist.device.kernels import fp8_gemm
     made, products = fp8_gemm.product, []
     monkeypatch.setattr(fp8_gemm, "product",
                         lambda *a, **k: products.append(a[0].shape) or made(*a, **k))
+    coded, written = fp8_gemm.codes, []
+
+    def codes(x, fmt, amax=None, layouts=fp8_gemm.BOTH):
+        c = coded(x, fmt, amax, layouts)
+        written.append((x.shape, c.rows is not None, c.cols is not None))
+        return c
+    monkeypatch.setattr(fp8_gemm, "codes", codes)
     dt = backend.dtype(dtype)
     rng = np.random.default_rng(4)
 
@@ -154,6 +161,10 @@ def test_on_the_stand_in_the_gemms_take_codes_equal_to_the_emulation(monkeypatch
             rng = np.random.default_rng(4)
             got = run(shape, emulated=False)
             assert len(products) == (3 if codes else 0), products
+            w_shape, both = (shape[2], 32), (True, True)     # x, w (cols), dy, w (rows)
+            assert written == ([(shape, *both), (w_shape, False, True), (shape[:2] + (32,), *both),
+                                (w_shape, True, False)] if codes else []), written
+            written.clear()
             rng = np.random.default_rng(4)
             want = run(shape, emulated=True)
             assert len(products) == (3 if codes else 0)

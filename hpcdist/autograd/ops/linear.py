@@ -38,7 +38,7 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None,
         gx = gw = gb = None
         go = operand(g, "gradient")
         if needs_grad(x):                   # (w read now: ZeRO-3 gathers it again)
-            wt = operand(w.data, "weight").T
+            wt = operand(w.data, "weight", transposed=True)
             gx = _through_gelu(go, wt, gelu) if gelu is not None and sole_gradient(x) \
                 else None
             gx = kernels.product(go, wt) if gx is None else gx
@@ -130,7 +130,8 @@ def linear_gelu(x: Tensor, w: Tensor, b: Tensor, *, split: fp8.Split | None = No
         else:
             gh, gb = _gelu_backward(h, g, t, b)
         go = operand(gh, "gradient")
-        gx = kernels.product(go, operand(w.data, "weight").T) if needs_grad(x) else None
+        gx = kernels.product(go, operand(w.data, "weight", transposed=True)) \
+            if needs_grad(x) else None
         gw = _weight_grad(xo.reshape(-1, k).T, go.reshape(-1, m), w) if needs_grad(w) else None
         return gx, gw, gb
     backward.gelu = state                # (what the next linear's backward may take over)

@@ -1,15 +1,15 @@
 """FP8 GEMMs on Hopper's tensor cores: a linear layer's operands as fp8 codes — one byte a
 value, e4m3 forward, e5m2 for the gradient — with their per-tensor scale, multiplied by
 cuBLASLt's FP8 matmul (kernels/cublaslt.py: fp32 accumulation, the output in the activations'
-dtype). cuBLASLt takes FP8 only as "TN": both operands with k contiguous, so each operand is
-written in both layouts by one pass (``fp8_codes``: a 32 x 32 tile through shared memory,
-rows and its transpose): the forward takes x's rows and w's transpose, the input gradient
-dy's rows and w's rows, the weight gradient x's and dy's transposes.
+dtype). cuBLASLt takes FP8 only as "TN" (k contiguous in both operands), so one pass writes
+an operand in the layouts its GEMMs read (``fp8_codes``: a 32 x 32 tile through shared
+memory, rows and its transpose): the forward reads x's rows and w's transpose, the input
+gradient dy's rows and w's rows, the weight gradient x's and dy's transposes (w, quantized
+in the forward and again in the backward: one layout each time).
 
-``Codes`` is the operand: the matrix's codes (either layout), the inverse of its scale on the
-device (cuBLASLt's A/B scale pointers), the shape a linear layer reshapes and transposes.
-The GPU stand-in runs ``codes_twin`` and ``codes_product_twin`` (the definitions); the CPU
-keeps the values' emulation (device/fp8.py). Where each runs: docs/gpu.md, "fp8_gemm.py"."""
+``Codes`` is the operand: its codes, the inverse of its scale on the device (cuBLASLt's A/B
+scale pointers), the shape a layer reshapes and transposes. The GPU stand-in runs the twins
+(the definitions); the CPU the values' emulation (device/fp8.py). docs/gpu.md: "fp8_gemm.py"."""
 from __future__ import annotations
 
 import os
@@ -37,11 +37,13 @@ __device__ __forceinline__ unsigned char fp8_code(float q, int mantissa, int min
     unsigned m = (unsigned)rintf((ldexpf(a, -e) - 1.0f) * (float)(1 << mantissa));
     return sign | (unsigned char)(((e - min_exp + 1) << mantissa) | m);
 }
-// rows (r, c) and cols (c, r) = the codes of x * s, s from the amax; inverse = 1 / s. A block
-// of 32 x 8 threads takes a 32 x 32 tile (row tiles grid-strided past gridDim.y)
+// rows (r, c) and cols (c, r) = the codes of x * s, s from the amax, each where ``layouts``
+// asks for it (1 rows, 2 cols, 3 both); inverse = 1 / s. A block of 32 x 8 threads takes a
+// 32 x 32 tile (row tiles grid-strided past gridDim.y)
 extern "C" __global__ void fp8_codes(const T* x, unsigned char* rows, unsigned char* cols,
                                      long long r, long long c, const float* amax,
-                                     int mantissa, int min_exp, float fmax, float* inverse) {
+                                     int mantissa, int min_exp, float fmax, int layouts,
+                                     float* inverse) {
     __shared__ unsigned char tile[32][33];
     float s = fp8_scale_of(*amax, fmax);
     long long c0 = (long long)blockIdx.x * 32;
@@ -52,14 +54,14 @@ extern "C" __global__ void fp8_codes(const T* x, unsigned char* rows, unsigned c
             if (i < r && k < c) {
                 code = fp8_code(fp8_rounded((float)x[i * c + k] * s, mantissa, min_exp, fmax),
                                 mantissa, min_exp);
-                rows[i * c + k] = code;
+                if (layouts & 1) rows[i * c + k] = code;
             }
             tile[j][threadIdx.x] = code;
         }
         __syncthreads();
         for (int j = threadIdx.y; j < 32; j += blockDim.y) {
             long long k = c0 + j, i = r0 + threadIdx.x;
-            if (i < r && k < c) cols[k * r + i] = tile[threadIdx.x][j];
+            if ((layouts & 2) && i < r && k < c) cols[k * r + i] = tile[threadIdx.x][j];
         }
         __syncthreads();
     }
@@ -71,8 +73,9 @@ _CODES = ROUNDING + _CODE_KERNEL
 
 
 class Codes:
-    """An fp8 operand: ``rows`` (n, k) and ``cols`` (k, n), the codes of one matrix in both
-    layouts (uint8, C-contiguous), ``inverse`` (1,) float32 its scale's inverse, ``fmt``, and
+    """An fp8 operand: ``rows`` (n, k) and ``cols`` (k, n), the codes of one matrix in its two
+    layouts (uint8, C-contiguous; None: a layout no GEMM of it reads, not written), ``inverse``
+    (1,) float32 its scale's inverse, ``fmt``, and
     ``shape`` as the layer sees it (leading axes folded into n). ``.T`` and ``reshape`` are
     the views a linear layer takes; ``dtype`` is uint8 (no bf16 or fp32 path takes one),
     ``out`` the dtype a product of it is stored in."""
@@ -119,34 +122,41 @@ class Codes:
         return Codes(self.rows, self.cols, self.inverse, self.fmt, shape, self.out)
 
 
-def codes_twin(x, amax, fmax, mantissa, min_exp):
+ROWS, COLS, BOTH = 1, 2, 3        # the layouts fp8_codes writes
+
+
+def codes_twin(x, amax, fmax, mantissa, min_exp, layouts=BOTH):
     """(rows, cols, inverse) of the 2-D ``x`` scaled by ``amax``'s power of two: fp8.encode of
-    fp8.round_to_fp8(x * s)."""
+    fp8.round_to_fp8(x * s); a layout ``layouts`` leaves out: an empty (0, 0) array."""
     fmt = fp8.Format("", mantissa, min_exp, fmax)
     s = fp8.scale_for(amax, fmt)
     rows = fp8.encode(fp8.round_to_fp8(x.astype(np.float32) * s, fmt), fmt)
     xp = backend.array_module(x)
-    return rows, xp.ascontiguousarray(rows.T), (np.float32(1) / s).reshape(1).astype(np.float32)
+    none = xp.empty((0, 0), dtype=np.uint8)
+    return (rows if layouts & ROWS else none,
+            xp.ascontiguousarray(rows.T) if layouts & COLS else none,
+            (np.float32(1) / s).reshape(1).astype(np.float32))
 
 
-def _codes_launch(k, x, amax, fmax, mantissa, min_exp):
+def _codes_launch(k, x, amax, fmax, mantissa, min_exp, layouts=BOTH):
     xp = backend.xp()
     x = xp.ascontiguousarray(x)
     r, c = x.shape
-    rows = xp.empty((r, c), dtype=np.uint8)
-    cols = xp.empty((c, r), dtype=np.uint8)
+    rows = xp.empty((r, c) if layouts & ROWS else (0, 0), dtype=np.uint8)
+    cols = xp.empty((c, r) if layouts & COLS else (0, 0), dtype=np.uint8)
     inverse = xp.empty(1, dtype=np.float32)
     grid = (max(1, -(-c // 32)), max(1, min(65535, -(-r // 32))))
     k("fp8_codes")(grid, (32, 8), (x, rows, cols, np.int64(r), np.int64(c),
                                    xp.ascontiguousarray(amax, dtype=np.float32),
                                    np.int32(mantissa), np.int32(min_exp), np.float32(fmax),
-                                   inverse))
+                                   np.int32(layouts), inverse))
     return rows, cols, inverse
 
 
 def _codes_cases(xp, rng, dt):
     """Tiles whole and cut, one row and one column, NaNs and signed zeros, amaxes of the
-    tensor's own, larger (a tensor-parallel group's) and smaller (saturation)."""
+    tensor's own, larger (a tensor-parallel group's) and smaller (saturation); both layouts,
+    and each alone (its place in the other left unwritten)."""
     for fmt in (fp8.E4M3, fp8.E5M2):
         for r, c in ((1, 1), (32, 32), (33, 70), (1, 100), (100, 1), (64, 48)):
             x = rng.standard_normal((r, c)) * 10.0 ** rng.uniform(-4, 4, (r, c))
@@ -154,22 +164,26 @@ def _codes_cases(xp, rng, dt):
                 x.flat[[0, r * c // 2]] = [np.nan, -0.0]
             x = xp.asarray(x.astype(dt))
             own = float(fp8.amax_of(x))
-            for amax in (own, own * 6.0, own / 5.0):
+            for amax, layouts in ((own, BOTH), (own * 6.0, BOTH), (own / 5.0, BOTH),
+                                  (own, ROWS), (own / 5.0, COLS)):
                 yield x, xp.asarray([amax], dtype=np.float32), fmt.max, fmt.mantissa, \
-                    fmt.min_exp
+                    fmt.min_exp, layouts
 
 
 FP8_CODES = Fused("fp8_codes", _CODES, ["fp8_codes"], _codes_launch, codes_twin, _codes_cases,
                   tolerance=0.0, dtypes=("float32", "bfloat16"))
 
 
-def codes(x, fmt: fp8.Format, amax=None):
+def codes(x, fmt: fp8.Format, amax=None, layouts: int = BOTH):
     """x (2-D, or leading axes folded) as ``Codes`` of ``fmt``, scaled by ``amax`` (a (1,)
-    float32 array: a tensor-parallel group's) or x's own (FP8_AMAX: one launch more)."""
+    float32 array: a tensor-parallel group's) or x's own (FP8_AMAX: one launch more), in the
+    ``layouts`` its GEMMs read (ROWS: x as the left operand of a product, or the right one
+    transposed; COLS: the right one as it is, or the left one transposed)."""
     x2 = x.reshape(-1, x.shape[-1])
     amax = FP8_AMAX(x2) if amax is None else amax
-    rows, cols, inverse = FP8_CODES(x2, amax, fmt.max, fmt.mantissa, fmt.min_exp)
-    return Codes(rows, cols, inverse, fmt, x.shape, x.dtype)
+    rows, cols, inverse = FP8_CODES(x2, amax, fmt.max, fmt.mantissa, fmt.min_exp, layouts)
+    return Codes(rows if layouts & ROWS else None, cols if layouts & COLS else None, inverse,
+                 fmt, x.shape, x.dtype)
 
 
 def codes_product_twin(a: Codes, b: Codes, out_dtype):
@@ -186,6 +200,9 @@ def product(a: Codes, b: Codes, into=None, overwrite: bool = True):
     n, k = int(np.prod(a.shape[:-1])), a.shape[-1]
     if b.shape[0] != k or b.ndim != 2:
         raise ValueError(f"fp8 product of {a.shape} and {b.shape}")
+    if a.rows is None or b.cols is None:
+        raise ValueError("fp8 product: an operand's codes were not written in the layout it "
+                         "reads (fp8_gemm.codes: layouts)")
     m = b.shape[1]
     label = backend.device_label()
     if label == "gpu":

@@ -6,9 +6,9 @@ the self-check against its twin (the GPU's cases). Each returns what the twin re
 twin keeps for its backward (GELU's tanh, LayerNorm's x-hat, attention's probabilities) the
 kernel does not: its backward recomputes it, as the GPU's does. The kernels run on the
 threads hpcdist gives a rank (host/threads.py), never more: a rank of one thread runs them
-serially. Attention: cpu_attention.py; experts: cpu_moe.py. HPCDIST_CPU_KERNELS=0 turns them off,
-HPCDIST_CPU_KERNELS_MIN sets the size. The rest: docs/autograd.md, "At the shapes people
-train"."""
+serially. Attention: cpu_attention.py; experts: cpu_moe.py. HPCDIST_CPU_KERNELS=0 turns
+them off, HPCDIST_CPU_KERNELS_MIN sets the size. The rest: docs/autograd.md, "At the shapes
+people train"."""
 from __future__ import annotations
 
 import importlib

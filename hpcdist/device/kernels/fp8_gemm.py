@@ -74,11 +74,11 @@ _CODES = ROUNDING + _CODE_KERNEL
 
 class Codes:
     """An fp8 operand: ``rows`` (n, k) and ``cols`` (k, n), the codes of one matrix in its two
-    layouts (uint8, C-contiguous; None: a layout no GEMM of it reads, not written), ``inverse``
-    (1,) float32 its scale's inverse, ``fmt``, and
-    ``shape`` as the layer sees it (leading axes folded into n). ``.T`` and ``reshape`` are
-    the views a linear layer takes; ``dtype`` is uint8 (no bf16 or fp32 path takes one),
-    ``out`` the dtype a product of it is stored in."""
+    layouts (uint8, C-contiguous; None: a layout no GEMM of it reads, not written),
+    ``inverse`` (1,) float32 its scale's inverse, ``fmt``, and ``shape`` as the layer sees it
+    (leading axes folded into n). ``.T`` and ``reshape`` are the views a linear layer takes;
+    ``dtype`` is uint8 (no bf16 or fp32 path takes one), ``out`` the dtype a product of it is
+    stored in."""
 
     dtype = np.dtype(np.uint8)
     flags = SimpleNamespace(c_contiguous=False)       # (no epilogue path takes codes)

@@ -187,4 +187,4 @@ MOE_COMBINE = Fused("moe_combine", _MOE, ["moe_combine"], _combine_launch, combi
 MOE_COMBINE_BWD = Fused("moe_combine_bwd", _MOE, ["moe_combine_bwd"], _combine_bwd_launch,
                         combine_bwd_twin, lambda xp, rng, dt: _cases(xp, rng, dt, "bwd"),
                         tolerance=1e-5,
-                        cpu="cpu_moe.moe_combine_bwd")     # gw: a block's sum against NumPy's order
+                        cpu="cpu_moe.moe_combine_bwd")   # gw: a block's sum, NumPy's order

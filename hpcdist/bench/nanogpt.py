@@ -9,7 +9,9 @@ matrices only, the same warmup + cosine schedule and gradient clipping, and the 
 (hpcdist's sampler over hpcdist's reading of the shards). The corpus: the standard library's
 docstrings, BPE 2,048 (``bench.moe_quality.prepared``). Each reports tokens per second over
 its whole run (every step, the first included) and its median step; the loss after the same
-steps should agree. Threads: both take the machine's (``--threads``, default all cores)."""
+steps should agree. Threads: both take the machine's (``--threads``, default all cores).
+``--rounds N``: N pairs of runs, the first of each pair alternating (a drift of the machine's
+speed then falls on both sides), and the median of the pairs' ratios."""
 from __future__ import annotations
 
 import argparse
@@ -89,6 +91,21 @@ def torch_run(data: str, steps: int, batch: int, shape: dict) -> dict:
             "step_ms": float(np.median(times)) * 1e3, "loss": float(loss)}
 
 
+def one_round(data: str, args, torch_first: bool) -> dict:
+    """{"hpcdist": ..., "nanoGPT-style PyTorch": ...}, the two runs in the order given."""
+    def torch_side() -> dict:
+        r = run_job([sys.executable, "-m", "hpcdist.bench", "nanogpt", "--torch-side", data,
+                     "--steps", str(args.steps), "--batch", str(args.batch), "--threads",
+                     str(args.threads), "--shape", args.shape],
+                    env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+        if r.returncode != 0:
+            raise RuntimeError(f"the PyTorch loop failed:\n{r.stderr[-3000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    runs = [("hpcdist", lambda: hpcdist_run(data, args, args.out)),
+            ("nanoGPT-style PyTorch", torch_side)]
+    return {who: run() for who, run in (runs[::-1] if torch_first else runs)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench nanogpt", description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
@@ -97,6 +114,8 @@ def main(argv=None) -> int:
                     f"(default {SHAPE})")
     from hpcdist.host.threads import usable_cores
     ap.add_argument("--threads", type=int, default=usable_cores())
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="pairs of runs, which runs first alternating; the median ratio")
     ap.add_argument("--out", default="runs/bench_nanogpt")
     ap.add_argument("--torch-side", default="", help=argparse.SUPPRESS)   # the child process
     args = ap.parse_args(argv)
@@ -111,21 +130,26 @@ def main(argv=None) -> int:
     shape = shape_of(args.shape)
     print(f"GPT {shape['n_layer']}x{shape['n_embd']}, block {shape['block_size']}, batch "
           f"{args.batch}, {args.steps} steps, {args.threads} threads, one process each", flush=True)
-    rows = {"hpcdist": hpcdist_run(data, args, args.out)}
-    r = run_job([sys.executable, "-m", "hpcdist.bench", "nanogpt", "--torch-side", data,
-                        "--steps", str(args.steps), "--batch", str(args.batch), "--threads",
-                        str(args.threads), "--shape", args.shape],
-                       env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
-    if r.returncode != 0:
-        raise RuntimeError(f"the PyTorch loop failed:\n{r.stderr[-3000:]}")
-    rows["nanoGPT-style PyTorch"] = json.loads(r.stdout.strip().splitlines()[-1])
-    for who, row in rows.items():
-        print(f"{who:22s} {row['tokens_per_s']:10,.0f} tok/s   median step {row['step_ms']:7.1f} ms"
-              f"   loss after {args.steps} steps {row['loss']:.4f}")
-    ratio = rows["hpcdist"]["tokens_per_s"] / rows["nanoGPT-style PyTorch"]["tokens_per_s"]
-    print(f"hpcdist / PyTorch tokens per second: {ratio:.3f} (target >= 1.15)")
+    rounds, ratios = [], []
+    for k in range(max(1, args.rounds)):
+        rows = one_round(data, args, torch_first=k % 2 == 1)
+        if args.rounds > 1:
+            print(f"round {k + 1} of {args.rounds} ({next(iter(rows))} first)")
+        for who in ("hpcdist", "nanoGPT-style PyTorch"):
+            row = rows[who]
+            print(f"{who:22s} {row['tokens_per_s']:10,.0f} tok/s   median step "
+                  f"{row['step_ms']:7.1f} ms   loss after {args.steps} steps {row['loss']:.4f}")
+        ratios.append(rows["hpcdist"]["tokens_per_s"] /
+                      rows["nanoGPT-style PyTorch"]["tokens_per_s"])
+        print(f"hpcdist / PyTorch tokens per second: {ratios[-1]:.3f} (target >= 1.15)",
+              flush=True)
+        rounds.append(rows)
+    if len(ratios) > 1:
+        print(f"median over {len(ratios)} rounds: {float(np.median(ratios)):.3f} (each: "
+              f"{', '.join(f'{r:.3f}' for r in ratios)}; target >= 1.15)")
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(rounds[0] if len(rounds) == 1 else {"rounds": rounds, "ratios": ratios}, f,
+                  indent=1)
     return 0
 
 

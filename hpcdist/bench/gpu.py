@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from hpcdist.bench.gpu_peers import peer_rows, said, timed
+from hpcdist.bench.gpu_peers import PEERS, peer_rows, said, timed
 
 ARCH = ["gpt"]          # the family the bench times (--arch; llama: a quarter kv heads)
 PAD = [0]               # --vocab-multiple (0: as the trainer pads, 64 on a GPU, 1 on the CPU)
@@ -232,7 +232,10 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
     return res
 
 
-def main(argv=None) -> int:
+PRECISIONS = ("fp32", "tf32", "bf16", "fp8")       # --modes (each also with +graph)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m hpcdist.bench gpu", description=__doc__)
     ap.add_argument("--count", action="store_true", help="count launches on the GPU stand-in")
     ap.add_argument("--layers", type=int, default=12)
@@ -267,7 +270,31 @@ def main(argv=None) -> int:
     ap.add_argument("--quality-device", default="gpu", choices=("gpu", "cpu", "standin"))
     ap.add_argument("--eval-every", type=int, default=100, help="--quality: held-out every N")
     ap.add_argument("--quality-out", default=os.path.join("runs", "fp8_quality"))
+    return ap
+
+
+def lists(args) -> tuple[list, list, list]:
+    """(hpcdist's modes, PyTorch's peers, their precisions) from the flags; ValueError naming
+    a word none of them knows (a misspelt mode would otherwise run as fp32)."""
+    modes, peers, peer_modes = ([w for w in text.split(",") if w] for text in
+                                (args.modes, args.peers, args.peer_modes))
+    for flag, words, known in (("--modes", [m.removesuffix("+graph") for m in modes],
+                                PRECISIONS), ("--peers", peers, tuple(PEERS)),
+                               ("--peer-modes", peer_modes, PRECISIONS)):
+        bad = [w for w in words if w not in known]
+        if bad:
+            raise ValueError(f"{flag}: {', '.join(bad)} (known: {', '.join(known)}"
+                             f"{'; each may end in +graph' if flag == '--modes' else ''})")
+    return modes, peers, peer_modes
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
+    try:
+        modes, peers, peer_modes = lists(args)
+    except ValueError as e:
+        ap.error(str(e))
     if args.quality:
         from hpcdist.bench.fp8_quality import quality
         return quality(args)
@@ -285,9 +312,8 @@ def main(argv=None) -> int:
         if backend.gpu_count() == 0:
             print("no GPU visible: run with --count to count launches on the GPU stand-in")
             return 0
-        peers = () if args.no_torch else [p for p in args.peers.split(",") if p]
-        res = measure(shape, args.steps, [m for m in args.modes.split(",") if m], peers,
-                      args.attention, args.peer_modes.split(","))
+        res = measure(shape, args.steps, modes, () if args.no_torch else peers,
+                      args.attention, peer_modes)
         print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f:

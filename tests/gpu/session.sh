@@ -9,7 +9,8 @@
 # batch 1, Llama 16x2048 at T 2048, the
 # host's share of a step, a profiled bf16 step; 3. correctness side by side: the GPU unit suite,
 # the fp64 layout matrices (GPT, Llama) at 2 ranks over MPI and 1 rank over NCCL, short
-# training runs. Each step is cut at its own limit and at the deadline.
+# training runs. Each step is cut at its own limit and at the deadline. `make test` holds
+# every command here to the flags its program takes (tests/test_gpu_session.py).
 # The machine has CuPy and PyTorch but no MPI and no registry: wheels of mpich, mpi4py and
 # pytest-mpi travel in .whl/ (ignored: echo /.whl/ >> .git/info/exclude), fetched here with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \

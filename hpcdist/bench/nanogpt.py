@@ -6,12 +6,11 @@ nanoGPT's loop in a process of its own — the same GPT from the same initial we
 initialisation, carried over by name; weight tying, tanh GELU, no dropout), attention through
 ``scaled_dot_product_attention(is_causal=True)`` as nanoGPT has it, AdamW with decay on the
 matrices only, the same warmup + cosine schedule and gradient clipping, and the same batches
-(hpcdist's sampler over hpcdist's reading of the shards). The corpus: the standard library's
-docstrings, BPE 2,048 (``bench.moe_quality.prepared``). Each reports tokens per second over
-its whole run (every step, the first included) and its median step; the loss after the same
-steps should agree. Threads: both take the machine's (``--threads``, default all cores).
-``--rounds N``: N pairs of runs, the first of each pair alternating (a drift of the machine's
-speed then falls on both sides), and the median of the pairs' ratios."""
+(hpcdist's sampler over hpcdist's reading of the shards), on the standard library's
+docstrings, BPE 2,048. Each reports tokens per second over its whole run (every step, the
+first included) and its median step; the losses should agree. Threads: both take the
+machine's (``--threads``). ``--rounds N``: N pairs of runs, which runs first alternating (a
+drift of the machine's speed falls on both sides), and the median of the pairs' ratios."""
 from __future__ import annotations
 
 import argparse

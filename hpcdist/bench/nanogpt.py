@@ -1,6 +1,5 @@
 """A whole training run on real text against a nanoGPT-style PyTorch loop, on the same token
 shards: ``python -m hpcdist.bench nanogpt [--steps 300] [--batch 32] [--shape 4x128:128]``.
-
 hpcdist: ``python -m hpcdist.train`` on one rank, as a user runs it (its own process). PyTorch:
 nanoGPT's loop in a process of its own — the same GPT from the same initial weights (hpcdist's
 initialisation, carried over by name; weight tying, tanh GELU, no dropout), attention through

@@ -1,6 +1,7 @@
 """hpcdist/host/pool.py and blas.py: a rank's CPU work on one set of threads (numba's) with
-NumPy's BLAS called from inside the kernels on one thread each — GEMMs split by rows equal one
-call for every layout BLAS takes, attention's pairs over two threads equal the twin, and the
+NumPy's BLAS called from inside the kernels on one thread each — GEMMs split by rows (by
+columns where the result is wider than tall) equal one call for every layout BLAS takes, and
+add into a result as BLAS's beta does, attention's pairs over two threads equal the twin, and the
 pool is off (BLAS on its own threads again) with one thread, when asked, or where NumPy's BLAS
 cannot be called."""
 import numpy as np
@@ -30,8 +31,11 @@ def test_numpys_blas_is_found_with_its_integer_width():
 @needs_pool
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape", [(1024, 384, 1152), (97, 5, 3), (64 * 2, 7, 1), (1000, 1, 13),
-                                   (67, 300, 2)])
+                                   (67, 300, 2), (384, 1024, 384), (64, 33, 200), (70, 9, 2003),
+                                   (64, 5, 65)])
 def test_gemm_split_by_rows_equals_one_call(two_threads, shape, dtype, monkeypatch):
+    """(M, K, N): by rows where M >= N, by columns past it (the last three, and the first:
+    uneven parts, a part of 16 columns and one of 1 included)."""
     monkeypatch.setattr(pool, "MIN_FLOPS", 0)
     M, K, N = shape
     rng = np.random.default_rng(0)
@@ -46,6 +50,10 @@ def test_gemm_split_by_rows_equals_one_call(two_threads, shape, dtype, monkeypat
             want = a.astype(np.float64) @ b.astype(np.float64)
             np.testing.assert_allclose(cpu.gemm(a, b), want, rtol=tol, atol=tol * K)
             np.testing.assert_allclose(backend.matmul(a, b), want, rtol=tol, atol=tol * K)
+            into = rng.standard_normal((M, N)).astype(dtype)
+            was = into.astype(np.float64)
+            assert cpu.gemm(a, b, into, beta=1.0) is into
+            np.testing.assert_allclose(into, was + want, rtol=tol, atol=tol * (K + 1))
 
 
 def test_what_is_split(two_threads, monkeypatch):

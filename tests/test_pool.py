@@ -1,7 +1,6 @@
 """hpcdist/host/pool.py and blas.py: a rank's CPU work on one set of threads (numba's) with
-NumPy's BLAS called from inside the kernels on one thread each — GEMMs split by rows (by
-columns where the result is wider than tall) equal one call for every layout BLAS takes, and
-add into a result as BLAS's beta does, attention's pairs over two threads equal the twin, and the
+NumPy's BLAS called from inside the kernels on one thread each — GEMMs split by rows equal one
+call for every layout BLAS takes, and add into a result as BLAS's beta does, attention's pairs over two threads equal the twin, and the
 pool is off (BLAS on its own threads again) with one thread, when asked, or where NumPy's BLAS
 cannot be called."""
 import numpy as np
@@ -34,8 +33,7 @@ def test_numpys_blas_is_found_with_its_integer_width():
                                    (67, 300, 2), (384, 1024, 384), (64, 33, 200), (70, 9, 2003),
                                    (64, 5, 65)])
 def test_gemm_split_by_rows_equals_one_call(two_threads, shape, dtype, monkeypatch):
-    """(M, K, N): by rows where M >= N, by columns past it (the last three, and the first:
-    uneven parts, a part of 16 columns and one of 1 included)."""
+    """(M, K, N): wide and tall, uneven parts, a column of one."""
     monkeypatch.setattr(pool, "MIN_FLOPS", 0)
     M, K, N = shape
     rng = np.random.default_rng(0)

@@ -29,7 +29,7 @@ DEFAULT = "4x128:128:2048:16,6x384:256:4096:4,12x768:256:4096:2"
 # Where a step's time goes. hpcdist: cProfile's own time per function, the first (part, file,
 # function) that matches (attention's GEMMs are NumPy calls inside it, so they count there);
 # PyTorch: the profiler's self time per op, the first part with a matching name.
-HD_PARTS = (("GEMMs", "backend.py", "_gemm"), ("GEMMs", "cpu_gemm.py", "gemm_split"),
+HD_PARTS = (("GEMMs", "backend.py", "_gemm"), ("GEMMs", "cpu_gemm.py", "gemm_rows"),
             ("attention", "cpu_gemm.py", "attention"), ("attention", "cpu_attention.py", ""),
             ("attention", "kernels/attention.py", ""), ("optimizer", "cpu_jit.py", "adamw"),
             ("optimizer", "kernels/adamw.py", ""), ("optimizer", "optim.py", ""),

@@ -1,7 +1,7 @@
 """One set of threads per rank for all of its CPU work: numba's OpenMP threads run the fused
-kernels, every GEMM of 1 M flops or more split by rows (by columns where wider than tall),
-and attention's (sequence, head) pairs, each part one call of NumPy's BLAS held to one
-thread (host/blas.py, the GEMM kernels in device/kernels/cpu_gemm.py). Why: BLAS's own threads and the kernels' were two sets taking
+kernels, every GEMM of 1 M flops or more split by rows, and attention's (sequence, head)
+pairs, each part one call of NumPy's BLAS held to one thread (host/blas.py, the GEMM kernels
+in device/kernels/cpu_gemm.py). Why: BLAS's own threads and the kernels' were two sets taking
 turns on the same cores (OpenBLAS's spin ~0.1 s after a GEMM), numba's work queue takes ~150
 us to start a kernel and Python threads ~100 us a GEMM part; an OpenMP region starts in ~2 us.
 PyTorch's CPU ops and MKL share one OpenMP pool the same way.

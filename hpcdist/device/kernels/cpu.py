@@ -110,19 +110,18 @@ def threads_here() -> int:
 
 def gemm(a, b, into=None, beta: float = 1.0):
     """``a @ b`` (host/pool.py: wanted) with a's rows split over this rank's threads (bounds
-    on 16-row lines; b's columns where the result is wider than tall), each part one BLAS
-    call into its part of the result, the inner dimension whole (cpu_gemm.gemm_split);
-    ``into``: ``into = a @ b + beta * into`` instead (BLAS's beta), split where pool.wanted,
-    else one call."""
+    on 16-row lines), each part one BLAS call into its rows of the result, the inner
+    dimension whole (cpu_gemm.gemm_rows); ``into``: ``into = a @ b + beta * into`` instead
+    (BLAS's beta), split where pool.wanted, else one call."""
     out = np.empty((a.shape[0], b.shape[1]), a.dtype) if into is None else into
     (ta, lda), (tb, ldb) = pool.layout(a), pool.layout(b)
     g = blas.find()
     kernels, parts = jit(), threads.threads
     if into is not None and not pool.wanted(a, b):
         kernels, parts = _jit.SERIAL, 1
-    kernels.gemm_split(g.sgemm if a.dtype == np.float32 else g.dgemm, blas.int_type()(0),
-                       a, ta, lda, b, tb, ldb, out, a.dtype.type(0 if into is None else beta),
-                       parts)
+    kernels.gemm_rows(g.sgemm if a.dtype == np.float32 else g.dgemm, blas.int_type()(0),
+                      a, ta, lda, b, tb, ldb, out, a.dtype.type(0 if into is None else beta),
+                      parts)
     return out
 
 

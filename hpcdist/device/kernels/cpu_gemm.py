@@ -61,30 +61,18 @@ def _gemm(typingctx, fp, bits, ta, tb, m, n, k, alpha, a, oa, lda, b, ob, ldb, b
 
 
 @kernel
-def gemm_split(fp, bits, a, ta, lda, b, tb, ldb, c, beta, parts):
-    """c (M, N) = a @ b + beta c in ``parts`` blocks of 16-line multiples, one BLAS call each
-    (the inner dimension whole): of a's rows, or of b's columns where c is wider than tall (a
-    weight's gradient x^T g: each thread then reads its columns of g, not all of g; at GPT
-    6x384's four such shapes 6-17% faster on 2 threads, measured, where rows stay faster for
-    the tall ones). ``ta``/``lda``: how a is stored (TRANS: by columns), ``tb``/``ldb`` b."""
+def gemm_rows(fp, bits, a, ta, lda, b, tb, ldb, c, beta, parts):
+    """c (M, N) = a @ b + beta c, a's rows in ``parts`` blocks of 16-row lines, one BLAS call
+    each (the inner dimension whole); ``ta``/``lda``: how a is stored (TRANS: by columns)."""
     M, N = c.shape
     K = a.shape[1]
-    if N > M:
-        step = ((N + parts - 1) // parts + 15) // 16 * 16
-        for p in prange(parts):
-            j0 = p * step
-            j1 = min(N, j0 + step)
-            if j1 > j0:
-                _gemm(fp, bits, ta, tb, M, j1 - j0, K, 1.0, a, 0, lda, b,
-                      j0 if tb == NO_TRANS else j0 * ldb, ldb, beta, c, j0, N)
-    else:
-        step = ((M + parts - 1) // parts + 15) // 16 * 16
-        for p in prange(parts):
-            r0 = p * step
-            r1 = min(M, r0 + step)
-            if r1 > r0:
-                _gemm(fp, bits, ta, tb, r1 - r0, N, K, 1.0, a,
-                      r0 * lda if ta == NO_TRANS else r0, lda, b, 0, ldb, beta, c, r0 * N, N)
+    step = ((M + parts - 1) // parts + 15) // 16 * 16
+    for p in prange(parts):
+        r0 = p * step
+        r1 = min(M, r0 + step)
+        if r1 > r0:
+            _gemm(fp, bits, ta, tb, r1 - r0, N, K, 1.0, a, r0 * lda if ta == NO_TRANS else r0,
+                  lda, b, 0, ldb, beta, c, r0 * N, N)
 
 
 @njit(**FLAGS)

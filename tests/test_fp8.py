@@ -162,8 +162,9 @@ def test_on_the_stand_in_the_gemms_take_codes_equal_to_the_emulation(monkeypatch
             got = run(shape, emulated=False)
             assert len(products) == (3 if codes else 0), products
             w_shape, both = (shape[2], 32), (True, True)     # x, w (cols), dy, w (rows)
-            assert written == ([(shape, *both), (w_shape, False, True), (shape[:2] + (32,), *both),
-                                (w_shape, True, False)] if codes else []), written
+            assert written == ([(shape, *both), (w_shape, False, True),
+                                (shape[:2] + (32,), *both), (w_shape, True, False)]
+                               if codes else []), written
             written.clear()
             rng = np.random.default_rng(4)
             want = run(shape, emulated=True)

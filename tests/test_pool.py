@@ -1,8 +1,8 @@
 """hpcdist/host/pool.py and blas.py: a rank's CPU work on one set of threads (numba's) with
 NumPy's BLAS called from inside the kernels on one thread each — GEMMs split by rows equal one
-call for every layout BLAS takes, and add into a result as BLAS's beta does, attention's pairs over two threads equal the twin, and the
-pool is off (BLAS on its own threads again) with one thread, when asked, or where NumPy's BLAS
-cannot be called."""
+call for every layout BLAS takes and add into a result as BLAS's beta does, attention's pairs
+over two threads equal the twin, and the pool is off (BLAS on its own threads again) with one
+thread, when asked, or where NumPy's BLAS cannot be called."""
 import numpy as np
 import pytest
 
@@ -33,7 +33,7 @@ def test_numpys_blas_is_found_with_its_integer_width():
                                    (67, 300, 2), (384, 1024, 384), (64, 33, 200), (70, 9, 2003),
                                    (64, 5, 65)])
 def test_gemm_split_by_rows_equals_one_call(two_threads, shape, dtype, monkeypatch):
-    """(M, K, N): wide and tall, uneven parts, a column of one."""
+    """(M, K, N): results tall and wide, parts even and uneven, one column."""
     monkeypatch.setattr(pool, "MIN_FLOPS", 0)
     M, K, N = shape
     rng = np.random.default_rng(0)

@@ -154,12 +154,14 @@ _ORDERS: dict = {}
 
 
 def schedule_order(name: str, P: int, m: int, v: int, costs: dict | None = None) -> list:
-    """Our schedule's action lists (``schedules.make``), made once per (name, P, m, v, costs)
-    in a process: the stash walk and the makespan's simulation share them (read only)."""
+    """Our schedule's compute order per stage (its generator's, without the communication
+    ``schedules.make`` adds: the stash walk reads only F, B, I and W), made once per (name,
+    P, m, v, costs) in a process; the stash walk and the makespan's simulation share it
+    (read only)."""
     from ..parallel import schedules as S
     key = (name, P, m, v, tuple(sorted(costs.items())) if costs else None)
     if key not in _ORDERS:
-        _ORDERS[key] = S.make(name, P, m, v, costs)
+        _ORDERS[key] = S.check(name, v).generate(P, m, v, costs)
     return _ORDERS[key]
 
 

@@ -34,7 +34,7 @@ def pipeline_makespan(name: str, P: int, m: int, v: int, f: float, b: float) -> 
             costs = {"F": 1.0, "B": ratio, "I": ratio / 2, "W": ratio / 2}
             sched = schedule_order(name, P, m, v, {"F": 1.0, "I": ratio / 2, "W": ratio / 2}
                                    if record.replan else None)
-            r = S.verify(sched, P, m, v, costs=costs)
+            r = S.verify(S.add_communication(sched, P, v), P, m, v, costs=costs)
             _SIM[key] = (r.makespan, r.bubble)
         else:
             _SIM[key] = closed_form(name, P, m, v, 1.0, ratio)

@@ -330,8 +330,19 @@ def clip(grad, norm, max_norm: float) -> None:
         grad *= xp.minimum(1.0, max_norm / (norm + 1e-6)).astype(grad.dtype)
         return
     scale = clip_scale(norm, max_norm)
-    if scale < 1.0:
+    if scale < 1.0 and not _scaled_on_threads(grad, scale):
         grad *= scale
+
+
+def _scaled_on_threads(grad, scale: float) -> bool:
+    """``grad *= scale`` by the CPU kernel on the rank's threads, where it takes ``grad`` and
+    ``scale`` is a Python float (NumPy multiplies in grad's type then, as the kernel does)."""
+    if backend.device_label() != "cpu" or type(scale) is not float:
+        return False
+    try:
+        return cpu_kernels.scale(grad, scale)
+    except ImportError:                                        # numba broken: NumPy's
+        return False
 
 
 def clip_grad_norm(flat_grad, max_norm: float) -> float:

@@ -177,6 +177,37 @@ def test_column_sums_add_in_one_order_at_any_thread_count(monkeypatch):
     assert np.array_equal(gb, outs[0][3]) and _err(outs[0][1], gx) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gradient_clipping_adds_in_one_order_and_scales_as_numpy(dtype, monkeypatch):
+    """Clipping's kernels over a flat gradient (several 65536-element blocks and a rest):
+    the sum of squares the same bits threaded at 1 and 2 threads and serially, within 1e-12
+    of NumPy's float64 sum; ``optim.clip`` takes the scaling kernel and writes NumPy's
+    ``grad *= scale`` bit for bit."""
+    import numba
+    from hpcdist.device.kernels import cpu_jit
+    cpu.jit()                                          # (imports every kernel module)
+    rng = np.random.default_rng(9)
+    g = rng.standard_normal(3 * 65536 + 1234).astype(dtype)
+    sums = []
+    for variant, n in ((cpu_jit.PARALLEL, 1), (cpu_jit.PARALLEL, 2), (cpu_jit.SERIAL, 1)):
+        monkeypatch.setattr(cpu, "jit", lambda: variant)
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        sums.append(cpu.sumsq(g))
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu, "_threads", 0)        # the next call sets the rank's count
+    want = float(np.sum(g.astype(np.float64) ** 2))
+    assert sums[0] == sums[1] == sums[2] and abs(sums[0] - want) <= 1e-12 * want
+    taken = []
+    monkeypatch.setattr(cpu, "scale", lambda x, s, f=cpu.scale: taken.append(f(x, s)) or
+                        taken[-1])
+    got, norm = g.copy(), float(np.sqrt(want))         # (a Python float, as global_norm's)
+    optim.clip(got, norm, 2.5)
+    ref = g.copy()
+    ref *= optim.clip_scale(norm, 2.5)
+    assert taken == [True] and got.dtype == dtype and np.array_equal(got, ref)
+    assert not np.array_equal(got, g)
+
+
 def test_the_kernels_take_the_ranks_thread_count(monkeypatch):
     """A rank of one thread runs the serial kernels; of two, the threaded ones on two."""
     import numba

@@ -73,6 +73,7 @@ def jit():
                 numba.config.THREADING_LAYER = _layer()
             from . import cpu_jit
             from . import cpu_norm_gate_rope_jit  # noqa: F401  (its kernels join cpu_jit's)
+            from . import cpu_flat_jit  # noqa: F401  (the optimizer's: sumsq, scale, adamw)
             if blas.find() is not None:
                 from . import cpu_gemm  # noqa: F401  (its kernels join cpu_jit's)
         except ImportError as e:           # numba absent or broken: the twins run
@@ -207,6 +208,15 @@ def sumsq(x) -> float:
     return float(part.sum())
 
 
+def scale(x, s: float) -> bool:
+    """``x *= s`` for a large contiguous 1-D ``x`` on the rank's threads (the clipping
+    factor: NumPy's runs on one); False: not taken (the caller multiplies)."""
+    if not (wanted(x) and x.ndim == 1 and x.flags.c_contiguous):
+        return False
+    jit().scale(x, x.dtype.type(s))
+    return True
+
+
 def residual_layernorm(x, bias, residual, w, b, eps):
     """twin: layernorm.residual_layernorm_twin, the two CPU kernels one after the other."""
     bias_residual(x, bias, residual)
@@ -335,6 +345,7 @@ def ready(dtype, largest: int | None = None) -> None:
         rows = np.ones((2, 256), dtype)
         jit().scatter_rows(np.zeros_like(rows), np.zeros(2, np.int64), rows)
         sumsq(np.ones(8, dtype))                          # the gradient clipping's norm
+        jit().scale(np.ones(8, dtype), dtype.type(1.0))   # and its factor
     except ImportError:                  # numba absent or broken: the twins will run
         pass
 

@@ -180,50 +180,6 @@ def colsum_partial(g, part):
                 part[k, j] += g[r, j]
 
 
-@kernel
-def sumsq_partial(x, part):
-    """part[k] = the sum of squares of x's elements 65536 k .. 65536 (k + 1), in float64."""
-    n = x.size
-    for k in prange(part.shape[0]):
-        s = 0.0
-        for i in range(k * 65536, min(n, (k + 1) * 65536)):
-            v = np.float64(x[i])
-            s += v * v
-        part[k] = s
-
-
-@njit(**FLAGS)
-def _adamw_chunk(p, g, m, v, decay, cut, beta1, beta2, eps, step, keep1, keep2, sqrt_bias2):
-    """One chunk, indexed from 0: LLVM vectorises this loop, where indices running from a
-    chunk's start kept numba's negative-index check in it (scalar sqrt and division: 2.2x
-    slower, measured)."""
-    one = like(eps, 1.0)
-    for i in range(p.size):
-        # p (1 - lr wd) where decay[i] (0 or 1): no branch in the loop
-        pi = p[i] * (one - cut * decay[i])
-        gi = g[i]
-        vi = v[i] * beta2 + gi * gi * keep2
-        mi = m[i] * beta1 + gi * keep1
-        p[i] = pi - mi / (math.sqrt(vi) / sqrt_bias2 + eps) * step
-        m[i] = mi
-        v[i] = vi
-
-
-@kernel
-def adamw(p, g, m, v, decay, has_decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2):
-    """The twin's operations in its order (adamw.adamw_twin), in chunks of 4096; the
-    scalars come in as the arrays' type."""
-    n = p.size
-    one = like(lr, 1.0)
-    cut = lr * wd if has_decay else like(lr, 0.0)
-    step, keep1, keep2 = lr / bias1, one - beta1, one - beta2
-    for k in prange((n + 4095) // 4096):
-        a = k * 4096
-        b = min(n, a + 4096)
-        _adamw_chunk(p[a:b], g[a:b], m[a:b], v[a:b], decay[a:b], cut, beta1, beta2, eps, step,
-                     keep1, keep2, sqrt_bias2)
-
-
 # ---- rows ----------------------------------------------------------------------------------
 
 @kernel

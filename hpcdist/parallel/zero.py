@@ -15,6 +15,7 @@ import numpy as np
 
 from ..device import backend
 from ..comm.arith import bounds_of, padded_length, shard_bounds, shard_counts
+from .. import optim
 from ..optim import FlatParams, decay_ranges_in, intersect
 from .base import Norm, Strategy
 from .buckets import BucketQueue, make_buckets
@@ -179,8 +180,7 @@ class Zero(ZeroShape, Strategy):
         if not self.scaler.update(bool(overflow)):
             self._end_step()
             return False, None
-        if grad_clip and norm > grad_clip:
-            g *= grad_clip / (norm + 1e-6)
+        optim.clip(g, norm, grad_clip)              # (data parallelism's rule and kernel)
         self.opt.flat.grad = g
         self.opt.step(lr)
         self.opt.flat.grad = None

@@ -346,9 +346,8 @@ def _scaled_on_threads(grad, scale: float) -> bool:
 
 
 def clip_grad_norm(flat_grad, max_norm: float) -> float:
-    """Scale ``flat_grad`` in place so its L2 norm is at most ``max_norm``; return the old norm."""
+    """Scale ``flat_grad`` in place so its L2 norm is at most ``max_norm`` (0: no clipping);
+    return the old norm."""
     norm = math.sqrt(float(grad_norm_sq(flat_grad)))
-    scale = clip_scale(norm, max_norm)
-    if scale < 1.0:
-        flat_grad *= scale
+    clip(flat_grad, norm, max_norm)
     return norm

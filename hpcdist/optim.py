@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from .device import backend, kernels
-from .device.kernels import cpu as cpu_kernels
+from .device.kernels import cpu as cpu_kernels, cpu_flat
 from .autograd.lazy_zero import forget_grads, settle_grads, zeroed_grads
 
 
@@ -108,28 +108,39 @@ def sgd_update(p, g, state: dict, step: int, lr: float, momentum=0.0, *, dampeni
 
 
 def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, *, beta2=0.999, eps=1e-8,
-                 weight_decay=0.0, decay_ranges=None, low=None, schedule=None) -> bool:
+                 weight_decay=0.0, decay_ranges=None, low=None, schedule=None,
+                 clipping=None) -> bool:
     """One AdamW step in place: bias-corrected moments, decoupled weight decay. ``low``: a
     bf16 array the device kernel also writes the new parameters into (mixed precision's
     compute copy); True when it did (else the caller copies). ``schedule``: a
     DeviceSchedule whose step count and learning rate the step advances and reads on the
-    device (``step`` and ``lr`` are then not used)."""
+    device (``step`` and ``lr`` are then not used). ``clipping``: (norm, max_norm), the
+    gradient clipped first as ``clip`` clips it: by the fused kernel as it reads ``g`` (no
+    pass over it; ``g`` is left as it was) where that kernel runs and the norm is where it
+    runs, else by ``clip`` in place."""
     xp = backend.array_module(p)
     if "exp_avg" not in state:
         state["exp_avg"] = xp.zeros_like(p)
         state["exp_avg_sq"] = xp.zeros_like(p)
     m, v = state["exp_avg"], state["exp_avg_sq"]
+    gpu = backend.is_gpu_array(p)
+    fused = schedule is not None or (gpu or cpu_kernels.wanted(p)) and g.dtype == p.dtype
+    norm, max_norm = clipping or (None, 0.0)
+    if max_norm and not (fused and _kernel_clips(norm, gpu)):
+        clip(g, norm, max_norm)
+        norm, max_norm = None, 0.0
     if schedule is not None:
         return schedule.adamw(p, g, m, v, _decay_mask(p.size, decay_ranges), (beta1, beta2),
-                              eps=eps, weight_decay=weight_decay, low=low)
-    if backend.is_gpu_array(p) and _writes_low(p, g, low):
+                              eps=eps, weight_decay=weight_decay, low=low,
+                              clipping=(norm, max_norm))
+    if gpu and _writes_low(p, g, low):
         kernels.ADAMW_LOW(p, g, m, v, _decay_mask(p.size, decay_ranges), lr, beta1, beta2,
-                          eps, weight_decay, step, low)
+                          eps, weight_decay, step, norm, max_norm, low)
         return True
-    if (backend.is_gpu_array(p) or cpu_kernels.wanted(p)) and g.dtype == p.dtype:
+    if fused:
         # one fused kernel on the device, or a threaded one on a large host buffer
         kernels.ADAMW(p, g, m, v, _decay_mask(p.size, decay_ranges), lr, beta1, beta2, eps,
-                      weight_decay, step)
+                      weight_decay, step, norm, max_norm)
         return False
     if weight_decay:
         for a, b in (decay_ranges if decay_ranges is not None else [(0, p.size)]):
@@ -148,6 +159,14 @@ def adamw_update(p, g, state: dict, step: int, lr: float, beta1=0.9, *, beta2=0.
         return False
     kernels.adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step)   # the fused one's twin
     return False
+
+
+def _kernel_clips(norm, gpu: bool) -> bool:
+    """Whether AdamW's fused kernel takes the clipping by ``norm``: on a device, a norm there
+    (one float64: it reads it, nothing is read to the host); on the host, a host number."""
+    if not gpu:
+        return not backend.is_gpu_array(norm)
+    return backend.is_gpu_array(norm) and norm.dtype == np.float64 and norm.size == 1
 
 
 def _writes_low(p, g, low) -> bool:
@@ -193,8 +212,9 @@ class DeviceSchedule:
             self.host_step = step_count
 
     def adamw(self, p, g, m, v, decay, betas, *, eps: float, weight_decay: float,
-              low=None) -> bool:
-        """The next step's schedule, then AdamW reading it; True when ``low`` was written."""
+              low=None, clipping=(None, 0.0)) -> bool:
+        """The next step's schedule, then AdamW reading it; True when ``low`` was written.
+        ``clipping``: (norm, max_norm), the norm on the device (AdamW's kernel clips)."""
         beta1, beta2 = betas
         if g.dtype != p.dtype:
             raise TypeError(f"a scheduled AdamW step takes a {p.dtype} gradient for {p.dtype} "
@@ -203,9 +223,10 @@ class DeviceSchedule:
                             beta1, beta2)
         if _writes_low(p, g, low):
             kernels.ADAMW_LOW_SCHED(p, g, m, v, decay, self.state, beta1, beta2, eps,
-                                    weight_decay, low)
+                                    weight_decay, *clipping, low)
             return True
-        kernels.ADAMW_SCHED(p, g, m, v, decay, self.state, beta1, beta2, eps, weight_decay)
+        kernels.ADAMW_SCHED(p, g, m, v, decay, self.state, beta1, beta2, eps, weight_decay,
+                            *clipping)
         return False
 
 
@@ -231,17 +252,21 @@ class Optimizer:
         """FlatParams.zero_grad (``lazy``: zero by the next write, as the training loop has it)."""
         self.flat.zero_grad(lazy)
 
-    def step(self, lr: float | None = None) -> None:
-        """Apply one update with ``lr`` (the base lr unless a schedule passes one)."""
+    def step(self, lr: float | None = None, clipping=None) -> None:
+        """Apply one update with ``lr`` (the base lr unless a schedule passes one).
+        ``clipping``: (the gradient's global norm, max_norm): the gradient clipped first, as
+        ``clip`` clips it (AdamW's kernels scale it as they read it, leaving it as it was)."""
         settle_grads()                       # zero_grad with no backward since: zeros
         self.step_count += 1
         wrote = self.update(self.flat.data, self.flat.grad, self.state, self.step_count,
-                            self.lr if lr is None else lr, self.flat.decay_ranges)
+                            self.lr if lr is None else lr, self.flat.decay_ranges,
+                            clipping=clipping)
         if self.copy_into is not None and not wrote:
             self.copy_into[...] = self.flat.data
 
-    def update(self, p, g, state, step, lr, decay_ranges) -> bool:
-        """The rule, in place on ``p``; True when it also wrote ``copy_into``."""
+    def update(self, p, g, state, step, lr, decay_ranges, *, clipping=None) -> bool:
+        """The rule, in place on ``p`` (``g`` clipped first by ``clipping``); True when it
+        also wrote ``copy_into``."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -264,7 +289,9 @@ class SGD(Optimizer):
         super().__init__(params, lr, weight_decay)
         self.momentum, self.dampening, self.nesterov = momentum, dampening, nesterov
 
-    def update(self, p, g, state, step, lr, decay_ranges):
+    def update(self, p, g, state, step, lr, decay_ranges, *, clipping=None):
+        if clipping is not None:
+            clip(g, *clipping)
         sgd_update(p, g, state, step, lr, self.momentum, dampening=self.dampening,
                    nesterov=self.nesterov, weight_decay=self.weight_decay,
                    decay_ranges=decay_ranges)
@@ -280,11 +307,11 @@ class AdamW(Optimizer):
         self.betas, self.eps = tuple(betas), eps
         self.schedule: DeviceSchedule | None = None   # step and lr on the device (graphs)
 
-    def update(self, p, g, state, step, lr, decay_ranges) -> bool:
+    def update(self, p, g, state, step, lr, decay_ranges, *, clipping=None) -> bool:
         return adamw_update(p, g, state, step, lr, self.betas[0], beta2=self.betas[1],
                             eps=self.eps, weight_decay=self.weight_decay,
                             decay_ranges=decay_ranges, low=self.copy_into,
-                            schedule=self.schedule)
+                            schedule=self.schedule, clipping=clipping)
 
 
 # ---- schedule and clipping -------------------------------------------------------------------
@@ -308,30 +335,49 @@ def grad_norm_sq(flat_grad):
     if backend.device_label() == "cpu" and flat_grad.ndim == 1 \
             and cpu_kernels.wanted(flat_grad) and flat_grad.flags.c_contiguous:
         try:
-            return np.asarray(cpu_kernels.sumsq(flat_grad))   # one pass in float64, no copy
+            return np.asarray(cpu_flat.sumsq(flat_grad))      # one pass in float64, no copy
         except ImportError:                                    # numba broken: as below
             pass
+    if _one_launch(flat_grad):
+        return kernels.GRAD_NORM(flat_grad)[0]
     g = flat_grad.astype("float64", copy=False) if flat_grad.dtype.itemsize < 4 else flat_grad
     return (g * g).sum()
 
 
+def grad_norm(flat_grad):
+    """The L2 norm of one rank's whole gradient where it lives: on a device a 0-d float64
+    array, in one launch (kernels.GRAD_NORM), not read; on the host a float."""
+    if _one_launch(flat_grad):
+        return kernels.GRAD_NORM(flat_grad)[1]
+    sq = grad_norm_sq(flat_grad)
+    if backend.is_gpu_array(sq):
+        return backend.array_module(sq).sqrt(sq.astype("float64"))
+    return math.sqrt(float(sq))
+
+
+def _one_launch(flat_grad) -> bool:
+    """Whether GRAD_NORM takes ``flat_grad`` on this device: a flat contiguous array there."""
+    return backend.is_gpu_array(flat_grad) and flat_grad.ndim == 1 and \
+        flat_grad.flags.c_contiguous
+
+
 def clip_scale(norm: float, max_norm: float) -> float:
     """Factor that brings a gradient of global ``norm`` down to ``max_norm`` (1.0 if within)."""
-    return min(1.0, max_norm / (norm + 1e-6))
+    factor = kernels.clip_factor(norm, max_norm)
+    return 1.0 if factor is None else factor
 
 
 def clip(grad, norm, max_norm: float) -> None:
     """Scale ``grad`` in place so that a gradient of global ``norm`` has norm at most
-    ``max_norm`` (0: no clipping). A norm still on the device is used there (no read)."""
-    if not max_norm:
+    ``max_norm`` (0: no clipping). A norm still on the device is used there (no read).
+    (AdamW's kernels clip as they read the gradient: ``Optimizer.step``'s ``clipping``.)"""
+    factor = kernels.clip_factor(norm, max_norm)
+    if factor is None:
         return
-    if backend.is_gpu_array(norm):
-        xp = backend.array_module(norm)
-        grad *= xp.minimum(1.0, max_norm / (norm + 1e-6)).astype(grad.dtype)
-        return
-    scale = clip_scale(norm, max_norm)
-    if scale < 1.0 and not _scaled_on_threads(grad, scale):
-        grad *= scale
+    if backend.is_gpu_array(factor):
+        grad *= factor.astype(grad.dtype)
+    elif not _scaled_on_threads(grad, factor):
+        grad *= factor
 
 
 def _scaled_on_threads(grad, scale: float) -> bool:
@@ -340,7 +386,7 @@ def _scaled_on_threads(grad, scale: float) -> bool:
     if backend.device_label() != "cpu" or type(scale) is not float:
         return False
     try:
-        return cpu_kernels.scale(grad, scale)
+        return cpu_flat.scale(grad, scale)
     except ImportError:                                        # numba broken: NumPy's
         return False
 

@@ -130,7 +130,7 @@ def test_adamw_twin_is_optims_update(float64):
                            weight_decay=0.1, decay_ranges=ranges)
     p1, m, v = p.copy(), np.zeros(50), np.zeros(50)
     for step in (1, 2, 3):
-        kernels.adamw_twin(p1, g, m, v, mask, 1e-2, 0.9, 0.99, 1e-8, 0.1, step)
+        kernels.adamw_twin(p1, g, m, v, mask, 1e-2, 0.9, 0.99, 1e-8, 0.1, step, None, 0.0)
     np.testing.assert_allclose(p1, p2, rtol=1e-13)
     np.testing.assert_allclose(m, state["exp_avg"], rtol=1e-13)
 
@@ -172,6 +172,62 @@ def test_the_gpu_standin_counts_a_fused_op_as_its_launches(monkeypatch):
     # native bf16 (bf16 weights, activations and gradients; AdamW writing the bf16 copy)
     # launches no more than the fp32 step, within 5%: no conversion of any GEMM operand
     assert got["fused bf16"] <= 1.05 * got["fused"], got
+
+
+def _clipped_steps(n, max_norm, fold, low=False):
+    """Two AdamW steps on a flat gradient of ``n`` values clipped to ``max_norm``: by the
+    optimizer's kernel as it reads it (``fold``), or by optim.clip first. (p, g, low, the
+    launches of the last step, norm included, and the device reads)."""
+    from hpcdist.device.surface import LAUNCHES, READS
+    rng = np.random.default_rng(4)
+    p = backend.to_device(rng.standard_normal(n).astype(np.float32))
+    g0 = backend.to_device((rng.standard_normal(n) * 3).astype(np.float32))
+    out = backend.xp().zeros(n, backend.bfloat16()) if low else None
+    state = {}
+    for step in (1, 2):
+        g = g0.copy()
+        launches, reads = LAUNCHES.count, READS.count
+        norm = optim.grad_norm(g)
+        if not fold:
+            optim.clip(g, norm, max_norm)
+        optim.adamw_update(p, g, state, step, 1e-2, weight_decay=0.1, low=out,
+                           clipping=(norm, max_norm) if fold else None)
+        launches, reads = LAUNCHES.count - launches, READS.count - reads
+    return p, (g, g0), out, launches, reads
+
+
+@pytest.mark.parametrize("device", ["cpu", "standin"])
+@pytest.mark.parametrize("max_norm", [1.0, 1e9])
+def test_adamw_clips_the_gradient_as_it_reads_it(device, max_norm):
+    """AdamW given the clipping (``Optimizer.step``'s ``clipping``) steps the parameters as
+    optim.clip and then a step do, and leaves the gradient as backward wrote it: on the GPU
+    stand-in bit for bit, the norm one launch on the device and never read, the step one
+    launch (ADAMW, and ADAMW_LOW writing the bf16 copy); on the CPU by the numba kernel (its
+    float ops may be reordered: within 1e-6), clipped (factor 2e-3) and within the norm."""
+    prev = backend.device_label()
+    backend.init(device)
+    try:
+        for low in (False, True) if device == "standin" else (False,):
+            p, (g, g0), out, launches, reads = _clipped_steps(100_003, max_norm, True, low)
+            p_ref, (g_ref, _), out_ref, launches_ref, _ = _clipped_steps(100_003, max_norm,
+                                                                         False, low)
+            p, p_ref, g, g0 = map(backend.to_numpy, (p, p_ref, g, g0))
+            assert np.array_equal(g, g0)                    # the gradient as it was
+            if device == "standin":
+                assert np.array_equal(p, p_ref)
+                if low:
+                    assert np.array_equal(backend.to_numpy(out).view(np.uint16),
+                                          backend.to_numpy(out_ref).view(np.uint16))
+                assert (launches, reads) == (2, 0), (launches, reads)
+                assert launches_ref == 7        # (clip's five, factor 1 or not)
+            else:
+                np.testing.assert_allclose(p, p_ref, rtol=1e-6, atol=1e-7)
+                assert kernels.ADAMW._cpu_checked["float32"]    # (the numba kernel ran)
+            if max_norm == 1.0:                 # the clipping acted: not the unclipped step
+                unclipped = _clipped_steps(100_003, 0.0, True, low)[0]
+                assert not np.allclose(p, backend.to_numpy(unclipped), rtol=1e-3)
+    finally:
+        backend.init("cpu" if prev == "cpu" else prev)
 
 
 def test_adamw_writes_the_bf16_compute_copy_in_its_own_kernel():

@@ -12,6 +12,7 @@ from hpcdist import nn, optim  # noqa: E402
 from hpcdist.device import backend, fused  # noqa: E402
 from hpcdist.device import kernels  # noqa: E402
 from hpcdist.device.kernels import attention, cpu, cpu_attention, elementwise as el, rows  # noqa
+from hpcdist.device.kernels import cpu_flat  # noqa: E402
 from hpcdist.host import threads  # noqa: E402
 
 OPS = sorted(name for name, op in fused.registry().items() if op.cpu is not None)
@@ -81,14 +82,17 @@ def test_elementwise_edges(dtype, blas_inside, monkeypatch):
         _agree(kernels.COLSUM_ADD, (g, np.ones(5, dtype)), dtype)
 
 
-def test_adamw_without_decay_and_with_a_mask(float64):
+def test_adamw_without_decay_with_a_mask_and_clipped(float64):
     rng = np.random.default_rng(2)
     n = 5000
     p, g, m = (rng.standard_normal(n) for _ in range(3))
     v = np.abs(rng.standard_normal(n))
     mask = (rng.random(n) < 0.3).astype(np.uint8)
-    for decay, wd in ((mask, 0.1), (mask, 0.0), (np.ones(n, np.uint8), 0.2)):
-        _agree(kernels.ADAMW, (p, g, m, v, decay, 3e-3, 0.9, 0.95, 1e-8, wd, 7), np.float64)
+    # not clipped; clipped by a Python float norm (factor 0.0141) and by a 0-d one (1: none)
+    for decay, wd, clip in ((mask, 0.1, (None, 0.0)), (mask, 0.0, (70.7, 1.0)),
+                            (np.ones(n, np.uint8), 0.2, (np.asarray(0.5), 1.0))):
+        _agree(kernels.ADAMW, (p, g, m, v, decay, 3e-3, 0.9, 0.95, 1e-8, wd, 7, *clip),
+               np.float64)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -190,16 +194,16 @@ def test_gradient_clipping_adds_in_one_order_and_scales_as_numpy(dtype, monkeypa
     g = rng.standard_normal(3 * 65536 + 1234).astype(dtype)
     sums = []
     for variant, n in ((cpu_jit.PARALLEL, 1), (cpu_jit.PARALLEL, 2), (cpu_jit.SERIAL, 1)):
-        monkeypatch.setattr(cpu, "jit", lambda: variant)
+        monkeypatch.setattr(cpu_flat, "jit", lambda: variant)
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-        sums.append(cpu.sumsq(g))
+        sums.append(cpu_flat.sumsq(g))
     monkeypatch.undo()
     monkeypatch.setattr(cpu, "_threads", 0)        # the next call sets the rank's count
     want = float(np.sum(g.astype(np.float64) ** 2))
     assert sums[0] == sums[1] == sums[2] and abs(sums[0] - want) <= 1e-12 * want
     taken = []
-    monkeypatch.setattr(cpu, "scale", lambda x, s, f=cpu.scale: taken.append(f(x, s)) or
-                        taken[-1])
+    monkeypatch.setattr(cpu_flat, "scale",
+                        lambda x, s, f=cpu_flat.scale: taken.append(f(x, s)) or taken[-1])
     got, norm = g.copy(), float(np.sqrt(want))         # (a Python float, as global_norm's)
     optim.clip(got, norm, 2.5)
     ref = g.copy()
@@ -299,12 +303,11 @@ model = nn.GPT(nn.GPTConfig(block_size=64, vocab_size=512, n_layer=1, n_head=2, 
 flat = optim.FlatParams(model.parameters())
 opt = optim.AdamW(flat, lr=1e-3)
 idx = np.random.default_rng(0).integers(0, 512, (8, 64))
-for _ in range(2):                             # as the training loop: clipped, then stepped
+for _ in range(2):                             # as the training loop: clipped as stepped
     opt.zero_grad(lazy=True)
     _, loss = model(idx, idx)
     loss.backward()
-    optim.clip_grad_norm(flat.grad, 1.0)
-    opt.step()
+    opt.step(clipping=(optim.grad_norm(flat.grad), 1.0))
 new = {k: s - before.get(k, set()) for k, s in signatures().items()}
 print({k[1]: [str(t) for t in s] for k, s in new.items() if s})
 """

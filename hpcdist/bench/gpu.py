@@ -3,7 +3,7 @@
 kernels), autocast and torch.compile: ms, tokens/s, TFLOP/s, MFU, peak memory, ratio to each.
 
 ``--count`` (any machine): the device operations one GPT training step issues — forward,
-backward, AdamW — counted on the GPU stand-in, where every array operation is one launch and
+backward, the gradient's norm and clipping, AdamW — counted on the GPU stand-in, where every array operation is one launch and
 a fused kernel (hpcdist/device/kernels/) counts as its own launches: once with the fused kernels
 (``HPCDIST_FUSED=1``, the default) and once with their twins op by op, side by side.
 
@@ -21,6 +21,7 @@ from hpcdist.bench.gpu_peers import PEERS, peer_rows, said, timed
 
 ARCH = ["gpt"]          # the family the bench times (--arch; llama: a quarter kv heads)
 PAD = [0]               # --vocab-multiple (0: as the trainer pads, 64 on a GPU, 1 on the CPU)
+CLIP = [1.0]            # --grad-clip (the trainer's default; 0: no norm, no clipping)
 
 
 def _config(L, C, T, B, V, H=0):
@@ -42,7 +43,8 @@ def _family() -> str:
 def _step_fn(L, C, T, B, V, H=0, *, seed=0, precision="fp32", graph=False):
     """One training step as the trainer's data-parallel path takes it on one rank: forward,
     backward, (mixed precision: the compute gradient into the fp32 master's, as DDP's
-    buckets do), AdamW, the compute copy of the weights. ``graph``: the whole step replayed as
+    buckets do), the gradient's norm, AdamW clipping by it (``CLIP``), the compute copy of
+    the weights. ``graph``: the whole step replayed as
     one CUDA graph (device/graphs.py), AdamW's step count and learning rate on the device
     (optim.DeviceSchedule, here a constant 1e-4), as the trainer's --cuda-graph on one
     replica."""
@@ -64,7 +66,7 @@ def _step_fn(L, C, T, B, V, H=0, *, seed=0, precision="fp32", graph=False):
         loss.backward()
         if mp.mixed:
             kernels.WIDEN(mp.compute.grad, mp.master.grad)     # (master.grad[...] = ...)
-        opt.step()
+        opt.step(clipping=(optim.grad_norm(mp.master.grad), CLIP[0]) if CLIP[0] else None)
         mp.after_step()
         return loss.data
 
@@ -208,7 +210,8 @@ def measure(shape, steps: int, modes, peers=("eager", "sdpa", "compile"),
     backend.init("gpu")
     L, C, T, B, V, H = shape
     rows, flops, acts = _hpcdist_rows(shape, steps, modes, attention)
-    rows.update(peer_rows(shape, _config(*shape), steps, peers, peer_modes))
+    rows.update(peer_rows(shape, _config(*shape), steps, peers, peer_modes,
+                          grad_clip=CLIP[0]))
     res = {"model": f"{_family()} {L}x{C}, "
                     f"{H or max(1, C // 64)} heads, T {T}, batch {B}, vocab {V}",
            "refused": fused.refusals(), "rows": {}}
@@ -251,6 +254,9 @@ def parser() -> argparse.ArgumentParser:
                     help="hpcdist's table and head padded to a multiple of this (0: as the "
                          "trainer does, 64 on a GPU; 1: unpadded)")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--grad-clip", type=float, default=1.0,
+                    help="every step clips the gradient's global norm to this, on both sides, "
+                         "as the trainer does (0: no norm, no clipping)")
     ap.add_argument("--modes", default="fp32,tf32,bf16",
                     help="hpcdist's precisions to time: fp32, tf32, bf16, fp8; each with +graph: "
                     "the whole step (AdamW included) replayed as one CUDA graph")
@@ -301,6 +307,7 @@ def main(argv=None) -> int:
     shape = (args.layers, args.embd, args.seq, args.batch, args.vocab, args.heads)
     ARCH[0] = args.arch
     PAD[0] = args.vocab_multiple
+    CLIP[0] = args.grad_clip
     if args.count:
         res = {"model": f"{_family()} {args.layers}x{args.embd}, T {args.seq}, batch {args.batch}",
                **count(*shape)}

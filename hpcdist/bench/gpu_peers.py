@@ -40,10 +40,11 @@ PEERS = {"eager": [("torch eager fp32", "fp32", "math", None),
                  ("torch.compile fp8 tensorwise bf16 autocast", "fp8", "sdpa", "default")]}
 
 
-def torch_steps(shape, cfg, modes):
+def torch_steps(shape, cfg, modes, grad_clip: float = 0.0):
     """PyTorch on the same network (``cfg``, bench.gpu's) and weights: (name, step,
     precision), made one at a time (a generator: the last one's memory goes before the next
-    is built)."""
+    is built); each step clips to ``grad_clip`` (0: not) as nanoGPT's loop does, outside
+    torch.compile's forward."""
     import torch
     from hpcdist import nn
     from hpcdist.bench.autograd import torch_gpt, torch_llama
@@ -64,11 +65,13 @@ def torch_steps(shape, cfg, modes):
         fwd = torch.compile(forward, mode=compiled) if compiled else forward
         bf16 = prec in ("bf16", "fp8")
 
-        def step(fwd=fwd, opt=opt, bf16=bf16):
+        def step(fwd=fwd, opt=opt, bf16=bf16, params=list(p.values())):
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
                 loss = fwd(idx, idx)
             loss.backward()
+            if grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
             opt.step()
         yield name, step, prec
 
@@ -80,9 +83,9 @@ def said(name, rows):
           flush=True)
 
 
-def peer_rows(shape, cfg, steps: int, peers, precisions=None) -> dict:
+def peer_rows(shape, cfg, steps: int, peers, precisions=None, *, grad_clip=0.0) -> dict:
     """PyTorch's step in each of ``peers`` (eager, sdpa, compile; none without torch), at
-    each of ``precisions`` (None: all three)."""
+    each of ``precisions`` (None: all three), clipping to ``grad_clip`` (0: not)."""
     if not peers:
         return {}
     try:
@@ -92,7 +95,7 @@ def peer_rows(shape, cfg, steps: int, peers, precisions=None) -> dict:
     rows = {}
     modes = [m for p in peers for m in PEERS[p] if precisions is None or m[1] in precisions]
     torch.backends.cuda.matmul.allow_tf32 = False
-    for name, step, prec in torch_steps(shape, cfg, modes):
+    for name, step, prec in torch_steps(shape, cfg, modes, grad_clip):
         torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
         torch.cuda.reset_peak_memory_stats()
         try:

@@ -229,18 +229,21 @@ class Norm:
     def __init__(self, comms=(), count=None):
         self.comms, self.count = [c for c in comms if c is not None and c.size > 1], count
 
+    def counted(self, grad, lo: int = 0):
+        """This rank's counted elements of ``grad`` (which holds [lo, lo + grad.size))."""
+        return grad if self.count is None else grad[self.count[lo:lo + grad.size]]
+
     def sum_sq(self, grad, lo: int = 0):
         """The sum of squares of this rank's counted elements, where ``grad`` lives."""
-        g = grad if self.count is None else grad[self.count[lo:lo + grad.size]]
-        return optim.grad_norm_sq(g)
+        return optim.grad_norm_sq(self.counted(grad, lo))
 
     def global_norm(self, grad, lo: int = 0):
         """The norm of the whole gradient: left on the device where no other rank holds a
-        part of it (nothing to add up), else read and added up over ``comms``."""
-        sq = self.sum_sq(grad, lo)
-        if not self.comms and backend.is_gpu_array(sq):
-            return backend.array_module(sq).sqrt(sq.astype("float64"))
-        return math.sqrt(self.reduce(backend.host_values([sq]))[0])
+        part of it (nothing to add up: one launch, optim.grad_norm), else read and added up
+        over ``comms``."""
+        if not self.comms and backend.is_gpu_array(grad):
+            return optim.grad_norm(self.counted(grad, lo))
+        return math.sqrt(self.reduce(backend.host_values([self.sum_sq(grad, lo)]))[0])
 
     def reduce(self, sums: np.ndarray) -> np.ndarray:
         for comm in self.comms:

@@ -171,16 +171,14 @@ class PSServer(Strategy):
         self.grad[...] = self.acc / self.count
         self.acc[...] = 0
         self.count = 0
+        norm = 0.0
         if cfg.grad_clip:
             sq = np.array([optim.grad_norm_sq(self.grad)])
             norm = float(np.sqrt(self.dp_comm.allreduce(sq)[0] if self.dp_comm.size > 1
                                  else sq[0]))
-            scale = optim.clip_scale(norm, cfg.grad_clip)
-            if scale < 1.0:
-                self.grad *= scale
         self.version += 1
         self.opt.step(optim.lr_at(self.version, cfg.lr * self.lr_scale, cfg.warmup, cfg.steps,
-                                  cfg.min_lr * self.lr_scale))
+                                  cfg.min_lr * self.lr_scale), clipping=(norm, cfg.grad_clip))
 
     # ---- serving ---------------------------------------------------------------------------
     def run(self, stop, save, stopped: int, start: int) -> dict:

@@ -71,8 +71,7 @@ class DataParallelStrategy(Strategy):
             return False, None
         grad = self.mp.master.grad
         norm = self.norm.global_norm(grad)
-        optim.clip(grad, norm, grad_clip)
-        self.opt.step(lr)
+        self.opt.step(lr, clipping=(norm, grad_clip))      # (AdamW's kernel clips as it reads)
         self.mp.after_step()
         return True, norm
 

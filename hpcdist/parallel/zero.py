@@ -180,9 +180,8 @@ class Zero(ZeroShape, Strategy):
         if not self.scaler.update(bool(overflow)):
             self._end_step()
             return False, None
-        optim.clip(g, norm, grad_clip)              # (data parallelism's rule and kernel)
         self.opt.flat.grad = g
-        self.opt.step(lr)
+        self.opt.step(lr, clipping=(norm, grad_clip))   # (data parallelism's rule and kernel)
         self.opt.flat.grad = None
         self._rebuild_parameters(stepped=True)
         self._end_step()

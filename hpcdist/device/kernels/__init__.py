@@ -1,10 +1,11 @@
 """The fused kernels of a GPT step, each beside its NumPy twin (fused.py says how they run):
 GELU (and bias + GELU), LayerNorm, scale + causal mask + softmax, causal attention from the
-fused q|k|v projection (tiled: flash.py), cross-entropy with its gradient, AdamW over the flat buffer, bias +
-residual, a bias's gradient added into its buffer (forward and backward), bf16 GEMMs on
-tensor cores (gemm.py), the mixture of experts' permutation and combine (moe.py), RMSNorm
-(rmsnorm.py), SwiGLU and GeGLU (swiglu.py) and rotary embeddings (rotary.py). elementwise.py,
-colsum.py, adamw.py, rows.py, attention.py, gemm.py and moe.py hold the rest.
+fused q|k|v projection (tiled: flash.py), cross-entropy with its gradient, the gradient's norm
+(grad_norm.py) and AdamW over the flat buffer, bias + residual, a bias's gradient added into
+its buffer (forward and backward), bf16 GEMMs on tensor cores (gemm.py), the mixture of
+experts' permutation and combine (moe.py), RMSNorm (rmsnorm.py), SwiGLU and GeGLU (swiglu.py)
+and rotary embeddings (rotary.py). elementwise.py, colsum.py, adamw.py, rows.py,
+attention.py, gemm.py and moe.py hold the rest.
 
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
 from .attention import attention_bwd, attention_bwd_twin, attention_fwd, attention_twin
@@ -30,7 +31,8 @@ from .elementwise import (ADD, BIAS_GELU, BIAS_RESIDUAL, GELU_BWD, GELU_FWD, WID
                           widen_twin)
 from .colsum import COLSUM_ADD, colsum_add_twin
 from .adamw import (ADAMW, ADAMW_LOW, ADAMW_LOW_SCHED, ADAMW_SCHED, LR_SCHEDULE, adam_step_twin,
-                    adamw_twin)
+                    adamw_twin, clip_factor)
+from .grad_norm import GRAD_NORM
 from .layernorm import (LAYERNORM_BWD, LAYERNORM_FWD, RESIDUAL_LAYERNORM, layernorm_bwd_twin,
                         layernorm_twin)
 from .rows import (CROSS_ENTROPY_BWD, CROSS_ENTROPY_FWD, CROSS_ENTROPY_MEAN, SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD,
@@ -50,7 +52,7 @@ from . import cpu as _cpu
 _backend.install_cpu_kernels(_cpu.gemm, _cpu.scatter_rows, device_gemm)
 _graphs.before_capture(use_workspace)
 
-__all__ = ["ADAMW", "ADAMW_LOW", "FP8_AMAX", "FP8_CODES", "FP8_GEMM", "FP8_QUANTIZE", "FP8_ROUND", "GELU_BWD_COLSUM", "ADAMW_LOW_SCHED", "ADAMW_SCHED", "LR_SCHEDULE", "ADD", "add_twin", "WIDEN", "widen_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
+__all__ = ["ADAMW", "ADAMW_LOW", "GRAD_NORM", "clip_factor", "FP8_AMAX", "FP8_CODES", "FP8_GEMM", "FP8_QUANTIZE", "FP8_ROUND", "GELU_BWD_COLSUM", "ADAMW_LOW_SCHED", "ADAMW_SCHED", "LR_SCHEDULE", "ADD", "add_twin", "WIDEN", "widen_twin", "BF16_GEMM", "CUDNN_BWD", "CUDNN_FWD", "FLASH_BWD", "FLASH_FWD",
            "FLASH_BLOCK_BWD", "FLASH_BLOCK_FWD", "block_bwd_twin", "block_twin",
            "RMSNORM_BWD", "RMSNORM_FWD", "RESIDUAL_RMSNORM", "RESIDUAL_LAYERNORM", "ROTARY", "GEGLU_BWD", "GEGLU_FWD", "geglu_bwd_twin", "geglu_twin", "SWIGLU_BWD", "SWIGLU_FWD", "rmsnorm_bwd_twin",
            "rmsnorm_twin", "rotary_tables", "rotary_twin", "swiglu_bwd_twin", "swiglu_twin", "BIAS_GELU", "MOE_COMBINE",

@@ -5,7 +5,11 @@ copy of the new parameters (mixed precision: no second pass).
 Each has a variant that reads its step's learning rate and bias corrections from the device
 (``*_sched``: ``sched`` = [step, lr, 1 - beta1^step, sqrt(1 - beta2^step)], float64) as
 ``LR_SCHEDULE``'s one-thread kernel advances them (optim.DeviceSchedule): a step replayed as
-a CUDA graph then needs no value from the host (the host's would be frozen at the capture)."""
+a CUDA graph then needs no value from the host (the host's would be frozen at the capture).
+
+Each clips the gradient as it reads it (``norm``, ``max_norm``: optim.clip's rule, the factor
+from the norm where it is, on the device when it is there), as llm.c's AdamW does: no pass
+over the gradient to scale it, and the gradient is left as backward wrote it."""
 from __future__ import annotations
 
 import math
@@ -14,17 +18,25 @@ import numpy as np
 
 from .. import backend
 from ..fused import Fused, grid
-from .common import _scalar
+from .common import _scalar, kept_zeros
 
 
 # ---- AdamW ---------------------------------------------------------------------------------
 
 _ADAMW = r"""
-// element i's step, in the twin's order (optim.adamw_update): p, m, v in place; the new p
+// the clipping factor of a gradient of global norm *norm (clip_factor's device rule:
+// min(1, max_norm / (norm + 1e-6)) in double, a NaN norm giving NaN); 1 where max_norm is 0
+__device__ __forceinline__ A clip_factor(const double* norm, double max_norm) {
+    if (max_norm == 0.0) return (A)1;
+    double q = max_norm / (*norm + 1e-6);
+    return (A)(q >= 1.0 ? 1.0 : q);
+}
+// element i's step, in the twin's order (optim.adamw_update): p, m, v in place; the new p;
+// ``clip``: the gradient's clipping factor
 __device__ __forceinline__ T adamw_at(long long i, T* p, const T* g, T* m, T* v,
-                                      const unsigned char* decay, A lr, A beta1, A beta2,
-                                      A eps, A wd, A bias1, A sqrt_bias2) {
-    A pi = (A)p[i], gi = (A)g[i];
+                                      const unsigned char* decay, A clip, A lr, A beta1,
+                                      A beta2, A eps, A wd, A bias1, A sqrt_bias2) {
+    A pi = (A)p[i], gi = (A)g[i] * clip;
     if (decay[i]) pi *= (A)1 - lr * wd;
     A vi = (A)v[i] * beta2 + gi * gi * ((A)1 - beta2);
     A mi = (A)m[i] * beta1 + gi * ((A)1 - beta1);
@@ -38,17 +50,19 @@ __device__ __forceinline__ T adamw_at(long long i, T* p, const T* g, T* m, T* v,
 // one thread per element of the flat buffer
 extern "C" __global__ void adamw(T* p, const T* g, T* m, T* v, const unsigned char* decay,
                                  long long n, A lr, A beta1, A beta2, A eps, A wd, A bias1,
-                                 A sqrt_bias2) {
+                                 A sqrt_bias2, const double* norm, double max_norm) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) adamw_at(i, p, g, m, v, decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2);
+    if (i < n) adamw_at(i, p, g, m, v, decay, clip_factor(norm, max_norm), lr, beta1, beta2,
+                        eps, wd, bias1, sqrt_bias2);
 }
 // the learning rate and bias corrections of this step, from the device (LR_SCHEDULE's)
 #define SCHED(s) (A)s[1], beta1, beta2, eps, wd, (A)s[2], (A)s[3]
 extern "C" __global__ void adamw_sched(T* p, const T* g, T* m, T* v,
                                        const unsigned char* decay, long long n,
-                                       const double* sched, A beta1, A beta2, A eps, A wd) {
+                                       const double* sched, A beta1, A beta2, A eps, A wd,
+                                       const double* norm, double max_norm) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) adamw_at(i, p, g, m, v, decay, SCHED(sched));
+    if (i < n) adamw_at(i, p, g, m, v, decay, clip_factor(norm, max_norm), SCHED(sched));
 }
 __device__ __forceinline__ unsigned short bf16_nearest(T out) {
     unsigned u = __float_as_uint((float)out);
@@ -59,27 +73,54 @@ __device__ __forceinline__ unsigned short bf16_nearest(T out) {
 extern "C" __global__ void adamw_low_sched(T* p, const T* g, T* m, T* v,
                                            const unsigned char* decay, long long n,
                                            const double* sched, A beta1, A beta2, A eps,
-                                           A wd, unsigned short* low) {
+                                           A wd, const double* norm, double max_norm,
+                                           unsigned short* low) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) low[i] = bf16_nearest(adamw_at(i, p, g, m, v, decay, SCHED(sched)));
+    if (i < n) low[i] = bf16_nearest(adamw_at(i, p, g, m, v, decay,
+                                              clip_factor(norm, max_norm), SCHED(sched)));
 }
 // the same step writing the bf16 compute copy of the new parameters beside the fp32 master
 // (mixed precision: no second pass over the parameters), rounded to nearest even
 extern "C" __global__ void adamw_low(T* p, const T* g, T* m, T* v, const unsigned char* decay,
                                      long long n, A lr, A beta1, A beta2, A eps, A wd,
-                                     A bias1, A sqrt_bias2, unsigned short* low) {
+                                     A bias1, A sqrt_bias2, const double* norm,
+                                     double max_norm, unsigned short* low) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    low[i] = bf16_nearest(adamw_at(i, p, g, m, v, decay, lr, beta1, beta2, eps, wd, bias1,
-                                   sqrt_bias2));
+    low[i] = bf16_nearest(adamw_at(i, p, g, m, v, decay, clip_factor(norm, max_norm), lr,
+                                   beta1, beta2, eps, wd, bias1, sqrt_bias2));
 }
 """
 
 
-def adamw_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):
+def clip_factor(norm, max_norm: float):
+    """optim.clip's factor for a gradient of global ``norm``: min(1, max_norm / (norm +
+    1e-6)). A 0-d float64 array where the norm is on a device (not read; a NaN norm gives
+    NaN); else a Python float, None where it is 1 (a NaN norm too: nothing scaled). None
+    where ``max_norm`` is 0 (no clipping)."""
+    if not max_norm:
+        return None
+    if backend.is_gpu_array(norm):
+        return backend.array_module(norm).minimum(1.0, max_norm / (norm + 1e-6))
+    factor = min(1.0, max_norm / (float(norm) + 1e-6))
+    return factor if factor < 1.0 else None
+
+
+def clipped_twin(g, norm, max_norm: float):
+    """``g`` scaled by its clipping factor (a new array), or ``g`` itself where the factor is
+    1: the gradient AdamW's kernels read (optim.clip's product, out of place)."""
+    factor = clip_factor(norm, max_norm)
+    if factor is None:
+        return g
+    return g * (factor.astype(g.dtype) if backend.is_gpu_array(factor) else factor)
+
+
+def adamw_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, norm, max_norm):
     """One AdamW step of flat p with moments m, v (in place); ``decay``: a uint8 mask of the
-    elements that take weight decay. Returns (p, m, v)."""
+    elements that take weight decay; the gradient clipped first by ``norm`` and
+    ``max_norm`` (clipped_twin). Returns (p, m, v)."""
     xp = backend.array_module(p)
+    g = clipped_twin(g, norm, max_norm)
     if wd:
         p *= xp.where(decay.astype(bool), 1.0 - lr * wd, 1.0).astype(p.dtype)
     adam_step_twin(p, g, m, v, lr, beta1, beta2, eps, step)
@@ -113,30 +154,47 @@ def _moments_and_step(p, g, m, v, beta1, beta2, eps, sqrt_bias2, step_size) -> N
     p -= tmp
 
 
-def _adamw_launch(k, p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):
+def _clip_args(norm, max_norm) -> tuple:
+    """The kernels' (norm, max_norm): the device norm (float64), or, with max_norm 0, a
+    kept zero the kernel does not read (a pointer it is given all the same)."""
+    if not max_norm:
+        norm = kept_zeros(backend.xp(), 1, np.float64, "adamw's norm when not clipping")
+    elif getattr(norm, "dtype", None) != np.float64 or norm.size != 1:
+        raise TypeError("AdamW's kernel clips by a norm on the device (one float64), not "
+                        f"{type(norm).__name__} {getattr(norm, 'dtype', '')}")
+    return norm, np.float64(max_norm)
+
+
+def _adamw_launch(k, p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, norm, max_norm):
     acc = np.float64 if p.dtype == np.float64 else np.float32
     s = lambda x: _scalar(acc, x)   # noqa: E731
     k("adamw")(*grid(p.size), (p, g, m, v, decay, np.int64(p.size), s(lr), s(beta1), s(beta2),
                                s(eps), s(wd), s(1.0 - beta1 ** step),
-                               s(math.sqrt(1.0 - beta2 ** step))))
+                               s(math.sqrt(1.0 - beta2 ** step))) + _clip_args(norm, max_norm))
     return p, m, v
 
 
+# the gradient's (norm, max_norm) of each case: not clipped, clipped (factor 0.27, 0.22),
+# within the norm (factor 1)
+_CLIPS = ((0.0, 0.0), (3.7, 1.0), (0.5, 1.0), (9.0, 2.0))
+
+
 def _adamw_cases(xp, rng, dt):
-    for n in (1, 7, 1000, 100_003):
+    for n, (norm, max_norm) in zip((1, 7, 1000, 100_003), _CLIPS):
         arr = lambda scale=1.0: xp.asarray((rng.standard_normal(n) * scale).astype(dt))  # noqa
         decay = xp.asarray((rng.random(n) < 0.5).astype(np.uint8))
-        yield arr(), arr(), arr(0.1), xp.abs(arr(0.01)), decay, 1e-3, 0.9, 0.99, 1e-8, 0.1, 3
+        yield (arr(), arr(), arr(0.1), xp.abs(arr(0.01)), decay, 1e-3, 0.9, 0.99, 1e-8, 0.1, 3,
+               xp.asarray(np.float64(norm)), max_norm)
 
 
 ADAMW = Fused("adamw", _ADAMW, ["adamw"], _adamw_launch, adamw_twin, _adamw_cases,
               tolerance=1e-5,
-              cpu="cpu.adamw")
+              cpu="cpu_flat.adamw")
 
 
-def adamw_low_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, low):
+def adamw_low_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, norm, max_norm, low):
     """AdamW's step (adamw_twin), then ``low``: the new parameters in its dtype (bf16)."""
-    adamw_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step)
+    adamw_twin(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, norm, max_norm)
     return _low_copy(p, m, v, low)
 
 
@@ -145,11 +203,13 @@ def _low_copy(p, m, v, low):
     return p, m, v, low
 
 
-def _adamw_low_launch(k, p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, low):
+def _adamw_low_launch(k, p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, norm, max_norm,
+                      low):
     s = lambda x: _scalar(np.float32, x)   # noqa: E731
     k("adamw_low")(*grid(p.size), (p, g, m, v, decay, np.int64(p.size), s(lr), s(beta1),
                                    s(beta2), s(eps), s(wd), s(1.0 - beta1 ** step),
-                                   s(math.sqrt(1.0 - beta2 ** step)), low.view(np.uint16)))
+                                   s(math.sqrt(1.0 - beta2 ** step)))
+                   + _clip_args(norm, max_norm) + (low.view(np.uint16),))
     return p, m, v, low
 
 
@@ -236,10 +296,11 @@ def _sched_terms(sched, dtype):
     return tuple(sched[i].astype(dtype) for i in (1, 2, 3))
 
 
-def adamw_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd):
+def adamw_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd, norm, max_norm):
     """adamw_twin with its learning rate and bias corrections read from ``sched`` on the
     device (LR_SCHEDULE's)."""
     xp = backend.array_module(p)
+    g = clipped_twin(g, norm, max_norm)
     lr, bias1, sqrt_bias2 = _sched_terms(sched, p.dtype)
     if wd:
         p *= xp.where(decay.astype(bool), 1.0 - lr * wd, 1.0).astype(p.dtype)
@@ -247,34 +308,37 @@ def adamw_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd):
     return p, m, v
 
 
-def _adamw_sched_launch(k, p, g, m, v, decay, sched, beta1, beta2, eps, wd):
+def _adamw_sched_launch(k, p, g, m, v, decay, sched, beta1, beta2, eps, wd, norm, max_norm):
     acc = np.float64 if p.dtype == np.float64 else np.float32
     s = lambda x: _scalar(acc, x)   # noqa: E731
     k("adamw_sched")(*grid(p.size), (p, g, m, v, decay, np.int64(p.size), sched, s(beta1),
-                                     s(beta2), s(eps), s(wd)))
+                                     s(beta2), s(eps), s(wd)) + _clip_args(norm, max_norm))
     return p, m, v
 
 
 def _sched_cases(xp, rng, dt):
-    for p, g, m, v, decay, lr, beta1, beta2, eps, wd, step in _adamw_cases(xp, rng, dt):
+    for p, g, m, v, decay, lr, beta1, beta2, eps, wd, step, *clip in _adamw_cases(xp, rng, dt):
         sched = np.array([step, lr, 1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step)])
-        yield p, g, m, v, decay, xp.asarray(sched), beta1, beta2, eps, wd
+        yield (p, g, m, v, decay, xp.asarray(sched), beta1, beta2, eps, wd, *clip)
 
 
 ADAMW_SCHED = Fused("adamw_sched", _ADAMW, ["adamw_sched"], _adamw_sched_launch,
                     adamw_sched_twin, _sched_cases, tolerance=1e-5)
 
 
-def adamw_low_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd, low):
+def adamw_low_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd, norm, max_norm,
+                         low):
     """adamw_sched_twin, then ``low``: the new parameters in its dtype (bf16)."""
-    adamw_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd)
+    adamw_sched_twin(p, g, m, v, decay, sched, beta1, beta2, eps, wd, norm, max_norm)
     return _low_copy(p, m, v, low)
 
 
-def _adamw_low_sched_launch(k, p, g, m, v, decay, sched, beta1, beta2, eps, wd, low):
+def _adamw_low_sched_launch(k, p, g, m, v, decay, sched, beta1, beta2, eps, wd, norm,
+                            max_norm, low):
     s = lambda x: _scalar(np.float32, x)   # noqa: E731
     k("adamw_low_sched")(*grid(p.size), (p, g, m, v, decay, np.int64(p.size), sched, s(beta1),
-                                         s(beta2), s(eps), s(wd), low.view(np.uint16)))
+                                         s(beta2), s(eps), s(wd))
+                         + _clip_args(norm, max_norm) + (low.view(np.uint16),))
     return p, m, v, low
 
 

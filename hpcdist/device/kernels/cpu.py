@@ -6,9 +6,9 @@ the self-check against its twin (the GPU's cases). Each returns what the twin re
 twin keeps for its backward (GELU's tanh, LayerNorm's x-hat, attention's probabilities) the
 kernel does not: its backward recomputes it, as the GPU's does. The kernels run on the
 threads hpcdist gives a rank (host/threads.py), never more: a rank of one thread runs them
-serially. Attention: cpu_attention.py; experts: cpu_moe.py. HPCDIST_CPU_KERNELS=0 turns
-them off, HPCDIST_CPU_KERNELS_MIN sets the size. The rest: docs/autograd.md, "At the shapes
-people train"."""
+serially. Attention: cpu_attention.py; experts: cpu_moe.py; the optimizer: cpu_flat.py.
+HPCDIST_CPU_KERNELS=0 turns them off, HPCDIST_CPU_KERNELS_MIN sets the size. The rest:
+docs/autograd.md, "At the shapes people train"."""
 from __future__ import annotations
 
 import importlib
@@ -200,23 +200,6 @@ def _colsum(g2):
     return part.sum(axis=0)
 
 
-def sumsq(x) -> float:
-    """The sum of squares of a 1-D x's elements, added in float64 in blocks of 65536 (the
-    same sum at any thread count): one pass, no squared copy."""
-    part = np.empty(-(-x.size // 65536), np.float64)
-    jit().sumsq_partial(x, part)
-    return float(part.sum())
-
-
-def scale(x, s: float) -> bool:
-    """``x *= s`` for a large contiguous 1-D ``x`` on the rank's threads (the clipping
-    factor: NumPy's runs on one); False: not taken (the caller multiplies)."""
-    if not (wanted(x) and x.ndim == 1 and x.flags.c_contiguous):
-        return False
-    jit().scale(x, x.dtype.type(s))
-    return True
-
-
 def residual_layernorm(x, bias, residual, w, b, eps):
     """twin: layernorm.residual_layernorm_twin, the two CPU kernels one after the other."""
     bias_residual(x, bias, residual)
@@ -233,15 +216,6 @@ def gelu_bwd_colsum(h, g, t, out):
     gh = gelu_bwd(h, g, t)
     colsum_add(gh, out)
     return gh
-
-
-def adamw(p, g, m, v, decay, lr, beta1, beta2, eps, wd, step):
-    """twin: adamw.adamw_twin, on flat contiguous buffers."""
-    s = p.dtype.type
-    jit().adamw(p, g, m, v, decay if decay is not None else np.zeros(p.size, np.uint8),
-                bool(wd) and decay is not None, s(lr), s(beta1), s(beta2), s(eps), s(wd),
-                s(1.0 - beta1 ** step), s(np.sqrt(1.0 - beta2 ** step)))
-    return p, m, v
 
 
 # ---- rows ----------------------------------------------------------------------------------
@@ -344,8 +318,8 @@ def ready(dtype, largest: int | None = None) -> None:
         _ready_gemms(dtype)
         rows = np.ones((2, 256), dtype)
         jit().scatter_rows(np.zeros_like(rows), np.zeros(2, np.int64), rows)
-        sumsq(np.ones(8, dtype))                          # the gradient clipping's norm
-        jit().scale(np.ones(8, dtype), dtype.type(1.0))   # and its factor
+        jit().sumsq_partial(np.ones(8, dtype), np.empty(1))   # clipping's norm (GRAD_NORM's
+        jit().scale(np.ones(8, dtype), dtype.type(1.0))     # check runs serially) and factor
     except ImportError:                  # numba absent or broken: the twins will run
         pass
 

@@ -33,7 +33,8 @@ def sumsq_partial(x, part):
 
 
 @njit(**FLAGS)
-def _adamw_chunk(p, g, m, v, decay, cut, beta1, beta2, eps, step, keep1, keep2, sqrt_bias2):
+def _adamw_chunk(p, g, m, v, decay, cut, clip, beta1, beta2, eps, step, keep1, keep2,
+                 sqrt_bias2):
     """One chunk, indexed from 0: LLVM vectorises this loop, where indices running from a
     chunk's start kept numba's negative-index check in it (scalar sqrt and division: 2.2x
     slower, measured)."""
@@ -41,7 +42,7 @@ def _adamw_chunk(p, g, m, v, decay, cut, beta1, beta2, eps, step, keep1, keep2, 
     for i in range(p.size):
         # p (1 - lr wd) where decay[i] (0 or 1): no branch in the loop
         pi = p[i] * (one - cut * decay[i])
-        gi = g[i]
+        gi = g[i] * clip
         vi = v[i] * beta2 + gi * gi * keep2
         mi = m[i] * beta1 + gi * keep1
         p[i] = pi - mi / (math.sqrt(vi) / sqrt_bias2 + eps) * step
@@ -50,9 +51,10 @@ def _adamw_chunk(p, g, m, v, decay, cut, beta1, beta2, eps, step, keep1, keep2, 
 
 
 @kernel
-def adamw(p, g, m, v, decay, has_decay, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2):
+def adamw(p, g, m, v, decay, has_decay, clip, lr, beta1, beta2, eps, wd, bias1, sqrt_bias2):
     """The twin's operations in its order (adamw.adamw_twin), in chunks of 4096; the
-    scalars come in as the arrays' type."""
+    scalars come in as the arrays' type; ``clip``: the gradient's clipping factor (1: none;
+    a product by 1 is exact)."""
     n = p.size
     one = like(lr, 1.0)
     cut = lr * wd if has_decay else like(lr, 0.0)
@@ -60,8 +62,8 @@ def adamw(p, g, m, v, decay, has_decay, lr, beta1, beta2, eps, wd, bias1, sqrt_b
     for k in prange((n + 4095) // 4096):
         a = k * 4096
         b = min(n, a + 4096)
-        _adamw_chunk(p[a:b], g[a:b], m[a:b], v[a:b], decay[a:b], cut, beta1, beta2, eps, step,
-                     keep1, keep2, sqrt_bias2)
+        _adamw_chunk(p[a:b], g[a:b], m[a:b], v[a:b], decay[a:b], cut, clip, beta1, beta2, eps,
+                     step, keep1, keep2, sqrt_bias2)
 
 
 @njit(**FLAGS)

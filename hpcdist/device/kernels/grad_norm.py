@@ -55,6 +55,8 @@ extern "C" __global__ void grad_norm(const T* g, long long n, double* part, unsi
 
 BLOCKS = 1056            # the blocks at most: eight of 256 threads on each of an H100's 132
                          # SMs, enough loads in flight for its memory (grid-stride beyond)
+PER_THREAD = 4           # elements a thread adds at least (so a small gradient's launch also
+                         # strides: the self-check's cases reach every path in cudasim cheaply)
 
 
 def grad_norm_twin(g):
@@ -72,7 +74,7 @@ def _grad_norm_launch(k, g):
         out[...] = 0
         return out
     g = xp.ascontiguousarray(g).reshape(-1)
-    blocks = min(BLOCKS, -(-g.size // 256))
+    blocks = min(BLOCKS, -(-g.size // (256 * PER_THREAD)))
     part = kept_zeros(xp, blocks, np.float64, "grad norm of each block")
     done = kept_zeros(xp, 1, np.uint32, "grad norm blocks done")
     k("grad_norm")((blocks,), (256,), (g, np.int64(g.size), part, done, out))
@@ -80,8 +82,10 @@ def _grad_norm_launch(k, g):
 
 
 def _grad_norm_cases(xp, rng, dt):
-    for n, spread in ((1, 1.0), (7, 1e-6), (1000, 1e4), (BLOCKS * 256 + 7, 3.0),
-                      (3 * BLOCKS * 256 + 1, 1.0), (4096, 0.0)):
+    # one block; several, each thread striding; 257 blocks: the last block's threads add
+    # more than one block's sum each
+    for n, spread in ((1, 1.0), (7, 1e-6), (1000, 1e4), (5000, 3.0),
+                      (257 * 256 * PER_THREAD, 1.0), (4096, 0.0)):
         yield (xp.asarray((rng.standard_normal(n) * spread).astype(dt)),)
 
 

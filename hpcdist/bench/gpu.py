@@ -3,9 +3,10 @@
 kernels), autocast and torch.compile: ms, tokens/s, TFLOP/s, MFU, peak memory, ratio to each.
 
 ``--count`` (any machine): the device operations one GPT training step issues — forward,
-backward, the gradient's norm and clipping, AdamW — counted on the GPU stand-in, where every array operation is one launch and
-a fused kernel (hpcdist/device/kernels/) counts as its own launches: once with the fused kernels
-(``HPCDIST_FUSED=1``, the default) and once with their twins op by op, side by side.
+backward, the gradient's norm and clipping, AdamW — counted on the GPU stand-in, where every
+array operation is one launch and a fused kernel (hpcdist/device/kernels/) counts as its own
+launches: once with the fused kernels (``HPCDIST_FUSED=1``, the default) and once with their
+twins op by op, side by side.
 
 The rest of this design: docs/gpu.md, "hpcdist/bench/gpu.py"."""
 from __future__ import annotations
@@ -44,10 +45,9 @@ def _step_fn(L, C, T, B, V, H=0, *, seed=0, precision="fp32", graph=False):
     """One training step as the trainer's data-parallel path takes it on one rank: forward,
     backward, (mixed precision: the compute gradient into the fp32 master's, as DDP's
     buckets do), the gradient's norm, AdamW clipping by it (``CLIP``), the compute copy of
-    the weights. ``graph``: the whole step replayed as
-    one CUDA graph (device/graphs.py), AdamW's step count and learning rate on the device
-    (optim.DeviceSchedule, here a constant 1e-4), as the trainer's --cuda-graph on one
-    replica."""
+    the weights. ``graph``: the whole step replayed as one CUDA graph (device/graphs.py),
+    AdamW's step count and learning rate on the device (optim.DeviceSchedule, here a
+    constant 1e-4), as the trainer's --cuda-graph on one replica."""
     from hpcdist.device import backend, graphs, kernels
     from hpcdist import nn, optim
     from hpcdist.parallel.mixed_precision import MixedPrecision

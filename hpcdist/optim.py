@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from .device import backend, kernels
-from .device.kernels import cpu as cpu_kernels, cpu_flat
+from .device.kernels import adamw as adamw_kernels, cpu as cpu_kernels, cpu_flat
 from .autograd.lazy_zero import forget_grads, settle_grads, zeroed_grads
 
 
@@ -166,7 +166,7 @@ def _kernel_clips(norm, gpu: bool) -> bool:
     (one float64: it reads it, nothing is read to the host); on the host, a host number."""
     if not gpu:
         return not backend.is_gpu_array(norm)
-    return backend.is_gpu_array(norm) and norm.dtype == np.float64 and norm.size == 1
+    return backend.is_gpu_array(norm) and adamw_kernels.reads_norm(norm)
 
 
 def _writes_low(p, g, low) -> bool:
@@ -359,12 +359,6 @@ def _one_launch(flat_grad) -> bool:
     """Whether GRAD_NORM takes ``flat_grad`` on this device: a flat contiguous array there."""
     return backend.is_gpu_array(flat_grad) and flat_grad.ndim == 1 and \
         flat_grad.flags.c_contiguous
-
-
-def clip_scale(norm: float, max_norm: float) -> float:
-    """Factor that brings a gradient of global ``norm`` down to ``max_norm`` (1.0 if within)."""
-    factor = kernels.clip_factor(norm, max_norm)
-    return 1.0 if factor is None else factor
 
 
 def clip(grad, norm, max_norm: float) -> None:

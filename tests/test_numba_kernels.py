@@ -207,7 +207,7 @@ def test_gradient_clipping_adds_in_one_order_and_scales_as_numpy(dtype, monkeypa
     got, norm = g.copy(), float(np.sqrt(want))         # (a Python float, as global_norm's)
     optim.clip(got, norm, 2.5)
     ref = g.copy()
-    ref *= optim.clip_scale(norm, 2.5)
+    ref *= kernels.clip_factor(norm, 2.5)
     assert taken == [True] and got.dtype == dtype and np.array_equal(got, ref)
     assert not np.array_equal(got, g)
 

@@ -154,12 +154,17 @@ def _moments_and_step(p, g, m, v, beta1, beta2, eps, sqrt_bias2, step_size) -> N
     p -= tmp
 
 
+def reads_norm(norm) -> bool:
+    """Whether the kernels can read ``norm`` where it is: one float64 in an array."""
+    return getattr(norm, "dtype", None) == np.float64 and norm.size == 1
+
+
 def _clip_args(norm, max_norm) -> tuple:
     """The kernels' (norm, max_norm): the device norm (float64), or, with max_norm 0, a
     kept zero the kernel does not read (a pointer it is given all the same)."""
     if not max_norm:
         norm = kept_zeros(backend.xp(), 1, np.float64, "adamw's norm when not clipping")
-    elif getattr(norm, "dtype", None) != np.float64 or norm.size != 1:
+    elif not reads_norm(norm):
         raise TypeError("AdamW's kernel clips by a norm on the device (one float64), not "
                         f"{type(norm).__name__} {getattr(norm, 'dtype', '')}")
     return norm, np.float64(max_norm)

@@ -318,8 +318,8 @@ def ready(dtype, largest: int | None = None) -> None:
         _ready_gemms(dtype)
         rows = np.ones((2, 256), dtype)
         jit().scatter_rows(np.zeros_like(rows), np.zeros(2, np.int64), rows)
-        jit().sumsq_partial(np.ones(8, dtype), np.empty(1))   # clipping's norm (GRAD_NORM's
-        jit().scale(np.ones(8, dtype), dtype.type(1.0))     # check runs serially) and factor
+        jit().scale(np.ones(8, dtype), dtype.type(1.0))   # optim.clip's (the norm's kernel
+                                                          # loaded by GRAD_NORM's check above)
     except ImportError:                  # numba absent or broken: the twins will run
         pass
 

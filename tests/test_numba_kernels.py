@@ -116,6 +116,14 @@ def test_row_edges(dtype):
         y = kernels.SOFTMAX_CAUSAL_FWD.twin(x, 0.7, past)
         _agree(kernels.SOFTMAX_CAUSAL_BWD, (rng.standard_normal(shape).astype(dtype), y, 0.7),
                dtype)
+    # the softmax kernels work in place: the op's inputs stay the caller's (a strided one too)
+    x = rng.standard_normal((2, 9, 9)).astype(dtype).swapaxes(1, 2)
+    g = rng.standard_normal((2, 9, 9)).astype(dtype)
+    x0, g0 = x.copy(), g.copy()
+    y = kernels.SOFTMAX_CAUSAL_FWD.cpu(x, 0.7, 0)
+    np.testing.assert_allclose(y, kernels.SOFTMAX_CAUSAL_FWD.twin(x0, 0.7, 0), rtol=1e-5)
+    kernels.SOFTMAX_CAUSAL_BWD.cpu(g, y, 0.7)
+    assert np.array_equal(x, x0) and np.array_equal(g, g0)
     for R, V, vocab in ((1, 1, None), (4, 3, None), (9, 300, None), (4, 3, 1), (9, 320, 300)):
         z = (rng.standard_normal((R, V)) * 5).astype(dtype)
         n = vocab or V                               # (past ``vocab``: padding columns)
@@ -128,8 +136,13 @@ def test_row_edges(dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("budget", [1 << 30, 3000])       # every pair at once; one head a block
-def test_attention_in_blocks_equals_the_twin(dtype, budget, monkeypatch):
+@pytest.mark.parametrize("blas_inside", [True, False])    # the BLAS kernel; NumPy's GEMMs
+def test_attention_in_blocks_equals_the_twin(dtype, budget, blas_inside, monkeypatch):
     monkeypatch.setattr(cpu, "ATTENTION_BYTES", budget)
+    if not blas_inside:
+        monkeypatch.setattr(cpu_attention, "_blas_args", lambda dtype: None)
+    elif cpu_attention._blas_args(np.dtype(dtype)) is None:
+        pytest.skip("NumPy's BLAS is not callable from numba here")
     rng = np.random.default_rng(4)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     for B, T, nh, hs in ((1, 1, 1, 1), (2, 7, 3, 4), (1, 130, 2, 8), (3, 300, 2, 5)):

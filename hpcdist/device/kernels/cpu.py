@@ -254,17 +254,16 @@ def layernorm_bwd(g, x, w, mean, rstd, xhat=None, gw_into=None, gb_into=None, ad
 
 
 def softmax_causal(x, scale, past=0):
-    x2 = _mat(x)
-    y = np.empty(x2.shape, x.dtype)
-    jit().softmax_causal(x2, y, np.empty(x2.shape[0], x.dtype), x.shape[-2] if x.ndim > 1
-                         else 1, past, _c(x, scale))
+    y = np.array(x, order="C").reshape(-1, x.shape[-1])       # (the kernel works in place)
+    jit().softmax_causal(y, np.empty(y.shape[0], x.dtype), x.shape[-2] if x.ndim > 1 else 1,
+                         past, _c(x, scale))
     return y.reshape(x.shape)
 
 
 def softmax_causal_bwd(g, y, scale):
     y2 = _mat(y)
-    gx = np.empty(y2.shape, y.dtype)
-    jit().softmax_bwd(_mat(g.astype(y.dtype, copy=False)), y2, gx, _c(y, scale))
+    gx = np.array(g, dtype=y.dtype, order="C").reshape(y2.shape)    # (in place, as above)
+    jit().softmax_bwd(gx, y2, _c(y, scale))
     return gx.reshape(y.shape)
 
 

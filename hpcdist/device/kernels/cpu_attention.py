@@ -97,7 +97,7 @@ def attention_fwd(qkv, n_head, scale, path=None, n_kv_head=None):
             s = np.matmul(q[:, :, i0:i1], kt[..., :i1])               # (nb, nh, tq, i1)
             part = np.empty(s.shape[:-1], qkv.dtype)
             rows = s.reshape(-1, i1)
-            jit.softmax_causal(rows, rows, part.reshape(-1), i1 - i0, i0, sc)
+            jit.softmax_causal(rows, part.reshape(-1), i1 - i0, i0, sc)
             lse[b0:b1, h0:h1, i0:i1] = part
             y[b0:b1, i0:i1, h0:h1] = np.matmul(s, v[:, :, :i1]).transpose(0, 2, 1, 3)
     for blk in blocks(B, n_head, T, qkv.itemsize):
@@ -137,7 +137,7 @@ def attention_bwd(qkv, y, dy, lse, n_head, scale, att=None, n_kv_head=None):
             gq = gb[:, :, i0:i1]
             dv[:, :, :i1] += np.matmul(p.swapaxes(-1, -2), gq)
             ds = np.matmul(gq, v[:, :, :i1].swapaxes(-1, -2))        # d probabilities
-            jit.softmax_bwd(ds.reshape(-1, i1), rows, ds.reshape(-1, i1), sc)
+            jit.softmax_bwd(ds.reshape(-1, i1), rows, sc)
             dr[b0:b1, i0:i1, 0, h0:h1] = np.matmul(ds, kt[..., :i1].swapaxes(-1, -2)) \
                 .transpose(0, 2, 1, 3)
             dk[:, :, :i1] += np.matmul(ds.swapaxes(-1, -2), q[:, :, i0:i1])

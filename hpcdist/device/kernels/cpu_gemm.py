@@ -105,7 +105,7 @@ def attention_fwd(fp, bits, qkv, y, lse, n_head, n_kv_head, scale, qstep):
             s = buf[:tq * i1].reshape((tq, i1))
             _gemm(fp, bits, NO_TRANS, TRANS, tq, i1, hs, 1.0, qkv, oq + i0 * W, W, qkv, ok,
                   W, 0.0, s, 0, i1)
-            _softmax(s, s, lse[b, h, i0:i1], tq, i0, scale)
+            _softmax(s, lse[b, h, i0:i1], tq, i0, scale)
             _gemm(fp, bits, NO_TRANS, NO_TRANS, tq, hs, i1, 1.0, s, 0, i1, qkv, ov, W, 0.0,
                   y, oy + i0 * C, C)
 
@@ -138,7 +138,7 @@ def attention_bwd(fp, bits, qkv, g, lse, dqkv, n_head, n_kv_head, scale, qstep):
                       1.0, dqkv, ov, W)                                     # dv += p^T g
                 _gemm(fp, bits, NO_TRANS, TRANS, tq, i1, hs, 1.0, g, og + i0 * C, C, qkv, ov,
                       W, 0.0, ds, 0, i1)                                    # d probabilities
-                _softmax_bwd(ds, p, ds, scale)
+                _softmax_bwd(ds, p, scale)
                 _gemm(fp, bits, NO_TRANS, NO_TRANS, tq, hs, i1, 1.0, ds, 0, i1, qkv, ok, W,
                       0.0, dqkv, oq + i0 * W, W)                            # dq
                 _gemm(fp, bits, TRANS, NO_TRANS, i1, hs, tq, 1.0, ds, 0, i1, qkv,

@@ -230,9 +230,11 @@ def layernorm_bwd(g, x, w, mean, rstd, add, has_add, gx, gw_part, gb_part, inv_c
 
 
 @kernel
-def softmax_causal(x, y, lse, tq, past, scale):
-    """y = softmax(scale x) of each row r of x (R, S), query r % tq seeing keys
-    0..past + r % tq (0 beyond); lse[r] its log-sum-exp. y may be x."""
+def softmax_causal(x, lse, tq, past, scale):
+    """x := softmax(scale x) of each row r of x (R, S), in place, query r % tq seeing keys
+    0..past + r % tq (0 beyond); lse[r] its log-sum-exp. In place by design: with an output
+    array that was x, LLVM's overlap check sent every row down its scalar loop (2.3 ns an
+    element against 0.34, measured); one array has no overlap to check."""
     S = x.shape[1]
     one = like(scale, 1.0)
     for r in prange(x.shape[0]):
@@ -243,13 +245,13 @@ def softmax_causal(x, y, lse, tq, past, scale):
         s = like(scale, 0.0)
         for j in range(n):
             e = fexp(x[r, j] * scale - top)
-            y[r, j] = e
+            x[r, j] = e
             s += e
         inv = one / s
         for j in range(n):
-            y[r, j] *= inv
+            x[r, j] *= inv
         for j in range(n, S):
-            y[r, j] = 0
+            x[r, j] = 0
         lse[r] = top + math.log(s)
 
 
@@ -268,14 +270,15 @@ def probs_from_lse(s, lse, tq, past, scale):
 
 
 @kernel
-def softmax_bwd(g, y, gx, scale):
-    """gx = scale y (g - sum(g y)) per row; gx may be g."""
+def softmax_bwd(g, y, scale):
+    """g := scale y (g - sum(g y)) per row, in place (as softmax_causal, for the vector
+    loop: 0.40 ns an element into an output that was g, 0.15 in place, measured)."""
     for r in prange(y.shape[0]):
         d = like(scale, 0.0)
         for j in range(y.shape[1]):
             d += g[r, j] * y[r, j]
         for j in range(y.shape[1]):
-            gx[r, j] = scale * y[r, j] * (g[r, j] - d)
+            g[r, j] = scale * y[r, j] * (g[r, j] - d)
 
 
 @kernel

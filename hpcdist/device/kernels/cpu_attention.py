@@ -57,9 +57,9 @@ def query_blocks(T: int):
 def kernel_query_rows(T: int) -> int:
     """The BLAS kernel's query block (its GEMMs are calls on one pair, not NumPy's batches
     over pairs, so small blocks cost little): 32 rows up to T 1024, 64 beyond. Measured on 2
-    threads, forward + backward a layer against query_blocks' rows: GPT 4x128 T 128 B 32
-    5.5 ms against 6.2 (64 rows), 6x384 T 256 B 4 6.5 against 6.8, T 1024 45.8 against 55.1
-    (256 rows); at T 2048 64 rows 117 ms, 32 rows 123."""
+    threads, forward + backward a layer: T 1024 B 2 (6 heads) 41 ms against 49 in
+    query_blocks' 256 rows; GPT 4x128 T 128 B 32, 6x384 T 256 B 4 and T 2048 alike within
+    noise at 32 or 64 rows (docs/autograd.md, "Attention")."""
     return 32 if T <= 1024 else 64
 
 

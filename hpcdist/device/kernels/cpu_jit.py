@@ -5,8 +5,9 @@ on disk); constants are made in the array's type (``like``) or come in as argume
 a float32 call stays float32 and a float64 one float64. ``exp`` of float32 is ours
 (``_exp32``: Cody-Waite range reduction, a degree-6 polynomial and the exponent written into
 the bits, 2 ulp) because LLVM vectorises it, where libm's ``expf`` runs one element at a time
-(GELU 5x slower, measured); float64 keeps libm's. Row blocks are fixed (``BLOCK``), not one per thread, so the
-partial sums of a column reduction add in the same order at any thread count.
+(GELU 5x slower, measured); float64 keeps libm's. Row blocks are fixed (``BLOCK``), not one
+per thread, so the partial sums of a column reduction add in the same order at any thread
+count.
 
 Only hpcdist/device/kernels/cpu.py imports this (importing numba costs ~0.3 s)."""
 from __future__ import annotations

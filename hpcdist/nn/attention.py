@@ -59,12 +59,17 @@ ROTARY_KINDS = {"default": Rotary, "llama3": Llama3Rotary}   # --rope-type
 
 class SelfAttention(Module):
     """(B, T, shape.width) -> (B, T, shape.out_width) over ``shape``'s heads, with dropout on
-    the probabilities and, with ``rotary``, q and k rotated by their positions first."""
+    the probabilities and, with ``rotary``, q and k rotated by their positions first.
+    ``q_norm`` / ``k_norm``: the seam between the projections and the core, a module applied
+    to each query / key head (B, T, heads, head_dim) before the rotation (Qwen3's per-head
+    RMSNorm, declared ``over=HEADS``: under tensor parallelism each rank norms its own
+    heads, and the norm's gradient is partial over the group)."""
 
     def __init__(self, shape: AttentionShape, dropout: float = 0.0,
-                 rotary: Rotary | None = None, window: int = 0):
+                 rotary: Rotary | None = None, window: int = 0, *, q_norm=None, k_norm=None):
         self.shape, self.rotary, self.window = shape, rotary, window
         self.attn_drop = Dropout(dropout)
+        self.q_norm, self.k_norm = q_norm, k_norm
 
     @property
     def n_head(self) -> int:
@@ -73,9 +78,26 @@ class SelfAttention(Module):
     def forward(self, qkv: Tensor, pos=None, cache: dict | None = None) -> Tensor:
         """``pos``: the rows' global positions (rotary); ``cache``: this layer's KV cache
         (inference; see ``attention``)."""
-        if self.rotary is not None:
-            qkv = ops.rotary(qkv, pos, self.shape, self.rotary)
-        return attention(qkv, self.shape, self.attn_drop, cache, self.window)
+        return attention(before_core(self, qkv, pos), self.shape, self.attn_drop, cache,
+                         self.window)
+
+
+def before_core(core, qkv: Tensor, pos) -> Tensor:
+    """What every attention core (this one, a context-parallel one) does to the fused q|k|v
+    first: ``core.q_norm`` on each query head and ``core.k_norm`` on each key head (where
+    declared), then the rotation by the rows' global positions ``pos``."""
+    shape = core.shape
+    if core.q_norm is not None or core.k_norm is not None:
+        B, T, _ = qkv.shape
+        q, k, v = ops.split(qkv, list(shape.pieces), axis=2)
+        if core.q_norm is not None:
+            q = core.q_norm(q.reshape(B, T, shape.n_head, shape.head_dim)).reshape(B, T, -1)
+        if core.k_norm is not None:
+            k = core.k_norm(k.reshape(B, T, shape.n_kv_head, shape.head_dim)).reshape(B, T, -1)
+        qkv = ops.concat([q, k, v], axis=2)
+    if core.rotary is not None:
+        qkv = ops.rotary(qkv, pos, shape, core.rotary)
+    return qkv
 
 
 def attention(qkv: Tensor, shape: AttentionShape, drop, cache: dict | None = None,

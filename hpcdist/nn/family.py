@@ -83,7 +83,9 @@ class Anatomy:
     ``norm``: "layernorm" (a weight and, with ``norm_bias``, a bias; keeps its mean and
     1/std) or "rmsnorm" (a weight; keeps 1/std). ``rotary``: positions rotate q and k (else
     a learned table of block_size rows is added to the token vectors); ``scaled_embeddings``:
-    the token vectors are multiplied by a constant; ``tied``: the head is the token table."""
+    the token vectors are multiplied by a constant; ``tied``: the head is the token table;
+    ``head_norms``: a block's parameters of norms applied to each attention head (Qwen3's q
+    and k norms: 2 x head_dim), replicated whole on every tensor-parallel rank."""
     attention: AttentionShape
     mlp_width: int
     gated: bool
@@ -96,6 +98,7 @@ class Anatomy:
     tied: bool
     scaled_embeddings: bool = False
     expert_width: int = 0
+    head_norms: int = 0
 
     @property
     def norm_size(self) -> int:
@@ -128,7 +131,7 @@ def count_parameters(cfg) -> int:
     moe = C * cfg.experts + (cfg.experts + cfg.shared_experts) * \
         a.mlp_parameters(C, a.expert_width)
     with_experts = sum(1 for i in range(cfg.n_layer) if cfg.is_moe(i))
-    blocks = cfg.n_layer * (attn + 2 * a.norm_size * C) + with_experts * moe + \
+    blocks = cfg.n_layer * (attn + 2 * a.norm_size * C + a.head_norms) + with_experts * moe + \
         (cfg.n_layer - with_experts) * a.mlp_parameters(C)
     tables = cfg.vocab_size * C + (0 if a.rotary else cfg.block_size * C)
     return blocks + tables + a.norm_size * C + (0 if a.tied else C * cfg.vocab_size)

@@ -6,6 +6,7 @@ import math
 from ..autograd import ops
 from .module import (Module, ModuleList, Parameter, Shard, init_normal, init_uniform, pad_axis,
                      padded_length)
+from .placement import HIDDEN
 from ..autograd.tensor import Tensor
 
 
@@ -16,9 +17,12 @@ class Linear(Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 std: float | None = None, multiple: int = 1):
+                 std: float | None = None, multiple: int = 1, *, over: str = HIDDEN):
         """``multiple``: outputs padded with zero columns to a multiple of it (an LM head over
-        a vocabulary rounded up to an aligned width; no bias then)."""
+        a vocabulary rounded up to an aligned width; no bias then). ``over``: what the layer
+        is applied to (nn/placement.py; tensor parallelism swaps the projections a family
+        declares for layers of their own)."""
+        self.placements = {"weight": over, "bias": over}
         bound = 1.0 / math.sqrt(in_features)
         w = init_normal((in_features, out_features), std) if std is not None else \
             init_uniform((in_features, out_features), bound)
@@ -57,6 +61,7 @@ class Embedding(Module):
     left out of the loss (``LMLoss``) and out of checkpoints (``shard_spec``)."""
 
     def __init__(self, num_embeddings: int, dim: int, std: float = 1.0, multiple: int = 1):
+        self.placements = {"weight": HIDDEN}    # (its rows are the residual stream's start)
         w = init_normal((num_embeddings, dim), std)      # (the logical rows' draws first)
         if multiple > 1:
             w = pad_axis(w, 0, padded_length(num_embeddings, multiple))
@@ -73,8 +78,10 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
-    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, over: str = HIDDEN):
+        """``over``: what the norm is applied to (nn/placement.py)."""
         from ..device import backend
+        self.placements = {"weight": over, "bias": over}
         xp = backend.xp()
         self.weight = Parameter(xp.ones(dim, dtype=backend.default_float()))
         self.bias = Parameter(xp.zeros(dim, dtype=backend.default_float())) if bias else None
@@ -137,10 +144,14 @@ class MLP(Module):
 
 class RMSNorm(Module):
     """x / rms(x) * (offset + weight): Llama's (offset 0, weight starting at 1) or Gemma's
-    (offset 1, weight starting at 0, as its checkpoints store it)."""
+    (offset 1, weight starting at 0, as its checkpoints store it). ``over``: what it
+    normalises (nn/placement.py): the hidden vector, or each attention head (Qwen3's q and k
+    norms: ``HEADS``)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0):
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0, *,
+                 over: str = HIDDEN):
         from ..device import backend
+        self.placements = {"weight": over}
         xp = backend.xp()
         start = xp.zeros if offset else xp.ones
         self.weight = Parameter(start(dim, dtype=backend.default_float()))

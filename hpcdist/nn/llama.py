@@ -18,6 +18,7 @@ from .gpt import LMLoss
 from .layers import Dropout, Embedding, Linear, RMSNorm, SwiGLU, active
 from .module import Module, ModuleList
 from .moe import MoE, moe_settings
+from .placement import HEADS
 
 
 def option(default, help: str):
@@ -78,6 +79,8 @@ class LlamaConfig:
     scale_embeddings = False     # the token vectors times sqrt(n_embd) (Gemma)
     out_bias = True              # the output projection has a bias where --bias is on
                                  # (Qwen2: q|k|v biases only)
+    head_norms = False           # RMSNorm on each q and k head before rotary (Qwen3)
+    norm_topk = True             # MoE: the chosen experts' gates renormalised (Mixtral)
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer % self.moe_every == 0
@@ -158,14 +161,25 @@ class LlamaConfig:
                        out_bias=self.bias and self.out_bias, mlp_bias=False, norm="rmsnorm",
                        norm_bias=False, rotary=True, tied=self.tie_weights,
                        scaled_embeddings=self.scale_embeddings,
-                       expert_width=self.expert_hidden or self.hidden())
+                       expert_width=self.expert_hidden or self.hidden(),
+                       head_norms=2 * self.head_size() if self.head_norms else 0)
+
+    def qk_norms(self) -> dict:
+        """The attention's seam between the projections and the core (nn/attention.py):
+        ``q_norm`` / ``k_norm`` modules applied to each head, declared over the heads."""
+        if not self.head_norms:
+            return {}
+        hd = self.head_size()
+        return {"q_norm": RMSNorm(hd, self.norm_eps, self.norm_offset, over=HEADS),
+                "k_norm": RMSNorm(hd, self.norm_eps, self.norm_offset, over=HEADS)}
 
 
 class Attention(Module):
     def __init__(self, cfg: LlamaConfig, proj_std: float):
         shape = cfg.attention_shape()
         self.qkv = Linear(cfg.n_embd, shape.width, bias=cfg.bias, std=0.02)
-        self.core = SelfAttention(shape, cfg.dropout, cfg.rotary(), cfg.sliding_window)
+        self.core = SelfAttention(shape, cfg.dropout, cfg.rotary(), cfg.sliding_window,
+                                  **cfg.qk_norms())
         self.proj = Linear(shape.out_width, cfg.n_embd, bias=cfg.bias and cfg.out_bias,
                            std=proj_std)
         self.resid_drop = Dropout(cfg.dropout)

@@ -85,6 +85,7 @@ class Module:
 
     training = True
     shard_spec: dict = {}       # parameter name -> how a parallel version cut it (parallel/tp)
+    placements: dict = {}       # parameter name -> what it is applied to (nn/placement.py)
 
     def __call__(self, *args, **kwargs):
         around = self.__dict__.get("_around")
@@ -130,6 +131,16 @@ class Module:
                 if vars(m).get(name) is not None:
                     spec[id(vars(m)[name])] = s
         return [(n, p, spec.get(id(p))) for n, p in self.named_parameters()]
+
+    def declared_kinds(self) -> dict:
+        """id(parameter) -> the placement kind its module declares (nn/placement.py), over
+        every module; a parameter no module declares is absent."""
+        out = {}
+        for m in self.modules():
+            for name, kind in m.placements.items():
+                if vars(m).get(name) is not None:
+                    out.setdefault(id(vars(m)[name]), kind)
+        return out
 
     def copies(self) -> set:
         """ids of the parameters held here as copies of another rank's (a pipeline's tied

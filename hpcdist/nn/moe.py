@@ -54,6 +54,7 @@ def _with_aux(out: Tensor, aux: Tensor | None, coef: float) -> Tensor:
 def moe_settings(cfg) -> dict:
     """A family config's mixture-of-experts settings as MoE's keywords."""
     return dict(top_k=cfg.top_k, score=cfg.router, shared=cfg.shared_experts,
+                normalize=getattr(cfg, "norm_topk", True),   # (GPT's: always)
                 capacity_factor=cfg.capacity_factor, aux_loss_coef=cfg.aux_loss_coef,
                 z_loss_coef=cfg.z_loss_coef, balance=cfg.balance, bias_rate=cfg.bias_rate)
 
@@ -67,12 +68,14 @@ class MoE(Module):
                  shared: int = 0, capacity_factor: float = 0.0, aux_loss_coef: float = 0.01,
                  z_loss_coef: float = 0.0, balance: str = "aux", bias_rate: float = 1e-3,
                  bias: bool = True, std: float = 0.02, proj_std: float = 0.02,
-                 dropout: float = 0.0, expert=None):
+                 dropout: float = 0.0, expert=None, normalize: bool = True):
+        """``normalize``: the chosen experts' softmax gates renormalised to sum to 1
+        (Mixtral; Qwen3-MoE's ``norm_topk_prob``), else the softmax's own values."""
         if score not in SCORES:
             raise ValueError(f"unknown router score {score!r}: one of {SCORES}")
         if not 1 <= top_k <= experts:
             raise ValueError(f"--top-k {top_k} must be between 1 and the {experts} experts")
-        self.E, self.k, self.score = experts, top_k, score
+        self.E, self.k, self.score, self.normalize = experts, top_k, score, normalize
         self.capacity_factor, self.aux_coef, self.z_coef = capacity_factor, aux_loss_coef, \
             z_loss_coef
         self.balance, self.bias_rate = balance, bias_rate
@@ -84,7 +87,9 @@ class MoE(Module):
         self.expert_bias = np.zeros(experts)      # selection only (balance "bias"), host
         self.first = 0                            # the global index of experts[0] (EP)
         self.exchange = None                      # EP: parallel/expert.py's ExpertExchange
-        self.group = None                         # the ranks that read other batches (DP)
+        self.group = None                         # the ranks that read other tokens (DP)
+        self.averaged = 1                         # ... of which the gradients are averaged
+                                                  # over (the rest, TP under SP: summed)
         self.load = np.zeros(experts)             # assignments per expert since the last step
         self.dropped = 0                          # assignments dropped since the last step
 
@@ -116,7 +121,7 @@ class MoE(Module):
         xp = backend.array_module(probs.data)
         rows = xp.arange(probs.shape[0])[:, None]
         g = probs[rows, chosen]
-        if self.k > 1 or self.score == "sigmoid":
+        if (self.k > 1 and self.normalize) or self.score == "sigmoid":
             g = g / g.sum(axis=-1, keepdims=True)
         return g
 
@@ -158,12 +163,13 @@ class MoE(Module):
         for s in shared:
             y = y + s
         aux = None
-        # a mean over this rank's tokens, weighted by its share of the group's: the group's
-        # average gradient is then the one over all its tokens (context-parallel slices of an
-        # odd length differ in size; data-parallel replicas' are alike: 1)
+        # a mean over this rank's tokens, weighted by its share of the group's: the average
+        # over ``averaged`` ranks of the gradients (summed over the rest) is then the one over
+        # all the group's tokens (context-parallel slices of an odd length differ in size;
+        # data-parallel replicas' are alike: 1)
         share = 1.0
         if self.training and self.group is not None and self.group.size > 1 and counts.sum():
-            share = float(per.sum()) * self.group.size / float(counts.sum())
+            share = float(per.sum()) * self.averaged / float(counts.sum())
         if self.training and self.balance == "aux" and self.aux_coef:
             aux = self.aux_loss(probs, counts) * (self.aux_coef * share)
         if self.training and self.z_coef:

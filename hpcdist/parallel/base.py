@@ -19,6 +19,7 @@ from ..device import backend
 from .. import optim
 from ..host import timeline
 from ..optim import intersect
+from ..nn import placement
 from ..nn.moe import held_experts, loss_multiplier
 
 
@@ -206,18 +207,23 @@ def delegate(inner: str, names):
     return decorate
 
 
-def owned(model, mesh) -> list:
+def owned(model, mesh, placed=None) -> list:
     """Per parameter, in ``model.named_specs()`` order: whether this rank owns it — counts it
-    once in the global gradient norm and writes it into checkpoints. A tensor-parallel shard
-    is every rank's own; a replicated parameter tensor-parallel rank 0's (and expert-parallel
-    rank 0's); an expert its EP rank's; a copy held for a tied head (``model.copies()``)
-    nobody's here."""
-    copies, first_tp = model.copies(), mesh is None or mesh.coord.tp == 0
-    # under expert parallelism the rest of the model is replicated over the EP group: rank
-    # 0 of it owns that; each rank owns the experts it alone holds
-    alone = held_experts(model) if mesh is not None and mesh.coord.ep else None
-    return [((spec is not None and not spec.whole) or first_tp) and id(p) not in copies
-            and (alone is None or id(p) in alone) for _, p, spec in model.named_specs()]
+    once in the global gradient norm and writes it into checkpoints — read from its declared
+    placements (``placed``: nn.placement.resolve's, made here where not given): on each of
+    the tensor- and expert-parallel axes a shard is its holder's, a replicated parameter
+    (whole or partial gradient: summed by then) rank 0's of that axis; a copy held for a
+    tied head (``model.copies()``) nobody's here."""
+    copies = model.copies()
+    if placed is None:
+        layout = placement.Layout() if mesh is None else \
+            placement.Layout(tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, dp=mesh.dp, pp=mesh.pp)
+        placed = placement.resolve(model, layout, held_experts(model))
+
+    def once(where) -> bool:
+        return mesh is None or all(where[axis].sharded or getattr(mesh.coord, axis) == 0
+                                   for axis in ("tp", "ep"))
+    return [once(where) and id(p) not in copies for _, p, where in placed]
 
 
 class Norm:

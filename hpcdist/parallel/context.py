@@ -17,8 +17,8 @@ import numpy as np
 from ..device import backend
 from ..comm import p2p
 from ..comm.arith import bounds_of
-from ..autograd import ops
 from ..autograd.tensor import Tensor
+from ..nn.attention import before_core
 from ..nn.family import replace, resolve
 from ..nn.module import Module
 from .sequence import cut_dropout, cut_embeddings, sequence_of
@@ -170,17 +170,18 @@ class ContextParallel:
 class ContextParallelAttention(Module):
     """The attention between the projections, over the whole sequence when this rank holds a
     slice of it (in place of ``nn.attention.SelfAttention``: its heads, dropout and rotary
-    embeddings, q and k rotated at the rows' global positions)."""
+    embeddings, q and k rotated at the rows' global positions; its per-head norms, under
+    the same names)."""
 
     def __init__(self, cp: ContextParallel, core):
         self.cp, self.shape, self.rotary = cp, core.shape, core.rotary
+        self.q_norm, self.k_norm = core.q_norm, core.k_norm
         self.p = core.attn_drop.p                        # dropout on the probabilities
 
     def forward(self, qkv: Tensor, pos=None, cache: dict | None = None) -> Tensor:
         if cache is not None:
             raise ValueError("sampling with a KV cache runs without context parallelism")
-        if self.rotary is not None:
-            qkv = ops.rotary(qkv, pos, self.shape, self.rotary)
+        qkv = before_core(self, qkv, pos)
         return self.cp.attention(qkv, self.shape, self.p if self.training else 0.0)
 
 

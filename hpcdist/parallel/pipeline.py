@@ -107,6 +107,9 @@ class PipelineModel(Module):
         """The tied table a last chunk holds for the head: the first stage's is the one."""
         return {id(c.table().weight) for c in self.chunks if c.tied}
 
+    def declared_kinds(self) -> dict:
+        return self.full.declared_kinds()
+
     def named_specs(self):
         specs = {id(p): spec for _, p, spec in self.full.named_specs()}
         return [(n, p, specs.get(id(p))) for n, p in self.named_parameters()]

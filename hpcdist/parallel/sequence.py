@@ -63,7 +63,7 @@ class Cut(Module):
         self._inner = (module,)
         for name, value in module._children():
             setattr(self, name, value)
-        self.shard_spec = module.shard_spec
+        self.shard_spec, self.placements = module.shard_spec, module.placements
         self.seq, self.part = seq, part
 
     def forward(self, x):

@@ -21,6 +21,7 @@ from ..comm import ulfm
 from ..comm.mesh import ProcessMesh
 from ..host.layout import Layout
 from ..comm.nccl import make_communicator
+from ..nn import placement
 from .base import GradSum, Norm, Strategy, owned
 from .compression import make_compression
 from .context import apply_context_parallel
@@ -32,6 +33,7 @@ from .pipeline import PipelineModel, PipelineStrategy
 from .schedules import partition
 from .sequence import sequence_of
 from .tp import apply_tensor_parallel
+from .tp.probe import check_placements
 from .zero3 import LEVELS as ZERO_LEVELS
 
 __all__ = ["Strategy", "DataParallelStrategy", "Norm", "GradSum", "build_strategy"]
@@ -162,8 +164,11 @@ def make_model(cfg, comm, mesh, train_set):
     if cfg.init_from:                              # the same on every rank, before any cut
         model.load_state_dict(hf.params(cfg.init_from, model.config,
                                         [n for n, _ in model.named_parameters()]))
+    placement.check_declared(model)                # (every parameter says how it lies)
     if cfg.tp > 1:                                 # modules swapped for parallel ones
         apply_tensor_parallel(model, mesh.tp_comm, cfg.sequence_parallel)
+        if cfg.precision != "fp8":                 # (fp8's scales would count the probe)
+            check_placements(model, mesh.tp_comm, cfg.sequence_parallel)
     if cfg.cp > 1:                                 # each rank: a slice of every sequence
         apply_context_parallel(model, mesh.cp_comm, cfg.cp_impl)
     return model
@@ -197,9 +202,15 @@ def model_fields(cfg, arch: str, **given) -> dict:
 def place_experts(cfg, mesh, model, dp_comm):
     """Every MoE layer's load counted over the ranks that hold other tokens (``dp_comm``:
     data, expert and context parallel; a tensor-parallel group's ranks see the same tokens);
-    under --ep, this rank's share of the experts (returns the parameters only it holds)."""
+    under --ep, this rank's share of the experts (returns the parameters only it holds).
+    Under sequence parallelism the tensor-parallel ranks hold other rows too: the load is
+    counted over them as well, while the gradients are averaged over ``dp_comm`` only (and
+    summed over the tensor-parallel group: the experts' placement is partial there)."""
+    group = dp_comm
+    if mesh is not None and cfg.tp > 1 and cfg.sequence_parallel:
+        group = mesh.group("dp", "ep", "cp", "tp")
     for m in moe_layers(model):
-        m.group = dp_comm
+        m.group, m.averaged = group, dp_comm.size
     if cfg.ep == 1:
         return []
     return apply_expert_parallel(model, mesh.ep_comm)[1]
@@ -222,24 +233,25 @@ def make_stage(cfg, mesh, full):
     return model, embed_comm
 
 
-def norm_and_grad_sum(cfg, mesh, full, model, shard_comm):
+def norm_and_grad_sum(cfg, mesh, model, shard_comm):
     """How the global gradient norm counts each parameter of the one model once (ZeRO's
     shards over ``shard_comm``), and which gradients are summed over another group after
-    the average: over the tensor-parallel group under sequence parallelism, over the
-    expert-parallel group under ZeRO with EP."""
+    the average, both read from each parameter's declared placement (nn/placement.py): a
+    gradient partial over the tensor-parallel axis (a norm over this rank's heads; under
+    sequence parallelism everything replicated on the residual stream) is summed over the
+    tensor-parallel group; under ZeRO with EP the dense parameters over the expert-parallel
+    group."""
     if mesh is None:
         return Norm([shard_comm] if cfg.zero else []), None
+    layout = placement.Layout(tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, cp=cfg.cp,
+                              ep=cfg.ep, dp=mesh.dp, pp=cfg.pp)
+    placed = placement.resolve(model, layout, held_experts(model))
     count, ranges, dense, off = [], [], [], 0
-    # under sequence parallelism every replicated parameter (LayerNorms, row-parallel biases,
-    # the position table) sees only this rank's rows: its gradient is partial
-    partial = {id(p) for _, p, spec in full.named_specs() if spec is None or spec.whole} \
-        if cfg.tp > 1 and cfg.sequence_parallel else set()
-    alone = held_experts(model)
-    for (name, p, spec), once in zip(model.named_specs(), owned(model, mesh)):
+    for (name, p, where), once in zip(placed, owned(model, mesh, placed)):
         count.append(np.full(p.size, once))
-        if id(p) in partial:
+        if where["tp"].partial:
             ranges.append((off, off + p.size))
-        if id(p) not in alone:
+        if not where["ep"].sharded:
             dense.append((off, off + p.size))
         off += p.size
     norm = Norm([shard_comm if cfg.zero else None, mesh.tp_comm, mesh.pp_comm, mesh.ep_comm],
@@ -301,7 +313,7 @@ def build_strategy(cfg, comm, train_set):
     # ZeRO under EP shards over the ranks holding the same experts (their flat vectors are
     # alike); the dense parameters' gradients are then summed over the EP group too
     shard_comm = mesh.expert_dp_comm if cfg.zero and cfg.ep > 1 else dp_comm
-    norm, grad_sum = norm_and_grad_sum(cfg, mesh, full, model, shard_comm)
+    norm, grad_sum = norm_and_grad_sum(cfg, mesh, model, shard_comm)
     # NCCL runs a stream's calls in the order they are issued; under EP the backward graphs
     # differ by routing, so gradient buckets launched as they fill would interleave with the
     # experts' all-to-all differently on each rank (a deadlock): they launch after backward

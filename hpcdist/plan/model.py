@@ -114,9 +114,10 @@ class Model:
 
     @property
     def block_whole(self) -> int:
-        """... and those every TP rank holds whole (norms, row-parallel biases)."""
+        """... and those every TP rank holds whole (norms, per-head norms, row-parallel
+        biases)."""
         a = self.anatomy
-        return 2 * a.norm_size * self.hidden + a.row_biases(self.hidden)
+        return 2 * a.norm_size * self.hidden + a.head_norms + a.row_biases(self.hidden)
 
     @property
     def norm_size(self) -> int:

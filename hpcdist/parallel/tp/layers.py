@@ -18,6 +18,7 @@ import numpy as np
 from ...device import backend, fp8
 from ...autograd import ops
 from ...nn.module import Module, Parameter, Shard, pad_axis, padded_length
+from ...nn.placement import HIDDEN, SHARDED
 from ...autograd.tensor import Tensor
 from .mappings import (copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp)
 
@@ -76,6 +77,7 @@ class ColumnParallelLinear(Module):
         self.shard_spec = {"weight": Shard(1, pieces, logical or tuple(weight.shape),
                                            multiple),
                            "bias": Shard(0, pieces, (C_out,))}
+        self.placements = {"weight": SHARDED, "bias": SHARDED}
 
     def _input(self, x: Tensor) -> Tensor:
         return gather_from_sp(x, self.seq.rows, self.comm) if self.seq is not None else \
@@ -105,6 +107,9 @@ class RowParallelLinear(Module):
         self.comm, self.sp = comm, sequence_parallel
         self.split = fp8.Split(comm, frozenset({"input", "weight"}))       # (fp8's scales)
         self.shard_spec = {"weight": Shard(0, 1, tuple(weight.shape)), "bias": None}
+        # the bias is added after the reduction: to the residual stream (whole rows without
+        # sequence parallelism, this rank's rows with it)
+        self.placements = {"weight": SHARDED, "bias": HIDDEN}
 
     def forward(self, x: Tensor, residual: Tensor | None = None, norm=None):
         """``residual``: added after the reduction, as the bias is; ``norm``: the result's
@@ -138,6 +143,7 @@ class VocabParallelEmbedding(Module):
         self.weight = Parameter(pad_axis(weight, 0, Vp)[self.lo:self.hi].copy())  # (its own)
         self.comm, self.sp, self.seq = comm, sequence_parallel, seq
         self.shard_spec = {"weight": Shard(0, 1, (V, C), multiple)}
+        self.placements = {"weight": SHARDED}
 
     def forward(self, idx) -> Tensor:
         xp = backend.array_module(idx)

@@ -1,0 +1,127 @@
+"""Where every parameter lies on each mesh axis, declared where the parameter is made.
+
+A module declares, for each parameter it owns, what the parameter is applied to
+(``placements``: name -> one of the kinds below). That one word, with the run's layout,
+fixes the parameter's placement on every mesh axis (PyTorch DTensor's Shard / Replicate /
+Partial): whether each rank holds a shard of it, a copy whose gradient is whole, or a copy
+whose gradient is partial until summed over that axis. The gradient sums, the global norm's
+counting, ZeRO's ownership, which rank writes what into a checkpoint and the planner read
+the placements (``resolve``); nothing infers them from a flag.
+
+The kinds:
+
+- ``HIDDEN``: the residual stream, every position's whole hidden vector (norms over it, the
+  biases of row-parallel layers, added after the reduction, learned position tables, a MoE
+  router and experts that tensor parallelism does not cut). Replicated over the tensor-
+  parallel group; its gradient is whole there without sequence parallelism and partial with
+  it (each rank sees only its rows).
+- ``HEADS``: this rank's attention heads (a per-head q/k norm: Qwen3, Gemma 3). Under tensor
+  parallelism each rank holds other heads, so the gradient is partial over the group,
+  sequence parallelism or not.
+- ``SHARDED``: the parameter is itself this rank's shard of the logical tensor (the tensor-
+  parallel layers; their ``shard_spec`` says on which dimension and in what pieces).
+
+A parameter no module declares is refused when the model is built (``check_declared``), and
+under tensor parallelism the build probes one backward pass to check that every parameter
+declared whole really is (parallel/tp/probe.py): a replicated parameter fed a sharded
+activation is refused in one line naming it, never trained silently wrong."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HIDDEN, HEADS, SHARDED = "hidden", "heads", "sharded"
+KINDS = (HIDDEN, HEADS, SHARDED)
+AXES = ("dp", "cp", "tp", "ep", "pp")        # Megatron's order, as comm/mesh.py
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a parameter lies on one mesh axis: ``kind`` "shard" (each rank a part, cut on
+    ``dim``), "replicate" (a copy on every rank, the gradient whole) or "partial" (a copy
+    whose gradient is this rank's share, to be summed over the axis)."""
+    kind: str
+    dim: int | None = None
+
+    def __str__(self) -> str:
+        return f"Shard({self.dim})" if self.kind == "shard" else self.kind.capitalize() + "()"
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == "shard"
+
+    @property
+    def partial(self) -> bool:
+        return self.kind == "partial"
+
+
+REPLICATE, PARTIAL = Placement("replicate"), Placement("partial")
+
+
+def Shard(dim: int) -> Placement:
+    return Placement("shard", dim)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What placements depend on: the mesh's sizes and whether sequence parallelism splits
+    the residual stream between the tensor-parallel regions."""
+    tp: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @classmethod
+    def of(cls, cfg) -> "Layout":
+        """The layout a run's settings give (a TrainConfig or anything with its fields)."""
+        get = lambda k, d: getattr(cfg, k, d) or d          # noqa: E731
+        return cls(tp=get("tp", 1), sequence_parallel=bool(get("sequence_parallel", False)),
+                   cp=get("cp", 1), ep=get("ep", 1), dp=get("dp", 1), pp=get("pp", 1))
+
+
+def placement(kind: str, layout: Layout, spec=None, expert: bool = False) -> dict:
+    """The placement on every axis (axis -> Placement) of a parameter declared ``kind`` in
+    ``layout``; ``spec``: its tensor-parallel cut (nn.module.Shard) where SHARDED;
+    ``expert``: it is an expert that expert parallelism places on one rank of its group."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown placement kind {kind!r}: one of {', '.join(KINDS)}")
+    if kind == SHARDED:
+        tp = Shard(spec.axis if spec is not None else 0)
+    elif layout.tp == 1:
+        tp = REPLICATE
+    elif kind == HEADS:
+        tp = PARTIAL                                # other heads on the other ranks
+    else:
+        tp = PARTIAL if layout.sequence_parallel else REPLICATE
+    return {"dp": PARTIAL if layout.dp > 1 else REPLICATE,       # each replica its batches
+            "cp": PARTIAL if layout.cp > 1 else REPLICATE,       # each rank its positions
+            "tp": tp,
+            "ep": Shard(0) if expert else PARTIAL if layout.ep > 1 else REPLICATE,
+            "pp": Shard(0) if layout.pp > 1 else REPLICATE}     # each stage its layers
+
+
+def undeclared(model) -> list:
+    """The names of ``model``'s parameters that no module declares a kind for."""
+    kinds = model.declared_kinds()
+    return [name for name, p in model.named_parameters() if kinds.get(id(p)) not in KINDS]
+
+
+def check_declared(model) -> None:
+    """Refuse a model with a parameter whose placement no module declares (one line)."""
+    missing = undeclared(model)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"parameter {missing[0]}{more} declares no placement: the module "
+                         "that makes it must say what it is applied to in its "
+                         "`placements` (nn/placement.py: hidden, heads or sharded)")
+
+
+def resolve(model, layout: Layout, experts=frozenset()) -> list:
+    """(name, parameter, {axis: Placement}) for each of ``model``'s parameters, in
+    ``named_specs`` order; ``experts``: ids of the parameters expert parallelism placed on
+    this rank alone. A parameter no module declares is refused (``check_declared``)."""
+    check_declared(model)
+    kinds = model.declared_kinds()
+    return [(name, p, placement(kinds[id(p)], layout, spec, id(p) in experts))
+            for name, p, spec in model.named_specs()]

@@ -146,7 +146,12 @@ class Model:
 
     @property
     def moe_layers(self) -> int:
-        return -(-self.layers // self.moe_every) if self.experts else 0
+        """The blocks with experts, as the family's config places them (``is_moe``: one in
+        ``moe_every`` from block 0, or the family's own pattern)."""
+        if not self.experts:
+            return 0
+        cfg = self.config
+        return sum(1 for i in range(self.layers) if cfg.is_moe(i))
 
     @property
     def expert_size(self) -> int:

@@ -37,6 +37,15 @@ KINDS = {
               "gemma"),
     "mistral-window": ("MistralConfig", "MistralForCausalLM",
                        dict(sliding_window=8, rope_theta=1e4), "llama"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=12, rope_theta=1e4), "qwen3"),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=12, rope_theta=1e4, num_hidden_layers=3, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1]),
+                  "qwen3"),
+    "qwen3-moe-normed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                         dict(head_dim=12, rope_theta=1e4, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=24,
+                              decoder_sparse_step=2, norm_topk_prob=True), "qwen3"),
 }
 
 
@@ -94,6 +103,13 @@ def test_the_declared_differences_are_what_the_folder_says(folder):
         assert cfg.activation == "gelu_tanh" and cfg.norm_offset == 1 and cfg.tie_weights
     if kind == "mistral-window":
         assert cfg.sliding_window == cfg.block_size == 8
+    if kind.startswith("qwen3"):
+        assert cfg.head_norms and cfg.head_size() == 12 and not cfg.bias
+    if kind == "qwen3-moe":
+        assert (cfg.experts, cfg.top_k, cfg.expert_hidden, cfg.norm_topk) == (4, 2, 24, False)
+        assert [cfg.is_moe(i) for i in range(3)] == [True, False, True]
+    if kind == "qwen3-moe-normed":
+        assert cfg.norm_topk and [cfg.is_moe(i) for i in range(2)] == [False, True]
 
 
 def test_greedy_text_with_the_kv_cache_equals_transformers_generate(folder):
@@ -121,7 +137,7 @@ def test_llama3_scaling_changes_the_frequencies_as_transformers_computes_them():
     del torch
 
 
-@pytest.fixture(scope="module", params=["llama3.1", "qwen2", "gemma"])
+@pytest.fixture(scope="module", params=["llama3.1", "qwen2", "gemma", "qwen3", "qwen3-moe"])
 def trained(request, tmp_path_factory):
     kind = request.param
     tmp = tmp_path_factory.mktemp("run-" + kind)
@@ -129,7 +145,11 @@ def trained(request, tmp_path_factory):
                           "8", "--tie-weights"],
              "qwen2": ["--arch", "qwen2", "--n-kv-head", "2"],
              "gemma": ["--arch", "gemma", "--n-embd", "48", "--n-head", "4",
-                       "--head-dim", "16"]}[kind]
+                       "--head-dim", "16"],
+             "qwen3": ["--arch", "qwen3", "--n-kv-head", "2", "--head-dim", "8"],
+             "qwen3-moe": ["--arch", "qwen3", "--n-kv-head", "2", "--head-dim", "8",
+                           "--experts", "4", "--top-k", "2", "--expert-hidden", "16",
+                           "--n-layer", "2", "--sparse-step", "2"]}[kind]
     cfg = train.parse_config([*extra, "--steps", "3", "--dtype", "fp64", "--batch-size", "8",
                               "--save-dir", str(tmp / "ck"), "--out-dir", str(tmp / "o")])
     final = train.train(cfg, log=lambda *a: None)
@@ -144,7 +164,8 @@ def test_rotary_families_sample_past_the_block_as_transformers_does(trained):
     kind, tmp, cfg, _ = trained
     out = tmp / "hf-long"
     export(tmp / "ck", out)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval().double()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), experts_implementation="eager").eval().double()   # (grouped GEMMs: no fp64)
     theirs.generation_config.eos_token_id = None
     backend.set_default_float("float64")
     ours, _ = sample.load(str(tmp / "ck"))
@@ -177,7 +198,8 @@ def test_a_checkpoint_exports_to_a_folder_transformers_loads_as_its_family(train
     out = tmp / "hf"
     config = export(tmp / "ck", out)
     want = {"llama3.1": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-            "gemma": ("gemma", "GemmaForCausalLM")}[kind]
+            "gemma": ("gemma", "GemmaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+            "qwen3-moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}[kind]
     assert config["model_type"] == want[0]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert type(theirs).__name__ == want[1]
@@ -211,7 +233,7 @@ def test_help_lists_a_familys_settings_under_it():
     r = subprocess.run([sys.executable, "-m", "hpcdist.train", "--help"], capture_output=True,
                        text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
     groups = r.stdout.split("\n\n")
-    rotary = next(g for g in groups if g.startswith("model: llama, qwen2, gemma:"))
+    rotary = next(g for g in groups if g.startswith("model: llama, qwen2, qwen3, gemma:"))
     for flag in ("--n-kv-head", "--head-dim", "--rope-theta", "--rope-type", "--ffn-hidden"):
         assert flag in rotary
     model = next(g for g in groups if g.startswith("model:\n"))
@@ -267,6 +289,8 @@ def test_no_module_outside_nn_names_a_family():
     ("llama", dict(n_kv_head=2)), ("llama", dict(experts=4, tie_weights=True, bias=True)),
     ("qwen2", dict(n_kv_head=2)), ("qwen2", dict(tie_weights=True)),
     ("gemma", dict(head_dim=16, n_kv_head=1)),
+    ("qwen3", dict(n_kv_head=2, head_dim=8)),
+    ("qwen3", dict(n_kv_head=2, experts=4, top_k=2, expert_hidden=16, sparse_step=2)),
     ("llama", dict(experts=3, shared_experts=2, expert_hidden=32, moe_every=2))])
 def test_a_familys_parameter_count_is_its_models(arch, kw):
     m = nn.build(arch, n_layer=3, n_head=4, n_embd=32, vocab_size=50, block_size=16, **kw)

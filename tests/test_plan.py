@@ -499,6 +499,8 @@ FAMILY_SHAPES = [
     ("gpt", {}), ("gpt", dict(bias=False, tie_weights=False)),
     ("llama", dict(n_kv_head=2)), ("llama", dict(n_kv_head=1, ffn_hidden=96, tie_weights=True)),
     ("qwen2", dict(n_kv_head=2)), ("gemma", dict(n_kv_head=1, head_dim=24)),
+    ("qwen3", dict(n_kv_head=2, head_dim=8)),
+    ("qwen3", dict(n_kv_head=2, experts=4, top_k=2, expert_hidden=16, sparse_step=2)),
     ("llama", dict(n_kv_head=2, experts=4, top_k=2, expert_hidden=48, moe_every=2)),
     ("gpt", dict(experts=3, top_k=1, moe_every=2))]
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 HIDDEN, HEADS, SHARDED = "hidden", "heads", "sharded"
 KINDS = (HIDDEN, HEADS, SHARDED)
-AXES = ("dp", "cp", "tp", "ep", "pp")        # Megatron's order, as comm/mesh.py
 
 
 @dataclass(frozen=True)
@@ -71,13 +70,6 @@ class Layout:
     ep: int = 1
     dp: int = 1
     pp: int = 1
-
-    @classmethod
-    def of(cls, cfg) -> "Layout":
-        """The layout a run's settings give (a TrainConfig or anything with its fields)."""
-        get = lambda k, d: getattr(cfg, k, d) or d          # noqa: E731
-        return cls(tp=get("tp", 1), sequence_parallel=bool(get("sequence_parallel", False)),
-                   cp=get("cp", 1), ep=get("ep", 1), dp=get("dp", 1), pp=get("pp", 1))
 
 
 def placement(kind: str, layout: Layout, spec=None, expert: bool = False) -> dict:

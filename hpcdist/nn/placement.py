@@ -1,34 +1,24 @@
 """Where every parameter lies on each mesh axis, declared where the parameter is made.
 
 A module declares, for each parameter it owns, what the parameter is applied to
-(``placements``: name -> one of the kinds below). That one word, with the run's layout,
-fixes the parameter's placement on every mesh axis (PyTorch DTensor's Shard / Replicate /
-Partial): whether each rank holds a shard of it, a copy whose gradient is whole, or a copy
-whose gradient is partial until summed over that axis. The gradient sums, the global norm's
-counting, ZeRO's ownership, which rank writes what into a checkpoint and the planner read
-the placements (``resolve``); nothing infers them from a flag.
-
-The kinds:
-
-- ``HIDDEN``: the residual stream, every position's whole hidden vector (norms over it, the
-  biases of row-parallel layers, added after the reduction, learned position tables, a MoE
-  router and experts that tensor parallelism does not cut). Replicated over the tensor-
-  parallel group; its gradient is whole there without sequence parallelism and partial with
-  it (each rank sees only its rows).
-- ``HEADS``: this rank's attention heads (a per-head q/k norm: Qwen3, Gemma 3). Under tensor
-  parallelism each rank holds other heads, so the gradient is partial over the group,
-  sequence parallelism or not.
-- ``SHARDED``: the parameter is itself this rank's shard of the logical tensor (the tensor-
-  parallel layers; their ``shard_spec`` says on which dimension and in what pieces).
-
-A parameter no module declares is refused when the model is built (``check_declared``), and
-under tensor parallelism the build probes one backward pass to check that every parameter
-declared whole really is (parallel/tp/probe.py): a replicated parameter fed a sharded
-activation is refused in one line naming it, never trained silently wrong."""
+(``placements``: name -> a kind below). That word and the run's layout fix the parameter's
+placement on every mesh axis (PyTorch DTensor's Shard / Replicate / Partial). The gradient
+sums, the global norm's counting, ZeRO's ownership and which rank writes what into a
+checkpoint read the placements (``resolve``); nothing infers them from a flag. A parameter no
+module declares is refused when the model is built (``check_declared``), and under tensor
+parallelism a one-batch probe checks that every declaration is true (parallel/tp/probe.py):
+a replicated parameter fed a sharded activation is refused in one line naming it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The kinds. HIDDEN: the residual stream, every position's whole hidden vector (norms over
+# it, row-parallel biases added after the reduction, position tables, a MoE router and
+# experts that TP does not cut): replicated over TP, the gradient whole without sequence
+# parallelism and partial with it (each rank sees only its rows). HEADS: this rank's
+# attention heads (a per-head q/k norm: Qwen3): partial over TP, SP or not. SHARDED: the
+# parameter is this rank's shard of the logical tensor (the TP layers; their ``shard_spec``
+# says on which dimension and in what pieces).
 HIDDEN, HEADS, SHARDED = "hidden", "heads", "sharded"
 KINDS = (HIDDEN, HEADS, SHARDED)
 

@@ -46,7 +46,8 @@ class Placement:
 REPLICATE, PARTIAL = Placement("replicate"), Placement("partial")
 
 
-def Shard(dim: int) -> Placement:
+def shard_on(dim: int) -> Placement:
+    """Sharded on ``dim`` (not nn.module.Shard, which records how a TP layer cut a tensor)."""
     return Placement("shard", dim)
 
 
@@ -69,7 +70,7 @@ def placement(kind: str, layout: Layout, spec=None, expert: bool = False) -> dic
     if kind not in KINDS:
         raise ValueError(f"unknown placement kind {kind!r}: one of {', '.join(KINDS)}")
     if kind == SHARDED:
-        tp = Shard(spec.axis if spec is not None else 0)
+        tp = shard_on(spec.axis if spec is not None else 0)
     elif layout.tp == 1:
         tp = REPLICATE
     elif kind == HEADS:
@@ -79,19 +80,20 @@ def placement(kind: str, layout: Layout, spec=None, expert: bool = False) -> dic
     return {"dp": PARTIAL if layout.dp > 1 else REPLICATE,       # each replica its batches
             "cp": PARTIAL if layout.cp > 1 else REPLICATE,       # each rank its positions
             "tp": tp,
-            "ep": Shard(0) if expert else PARTIAL if layout.ep > 1 else REPLICATE,
-            "pp": Shard(0) if layout.pp > 1 else REPLICATE}     # each stage its layers
+            "ep": shard_on(0) if expert else PARTIAL if layout.ep > 1 else REPLICATE,
+            "pp": shard_on(0) if layout.pp > 1 else REPLICATE}     # each stage its layers
 
 
-def undeclared(model) -> list:
-    """The names of ``model``'s parameters that no module declares a kind for."""
-    kinds = model.declared_kinds()
+def undeclared(model, kinds: dict | None = None) -> list:
+    """The names of ``model``'s parameters that no module declares a kind for (``kinds``:
+    ``model.declared_kinds()``, where the caller has it)."""
+    kinds = model.declared_kinds() if kinds is None else kinds
     return [name for name, p in model.named_parameters() if kinds.get(id(p)) not in KINDS]
 
 
-def check_declared(model) -> None:
+def check_declared(model, kinds: dict | None = None) -> None:
     """Refuse a model with a parameter whose placement no module declares (one line)."""
-    missing = undeclared(model)
+    missing = undeclared(model, kinds)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"parameter {missing[0]}{more} declares no placement: the module "
@@ -103,7 +105,7 @@ def resolve(model, layout: Layout, experts=frozenset()) -> list:
     """(name, parameter, {axis: Placement}) for each of ``model``'s parameters, in
     ``named_specs`` order; ``experts``: ids of the parameters expert parallelism placed on
     this rank alone. A parameter no module declares is refused (``check_declared``)."""
-    check_declared(model)
     kinds = model.declared_kinds()
+    check_declared(model, kinds)
     return [(name, p, placement(kinds[id(p)], layout, spec, id(p) in experts))
             for name, p, spec in model.named_specs()]

@@ -114,7 +114,7 @@ def test_a_vocabulary_the_corpus_cannot_reach_is_said(tmp_path):
                            tmp_path / "o")
     assert rc == 0, err
     m = re.search(r"--vocab-size 5,000 asked, the corpus gives (\d+) tokens", out)
-    assert m and f"tokenizer.json ({m.group(1)} tokens)" in out
+    assert m and f"tokenizer.json ({m.group(1)} tokens, uint16 shards)" in out
 
 
 def test_a_full_disk_in_prepare_is_one_line_with_a_path_and_nothing_half_written(tmp_path):

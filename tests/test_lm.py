@@ -54,6 +54,89 @@ def test_llm_c_shards_and_raw_bin_read_by_memory_map(tmp_path):
                        vocab_size=100)[0].batch([20])
 
 
+def test_a_vocabulary_past_65536_writes_uint32_shards_as_llm_c_does(tmp_path):
+    tokens = np.array([0, 65535, 65536, 151_645, 7])
+    shards.write_shard(str(tmp_path / "w_000000.bin"), tokens, vocab_size=151_646)
+    head = np.fromfile(tmp_path / "w_000000.bin", dtype="<i4", count=256)
+    assert list(head[:3]) == [20240520, 2, 5]             # llm.c's version 2: uint32 tokens
+    assert (tmp_path / "w_000000.bin").stat().st_size == 1024 + 4 * 5
+    assert np.array_equal(shards.open_shard(str(tmp_path / "w_000000.bin")), tokens)
+    shards.write_shard(str(tmp_path / "n_000000.bin"), tokens[:2], vocab_size=65_536)
+    assert np.fromfile(tmp_path / "n_000000.bin", dtype="<i4", count=2)[1] == 1   # uint16
+    with pytest.raises(ValueError, match="outside the vocabulary of 65,536"):
+        shards.write_shard(str(tmp_path / "x_000000.bin"), tokens, vocab_size=65_536)
+    head[1] = 3
+    (tmp_path / "v_000000.bin").write_bytes(head.tobytes())
+    with pytest.raises(ValueError, match="version 3; this reader knows 1"):
+        shards.open_shard(str(tmp_path / "v_000000.bin"))
+
+
+def wide_tokenizer(corpus: str, out, size: int = 151_646) -> str:
+    """A byte-level BPE trained on ``corpus`` whose merged tokens take the top ids of a
+    ``size``-token vocabulary (Qwen2.5's by default), below them unreachable fillers."""
+    import json
+    from hpcdist.data.__main__ import train_tokenizer
+    (out / "c.txt").write_text(corpus)
+    spec = json.loads(train_tokenizer([str(out / "c.txt")], 400).to_str())
+    learned = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
+    base = [t for t, i in learned if i < 257]
+    merged = [t for t, i in learned if i >= 257]
+    names = base + [f"<fill{i}>" for i in range(size - len(base) - len(merged))] + merged
+    spec["model"]["vocab"] = {t: i for i, t in enumerate(names)}
+    eot = spec["added_tokens"][0]["content"]
+    for t in spec["added_tokens"]:
+        t["id"] = spec["model"]["vocab"][eot]
+    path = out / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+def test_prepare_and_train_with_a_151646_token_vocabulary(tmp_path):
+    pytest.importorskip("tokenizers")
+    text = "\n".join(f"the {w} sat on the {v} by the river" for w in ("cat", "dog", "owl")
+                     for v in ("mat", "log", "wall")) * 60
+    tok = wide_tokenizer(text, tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "b.txt").write_text(text)
+    (tmp_path / "corpus" / "a.md").write_text(text[:4000])
+    (tmp_path / "corpus" / "photo.png").write_bytes(b"\x89PNG\0\0\1")
+    from hpcdist.data.__main__ import main
+    assert main(["prepare", str(tmp_path / "corpus"), "--tokenizer", tok, "--out",
+                 str(tmp_path / "tok")]) == 0
+    first = tmp_path / "tok" / "train_000000.bin"
+    assert np.fromfile(first, dtype="<i4", count=2)[1] == 2
+    ids = shards.open_shard(str(first))
+    t = vocab.Tokenizer(vocab.tokenizer_file(tok))
+    assert ids.max() >= 1 << 16 and t.size == 151_646
+    assert list(ids[:30]) == t.encode(text[:4000])[:30]     # a.md first: sorted path order
+    r = train(tmp_path, 0, "--task", "text", "--data", "tok", "--block-size", "16",
+              "--batch-size", "2", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+              "--steps", "2", "--log-every", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    import re                            # 2 steps from a uniform start: about ln(151,646)
+    held = float(re.search(r"held-out loss ([0-9.]+)", r.stdout).group(1))
+    assert abs(held - np.log(151_646)) < 0.5, r.stdout[-1500:]
+
+
+def test_an_impossible_vocab_size_and_a_folder_without_text_are_one_line(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    from hpcdist.data.__main__ import main
+    (tmp_path / "c.txt").write_text("a few words of text\n" * 5)
+    assert main(["prepare", str(tmp_path / "c.txt"), "--vocab-size", "5000000000", "--out",
+                 str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "token ids are at most uint32" in err[0], err
+    assert main(["prepare", str(tmp_path / "c.txt"), "--vocab-size", "1000000000", "--out",
+                 str(tmp_path / "t")]) == 0                # the corpus's own count, a note
+    assert "the corpus gives" in capsys.readouterr().out
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "x.dat").write_bytes(b"\0\1\2")
+    assert main(["prepare", str(tmp_path / "bin"), "--vocab-size", "300", "--out",
+                 str(tmp_path / "u")]) == 2
+    assert "no text file there" in capsys.readouterr().err
+    assert not (tmp_path / "u").exists()
+
+
 def test_the_sampler_needs_no_permutation_of_a_huge_corpus():
     n = 10 ** 9                                  # examples: a permutation would be 8 GB
     s = data.DistributedSampler(n, 4, rank=1, world=3, seed=5)

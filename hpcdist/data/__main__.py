@@ -24,14 +24,17 @@ EOT = "<|endoftext|>"
 
 
 class ShardWriter:
-    """Tokens in, shards of at most ``limit`` tokens out (``prefix_000000.bin`` ...)."""
+    """Tokens in, shards of at most ``limit`` tokens out (``prefix_000000.bin`` ...), as wide
+    as ``vocab_size`` needs (data/shards.py)."""
 
-    def __init__(self, folder: str, prefix: str, limit: int, tag: int = 0):
+    def __init__(self, folder: str, prefix: str, limit: int, tag: int = 0,
+                 vocab_size: int = 1 << 16):
         self.folder, self.prefix, self.limit, self.tag = folder, prefix, limit, tag
+        self.vocab_size = vocab_size
         self.parts, self.count, self.written, self.total = [], 0, [], 0
 
     def add(self, ids) -> None:
-        ids = np.asarray(ids, dtype=np.uint16)
+        ids = np.asarray(ids, dtype=np.uint32)
         self.parts.append(ids)
         self.count += ids.size
         self.total += ids.size
@@ -44,7 +47,7 @@ class ShardWriter:
         allids = np.concatenate(self.parts)
         n = self.count if n is None else n
         path = os.path.join(self.folder, f"{self.prefix}_{len(self.written):06d}.bin")
-        shards.write_shard(path, allids[:n], self.tag)
+        shards.write_shard(path, allids[:n], self.tag, self.vocab_size)
         self.written.append(path)
         self.parts, self.count = [allids[n:]], allids.size - n
 
@@ -84,6 +87,37 @@ def read_lines(path: str, errors: str = "strict"):
             yield text.splitlines(keepends=True), done
 
 
+def corpus_files(paths, say=print, leave: str = "") -> list:
+    """The text files of ``paths``: a file as given; a folder, every file below it whose first
+    64 KiB hold no NUL byte, in sorted path order (names starting with "." and the folder
+    ``leave``, the output, left out). The binary files passed over are counted in one line."""
+    files, skipped = [], []
+    for path in paths:
+        if os.path.isfile(path):
+            files.append(path)
+            continue
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path}: no such text file or folder")
+        below = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and not (
+                leave and os.path.realpath(os.path.join(root, d)) == os.path.realpath(leave))]
+            below += [os.path.join(root, n) for n in names if not n.startswith(".")]
+        for f in sorted(below, key=lambda f: os.path.relpath(f, path)):
+            if not os.path.isfile(f):
+                continue
+            with open(f, "rb") as fh:
+                (skipped if b"\0" in fh.read(1 << 16) else files).append(f)
+        if not below:
+            raise ValueError(f"{path}: an empty folder, no text to tokenize")
+    if skipped:
+        say(f"note: {len(skipped)} binary file(s) left out ({skipped[0]}"
+            f"{', ...' if len(skipped) > 1 else ''})")
+    if not files:
+        raise ValueError(f"{', '.join(paths)}: no text file there (binary files only)")
+    return files
+
+
 def earlier_files(out: str) -> list:
     """What an earlier prepare left in ``out``: its tokenizer.json and token shards."""
     if not os.path.isdir(out):
@@ -107,7 +141,10 @@ def load_tokenizer(files, vocab_size: int, tokenizer: str, errors: str, say):
     if vocab_size < 257:
         raise ValueError("--vocab-size must be at least 257 (the 256 bytes and the "
                          "end-of-text token), or pass --tokenizer")
-    tok = train_tokenizer(files, vocab_size, errors)
+    # every merge joins two tokens of the corpus: it cannot give more than 257 + its bytes
+    # (asking the trainer for more allocates the whole ask: 1e9 aborted it)
+    tok = train_tokenizer(files, min(vocab_size, 257 + sum(os.path.getsize(f) for f in files)),
+                          errors)
     if tok.get_vocab_size() < vocab_size:
         say(f"note: --vocab-size {vocab_size:,} asked, the corpus gives {tok.get_vocab_size():,}"
             " tokens (no pair of tokens is left to merge): the vocabulary is "
@@ -138,9 +175,10 @@ def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
     """Tokenizer + shards of ``files`` in ``out``; returns counts. Everything is written to a
     folder beside the shards first and moved in only once complete: a failure leaves ``out``
     as it was. A folder holding an earlier prepare's files is refused unless ``replace``."""
-    for f in files:
-        if not os.path.isfile(f):
-            raise FileNotFoundError(f"{f}: no such text file")
+    if vocab_size > shards.MAX_VOCAB:                 # before any file is read
+        raise ValueError(f"--vocab-size {vocab_size:,}: token ids are at most uint32 "
+                         f"({shards.MAX_VOCAB:,} tokens)")
+    files = corpus_files(files, say, leave=out)
     if not sum(os.path.getsize(f) for f in files):
         raise ValueError(f"the corpus is empty ({', '.join(files)}): nothing to tokenize")
     earlier = earlier_files(out)
@@ -151,8 +189,7 @@ def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
                          "replace them, or --out another folder")
     tok = load_tokenizer(files, vocab_size, tokenizer, errors, say)
     size = tok.get_vocab_size()
-    if size > 1 << 16:
-        raise ValueError(f"a vocabulary of {size:,} does not fit llm.c's uint16 shards")
+    shards.version_for(size)
     created = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".prepare-", dir=out)
@@ -165,8 +202,8 @@ def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
                 f.write(text)
         except OSError as e:
             raise OSError(e.errno, e.strerror, os.path.join(work, "tokenizer.json")) from None
-        train = ShardWriter(work, "train", shard_tokens, tag)
-        val = ShardWriter(work, "val", shard_tokens, tag)
+        train = ShardWriter(work, "train", shard_tokens, tag, size)
+        val = ShardWriter(work, "val", shard_tokens, tag, size)
         _encode(files, tok, train, val, val_fraction, errors)
         train.flush()
         val.flush()
@@ -184,8 +221,9 @@ def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
             shutil.rmtree(out, ignore_errors=True)
     if earlier:
         say(f"replaced {len(earlier)} file(s) of an earlier prepare in {out}")
-    say(f"{out}: tokenizer.json ({size:,} tokens); {train.total:,} training tokens in "
-        f"{len(train.written)} shard(s), {val.total:,} held-out in {len(val.written)}")
+    say(f"{out}: tokenizer.json ({size:,} tokens, uint{16 * shards.version_for(size)} "
+        f"shards); {train.total:,} training tokens in {len(train.written)} shard(s), "
+        f"{val.total:,} held-out in {len(val.written)}")
     return {"vocab_size": size, "train_tokens": train.total, "val_tokens": val.total}
 
 
@@ -196,7 +234,8 @@ def main(argv=None) -> int:
                                  epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="text files -> tokenizer.json + token shards")
-    p.add_argument("files", nargs="+", help="UTF-8 text files")
+    p.add_argument("files", nargs="+", help="UTF-8 text files, or folders of them (every "
+                   "text file below, in sorted path order)")
     p.add_argument("--out", required=True, help="folder for tokenizer.json and the shards")
     p.add_argument("--vocab-size", type=int, default=0, help="BPE vocabulary to train")
     p.add_argument("--tokenizer", default="", help="use this tokenizer.json instead")
@@ -210,8 +249,9 @@ def main(argv=None) -> int:
                    help="bytes that are not UTF-8: strict refuses the file naming the byte "
                         "(default), replace reads them as U+FFFD")
     args = ap.parse_args(argv)
-    if args.shard_tokens < 1 or not 0 <= args.val_fraction < 1:
-        ap.error("--shard-tokens must be >= 1 and --val-fraction in [0, 1)")
+    if not 1 <= args.shard_tokens < 1 << 31 or not 0 <= args.val_fraction < 1:
+        ap.error("--shard-tokens must be in [1, 2**31) (the header's count is an int32) and "
+                 "--val-fraction in [0, 1)")
     try:
         prepare(args.files, args.out, args.vocab_size, args.tokenizer, args.shard_tokens,
                 args.val_fraction, replace=args.replace, errors=args.encoding_errors)

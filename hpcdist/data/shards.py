@@ -1,7 +1,10 @@
 """Token shards read by memory map: llm.c's format and raw uint16 ``.bin`` files.
 
-llm.c's shard: a header of 256 little-endian int32 — magic 20240520, version 1, the token
-count — then the tokens as uint16. A raw ``.bin`` (nanoGPT's ``train.bin``) is uint16 tokens
+llm.c's shard: a header of 256 little-endian int32 — magic 20240520, the version, the token
+count — then the tokens. The version says their width, as llm.c's own writer does: 1 is
+uint16 (GPT-2's vocabulary, any of at most 65,536 tokens), 2 is uint32 (Llama 3's 128,256,
+Qwen2.5's 151,646, Gemma's 256,000). ``write_shard`` takes the narrowest that holds the
+vocabulary, so llm.c reads both. A raw ``.bin`` (nanoGPT's ``train.bin``) is uint16 tokens
 only, and says nothing of its vocabulary: ``--vocab-size`` is then required.
 
 The rest of this design: docs/training.md, "hpcdist/data/shards.py"."""
@@ -14,6 +17,16 @@ import numpy as np
 
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
+WIDTHS = {1: "<u2", 2: "<u4"}          # version -> the tokens' type
+MAX_VOCAB = 1 << 32                    # what uint32 ids can number
+
+
+def version_for(vocab_size: int) -> int:
+    """The shard version (token width) that holds ids below ``vocab_size``."""
+    if vocab_size > MAX_VOCAB:
+        raise ValueError(f"a vocabulary of {vocab_size:,} does not fit uint32 token ids "
+                         f"(at most {MAX_VOCAB:,})")
+    return 1 if vocab_size <= 1 << 16 else 2
 
 
 TAG = 3      # header int 3 (llm.c leaves 3..255 zero): the tokenizer's tag, 0 where unknown
@@ -33,19 +46,24 @@ def tokenizer_tag(vocabulary: dict) -> int:
     return int(hashlib.sha256(raw).hexdigest()[:8], 16) & 0x7FFFFFFF or 1
 
 
-def write_shard(path: str, tokens, tag: int = 0) -> None:
-    """One llm.c shard (header + uint16 tokens), written atomically; ``tag``: the tokenizer's
-    (``tokenizer_tag``), kept in header int 3."""
+def write_shard(path: str, tokens, tag: int = 0, vocab_size: int | None = None) -> None:
+    """One llm.c shard (header + tokens), written atomically: uint16 tokens (version 1) where
+    ``vocab_size`` (default: the largest id + 1) is at most 65,536, uint32 (version 2) above;
+    ``tag``: the tokenizer's (``tokenizer_tag``), kept in header int 3."""
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
-        raise ValueError("llm.c shards hold uint16 tokens: a vocabulary of at most 65,536")
+    top = int(tokens.max()) + 1 if tokens.size else 0
+    if tokens.size and tokens.min() < 0:
+        raise ValueError(f"token ids are non-negative, got {int(tokens.min())}")
+    if vocab_size is not None and top > vocab_size:
+        raise ValueError(f"token {top - 1:,} is outside the vocabulary of {vocab_size:,}")
+    version = version_for(max(top, vocab_size or 0))
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:4] = MAGIC, VERSION, tokens.size, tag
+    header[:4] = MAGIC, version, tokens.size, tag
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(header.tobytes())
-            f.write(tokens.astype("<u2").tobytes())
+            f.write(tokens.astype(WIDTHS[version]).tobytes())
         os.replace(tmp, path)
     except OSError as e:                 # a full disk: the path in the error, no partial file
         if os.path.exists(tmp):
@@ -62,13 +80,16 @@ def open_shard(path: str, vocab_size: int | None = None) -> np.memmap:
     with open(path, "rb") as f:
         head = np.frombuffer(f.read(min(size, HEADER_BYTES)), dtype="<i4")
     if head.size >= 3 and head[0] == MAGIC:
-        if head[1] != VERSION:
-            raise ValueError(f"{path}: llm.c shard version {head[1]}, expected {VERSION}")
+        if int(head[1]) not in WIDTHS:
+            raise ValueError(f"{path}: llm.c shard version {head[1]}; this reader knows 1 "
+                             "(uint16 tokens) and 2 (uint32)")
+        width = np.dtype(WIDTHS[int(head[1])])
         count = int(head[2])
-        if size != HEADER_BYTES + 2 * count:
+        if size != HEADER_BYTES + width.itemsize * count:
             raise ValueError(f"{path}: the header says {count:,} tokens, the file holds "
-                             f"{(size - HEADER_BYTES) // 2:,} (truncated or damaged)")
-        return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+                             f"{(size - HEADER_BYTES) // width.itemsize:,} (truncated or "
+                             "damaged)")
+        return np.memmap(path, dtype=width, mode="r", offset=HEADER_BYTES, shape=(count,))
     if not path.endswith(".bin"):
         raise ValueError(f"{path}: not a token shard (no llm.c header, and raw uint16 files "
                          "are .bin)")

@@ -123,7 +123,7 @@ def earlier_files(out: str) -> list:
     if not os.path.isdir(out):
         return []
     return sorted(n for n in os.listdir(out) if n == "tokenizer.json" or (
-        n.endswith(".bin") and n.startswith(("train_", "val_"))))
+        n.endswith((".bin", ".mask.npy", ".docs.npy")) and n.startswith(("train_", "val_"))))
 
 
 def load_tokenizer(files, vocab_size: int, tokenizer: str, errors: str, say):
@@ -131,6 +131,8 @@ def load_tokenizer(files, vocab_size: int, tokenizer: str, errors: str, say):
     smaller vocabulary than asked)."""
     from tokenizers import Tokenizer
     if tokenizer:
+        if os.path.isdir(tokenizer):                 # a model folder: its tokenizer
+            tokenizer = os.path.join(tokenizer, "tokenizer.json")
         if not os.path.isfile(tokenizer):
             raise FileNotFoundError(f"--tokenizer {tokenizer}: no such file")
         try:
@@ -167,6 +169,72 @@ def _encode(files, tok, train, val, val_fraction: float, errors: str) -> None:
                 if part:
                     writer.add([i for enc in tok.encode_batch(part) for i in enc.ids])
         (val if val_fraction else train).add([eot] if eot is not None else [])
+
+
+def _encode_chats(files, val_files, encoder, train, val, val_fraction: float) -> None:
+    """Chat records (data/chat.py) into the two document writers: ``val_files`` held out, or
+    without them the last ``val_fraction`` of each file's records."""
+    from . import chat
+    for path, writer in [(f, None) for f in files] + [(f, val) for f in val_files]:
+        encoded = [encoder.encode(rec, where) for where, rec in chat.records(path)]
+        if not encoded:
+            raise ValueError(f"{path}: no records")
+        held = 0 if writer is not None or val_files or not val_fraction else \
+            min(len(encoded) - 1, max(1, round(len(encoded) * val_fraction)))
+        for i, (ids, mask) in enumerate(encoded):
+            (writer or (val if i >= len(encoded) - held else train)).add(ids, mask)
+
+
+def prepare_chats(files, out: str, folder: str, val_files=(), shard_tokens: int = 100_000_000,
+                  val_fraction: float = 0.05, *, train_on: str = "answers",
+                  replace: bool = False, say=print) -> dict:
+    """Chat data (JSON Lines, Parquet) as document shards with loss masks
+    (data/documents.py), tokenized and rendered with the model folder ``folder``."""
+    from . import chat, documents
+    if not os.path.isdir(folder) or not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raise ValueError(f"--tokenizer {folder}: chat data needs a model folder with "
+                         "tokenizer.json (and its chat template)")
+    for f in list(files) + list(val_files):
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"{f}: no such file")
+    earlier = earlier_files(out)
+    if earlier and not replace:
+        raise ValueError(f"{out} holds an earlier prepare's files ({', '.join(earlier[:3])}"
+                         f"{', ...' if len(earlier) > 3 else ''}); pass --replace, or --out "
+                         "another folder")
+    encoder = chat.Encoder(folder, train_on)
+    size = encoder.tok.get_vocab_size()
+    text = encoder.tok.to_str()
+    tag = shards.tokenizer_tag(vocab.tokenizer_text(text))
+    created = not os.path.isdir(out)
+    os.makedirs(out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".prepare-", dir=out)
+    done = False
+    try:
+        with open(os.path.join(work, "tokenizer.json"), "w", encoding="utf-8") as f:
+            f.write(text)
+        train = documents.DocumentWriter(work, "train", shard_tokens, tag, size)
+        val = documents.DocumentWriter(work, "val", shard_tokens, tag, size)
+        _encode_chats(files, val_files, encoder, train, val, val_fraction)
+        train.flush()
+        val.flush()
+        if not train.docs or not val.docs:
+            raise ValueError("the records give no " + ("training" if not train.docs else
+                             "held-out") + " example: add records, or pass --val FILE")
+        for name in earlier:
+            os.remove(os.path.join(out, name))
+        for name in sorted(os.listdir(work)):
+            os.replace(os.path.join(work, name), os.path.join(out, name))
+        done = True
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if created and not done:
+            shutil.rmtree(out, ignore_errors=True)
+    say(f"{out}: {train.docs:,} training examples ({train.total:,} tokens, {train.trained:,} "
+        f"trained), {val.docs:,} held-out ({val.total:,} tokens, {val.trained:,} trained); "
+        f"loss on {'the answers' if train_on == 'answers' else 'every token'}")
+    return {"vocab_size": size, "train_docs": train.docs, "val_docs": val.docs,
+            "train_tokens": train.total, "trained_tokens": train.trained}
 
 
 def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
@@ -248,13 +316,33 @@ def main(argv=None) -> int:
     p.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
                    help="bytes that are not UTF-8: strict refuses the file naming the byte "
                         "(default), replace reads them as U+FFFD")
+    p.add_argument("--val", action="append", default=[], metavar="FILE",
+                   help="chat data (.jsonl, .parquet): a held-out file (instead of "
+                        "--val-fraction of each file's records)")
+    p.add_argument("--train-on", choices=("answers", "all"), default="answers",
+                   help="chat data: the loss on the assistant's answers (and a completion) "
+                        "only (default), or on every token")
     args = ap.parse_args(argv)
     if not 1 <= args.shard_tokens < 1 << 31 or not 0 <= args.val_fraction < 1:
         ap.error("--shard-tokens must be in [1, 2**31) (the header's count is an int32) and "
                  "--val-fraction in [0, 1)")
+    from .chat import is_chat_file
+    chats = [is_chat_file(f) for f in args.files + args.val]
+    if any(chats) and not all(chats):
+        ap.error("chat data (.jsonl, .parquet) and text files are prepared apart")
+    if args.val and not any(chats):
+        ap.error("--val takes chat data (.jsonl, .parquet); text files hold out "
+                 "--val-fraction")
     try:
-        prepare(args.files, args.out, args.vocab_size, args.tokenizer, args.shard_tokens,
-                args.val_fraction, replace=args.replace, errors=args.encoding_errors)
+        if any(chats):
+            if not args.tokenizer:
+                ap.error("chat data needs --tokenizer MODEL_FOLDER (its tokenizer.json and "
+                         "chat template)")
+            prepare_chats(args.files, args.out, args.tokenizer, args.val, args.shard_tokens,
+                          args.val_fraction, train_on=args.train_on, replace=args.replace)
+        else:
+            prepare(args.files, args.out, args.vocab_size, args.tokenizer, args.shard_tokens,
+                    args.val_fraction, replace=args.replace, errors=args.encoding_errors)
     except OSError as e:
         what = f"{e.filename}: {e.strerror}" if e.filename else str(e)
         print(f"python -m hpcdist.data: error: {what}; nothing was written to {args.out}",

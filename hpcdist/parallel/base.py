@@ -187,6 +187,13 @@ class Strategy(StepRole, LoopRole, StateRole, ReportRole):
         axis (a context-parallel group reads one batch and splits each sequence)."""
         return self.mesh.batch_comm if self.mesh is not None else self.dp_comm
 
+    @property
+    def step_comm(self):
+        """The ranks of ``batch_comm`` whose gradients one step averages (a token-level loss
+        counts the scored tokens over them: run/loop.py ``token_weights``); None: this
+        rank's gradient is applied alone."""
+        return self.batch_comm
+
 
 def delegate(inner: str, names):
     """A class decorator: each method in ``names`` the class does not define calls the same

@@ -67,6 +67,10 @@ class DiLoCo(AcrossGroups):
         self.steps, self.dirty, self.inflight = 0, [False] * F, None
         self.exchanges, self.wait_s = [], 0.0          # bytes of each exchange; blocked time
 
+    @property
+    def step_comm(self):
+        return self.inner.step_comm       # a group's steps average its own gradients
+
     # ---- the step ------------------------------------------------------------------------
     def begin(self, stop, start: int = 0) -> None:
         self.inner.begin(stop, start)

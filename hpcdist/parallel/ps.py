@@ -105,6 +105,10 @@ class PSWorker(Strategy):
     def mean_losses(self, losses: list) -> list:
         return backend.host_values(losses).tolist()   # no collective among workers: its own
 
+    @property
+    def step_comm(self):
+        return None                      # each push is applied alone
+
     def control(self, step: int, cfg, stop, comm):
         """What the first server's answer said: stop, save (under the servers' version),
         end."""

@@ -191,6 +191,9 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
     with timeline.span("step", step=step) as span:
         if delay:
             time.sleep(delay)
+        if isinstance(forward_backward, graphed.GraphedStep) and \
+                getattr(train_set, "masked", False):   # (its weights are the graph's constants)
+            forward_backward = strategy.forward_backward
         if isinstance(forward_backward, graphed.GraphedStep):     # the whole step: one graph
             with timeline.span("graphed step"):
                 loss, norm = forward_backward([train_set.batch(sampler.next_batch())
@@ -223,20 +226,48 @@ def _eager_step(cfg, strategy, train_set, sampler, lr: float, *, forward_backwar
     host = isinstance(forward_backward, graphed.GraphedForwardBackward)   # (copies batches in)
     strategy.zero_grad()
     loss_sum = 0.0                                   # stays on the device (Unread)
-    for micro in range(cfg.grad_accum):
-        x, y = train_set.batch(sampler.next_batch())
+    batches = [train_set.batch(sampler.next_batch()) for _ in range(cfg.grad_accum)]
+    weights = token_weights(strategy, train_set, [y for _, y in batches])
+    if weights is not None and host:                 # (a graph per weight would be captured)
+        forward_backward = strategy.forward_backward
+    for micro, (x, y) in enumerate(batches):
         last = micro == cfg.grad_accum - 1           # communicate on the last only
+        w = 1.0 / cfg.grad_accum if weights is None else weights[micro]
         with strategy.micro_context(last), _overflow_ok(strategy):
-            loss_sum += forward_backward(*((x, y) if host else (xp.asarray(x), xp.asarray(y))),
-                                         1.0 / cfg.grad_accum)
+            part = forward_backward(*((x, y) if host else (xp.asarray(x), xp.asarray(y))), w)
+        loss_sum += part if weights is None else part * w
     with timeline.span("gradient sync"):
         strategy.sync()
-    loss = loss_sum / cfg.grad_accum     # the mean over the replicas: Unread.settle
+    # the mean over the replicas (Unread.settle): per trained token of the global batch
+    loss = loss_sum / cfg.grad_accum if weights is None else loss_sum
     if settle:
         loss = strategy.mean_losses([loss])[0]
     with timeline.span("optimizer step"):
         applied, norm = strategy.apply(lr, cfg.grad_clip)
     return loss, applied, norm
+
+
+def token_weights(strategy, train_set, targets) -> list | None:
+    """Each micro-batch's weight in a token-level loss, or None where every micro-batch of
+    every replica scores as many tokens (plain text, digit tasks: the weight is then
+    1 / micro-batches, as before).
+
+    A micro-batch's loss is the mean over its scored tokens; a step's is the sum over the
+    global batch's scored tokens divided by their count, whatever the split over
+    micro-batches and ranks (transformers #34191, trl #2175: a mean of means weighs a short
+    answer's tokens more). So micro-batch m of this rank weighs n_m * R / N: n_m its scored
+    tokens, N those of every micro-batch of the R replicas whose gradients a step averages
+    (one allreduce of a count per step, only for data whose rows score unequal counts)."""
+    if not getattr(train_set, "masked", False):
+        return None
+    from .. import data
+    counts = np.array([int((np.asarray(y) != data.IGNORE).sum()) for y in targets],
+                      dtype=np.int64)
+    comm = strategy.step_comm
+    total = counts.sum() if comm is None or comm.size == 1 else \
+        int(comm.allreduce(np.array([counts.sum()], dtype=np.int64))[0])
+    replicas = 1 if comm is None else comm.size
+    return [float(n) * replicas / max(int(total), 1) for n in counts]
 
 
 def _overflow_ok(strategy):

@@ -1,0 +1,122 @@
+"""Documents with a loss mask: instruction data as shards, and its rows.
+
+``prepare`` of chat data (data/chat.py) writes, beside each llm.c token shard
+``train_000000.bin``, ``train_000000.mask.npy`` (uint8 per token: 1 where the loss applies)
+and ``train_000000.docs.npy`` (int64: where each document starts, then the token count).
+All three are memory-mapped: a batch reads its documents only, O(batch) per rank. A
+document never crosses a shard.
+
+``Documents`` makes one row per document (``--packing off``, padded rows): its first
+``block_size + 1`` tokens (a longer one is truncated and counted), positions from 0, the
+padding after it scored nowhere. Targets that the mask does not train are ``IGNORE``, so the
+loss is the answers' alone, and ``masked = True`` tells the step to weigh micro-batches by
+their trained tokens (run/loop.py ``token_weights``).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import shards
+
+
+def companions(path: str) -> tuple[str, str]:
+    base = path[:-4] if path.endswith(".bin") else path
+    return base + ".mask.npy", base + ".docs.npy"
+
+
+def has_documents(paths) -> bool:
+    return bool(paths) and all(os.path.isfile(companions(p)[1]) for p in paths)
+
+
+class DocumentWriter:
+    """Documents in, shards of whole documents (at least one, about ``limit`` tokens) out."""
+
+    def __init__(self, folder: str, prefix: str, limit: int, tag: int, vocab_size: int):
+        self.folder, self.prefix, self.limit = folder, prefix, limit
+        self.tag, self.vocab_size = tag, vocab_size
+        self.ids, self.masks, self.written = [], [], []
+        self.count = self.total = self.docs = self.trained = 0
+
+    def add(self, ids, mask) -> None:
+        self.ids.append(np.asarray(ids, dtype=np.int64))
+        self.masks.append(np.asarray(mask, dtype=np.uint8))
+        self.count += len(ids)
+        self.total += len(ids)
+        self.docs += 1
+        self.trained += int(np.count_nonzero(mask))
+        if self.count >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.ids:
+            return
+        path = os.path.join(self.folder, f"{self.prefix}_{len(self.written):06d}.bin")
+        mask_path, docs_path = companions(path)
+        starts = np.cumsum([0] + [len(i) for i in self.ids]).astype(np.int64)
+        shards.write_shard(path, np.concatenate(self.ids), self.tag, self.vocab_size)
+        np.save(mask_path, np.concatenate(self.masks))
+        np.save(docs_path, starts)
+        self.written.append(path)
+        self.ids, self.masks, self.count = [], [], 0
+
+
+class Documents:
+    """One padded row per document over document shards (module doc)."""
+
+    masked = True
+
+    def __init__(self, paths, block_size: int, vocab_size: int, vocabulary: dict,
+                 split: str = "training"):
+        self.block_size, self.vocab_size, self.vocabulary = block_size, vocab_size, vocabulary
+        self.maps, self.masks, self.starts = [], [], []
+        for p in paths:
+            tokens = shards.open_shard(p)
+            mask_path, docs_path = companions(p)
+            mask = np.load(mask_path, mmap_mode="r")
+            starts = np.load(docs_path, mmap_mode="r")
+            if mask.shape != tokens.shape or starts[-1] != tokens.size:
+                raise ValueError(f"{p}: its mask or document index does not match its "
+                                 f"{tokens.size:,} tokens (prepare the folder again)")
+            self.maps.append(tokens)
+            self.masks.append(mask)
+            self.starts.append(starts)
+        counts = [len(s) - 1 for s in self.starts]
+        self.first = np.cumsum([0] + counts)          # the first document of each shard
+        if self.first[-1] == 0:
+            raise ValueError(f"the {split} shards hold no document")
+        lengths = np.concatenate([np.diff(s) for s in self.starts])
+        self.truncated = int((lengths > block_size + 1).sum())
+
+    def __len__(self):
+        return int(self.first[-1])
+
+    def batch(self, indices):
+        idx = np.asarray(indices, dtype=np.int64)
+        T = self.block_size
+        x = np.zeros((idx.size, T), dtype=np.int64)
+        y = np.full((idx.size, T), -100, dtype=np.int64)
+        for row, i in enumerate(idx):
+            s = int(np.searchsorted(self.first, i, side="right")) - 1
+            d = i - self.first[s]
+            lo, hi = int(self.starts[s][d]), int(self.starts[s][d + 1])
+            hi = min(hi, lo + T + 1)
+            seq = np.asarray(self.maps[s][lo:hi], dtype=np.int64)
+            trained = np.asarray(self.masks[s][lo + 1:hi], dtype=bool)
+            n = seq.size - 1
+            x[row, :n] = seq[:-1]
+            y[row, :n] = np.where(trained, seq[1:], -100)
+        if x.size and x.max() >= self.vocab_size:
+            raise ValueError(f"token {int(x.max())} in the shards is outside the vocabulary "
+                             f"of {self.vocab_size}: wrong tokenizer")
+        return x, y
+
+
+def document_datasets(train_paths, val_paths, block_size: int, vocab_size: int,
+                      vocabulary: dict):
+    if not val_paths:
+        raise ValueError("document shards come with held-out ones (val_*.bin): prepare "
+                         "with --val FILE or a --val-fraction above 0")
+    return (Documents(train_paths, block_size, vocab_size, vocabulary),
+            Documents(val_paths, block_size, vocab_size, vocabulary, "held-out"))

@@ -1,0 +1,137 @@
+"""Instruction data against transformers: a chat template rendered and tokenized as
+``apply_chat_template`` does, the answers-only mask as its ``return_assistant_tokens_mask``,
+stored in document shards whose rows train the answers alone; bad records one line."""
+import json
+
+import numpy as np
+import pytest
+
+from hpcdist import data
+from hpcdist.data import chat, documents, shards
+
+QWEN = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]"
+        "['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are a "
+        "helpful assistant.<|im_end|>\\n' }}{%- endif %}\n{%- for message in messages %}"
+        "{%- if message.role == 'system' and loop.first %}{%- elif message.role == "
+        "'assistant' %}{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message.content "
+        "+ '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}{%- else %}{{- '<|im_start|>' + "
+        "message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}\n{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- endif %}\n")
+LLAMA = ("{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + "
+         "message['role'] + '<|end_header_id|>\\n\\n' }}{%- if message['role'] == "
+         "'assistant' %}{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}"
+         "{% endgeneration %}{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}"
+         "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>"
+         "assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+FAMILIES = {"qwen": (QWEN, dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+                     ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]),
+            "llama": (LLAMA, dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"),
+                      ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                       "<|eot_id|>"])}
+CHATS = [
+    [{"role": "user", "content": "what sat on the mat?"},
+     {"role": "assistant", "content": "the cat sat on the mat."}],
+    [{"role": "system", "content": "answer in few words."},
+     {"role": "user", "content": "where is the dog?"},
+     {"role": "assistant", "content": "by the river"},
+     {"role": "user", "content": "and the owl?"},
+     {"role": "assistant", "content": "  on the wall, high up  "}],
+    [{"role": "user", "content": "say nothing"}, {"role": "assistant", "content": ""}],
+]
+CORPUS = "\n".join(m["content"] for c in CHATS for m in c) * 30
+
+
+def folder(tmp_path, family: str, tagged: bool = True):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    template, tokens, special = FAMILIES[family]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(
+        vocab_size=320, special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    if not tagged:
+        template = template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **tokens)
+    fast.chat_template = template
+    out = tmp_path / f"{family}{'' if tagged else '-plain'}"
+    fast.save_pretrained(out)
+    return out, fast
+
+
+@pytest.mark.parametrize("family", ["qwen", "llama"])
+def test_ids_and_answer_mask_equal_transformers(tmp_path, family):
+    tagged, fast = folder(tmp_path, family)
+    plain, _ = folder(tmp_path, family, tagged=False)
+    ours, by_prefix = chat.Encoder(str(tagged)), chat.Encoder(str(plain))
+    for i, msgs in enumerate(CHATS):
+        theirs = fast.apply_chat_template(msgs, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        ids, mask = ours.encode({"messages": msgs}, f"chats:{i}")
+        assert list(ids) == list(theirs["input_ids"]), (family, i)
+        assert list(mask) == list(theirs["assistant_masks"]), (family, i)
+        ids2, mask2 = by_prefix.encode({"messages": msgs}, f"chats:{i}")
+        assert list(ids2) == list(ids) and list(mask2) == list(mask), (family, i)
+        trained = fast.decode([t for t, m in zip(ids, mask) if m])
+        assert trained.count(FAMILIES[family][1]["eos_token"]) == \
+            sum(m["role"] == "assistant" for m in msgs)       # each answer's end-of-turn
+        assert "assistant" not in trained and "user" not in trained   # no role header
+
+
+def test_prompt_completion_trains_the_completion_and_text_every_token(tmp_path):
+    path, fast = folder(tmp_path, "qwen")
+    enc = chat.Encoder(str(path))
+    ids, mask = enc.encode({"prompt": "where is the dog? ", "completion": "by the river"}, "x")
+    prompt = fast("where is the dog? ")["input_ids"]
+    assert list(ids[:len(prompt)]) == prompt and not mask[:len(prompt)].any()
+    assert fast.decode(ids[mask == 1]) == "by the river<|im_end|>"
+    ids, mask = enc.encode({"text": "the cat sat"}, "x")
+    assert mask.all() and fast.decode(ids) == "the cat sat<|im_end|>"
+    ids, mask = chat.Encoder(str(path), train_on="all").encode({"messages": CHATS[0]}, "x")
+    assert mask.all()
+
+
+def test_prepare_writes_document_shards_whose_rows_train_the_answers(tmp_path):
+    path, fast = folder(tmp_path, "llama")
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps({"messages": m})
+                                                    for m in CHATS * 4) + "\n")
+    (tmp_path / "val.jsonl").write_text(json.dumps({"messages": CHATS[1]}) + "\n")
+    from hpcdist.data.__main__ import main
+    assert main(["prepare", str(tmp_path / "chats.jsonl"), "--tokenizer", str(path), "--val",
+                 str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "tok")]) == 0
+    train, held = data.make_task("text", data=str(tmp_path / "tok"), block_size=64)
+    assert isinstance(train, documents.Documents) and len(train) == 12 and len(held) == 1
+    enc = chat.Encoder(str(path))
+    for i in range(len(train)):
+        ids, mask = enc.encode({"messages": CHATS[i % 3]}, "x")
+        x, y = train.batch([i])
+        ids, mask = ids[:65], mask[:65]                      # block_size + 1: truncated
+        n = len(ids) - 1
+        assert list(x[0, :n]) == list(ids[:-1])
+        want = np.where(mask[1:] == 1, ids[1:], data.IGNORE)
+        assert list(y[0, :n]) == list(want) and (y[0, n:] == data.IGNORE).all()
+    x, y = train.batch([1])
+    short = documents.Documents(shards.shard_paths(str(tmp_path / "tok"))[0], 8,
+                                train.vocab_size, train.vocabulary)
+    assert train.truncated == 4 and short.truncated == 12 and np.array_equal(short.batch([1])[0], x[:, :8])
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"messages": [{"role": "user", "content": "hi"}', "chats.jsonl:2: not a JSON record"),
+    ('{"prompt": "hi"}', "chats.jsonl:2: field 'completion' is missing"),
+    ('{"messages": [{"role": "wizard", "content": "hi"}]}',
+     "chats.jsonl:2: messages[0] has the unknown role 'wizard'"),
+    ('{"question": "hi"}', "chats.jsonl:2: no field 'messages'"),
+])
+def test_a_bad_record_is_one_line_naming_the_file_line_and_field(tmp_path, capsys, line, says):
+    path, _ = folder(tmp_path, "qwen")
+    good = json.dumps({"messages": CHATS[0]})
+    (tmp_path / "chats.jsonl").write_text(good + "\n" + line + "\n")
+    from hpcdist.data.__main__ import main
+    assert main(["prepare", str(tmp_path / "chats.jsonl"), "--tokenizer", str(path),
+                 "--out", str(tmp_path / "tok")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "tok").exists()

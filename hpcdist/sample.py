@@ -137,6 +137,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", default="", help="text to continue (default: the end-of-text "
                                                  "token, or the first token)")
     ap.add_argument("--ids", default="", help="the prompt as comma-separated token ids")
+    ap.add_argument("--chat", default="", help="a user turn: rendered with the chat template "
+                    "and its generation prompt; the answer alone is printed, ending at the "
+                    "template's end-of-turn token")
+    ap.add_argument("--system", default="", help="with --chat: a system turn before it")
+    ap.add_argument("--template", default="", help="with --chat: the model folder whose chat "
+                    "template and tokenizer to use (default: MODEL, where it is a Hugging "
+                    "Face folder; a checkpoint names the folder it started from)")
     ap.add_argument("--tokens", type=int, default=100, help="tokens to generate (default 100)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: all)")
@@ -158,7 +165,13 @@ def main(argv=None) -> int:
         model, v, rank = build(args)
         tok = vocab.Tokenizer(v) if v is not None and v.get("kind") in ("chars", "tokenizer") \
             else None
-        if args.ids:
+        stop, answer = None, None
+        if args.chat:
+            if args.ids or args.prompt:
+                raise ValueError("--chat is the prompt: drop --prompt / --ids")
+            ids, stop = chat_ids(args, tok)
+            answer = len(ids)
+        elif args.ids:
             ids = prompt_ids(args.ids, model.config.vocab_size)
         elif tok is not None:
             ids = tok.encode(args.prompt) if args.prompt else [tok.eot or 0]
@@ -168,8 +181,12 @@ def main(argv=None) -> int:
         else:
             ids = [0]
         out = generate(model, ids, args.tokens, args.temperature, args.top_k, args.top_p,
-                       seed=args.seed, say=lambda line: print(f"note: {line}", file=sys.stderr)
+                       seed=args.seed, stop=stop,
+                       say=lambda line: print(f"note: {line}", file=sys.stderr)
                        if rank == 0 else None)
+        if answer is not None:                    # the answer alone, without its end token
+            out = out[answer:]
+            out = out[:-1] if out and out[-1] == stop else out
     except (OSError, ValueError, KeyError, checkpoint.CheckpointError,
             backend.DeviceError) as e:
         print(f"python -m hpcdist.sample: error: {e}", file=sys.stderr)
@@ -177,6 +194,30 @@ def main(argv=None) -> int:
     if rank == 0:                                 # every rank drew the same tokens
         print(tok.decode(out) if tok is not None else ",".join(str(i) for i in out))
     return 0
+
+
+def chat_ids(args, tok) -> tuple[list, int | None]:
+    """(the ids of --chat's conversation rendered with the generation prompt, the template's
+    end-of-turn id) — as transformers' apply_chat_template(add_generation_prompt=True)."""
+    from .data.chat import Template
+    folder = args.template or args.model
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raise ValueError(f"--chat needs a model folder with a chat template: {folder} has no "
+                         "tokenizer.json (pass --template FOLDER, the folder the run started "
+                         "from)")
+    template = Template(folder)
+    msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": args.chat}]
+    text, _ = template.render(msgs, add_generation_prompt=True)
+    from tokenizers import Tokenizer
+    hf = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    if tok is not None and tok.kind == "tokenizer" and \
+            tok.hf.get_vocab_size() != hf.get_vocab_size():
+        raise ValueError(f"--template {folder}'s tokenizer has {hf.get_vocab_size():,} tokens, "
+                         f"the model's {tok.hf.get_vocab_size():,}: another tokenizer")
+    eos = template.tokens.get("eos_token")
+    return hf.encode(text, add_special_tokens=False).ids, \
+        (hf.token_to_id(eos) if eos else None)
 
 
 def prompt_ids(text: str, vocab_size: int) -> list:

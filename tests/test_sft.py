@@ -135,3 +135,70 @@ def test_a_bad_record_is_one_line_naming_the_file_line_and_field(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
     assert not (tmp_path / "tok").exists()
+
+
+@pytest.fixture(scope="module")
+def qwen_model(tmp_path_factory):
+    """A tiny random Qwen2 saved by transformers with the Qwen-style chat template."""
+    torch = pytest.importorskip("torch")
+    import transformers
+    tmp = tmp_path_factory.mktemp("qwen")
+    path, fast = folder(tmp, "qwen")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, head_dim=8, eos_token_id=fast.eos_token_id)
+    model = transformers.Qwen2ForCausalLM(config).to(torch.float64)
+    model.save_pretrained(path)
+    return path, fast, model
+
+
+def test_a_row_s_loss_is_transformers_answers_only_loss(qwen_model, tmp_path):
+    import torch
+    path, fast, theirs = qwen_model
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in CHATS))
+    from hpcdist.data.__main__ import main
+    assert main(["prepare", str(tmp_path / "c.jsonl"), "--tokenizer", str(path), "--val",
+                 str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "tok")]) == 0
+    train, _ = data.make_task("text", data=str(tmp_path / "tok"), block_size=100)
+    from hpcdist.checkpoint import hf
+    from hpcdist.device import backend
+    backend.set_default_float("float64")
+    try:
+        ours, _ = hf.load(str(path))
+        x, y = train.batch([0, 1])                        # two rows, unequal answers
+        _, loss = ours(x, y)
+    finally:
+        backend.set_default_float("float32")
+    with torch.no_grad():
+        logits = theirs(torch.tensor(x)).logits.double()   # (the padding after a row: unseen)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                            torch.tensor(y).reshape(-1), ignore_index=-100)
+    assert float(loss.data) == pytest.approx(float(ref), rel=1e-10)
+    # and the mean is over the trained tokens of both rows, not a mean of the rows' means
+    per_row = [float(torch.nn.functional.cross_entropy(logits[i], torch.tensor(y[i]),
+                                                       ignore_index=-100)) for i in range(2)]
+    assert abs(float(ref) - np.mean(per_row)) > 1e-6
+
+
+def test_sample_chat_equals_transformers_generate(qwen_model):
+    import torch
+    from types import SimpleNamespace
+    from hpcdist import sample
+    path, fast, theirs = qwen_model
+    args = SimpleNamespace(template="", model=str(path), system="be brief",
+                           chat="where is the dog?")
+    ids, stop = sample.chat_ids(args, None)
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": "where is the dog?"}]
+    want = fast.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True,
+                                    return_dict=True)["input_ids"]
+    assert ids == list(want) and stop == fast.convert_tokens_to_ids("<|im_end|>")
+    from hpcdist.checkpoint import hf
+    model, _ = hf.load(str(path))
+    model.eval()
+    out = sample.generate(model, ids, 12, stop=stop)
+    gen = theirs.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                          eos_token_id=stop, pad_token_id=stop)
+    assert out == gen[0].tolist()[:len(out)] and len(out) == gen.shape[1]

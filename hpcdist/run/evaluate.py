@@ -38,7 +38,8 @@ def evaluate(model, dataset, batch: int, comm=None, max_examples: int = MAX_EXAM
     counts summed.
 
     ``comm``: the ranks that split the examples — the data-parallel group (the ranks of one
-    tensor-parallel group evaluate the same examples together).
+    tensor-parallel group evaluate the same examples together). The loss is per scored token
+    (instruction data scores the answers only: a short answer weighs its tokens, not more).
     Digit tasks: exact match — every scored position's argmax equals its target. With teacher
     forcing this equals greedy decoding getting the whole answer right. Text: next-character
     accuracy over up to ``max_examples`` evenly spaced windows.
@@ -77,9 +78,10 @@ def evaluate(model, dataset, batch: int, comm=None, max_examples: int = MAX_EXAM
             else:
                 correct += int((hit & scored).sum())
                 total += int(scored.sum())
-            loss_sum += float(loss.data) * len(y)
+            loss_sum += float(loss.data) * int(scored.sum())   # (the batch's mean: its sum)
     model.train(was_training)
-    sums = np.array([correct, total, loss_sum, len(idx), scored_tokens], dtype=np.float64)
+    sums = np.array([correct, total, loss_sum, scored_tokens], dtype=np.float64)
     if comm is not None:
         sums = comm.allreduce(sums)
-    return sums[0] / max(sums[1], 1), sums[2] / max(sums[3], 1), int(sums[4])
+    # the loss per scored token of every example, however they were split into batches
+    return sums[0] / max(sums[1], 1), sums[2] / max(sums[3], 1), int(sums[3])

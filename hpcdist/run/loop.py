@@ -198,10 +198,11 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
             with timeline.span("graphed step"):
                 loss, norm = forward_backward([train_set.batch(sampler.next_batch())
                                                for _ in range(cfg.grad_accum)])
-            applied = True
+            applied, trained = True, None
         else:
-            loss, applied, norm = _eager_step(cfg, strategy, train_set, sampler, lr,
-                                              forward_backward=forward_backward, settle=settle)
+            loss, applied, norm, trained = _eager_step(
+                cfg, strategy, train_set, sampler, lr, forward_backward=forward_backward,
+                settle=settle)
         experts = moe.after_step(strategy.model, applied)    # balancing; load and drops
         if span is not None and counts is not None:   # the GPU stand-in's counts, per step
             after = backend.device_counts()
@@ -213,6 +214,8 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
             "tokens_per_s": tokens / dt, "grad_norm": norm,
             "bytes_sent": strategy.comm.bytes_sent - bytes0,
             "loss_scale": strategy.scaler.scale, "skipped_steps": strategy.scaler.skipped,
+            # instruction data: the loss is per trained token, of this many in the step
+            **({"trained_tokens": trained} if trained is not None else {}),
             **experts,
             **({"memory_activations": held["activations"], "memory_step_peak": held["peak"]}
                if held else {})}
@@ -227,7 +230,7 @@ def _eager_step(cfg, strategy, train_set, sampler, lr: float, *, forward_backwar
     strategy.zero_grad()
     loss_sum = 0.0                                   # stays on the device (Unread)
     batches = [train_set.batch(sampler.next_batch()) for _ in range(cfg.grad_accum)]
-    weights = token_weights(strategy, train_set, [y for _, y in batches])
+    weights, trained = token_weights(strategy, train_set, [y for _, y in batches])
     if weights is not None and host:                 # (a graph per weight would be captured)
         forward_backward = strategy.forward_backward
     for micro, (x, y) in enumerate(batches):
@@ -244,13 +247,13 @@ def _eager_step(cfg, strategy, train_set, sampler, lr: float, *, forward_backwar
         loss = strategy.mean_losses([loss])[0]
     with timeline.span("optimizer step"):
         applied, norm = strategy.apply(lr, cfg.grad_clip)
-    return loss, applied, norm
+    return loss, applied, norm, trained
 
 
-def token_weights(strategy, train_set, targets) -> list | None:
-    """Each micro-batch's weight in a token-level loss, or None where every micro-batch of
-    every replica scores as many tokens (plain text, digit tasks: the weight is then
-    1 / micro-batches, as before).
+def token_weights(strategy, train_set, targets) -> tuple[list | None, int | None]:
+    """(each micro-batch's weight in a token-level loss, the trained tokens they weigh), or
+    (None, None) where every micro-batch of every replica scores as many tokens (plain text,
+    digit tasks: the weight is then 1 / micro-batches, as before).
 
     A micro-batch's loss is the mean over its scored tokens; a step's is the sum over the
     global batch's scored tokens divided by their count, whatever the split over
@@ -259,7 +262,7 @@ def token_weights(strategy, train_set, targets) -> list | None:
     tokens, N those of every micro-batch of the R replicas whose gradients a step averages
     (one allreduce of a count per step, only for data whose rows score unequal counts)."""
     if not getattr(train_set, "masked", False):
-        return None
+        return None, None
     from .. import data
     counts = np.array([int((np.asarray(y) != data.IGNORE).sum()) for y in targets],
                       dtype=np.int64)
@@ -267,7 +270,7 @@ def token_weights(strategy, train_set, targets) -> list | None:
     total = counts.sum() if comm is None or comm.size == 1 else \
         int(comm.allreduce(np.array([counts.sum()], dtype=np.int64))[0])
     replicas = 1 if comm is None else comm.size
-    return [float(n) * replicas / max(int(total), 1) for n in counts]
+    return [float(n) * replicas / max(int(total), 1) for n in counts], int(total)
 
 
 def _overflow_ok(strategy):

@@ -56,12 +56,22 @@ def header(cfg, model, strategy, world, hosts, train_set, *, test_set) -> list[s
            if cfg.experts else "")
     line = (f"hpcdist | {model_words(cfg)}{moe}), "
             f"{cfg_parameters(model, cfg):,} parameters{vocab_words(model, cfg)} | task {cfg.task} "
-            f"({len(train_set):,} train / {len(test_set):,} held-out) | device "
+            f"({len(train_set):,} train / {len(test_set):,} held-out{documents_words(train_set)})"
+            f" | device "
             f"{backend.device_label()} | world size {world} on {hosts}: {layout} | BLAS threads "
             f"{threads.choice}{cpu_kernels()} | {cfg.precision}{emulated} | {first} | "
             f"{cfg.steps} steps x batch {cfg.batch_size} x {data_size} replicas"
             + (f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""))
     return [line] + lines[1:] + comm_paths(cfg, strategy)
+
+
+def documents_words(train_set) -> str:
+    """What a run on instruction data says of its rows and its loss ("" for plain text)."""
+    if not getattr(train_set, "masked", False):
+        return ""
+    cut = getattr(train_set, "truncated", 0)
+    return (f"; a padded row per document, {cut:,} truncated to the block" if cut else
+            "; a padded row per document") + "; the loss per trained token"
 
 
 def vocab_words(model, cfg) -> str:

@@ -202,3 +202,36 @@ def test_sample_chat_equals_transformers_generate(qwen_model):
     gen = theirs.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
                           eos_token_id=stop, pad_token_id=stop)
     assert out == gen[0].tolist()[:len(out)] and len(out) == gen.shape[1]
+
+
+def test_evaluate_prints_the_answers_loss_per_token_at_any_rank_count(qwen_model, tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+    import torch
+    path, fast, theirs = qwen_model
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in CHATS * 2))
+    from hpcdist.data.__main__ import main
+    assert main(["prepare", str(tmp_path / "c.jsonl"), "--tokenizer", str(path), "--val",
+                 str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "tok")]) == 0
+    enc = chat.Encoder(str(path))
+    total = count = 0.0
+    for m in CHATS * 2:                                   # transformers, one by one
+        ids, mask = enc.encode({"messages": m}, "x")
+        with torch.no_grad():
+            logits = theirs(torch.tensor(ids[None, :-1])).logits[0].double()
+        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]),
+                                                reduction="none").numpy()
+        total += float((nll * mask[1:]).sum())
+        count += int(mask[1:].sum())
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    for n in (1, 2):
+        r = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", "hpcdist.evaluate",
+                            str(path), "--data", str(tmp_path / "tok"), "--dtype", "fp64",
+                            "--block-size", "100", "--batch-size", "2"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        m = re.search(r"loss ([0-9.]+) per scored token \(([0-9,]+) tokens\)", r.stdout)
+        assert m and int(m.group(2).replace(",", "")) == count, r.stdout
+        assert float(m.group(1)) == pytest.approx(total / count, abs=1e-4)

@@ -35,7 +35,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@extras=test,bf16,bench; \
+	@extras=test,bf16,bench,sft; \
 	if [ "$$(uname -sm)" = "Linux x86_64" ]; then extras=$$extras,cpu-mkl; fi; \
 	if ! command -v mpiexec >/dev/null 2>&1; then \
 	  echo "no system mpiexec found: installing the MPICH wheel into $(VENV)"; extras=$$extras,mpich; \

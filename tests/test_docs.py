@@ -148,13 +148,41 @@ HOW = {
     "python -m hpcdist.sample runs/qwen": (None, "as shown (skipped without transformers)"),
     "python -m hpcdist.checkpoint export runs/qwen": (None, "as shown (skipped without "
                                                             "transformers)"),
+    "python -m hpcdist.data prepare chats.jsonl --tokenizer hf/qwen2":
+        ("python {repo}/tests/tiny_hf.py qwen2 hf/qwen2 corpus.txt && {cmd}",
+         "as shown, after transformers saves a tiny random Qwen2 folder with a chat template "
+         "as hf/qwen2 (skipped without transformers)"),
+    "mpirun -n 4 python -m hpcdist.train --init-from hf/qwen2 --data runs/sft":
+        ("{cmd} --log-every 30", "as shown (skipped without transformers)"),
+    "mpirun -n 2 python -m hpcdist.evaluate runs/chat": (None, "as shown (skipped without "
+                                                              "transformers)"),
+    "python -m hpcdist.sample runs/chat": (None, "as shown (skipped without transformers)"),
+    "python -m hpcdist.checkpoint export runs/chat": (None, "as shown (skipped without "
+                                                            "transformers)"),
 }
+
+_QA = [("where is the cat?", "the cat is on the mat."),
+       ("where is the dog?", "the dog is by the river."),
+       ("where is the bird?", "the bird is in the tree."),
+       ("what is by the house?", "a dog and a cat.")]
+
+
+def _chats(n: int, system: bool) -> str:
+    import json
+    return "".join(json.dumps({"messages": (
+        [{"role": "system", "content": "answer in one line."}] if system and i % 3 == 0
+        else []) + [{"role": "user", "content": _QA[i % 4][0]},
+                    {"role": "assistant", "content": _QA[i % 4][1]}]}) + "\n"
+        for i in range(n))
+
 
 SETUP = {       # files a command reads, made in the fresh folder first
     "input.txt": "to be or not to be, that is the question. " * 400,
     "run.toml": "n_layer = 1\nn_embd = 32\nbatch_size = 16\n",
     "corpus.txt": "\n".join(f"the {w} of the {v} and a {w}" for w in ("cat", "dog", "bird")
                              for v in ("tree", "house", "river")) * 1500,
+    "chats.jsonl": _chats(60, system=True),
+    "val.jsonl": _chats(4, system=False),
 }
 
 

@@ -235,3 +235,18 @@ def test_evaluate_prints_the_answers_loss_per_token_at_any_rank_count(qwen_model
         m = re.search(r"loss ([0-9.]+) per scored token \(([0-9,]+) tokens\)", r.stdout)
         assert m and int(m.group(2).replace(",", "")) == count, r.stdout
         assert float(m.group(1)) == pytest.approx(total / count, abs=1e-4)
+
+
+def test_parquet_records_give_the_same_shards_as_json_lines(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    path, _ = folder(tmp_path, "qwen")
+    rows = [{"messages": m} for m in CHATS] * 3
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    from hpcdist.data.__main__ import main
+    for name in ("c.jsonl", "c.parquet"):
+        assert main(["prepare", str(tmp_path / name), "--tokenizer", str(path),
+                     "--val-fraction", "0.2", "--out", str(tmp_path / name[2:])]) == 0
+    for f in ("train_000000.bin", "train_000000.mask.npy", "val_000000.docs.npy"):
+        assert (tmp_path / "jsonl" / f).read_bytes() == (tmp_path / "parquet" / f).read_bytes()

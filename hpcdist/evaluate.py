@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8, help="rows per forward (default 8)")
     ap.add_argument("--split", choices=("val", "train"), default="val",
                     help="the held-out shards (default) or the training ones")
+    ap.add_argument("--packing", choices=("bfd", "off"), default="bfd",
+                    help="chat shards: documents packed into rows, each attending to itself "
+                         "(default, as training packs them), or a row each")
     args = ap.parse_args(argv)
     if args.block_size < 0 or args.batch_size < 1:
         ap.error("--block-size must be >= 0 and --batch-size >= 1")
@@ -61,8 +64,10 @@ def evaluate_model(args, comm) -> tuple[float, int]:
         if block > model.config.block_size and model.PARTS.get("positions"):
             raise ValueError(f"--block-size {block} is past the model's "
                              f"{model.config.block_size} positions")
-        train, held = data.make_task("text", data=args.data, block_size=block)
+        train, held = data.make_task("text", data=args.data, block_size=block,
+                                     packing=args.packing)
         rows = held if args.split == "val" else train
+        model.packed = getattr(rows, "packed", False)
         if rows.vocab_size > model.config.vocab_size:
             raise ValueError(f"{args.data} has a vocabulary of {rows.vocab_size:,}, the model "
                              f"{model.config.vocab_size:,}: tokenized for another model")

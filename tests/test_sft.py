@@ -101,7 +101,8 @@ def test_prepare_writes_document_shards_whose_rows_train_the_answers(tmp_path):
     from hpcdist.data.__main__ import main
     assert main(["prepare", str(tmp_path / "chats.jsonl"), "--tokenizer", str(path), "--val",
                  str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "tok")]) == 0
-    train, held = data.make_task("text", data=str(tmp_path / "tok"), block_size=64)
+    train, held = data.make_task("text", data=str(tmp_path / "tok"), block_size=64,
+                                 packing="off")
     assert isinstance(train, documents.Documents) and len(train) == 12 and len(held) == 1
     enc = chat.Encoder(str(path))
     for i in range(len(train)):
@@ -161,7 +162,8 @@ def test_a_row_s_loss_is_transformers_answers_only_loss(qwen_model, tmp_path):
     from hpcdist.data.__main__ import main
     assert main(["prepare", str(tmp_path / "c.jsonl"), "--tokenizer", str(path), "--val",
                  str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "tok")]) == 0
-    train, _ = data.make_task("text", data=str(tmp_path / "tok"), block_size=100)
+    train, _ = data.make_task("text", data=str(tmp_path / "tok"), block_size=100,
+                              packing="off")
     from hpcdist.checkpoint import hf
     from hpcdist.device import backend
     backend.set_default_float("float64")
@@ -226,10 +228,10 @@ def test_evaluate_prints_the_answers_loss_per_token_at_any_rank_count(qwen_model
         total += float((nll * mask[1:]).sum())
         count += int(mask[1:].sum())
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    for n in (1, 2):
+    for n, packing in ((1, "bfd"), (2, "bfd"), (2, "off")):
         r = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-m", "hpcdist.evaluate",
                             str(path), "--data", str(tmp_path / "tok"), "--dtype", "fp64",
-                            "--block-size", "100", "--batch-size", "2"],
+                            "--block-size", "100", "--batch-size", "2", "--packing", packing],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         m = re.search(r"loss ([0-9.]+) per scored token \(([0-9,]+) tokens\)", r.stdout)

@@ -218,7 +218,7 @@ def feistel(j, n: int, key) -> np.ndarray:
 
 
 def make_task(task: str, *, length=6, num_digits=4, data=None, block_size=64, seed=1234,
-              encoding="utf-8", tokenizer="", vocab_size=0):
+              encoding="utf-8", tokenizer="", vocab_size=0, packing="bfd"):
     """(train, test) datasets for a task name: 'sort', 'reverse' or 'text' (needs ``data``:
     a text file, or token shards — a folder from ``python -m hpcdist.data prepare``, a glob,
     a ``.bin``). ``tokenizer``: a tokenizer.json to encode a text file with, or the one the
@@ -240,7 +240,7 @@ def make_task(task: str, *, length=6, num_digits=4, data=None, block_size=64, se
                 raise ValueError(f"--vocab-size {vocab_size} but {tokenizer} has {v['size']} "
                                  "tokens: drop --vocab-size")
             return shards.token_datasets(data, block_size, v and v["size"], v,
-                                         source=tokenizer or "--vocab-size")
+                                         source=tokenizer or "--vocab-size", packing=packing)
         if tokenizer:
             v = vocab.tokenizer_file(tokenizer)
             ids = np.asarray(vocab.Tokenizer(v).encode(read_text(data, encoding)),
@@ -259,4 +259,4 @@ def datasets_of(cfg):
     return make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
                      data=cfg.data or None, block_size=cfg.block_size,
                      encoding=cfg.data_encoding, tokenizer=cfg.tokenizer,
-                     vocab_size=cfg.vocab_size)
+                     vocab_size=cfg.vocab_size, packing=getattr(cfg, "packing", "bfd"))

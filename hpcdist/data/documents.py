@@ -113,10 +113,83 @@ class Documents:
         return x, y
 
 
+class PackedDocuments(Documents):
+    """Rows of several whole documents (``--packing bfd``): best-fit decreasing, as trl's
+    ``bfd`` packs. A document of n tokens takes n - 1 positions of a row (its inputs; its
+    last token is a target only), so no position predicts another document's token; a row's
+    batch carries each position's document start (nn/packing.py ``encode``): the model
+    attends inside each document alone, from position 0. The loss of a packed row is then
+    the sum of its documents' losses, each computed alone."""
+
+    packed = True
+
+    def __init__(self, paths, block_size: int, vocab_size: int, vocabulary: dict,
+                 split: str = "training"):
+        super().__init__(paths, block_size, vocab_size, vocabulary, split)
+        import bisect
+        T = block_size
+        docs = np.concatenate([np.diff(s) for s in self.starts])      # tokens of each
+        used = np.minimum(docs, T + 1) - 1                              # its positions
+        order = np.argsort(-used, kind="stable")
+        order = order[used[order] > 0]
+        free, rows, members = [], [], []         # (room left, row) sorted; row -> documents
+        for d in order:
+            need = int(used[d])
+            at = bisect.bisect_left(free, (need, -1))
+            if at == len(free):
+                rows.append([int(d)])
+                members.append(need)
+                bisect.insort(free, (T - need, len(rows) - 1))
+            else:
+                room, r = free.pop(at)
+                rows[r].append(int(d))
+                bisect.insort(free, (room - need, r))
+        if not rows:
+            raise ValueError(f"the {split} shards hold no document of two tokens or more")
+        self.rows = rows
+        self.positions_used = int(used.sum())
+        self.padding = 1.0 - self.positions_used / (len(rows) * T)
+        self.unpacked_padding = 1.0 - self.positions_used / (len(order) * T)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def _document(self, d: int):
+        s = int(np.searchsorted(self.first, d, side="right")) - 1
+        i = d - self.first[s]
+        return s, int(self.starts[s][i]), int(self.starts[s][i + 1])
+
+    def batch(self, indices):
+        from ..nn.packing import encode
+        idx = np.asarray(indices, dtype=np.int64)
+        T = self.block_size
+        x = np.zeros((idx.size, T), dtype=np.int64)
+        y = np.full((idx.size, T), -100, dtype=np.int64)
+        starts = np.zeros((idx.size, T), dtype=np.int64)
+        for row, r in enumerate(idx):
+            at = 0
+            for d in self.rows[int(r)]:
+                s, lo, hi = self._document(d)
+                hi = min(hi, lo + T + 1)
+                seq = np.asarray(self.maps[s][lo:hi], dtype=np.int64)
+                trained = np.asarray(self.masks[s][lo + 1:hi], dtype=bool)
+                n = seq.size - 1
+                x[row, at:at + n] = seq[:-1]
+                y[row, at:at + n] = np.where(trained, seq[1:], -100)
+                starts[row, at:at + n] = at
+                at += n
+            starts[row, at:] = at                 # the padding: a document of its own
+        if x.size and x.max() >= self.vocab_size:
+            raise ValueError(f"token {int(x.max())} in the shards is outside the vocabulary "
+                             f"of {self.vocab_size}: wrong tokenizer")
+        return encode(x, starts), y
+
+
 def document_datasets(train_paths, val_paths, block_size: int, vocab_size: int,
-                      vocabulary: dict):
+                      vocabulary: dict, packing: str = "bfd"):
     if not val_paths:
         raise ValueError("document shards come with held-out ones (val_*.bin): prepare "
                          "with --val FILE or a --val-fraction above 0")
-    return (Documents(train_paths, block_size, vocab_size, vocabulary),
-            Documents(val_paths, block_size, vocab_size, vocabulary, "held-out"))
+    kind = PackedDocuments if packing == "bfd" else Documents
+    return (kind(train_paths, block_size, vocab_size, vocabulary),
+            kind(val_paths, block_size, vocab_size, vocabulary, "held-out"))

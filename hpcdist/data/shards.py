@@ -177,7 +177,8 @@ class TokenShards:
 
 
 def token_datasets(spec: str, block_size: int, vocab_size: int | None, vocabulary: dict,
-                   test_fraction: float = 0.05, source: str = "the tokenizer given"):
+                   test_fraction: float = 0.05, source: str = "the tokenizer given",
+                   packing: str = "bfd"):
     """(train, test) TokenShards of --data ``spec``."""
     train_paths, val_paths = shard_paths(spec)
     if not train_paths:
@@ -192,7 +193,7 @@ def token_datasets(spec: str, block_size: int, vocab_size: int | None, vocabular
     from . import documents
     if documents.has_documents(paths):         # instruction data: a row per document
         return documents.document_datasets(train_paths, val_paths, block_size, vocab_size,
-                                           vocabulary)
+                                           vocabulary, packing)
     n_train = len(train_paths)
     if val_paths:
         train = [(i, 0, len(m)) for i, m in enumerate(maps[:n_train])]

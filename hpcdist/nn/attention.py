@@ -76,8 +76,13 @@ class SelfAttention(Module):
         return self.shape.n_head
 
     def forward(self, qkv: Tensor, pos=None, cache: dict | None = None) -> Tensor:
-        """``pos``: the rows' global positions (rotary); ``cache``: this layer's KV cache
-        (inference; see ``attention``)."""
+        """``pos``: the rows' global positions (rotary), or a packed batch's Packing (each
+        document attended alone: nn/packing.py); ``cache``: this layer's KV cache (inference;
+        see ``attention``)."""
+        from .packing import Packing
+        if isinstance(pos, Packing):
+            return pos.attend(qkv, lambda part, p: attention(
+                before_core(self, part, p), self.shape, self.attn_drop, None, self.window))
         return attention(before_core(self, qkv, pos), self.shape, self.attn_drop, cache,
                          self.window)
 

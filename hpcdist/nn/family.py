@@ -175,6 +175,8 @@ class DecoderLM(Module):
     PARTS: dict = {}         # (a part's attribute must not be one of the methods below)
     seq = None               # parallel.sequence.Sequence once a parallel dimension cuts it
     embed_scale = None       # the token vectors are multiplied by it (Gemma: sqrt(n_embd))
+    packed = False           # batches are packed rows (nn/packing.py): several documents a row
+    _packing = (None, None)  # (the ids, their Packing): read once per batch
 
     def part(self, role: str):
         name = self.PARTS.get(role)
@@ -191,7 +193,7 @@ class DecoderLM(Module):
             idx = idx.data
         past = cached_length(cache)
         x = self.embed(idx, past, cached=cache is not None)          # (B, T, C)
-        pos = self.positions(idx.shape[1], past)
+        pos = self.layout(idx, past)
         for i, block in enumerate(self.blocks):
             x = self.run_block(block, x, pos) if cache is None else block(x, pos, cache[i])
         return self.head(x, targets, ignore_index)
@@ -207,14 +209,32 @@ class DecoderLM(Module):
                              f"{self.config.block_size}")
         if self.seq is not None:            # the batch's length, for every cut module
             self.seq.begin(T)
-        x = self.part("tokens")(idx)
+        packing = self.packing(idx)
+        x = self.part("tokens")(idx if packing is None else packing_tokens(idx))
         if self.embed_scale is not None:
             x = x * self.embed_scale
         table = self.part("positions")
         if table is not None:
-            x = x + table(backend.array_module(idx).arange(past, past + T))
+            x = x + table(backend.array_module(idx).arange(past, past + T) if packing is None
+                          else packing.device_positions())
         drop = self.part("drop")
         return drop(x) if drop is not None else x                   # (B, T, C)
+
+    def packing(self, idx):
+        """The Packing of a packed batch's ids (nn/packing.py), None for a model that is not
+        ``packed`` (made once per batch: the embedding and the blocks both read it)."""
+        if not self.packed:
+            return None
+        if self._packing[0] is not idx:
+            from .packing import Packing
+            self._packing = (idx, Packing(idx))
+        return self._packing[1]
+
+    def layout(self, idx, past: int = 0):
+        """What the blocks' attention takes for a batch: the rows' global positions, or a
+        packed batch's Packing (each document attended alone, from position 0)."""
+        packing = self.packing(idx)
+        return self.positions(idx.shape[1], past) if packing is None else packing
 
     def positions(self, T: int, past: int = 0):
         """The global positions of the rows attention sees (under context parallelism this
@@ -238,6 +258,11 @@ class DecoderLM(Module):
     @property
     def attention_shape(self) -> AttentionShape:
         return self.config.attention_shape()
+
+
+def packing_tokens(idx):
+    from .packing import tokens_of
+    return tokens_of(idx)
 
 
 def cached_length(cache) -> int:

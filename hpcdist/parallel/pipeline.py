@@ -63,7 +63,7 @@ class PipelineChunk(Module):
             self.seq.begin(T)
         if self.first:
             x = model.embed(idx)
-        pos = model.positions(T)
+        pos = model.layout(idx)
         for block in self.blocks:
             x = model.run_block(block, x, pos)
         if self.last:                          # (logits, loss)

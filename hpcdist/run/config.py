@@ -36,6 +36,7 @@ class Settings:
     block_size: int = 64          # context length (text)
     tokenizer: str = ""           # text: a Hugging Face tokenizer.json (default: characters)
     vocab_size: int = 0           # text: raw uint16 shards' vocabulary size
+    packing: str = "bfd"          # document shards: bfd (rows of several documents) | off
     # model
     model: str = ""               # a published size (nn/<family>.py's SIZES): its family, shape
     arch: str = nn.DEFAULT_ARCH   # the model family (nn/FAMILIES: its file in nn/)

@@ -17,6 +17,9 @@ HELP = {
                      "writes one); default: characters, or the one beside token shards",
         "vocab_size": "text: the vocabulary size of raw uint16 .bin shards (0: from the "
                       "tokenizer)",
+        "packing": "chat / instruction shards: bfd packs several documents into a row "
+                   "(best-fit decreasing; each attends only to itself, from position 0), off "
+                   "gives each its own padded row",
     },
     "model": {
         "model": "a published size, its family and shape (flags given still win): gpt2, "

@@ -70,8 +70,14 @@ def documents_words(train_set) -> str:
     if not getattr(train_set, "masked", False):
         return ""
     cut = getattr(train_set, "truncated", 0)
-    return (f"; a padded row per document, {cut:,} truncated to the block" if cut else
-            "; a padded row per document") + "; the loss per trained token"
+    cut = f", {cut:,} truncated to the block" if cut else ""
+    if getattr(train_set, "packed", False):
+        rows = (f"; documents packed best-fit into rows{cut}, each attending to itself: "
+                f"padding {train_set.padding:.1%} (a row each: "
+                f"{train_set.unpacked_padding:.1%})")
+    else:
+        rows = f"; a padded row per document{cut}"
+    return rows + "; the loss per trained token"
 
 
 def vocab_words(model, cfg) -> str:

@@ -22,7 +22,7 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "cp_impl": ("ring", "ulysses"), "router": ("softmax", "sigmoid"),
            "balance": ("aux", "bias", "none"), "on_failure": ("abort", "shrink"),
            "shrink_batch": ("scale", "keep"), "attention": ("auto", "flash", "gemms", "cudnn"),
-           "cuda_graph": ("off", "on", "auto"),
+           "cuda_graph": ("off", "on", "auto"), "packing": ("bfd", "off"),
            "arch": tuple(nn.FAMILIES)}
 
 

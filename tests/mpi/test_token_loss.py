@@ -1,7 +1,9 @@
 """The token-level loss: a step's loss and gradient are the sum over the global batch's
 trained tokens divided by their count, whatever the split. On document rows whose trained
 tokens differ row to row, in fp64: W ranks x 1 micro-batch, 1 rank x W micro-batches and one
-batch of W times the rows take the same steps (1e-10), in every layout."""
+batch of W times the rows take the same steps (1e-10), in every layout (TP, PP, ZeRO-1/3,
+recompute, micro-batches), packed rows and padded ones. (A packed row = its documents one by
+one: tests/test_packing.py.)"""
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -46,18 +48,22 @@ def _layouts(W):
     if W % 2 == 0:
         yield {"tp": 2}
         yield {"pp": 2, "micro_batches": 2}
-        yield {"zero": 3}
+        yield {"zero": 3, "checkpoint_activations": True}
     if W >= 2:
         yield {"grad_accum": 2}
         yield {"zero": 1}
 
 
-def test_the_loss_is_per_trained_token_of_the_global_batch(comm, folder, tmp_path):
+@pytest.mark.parametrize("packing", ["bfd", "off"])
+def test_the_loss_is_per_trained_token_of_the_global_batch(comm, folder, tmp_path, packing):
+    """Packed rows (several documents a row, each attending to itself) and padded ones."""
     W = comm.size
     for layout in _layouts(W):
+        layout = {**layout, "packing": packing}
         model = W // (layout.get("tp", 1) * layout.get("pp", 1))     # replicas
         accum = layout.get("grad_accum", 1)
-        cfg = _cfg(folder, tmp_path / str(len(layout)), batch_size=ROWS * W // model, **layout)
+        cfg = _cfg(folder, tmp_path / "-".join(map(str, layout)), batch_size=ROWS * W // model,
+                   **layout)
         final, got = history(cfg, comm)
         G = ROWS * W * accum                         # rows per step
         for ref_kw in ({"batch_size": G, "grad_accum": 1},

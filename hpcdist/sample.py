@@ -165,21 +165,7 @@ def main(argv=None) -> int:
         model, v, rank = build(args)
         tok = vocab.Tokenizer(v) if v is not None and v.get("kind") in ("chars", "tokenizer") \
             else None
-        stop, answer = None, None
-        if args.chat:
-            if args.ids or args.prompt:
-                raise ValueError("--chat is the prompt: drop --prompt / --ids")
-            ids, stop = chat_ids(args, tok)
-            answer = len(ids)
-        elif args.ids:
-            ids = prompt_ids(args.ids, model.config.vocab_size)
-        elif tok is not None:
-            ids = tok.encode(args.prompt) if args.prompt else [tok.eot or 0]
-        elif args.prompt:
-            raise ValueError(f"{args.model} keeps no vocabulary to encode --prompt with: "
-                             "pass --ids")
-        else:
-            ids = [0]
+        ids, stop, answer = prompt_of(args, model, tok)
         out = generate(model, ids, args.tokens, args.temperature, args.top_k, args.top_p,
                        seed=args.seed, stop=stop,
                        say=lambda line: print(f"note: {line}", file=sys.stderr)
@@ -194,6 +180,24 @@ def main(argv=None) -> int:
     if rank == 0:                                 # every rank drew the same tokens
         print(tok.decode(out) if tok is not None else ",".join(str(i) for i in out))
     return 0
+
+
+def prompt_of(args, model, tok) -> tuple[list, int | None, int | None]:
+    """(the prompt's ids, the id that stops generation or None, where the answer starts: a
+    --chat answer is printed alone, else None)."""
+    if args.chat:
+        if args.ids or args.prompt:
+            raise ValueError("--chat is the prompt: drop --prompt / --ids")
+        ids, stop = chat_ids(args, tok)
+        return ids, stop, len(ids)
+    if args.ids:
+        return prompt_ids(args.ids, model.config.vocab_size), None, None
+    if tok is not None:
+        return (tok.encode(args.prompt) if args.prompt else [tok.eot or 0]), None, None
+    if args.prompt:
+        raise ValueError(f"{args.model} keeps no vocabulary to encode --prompt with: pass "
+                         "--ids")
+    return [0], None, None
 
 
 def chat_ids(args, tok) -> tuple[list, int | None]:

@@ -17,7 +17,7 @@ LAYERS = [
     ["comm"],                                                          # raw arrays, MPI
     ["parallel"],                                                      # Tensors meet comms
     ["run", "preflight", "plan"],                                      # a run's plumbing
-    ["train", "bench", "cluster", "sample"],                           # entry points
+    ["train", "bench", "cluster", "sample", "evaluate"],               # entry points
 ]
 MUTUAL_OK = {frozenset({"hpcdist.autograd.ops", "hpcdist.autograd.tensor"})}
 
@@ -124,10 +124,11 @@ def test_no_circle_of_imports_but_the_engines():
 
 def test_the_top_holds_entry_points_and_packages_only():
     """Modules are grouped by layer in packages (device, host, autograd, nn, checkpoint,
-    comm, parallel, run, ...); what stays at the top is a command (train, sample, cluster,
-    preflight) or the optimizers, beside nn."""
+    comm, parallel, run, ...); what stays at the top is a command (train, sample, evaluate,
+    cluster, preflight) or the optimizers, beside nn."""
     loose = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
-    assert loose == ["__init__", "cluster", "optim", "preflight", "sample", "train"], loose
+    assert loose == ["__init__", "cluster", "evaluate", "optim", "preflight", "sample",
+                     "train"], loose
 
 
 def test_sizes_a_newcomer_can_read():

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "plot": "hpcdist.bench.plot",
     "recovery": "hpcdist.bench.recovery",
     "schedule": "hpcdist.bench.schedule",
+    "sft": "hpcdist.bench.sft",
     "shards": "hpcdist.bench.shards",
     "tp": "hpcdist.bench.tp",
     "slowlinks": "hpcdist.bench.slowlinks",

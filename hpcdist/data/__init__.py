@@ -239,8 +239,12 @@ def make_task(task: str, *, length=6, num_digits=4, data=None, block_size=64, se
             if v is not None and vocab_size and v["size"] != vocab_size:
                 raise ValueError(f"--vocab-size {vocab_size} but {tokenizer} has {v['size']} "
                                  "tokens: drop --vocab-size")
+            from . import documents
+            if documents.has_documents(sum(shards.shard_paths(data), [])):   # chat data
+                return documents.document_datasets(data, block_size, v and v["size"], v,
+                                                   tokenizer or "--vocab-size", packing)
             return shards.token_datasets(data, block_size, v and v["size"], v,
-                                         source=tokenizer or "--vocab-size", packing=packing)
+                                         source=tokenizer or "--vocab-size")
         if tokenizer:
             v = vocab.tokenizer_file(tokenizer)
             ids = np.asarray(vocab.Tokenizer(v).encode(read_text(data, encoding)),

@@ -1,26 +1,14 @@
 """Chat and instruction data: records in, token ids and a loss mask out.
 
-``records(path)`` reads JSON Lines or Parquet (pyarrow) and names each record by its file and
-line (or row). A record is one of three kinds, told by its fields:
-
-- conversational: ``messages``, a list of ``{"role", "content"}`` turns (system, user,
-  assistant, tool), rendered with the model folder's chat template;
-- prompt-completion: ``prompt`` and ``completion`` (strings);
-- plain ``text``.
-
-``Template(folder)`` renders turns as transformers' ``apply_chat_template`` does: the
-folder's ``chat_template`` (``tokenizer_config.json``, or ``chat_template.jinja``) through
-jinja2's sandbox with the names a template expects (``bos_token``, ``eos_token``,
-``add_generation_prompt``, ``raise_exception``, ``strftime_now``, ``tojson``), then the
-text encoded without added special tokens (the template writes them).
-
-The mask says which tokens are trained: an assistant turn's content and the end-of-turn
-token that closes it, never its role header. A template's ``{% generation %}`` blocks mark
-those spans where it has them; otherwise each assistant turn is found by rendering the
-conversation up to it with the generation prompt and up to its end (the whitespace after
-the end-of-turn token left out). A prompt-completion record trains its completion, a text
-record every token. ``Encoder(folder, train_on="answers"|"all").encode(record, where)``
-gives ``(ids, mask)``; a record it cannot use is a ValueError naming ``where`` and the field.
+``records(path)``: JSON Lines or Parquet, each record named by file and line (or row). A
+record is conversational (``messages``: role/content turns), prompt-completion (``prompt``,
+``completion``) or plain ``text``. ``Template(folder)`` renders turns as transformers'
+``apply_chat_template`` does (the folder's chat template through jinja2's sandbox, with the
+names a template expects); the text is encoded without added special tokens. The mask trains
+each assistant turn's content and its end-of-turn token, never its header: the template's
+``{% generation %}`` blocks where it has them, else each turn found by rendering the prefixes.
+A completion trains alone, a text every token. ``Encoder.encode(record, where)`` gives (ids,
+mask); a record it cannot use is a ValueError naming ``where`` and the field.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Documents with a loss mask: instruction data as shards, and its rows.
 
-``prepare`` of chat data (data/chat.py) writes, beside each llm.c token shard
-``train_000000.bin``, ``train_000000.mask.npy`` (uint8 per token: 1 where the loss applies)
-and ``train_000000.docs.npy`` (int64: where each document starts, then the token count).
-All three are memory-mapped: a batch reads its documents only, O(batch) per rank. A
-document never crosses a shard.
-
-``Documents`` makes one row per document (``--packing off``, padded rows): its first
-``block_size + 1`` tokens (a longer one is truncated and counted), positions from 0, the
-padding after it scored nowhere. Targets that the mask does not train are ``IGNORE``, so the
-loss is the answers' alone, and ``masked = True`` tells the step to weigh micro-batches by
-their trained tokens (run/loop.py ``token_weights``).
+Beside each llm.c shard ``train_000000.bin`` lie ``train_000000.mask.npy`` (uint8 a token: 1
+where the loss applies) and ``train_000000.docs.npy`` (int64: each document's start, then the
+token count), all memory-mapped (O(batch) per rank); no document crosses a shard.
+``Documents`` gives a padded row per document (``--packing off``), ``PackedDocuments`` rows of
+several (best-fit decreasing); a longer document is truncated to the block and counted.
+Targets the mask does not train are ``IGNORE``, and ``masked = True`` makes the step weigh
+its micro-batches by their trained tokens (run/loop.py ``token_weights``).
 """
 from __future__ import annotations
 
@@ -185,8 +181,17 @@ class PackedDocuments(Documents):
         return encode(x, starts), y
 
 
-def document_datasets(train_paths, val_paths, block_size: int, vocab_size: int,
-                      vocabulary: dict, packing: str = "bfd"):
+def document_datasets(spec: str, block_size: int, vocab_size: int | None, vocabulary: dict,
+                      source: str, packing: str = "bfd"):
+    """(train, held-out) rows of the document shards of --data ``spec``: packed (``bfd``)
+    or a row each (``off``)."""
+    train_paths, val_paths = shards.shard_paths(spec)
+    shards.check_tags(train_paths + val_paths, vocabulary, source)
+    if vocab_size is None:
+        raise ValueError("document shards need the vocabulary size: a tokenizer.json beside "
+                         "them (prepare writes one), or --tokenizer")
+    if not train_paths:
+        raise ValueError(f"--data {spec!r}: only held-out (val) shards, nothing to train on")
     if not val_paths:
         raise ValueError("document shards come with held-out ones (val_*.bin): prepare "
                          "with --val FILE or a --val-fraction above 0")

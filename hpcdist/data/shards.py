@@ -177,8 +177,7 @@ class TokenShards:
 
 
 def token_datasets(spec: str, block_size: int, vocab_size: int | None, vocabulary: dict,
-                   test_fraction: float = 0.05, source: str = "the tokenizer given",
-                   packing: str = "bfd"):
+                   test_fraction: float = 0.05, source: str = "the tokenizer given"):
     """(train, test) TokenShards of --data ``spec``."""
     train_paths, val_paths = shard_paths(spec)
     if not train_paths:
@@ -190,10 +189,6 @@ def token_datasets(spec: str, block_size: int, vocab_size: int | None, vocabular
         raise ValueError("token shards need the vocabulary size: a tokenizer.json beside them "
                          "(python -m hpcdist.data prepare writes one), --tokenizer, or "
                          "--vocab-size")
-    from . import documents
-    if documents.has_documents(paths):         # instruction data: a row per document
-        return documents.document_datasets(train_paths, val_paths, block_size, vocab_size,
-                                           vocabulary, packing)
     n_train = len(train_paths)
     if val_paths:
         train = [(i, 0, len(m)) for i, m in enumerate(maps[:n_train])]

@@ -1,19 +1,14 @@
 """Packed rows: several documents in one row, each attending only to itself, from position 0.
 
-A packed batch travels as its token ids (B, T) with each position's document start in the
-bits above 32 (``encode``): every slice of the batch (micro-batches, pipeline stages, data-
-parallel shards) keeps its layout with it, and a plain row is the packed row of one document
-starting at 0. A model with ``packed = True`` reads a batch through ``Packing``: the tokens,
-each position's place in its document (a learned table's positions), and its attention:
-
-``Packing.attend(qkv, core)`` gathers the documents' rows of qkv into batches of documents
-of about one length (rounded up to ``STEP``, the padding after a document's end), runs the
-attention ``core(qkv_part, positions)`` on each as on whole rows, and puts each row's output
-back in its place. Causal attention inside a document is exact on such a batch (no row sees
-the padding after it), rotary positions start at 0 in each, and no attention is computed
-across documents: its FLOPs are the documents' own (rounded up), not the row's T^2. It runs
-on every device with the attention kernels as they are, under TP (heads cut) and PP (the
-stages read the batch's layout from the ids each holds).
+A packed batch is its token ids (B, T) with each position's document start in the bits above
+32 (``encode``): every slice of the batch (micro-batches, stages, shards) keeps its layout,
+and a plain row is a packed row of one document from 0. A model with ``packed = True`` reads
+a batch through ``Packing``: the tokens, each position's place in its document (a learned
+table's positions) and the attention: ``Packing.attend`` gathers the documents' rows into
+batches of documents of about one length (rounded up to ``STEP``, padded after their ends),
+runs the attention core on them as on whole rows (rotary from 0 in each; no row sees the
+padding after it) and puts each row back. No attention FLOP is spent across documents, the
+kernels run as they are on every device, under TP and PP. docs/fine-tuning.md has the rest.
 """
 from __future__ import annotations
 

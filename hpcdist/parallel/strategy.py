@@ -171,9 +171,8 @@ def make_model(cfg, comm, mesh, train_set):
             check_placements(model, mesh.tp_comm, cfg.sequence_parallel)
     if getattr(train_set, "packed", False):        # rows of several documents (nn/packing.py)
         if cfg.cp > 1:
-            from ..run.errors import ConfigError
-            raise ConfigError("packed rows under context parallelism (--cp) are not built "
-                              "yet: pass --packing off (a padded row per document)", "packing")
+            raise ValueError("packed rows under context parallelism (--cp) are not built "
+                             "yet: pass --packing off (a padded row per document)")
         model.packed = True
     if cfg.cp > 1:                                 # each rank: a slice of every sequence
         apply_context_parallel(model, mesh.cp_comm, cfg.cp_impl)

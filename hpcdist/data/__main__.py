@@ -171,6 +171,15 @@ def _encode(files, tok, train, val, val_fraction: float, errors: str) -> None:
         (val if val_fraction else train).add([eot] if eot is not None else [])
 
 
+def _move_in(work: str, out: str, earlier) -> bool:
+    """The new set is complete: an earlier prepare's files out, the new ones moved in."""
+    for name in earlier:
+        os.remove(os.path.join(out, name))
+    for name in sorted(os.listdir(work)):
+        os.replace(os.path.join(work, name), os.path.join(out, name))
+    return True
+
+
 def _encode_chats(files, val_files, encoder, train, val, val_fraction: float) -> None:
     """Chat records (data/chat.py) into the two document writers: ``val_files`` held out, or
     without them the last ``val_fraction`` of each file's records."""
@@ -221,11 +230,7 @@ def prepare_chats(files, out: str, folder: str, val_files=(), shard_tokens: int 
         if not train.docs or not val.docs:
             raise ValueError("the records give no " + ("training" if not train.docs else
                              "held-out") + " example: add records, or pass --val FILE")
-        for name in earlier:
-            os.remove(os.path.join(out, name))
-        for name in sorted(os.listdir(work)):
-            os.replace(os.path.join(work, name), os.path.join(out, name))
-        done = True
+        done = _move_in(work, out, earlier)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if created and not done:
@@ -278,11 +283,7 @@ def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
         if not train.total:
             raise ValueError(f"the corpus gives no training tokens ({', '.join(files)}); "
                              "lower --val-fraction or add text")
-        for name in earlier:                      # the new set is complete: replace the old
-            os.remove(os.path.join(out, name))
-        for name in sorted(os.listdir(work)):
-            os.replace(os.path.join(work, name), os.path.join(out, name))
-        done = True
+        done = _move_in(work, out, earlier)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if created and not done:                  # a folder made for a failed prepare goes

@@ -88,25 +88,36 @@ class Documents:
     def __len__(self):
         return int(self.first[-1])
 
-    def batch(self, indices):
-        idx = np.asarray(indices, dtype=np.int64)
+    def _place(self, d: int, x, y, row: int, at: int) -> int:
+        """Document ``d``'s first block_size + 1 tokens into row ``row`` of (x, y) from
+        position ``at`` (inputs, and the targets its mask trains); the positions it took."""
+        s = int(np.searchsorted(self.first, d, side="right")) - 1
+        i = d - self.first[s]
+        lo, hi = int(self.starts[s][i]), int(self.starts[s][i + 1])
+        hi = min(hi, lo + self.block_size + 1)
+        seq = np.asarray(self.maps[s][lo:hi], dtype=np.int64)
+        trained = np.asarray(self.masks[s][lo + 1:hi], dtype=bool)
+        n = max(seq.size - 1, 0)
+        x[row, at:at + n] = seq[:-1]
+        y[row, at:at + n] = np.where(trained, seq[1:], -100)
+        return n
+
+    def _rows(self, count: int):
         T = self.block_size
-        x = np.zeros((idx.size, T), dtype=np.int64)
-        y = np.full((idx.size, T), -100, dtype=np.int64)
-        for row, i in enumerate(idx):
-            s = int(np.searchsorted(self.first, i, side="right")) - 1
-            d = i - self.first[s]
-            lo, hi = int(self.starts[s][d]), int(self.starts[s][d + 1])
-            hi = min(hi, lo + T + 1)
-            seq = np.asarray(self.maps[s][lo:hi], dtype=np.int64)
-            trained = np.asarray(self.masks[s][lo + 1:hi], dtype=bool)
-            n = seq.size - 1
-            x[row, :n] = seq[:-1]
-            y[row, :n] = np.where(trained, seq[1:], -100)
+        return np.zeros((count, T), dtype=np.int64), np.full((count, T), -100, dtype=np.int64)
+
+    def _checked(self, x):
         if x.size and x.max() >= self.vocab_size:
             raise ValueError(f"token {int(x.max())} in the shards is outside the vocabulary "
                              f"of {self.vocab_size}: wrong tokenizer")
-        return x, y
+        return x
+
+    def batch(self, indices):
+        idx = np.asarray(indices, dtype=np.int64)
+        x, y = self._rows(idx.size)
+        for row, d in enumerate(idx):
+            self._place(int(d), x, y, row, 0)
+        return self._checked(x), y
 
 
 class PackedDocuments(Documents):
@@ -128,13 +139,12 @@ class PackedDocuments(Documents):
         used = np.minimum(docs, T + 1) - 1                              # its positions
         order = np.argsort(-used, kind="stable")
         order = order[used[order] > 0]
-        free, rows, members = [], [], []         # (room left, row) sorted; row -> documents
+        free, rows = [], []                      # (room left, row) sorted; row -> documents
         for d in order:
             need = int(used[d])
             at = bisect.bisect_left(free, (need, -1))
             if at == len(free):
                 rows.append([int(d)])
-                members.append(need)
                 bisect.insort(free, (T - need, len(rows) - 1))
             else:
                 room, r = free.pop(at)
@@ -150,35 +160,19 @@ class PackedDocuments(Documents):
     def __len__(self):
         return len(self.rows)
 
-    def _document(self, d: int):
-        s = int(np.searchsorted(self.first, d, side="right")) - 1
-        i = d - self.first[s]
-        return s, int(self.starts[s][i]), int(self.starts[s][i + 1])
-
     def batch(self, indices):
         from ..nn.packing import encode
         idx = np.asarray(indices, dtype=np.int64)
-        T = self.block_size
-        x = np.zeros((idx.size, T), dtype=np.int64)
-        y = np.full((idx.size, T), -100, dtype=np.int64)
-        starts = np.zeros((idx.size, T), dtype=np.int64)
+        x, y = self._rows(idx.size)
+        starts = np.zeros_like(x)
         for row, r in enumerate(idx):
             at = 0
             for d in self.rows[int(r)]:
-                s, lo, hi = self._document(d)
-                hi = min(hi, lo + T + 1)
-                seq = np.asarray(self.maps[s][lo:hi], dtype=np.int64)
-                trained = np.asarray(self.masks[s][lo + 1:hi], dtype=bool)
-                n = seq.size - 1
-                x[row, at:at + n] = seq[:-1]
-                y[row, at:at + n] = np.where(trained, seq[1:], -100)
+                n = self._place(d, x, y, row, at)
                 starts[row, at:at + n] = at
                 at += n
             starts[row, at:] = at                 # the padding: a document of its own
-        if x.size and x.max() >= self.vocab_size:
-            raise ValueError(f"token {int(x.max())} in the shards is outside the vocabulary "
-                             f"of {self.vocab_size}: wrong tokenizer")
-        return encode(x, starts), y
+        return encode(self._checked(x), starts), y
 
 
 def document_datasets(spec: str, block_size: int, vocab_size: int | None, vocabulary: dict,

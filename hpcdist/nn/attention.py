@@ -15,6 +15,7 @@ from ..autograd.tensor import Tensor
 from ..device import backend, kernels
 from .family import AttentionShape
 from .layers import Dropout, active
+from .packing import Packing
 from .module import Module
 
 
@@ -79,7 +80,6 @@ class SelfAttention(Module):
         """``pos``: the rows' global positions (rotary), or a packed batch's Packing (each
         document attended alone: nn/packing.py); ``cache``: this layer's KV cache (inference;
         see ``attention``)."""
-        from .packing import Packing
         if isinstance(pos, Packing):
             return pos.attend(qkv, lambda part, p: attention(
                 before_core(self, part, p), self.shape, self.attn_drop, None, self.window))

@@ -12,6 +12,7 @@ from ..device import backend, fp8
 from ..autograd.recompute import checkpoint
 from ..autograd.tensor import Tensor
 from .module import Module
+from .packing import Packing, tokens_of
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ class DecoderLM(Module):
         if self.seq is not None:            # the batch's length, for every cut module
             self.seq.begin(T)
         packing = self.packing(idx)
-        x = self.part("tokens")(idx if packing is None else packing_tokens(idx))
+        x = self.part("tokens")(idx if packing is None else tokens_of(idx))
         if self.embed_scale is not None:
             x = x * self.embed_scale
         table = self.part("positions")
@@ -226,7 +227,6 @@ class DecoderLM(Module):
         if not self.packed:
             return None
         if self._packing[0] is not idx:
-            from .packing import Packing
             self._packing = (idx, Packing(idx))
         return self._packing[1]
 
@@ -258,11 +258,6 @@ class DecoderLM(Module):
     @property
     def attention_shape(self) -> AttentionShape:
         return self.config.attention_shape()
-
-
-def packing_tokens(idx):
-    from .packing import tokens_of
-    return tokens_of(idx)
 
 
 def cached_length(cache) -> int:

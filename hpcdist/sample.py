@@ -22,19 +22,31 @@ from .autograd.tensor import no_grad
 from .nn.moe import load_balance_bias
 
 
-def load(path: str):
+def load(path: str, adapter: str = ""):
     """(the model in eval mode, vocabulary dict or None) of a save folder, a checkpoint or a
-    Hugging Face folder (GPT-2, Llama, Mistral, Mixtral)."""
+    Hugging Face folder (GPT-2, Llama, Mistral, Mixtral), with the PEFT ``adapter`` folder's
+    LoRA adapters on it where given; a LoRA checkpoint's base is its folder, read again."""
     if any(os.path.isfile(os.path.join(path, name)) for name in (
             "config.json", "model.safetensors", "model.safetensors.index.json")):
-        from .checkpoint import hf
-        model, v = hf.load(path)
+        from .checkpoint import hf, peft
+        if adapter:
+            spec, tensors, _ = peft.read(adapter)
+            model, v = peft.adapted(path, spec, tensors=tensors, where=adapter)
+        else:
+            model, v = hf.load(path)
         return model.eval(), v
+    if adapter:
+        raise ValueError(f"--adapter goes on a Hugging Face model folder; {path} is a "
+                         "checkpoint (a LoRA checkpoint holds its adapters already)")
     from .checkpoint.tools import choose
     reader = checkpoint.Reader(choose(path, say=lambda line: print(line, file=sys.stderr)))
     meta = reader.manifest.get("meta") or {}
     params = {n[len("param/"):]: reader.tensor(n) for n in reader.tensors
               if n.startswith("param/")}
+    if "lora" in meta:                                # adapters on a Hugging Face base
+        from .checkpoint import peft
+        model, v = peft.checkpoint_model(meta, params, reader.folder)
+        return model.eval(), reader.scalars.get("vocabulary") or v
     family = nn.family(nn.arch_of(meta))
     vocab_size, _ = params[family.model.PARTS["tokens"] + ".weight"].shape
     dtype = "float64" if meta.get("dtype") == "fp64" else "float32"
@@ -144,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--template", default="", help="with --chat: the model folder whose chat "
                     "template and tokenizer to use (default: MODEL, where it is a Hugging "
                     "Face folder; a checkpoint names the folder it started from)")
+    ap.add_argument("--adapter", default="", help="a PEFT LoRA adapter folder on MODEL (a "
+                    "Hugging Face folder): adapter_config.json + adapter_model.safetensors")
     ap.add_argument("--tokens", type=int, default=100, help="tokens to generate (default 100)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: all)")
@@ -243,16 +257,22 @@ def build(args):
     tensor-parallel shards over every rank of the job (``--tp``)."""
     if args.tp == 1:
         backend.init(args.device)
-        model, v = load(args.model)
+        model, v = load(args.model, args.adapter)
         return model, v, 0
+    from .checkpoint import peft
     from .comm import Communicator
+    from .nn import lora
     from .parallel.tp import apply_tensor_parallel
     comm = Communicator()
     if comm.size != args.tp:
         raise ValueError(f"--tp {args.tp} runs on {args.tp} ranks: mpirun -n {args.tp} "
                          f"(this job has {comm.size})")
     backend.init(args.device, comm.local_rank)
-    model, v = load(args.model)
+    model, v = load(args.model, args.adapter)
+    if lora.adapters(model):                          # merged first: then cut as any model
+        merged = nn.family(model.config.arch).model(model.config)
+        merged.load_state_dict(peft.merged(model))
+        model = merged
     return apply_tensor_parallel(model, comm).eval(), v, comm.rank
 
 

@@ -32,7 +32,12 @@ def parser() -> argparse.ArgumentParser:
     other = sorted({name for f in nn.FAMILIES.values() for name, _ in f.exports})
     ex.add_argument("--names", choices=("hpcdist", *other), default="hpcdist",
                     help=".npz names (safetensors always uses Hugging Face's for the family)")
-    ex.add_argument("--format", choices=("npz", "safetensors"), default="npz")
+    ex.add_argument("--format", choices=("npz", "safetensors", "peft"), default="npz",
+                    help="peft: a LoRA checkpoint's adapters as a PEFT folder "
+                         "(PeftModel.from_pretrained reads it)")
+    ex.add_argument("--merge", action="store_true",
+                    help="with --format safetensors, a LoRA checkpoint: the base with the "
+                         "adapters merged in, a Hugging Face folder of the family")
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an existing export at OUT (refused without it)")
     return ap
@@ -46,13 +51,30 @@ def main(argv=None) -> int:
         reader = Reader(choose(args.dir, say=lambda line: print(line, file=sys.stderr)))
         if args.cmd == "inspect":
             return _inspect(reader)
-        target = args.out if args.format == "safetensors" or args.out.endswith(".npz") \
+        target = args.out if args.format != "npz" or args.out.endswith(".npz") \
             else args.out + ".npz"                         # (NumPy's savez adds .npz)
         replaced = _existing_export(target, args.format, args.overwrite)
         params = {n[len("param/"):]: reader.tensor(n) for n in sorted(reader.tensors)
                   if n.startswith("param/")}
+        meta = reader.manifest.get("meta") or {}
+        if (args.format == "peft" or args.merge) and "lora" not in meta:
+            raise ValueError(f"{reader.folder} trained the whole model, not LoRA adapters: "
+                             "--format peft and --merge are for a LoRA checkpoint")
+        if args.merge and args.format != "safetensors":
+            raise ValueError("--merge writes a Hugging Face folder: pass --format safetensors")
         if replaced:
             print(f"replacing {replaced} (--overwrite)")
+        if args.format == "peft":
+            return _export_peft(reader, meta, params, args.out)
+        if "lora" in meta and args.format == "safetensors" and not args.merge:
+            raise ValueError(f"{reader.folder} holds LoRA adapters: --format peft writes "
+                             "them, --format safetensors --merge the merged model")
+        if args.merge:                                 # the base with the update added in
+            from . import peft
+            model, _ = peft.checkpoint_model(meta, params, reader.folder)
+            params = peft.merged(model)
+            meta = dict(meta, **{k: getattr(model.config, k) for k in (
+                "n_layer", "n_head", "n_embd", "bias", "tie_weights")})
         if args.format == "safetensors":
             vocabulary = reader.scalars.get("vocabulary")
             tensors = _staged(args.out, lambda folder: export_hf(
@@ -84,10 +106,27 @@ def main(argv=None) -> int:
         return 2
 
 
+def _export_peft(reader, meta: dict, params: dict, out: str) -> int:
+    """A LoRA checkpoint's adapters as a PEFT folder (their names from its base's family)."""
+    from . import peft
+    from ..nn import lora
+    model, _ = peft.checkpoint_model(meta, params, reader.folder)
+    tensors = lora.to_peft(model, params)
+    _staged(out, lambda folder: peft.write(folder, peft.spec_of(meta), tensors,
+                                           meta.get("base_folder", "")))
+    print(f"wrote {out}/{peft.WEIGHTS} and {peft.CONFIG}: {len(tensors)} tensors "
+          "(PEFT's names; peft.PeftModel.from_pretrained(base, OUT) loads the folder)")
+    return 0
+
+
 def _existing_export(target: str, fmt: str, overwrite: bool) -> str | None:
     """What an export to ``target`` would replace (None: nothing); refused without
     ``overwrite``."""
-    if fmt == "safetensors":
+    if fmt == "peft":
+        found = [n for n in ("adapter_config.json", "adapter_model.safetensors")
+                 if os.path.isfile(os.path.join(target, n))]
+        what = f"{target} (an adapter folder: {', '.join(found)})" if found else None
+    elif fmt == "safetensors":
         found = [n for n in ("model.safetensors", "config.json", "tokenizer.json",
                              "tokenizer_config.json")
                  if os.path.isfile(os.path.join(target, n))]

@@ -3,6 +3,8 @@ family and shape, the precision, the data's vocabulary), and the one-line refusa
 checkpoint written by another run."""
 from __future__ import annotations
 
+import os
+
 from .. import nn
 from .errors import CheckpointError
 
@@ -29,7 +31,37 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
                      if k != "expert_hidden" or getattr(cfg, k, 0)})   # (likewise)
     if vocabulary is not None:
         meta["vocab"] = vocab.fingerprint(vocabulary)
+    if getattr(cfg, "lora_rank", 0) or getattr(cfg, "adapter", ""):
+        meta.update(lora_meta(cfg))
     return meta
+
+
+def lora_meta(cfg) -> dict:
+    """A LoRA run's adapters (rank, alpha, scale kind, targets) and its frozen base's
+    fingerprint: a resume against another base is refused (``check_meta``)."""
+    from ..parallel.strategy import lora_of
+    spec = lora_of(cfg)[0]
+    return {"lora": {"rank": spec.rank, "alpha": spec.alpha, "rslora": spec.rslora,
+                     "targets": list(spec.targets)},
+            "base": base_fingerprint(cfg.init_from) if cfg.init_from else f"seed {cfg.seed}",
+            "base_folder": os.path.abspath(cfg.init_from) if cfg.init_from else ""}
+
+
+def base_fingerprint(folder: str) -> str:
+    """The weights of a Hugging Face folder named by a digest of each file's size, header
+    and 64 KiB at 16 places (reads about 1 MiB a file, whatever its size)."""
+    import hashlib
+    import os
+    from .hf_files import weight_files
+    h = hashlib.sha256()
+    for path in weight_files(folder):
+        size = os.path.getsize(path)
+        h.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            for i in range(16):
+                f.seek(size * i // 16)
+                h.update(f.read(65536))
+    return "sha256:" + h.hexdigest()[:16]
 
 
 def family_settings(cfg, arch: str) -> dict:
@@ -56,8 +88,16 @@ def check_meta(manifest: dict, meta: dict, folder: str, vocabulary: dict | None 
         raise CheckpointError(f"{folder} holds a {nn.family(theirs).title} model (--arch "
                               f"{theirs}), this run builds --arch {ours}: resume with --arch "
                               f"{theirs}, or start a new run in another --save-dir")
+    if saved.get("base", meta.get("base")) != meta.get("base") or \
+            ("lora" in saved) != ("lora" in meta):
+        raise CheckpointError(
+            f"{folder} holds " + (f"LoRA adapters of the base {saved['base']}" if "lora" in
+                                   saved else "a model trained whole") + "; this run " +
+            (f"trains adapters on the base {meta['base']}" if "lora" in meta else
+             "trains the whole model") + ": resume on the same --init-from with the same "
+            "LoRA settings, or start a new run in another --save-dir")
     diffs = [f"{k} {saved[k]!r} there, {v!r} here" for k, v in meta.items()
-             if k in saved and saved[k] != v]
+             if k in saved and saved[k] != v and k != "base_folder"]   # (the base: by digest)
     if diffs:
         raise CheckpointError(f"{folder} was written by a different run: " + "; ".join(diffs)
                               + ". Resume with the same settings, or use another --save-dir")

@@ -14,7 +14,10 @@ class Linear(Module):
     """``y = x @ weight + bias`` with weight stored (in_features, out_features).
 
     Default init is PyTorch's U(-1/sqrt(in), 1/sqrt(in)); pass ``std`` for N(0, std) (GPT-2).
+    ``lora``: a LoRA adapter whose update is added to the output (nn/lora.py).
     """
+
+    lora = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  std: float | None = None, multiple: int = 1, *, over: str = HIDDEN):
@@ -43,13 +46,16 @@ class Linear(Module):
     def forward(self, x: Tensor, residual: Tensor | None = None, norm=None):
         """``residual``: added to the output with the bias, in one pass; ``norm``: a
         LayerNorm or RMSNorm of the result too, in the same pass (returns both)."""
+        if self.lora is not None:                   # + the adapter's low-rank update
+            y = ops.linear(x, self.weight, self.bias, residual) + self.lora(x)
+            return y if norm is None else (y, norm(y))
         if norm is not None:
             return ops.linear_norm(x, self.weight, self.bias, residual, norm)
         return ops.linear(x, self.weight, self.bias, residual)
 
     def gelu(self, x: Tensor) -> Tensor:
         """gelu(x @ weight + bias): the bias and the GELU in one pass after the GEMM."""
-        if self.bias is not None and x.ndim >= 2:
+        if self.bias is not None and x.ndim >= 2 and self.lora is None:
             return ops.linear_gelu(x, self.weight, self.bias)
         return ops.gelu(self(x))
 

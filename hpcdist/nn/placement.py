@@ -18,9 +18,13 @@ from dataclasses import dataclass
 # parallelism and partial with it (each rank sees only its rows). HEADS: this rank's
 # attention heads (a per-head q/k norm: Qwen3): partial over TP, SP or not. SHARDED: the
 # parameter is this rank's shard of the logical tensor (the TP layers; their ``shard_spec``
-# says on which dimension and in what pieces).
-HIDDEN, HEADS, SHARDED = "hidden", "heads", "sharded"
-KINDS = (HIDDEN, HEADS, SHARDED)
+# says on which dimension and in what pieces). SPLIT: applied to an activation tensor
+# parallelism splits, whole on every rank, its gradient this rank's share: partial over TP,
+# SP or not, as HEADS (a LoRA adapter's A on a column-parallel layer, which sees only this
+# rank's output columns' gradient; its B on a row-parallel one, fed this rank's partial
+# product: nn/lora.py).
+HIDDEN, HEADS, SHARDED, SPLIT = "hidden", "heads", "sharded", "split"
+KINDS = (HIDDEN, HEADS, SHARDED, SPLIT)
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,8 @@ def placement(kind: str, layout: Layout, spec=None, expert: bool = False) -> dic
         tp = shard_on(spec.axis if spec is not None else 0)
     elif layout.tp == 1:
         tp = REPLICATE
-    elif kind == HEADS:
-        tp = PARTIAL                                # other heads on the other ranks
+    elif kind in (HEADS, SPLIT):
+        tp = PARTIAL                                # other heads (columns) on the other ranks
     else:
         tp = PARTIAL if layout.sequence_parallel else REPLICATE
     return {"dp": PARTIAL if layout.dp > 1 else REPLICATE,       # each replica its batches

@@ -175,9 +175,10 @@ class PipelineStrategy(Strategy):
         return [f"{inner[0]} | {self.name}, {self.m} micro-batches{virtual}"] + inner[1:]
 
     def sync(self):
-        if self.embed_comm is not None and self.embed_comm.size > 1:   # tied embedding
-            g = (self.model.chunks[0] if self.model.chunks[0].first else
-                 self.model.chunks[-1]).table().weight.grad
+        table = (self.model.chunks[0] if self.model.chunks[0].first else
+                 self.model.chunks[-1]).table() if self.embed_comm is not None else None
+        if table is not None and self.embed_comm.size > 1 and table.weight.requires_grad:
+            g = table.weight.grad                                     # (tied; LoRA: frozen)
             self.embed_comm.allreduce(g, out=g)
         self.inner.sync()
 

@@ -49,6 +49,13 @@ class Settings:
     checkpoint_activations: bool = False  # recompute each block's activations in backward
     init_from: str = ""           # a Hugging Face model folder: its family, shape and weights
     vocab_multiple: int = 0       # token table and head padded to a multiple (0: 64 on a GPU)
+    # LoRA (nn/lora.py): adapters trained over a frozen base
+    lora_rank: int = 0            # 0: every parameter trains
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str = "all-linear"  # roles: q,k,v,o,gate,up,down,experts | all-linear
+    rslora: bool = False          # scale alpha / sqrt(r) in place of alpha / r
+    adapter: str = ""             # a PEFT adapter folder: its settings and weights
     # optimization
     steps: int = 600
     batch_size: int = 64          # per rank

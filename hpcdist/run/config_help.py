@@ -47,6 +47,18 @@ HELP = {
         "device": "cpu | gpu | auto (gpu: one GPU per rank, by node-local rank) | standin "
                   "(the GPU code path on the CPU, for tests: arrays MPI cannot read)",
     },
+    "LoRA (docs/fine-tuning.md)": {
+        "lora_rank": "> 0: train low-rank adapters of this rank on the --lora-targets, the "
+                     "rest of the model frozen (no gradient, no optimizer state, no "
+                     "reduction); 0: every parameter trains",
+        "lora_alpha": "the adapters' scale is alpha / rank (alpha / sqrt(rank) with --rslora)",
+        "lora_dropout": "dropout on the adapters' input (PEFT's lora_dropout)",
+        "lora_targets": "which linears get adapters, by role: q,k,v,o,gate,up,down,experts, "
+                        "or all-linear (every linear of a block; never the head)",
+        "rslora": "rank-stabilised LoRA: scale alpha / sqrt(rank) (PEFT's use_rslora)",
+        "adapter": "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors): "
+                   "its rank, alpha, targets and weights, trained on from there",
+    },
     "experts": {
         "experts": "experts per MoE layer (0: dense MLPs everywhere)",
         "top_k": "experts each token is sent to",

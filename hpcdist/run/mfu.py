@@ -18,6 +18,8 @@ import time
 import numpy as np
 
 from ..device import backend
+from ..nn import lora
+from ..nn.family import count_parameters
 from ..nn.moe import moe_layers
 from ..plan import HARDWARE, flops_per_token  # noqa: F401 (bench gpu uses it too)
 
@@ -27,6 +29,13 @@ CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hpcdist", "peak.json")
 def model_flops_per_token(model, cfg, seq: int) -> float:
     """``flops_per_token`` of the one logical model (``n_params``: its parameter count)."""
     full = getattr(model, "full", model)
+    if lora.adapters(full):       # LoRA: the frozen base's matmuls forward and for the
+        base = count_parameters(full.config)       # activations' gradients (4N, no weight
+        table = full.part("positions")             # gradients), the adapters' 6N
+        base -= table.weight.size if table is not None else 0
+        width = full.config.attention_shape().out_width
+        return flops_per_token(base, cfg.n_layer, width, seq) - 2 * base + \
+            6 * full.logical_parameters()
     params = full.logical_parameters()           # (a padded vocabulary's padding: not)
     table = full.part("positions")                        # a learned position table: no
     params -= table.weight.size if table is not None else 0   # matmul (rotary: no table)

@@ -13,6 +13,8 @@ import numpy as np
 from ..device import backend, kernels
 from ..device.kernels import fp8_gemm
 from ..nn.module import padded_length
+from ..nn import lora
+from ..nn.family import count_parameters
 from ..nn.moe import moe_layers
 from ..autograd import memtrace
 from ..host import signals, threads, timeline
@@ -55,7 +57,7 @@ def header(cfg, model, strategy, world, hosts, train_set, *, test_set) -> list[s
            f"{', every ' + str(cfg.moe_every) + ' blocks' if cfg.moe_every > 1 else ''})"
            if cfg.experts else "")
     line = (f"hpcdist | {model_words(cfg)}{moe}), "
-            f"{cfg_parameters(model, cfg):,} parameters{vocab_words(model, cfg)} | task {cfg.task} "
+            f"{parameter_words(model, cfg)}{vocab_words(model, cfg)} | task {cfg.task} "
             f"({len(train_set):,} train / {len(test_set):,} held-out{documents_words(train_set)})"
             f" | device "
             f"{backend.device_label()} | world size {world} on {hosts}: {layout} | BLAS threads "
@@ -207,6 +209,18 @@ def final_report(run, history: list, t_start: float, train_bytes: int) -> dict:
         f"{test_loss:.4f} | {tokens:,} tokens scored in {evaluated:.1f} s | run "
         f"{final['seconds']:.1f} s")
     return final
+
+
+def parameter_words(model, cfg) -> str:
+    """"N parameters", or under LoRA the base's and the adapters' counts."""
+    full = getattr(model, "full", model)
+    adapted = lora.adapters(full)
+    if not adapted:
+        return f"{cfg_parameters(model, cfg):,} parameters"
+    a = adapted[0][1]
+    return (f"{count_parameters(full.config):,} parameters frozen, "
+            f"{cfg_parameters(model, cfg):,} trained (LoRA rank {a.r}, scale "
+            f"{a.scale:g}, on {len(adapted)} linears)")
 
 
 def cfg_parameters(model, cfg) -> int:

@@ -46,6 +46,28 @@ def _family_problem(c) -> str | None:
     return None
 
 
+def _lora_problem(c) -> str | None:
+    """What LoRA's settings rule out (nn/lora.py checks the rest)."""
+    if c.lora_rank < 0:
+        return f"--lora-rank must be >= 0 (0: no adapters), got {c.lora_rank}"
+    if c.adapter and c.lora_rank:
+        return ("--adapter takes its rank, alpha and targets from its adapter_config.json: "
+                "drop --lora-rank")
+    if not (c.lora_rank or c.adapter):
+        return None
+    from ..nn.lora import LoraSpec, targets_of
+    try:
+        LoraSpec(c.lora_rank or 1, c.lora_alpha, c.lora_dropout, targets_of(c.lora_targets),
+                 c.rslora)
+    except ValueError as e:
+        return str(e)
+    if c.precision == "fp8":
+        return "LoRA with --precision fp8 is not built: use --precision bf16 (the frozen base in bf16)"
+    if c.strategy != "collective":
+        return f"LoRA trains under --strategy collective (DDP, ZeRO, TP, PP, CP, EP), not {c.strategy}"
+    return None
+
+
 def _encoding_problem(c) -> str | None:
     try:
         return codecs.lookup(c.data_encoding) and None
@@ -120,6 +142,7 @@ SETTINGS = [
     ("overwrite", lambda c: c.resume and c.overwrite and
      "--resume continues the run in --save-dir and --overwrite moves it aside: pick one"),
     ("straggler", lambda c: c.straggler and _straggler_problem(c)),
+    ("lora_rank", lambda c: _lora_problem(c)),
 ]
 
 

@@ -60,7 +60,10 @@ class ColumnParallelLinear(Module):
     """y_t = x @ W[:, cols_t] + b[cols_t]: output columns split. The input is replicated (its
     mapping is copy: backward allreduces dx) or, under sequence parallelism (``seq``: the
     model's parallel.sequence.Sequence), split along the sequence (allgather, backward
-    reduce-scatter). ``logical``: the whole weight's shape where ``weight`` is padded."""
+    reduce-scatter). ``logical``: the whole weight's shape where ``weight`` is padded.
+    ``lora``: a LoRA adapter on this rank's columns (nn/lora.py)."""
+
+    lora = None
 
     def __init__(self, weight, bias, comm, pieces=1, seq=None, logical=None, *, multiple=1):
         C_out = weight.shape[1]
@@ -84,10 +87,14 @@ class ColumnParallelLinear(Module):
             copy_to_tp(x, self.comm)
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.linear(self._input(x), self.weight, self.bias, split=self.split)
+        x = self._input(x)
+        y = ops.linear(x, self.weight, self.bias, split=self.split)
+        return y if self.lora is None else y + self.lora(x)      # (this rank's columns)
 
     def gelu(self, x: Tensor) -> Tensor:
         """gelu(x @ W + b) of this rank's columns: the bias and the GELU in one pass."""
+        if self.lora is not None:
+            return ops.gelu(self(x))
         x = self._input(x)
         if self.bias is not None and x.ndim >= 2:
             return ops.linear_gelu(x, self.weight, self.bias, split=self.split)
@@ -97,7 +104,10 @@ class ColumnParallelLinear(Module):
 class RowParallelLinear(Module):
     """y = sum_t x_t @ W[rows_t, :] + b: input features split (already, by the column-parallel
     layer before it); the partial products are allreduced (or reduce-scattered along the
-    sequence); the bias is replicated and added after the reduction."""
+    sequence); the bias is replicated and added after the reduction. ``lora``: a LoRA
+    adapter whose partial product joins the reduction (nn/lora.py)."""
+
+    lora = None
 
     def __init__(self, weight, bias, comm, sequence_parallel=False):
         rows = column_pieces(weight.shape[0], 1, comm.rank, comm.size)
@@ -115,6 +125,8 @@ class RowParallelLinear(Module):
         """``residual``: added after the reduction, as the bias is; ``norm``: the result's
         norm too (returns both; a pass of its own)."""
         y = ops.linear(x, self.weight, split=self.split)
+        if self.lora is not None:                     # its partial sum, reduced with ours
+            y = y + self.lora(x)
         y = reduce_scatter_to_sp(y, self.comm) if self.sp else reduce_from_tp(y, self.comm)
         y = y + self.bias if self.bias is not None else y
         y = y if residual is None else residual + y

@@ -27,8 +27,15 @@ def pieces_of_range(a: int, b: int, world: int, length: int):
 
 
 def identity_hook(x: Tensor, on_backward) -> Tensor:
-    """x itself, plus a callback when backward reaches this point."""
+    """x itself, plus a callback when backward reaches this point — also where x needs no
+    gradient (the first block's input under LoRA, whose base table is frozen): the node is
+    kept so the callback still comes after the block's own backward."""
+    from ..autograd.tensor import is_grad_enabled
+
     def backward(g):
         on_backward()
-        return (g,)
-    return Tensor._make(x.data, (x,), backward)
+        return (g if x.requires_grad else None,)
+    out = Tensor._make(x.data, (x,), backward)
+    if not out.requires_grad and is_grad_enabled():
+        out.requires_grad, out._parents, out._backward = True, (x,), backward
+    return out

@@ -195,3 +195,109 @@ def test_targets_by_role():
         lora.chosen(site, ("q", "v"))
     with pytest.raises(ValueError, match="roles are"):
         lora.LoraSpec(4, 8.0, targets=("qq",))
+
+
+# ---- the command line: train, resume, export, sample -------------------------------------
+
+def _run(*argv, ranks=1, ok=True, cwd=None):
+    bin_ = os.path.dirname(sys.executable)
+    cmd = ([os.path.join(bin_, "mpiexec"), "-n", str(ranks)] if ranks > 1 else []) + \
+        [sys.executable, "-m", *argv]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+    assert (out.returncode == 0) == ok, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A Qwen2 folder (tests/tiny_hf.py), chats prepared with its template, adapters
+    trained on 2 ranks with TP 2 for 6 steps, saved."""
+    root = tmp_path_factory.mktemp("cli")
+    corpus = root / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tiny_hf.py"), "qwen2",
+                    str(root / "base"), str(corpus)], check=True, capture_output=True)
+    with open(root / "chats.jsonl", "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"where is the fox {i}?"},
+                {"role": "assistant", "content": "over the lazy dog."}]}) + "\n")
+    _run("hpcdist.data", "prepare", str(root / "chats.jsonl"), "--tokenizer",
+         str(root / "base"), "--out", str(root / "tok"))
+    said = _run("hpcdist.train", "--init-from", str(root / "base"), "--data",
+                str(root / "tok"), "--block-size", "128", "--batch-size", "2", "--steps", "6",
+                "--lr", "3e-2", "--lora-rank", "4", "--lora-alpha", "8", "--tp", "2",
+                "--save-dir", str(root / "run"), "--out-dir", str(root / "out"), ranks=2)
+    return root, said
+
+
+def test_a_lora_run_trains_the_adapters_alone(trained):
+    from hpcdist import checkpoint
+    root, said = trained
+    assert "parameters frozen" in said and "trained (LoRA rank 4, scale 2" in said
+    reader = checkpoint.Reader(checkpoint.latest(str(root / "run")))
+    kinds = {n.split("/", 1)[0] for n in reader.tensors}
+    assert kinds == {"param", "opt.exp_avg", "opt.exp_avg_sq"}
+    assert all(".lora." in n for n in reader.tensors)
+    assert reader.manifest["meta"]["base"].startswith("sha256:")
+
+
+def test_resume_in_another_layout_and_refused_on_another_base(trained, tmp_path):
+    import shutil
+    root, _ = trained
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    said = _run("hpcdist.train", "--init-from", str(root / "base"), "--data", str(root / "tok"),
+                "--block-size", "128", "--batch-size", "4", "--steps", "8", "--lr", "3e-2",
+                "--lora-rank", "4", "--lora-alpha", "8", "--save-dir", str(run), "--resume",
+                "--out-dir", str(tmp_path / "out"))
+    assert "resumed" in said.lower() and "step     8/8" in said
+    other = tmp_path / "other"                       # the same shape, other weights
+    shutil.copytree(root / "base", other)
+    from hpcdist.checkpoint.hf_files import read_safetensors
+    from hpcdist.checkpoint.tools import write_safetensors
+    path = str(other / "model.safetensors")
+    tensors = {k: np.array(v) for k, v in read_safetensors(path).items()}
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + np.float32(0.01)
+    write_safetensors(path, tensors, {"format": "pt"})
+    said = _run("hpcdist.train", "--init-from", str(other), "--data", str(root / "tok"),
+                "--block-size", "128", "--batch-size", "4", "--steps", "10", "--lora-rank", "4",
+                "--lora-alpha", "8", "--save-dir", str(run), "--resume",
+                "--out-dir", str(tmp_path / "out2"), ok=False)
+    assert "LoRA adapters of the base sha256:" in said and "Traceback" not in said
+
+
+def test_exported_adapters_generate_as_peft_and_sample(trained, tmp_path):
+    """export --format peft: PeftModel.from_pretrained loads it, and its greedy text equals
+    python -m hpcdist.sample's, with the adapter folder and from the checkpoint, token for
+    token; --merge: a folder of the family whose logits are PEFT's merge_and_unload()'s."""
+    root, _ = trained
+    base, out = str(root / "base"), str(tmp_path / "adapter")
+    _run("hpcdist.checkpoint", "export", str(root / "run"), out, "--format", "peft")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(model, out).eval()
+    prompt = [5, 17, 42, 9]
+    ref = pm.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    from hpcdist.checkpoint.hf_files import folder_vocabulary
+    from hpcdist.data.vocab import Tokenizer
+    text = Tokenizer(folder_vocabulary(base)).decode(prompt + ref)
+    ids = ",".join(map(str, prompt))
+    for source in ((base, "--adapter", out), (str(root / "run"),)):
+        said = subprocess.run([sys.executable, "-m", "hpcdist.sample", *source, "--ids", ids,
+                               "--tokens", "10"], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+        assert said.returncode == 0, said.stderr
+        assert said.stdout.rstrip("\n") == text, (source, said.stdout, text)
+    _run("hpcdist.checkpoint", "export", str(root / "run"), str(tmp_path / "merged"),
+         "--format", "safetensors", "--merge")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"),
+                                                               dtype=torch.float32)
+    x = torch.tensor([prompt * 4])
+    want = pm.merge_and_unload()(x).logits.detach().numpy()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    assert np.abs(plain(x).logits.detach().numpy() - want).max() > 1e-3 * np.abs(want).max()
+    np.testing.assert_allclose(merged(x).logits.detach().numpy(), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())

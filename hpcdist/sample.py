@@ -28,10 +28,10 @@ def load(path: str, adapter: str = ""):
     LoRA adapters on it where given; a LoRA checkpoint's base is its folder, read again."""
     if any(os.path.isfile(os.path.join(path, name)) for name in (
             "config.json", "model.safetensors", "model.safetensors.index.json")):
-        from .checkpoint import hf, peft
+        from .checkpoint import adapters, hf, peft
         if adapter:
             spec, tensors, _ = peft.read(adapter)
-            model, v = peft.adapted(path, spec, tensors=tensors, where=adapter)
+            model, v = adapters.adapted(path, spec, tensors=tensors, where=adapter)
         else:
             model, v = hf.load(path)
         return model.eval(), v
@@ -44,8 +44,8 @@ def load(path: str, adapter: str = ""):
     params = {n[len("param/"):]: reader.tensor(n) for n in reader.tensors
               if n.startswith("param/")}
     if "lora" in meta:                                # adapters on a Hugging Face base
-        from .checkpoint import peft
-        model, v = peft.checkpoint_model(meta, params, reader.folder)
+        from .checkpoint import adapters
+        model, v = adapters.checkpoint_model(meta, params, reader.folder)
         return model.eval(), reader.scalars.get("vocabulary") or v
     family = nn.family(nn.arch_of(meta))
     vocab_size, _ = params[family.model.PARTS["tokens"] + ".weight"].shape
@@ -259,7 +259,7 @@ def build(args):
         backend.init(args.device)
         model, v = load(args.model, args.adapter)
         return model, v, 0
-    from .checkpoint import peft
+    from .checkpoint import adapters
     from .comm import Communicator
     from .nn import lora
     from .parallel.tp import apply_tensor_parallel
@@ -271,7 +271,7 @@ def build(args):
     model, v = load(args.model, args.adapter)
     if lora.adapters(model):                          # merged first: then cut as any model
         merged = nn.family(model.config.arch).model(model.config)
-        merged.load_state_dict(peft.merged(model))
+        merged.load_state_dict(adapters.merged(model))
         model = merged
     return apply_tensor_parallel(model, comm).eval(), v, comm.rank
 

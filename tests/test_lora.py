@@ -62,7 +62,8 @@ def _ours(base, adapter):
     from hpcdist.checkpoint import peft as ours_peft
     backend.set_default_float("float64")
     spec, tensors, _ = ours_peft.read(adapter)
-    model, _ = ours_peft.adapted(base, spec, tensors=tensors, where=adapter)
+    from hpcdist.checkpoint import adapters
+    model, _ = adapters.adapted(base, spec, tensors=tensors, where=adapter)
     return model, spec
 
 
@@ -146,12 +147,13 @@ def test_export_loads_in_peft_and_merges_as_merge_and_unload(folders, tmp_path):
     kind, base, adapter = folders
     model, spec = _ours(base, adapter)
     values = {n: backend.to_numpy(p.data) for n, p in model.named_parameters()}
-    ours_peft.write(str(tmp_path / "out"), spec, lora.to_peft(model, values), base)
+    from hpcdist.checkpoint import adapters
+    adapters.write(str(tmp_path / "out"), spec, lora.to_peft(model, values), base)
     again = _theirs(base, str(tmp_path / "out"))
     want = _theirs(base, adapter)(torch.tensor(IDS)).logits.detach().numpy()
     np.testing.assert_allclose(again(torch.tensor(IDS)).logits.detach().numpy(), want,
                                rtol=0, atol=1e-12 * np.abs(want).max())
-    merged = ours_peft.merged(model)
+    merged = adapters.merged(model)
     ref = {n: p.detach().numpy() for n, p in
            _theirs(base, adapter).merge_and_unload().state_dict().items()}
     from hpcdist import nn

@@ -57,24 +57,11 @@ def main(argv=None) -> int:
         params = {n[len("param/"):]: reader.tensor(n) for n in sorted(reader.tensors)
                   if n.startswith("param/")}
         meta = reader.manifest.get("meta") or {}
-        if (args.format == "peft" or args.merge) and "lora" not in meta:
-            raise ValueError(f"{reader.folder} trained the whole model, not LoRA adapters: "
-                             "--format peft and --merge are for a LoRA checkpoint")
-        if args.merge and args.format != "safetensors":
-            raise ValueError("--merge writes a Hugging Face folder: pass --format safetensors")
         if replaced:
             print(f"replacing {replaced} (--overwrite)")
         if args.format == "peft":
             return _export_peft(reader, meta, params, args.out)
-        if "lora" in meta and args.format == "safetensors" and not args.merge:
-            raise ValueError(f"{reader.folder} holds LoRA adapters: --format peft writes "
-                             "them, --format safetensors --merge the merged model")
-        if args.merge:                                 # the base with the update added in
-            from . import peft
-            model, _ = peft.checkpoint_model(meta, params, reader.folder)
-            params = peft.merged(model)
-            meta = dict(meta, **{k: getattr(model.config, k) for k in (
-                "n_layer", "n_head", "n_embd", "bias", "tie_weights")})
+        params, meta = _lora_export(reader, meta, params, args)
         if args.format == "safetensors":
             vocabulary = reader.scalars.get("vocabulary")
             tensors = _staged(args.out, lambda folder: export_hf(
@@ -106,13 +93,36 @@ def main(argv=None) -> int:
         return 2
 
 
+def _lora_export(reader, meta: dict, params: dict, args) -> tuple:
+    """(params, meta) to export: a LoRA checkpoint's base with its adapters merged in
+    (``--merge``); refusals of --merge on a whole model and of a LoRA checkpoint unmerged."""
+    lora_run = "lora" in meta
+    if args.merge and not lora_run:
+        raise ValueError(f"{reader.folder} trained the whole model, not LoRA adapters: "
+                         "--merge is for a LoRA checkpoint")
+    if args.merge and args.format != "safetensors":
+        raise ValueError("--merge writes a Hugging Face folder: pass --format safetensors")
+    if lora_run and not args.merge:
+        raise ValueError(f"{reader.folder} holds LoRA adapters: --format peft writes them, "
+                         "--format safetensors --merge the merged model")
+    if not args.merge:
+        return params, meta
+    from . import adapters                             # the base with the update added in
+    model, _ = adapters.checkpoint_model(meta, params, reader.folder)
+    return adapters.merged(model), dict(meta, **{k: getattr(model.config, k) for k in (
+        "n_layer", "n_head", "n_embd", "bias", "tie_weights")})
+
+
 def _export_peft(reader, meta: dict, params: dict, out: str) -> int:
     """A LoRA checkpoint's adapters as a PEFT folder (their names from its base's family)."""
-    from . import peft
+    if "lora" not in meta:
+        raise ValueError(f"{reader.folder} trained the whole model, not LoRA adapters: "
+                         "--format peft is for a LoRA checkpoint")
+    from . import adapters, peft
     from ..nn import lora
-    model, _ = peft.checkpoint_model(meta, params, reader.folder)
+    model, _ = adapters.checkpoint_model(meta, params, reader.folder)
     tensors = lora.to_peft(model, params)
-    _staged(out, lambda folder: peft.write(folder, peft.spec_of(meta), tensors,
+    _staged(out, lambda folder: adapters.write(folder, adapters.spec_of(meta), tensors,
                                            meta.get("base_folder", "")))
     print(f"wrote {out}/{peft.WEIGHTS} and {peft.CONFIG}: {len(tensors)} tensors "
           "(PEFT's names; peft.PeftModel.from_pretrained(base, OUT) loads the folder)")

@@ -39,29 +39,12 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
 def lora_meta(cfg) -> dict:
     """A LoRA run's adapters (rank, alpha, scale kind, targets) and its frozen base's
     fingerprint: a resume against another base is refused (``check_meta``)."""
-    from ..parallel.strategy import lora_of
-    spec = lora_of(cfg)[0]
+    from .peft import base_fingerprint, of_settings
+    spec = of_settings(cfg)[0]
     return {"lora": {"rank": spec.rank, "alpha": spec.alpha, "rslora": spec.rslora,
                      "targets": list(spec.targets)},
             "base": base_fingerprint(cfg.init_from) if cfg.init_from else f"seed {cfg.seed}",
             "base_folder": os.path.abspath(cfg.init_from) if cfg.init_from else ""}
-
-
-def base_fingerprint(folder: str) -> str:
-    """The weights of a Hugging Face folder named by a digest of each file's size, header
-    and 64 KiB at 16 places (reads about 1 MiB a file, whatever its size)."""
-    import hashlib
-    import os
-    from .hf_files import weight_files
-    h = hashlib.sha256()
-    for path in weight_files(folder):
-        size = os.path.getsize(path)
-        h.update(f"{os.path.basename(path)}:{size}".encode())
-        with open(path, "rb") as f:
-            for i in range(16):
-                f.seek(size * i // 16)
-                h.update(f.read(65536))
-    return "sha256:" + h.hexdigest()[:16]
 
 
 def family_settings(cfg, arch: str) -> dict:

@@ -1,24 +1,12 @@
 """LoRA (Hu et al. 2021): low-rank adapters on a frozen base, as Hugging Face PEFT makes them.
 
-A targeted linear layer computes ``x W + b + s (drop(x) A) B`` with A (in, r) drawn as
-PEFT draws it (Kaiming-uniform, a = sqrt(5)), B (r, out) zero, and s = alpha / r (rsLoRA:
-alpha / sqrt(r)). Everything else in the model is frozen (``freeze``): its parameters become
-``Frozen`` tensors, which are not Parameters, so no gradient is computed for them and
-nothing that trains — the optimizer, DDP's buckets, ZeRO's shards, the gradient norm,
-mixed precision's masters, checkpoints — ever sees them.
-
-Which layers are targets is said by role (q, k, v, o, gate, up, down, experts), read off the
-family's Hugging Face names (nn/hf_adapter.py's table: one site per linear of a block, a
-fused projection one piece per Hugging Face module). A fused q | k | v layer carries one
-A per targeted piece side by side, (in, pieces x r), and their B's side by side, so each
-piece is exactly PEFT's adapter on that module.
-
-Placements (nn/placement.py): on a plain linear both matrices lie as the layer does. On a
-column-parallel layer A sees the whole input and only this rank's output columns' gradient
-(SPLIT: partial over TP) and B is cut like the weight's columns (SHARDED); on a
-row-parallel one A is cut like the weight's rows (SHARDED) and B, fed this rank's partial
-product, gets a partial gradient (SPLIT); its output is added to the layer's partial sum
-before the reduction."""
+A targeted linear computes ``x W + b + s (drop(x) A) B``: A (in, r) Kaiming-uniform as PEFT
+draws it, B (r, out) zero, s = alpha / r (rsLoRA: alpha / sqrt(r)). The rest of the model is
+frozen (``freeze``): ``Frozen`` tensors, not Parameters, so no gradient is computed for them
+and nothing that trains (optimizer, DDP buckets, ZeRO shards, gradient norm, masters,
+checkpoints) sees them. Targets are roles (q, k, v, o, gate, up, down, experts) read off the
+family's Hugging Face names: a fused q | k | v layer carries one A and one B per targeted
+piece, side by side, each exactly PEFT's adapter on that module. Placements: ``Adapter``."""
 from __future__ import annotations
 
 import math
@@ -134,11 +122,14 @@ def chosen(site: Site, targets) -> list:
 class Adapter(Module):
     """The low-rank update of one linear layer: for each targeted piece of its output
     (``widths``, at columns ``starts``), ``s (drop(x) A_j) B_j``; A = [A_1 | ...] and
-    B = [B_1 | ...]. ``mode``: "plain" (a Linear: both lie as the layer), "column" or "row"
-    (its tensor-parallel kind; ``tp``: the group's size). Returns the update of the layer's
-    (local) output."""
+    B = [B_1 | ...]. ``mode``: "plain" (a Linear: both lie as the layer, ``over``), "column"
+    or "row" (its tensor-parallel kind; ``tp``, ``rank``: the group's size, this rank).
+    Placements (nn/placement.py): on a column-parallel layer A sees the whole input but only
+    this rank's columns' gradient (SPLIT) and B is cut as the weight's columns (SHARDED); on
+    a row-parallel one A is cut as the weight's rows (SHARDED) and B, fed this rank's partial
+    product, gets a partial gradient (SPLIT), its output joining the layer's reduction."""
 
-    def __init__(self, spec: LoraSpec, in_features: int, out_local: int, pieces: list,
+    def __init__(self, spec: LoraSpec, in_features: int, out_local: int, pieces: list, *,
                  mode: str = "plain", over: str = "hidden", tp: int = 1, rank: int = 0):
         """``pieces``: (start, width) of each targeted piece in the logical output."""
         from .layers import Dropout
@@ -223,7 +214,6 @@ def attach(model, family, cfg, spec: LoraSpec) -> list:
     """Put an Adapter on every targeted linear of ``model`` (tensor-parallel layers
     included); returns the adapted paths. No target in the model is a ValueError."""
     from .family import resolve
-    from ..parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
     done = []
     for site in sites(family, cfg, model):
         picked = chosen(site, spec.targets)
@@ -232,16 +222,12 @@ def attach(model, family, cfg, spec: LoraSpec) -> list:
         layer = resolve(model, site.path)[2]
         at = np.cumsum((0,) + site.widths)
         pieces = [(int(at[i]), int(site.widths[i])) for i in picked]
-        if isinstance(layer, ColumnParallelLinear):
-            mode, tp, rank = "column", layer.comm.size, layer.comm.rank
-            n_in = layer.weight.shape[0]
-        elif isinstance(layer, RowParallelLinear):
-            mode, tp, rank = "row", layer.comm.size, layer.comm.rank
-            n_in = layer.weight.shape[0] * tp
-        else:
-            mode, tp, rank, n_in = "plain", 1, 0, layer.weight.shape[0]
+        mode = getattr(layer, "tp_kind", "plain")      # (parallel/tp/layers.py: its cut)
+        tp, rank = (layer.comm.size, layer.comm.rank) if mode != "plain" else (1, 0)
+        n_in = layer.weight.shape[0] * (tp if mode == "row" else 1)
         over = layer.placements.get("weight", "hidden")
-        layer.lora = Adapter(spec, n_in, layer.weight.shape[1], pieces, mode, over, tp, rank)
+        layer.lora = Adapter(spec, n_in, layer.weight.shape[1], pieces, mode=mode, over=over,
+                             tp=tp, rank=rank)
         layer.lora.theirs = tuple(site.modules[i] for i in picked)
         layer.lora.logical = (n_in, tuple(w for _, w in pieces))
         done.append(site.path)
@@ -251,8 +237,8 @@ def attach(model, family, cfg, spec: LoraSpec) -> list:
     return done
 
 
-def apply(model, family, cfg, spec: LoraSpec, tensors: dict | None = None, where: str = "",
-          dtype=None) -> list:
+def apply(model, family, cfg, spec: LoraSpec, *, tensors: dict | None = None,
+          where: str = "", dtype=None) -> list:
     """LoRA on ``model``: its adapters attached (``attach``), set from PEFT's ``tensors``
     where given (``where``: their folder), and everything else frozen (in ``dtype``)."""
     paths = attach(model, family, cfg, spec)

@@ -178,18 +178,11 @@ def make_model(cfg, comm, mesh, train_set):
         apply_context_parallel(model, mesh.cp_comm, cfg.cp_impl)
     if cfg.lora_rank or cfg.adapter:               # adapters on the cut layers, the rest frozen
         low = None if cfg.precision == "fp32" else backend.compute_dtype(cfg.precision)
-        lora.apply(model, nn.family(cfg.arch), model.config, *lora_of(cfg), dtype=low)
-    return model
-
-
-def lora_of(cfg) -> tuple:
-    """(LoraSpec, PEFT's tensors or None, their folder) of a run's LoRA settings."""
-    if cfg.adapter:
         from ..checkpoint import peft
-        spec, tensors, _ = peft.read(cfg.adapter)
-        return spec, tensors, cfg.adapter
-    return lora.LoraSpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                         lora.targets_of(cfg.lora_targets), cfg.rslora), None, ""
+        spec, tensors, where = peft.of_settings(cfg)
+        lora.apply(model, nn.family(cfg.arch), model.config, spec, tensors=tensors,
+                   where=where, dtype=low)
+    return model
 
 
 def vocab_multiple(cfg) -> int:

@@ -64,6 +64,7 @@ class ColumnParallelLinear(Module):
     ``lora``: a LoRA adapter on this rank's columns (nn/lora.py)."""
 
     lora = None
+    tp_kind = "column"          # (what an adapter on it reads: nn/lora.py)
 
     def __init__(self, weight, bias, comm, pieces=1, seq=None, logical=None, *, multiple=1):
         C_out = weight.shape[1]
@@ -108,6 +109,7 @@ class RowParallelLinear(Module):
     adapter whose partial product joins the reduction (nn/lora.py)."""
 
     lora = None
+    tp_kind = "row"
 
     def __init__(self, weight, bias, comm, sequence_parallel=False):
         rows = column_pieces(weight.shape[0], 1, comm.rank, comm.size)

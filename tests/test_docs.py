@@ -159,6 +159,10 @@ HOW = {
     "python -m hpcdist.sample runs/chat": (None, "as shown (skipped without transformers)"),
     "python -m hpcdist.checkpoint export runs/chat": (None, "as shown (skipped without "
                                                             "transformers)"),
+    "python -m hpcdist.checkpoint export runs/lora": (None, "as shown (skipped without "
+                                                            "transformers)"),
+    "python -m hpcdist.sample hf/qwen2 --adapter": (None, "as shown (skipped without "
+                                                          "transformers)"),
 }
 
 _QA = [("where is the cat?", "the cat is on the mat."),

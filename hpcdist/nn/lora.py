@@ -17,6 +17,7 @@ import numpy as np
 from ..autograd import ops
 from ..autograd.tensor import Tensor
 from ..device import backend
+from .frozen import Frozen
 from .module import Module, Parameter, Shard, init_uniform
 from .placement import SHARDED, SPLIT
 
@@ -200,16 +201,6 @@ def _zeros(x: Tensor, u: Tensor, width: int) -> Tensor:
     return Tensor(xp.zeros(x.shape[:-1] + (width,), dtype=u.data.dtype))
 
 
-class Frozen(Tensor):
-    """A base weight LoRA does not train: data only, never a gradient (not a Parameter, so
-    nothing that trains finds it)."""
-
-    __slots__ = ()
-
-    def __init__(self, data):
-        super().__init__(data, requires_grad=False)
-
-
 def attach(model, family, cfg, spec: LoraSpec) -> list:
     """Put an Adapter on every targeted linear of ``model`` (tensor-parallel layers
     included); returns the adapted paths. No target in the model is a ValueError."""
@@ -238,15 +229,22 @@ def attach(model, family, cfg, spec: LoraSpec) -> list:
 
 
 def apply(model, family, cfg, spec: LoraSpec, *, tensors: dict | None = None,
-          where: str = "", dtype=None) -> list:
+          where: str = "", dtype=None, nf4: bool = False) -> list:
     """LoRA on ``model``: its adapters attached (``attach``), set from PEFT's ``tensors``
-    where given (``where``: their folder), and everything else frozen (in ``dtype``)."""
+    where given (``where``: their folder), and everything else frozen (in ``dtype``); with
+    ``nf4``, every block linear's weight held in 4-bit NormalFloat (QLoRA: nn/nf4.py)."""
+    from .family import resolve
+    from .nf4 import NF4
     paths = attach(model, family, cfg, spec)
     if tensors is not None:
         values = from_peft(model, tensors, where)
         for path, a in adapters(model):
             a.load_logical(values[path + ".lora.A"], values[path + ".lora.B"])
     freeze(model, dtype)
+    if nf4:
+        for site in sites(family, cfg, model):
+            layer = resolve(model, site.path)[2]
+            layer.weight = NF4(layer.weight.data, layer.weight.data.dtype)
     return paths
 
 

@@ -181,7 +181,7 @@ def make_model(cfg, comm, mesh, train_set):
         from ..checkpoint import peft
         spec, tensors, where = peft.of_settings(cfg)
         lora.apply(model, nn.family(cfg.arch), model.config, spec, tensors=tensors,
-                   where=where, dtype=low)
+                   where=where, dtype=low, nf4=cfg.base_dtype == "nf4")
     return model
 
 

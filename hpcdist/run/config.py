@@ -56,6 +56,7 @@ class Settings:
     lora_targets: str = "all-linear"  # roles: q,k,v,o,gate,up,down,experts | all-linear
     rslora: bool = False          # scale alpha / sqrt(r) in place of alpha / r
     adapter: str = ""             # a PEFT adapter folder: its settings and weights
+    base_dtype: str = "auto"      # auto (the compute precision's) | nf4 (QLoRA: nn/nf4.py)
     # optimization
     steps: int = 600
     batch_size: int = 64          # per rank

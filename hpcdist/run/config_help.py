@@ -58,6 +58,9 @@ HELP = {
         "rslora": "rank-stabilised LoRA: scale alpha / sqrt(rank) (PEFT's use_rslora)",
         "adapter": "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors): "
                    "its rank, alpha, targets and weights, trained on from there",
+        "base_dtype": "the frozen base's storage: auto (the compute precision's dtype) | nf4 "
+                      "(QLoRA: every block linear's weight in 4-bit NormalFloat, blocks of 64, "
+                      "double-quantised scales, dequantised for each GEMM)",
     },
     "experts": {
         "experts": "experts per MoE layer (0: dense MLPs everywhere)",

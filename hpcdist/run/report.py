@@ -15,6 +15,7 @@ from ..device.kernels import fp8_gemm
 from ..nn.module import padded_length
 from ..nn import lora
 from ..nn.family import count_parameters
+from ..nn.nf4 import NF4
 from ..nn.moe import moe_layers
 from ..autograd import memtrace
 from ..host import signals, threads, timeline
@@ -218,7 +219,10 @@ def parameter_words(model, cfg) -> str:
     if not adapted:
         return f"{cfg_parameters(model, cfg):,} parameters"
     a = adapted[0][1]
-    return (f"{count_parameters(full.config):,} parameters frozen, "
+    packed = [t for _, t in lora.frozen(full) if isinstance(t, NF4)]
+    bits = sum(t.nbytes for t in packed) * 8 / max(sum(t.size for t in packed), 1)
+    nf4 = f" ({len(packed)} block weights in NF4, {bits:.2f} bits each)" if packed else ""
+    return (f"{count_parameters(full.config):,} parameters frozen{nf4}, "
             f"{cfg_parameters(model, cfg):,} trained (LoRA rank {a.r}, scale "
             f"{a.scale:g}, on {len(adapted)} linears)")
 

@@ -23,6 +23,7 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "balance": ("aux", "bias", "none"), "on_failure": ("abort", "shrink"),
            "shrink_batch": ("scale", "keep"), "attention": ("auto", "flash", "gemms", "cudnn"),
            "cuda_graph": ("off", "on", "auto"), "packing": ("bfd", "off"),
+           "base_dtype": ("auto", "nf4"),
            "arch": tuple(nn.FAMILIES)}
 
 
@@ -54,7 +55,8 @@ def _lora_problem(c) -> str | None:
         return ("--adapter takes its rank, alpha and targets from its adapter_config.json: "
                 "drop --lora-rank")
     if not (c.lora_rank or c.adapter):
-        return None
+        return c.base_dtype != "auto" and ("--base-dtype nf4 freezes the base for LoRA: "
+                                           "add --lora-rank R (or --adapter DIR)")
     from ..nn.lora import LoraSpec, targets_of
     try:
         LoraSpec(c.lora_rank or 1, c.lora_alpha, c.lora_dropout, targets_of(c.lora_targets),

@@ -4,8 +4,9 @@ parallel cuts put together), for a Llama with grouped-query attention and every 
 adapted: tensor parallelism with and without sequence parallelism (the partial gradients of
 A on column-parallel layers and B on row-parallel ones summed), pipeline stages, ZeRO-1 and
 ZeRO-3 with recompute, context parallelism (ring and Ulysses), and experts under expert
-parallelism. The base is frozen: the checkpoint holds the adapters and their optimizer
-state only."""
+parallelism; QLoRA's 4-bit base under PP and ZeRO-3 (the ranks quantise the same whole
+tensors; under TP each rank quantises its shard, in blocks of its own: not compared). The
+base is frozen: the checkpoint holds the adapters and their optimizer state only."""
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -39,8 +40,10 @@ def _layouts(W):
         yield {"cp": 2}
         yield {"cp": 2, "cp_impl": "ulysses"}
         yield {"experts": 4, "top_k": 2, "ep": 2, "lora_targets": "q,v,experts"}
+        yield {"pp": 2, "micro_batches": 2, "base_dtype": "nf4"}   # (each stage: its blocks)
     if W >= 2:
         yield {"zero": 1}
+        yield {"zero": 3, "base_dtype": "nf4"}     # QLoRA: the same 4-bit base on every rank
     yield {}
 
 

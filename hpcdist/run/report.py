@@ -168,6 +168,17 @@ def exit_code(signum: int) -> int:
     return signals.EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
 
 
+def with_frozen(memory: dict, model) -> dict:
+    """``memory`` with a LoRA run's frozen base (its bytes as held: NF4's 4-bit form)."""
+    held = lora.frozen(getattr(model, "full", model) if not hasattr(model, "chunks")
+                       else model)
+    if not held:
+        return memory
+    frozen = sum(t.nbytes if isinstance(t, NF4) else t.data.nbytes for _, t in held)
+    out = {k: v for k, v in memory.items() if k != "total"}
+    return dict(out, frozen=frozen, total=memory["total"] + frozen)
+
+
 def final_report(run, history: list, t_start: float, train_bytes: int) -> dict:
     """Held-out accuracy and loss, memory, the run's totals (collective: evaluation).
     ``run``: loop.Run."""
@@ -188,8 +199,8 @@ def final_report(run, history: list, t_start: float, train_bytes: int) -> dict:
              "skipped_steps": strategy.scaler.skipped,
              "bytes_per_step": train_bytes / ran,
              "step_ms_median": float(np.median(step_ms)) if step_ms else 0.0,
-             "memory_peak": strategy.peak_memory(),    # the largest within any step
-             "memory_state": strategy.memory()}        # between steps
+             "memory_peak": with_frozen(strategy.peak_memory(), model),  # within any step
+             "memory_state": with_frozen(strategy.memory(), model)}       # between steps
     say("model state per rank, MiB (peak within a step): "
         + ", ".join(f"{k} {v / 2 ** 20:.3f}" for k, v in final["memory_peak"].items()))
     held = memtrace.most()

@@ -321,3 +321,17 @@ def test_kernels_bench_times_each_memory_bound_kernel_both_ways(tmp_path):
     from hpcdist.device import backend
     if backend.gpu_count() == 0:
         assert "no GPU visible" in bench("kernels", "--rows", "8", "--embd", "8")
+
+
+def test_lora_bench_counts_the_adapters_state_alone(tmp_path):
+    pytest.importorskip("peft")
+    out = bench("lora", "--steps", "3", "--batch", "2", "--block", "64", "--records", "80",
+                "--rank", "4")
+    rows = {line[:30].strip(): line[30:].split() for line in out.splitlines()
+            if line.startswith("  hpcdist") or line.startswith("  P")}
+    full, lora, qlora = (rows[k] for k in ("hpcdist full fine-tuning", "hpcdist LoRA",
+                                           "hpcdist QLoRA (nf4 base)"))
+    peft_ = rows["PEFT + PyTorch LoRA"]
+    assert lora[2:4] == peft_[2:4]                     # the same gradients and AdamW state
+    assert float(lora[2]) < float(full[2]) / 4 and float(qlora[1]) < float(lora[1]) / 2
+    assert "LoRA / PEFT step time" in out

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "nanogpt": "hpcdist.bench.nanogpt",
     "gpu": "hpcdist.bench.gpu",
     "kernels": "hpcdist.bench.kernels",
+    "lora": "hpcdist.bench.lora",
     "peers": "hpcdist.bench.peers",
     "pipeline": "hpcdist.bench.pipeline",
     "plan": "hpcdist.bench.plan",

@@ -96,7 +96,7 @@ STANDIN_SIZES ?= 3
 STANDIN_TESTS = tests/mpi/test_modes.py tests/mpi/test_zero.py \
                tests/mpi/test_ddp.py tests/mpi/test_pipeline.py tests/mpi/test_tensor_parallel.py \
                tests/mpi/test_context_parallel.py tests/mpi/test_moe.py tests/mpi/test_llama.py \
-               tests/mpi/test_token_loss.py
+               tests/mpi/test_token_loss.py tests/mpi/test_lora.py
 
 test-standin: venv
 	HPCDIST_DEVICE=standin $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py \

@@ -25,6 +25,8 @@ def main(argv=None) -> int:
                                  epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False)
     ap.add_argument("model", help="a Hugging Face folder, a save folder or a checkpoint")
     ap.add_argument("--data", required=True, help="token shards (a prepared folder)")
+    ap.add_argument("--adapter", default="", help="a PEFT LoRA adapter folder on MODEL (a "
+                    "Hugging Face folder)")
     ap.add_argument("--block-size", type=int, default=0,
                     help="tokens per row (default: the model's context, at most 1,024)")
     ap.add_argument("--dtype", choices=("fp32", "fp64"), default="fp32")
@@ -59,7 +61,7 @@ def evaluate_model(args, comm) -> tuple[float, int]:
     backend.init("cpu")
     backend.set_default_float("float64" if args.dtype == "fp64" else "float32")
     try:
-        model, _ = load(args.model)
+        model, _ = load(args.model, args.adapter)
         block = args.block_size or min(model.config.block_size, 1024)
         if block > model.config.block_size and model.PARTS.get("positions"):
             raise ValueError(f"--block-size {block} is past the model's "

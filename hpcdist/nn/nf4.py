@@ -42,25 +42,34 @@ def quantize(w) -> dict:
     two indices a byte, the first in the low half), the double-quantised block maxima
     ("scales" int8, "scale_of" fp32 per 256 blocks, "mean" fp32) and the shape."""
     xp = backend.array_module(w)
-    flat = xp.asarray(w, dtype=xp.float32).reshape(-1)
+    flat = xp.asarray(w, dtype=np.float32).reshape(-1)
     if flat.size % BLOCK:
-        flat = xp.concatenate([flat, xp.zeros(-flat.size % BLOCK, xp.float32)])
+        flat = xp.concatenate([flat, xp.zeros(-flat.size % BLOCK, np.float32)])
     blocks = flat.reshape(-1, BLOCK)
     absmax = xp.abs(blocks).max(axis=1)
     safe = xp.where(absmax > 0, absmax, 1)
-    idx = xp.searchsorted(xp.asarray(_MIDS), blocks / safe[:, None]).astype(xp.uint8)
-    idx = idx.reshape(-1)
-    codes = (idx[0::2] | (idx[1::2] << 4)).astype(xp.uint8)
+    idx = _nearest(xp, (blocks / safe[:, None]).reshape(-1))
+    codes = (idx[0::2] | (idx[1::2] << 4)).astype(np.uint8)
     mean = absmax.mean()
     centred = absmax - mean
     n = centred.size
     pad = -n % SCALE_BLOCK
-    groups = xp.concatenate([centred, xp.zeros(pad, xp.float32)]).reshape(-1, SCALE_BLOCK)
+    groups = xp.concatenate([centred, xp.zeros(pad, np.float32)]).reshape(-1, SCALE_BLOCK)
     scale_of = xp.abs(groups).max(axis=1) / 127
-    scale_of = xp.where(scale_of > 0, scale_of, 1).astype(xp.float32)
-    scales = xp.rint(groups / scale_of[:, None]).astype(xp.int8).reshape(-1)[:n]
+    scale_of = xp.where(scale_of > 0, scale_of, 1).astype(np.float32)
+    scales = xp.rint(groups / scale_of[:, None]).astype(np.int8).reshape(-1)[:n]
     return {"codes": codes, "scales": scales, "scale_of": scale_of,
-            "mean": xp.asarray(mean, xp.float32), "shape": tuple(w.shape)}
+            "mean": xp.asarray(mean, np.float32), "shape": tuple(w.shape)}
+
+
+def _nearest(xp, v, chunk: int = 1 << 20):
+    """The index of the code value nearest each of ``v`` (the count of boundaries below it;
+    a tie goes to the lower), ``chunk`` values at a time (a 16-wide comparison each)."""
+    mids = xp.asarray(_MIDS)
+    out = xp.empty(v.size, dtype=np.uint8)
+    for lo in range(0, v.size, chunk):
+        out[lo:lo + chunk] = (v[lo:lo + chunk, None] > mids).sum(axis=1)
+    return out
 
 
 def block_maxima(q: dict):
@@ -68,14 +77,14 @@ def block_maxima(q: dict):
     xp = backend.array_module(q["codes"])
     n = q["scales"].size
     per = xp.repeat(q["scale_of"], SCALE_BLOCK)[:n]
-    return q["scales"].astype(xp.float32) * per + q["mean"]
+    return q["scales"].astype(np.float32) * per + q["mean"]
 
 
 def dequantize(q: dict, dtype=np.float32):
     """The weight of NF4 form ``q`` in ``dtype``: each index's code value x its block's
     maximum."""
     xp = backend.array_module(q["codes"])
-    idx = xp.empty(q["codes"].size * 2, dtype=xp.uint8)
+    idx = xp.empty(q["codes"].size * 2, dtype=np.uint8)
     idx[0::2] = q["codes"] & 15
     idx[1::2] = q["codes"] >> 4
     values = xp.asarray(CODE)[idx].reshape(-1, BLOCK) * block_maxima(q)[:, None]

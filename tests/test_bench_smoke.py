@@ -325,7 +325,7 @@ def test_kernels_bench_times_each_memory_bound_kernel_both_ways(tmp_path):
 
 def test_lora_bench_counts_the_adapters_state_alone(tmp_path):
     pytest.importorskip("peft")
-    out = bench("lora", "--steps", "3", "--batch", "2", "--block", "64", "--records", "80",
+    out = bench("lora", "--steps", "2", "--batch", "2", "--block", "32", "--records", "40",
                 "--rank", "4")
     rows = {line[:30].strip(): line[30:].split() for line in out.splitlines()
             if line.startswith("  hpcdist") or line.startswith("  P")}

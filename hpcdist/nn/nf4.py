@@ -1,17 +1,12 @@
 """4-bit NormalFloat (QLoRA, Dettmers et al. 2023, section 3): a frozen base weight in 4 bits.
 
-The 16 code values are the paper's: quantiles of N(0, 1), 8 for the positive half and 7 for
-the negative, with an exact 0, normalised to [-1, 1] (``CODE``; the offset 0.9677 is
-bitsandbytes', the paper's reference). A weight is cut into blocks of 64 (in its C order);
-each block stores its absolute maximum and, per element, the index of the code value nearest
-to the element over that maximum: two indices a byte. Double quantisation: the blocks' fp32
-maxima, less their mean, are themselves quantised to 8 bits in blocks of 256 (int8 over each
-block's absolute maximum, one fp32 scale each; the paper's are 8-bit floats). About 4.127 bits
-a parameter: 4 + 8/64 + 32/(64 x 256), plus one fp32 mean a tensor.
-
-``NF4`` is a Frozen tensor whose ``data`` is the weight dequantised when it is read — by each
-GEMM, forward and backward, on the device its indices are on — and dropped after: never
-stored whole. ``quantize`` / ``dequantize`` are array functions (NumPy or CuPy)."""
+The 16 code values are the paper's: quantiles of N(0, 1), 8 positive and 7 negative, an exact
+0, normalised to [-1, 1] (``CODE``; offset 0.9677 as bitsandbytes, the paper's reference). A
+weight is cut into blocks of 64 (C order); each keeps its absolute maximum and, per element,
+the index of the nearest code value to element / maximum, two a byte. Double quantisation:
+the maxima less their mean, int8 over each 256 blocks' absolute maximum (the paper: 8-bit
+floats). 4 + 8/64 + 32/(64 x 256) = 4.127 bits a parameter. ``NF4``'s ``data`` is the weight
+dequantised when read (by each GEMM, forward and backward, on its device), never stored."""
 from __future__ import annotations
 
 from statistics import NormalDist

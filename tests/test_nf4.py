@@ -136,3 +136,35 @@ def test_qlora_held_out_loss_is_within_2_percent_of_lora(tmp_path):
             assert "block weights in NF4, 4.1" in said
     assert math.isfinite(losses["nf4"]) and losses["auto"] < math.log(300) - 0.05
     assert abs(losses["nf4"] - losses["auto"]) <= 0.02 * losses["auto"], losses
+
+
+@pytest.mark.parametrize("base_dtype", ["auto", "nf4"])
+def test_the_planner_predicts_a_lora_runs_model_state(base_dtype, tmp_path):
+    """The planner's LoRA (Settings.lora_rank, base_bits) = the run's model state: the frozen
+    base (as held) and the adapters' parameters, gradients and AdamW moments (fp32) at 1
+    rank: exactly, and within 10% with an NF4 base (its padding and per-tensor scales)."""
+    from hpcdist import nn, plan as P
+    from hpcdist.comm import Communicator
+    from hpcdist.train import parse_config, train
+    from mpi4py import MPI
+    argv = ["--arch", "llama", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2",
+            "--n-embd", "64", "--task", "sort", "--length", "6", "--num-digits", "4",
+            "--steps", "2",
+            "--batch-size", "4", "--lora-rank", "4", "--base-dtype", base_dtype,
+            "--out-dir", str(tmp_path), "--vocab-multiple", "1", "--log-every", "100"]
+    cfg = parse_config(argv)
+    final = train(cfg, comm=Communicator(MPI.COMM_SELF), log=lambda *a, **k: None)
+    got = final["memory_state"]
+    from hpcdist import data
+    task, _ = data.make_task("sort", length=6, num_digits=4)
+    config = nn.config_of(cfg, vocab_size=task.vocab_size, block_size=task.block_size)
+    model = P.Model.of(config)
+    settings = P.Settings(param_bytes=4, grad_bytes=4, optimizer_bytes=8, buffers=0.0,
+                          lora_rank=4, base_bits=4.127 if base_dtype == "nf4" else 0.0)
+    L = P.Layout(1, 1, 1, 0, 4, 1, "none", 1, False, False)
+    want = P.memory(model, L, settings, stage="first")
+    assert got["grads"] == want["grads"] and got["optimizer"] == want["optimizer"]
+    held = got["params"] + got["frozen"]
+    assert 0.9 <= held / want["params"] <= 1.1, (held, want["params"])
+    if base_dtype == "auto":
+        assert held == want["params"]

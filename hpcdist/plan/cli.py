@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from .. import nn
 from ..run.config import add_setting
+from . import lora
 from .facts import GB, GPU, HARDWARE, PRESETS
 from .model import FEATURES, Model, Settings
 from .search import best_per_mesh, plan
@@ -92,6 +93,7 @@ def parser() -> argparse.ArgumentParser:
     add("--efficiency", type=float, default=Settings.efficiency,
         help="fraction of the peak the layers' matmuls reach")
     add("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute precision")
+    lora.add_flags(add)
     add("--tp-across-nodes", action="store_true", help="consider TP groups that leave a node")
     add("--no-sequence-parallel", action="store_true",
         help="leave sequence parallelism out (a framework without it)")
@@ -182,7 +184,8 @@ def main(argv=None) -> int:
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         ap.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
     settings = Settings(efficiency=args.efficiency, dtype=args.dtype,
-                        tp_across_nodes=args.tp_across_nodes, **FEATURES[args.features])
+                        tp_across_nodes=args.tp_across_nodes, **lora.settings(args, ap),
+                        **FEATURES[args.features])
     settings = replace(settings, cp_sizes=tuple(c for c in settings.cp_sizes if c <= args.max_cp))
     if args.no_sequence_parallel:
         settings = replace(settings, sequence_parallel=False)
@@ -354,7 +357,7 @@ def train_args(model: Model, L, settings: Settings) -> list:
         a += ["--moe-every", model.moe_every] if model.moe_every > 1 else []
         a += ["--ep", L.ep] if L.ep > 1 else []
     a += ["--checkpoint-activations"] if L.recompute else []
-    return [str(x) for x in a]
+    return [str(x) for x in a + lora.train_flags(settings)]
 
 
 def command(model: Model, fits: list, gpus: int, per_node: int, settings: Settings) -> str:

@@ -41,13 +41,27 @@ def memory(model: Model, L: Layout, settings: Settings = Settings(),
         shard = -(-int(psi) // d)         # shard: the layout's first, ceil(psi / d))
         return tuple(b * (shard if kind in sharded else psi) for kind, b in
                      (("params", pb), ("grads", gb), ("optimizer", ob)))
+    blocks = {"first": sizes[0], "last": sizes[-1], "middle": max(sizes[1:-1] or [0])}
     out = {}
     for name, psi in held.items():
-        p, g, o = state(psi)
+        p, g, o = state(psi) if not settings.lora_rank else \
+            lora_state(model, L, settings, psi, blocks[name], state)
         act = activations(model, L, settings, name)
         out[name] = {"params": p, "grads": g, "optimizer": o, "activations": act,
                      "buffers": settings.buffers, "total": p + g + o + act + settings.buffers}
     return out[stage] if stage else max(out.values(), key=lambda x: x["total"])
+
+
+def lora_state(model: Model, L: Layout, settings: Settings, psi: float, blocks: int,
+               state) -> tuple:
+    """(params, grads, optimizer) bytes of a LoRA stage holding ``psi`` base parameters in
+    ``blocks`` blocks: the frozen base whole (its block weights at ``base_bits`` where set),
+    the adapters' state as any parameters' (``state``: ZeRO's sharding)."""
+    weights = blocks * model.matmul_weights / L.tp
+    bits = settings.base_bits or 8 * settings.param_bytes
+    base = (psi - weights) * settings.param_bytes + weights * bits / 8
+    p, g, o = state(blocks * model.lora_parameters(settings.lora_rank, L.tp))
+    return base + p, g, o
 
 
 def moe_block(model: Model, L: Layout) -> float:

@@ -107,6 +107,19 @@ class Model:
         up = 2 * a.mlp_width if a.gated else a.mlp_width
         return h * a.attention.width + a.attention.out_width * h + h * up + a.mlp_width * h
 
+    def lora_parameters(self, rank: int, tp: int) -> float:
+        """A dense block's LoRA adapters (every linear adapted: ``--lora-targets
+        all-linear``) on one of ``tp`` ranks: one A (in, r) and one B (r, out) per Hugging
+        Face module, a column-parallel layer's B and a row-parallel one's A cut over TP.
+        Gated families have q, k, v and gate, up as modules of their own; GPT-2 fuses each."""
+        a, h = self.anatomy, self.hidden
+        up = 2 * a.mlp_width if a.gated else a.mlp_width
+        pieces_qkv, pieces_up = (3, 2) if a.gated else (1, 1)
+        return rank * (pieces_qkv * h + a.attention.width / tp            # q | k | v
+                       + a.attention.out_width / tp + h                    # the output
+                       + pieces_up * h + up / tp                           # gate | up
+                       + a.mlp_width / tp + h)                             # down
+
     @property
     def block_split(self) -> int:
         """A dense block's parameters tensor parallelism splits (matmuls, column biases)."""
@@ -321,6 +334,11 @@ class Settings:
     grad_bytes: int = 4               # fp32 gradient accumulation and reduction
     param_bytes: int = 2              # bf16 parameters (4: an fp32 run)
     optimizer_bytes: int = 12         # fp32 master + Adam's two moments (8: an fp32 run)
+    # LoRA (nn/lora.py): adapters of this rank on every block linear, the base frozen (its
+    # parameters at param_bytes, or base_bits a block weight: NF4's 4.127), no gradient or
+    # optimizer state for it, not sharded by ZeRO (hpcdist's ZeRO-3 keeps the base whole)
+    lora_rank: int = 0
+    base_bits: float = 0.0
     # Costs a FLOP count misses (0 for a GPU's fused kernels at scale; calibrated for a CPU
     # run by ``bench plan``): seconds per layer per forward (a backward costs two), seconds
     # per byte of activations a layer writes in forward (memory-bound elementwise work:

@@ -114,9 +114,11 @@ def test_prepare_writes_document_shards_whose_rows_train_the_answers(tmp_path):
         want = np.where(mask[1:] == 1, ids[1:], data.IGNORE)
         assert list(y[0, :n]) == list(want) and (y[0, n:] == data.IGNORE).all()
     x, y = train.batch([1])
-    short = documents.Documents(shards.shard_paths(str(tmp_path / "tok"))[0], 8,
-                                train.vocab_size, train.vocabulary)
+    paths = shards.shard_paths(str(tmp_path / "tok"))[0]
+    short = documents.Documents(paths, 8, train.vocab_size, train.vocabulary, split="held-out")
     assert train.truncated == 4 and short.truncated == 12 and np.array_equal(short.batch([1])[0], x[:, :8])
+    with pytest.raises(ValueError, match="--block-size 8: none of the first 12 documents"):
+        documents.Documents(paths, 8, train.vocab_size, train.vocabulary)   # trains nothing
 
 
 @pytest.mark.parametrize("line, says", [

@@ -84,6 +84,25 @@ class Documents:
             raise ValueError(f"the {split} shards hold no document")
         lengths = np.concatenate([np.diff(s) for s in self.starts])
         self.truncated = int((lengths > block_size + 1).sum())
+        if split == "training":
+            self._check_trains_something()
+
+    def _check_trains_something(self, sample: int = 4096) -> None:
+        """Refuse a block that cuts every trained token off (a prompt or template longer
+        than the block: the run would train on nothing), judged by the first ``sample``
+        documents (a look at their masks only)."""
+        seen = 0
+        for mask, starts in zip(self.masks, self.starts):
+            for i in range(min(len(starts) - 1, sample - seen)):
+                lo, hi = int(starts[i]), int(starts[i + 1])
+                if np.asarray(mask[lo + 1:min(hi, lo + self.block_size + 1)]).any():
+                    return
+                seen += 1
+            if seen >= sample:
+                break
+        raise ValueError(f"--block-size {self.block_size}: none of the first {seen:,} "
+                         "documents has a trained token within the block (their prompts "
+                         "fill it): raise --block-size, or prepare with --train-on all")
 
     def __len__(self):
         return int(self.first[-1])

@@ -45,15 +45,16 @@ def spec_of(meta: dict) -> LoraSpec:
 
 
 def adapted(base: str, spec: LoraSpec, values: dict | None = None, tensors: dict | None = None,
-            where: str = ""):
+            where: str = "", nf4: bool = False):
     """(the model of Hugging Face folder ``base`` with LoRA adapters, its vocabulary): the
-    adapters set from our logical ``values`` (a checkpoint's) or PEFT's ``tensors``."""
+    adapters set from our logical ``values`` (a checkpoint's) or PEFT's ``tensors``; with
+    ``nf4`` the block weights in 4 bits, as a QLoRA run trained them."""
     from .. import nn
     from ..nn import lora
     from . import hf
     model, vocabulary = hf.load(base)
     fam = nn.family(model.config.arch)
-    lora.apply(model, fam, model.config, spec, tensors=tensors, where=where)
+    lora.apply(model, fam, model.config, spec, tensors=tensors, where=where, nf4=nf4)
     if values is not None:
         for path, a in lora.adapters(model):
             a.load_logical(values[path + ".lora.A"], values[path + ".lora.B"])
@@ -73,7 +74,8 @@ def checkpoint_model(meta: dict, values: dict, where: str):
         raise CheckpointError(f"{where}: the base folder {folder} has changed since these "
                               f"adapters trained on it ({base_fingerprint(folder)}, they "
                               f"name {meta.get('base')})")
-    return adapted(folder, spec_of(meta), values)
+    return adapted(folder, spec_of(meta), values,
+                   nf4=meta["lora"].get("base_dtype") == "nf4")
 
 
 def merged(model) -> dict:

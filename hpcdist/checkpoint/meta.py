@@ -42,7 +42,8 @@ def lora_meta(cfg) -> dict:
     from .peft import base_fingerprint, of_settings
     spec = of_settings(cfg)[0]
     return {"lora": {"rank": spec.rank, "alpha": spec.alpha, "rslora": spec.rslora,
-                     "targets": list(spec.targets)},
+                     "targets": list(spec.targets),
+                     "base_dtype": getattr(cfg, "base_dtype", "auto")},
             "base": base_fingerprint(cfg.init_from) if cfg.init_from else f"seed {cfg.seed}",
             "base_folder": os.path.abspath(cfg.init_from) if cfg.init_from else ""}
 

@@ -169,9 +169,9 @@ def exit_code(signum: int) -> int:
 
 
 def with_frozen(memory: dict, model) -> dict:
-    """``memory`` with a LoRA run's frozen base (its bytes as held: NF4's 4-bit form)."""
-    held = lora.frozen(getattr(model, "full", model) if not hasattr(model, "chunks")
-                       else model)
+    """``memory`` with a LoRA run's frozen base on this rank (its shards, its stage's
+    blocks), in bytes as held: NF4's 4-bit form."""
+    held = lora.frozen(model)
     if not held:
         return memory
     frozen = sum(t.nbytes if isinstance(t, NF4) else t.data.nbytes for _, t in held)

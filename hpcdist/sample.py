@@ -30,7 +30,7 @@ def load(path: str, adapter: str = ""):
             "config.json", "model.safetensors", "model.safetensors.index.json")):
         from .checkpoint import adapters, hf, peft
         if adapter:
-            spec, tensors, _ = peft.read(adapter)
+            spec, tensors = peft.read(adapter)
             model, v = adapters.adapted(path, spec, tensors=tensors, where=adapter)
         else:
             model, v = hf.load(path)

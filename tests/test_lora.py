@@ -61,7 +61,7 @@ def folders(request, tmp_path_factory):
 def _ours(base, adapter):
     from hpcdist.checkpoint import peft as ours_peft
     backend.set_default_float("float64")
-    spec, tensors, _ = ours_peft.read(adapter)
+    spec, tensors = ours_peft.read(adapter)
     from hpcdist.checkpoint import adapters
     model, _ = adapters.adapted(base, spec, tensors=tensors, where=adapter)
     return model, spec

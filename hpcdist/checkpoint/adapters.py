@@ -29,12 +29,12 @@ def write(out: str, spec: LoraSpec, tensors: dict, base: str = "") -> None:
     from . import write_json_atomic
     from .tools import write_safetensors
     os.makedirs(out, exist_ok=True)
+    from ..nn.lora import PREFIX
     modules = sorted({n[:n.rindex(".lora_")] for n in tensors})
-    prefix = "base_model.model."
     write_safetensors(os.path.join(out, WEIGHTS),
                       {k: np.asarray(v, np.float32) for k, v in tensors.items()})
     write_json_atomic(os.path.join(out, CONFIG),
-                      config_json(spec, [m[len(prefix):] for m in modules], base))
+                      config_json(spec, [m[len(PREFIX):] for m in modules], base))
 
 
 def spec_of(meta: dict) -> LoraSpec:

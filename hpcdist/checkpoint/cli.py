@@ -109,8 +109,7 @@ def _lora_export(reader, meta: dict, params: dict, args) -> tuple:
         return params, meta
     from . import adapters                             # the base with the update added in
     model, _ = adapters.checkpoint_model(meta, params, reader.folder)
-    return adapters.merged(model), dict(meta, **{k: getattr(model.config, k) for k in (
-        "n_layer", "n_head", "n_embd", "bias", "tie_weights")})
+    return adapters.merged(model), meta           # (the run's meta has the folder's shape)
 
 
 def _export_peft(reader, meta: dict, params: dict, out: str) -> int:

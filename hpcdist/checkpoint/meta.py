@@ -40,7 +40,7 @@ def lora_meta(cfg) -> dict:
     """A LoRA run's adapters (rank, alpha, scale kind, targets) and its frozen base's
     fingerprint: a resume against another base is refused (``check_meta``)."""
     from .peft import base_fingerprint, of_settings
-    spec = of_settings(cfg)[0]
+    spec = of_settings(cfg, weights=False)[0]      # (the adapter's config, not its weights)
     return {"lora": {"rank": spec.rank, "alpha": spec.alpha, "rslora": spec.rslora,
                      "targets": list(spec.targets),
                      "base_dtype": getattr(cfg, "base_dtype", "auto")},

@@ -9,22 +9,23 @@ import os
 import numpy as np
 
 from ..nn.lora import LoraSpec, peft_roles
-from .hf_files import read_json, read_safetensors
+from .hf_files import read_json, read_safetensors, safetensors_header
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def read(folder: str) -> tuple:
-    """(LoraSpec, PEFT's tensors, the config's fields) of a PEFT LoRA folder; what hpcdist
-    does not compute (another PEFT method, trained biases, DoRA, per-layer ranks, extra
-    trained modules) is refused in one line naming the folder."""
+def read(folder: str, weights: bool = True) -> tuple:
+    """(LoraSpec, PEFT's tensors) of a PEFT LoRA folder (``weights`` False: the spec alone,
+    the tensors' names read off the file's header, None for them); what hpcdist does not
+    compute (another PEFT method, trained biases, DoRA, per-layer ranks, extra trained
+    modules) is refused in one line naming the folder."""
     path = os.path.join(folder, CONFIG)
     if not os.path.isfile(path):
         raise ValueError(f"--adapter {folder}: no {CONFIG} (a PEFT adapter folder, as "
                          "save_pretrained writes it)")
     c = read_json(path)
-    weights = os.path.join(folder, WEIGHTS)
-    if not os.path.isfile(weights):
+    file = os.path.join(folder, WEIGHTS)
+    if not os.path.isfile(file):
         raise ValueError(f"--adapter {folder}: no {WEIGHTS} (adapter_model.bin, pickled, "
                          "is not read: save with safe_serialization=True)")
     kind = c.get("peft_type", "LORA")
@@ -42,39 +43,46 @@ def read(folder: str) -> tuple:
     for refused, what in refusals:
         if refused:
             raise ValueError(f"--adapter {folder}: {what} is not one hpcdist computes")
-    tensors = {k: np.asarray(v) for k, v in read_safetensors(weights).items()}
-    roles = peft_roles(tensors)
+    tensors = {k: np.asarray(v) for k, v in read_safetensors(file).items()} if weights \
+        else None
+    roles = peft_roles(tensors if weights else safetensors_header(file)[0])
     if not roles:
         raise ValueError(f"--adapter {folder}: no LoRA tensor of a block's linear layer")
     spec = LoraSpec(int(c["r"]), float(c.get("lora_alpha", 8)),
                     float(c.get("lora_dropout", 0.0)), roles, bool(c.get("use_rslora")))
-    return spec, tensors, c
+    return spec, tensors
 
 
-def of_settings(cfg) -> tuple:
+def of_settings(cfg, weights: bool = True) -> tuple:
     """(LoraSpec, PEFT's tensors or None, their folder) of a run's LoRA settings: the
-    ``--adapter`` folder's, or ``--lora-rank`` and the rest."""
+    ``--adapter`` folder's (its tensors where ``weights``), or ``--lora-rank`` and the rest."""
     from ..nn.lora import targets_of
     if cfg.adapter:
-        spec, tensors, _ = read(cfg.adapter)
+        spec, tensors = read(cfg.adapter, weights)
         return spec, tensors, cfg.adapter
     return LoraSpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
                     targets_of(cfg.lora_targets), cfg.rslora), None, ""
 
 
+_DIGESTS: dict = {}     # (the files' paths, sizes and mtimes) -> digest: a save each step
 
 
 def base_fingerprint(folder: str) -> str:
     """The weights of a Hugging Face folder named by a digest of each file's size, header
-    and 64 KiB at 16 places (reads about 1 MiB a file, whatever its size)."""
+    and 64 KiB at 16 places (reads about 1 MiB a file, whatever its size; again only once
+    a file has changed)."""
     import hashlib
     from .hf_files import weight_files
+    paths = weight_files(folder)
+    key = tuple((p, os.path.getsize(p), os.path.getmtime(p)) for p in paths)
+    if key in _DIGESTS:
+        return _DIGESTS[key]
     h = hashlib.sha256()
-    for path in weight_files(folder):
-        size = os.path.getsize(path)
+    for path, size, _ in key:
         h.update(f"{os.path.basename(path)}:{size}".encode())
         with open(path, "rb") as f:
             for i in range(16):
                 f.seek(size * i // 16)
                 h.update(f.read(65536))
-    return "sha256:" + h.hexdigest()[:16]
+    _DIGESTS[key] = "sha256:" + h.hexdigest()[:16]
+    return _DIGESTS[key]

@@ -93,10 +93,7 @@ def sites(family, cfg, model) -> list:
         modules = tuple(t[:-len(".weight")] for t in r.theirs)
         if not any(roles_of(m) for m in modules):
             continue
-        try:
-            layer = resolve(model, path)[2]
-        except (AttributeError, IndexError):
-            continue                              # (a stage's model: another stage's block)
+        layer = resolve(model, path)[2]
         cut = layer.shard_spec.get("weight")
         width = int(cut.shape[1]) if cut is not None else int(layer.weight.shape[1])
         widths = tuple(int(w) for w in r.pieces) if r.pieces else (width,)
@@ -131,8 +128,10 @@ class Adapter(Module):
     product, gets a partial gradient (SPLIT), its output joining the layer's reduction."""
 
     def __init__(self, spec: LoraSpec, in_features: int, out_local: int, pieces: list, *,
-                 mode: str = "plain", over: str = "hidden", tp: int = 1, rank: int = 0):
-        """``pieces``: (start, width) of each targeted piece in the logical output."""
+                 mode: str = "plain", over: str = "hidden", tp: int = 1, rank: int = 0,
+                 theirs: tuple = ()):
+        """``pieces``: (start, width) of each targeted piece in the logical output;
+        ``theirs``: the Hugging Face module of each (PEFT's names)."""
         from .layers import Dropout
         r, t = spec.rank, len(pieces)
         self.scale, self.r = spec.scale, r
@@ -156,6 +155,8 @@ class Adapter(Module):
                            "B": {"column": SHARDED, "row": SPLIT}.get(mode, over)}
         self.widths, self.starts, self.out = widths, starts, out_local
         self.mode, self.tp, self.tp_rank = mode, tp, rank
+        self.theirs = tuple(theirs)
+        self.logical = (in_features, tuple(w for _, w in pieces))   # (in, the pieces' widths)
 
     def load_logical(self, A, B) -> None:
         """Take the logical (whole) A and B: this rank's rows of A (row-parallel) or its
@@ -218,9 +219,7 @@ def attach(model, family, cfg, spec: LoraSpec) -> list:
         n_in = layer.weight.shape[0] * (tp if mode == "row" else 1)
         over = layer.placements.get("weight", "hidden")
         layer.lora = Adapter(spec, n_in, layer.weight.shape[1], pieces, mode=mode, over=over,
-                             tp=tp, rank=rank)
-        layer.lora.theirs = tuple(site.modules[i] for i in picked)
-        layer.lora.logical = (n_in, tuple(w for _, w in pieces))
+                             tp=tp, rank=rank, theirs=tuple(site.modules[i] for i in picked))
         done.append(site.path)
     if not done:
         raise ValueError(f"--lora-targets {','.join(spec.targets)} names no linear layer of "
@@ -234,23 +233,22 @@ def apply(model, family, cfg, spec: LoraSpec, *, tensors: dict | None = None,
     where given (``where``: their folder), and everything else frozen (in ``dtype``); with
     ``nf4``, every block linear's weight held in 4-bit NormalFloat (QLoRA: nn/nf4.py)."""
     from .family import resolve
-    from .nf4 import NF4
     paths = attach(model, family, cfg, spec)
     if tensors is not None:
         values = from_peft(model, tensors, where)
         for path, a in adapters(model):
             a.load_logical(values[path + ".lora.A"], values[path + ".lora.B"])
-    freeze(model, dtype)
-    if nf4:
-        for site in sites(family, cfg, model):
-            layer = resolve(model, site.path)[2]
-            layer.weight = NF4(layer.weight.data, layer.weight.data.dtype)
+    packed = {id(resolve(model, site.path)[2].weight) for site in sites(family, cfg, model)} \
+        if nf4 else set()
+    freeze(model, dtype, packed)
     return paths
 
 
-def freeze(model, dtype=None) -> int:
+def freeze(model, dtype=None, packed=frozenset()) -> int:
     """Every parameter of ``model`` outside its Adapters a Frozen tensor (``dtype``: stored
-    in it, the compute precision's); a tied one stays one tensor. Returns how many."""
+    in it, the compute precision's); those whose ids are in ``packed`` held in NF4 instead
+    (nn/nf4.py, dequantised in ``dtype``); a tied one stays one tensor. Returns how many."""
+    from .nf4 import NF4
     made = {}
     keep = {id(p) for m in model.modules() if isinstance(m, Adapter) for p in (m.A, m.B)}
     for m in model.modules():
@@ -259,8 +257,9 @@ def freeze(model, dtype=None) -> int:
         for name, value in list(vars(m).items()):
             if isinstance(value, Parameter) and id(value) not in keep:
                 if id(value) not in made:
-                    data = value.data if dtype is None else value.data.astype(dtype)
-                    made[id(value)] = Frozen(data)
+                    made[id(value)] = NF4(value.data, dtype or value.data.dtype) \
+                        if id(value) in packed else \
+                        Frozen(value.data if dtype is None else value.data.astype(dtype))
                 setattr(m, name, made[id(value)])
     return len(made)
 

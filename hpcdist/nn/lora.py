@@ -267,7 +267,7 @@ def freeze(model, dtype=None, packed=frozenset()) -> int:
 def frozen(model) -> list:
     """(path, Frozen) of ``model``'s frozen tensors, each once."""
     out, seen = [], set()
-    for path, m in named_modules(model):
+    for path, m in model.named_modules():
         for name, value in vars(m).items():
             if isinstance(value, Frozen) and id(value) not in seen:
                 seen.add(id(value))
@@ -275,16 +275,9 @@ def frozen(model) -> list:
     return out
 
 
-def named_modules(model, prefix: str = ""):
-    yield prefix, model
-    for name, value in model._children():
-        if isinstance(value, Module):
-            yield from named_modules(value, prefix + name + ".")
-
-
 def adapters(model) -> list:
     """(path of the adapted layer, its Adapter) in model order."""
-    return [(path[:-1], m.lora) for path, m in named_modules(model)
+    return [(path[:-1], m.lora) for path, m in model.named_modules()
             if isinstance(vars(m).get("lora"), Adapter)]
 
 

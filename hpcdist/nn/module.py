@@ -157,6 +157,14 @@ class Module:
             if isinstance(value, Module):
                 yield from value.modules()
 
+    def named_modules(self, prefix: str = ""):
+        """(path with a trailing dot, module) of this module and every submodule, depth
+        first (this one: ``prefix``)."""
+        yield prefix, self
+        for name, value in self._children():
+            if isinstance(value, Module):
+                yield from value.named_modules(prefix + name + ".")
+
     def num_parameters(self) -> int:
         return sum(p.size for p in self.parameters())
 

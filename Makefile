@@ -22,7 +22,7 @@ STAMP  := $(VENV)/.installed
 # BLAS/OpenMP threads per rank: hpcdist itself divides the node's cores among its ranks
 # (hpcdist/host/threads.py), so `make train` and `mpirun -n 8 python -m hpcdist.train` run alike.
 
-.PHONY: venv train test test-unit test-mpi test-standin cupy test-cupy test-cupy-if-installed \
+.PHONY: venv train test test-quick test-unit test-mpi test-standin cupy test-cupy test-cupy-if-installed \
         test-faults test-ulfm venv-ompi test-cluster cluster-test test-slurm test-gpu soak \
         slurm-up slurm-down bench clean
 
@@ -67,8 +67,28 @@ train: venv
 MPI_SIZES ?= 1 2 3 4 5 8
 MPI_TIMEOUT ?= 600
 
-test: test-unit test-cupy-if-installed test-mpi test-standin test-faults test-ulfm test-cluster \
-      test-slurm
+# Every phase in turn, each one's time printed after it ("== make test-unit: 1021 s"), then
+# the whole; the first that fails stops the rest.
+PHASES = test-unit test-cupy-if-installed test-mpi test-standin test-faults test-ulfm \
+         test-cluster test-slurm
+
+test: venv
+	@start=$$(date +%s); for t in $(PHASES); do s=$$(date +%s); \
+	  $(MAKE) --no-print-directory $$t || exit 1; \
+	  echo "== make $$t: $$(( $$(date +%s) - s )) s"; done; \
+	echo "== make test: every phase passed in $$(( $$(date +%s) - start )) s"
+
+# The inner loop, about 5 minutes: the unit tests but the slowest (tests/slow.txt, each over
+# 5 s; make test runs them), and the MPI tests of the core paths at 3 ranks.
+QUICK_MPI = tests/mpi/test_collectives.py tests/mpi/test_ddp.py tests/mpi/test_zero.py \
+            tests/mpi/test_placements.py
+
+test-quick: venv
+	HPCDIST_QUICK=1 $(BIN)/python -m pytest -q -n $(UNIT_WORKERS) --dist worksteal tests \
+	  --ignore=tests/mpi --ignore=tests/slurm --ignore=tests/faults --ignore=tests/cluster \
+	  --ignore=tests/cupy --ignore=tests/ulfm
+	timeout -k 10 $(MPI_TIMEOUT) $(MPIEXEC) -n 3 $(BIN)/python -m pytest --with-mpi -q \
+	  -p no:cacheprovider $(QUICK_MPI)
 
 # The unit tests over UNIT_WORKERS processes (pytest-xdist; worksteal balances the few long
 # tests that launch jobs against the many short ones): on 2 cores 15 minutes, where one

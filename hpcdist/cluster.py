@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from .host.cli import Parser
 
 SUBNET = "10.77.0"          # node i (1-based) is SUBNET.i; the bridge SUBNET.254
 
@@ -216,10 +217,10 @@ def _from_state(prefix: str) -> Cluster:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.cluster",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = Parser(prog="python -m hpcdist.cluster",
+                description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for cmd in ("up", "run"):
         p = sub.add_parser(cmd)

@@ -16,13 +16,14 @@ import sys
 
 from . import checkpoint, data
 from .device import backend
+from .host.cli import Parser
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.evaluate",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False)
+    ap = Parser(prog="python -m hpcdist.evaluate",
+                description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False)
     ap.add_argument("model", help="a Hugging Face folder, a save folder or a checkpoint")
     ap.add_argument("--data", required=True, help="token shards (a prepared folder)")
     ap.add_argument("--adapter", default="", help="a PEFT LoRA adapter folder on MODEL (a "

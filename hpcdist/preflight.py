@@ -9,12 +9,12 @@ with a message that says what to set, instead of failing inside every rank.
 The rest of this design: docs/cluster.md, "hpcdist/preflight.py"."""
 from __future__ import annotations
 
-import argparse
 import sys
 
 from .device import backend
 from . import checkpoint, data
 from .run.config import ConfigError, parse_config, validate_world
+from .host.cli import Parser
 
 
 def check(train_args: list, world: int, tasks_per_node: int | None = None,
@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
         if "--" in argv else (argv, [])
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.preflight",
-                                 description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m hpcdist.preflight",
+                description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, required=True, help="total ranks ($SLURM_NTASKS)")
     ap.add_argument("--tasks-per-node", type=int, default=None)
     ap.add_argument("--gpus-per-node", type=int, default=0)

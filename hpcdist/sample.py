@@ -1,8 +1,9 @@
 """Generate text from a model: ``python -m hpcdist.sample CKPT_OR_HF_DIR --prompt TEXT``.
 
 CKPT_OR_HF_DIR is an hpcdist save folder or checkpoint (any layout wrote it: the tensors are
-assembled from its pieces) or a Hugging Face folder of GPT-2, Llama, Mistral or Mixtral
-(config.json + model.safetensors, or its shards, and its tokenizer). The prompt is encoded with the vocabulary the checkpoint kept (its
+assembled from its pieces) or a Hugging Face folder of a family hpcdist reads (the MODEL
+line below lists them: config.json + model.safetensors, or its shards, and its tokenizer).
+The prompt is encoded with the vocabulary the checkpoint kept (its
 characters or its tokenizer), and tokens are drawn one at a time with a KV cache: each new
 token runs through the model alone, attending to the cached keys and values of all before it.
 
@@ -20,6 +21,7 @@ from . import checkpoint, nn
 from .data import vocab
 from .autograd.tensor import no_grad
 from .nn.moe import load_balance_bias
+from .host.cli import Parser
 
 
 def load(path: str, adapter: str = ""):
@@ -84,7 +86,7 @@ def choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng
 
 
 def generate(model, ids, n: int, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, *, seed: int = 0, stop=None, say=None) -> list:
+             top_p: float = 1.0, *, seed: int = 0, stop=None, say=None, each=None) -> list:
     """``ids`` followed by ``n`` new tokens (fewer if ``stop`` is drawn), each new token run
     through the model alone against the KV cache, as transformers' ``generate`` does.
 
@@ -92,7 +94,7 @@ def generate(model, ids, n: int, temperature: float = 0.0, top_k: int = 0,
     have no table; transformers goes on alike), a sliding window keeping the cache to the
     window; a learned position table ends there, so each token past it sees the last
     block - 1 (a prompt longer than the block is cropped to them). ``say`` is told once of
-    either."""
+    either; ``each(token)`` is called with every new token as it is drawn."""
     xp, rng = backend.xp(), np.random.default_rng(seed)
     ids = [int(i) for i in ids]
     if not ids:
@@ -126,6 +128,8 @@ def generate(model, ids, n: int, temperature: float = 0.0, top_k: int = 0,
         for i in range(n):
             nxt = choose(backend.to_numpy(logits.data[0, -1]), temperature, top_k, top_p, rng)
             ids.append(nxt)
+            if each is not None:
+                each(nxt)
             if (stop is not None and nxt == stop) or i == n - 1:
                 break
             if learned and fed >= block:              # a learned table ends: the last block
@@ -140,12 +144,14 @@ def generate(model, ids, n: int, temperature: float = 0.0, top_k: int = 0,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.sample",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = Parser(prog="python -m hpcdist.sample",
+                description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=__doc__.split("\n\n", 1)[1])
+    kinds = [c.replace("ForCausalLM", "").replace("LMHeadModel", "") for f in
+             nn.FAMILIES.values() for c in f.hf.model_types.values()]
     ap.add_argument("model", help="a save folder, a checkpoint, or a Hugging Face model folder "
-                                   "(GPT-2, Llama, Mistral, Mixtral, Qwen2, Gemma)")
+                                  f"({', '.join(kinds)})")
     ap.add_argument("--prompt", default="", help="text to continue (default: the end-of-text "
                                                  "token, or the first token)")
     ap.add_argument("--ids", default="", help="the prompt as comma-separated token ids")
@@ -168,8 +174,10 @@ def main(argv=None) -> int:
                     help="tensor-parallel ranks (run under mpirun -n TP): heads and vocabulary "
                          "split, as in training")
     args = ap.parse_args(argv)
-    for bad in (args.temperature < 0 and f"--temperature must be >= 0 (0: greedy), got "
-                f"{args.temperature}", args.top_k < 0 and f"--top-k must be >= 0, got {args.top_k}",
+    for bad in (not 0 <= args.temperature < float("inf") and f"--temperature must be a "
+                f"number >= 0 (0: greedy), got {args.temperature}",
+                args.prompt and args.ids and "--prompt and --ids are both the prompt: give "
+                "one", args.top_k < 0 and f"--top-k must be >= 0, got {args.top_k}",
                 not 0 < args.top_p <= 1 and f"--top-p must be in (0, 1], got {args.top_p}",
                 args.tokens < 0 and f"--tokens must be >= 0, got {args.tokens}"):
         if bad:
@@ -180,20 +188,61 @@ def main(argv=None) -> int:
         tok = vocab.Tokenizer(v) if v is not None and v.get("kind") in ("chars", "tokenizer") \
             else None
         ids, stop, answer = prompt_of(args, model, tok)
-        out = generate(model, ids, args.tokens, args.temperature, args.top_k, args.top_p,
-                       seed=args.seed, stop=stop,
-                       say=lambda line: print(f"note: {line}", file=sys.stderr)
-                       if rank == 0 else None)
-        if answer is not None:                    # the answer alone, without its end token
-            out = out[answer:]
-            out = out[:-1] if out and out[-1] == stop else out
+        stream = Stream(tok, ids if answer is None else [], stop if answer is not None
+                        else None) if rank == 0 else None   # (every rank draws the same)
+        generate(model, ids, args.tokens, args.temperature, args.top_k, args.top_p,
+                 seed=args.seed, stop=stop, each=stream and stream.add,
+                 say=lambda line: print(f"note: {line}", file=sys.stderr)
+                 if rank == 0 else None)
+        if stream is not None:
+            stream.end()
     except (OSError, ValueError, KeyError, checkpoint.CheckpointError,
             backend.DeviceError) as e:
         print(f"python -m hpcdist.sample: error: {e}", file=sys.stderr)
         return 2
-    if rank == 0:                                 # every rank drew the same tokens
-        print(tok.decode(out) if tok is not None else ",".join(str(i) for i in out))
     return 0
+
+
+class Stream:
+    """The output as it is drawn: the prompt, then each new token's text printed as soon as
+    it decodes to whole characters (a token ending inside a UTF-8 character waits for the
+    next). Each piece is decoded after the token before it, so that a tokenizer which drops
+    a leading space at the start of a text (SentencePiece's) keeps it mid-text: the pieces
+    join to the whole output's decoding, at O(1) work a token (vLLM's incremental
+    detokenizing). Without a vocabulary, the ids comma-separated. ``drop``: an end token
+    not printed (a --chat answer's)."""
+
+    def __init__(self, tok, prompt: list, drop=None):
+        self.tok, self.drop, self.ids = tok, drop, list(prompt)
+        self.start, self.read = max(0, len(prompt) - 1), len(prompt)   # context, then new
+        if prompt:
+            self._write(tok.decode(prompt) if tok is not None else
+                        ",".join(str(i) for i in prompt))
+
+    def add(self, token: int) -> None:
+        if token == self.drop:
+            return
+        self.ids.append(token)
+        if self.tok is None:
+            self._write(("," if len(self.ids) > 1 else "") + str(token))
+            return
+        context = self.tok.decode(self.ids[self.start:self.read]) if self.read else ""
+        text = self.tok.decode(self.ids[self.start:])
+        if text.endswith("\ufffd") or len(text) <= len(context):   # a character cut: wait
+            return
+        self._write(text[len(context):])
+        self.start, self.read = self.read, len(self.ids)
+
+    def end(self) -> None:
+        if self.tok is not None and self.read < len(self.ids):     # what never decoded whole
+            context = self.tok.decode(self.ids[self.start:self.read]) if self.read else ""
+            self._write(self.tok.decode(self.ids[self.start:])[len(context):])
+        self._write("\n")
+
+    @staticmethod
+    def _write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def prompt_of(args, model, tok) -> tuple[list, int | None, int | None]:

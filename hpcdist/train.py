@@ -10,8 +10,10 @@ the watchdog (comm.watchdog).
 """
 from __future__ import annotations
 
-if __name__ == "__main__":      # before MPI starts (the imports below start it): a supervisor
-    from hpcdist.run import supervisor  # process names this rank if it is killed
+if __name__ == "__main__":      # before MPI starts (the imports below start it): a limit MPI
+    from hpcdist.host import limits     # cannot start under is one line; a supervisor
+    limits.refuse_before_mpi("hpcdist.train")   # process names this rank if it is killed
+    from hpcdist.run import supervisor
     supervisor.start()
 
 import contextlib  # noqa: E402
@@ -29,7 +31,7 @@ from .host import signals, threads, timeline  # noqa: E402
 from .parallel import state  # noqa: E402
 from .parallel.strategy import DataParallelStrategy, build_strategy  # noqa: E402
 from .comm import ulfm  # noqa: E402
-from .run import fits, loop, mfu, recovery, runtime, savedir, supervisor  # noqa: E402
+from .run import fits, loop, mfu, recovery, report, runtime, savedir, supervisor  # noqa: E402
 from .run.config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
 from .run.pretrained import shape_from_pretrained  # noqa: E402
 from .run.evaluate import evaluate  # noqa: E402
@@ -177,6 +179,7 @@ def _resume(cfg, comm, strategy, sampler, resume, say) -> int:
 
 
 def main(argv=None) -> int:
+    report.quiet_overflows()
     if ulfm.spawned():                                 # started by survivors (--respawn)
         return recovery.join(train, prepare)
     errors = (ConfigError, backend.DeviceError, checkpoint.CheckpointError, OSError, ValueError,
@@ -239,7 +242,9 @@ def main(argv=None) -> int:
 def _claim_folders(cfg, errors) -> tuple:
     """Rank 0 claims --save-dir and --out-dir: (the refusal or None, the lines to print)."""
     try:
-        said = savedir.claim(cfg.save_dir, cfg.resume, cfg.overwrite) if cfg.save_dir else []
+        said = savedir.claim(cfg.save_dir, cfg.resume, cfg.overwrite, data=cfg.data,
+                             others_ok=cfg.allow_other_files, trace=cfg.trace) \
+            if cfg.save_dir else []
         if savedir.check_writable(cfg.out_dir, "--out-dir") is None:
             savedir.claim_out_dir(cfg.out_dir, cfg.save_dir)
     except errors as e:

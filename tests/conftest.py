@@ -84,3 +84,21 @@ def gradcheck(f, *arrays, wrt=None, atol=1e-6, rtol=1e-5, seed=0):
         np.testing.assert_allclose(tensors[i].grad, num, atol=atol, rtol=rtol,
                                    err_msg=f"gradient of input {i}")
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """HPCDIST_QUICK=1 (make test-quick): the tests listed in tests/slow.txt are left out."""
+    if os.environ.get("HPCDIST_QUICK") != "1":
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "slow.txt")) as f:
+        slow = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    root = os.path.dirname(here)
+    keep, drop = [], []
+    for item in items:
+        path = os.path.relpath(str(item.path), root)
+        name = f"{path}::{item.originalname if hasattr(item, 'originalname') else item.name}"
+        (drop if name in slow else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

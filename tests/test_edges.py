@@ -275,8 +275,10 @@ def test_two_live_runs_cannot_share_an_out_dir(tmp_path):
 
 
 def test_sample_refuses_a_negative_temperature(saved):
-    rc, _, err = py("-m", "hpcdist.sample", str(saved), "--temperature", "-1")
-    assert rc == 2 and "--temperature must be >= 0" in err
+    for bad in ("-1", "nan", "inf"):
+        rc, _, err = py("-m", "hpcdist.sample", str(saved), "--temperature", bad)
+        assert rc == 2 and "--temperature must be a number >= 0" in err and \
+            "Traceback" not in err, err
 
 
 def test_eval_every_keep_last_and_a_log_file(tmp_path):

@@ -90,9 +90,12 @@ def test_export_onto_a_full_disk_leaves_nothing_and_the_retry_works(saved, tmp_p
     assert rc == 0, err
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert os.listdir(tmp_path) == ["hf"]
-    (out / "notes.txt").write_text("mine")                  # a folder with other files: kept
+    (out / "notes.txt").write_text("mine")     # a folder with other files: refused, then kept
     rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(saved), str(out), "--format",
                     "safetensors", "--overwrite")
+    assert rc == 2 and "'notes.txt'" in err, err
+    rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(saved), str(out), "--format",
+                    "safetensors", "--overwrite", "--allow-other-files")
     assert rc == 0 and (out / "notes.txt").read_text() == "mine", err
     assert os.listdir(tmp_path) == ["hf"]
 

@@ -102,25 +102,25 @@ def test_the_evaluation_is_bounded_in_tokens_at_any_context_length(tmp_path):
     assert final["eval_tokens"] == 10 * 64                              # 640 // 64 windows
     assert "| 640 tokens scored in " in r.stdout
     r = run_train("--eval-tokens", "-1")
-    assert r.returncode == 2 and "eval_tokens must be 0 or more, got -1" in r.stderr
+    assert r.returncode == 2 and "--eval-tokens must be 0 or more, got -1" in r.stderr
 
 
 BAD = [
-    (["--task", "nope"], "unknown task"),
+    (["--task", "nope"], "unknown --task"),
     (["--beta2", "1.5"], "--beta1 and --beta2 (AdamW's moment decays) must be in [0, 1)"),
     (["--n-embd", "100000"], "optimizer state need 3576.4 GiB a rank"),
     (["--steps", "0"], "steps must be positive"),
-    (["--batch-size", "-3"], "batch_size must be positive"),
+    (["--batch-size", "-3"], "--batch-size must be positive"),
     (["--n-embd", "30", "--n-head", "4"], "divisible"),
     (["--task", "text"], "needs a data file"),
     (["--task", "text", "--data", "/no/such/file.txt"], "does not exist"),
-    (["--device", "tpu"], "unknown device"),
+    (["--device", "tpu"], "unknown --device"),
     (["--bogus-flag", "1"], "unrecognized arguments"),
     (["--steps", "ten"], "invalid int value"),
     (["--compress", "topk"], "compresses nothing"),
     (["--backend", "nccl"], "needs --device gpu"),
     (["--save-every", "5"], "need --save-dir"),
-    (["--precision", "fp4"], "unknown precision"),
+    (["--precision", "fp4"], "unknown --precision"),
     (["--density", "0"], "density must be in"),
     (["--length", "3", "--num-digits", "2", "--batch-size", "64"], "fewer than one global step"),
     (["--zero", "4"], "--zero must be 0, 1, 2 or 3"),
@@ -166,7 +166,7 @@ BAD = [
      "--respawn with --backend nccl is not built (a new process would need the lost rank's"),
     (["--shrink-batch", "keep"], "--shrink-batch and --respawn are for --on-failure shrink"),
     (["--respawn"], "--shrink-batch and --respawn are for --on-failure shrink"),
-    (["--on-failure", "retry"], "unknown on_failure 'retry'"),
+    (["--on-failure", "retry"], "unknown --on-failure 'retry'"),
 ]
 
 

@@ -70,9 +70,56 @@ def test_prepare_out_on_a_users_file_or_folder_loses_nothing(user, tmp_path):
         before = {**snapshot(text), **snapshot(folder)}
         rc, _, err = prepare(other, "--vocab-size", 300, "--out", target)
         kept(before)
-        if target == text:
-            assert rc == 2 and "Traceback" not in err, err
+        assert rc == 2, (target, err)
+        if target == folder:                          # refused, naming one of their files
+            one_line(err, r"--out '.*mine' holds files hpcdist did not write there \(the "
+                          r"file 'notes.md'\).*--allow-other-files")
+    assert not os.path.exists(os.path.join(folder, "tokenizer.json"))
+    rc, _, err = prepare(other, "--vocab-size", 300, "--out", folder, "--allow-other-files")
+    assert rc == 0, err
+    kept(before)
     assert os.path.isfile(os.path.join(folder, "tokenizer.json"))   # written beside theirs
+    # a corpus beside its shards is the user's own choice: its folder may be --out
+    side = tmp_path / "side"
+    side.mkdir()
+    corpus(side / "c.txt", lines=200)
+    rc, _, err = prepare(side / "c.txt", "--vocab-size", 300, "--out", side)
+    assert rc == 0 and (side / "tokenizer.json").is_file(), err
+    rc, _, err = prepare(side, "--vocab-size", 300, "--out", side, "--replace")
+    assert rc == 0, err
+
+
+def test_a_save_dir_holding_other_files_is_refused_and_the_data_folder_always(user, tmp_path):
+    text, folder = user
+    before = snapshot(folder)
+    rc, _, err = py(*TRAIN, "--save-dir", folder, "--out-dir", str(tmp_path / "o"))
+    one_line(err, r"--save-dir '.*mine' holds files hpcdist did not write there \(the file "
+                  r"'notes.md'\).*--allow-other-files")
+    assert rc == 2 and sorted(os.listdir(folder)) == ["notes.md", "sub"]
+    rc, _, err = py(*TRAIN, "--save-dir", folder, "--allow-other-files", "--out-dir",
+                    str(tmp_path / "o"))
+    assert rc == 0 and os.path.isfile(os.path.join(folder, "latest")), err
+    kept(before)
+    rc, _, err = py(*TRAIN, "--save-dir", folder, "--resume", "--steps", "3", "--out-dir",
+                    str(tmp_path / "o"))                # (resuming it needs the flag again)
+    assert rc == 2 and "'notes.md'" in err, err
+    data = tmp_path / "tok"
+    rc, _, err = prepare(text, "--vocab-size", 300, "--out", data)
+    assert rc == 0, err
+    before = snapshot(data)
+    for save in (data, tmp_path):                       # the data's folder, and one above it
+        rc, _, err = py(*TRAIN, "--data", str(data), "--save-dir", str(save),
+                        "--allow-other-files", "--out-dir", str(tmp_path / "o"))
+        one_line(err, r"holds the training data --data .*: checkpoints go in a folder of "
+                      r"their own")
+        assert rc == 2
+    kept(before)
+    assert sorted(os.listdir(data)) == sorted(os.path.basename(p) for p in before)
+    # what a run writes itself (its out folder's files in the save folder) is no refusal
+    both = tmp_path / "both"
+    for extra in ((), ("--resume", "--steps", "3")):
+        rc, _, err = py(*TRAIN, "--save-dir", str(both), "--out-dir", str(both), *extra)
+        assert rc == 0, err
 
 
 def test_export_on_a_users_file_or_folder_loses_nothing(user, tmp_path):
@@ -92,6 +139,27 @@ def test_export_on_a_users_file_or_folder_loses_nothing(user, tmp_path):
                 continue
             assert rc == 2, (target, fmt, err)
             one_line(err, "python -m hpcdist.checkpoint: error: ")
+    (tmp_path / "mine" / "config.json").unlink()
+    for fmt, extra in (("safetensors", ()), ("safetensors", ("--overwrite",))):
+        before = snapshot(folder)                     # their notes: no export file in the way
+        rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(save), folder, "--format",
+                        fmt, *extra)
+        one_line(err, r"OUT '.*mine' holds files hpcdist did not write there \(the file "
+                      r"'notes.md'\)")
+        assert rc == 2 and sorted(os.listdir(folder)) == ["notes.md", "sub"]
+    rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(save), folder, "--format",
+                    "safetensors", "--allow-other-files")
+    assert rc == 0 and os.path.isfile(os.path.join(folder, "model.safetensors")), err
+    kept(before)
+    rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(save), folder, "--format",
+                    "safetensors", "--overwrite", "--allow-other-files")
+    assert rc == 0, err
+    rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(save), str(tmp_path / "hf"),
+                    "--format", "safetensors")
+    assert rc == 0, err                               # its own export replaced without a flag
+    rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(save), str(tmp_path / "hf"),
+                    "--format", "safetensors", "--overwrite")
+    assert rc == 0, err
 
 
 def test_overwrite_moves_nothing_when_the_run_is_refused(tmp_path):

@@ -17,6 +17,7 @@ import sys
 
 from hpcdist.bench.common import write_json
 from hpcdist.bench.moe_quality import MODEL, prepared, run
+from ..host.cli import Parser
 
 CONTENDERS = {
     "GPT-2 (LayerNorm, learned positions, GELU 512, tied)": [],
@@ -47,8 +48,8 @@ def markdown(rows: list) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench arch", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m hpcdist.bench arch", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--out", default="runs/arch")

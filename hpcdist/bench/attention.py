@@ -9,12 +9,12 @@ softmax, the (T, T) probabilities kept) and through PyTorch's ``scaled_dot_produ
 without the recomputed one) and peak memory the call added."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 import numpy as np
+from ..host.cli import Parser
 
 DEFAULT_SHAPES = "8x16x1024x64,16x12x256x64,1x12x8192x64,2x32x2048x128"
 
@@ -97,7 +97,7 @@ def _time_cpu(fn, reps):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench attention", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench attention", description=__doc__)
     ap.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
     ap.add_argument("--shapes", default=DEFAULT_SHAPES,
                     help="comma-separated BxHxTxhs (batch, heads, sequence, head size)")

@@ -8,7 +8,6 @@ op: an hpcdist op on a tiny array minus the same NumPy call.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -19,6 +18,7 @@ from hpcdist.device import backend
 from hpcdist import nn, optim
 from hpcdist.autograd import ops
 from hpcdist.bench import shapes
+from ..host.cli import Parser
 
 
 # ---- MLP 784-128-10 ------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def twin_agreement(cfg: nn.GPTConfig, batch: int, steps: int = 30) -> float | No
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench autograd", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench autograd", description=__doc__)
     ap.add_argument("--steps", type=int, default=100, help="timed steps per contender")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--threads", default=os.environ.get("OMP_NUM_THREADS", "1"),

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from hpcdist.bench.common import emit, relaunch, table, write_json
+from ..host.cli import Parser
 
 
 def worker(args) -> int:
@@ -80,7 +81,7 @@ def worker(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench checkpoint", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench checkpoint", description=__doc__)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)

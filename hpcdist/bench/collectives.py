@@ -13,7 +13,6 @@ in the table (comm/table.py) that serves them: the data behind the "auto" thresh
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -25,6 +24,7 @@ from hpcdist.comm import Communicator, shard_bounds
 from hpcdist.comm.model import busbw_factor, fit_alpha_beta, predict
 from hpcdist.comm.registry import serving
 from hpcdist.comm.select import choose
+from ..host.cli import Parser
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "bcast", "alltoall", "sendrecv")
 MiB = 1 << 20
@@ -164,7 +164,7 @@ def by_algorithm(comm, nbytes_list, say) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench collectives", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench collectives", description=__doc__)
     ap.add_argument("--min-bytes", type=int, default=8)
     ap.add_argument("--max-bytes", type=int, default=64 * MiB)
     ap.add_argument("--collectives", default=",".join(KINDS))

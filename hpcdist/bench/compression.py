@@ -14,6 +14,7 @@ import tempfile
 import numpy as np
 
 from hpcdist.bench.common import emit, relaunch, table, write_json
+from ..host.cli import Parser
 
 
 def worker(args) -> int:
@@ -72,7 +73,7 @@ class CosineProbe:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench compression", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench compression", description=__doc__)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--densities", type=lambda s: [float(x) for x in s.split(",")],

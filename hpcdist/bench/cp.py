@@ -8,6 +8,7 @@ import os
 import tempfile
 
 from hpcdist.bench.common import emit, pyplot, relaunch, table, write_json
+from ..host.cli import Parser
 
 
 def comm_model(impl: str, n: int, layers: int, B: int, T: int, C: int, *, e: int, a: float,
@@ -164,8 +165,8 @@ def plot(rows, path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench cp", description=__doc__,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = Parser(prog="python -m hpcdist.bench cp", description=__doc__,
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-head", type=int, default=4)

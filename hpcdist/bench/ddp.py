@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from hpcdist.bench.common import emit, relaunch, table, write_json
+from ..host.cli import Parser
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=128)
 
@@ -77,7 +78,7 @@ def activation_memory(batch: int) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench ddp", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench ddp", description=__doc__)
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32, help="per rank")

@@ -21,6 +21,7 @@ import tempfile
 from hpcdist.bench.common import mpiexec, run_job, write_json
 from hpcdist.bench.slowlinks import MODEL, corpus
 from hpcdist.run.preemption import EXIT_PREEMPTED
+from ..host.cli import Parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,8 +52,8 @@ def from_warm(n: int, data: str, steps: int, warm: str, folder: str, extra) -> d
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench diloco", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m hpcdist.bench diloco", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--groups", default="2,4", help="DiLoCo group counts (each divides --ranks)")
     ap.add_argument("--inner", default="100", help="H values, comma-separated")

@@ -18,6 +18,7 @@ import os
 import tempfile
 
 from hpcdist.bench.common import emit, pyplot, relaunch, table, write_json
+from ..host.cli import Parser
 
 METHODS = [  # label, TrainConfig settings
     ("dense", {}),
@@ -160,7 +161,7 @@ def torch_worker(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench exchange", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench exchange", description=__doc__)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--straggler-ms", type=float, default=50.0)

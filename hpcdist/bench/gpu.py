@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from hpcdist.bench.gpu_peers import PEERS, peer_rows, said, timed
+from ..host.cli import Parser
 
 ARCH = ["gpt"]          # the family the bench times (--arch; llama: a quarter kv heads)
 PAD = [0]               # --vocab-multiple (0: as the trainer pads, 64 on a GPU, 1 on the CPU)
@@ -239,7 +240,7 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp8")       # --modes (each also with +gr
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench gpu", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench gpu", description=__doc__)
     ap.add_argument("--count", action="store_true", help="count launches on the GPU stand-in")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--embd", type=int, default=768)

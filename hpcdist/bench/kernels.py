@@ -11,11 +11,11 @@ write once. ``--device standin`` runs the same on the CPU's model of a device (i
 nothing: a check of the command)."""
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import numpy as np
+from ..host.cli import Parser
 
 
 def _cases(xp, rows: int, C: int, V: int, dt, rng):
@@ -117,7 +117,7 @@ def measure(rows: int, C: int, V: int, dtype: str, calls: int, reps: int) -> lis
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench kernels", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench kernels", description=__doc__)
     ap.add_argument("--device", default="gpu", choices=("gpu", "standin"))
     ap.add_argument("--rows", type=int, default=8192, help="batch x sequence")
     ap.add_argument("--embd", type=int, default=1024, help="the model's width C")

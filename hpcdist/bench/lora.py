@@ -21,6 +21,7 @@ import time
 
 from hpcdist.bench.common import run_job
 from hpcdist.bench.sft import make_folder, records
+from ..host.cli import Parser
 
 
 def hpcdist_run(folder: str, tok: str, args, out: str, extra: list) -> dict:
@@ -74,8 +75,8 @@ def torch_run(folder: str, args, lora: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench lora",
-                                 description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m hpcdist.bench lora",
+                description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--block", type=int, default=256)

@@ -17,6 +17,7 @@ import tempfile
 import time
 
 from hpcdist.bench.common import emit, relaunch, table, write_json
+from ..host.cli import Parser
 
 
 def configs(ranks: int, experts: int) -> list:
@@ -123,7 +124,7 @@ def plot(rows: list, path: str) -> str | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcdist.bench moe", description=__doc__)
+    p = Parser(prog="python -m hpcdist.bench moe", description=__doc__)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="timed steps (after a warm-up one)")

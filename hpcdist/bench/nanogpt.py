@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from hpcdist.bench.common import run_job
+from ..host.cli import Parser
 
 SHAPE = "4x128:128"                      # layers x width : context (heads of 64)
 
@@ -105,7 +106,7 @@ def one_round(data: str, args, torch_first: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench nanogpt", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench nanogpt", description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--shape", default=SHAPE, help="layers x width : context, heads of 64 "

@@ -16,6 +16,7 @@ import os
 import tempfile
 
 from hpcdist.bench.common import emit, relaunch, table, write_json
+from ..host.cli import Parser
 
 # name -> TrainConfig fields; a layout runs where the world size is a multiple of its ranks
 LAYOUTS = {
@@ -93,7 +94,7 @@ def worker(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcdist.bench nccl", description=__doc__)
+    p = Parser(prog="python -m hpcdist.bench nccl", description=__doc__)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--device", default="standin", choices=("standin", "gpu"),
                    help="standin: the NCCL stand-in on the CPU; gpu: the real NCCL")

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from hpcdist.bench.common import emit, relaunch, table, write_json
+from ..host.cli import Parser
 
 
 def sizes(lo: int, hi: int):
@@ -234,7 +235,7 @@ def train_worker(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench peers", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench peers", description=__doc__)
     ap.add_argument("--sizes", default="2,4", help="world sizes")
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--out", default="runs/bench_peers.json")

@@ -20,6 +20,7 @@ import tempfile
 import numpy as np
 
 from hpcdist.bench.common import emit, relaunch, table, write_json
+from ..host.cli import Parser
 
 RUNS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 
@@ -98,7 +99,7 @@ def worker(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench pipeline", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench pipeline", description=__doc__)
     ap.add_argument("--ranks", type=int, default=2, help="pipeline stages measured (P)")
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=64)

@@ -7,7 +7,6 @@ step time beside the measured median, and the rank agreement of the two orders (
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -22,6 +21,7 @@ from hpcdist.bench.common import (end_job, mpiexec, run_job, start_job, table, t
 from hpcdist.run.config import TrainConfig
 from hpcdist import nn
 from hpcdist.data import make_task
+from ..host.cli import Parser
 
 # (label, train flags, planner Layout fields) at 8 ranks; global batch fixed
 LAYOUTS = [
@@ -151,7 +151,7 @@ FAMILY_SETTINGS = {"llama": dict(n_kv_head=2), "qwen2": dict(n_kv_head=2),
 
 def main(argv=None) -> int:
     from hpcdist import plan as P
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench plan", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench plan", description=__doc__)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--n-layer", type=int, default=8)
     ap.add_argument("--n-embd", type=int, default=128)

@@ -10,6 +10,7 @@ import os
 import sys
 
 from hpcdist.bench.common import pyplot
+from ..host.cli import Parser
 
 
 def read(path: str):
@@ -176,10 +177,10 @@ def plot_compression(plt, doc, path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench plot",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = Parser(prog="python -m hpcdist.bench plot",
+                description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("files", nargs="+", help="metrics.jsonl, benchmark JSON, comm_log.json, trace")
     ap.add_argument("--out", default="runs/plots", help="folder for the PNGs")
     ap.add_argument("--steps", type=int, default=3, help="steps shown in timeline.png")

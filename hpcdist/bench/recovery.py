@@ -13,7 +13,6 @@ Writes a JSON (and prints a Markdown table) for docs/failures.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -25,6 +24,7 @@ import numpy as np
 
 from hpcdist.bench.common import end_job, owns, start_job, write_json
 from hpcdist.comm.ulfm_launch import RESPAWN_FLAGS
+from ..host.cli import Parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OMPI = os.path.join(ROOT, ".venv-ompi", "bin")
@@ -144,7 +144,7 @@ def goodput(n: int, minutes: float, every: float, tmp: str, rng, respawn: bool,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench recovery", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench recovery", description=__doc__)
     ap.add_argument("--ranks", default="3,4,8", help="world sizes for the time to next step")
     ap.add_argument("--kills", type=int, default=3, help="runs per world size")
     ap.add_argument("--minutes", type=float, default=0.0, help="goodput run length (0: none)")

@@ -6,8 +6,8 @@ Chrome trace (``--trace`` with ``--pp``): ``pipeline.png``.
 """
 from __future__ import annotations
 
-import argparse
 import sys
+from ..host.cli import Parser
 
 COLOURS = {"F": "#4c72b0", "B": "#55a868", "I": "#8fd19e", "W": "#2d6a3e"}
 
@@ -82,8 +82,8 @@ def parse_costs(text: str) -> dict:
 def main(argv=None) -> int:
     from hpcdist.bench.common import pyplot
     from hpcdist.parallel import schedules as S
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench schedule",
-                                 description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m hpcdist.bench schedule",
+                description=__doc__.split("\n\n")[0])
     ap.add_argument("--schedule", default="1f1b", choices=list(S.REGISTRY))
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--micro-batches", type=int, default=8)

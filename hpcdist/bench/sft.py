@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from hpcdist.bench.common import run_job
+from ..host.cli import Parser
 
 TEMPLATE = ("{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + "
             "message['role'] + '<|end_header_id|>\\n\\n' }}{%- if message['role'] == "
@@ -159,8 +160,8 @@ def trl_run(folder: str, chats: str, args, out: str, packing: bool = True) -> di
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench sft",
-                                 description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m hpcdist.bench sft",
+                description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--block", type=int, default=256)

@@ -7,7 +7,6 @@ memory-mapped shards and the per-batch shuffle, neither grows with the corpus.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -29,13 +28,14 @@ try:
 except SystemExit:
     pass
 from mpi4py import MPI
+from ..host.cli import Parser
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print("RSS", MPI.COMM_WORLD.Get_rank(), rss, flush=True)
 """
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench shards", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench shards", description=__doc__)
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)

@@ -24,6 +24,7 @@ import numpy as np
 
 from hpcdist.bench.common import pyplot, run_job, write_json
 from hpcdist.run.preemption import EXIT_PREEMPTED
+from ..host.cli import Parser
 
 DILOCO = ["--strategy", "diloco"]
 CONTENDERS = {
@@ -189,8 +190,8 @@ def plot(results: list, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench slowlinks", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m hpcdist.bench slowlinks", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="2", help="node counts, comma-separated")
     ap.add_argument("--links", default="1gbit,100mbit", help="tc rates, comma-separated")
     ap.add_argument("--steps", type=int, default=600)

@@ -8,6 +8,7 @@ import os
 import tempfile
 
 from hpcdist.bench.common import emit, relaunch, table, write_json
+from ..host.cli import Parser
 
 
 def saved_bytes(loss, exclude_ids) -> int:
@@ -112,7 +113,7 @@ def worker(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench tp", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench tp", description=__doc__)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4, help="b, for parts (a) and (b)")
     ap.add_argument("--seq", type=int, default=32, help="s")

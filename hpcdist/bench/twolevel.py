@@ -10,13 +10,13 @@ across nodes per call (hpcdist's, counted at the wire); the per-level alpha-beta
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import numpy as np
 
 from hpcdist.bench.common import table, write_json
+from ..host.cli import Parser
 
 
 def _gloo(comm):
@@ -34,7 +34,7 @@ def _gloo(comm):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench twolevel", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench twolevel", description=__doc__)
     ap.add_argument("--sizes", default="4096,65536,1048576,4194304,16777216",
                     help="bytes, comma-separated (float32 buffers)")
     ap.add_argument("--rounds", type=int, default=5)

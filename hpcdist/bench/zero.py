@@ -15,6 +15,7 @@ import os
 import tempfile
 
 from hpcdist.bench.common import emit, relaunch, table, write_json
+from ..host.cli import Parser
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=128)
 
@@ -72,7 +73,7 @@ def analytic(psi: float, n: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.bench zero", description=__doc__)
+    ap = Parser(prog="python -m hpcdist.bench zero", description=__doc__)
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16, help="per rank")

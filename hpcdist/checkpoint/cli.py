@@ -13,16 +13,18 @@ import sys
 
 import numpy as np
 
+from ..host import folders
 from . import CheckpointError, Reader
 from .tools import choose, export_hf, export_names, verify_all
+from ..host.cli import Parser
 
 
 def parser() -> argparse.ArgumentParser:
     from .. import nn
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.checkpoint",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = Parser(prog="python -m hpcdist.checkpoint",
+                description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for cmd in ("inspect", "verify"):
         sub.add_parser(cmd).add_argument("dir")
@@ -40,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
                          "adapters merged in, a Hugging Face folder of the family")
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an existing export at OUT (refused without it)")
+    ex.add_argument(folders.FLAG, dest="others_ok", action="store_true",
+                    help="export into a folder OUT that holds files an export does not "
+                         "write (refused without it, naming one)")
     return ap
 
 
@@ -54,6 +59,10 @@ def main(argv=None) -> int:
         target = args.out if args.format != "npz" or args.out.endswith(".npz") \
             else args.out + ".npz"                         # (NumPy's savez adds .npz)
         replaced = _existing_export(target, args.format, args.overwrite)
+        problem = None if args.format == "npz" or args.others_ok else \
+            folders.refusal(target, "OUT", EXPORTED[args.format])
+        if problem:
+            raise ValueError(problem)
         params = {n[len("param/"):]: reader.tensor(n) for n in sorted(reader.tensors)
                   if n.startswith("param/")}
         meta = reader.manifest.get("meta") or {}
@@ -126,6 +135,15 @@ def _export_peft(reader, meta: dict, params: dict, out: str) -> int:
     print(f"wrote {out}/{peft.WEIGHTS} and {peft.CONFIG}: {len(tensors)} tensors "
           "(PEFT's names; peft.PeftModel.from_pretrained(base, OUT) loads the folder)")
     return 0
+
+
+# What an export writes in its folder (a Hugging Face model folder, a PEFT adapter folder)
+EXPORTED = {"safetensors": ("config.json", "generation_config.json", "model.safetensors",
+                            "model-*-of-*.safetensors", "model.safetensors.index.json",
+                            "tokenizer.json", "tokenizer_config.json",
+                            "special_tokens_map.json", "*.tmp"),
+            "peft": ("adapter_config.json", "adapter_model.safetensors", "*.tmp",
+                     "*.tmp.*")}
 
 
 def _existing_export(target: str, fmt: str, overwrite: bool) -> str | None:

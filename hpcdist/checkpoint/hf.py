@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from .. import nn
 from .hf_files import check_weights, folder_vocabulary, read_config, read_safetensors, \
-    weight_files
+    safetensors_header, weight_files
 
-__all__ = ["check_weights", "folder_vocabulary", "family", "shape", "params", "load"]
+__all__ = ["check_weights", "check_layers", "folder_vocabulary", "family", "shape", "params",
+           "load"]
 
 
 def family(folder: str) -> nn.Family:
@@ -29,6 +30,21 @@ def shape(folder: str) -> dict:
         raise ValueError(f"{where}: not a {f.title} config.json ({type(e).__name__}: "
                          f"{e})") from None
     return {"arch": f.arch, **fields}
+
+
+def check_layers(folder: str, cfg) -> None:
+    """Every block the folder's config.json declares has its weights in the folder (read from
+    the files' headers alone): a config of 3 layers over weights of 2 is one line before any
+    work, not a missing tensor found while the model is built."""
+    f = nn.family(cfg.arch)
+    names = {n: True for path in weight_files(folder) for n in safetensors_header(path)[0]}
+    for i in range(cfg.n_layer):
+        rows = [r for r in f.hf.table(cfg) if r.ours.startswith(f"blocks.{i}.")]
+        if rows and not any(f.hf.lookup(names, t) is not None for r in rows
+                            for t in (*r.theirs, *([r.instead] if r.instead else []))):
+            raise ValueError(f"{folder}/config.json declares {cfg.n_layer} layers, but the "
+                             f"folder's weights hold {i} (none of layer {i}'s, such as "
+                             f"{rows[0].theirs[0]}): the config and the weights do not match")
 
 
 def read_weights(folder: str) -> dict:
@@ -54,6 +70,7 @@ def config(folder: str, **given):
 def load(folder: str):
     """(the folder's model with its weights, its vocabulary or None), on the active device."""
     cfg = config(folder)
+    check_layers(folder, cfg)
     model = nn.family(cfg.arch).model(cfg)
     model.load_state_dict(params(folder, cfg, [n for n, _ in model.named_parameters()]))
     return model, folder_vocabulary(folder)

@@ -18,7 +18,9 @@ import tempfile
 
 import numpy as np
 
+from ..host import folders
 from . import shards, vocab
+from ..host.cli import Parser
 
 EOT = "<|endoftext|>"
 
@@ -118,6 +120,16 @@ def corpus_files(paths, say=print, leave: str = "") -> list:
     return files
 
 
+PREPARED = ("tokenizer.json", ".prepare-*", *(f"{split}_*{suffix}" for split in ("train", "val")
+                                               for suffix in (".bin", ".mask.npy", ".docs.npy")))
+
+
+def other_files_problem(out: str, inputs, others_ok: bool) -> str | None:
+    """Why ``out`` is not written (None: it may be): it holds files no prepare wrote, other
+    than the inputs themselves (a corpus beside its shards is fine)."""
+    return None if others_ok else folders.refusal(out, "--out", PREPARED, allowed=inputs)
+
+
 def earlier_files(out: str) -> list:
     """What an earlier prepare left in ``out``: its tokenizer.json and token shards."""
     if not os.path.isdir(out):
@@ -196,7 +208,7 @@ def _encode_chats(files, val_files, encoder, train, val, val_fraction: float) ->
 
 def prepare_chats(files, out: str, folder: str, val_files=(), shard_tokens: int = 100_000_000,
                   val_fraction: float = 0.05, *, train_on: str = "answers",
-                  replace: bool = False, say=print) -> dict:
+                  replace: bool = False, others_ok: bool = False, say=print) -> dict:
     """Chat data (JSON Lines, Parquet) as document shards with loss masks
     (data/documents.py), tokenized and rendered with the model folder ``folder``."""
     from . import chat, documents
@@ -206,6 +218,9 @@ def prepare_chats(files, out: str, folder: str, val_files=(), shard_tokens: int 
     for f in list(files) + list(val_files):
         if not os.path.isfile(f):
             raise FileNotFoundError(f"{f}: no such file")
+    problem = other_files_problem(out, list(files) + list(val_files), others_ok)
+    if problem:
+        raise ValueError(problem)
     earlier = earlier_files(out)
     if earlier and not replace:
         raise ValueError(f"{out} holds an earlier prepare's files ({', '.join(earlier[:3])}"
@@ -244,7 +259,7 @@ def prepare_chats(files, out: str, folder: str, val_files=(), shard_tokens: int 
 
 def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
             shard_tokens: int = 100_000_000, val_fraction: float = 0.05, *, replace: bool = False,
-            errors: str = "strict", say=print) -> dict:
+            errors: str = "strict", others_ok: bool = False, say=print) -> dict:
     """Tokenizer + shards of ``files`` in ``out``; returns counts. Everything is written to a
     folder beside the shards first and moved in only once complete: a failure leaves ``out``
     as it was. A folder holding an earlier prepare's files is refused unless ``replace``."""
@@ -254,6 +269,9 @@ def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
     files = corpus_files(files, say, leave=out)
     if not sum(os.path.getsize(f) for f in files):
         raise ValueError(f"the corpus is empty ({', '.join(files)}): nothing to tokenize")
+    problem = other_files_problem(out, files, others_ok)
+    if problem:
+        raise ValueError(problem)
     earlier = earlier_files(out)
     if earlier and not replace:
         raise ValueError(f"{out} holds an earlier prepare's files ({len(earlier)}: "
@@ -296,11 +314,12 @@ def prepare(files, out: str, vocab_size: int = 0, tokenizer: str = "",
     return {"vocab_size": size, "train_tokens": train.total, "val_tokens": val.total}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdist.data",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+def parser() -> Parser:
+    """The command line: ``prepare`` and its flags."""
+    ap = Parser(prog="python -m hpcdist.data",
+                description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="text files -> tokenizer.json + token shards")
     p.add_argument("files", nargs="+", help="UTF-8 text files, or folders of them (every "
@@ -314,6 +333,9 @@ def main(argv=None) -> int:
                    help="the last fraction of each file held out (default 0.05)")
     p.add_argument("--replace", action="store_true",
                    help="replace an earlier prepare's tokenizer and shards in --out")
+    p.add_argument(folders.FLAG, dest="others_ok", action="store_true",
+                   help="write into an --out that holds files prepare did not write "
+                        "(refused without it, naming one)")
     p.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict",
                    help="bytes that are not UTF-8: strict refuses the file naming the byte "
                         "(default), replace reads them as U+FFFD")
@@ -323,6 +345,11 @@ def main(argv=None) -> int:
     p.add_argument("--train-on", choices=("answers", "all"), default="answers",
                    help="chat data: the loss on the assistant's answers (and a completion) "
                         "only (default), or on every token")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if not 1 <= args.shard_tokens < 1 << 31 or not 0 <= args.val_fraction < 1:
         ap.error("--shard-tokens must be in [1, 2**31) (the header's count is an int32) and "
@@ -340,10 +367,12 @@ def main(argv=None) -> int:
                 ap.error("chat data needs --tokenizer MODEL_FOLDER (its tokenizer.json and "
                          "chat template)")
             prepare_chats(args.files, args.out, args.tokenizer, args.val, args.shard_tokens,
-                          args.val_fraction, train_on=args.train_on, replace=args.replace)
+                          args.val_fraction, train_on=args.train_on, replace=args.replace,
+                          others_ok=args.others_ok)
         else:
             prepare(args.files, args.out, args.vocab_size, args.tokenizer, args.shard_tokens,
-                    args.val_fraction, replace=args.replace, errors=args.encoding_errors)
+                    args.val_fraction, replace=args.replace, errors=args.encoding_errors,
+                    others_ok=args.others_ok)
     except OSError as e:
         what = f"{e.filename}: {e.strerror}" if e.filename else str(e)
         print(f"python -m hpcdist.data: error: {what}; nothing was written to {args.out}",

@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from dataclasses import replace
 
 from .. import nn
+from ..host.cli import Parser
 from ..run.config import add_setting
 from . import lora
 from .facts import GB, GPU, HARDWARE, PRESETS
 from .model import FEATURES, Model, Settings
-from .search import best_per_mesh, plan
+from .search import plan
+from .table import count, nothing_fits, report
 
 
 def calibrated(gpu: GPU, settings: Settings, path: str) -> tuple:
@@ -38,10 +39,20 @@ def calibrated(gpu: GPU, settings: Settings, path: str) -> tuple:
     return gpu, settings
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(Parser):
     def error(self, message):          # one line, exit 2 (argparse prints its usage first)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(f"{self.prog}: error: {_family_hint(self.explain(message))}", file=sys.stderr)
         sys.exit(2)
+
+
+def _family_hint(message: str) -> str:
+    """An invalid --model / --preset that names a family: say that a family is --arch."""
+    m = re.match(r"argument --preset/--model: invalid choice: '([^']*)'", message)
+    if m and m[1] in nn.FAMILIES:
+        return (f"--model {m[1]}: --model (--preset) names a published model "
+                f"({', '.join(sorted(PRESETS)[:4])}, ...: --help lists them); a family is "
+                f"--arch {m[1]} with its shape (--layers, --hidden, --heads, ...)")
+    return message
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -56,7 +67,7 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 def parser() -> argparse.ArgumentParser:
     doc = sys.modules[__package__].__doc__
     ap = _Parser(prog="python -m hpcdist.plan", description=doc.split("\n\n")[0],
-                                 formatter_class=_Help, epilog=doc.split("\n\n", 1)[1])
+                 formatter_class=_Help, epilog=doc.split("\n\n", 1)[1])
     add = ap.add_argument
     add("--preset", "--model", dest="preset", choices=sorted(PRESETS), metavar="NAME",
         help="a published model's shape (its family's, nn/<family>.py) and vocabulary, and "
@@ -210,9 +221,9 @@ def main(argv=None) -> int:
                                         ("s" if model.kv_heads > 1 else "")
                                         if model.kv_heads != model.heads else "")
     print(f"{model.family.title} {model.layers} layers x {model.hidden} hidden ({heads}), "
-          f"{model.parameters / 1e9:.1f} B parameters" + (
+          f"{count(model.parameters)} parameters" + (
               f" ({model.experts} experts top-{model.top_k} in {model.moe_layers} blocks: "
-              f"{model.active_parameters / 1e9:.1f} B active)" if model.experts else "") +
+              f"{count(model.active_parameters)} active)" if model.experts else "") +
           f", seq {model.seq}, global batch "
           f"{args.global_batch} on {args.gpus} x {gpu.name} ({args.gpus_per_node} per node); "
           f"{len(fits)} layouts fit, {len(refused)} refused")
@@ -253,73 +264,6 @@ def diloco_advice(model, fits, gpu, gpus: int, per_node: int, batch: int, *, set
                      f"{work / (work + e.parts['dp'] / H):18.0%}")
     return "\n".join(lines + ["  (it pays off where DDP computes little of its step; "
                                "DiLoCo's loss at equal tokens is measured in docs/diloco.md)"])
-
-
-# (row key, header, width): the narrow table a person reads, then what --wide adds
-NARROW = [("tp", "TP", 3), ("pp", "PP", 3), ("dp", "DP", 4), ("cp", "CP", 3), ("ep", "EP", 3),
-          ("zero", "ZeRO", 4), ("shard", "shard", 5), ("micro_batch", "mb", 3), ("micro_batches", "m", 4),
-          ("schedule", "schedule", 14), ("recompute", "recompute", 9), ("sp", "SP", 3),
-          ("memory_gb", "GB/GPU", 7), ("step_s", "step s", 7), ("mfu", "MFU", 6),
-          ("bubble", "bubble", 6)]
-WIDE = NARROW + [("cp_impl", "CP impl", 7), ("split", "PP split", 10),
-                 ("tflops_per_gpu", "TFLOP/s/GPU", 11), ("comm_share", "comm share", 10)]
-
-
-def _cell(value, width: int, key: str) -> str:
-    if isinstance(value, bool):
-        value = "yes" if value else "no"
-    if isinstance(value, float):
-        text = f"{value * 100:.1f}%" if key in ("mfu", "bubble", "comm_share") else \
-            f"{value:.1f}" if key == "memory_gb" else f"{value:.2f}"
-    else:
-        text = str(value)
-    return f"{text:>{width}s}"
-
-
-def report(fits: list, top: int, wide: bool = False) -> None:
-    """The fastest meshes, each with its best settings, and what the best one's step is."""
-    meshes = best_per_mesh(fits)
-    columns = WIDE if wide else NARROW
-    print(f"the {min(top, len(meshes))} fastest meshes (DP x CP x TP x PP), each with its best "
-          f"settings (mb: micro-batch, m: micro-batches; --wide: every column; --json: every "
-          f"layout, ranked):")
-    print(" ".join(f"{h:>{w}s}" for _, h, w in columns))
-    for e in meshes[:top]:
-        r = e.row()
-        print(" ".join(_cell(r[k], w, k) for k, _, w in columns))
-    best = fits[0]
-    p, L = best.parts, best.layout
-    print(f"best: TP {L.tp} x PP {L.pp} x DP {L.dp}" + (f" x CP {L.cp} ({L.cp_impl})"
-                                                        if L.cp > 1 else "") +
-          (f" (EP {L.ep} of DP: the all-to-alls {p['ep']:.2f} s inside the pipeline)"
-           if L.ep > 1 else "") +
-          f": {best.step_s:.2f} s per step = pipeline {p['pipeline']:.2f} s (bubble "
-          f"{best.bubble * 100:.1f}%, TP collectives {p['tp']:.2f} s and CP messages "
-          f"{p['cp']:.2f} s inside it) + DP gradient reduction {p['dp']:.2f} s + optimizer "
-          f"{p['optimizer']:.3f} s; {best.memory['total'] / GB:.1f} GB per GPU")
-
-
-def nothing_fits(refused: list, show: int = 5) -> str:
-    """Why nothing fits: the nearest misses first (the least memory over), then the other
-    reasons, one line each."""
-    def over(why):
-        m = re.search(r"\(([\d.]+) GB over\)", why)
-        return float(m.group(1)) if m else math.inf
-    ranked = sorted(refused, key=lambda r: over(r[1]))
-    lines, seen = [], set()
-    for layout, why in ranked:     # one line a mesh for memory, one a reason for the rest
-        key = why if math.isinf(over(why)) else \
-            tuple(layout.get(k) for k in ("tp", "pp", "dp", "cp", "split"))
-        if key in seen:
-            continue
-        seen.add(key)
-        mesh = ", ".join(f"{k} {layout[k]}" for k in ("tp", "pp", "dp", "cp", "zero",
-                                                        "micro_batch", "recompute")
-                         if k in layout)
-        lines.append(f"  {mesh}: {why}")
-        if len(lines) == show:
-            break
-    return "nothing fits; the nearest misses first:\n" + "\n".join(lines)
 
 
 def train_args(model: Model, L, settings: Settings) -> list:

@@ -21,7 +21,8 @@ from ..host.layout import Layout
 from .config_help import HELP
 from .errors import ConfigError
 from .shape import against_pretrained, sized
-from .settings import CHOICES, NON_NEGATIVE, POSITIVE, SETTINGS
+from .settings import CHOICES, MAX_STEPS, NON_NEGATIVE, POSITIVE, SETTINGS
+from ..host.cli import Parser
 
 
 @dataclass
@@ -132,6 +133,7 @@ class Settings:
     keep_last: int = 0            # keep only the newest N checkpoints (0 = all)
     resume: bool = False          # continue from the latest checkpoint in save_dir
     overwrite: bool = False       # move another run's checkpoints in save_dir aside
+    allow_other_files: bool = False   # save_dir may hold files no run wrote
     # run
     seed: int = 1337
     timeout: float = 0.0          # seconds a rank may wait on another (0: $HPCDIST_TIMEOUT/300)
@@ -181,6 +183,11 @@ TrainConfig = make_dataclass(
 TrainConfig.__module__ = __name__
 
 
+def flag(name: str) -> str:
+    """The command-line flag of setting ``name``."""
+    return "--" + name.replace("_", "-")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError for the first setting that cannot work: non-finite or non-positive
     numbers, unknown choices, then ``SETTINGS`` and every feature's declared refusals
@@ -190,16 +197,19 @@ def validate(cfg: TrainConfig) -> None:
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
         if f.type == "float" and value is not None and not math.isfinite(value):
-            raise ConfigError(f"{f.name} must be a finite number, got {value}", f.name)
+            raise ConfigError(f"{flag(f.name)} must be a finite number, got {value}", f.name)
     for name in POSITIVE:
         if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}", name)
+            raise ConfigError(f"{flag(name)} must be positive, got {getattr(cfg, name)}", name)
     for name in NON_NEGATIVE:
         if getattr(cfg, name) < 0:
-            raise ConfigError(f"{name} must be 0 or more, got {getattr(cfg, name)}", name)
+            raise ConfigError(f"{flag(name)} must be 0 or more, got {getattr(cfg, name)}", name)
+    if cfg.steps > MAX_STEPS:
+        raise ConfigError(f"--steps {cfg.steps:,} is more than {MAX_STEPS:,} (a step a "
+                          "millisecond would take 11 days): a typo?", "steps")
     for name, choices in list(CHOICES.items()) + [("schedule", SCHEDULES)]:
         if getattr(cfg, name) not in choices:
-            raise ConfigError(f"unknown {name} {getattr(cfg, name)!r}: choose one of "
+            raise ConfigError(f"unknown {flag(name)} {getattr(cfg, name)!r}: choose one of "
                               f"{', '.join(choices)}", name)
     for name, check in SETTINGS + capabilities.REFUSALS:
         message = check(cfg)
@@ -256,6 +266,10 @@ def load_toml(path: str) -> dict:
         name = key.replace("-", "_")
         if "--" + key.replace("_", "-") in RENAMED:
             name = RENAMED["--" + key.replace("_", "-")]
+        if isinstance(value, dict):
+            inner = next(iter(value), "n_layer")
+            raise ConfigError(f"config file {path!r}: [{key}] is a table; hpcdist's settings "
+                              f"are top-level keys ({inner} = ..., above any [table])")
         if name not in known:
             raise ConfigError(f"config file {path!r}: unknown key {key!r} "
                               f"(known: {', '.join(sorted(known))})")
@@ -270,9 +284,9 @@ def load_toml(path: str) -> dict:
     return out
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(Parser):
     def error(self, message):  # one line, exit 2 (argparse's default prints usage first)
-        raise ConfigError(message)
+        raise ConfigError(self.explain(message))
 
 
 _helped = [name for group in HELP.values() for name in group]
@@ -359,6 +373,11 @@ def parse_config(argv=None) -> TrainConfig:
     values.update(flags)
     if isinstance(values.get("cuda_graph"), bool):      # (a config file's true / false)
         values["cuda_graph"] = "on" if values["cuda_graph"] else "off"
+    if "device" not in values and os.environ.get("HPCDIST_DEVICE"):   # (as the library's)
+        values["device"] = os.environ["HPCDIST_DEVICE"].lower()
+        if values["device"] not in CHOICES["device"]:
+            raise ConfigError(f"HPCDIST_DEVICE={os.environ['HPCDIST_DEVICE']!r}: choose one of "
+                              f"{', '.join(CHOICES['device'])}, or pass --device", "device")
     if values.get("data") and "task" not in values:     # a data file means its text task
         values["task"] = "text"
         print("note: --data selects --task text")

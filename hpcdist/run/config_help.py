@@ -45,7 +45,8 @@ HELP = {
                      "tokenizer",
         "dtype": "master precision: fp32 | fp64 (fp64 for exactness tests)",
         "device": "cpu | gpu | auto (gpu: one GPU per rank, by node-local rank) | standin "
-                  "(the GPU code path on the CPU, for tests: arrays MPI cannot read)",
+                  "(the GPU code path on the CPU, for tests: arrays MPI cannot read); "
+                  "without it $HPCDIST_DEVICE, else cpu",
     },
     "LoRA (docs/fine-tuning.md)": {
         "lora_rank": "> 0: train low-rank adapters of this rank on the --lora-targets, the "
@@ -192,6 +193,9 @@ HELP = {
         "overwrite": "a fresh run into a --save-dir that holds another run's checkpoints "
                      "moves them aside to <dir>.old-N (never deletes); without it that is "
                      "refused",
+        "allow_other_files": "write checkpoints into a --save-dir that holds files no run "
+                             "wrote (refused without it, naming one; the training data's "
+                             "folder is never a save folder)",
     },
     "observability": {
         "log_every": "print a progress line every N steps (metrics.jsonl records every step)",

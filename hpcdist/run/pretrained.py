@@ -27,6 +27,9 @@ def shape_from_pretrained(cfg, train_set, vocabulary=None) -> None:
             setattr(cfg, name, value)
     cfg.__post_init__()                        # the family's defaults for what it left open
     validate(cfg)
+    from .. import nn
+    hf.check_layers(cfg.init_from, nn.config_of(cfg, vocab_size=shape["vocab_size"],
+                                                 block_size=shape["block_size"]))
 
 
 def _same_tokenizer(folder: str, vocabulary) -> None:

@@ -27,7 +27,7 @@ from ..device import backend
 from ..host import signals, threads
 from ..parallel import state
 from .config import ConfigError, TrainConfig, validate, validate_world
-from . import mirror
+from . import mirror, report
 
 
 class Mark:
@@ -288,4 +288,10 @@ def train_through_failures(train, cfg, comm, prepared):
         except checkpoint.CheckpointError as e:   # raised alike on every rank (agreed)
             if comm.rank == 0:
                 print(f"hpcdist.train: error: {e}", file=sys.stderr)
+            return None
+        except report.Diverged as e:              # alike on every rank: the mean's
+            if comm.rank == 0:
+                kept = f"; {cfg.save_dir} holds no state of the diverged steps" \
+                    if cfg.save_dir else ""
+                print(f"hpcdist.train: error: {e}{kept}", file=sys.stderr)
             return None

@@ -7,6 +7,7 @@ from .. import nn
 import json
 import signal
 import time
+import warnings
 
 import numpy as np
 
@@ -247,6 +248,18 @@ def cfg_parameters(model, cfg) -> int:
     return full.logical_parameters()
 
 
+def quiet_overflows() -> None:
+    """A diverging run's overflows are NumPy's warnings on every rank, every step: the loss
+    check (``Diverged``) says it once, from rank 0, naming the step."""
+    warnings.filterwarnings("ignore", r"(overflow|invalid value|divide by zero) encountered",
+                            RuntimeWarning)
+
+
+class Diverged(FloatingPointError):
+    """The mean loss became non-finite: every rank raises it at the same step (the mean is
+    theirs alike), before any save of that step."""
+
+
 class Unread:
     """The steps whose loss and gradient norm are still on the device, read together at log
     steps (and before a save or the end): one wait for the device and one collective for
@@ -295,11 +308,16 @@ class Unread:
                 if mfu is not None:
                     r["mfu"] = mfu
         self.settled += recs
-        bad = next((r for r in recs if not np.isfinite(r["loss"])), None)
-        if bad is not None:
-            self.write()
-            raise FloatingPointError(f"loss became {bad['loss']} at step {bad['step']}; "
-                                     "lower --lr")
+        scaler = getattr(self.strategy, "scaler", None)
+        skips = scaler is not None and scaler.enabled   # (fp16 skips a step of inf gradients)
+        for r in recs:
+            if not np.isfinite(r["loss"]) or (
+                    r["grad_norm"] is not None and not np.isfinite(r["grad_norm"]) and not skips):
+                self.write()
+                what = "loss" if not np.isfinite(r["loss"]) else "gradient's norm"
+                raise Diverged(f"the {what} became {r['loss' if what == 'loss' else 'grad_norm']}"
+                               f" at step {r['step']}: the run diverged (lower --lr, or raise "
+                               "--warmup)")
 
     def read(self) -> None:
         """Settle the pending records and write every settled one to metrics.jsonl."""

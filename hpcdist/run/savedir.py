@@ -20,9 +20,14 @@ import time
 import uuid
 
 from ..comm.stall import alive  # a process that still runs (a zombie does not)
+from ..host import folders
 
 RUN = "run.json"
 LOCK = ".lock"
+# What a run writes in its save folder (and its out folder's files, which may share it)
+OURS = (RUN, f"{RUN}.tmp.*", LOCK, "latest", "latest.tmp.*", "step_*", "partial.*",
+        ".hpcdist-probe-*", "train.log", "train.log.*", "metrics.jsonl", "metrics.jsonl.*",
+        "ranks.json", "ranks.json.tmp.*", "comm_log.json", "comm_log.json.*")
 HEARTBEAT_S = 10.0
 STALE_S = 60.0
 
@@ -177,9 +182,11 @@ def _missing_folders(path: str) -> list[str]:
     return missing
 
 
-def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
+def claim(save_dir: str, resume: bool, overwrite: bool, argv=None, *, data: str = "",
+          others_ok: bool = False, trace: str = "") -> list[str]:
     """Make ``save_dir`` this run's, for this job (rank 0 only). Returns the lines to print;
-    raises SaveDirError when the folder belongs to a running job or to another run, or
+    raises SaveDirError when the folder belongs to a running job or to another run, holds
+    files no run wrote (unless ``others_ok``), holds the training data ``data``, or
     (``resume``) does not exist: a mistyped name would start over; an empty folder starts
     at step 0 (a requeued job's first attempt)."""
     said = []
@@ -187,6 +194,9 @@ def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
         raise SaveDirError(f"--resume: --save-dir {save_dir!r} does not exist (a mistyped "
                            "name?); an empty folder starts at step 0: create it for a first "
                            "run that later runs resume")
+    problem = _not_a_run_folder(save_dir, data, others_ok, trace)
+    if problem:
+        raise SaveDirError(problem)
     _made_dirs[:0] = _missing_folders(save_dir)     # (check_writable makes them)
     problem = check_writable(save_dir, "--save-dir")
     if problem:
@@ -224,6 +234,19 @@ def claim(save_dir: str, resume: bool, overwrite: bool, argv=None) -> list[str]:
         _made_files.append(os.path.join(save_dir, RUN))
         _write_run(save_dir, command)
     return said
+
+
+def _not_a_run_folder(save_dir: str, data: str, others_ok: bool, trace: str) -> str | None:
+    """Why ``save_dir`` is not a folder for checkpoints: it holds the training data (never
+    allowed: checkpoints and --overwrite's move would go among the shards), or files no run
+    wrote there (a folder of photos, a model folder) unless ``others_ok``."""
+    if data and os.path.exists(data) and folders.inside(data, save_dir):
+        return (f"--save-dir {save_dir!r} holds the training data --data {data!r}: "
+                "checkpoints go in a folder of their own")
+    if others_ok:
+        return None
+    ours = OURS + ((os.path.basename(trace),) if trace else ())
+    return folders.refusal(save_dir, "--save-dir", ours)
 
 
 def _write_run(save_dir: str, command: str) -> None:

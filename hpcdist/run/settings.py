@@ -5,6 +5,8 @@ in parallel/capabilities.py). config.validate applies them in order."""
 from __future__ import annotations
 
 import codecs
+import re
+from dataclasses import fields
 
 from .. import nn
 from ..device import backend
@@ -12,7 +14,8 @@ from ..device import backend
 POSITIVE = ("length", "num_digits", "block_size", "n_layer", "n_head", "n_embd", "steps",
             "batch_size", "log_every", "eval_batch", "grad_accum", "bucket_mb", "first_bucket_mb",
             "loss_scale")
-NON_NEGATIVE = ("eval_tokens",)
+NON_NEGATIVE = ("eval_tokens", "seed")
+MAX_STEPS = 10 ** 9      # more is a typo (a step a millisecond would take 11 days)
 CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "device": backend.DEVICES, "dtype": ("fp32", "fp64"),
            "compress": ("none", "fp16", "topk", "powersgd"),
@@ -43,8 +46,17 @@ def _family_problem(c) -> str | None:
         nn.config_of(c, vocab_size=c.vocab_size or 1,           # (0 here: the data's, and
                      vocab_multiple=c.vocab_multiple or 1).validate()   # the device's)
     except ValueError as e:
-        return f"--arch {c.arch}: {e}"
+        return f"--arch {c.arch}: {_as_flags(str(e), c.arch)}"
     return None
+
+
+def _as_flags(message: str, arch: str) -> str:
+    """A family config's message with its field names as the flags that set them
+    (``rope_theta`` -> ``--rope-theta``)."""
+    names = {f.name for f in fields(nn.FAMILIES[arch].config)}
+    return re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)*\b", lambda m: "--" + m[0].replace(
+        "_", "-") if m[0] in names and ("_" in m[0] or message.startswith(m[0])) else m[0],
+        message)
 
 
 def _lora_problem(c) -> str | None:

@@ -257,7 +257,7 @@ def test_test_suite_job_passes(cluster, jobs):
 
 @pytest.mark.parametrize("template, opts, args, message", [
     ("train-cpu.sbatch", ["-n", "1"], ["--compress", "topk"], "compresses nothing"),
-    ("train-cpu.sbatch", ["-n", "2"], ["--batch-size", "0"], "batch_size must be positive"),
+    ("train-cpu.sbatch", ["-n", "2"], ["--batch-size", "0"], "--batch-size must be positive"),
     ("train-gpu.sbatch", ["--ntasks-per-node=2", "-c", "1", "--gpus-per-task=0"], [],
      "the job has no GPUs: submit with --gpus-per-task=1"),
     ("train-gpu.sbatch", ["--ntasks-per-node=2", "-c", "1"], [], "--device gpu on this node"),

@@ -173,3 +173,11 @@ def test_the_planner_prints_small_models_and_steps_in_their_units():
     assert rc == 2
     one_line(err, r"--model gpt: --model \(--preset\) names a published model .* a family "
                   r"is --arch gpt")
+
+
+def test_a_missing_tokenizer_names_its_flag(tmp_path):
+    from test_edges import corpus
+    text = corpus(tmp_path / "a.txt", lines=50)
+    rc, _, err = py(*TRAIN, "--data", text, "--tokenizer", str(tmp_path / "nosuch.json"))
+    assert rc == 2
+    one_line(err, r"error: --tokenizer .*nosuch.json: no such file$")

@@ -260,6 +260,9 @@ def make_task(task: str, *, length=6, num_digits=4, data=None, block_size=64, se
 
 def datasets_of(cfg):
     """(train, test) of a run's settings (a TrainConfig, or anything with its fields)."""
+    if cfg.tokenizer and not os.path.isfile(cfg.tokenizer):
+        raise FileNotFoundError(f"--tokenizer {cfg.tokenizer}: no such file" + (
+            " (a folder: pass its tokenizer.json)" if os.path.isdir(cfg.tokenizer) else ""))
     return make_task(cfg.task, length=cfg.length, num_digits=cfg.num_digits,
                      data=cfg.data or None, block_size=cfg.block_size,
                      encoding=cfg.data_encoding, tokenizer=cfg.tokenizer,

@@ -88,7 +88,8 @@ def test_export_onto_a_full_disk_leaves_nothing_and_the_retry_works(saved, tmp_p
     rc, out_text, err = py("-m", "hpcdist.checkpoint", "export", str(saved), str(out),
                            "--format", "safetensors")
     assert rc == 0, err
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
+                                       "model.safetensors"]
     assert os.listdir(tmp_path) == ["hf"]
     (out / "notes.txt").write_text("mine")     # a folder with other files: refused, then kept
     rc, _, err = py("-m", "hpcdist.checkpoint", "export", str(saved), str(out), "--format",

@@ -7,6 +7,7 @@ a retry runs. The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -15,7 +16,8 @@ import numpy as np
 
 from ..host import folders
 from . import CheckpointError, Reader
-from .tools import choose, export_hf, export_names, verify_all
+from .hf_export import DTYPES, export_hf
+from .tools import choose, export_names, verify_all
 from ..host.cli import Parser
 
 
@@ -40,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--merge", action="store_true",
                     help="with --format safetensors, a LoRA checkpoint: the base with the "
                          "adapters merged in, a Hugging Face folder of the family")
+    ex.add_argument("--dtype", choices=sorted(DTYPES), default="",
+                    help="with --format safetensors: the weights' dtype (default: the dtype of "
+                         "the folder the run started from, else fp32)")
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an existing export at OUT (refused without it)")
     ex.add_argument(folders.FLAG, dest="others_ok", action="store_true",
@@ -58,6 +63,9 @@ def main(argv=None) -> int:
             return _inspect(reader)
         target = args.out if args.format != "npz" or args.out.endswith(".npz") \
             else args.out + ".npz"                         # (NumPy's savez adds .npz)
+        if args.dtype and args.format != "safetensors":
+            raise ValueError(f"--dtype is for --format safetensors (a {args.format} export "
+                             "keeps the checkpoint's float32)")
         replaced = _existing_export(target, args.format, args.overwrite)
         problem = None if args.format == "npz" or args.others_ok else \
             folders.refusal(target, "OUT", EXPORTED[args.format])
@@ -75,12 +83,15 @@ def main(argv=None) -> int:
             vocabulary = reader.scalars.get("vocabulary")
             tensors = _staged(args.out, lambda folder: export_hf(
                 folder, params, reader.manifest.get("meta") or {}, vocabulary,
-                reader.scalars.get("positions")))
+                reader.scalars.get("positions"), args.dtype))
             said = " and the tokenizer" if vocabulary and vocabulary.get("kind") in (
                 "chars", "tokenizer") else ""
-            print(f"wrote {args.out}/model.safetensors, config.json{said}: {len(tensors)} tensors "
-                  "(Hugging Face names; transformers.AutoModelForCausalLM.from_pretrained "
-                  "loads the folder)")
+            with open(os.path.join(args.out, "config.json")) as f:
+                written = json.load(f)
+            kind = next((written[k] for k in ("dtype", "torch_dtype") if k in written), "")
+            print(f"wrote {args.out}/model.safetensors ({kind}), config.json, "
+                  f"generation_config.json{said}: {len(tensors)} tensors (Hugging Face names; "
+                  "transformers.AutoModelForCausalLM.from_pretrained loads the folder)")
             return 0
         if args.names != "hpcdist":
             params = export_names(params, reader.manifest.get("meta") or {}, args.names)
@@ -141,7 +152,7 @@ def _export_peft(reader, meta: dict, params: dict, out: str) -> int:
 EXPORTED = {"safetensors": ("config.json", "generation_config.json", "model.safetensors",
                             "model-*-of-*.safetensors", "model.safetensors.index.json",
                             "tokenizer.json", "tokenizer_config.json",
-                            "special_tokens_map.json", "*.tmp"),
+                            "special_tokens_map.json", "chat_template.jinja", "*.tmp"),
             "peft": ("adapter_config.json", "adapter_model.safetensors", "*.tmp",
                      "*.tmp.*")}
 

@@ -152,3 +152,27 @@ def folder_vocabulary(folder: str) -> dict | None:
         tok.decoder = decoders.ByteLevel()
         return {"kind": "tokenizer", "size": tok.get_vocab_size(), "tokenizer": tok.to_str()}
     return None
+
+
+# What an export carries from the folder a run started from, beside the weights it writes
+SOURCE_JSON = ("config.json", "generation_config.json", "tokenizer_config.json",
+               "special_tokens_map.json")
+SOURCE_TEXT = ("chat_template.jinja",)
+
+
+def source_files(folder: str) -> dict:
+    """file name -> contents (parsed JSON; text for the chat template) of the files of
+    ``folder`` that an export of a model started from it carries over (SOURCE_JSON,
+    SOURCE_TEXT), those present."""
+    out = {}
+    for name in SOURCE_JSON:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            out[name] = read_json(path)
+    for name in SOURCE_TEXT:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                out[name] = f.read()
+    return out
+

@@ -33,7 +33,27 @@ def checkpoint_meta(cfg, vocabulary: dict | None = None) -> dict:
         meta["vocab"] = vocab.fingerprint(vocabulary)
     if getattr(cfg, "lora_rank", 0) or getattr(cfg, "adapter", ""):
         meta.update(lora_meta(cfg))
+    if getattr(cfg, "init_from", ""):
+        meta["source"] = source_record(cfg.init_from)
     return meta
+
+
+_sources: dict = {}
+
+
+def source_record(folder: str) -> dict:
+    """What an export carries from the Hugging Face folder a run started from (its config,
+    generation and tokenizer configs, special tokens, chat template: hf_files.source_files),
+    with the folder's path; read once a process. Not compared on --resume (NOT_COMPARED):
+    the model is, by its settings and digest."""
+    from .hf_files import source_files
+    key = os.path.abspath(folder)
+    if key not in _sources:
+        _sources[key] = {"folder": key, "files": source_files(folder)}
+    return _sources[key]
+
+
+NOT_COMPARED = ("base_folder", "source")   # where the base lies: by its digest, its shape
 
 
 def lora_meta(cfg) -> dict:
@@ -81,7 +101,7 @@ def check_meta(manifest: dict, meta: dict, folder: str, vocabulary: dict | None 
              "trains the whole model") + ": resume on the same --init-from with the same "
             "LoRA settings, or start a new run in another --save-dir")
     diffs = [f"{k} {saved[k]!r} there, {v!r} here" for k, v in meta.items()
-             if k in saved and saved[k] != v and k != "base_folder"]   # (the base: by digest)
+             if k in saved and saved[k] != v and k not in NOT_COMPARED]
     if diffs:
         raise CheckpointError(f"{folder} was written by a different run: " + "; ".join(diffs)
                               + ". Resume with the same settings, or use another --save-dir")

@@ -1,6 +1,6 @@
 """What ``python -m hpcdist.checkpoint`` (cli.py) does: choosing a save folder's checkpoint,
 verifying every one, and writing a checkpoint's parameters in other names and formats (.npz in
-hpcdist's or nanoGPT's names, a Hugging Face folder with its tokenizer).
+hpcdist's or nanoGPT's names; a Hugging Face folder: hf_export.py).
 
 The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/tools.py"."""
 from __future__ import annotations
@@ -82,16 +82,19 @@ _SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "in
                        "int32": "I32", "bfloat16": "BF16"}
 
 
-def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> None:
+def write_safetensors(path: str, tensors: dict, metadata: dict | None = None,
+                      dtypes: dict | None = None) -> None:
     """The safetensors format: an 8-byte little-endian header length, a JSON header (name ->
     dtype, shape, [begin, end) in the data), then the tensors' little-endian bytes, C order;
-    written atomically."""
+    written atomically. ``dtypes``: a tensor's safetensors dtype where its array holds the
+    bits alone (BF16 as uint16)."""
     header, offset = {}, 0
     for name in sorted(tensors):
         t = tensors[name]
-        if t.dtype.name not in _SAFETENSORS_DTYPES:
+        kind = (dtypes or {}).get(name) or _SAFETENSORS_DTYPES.get(t.dtype.name)
+        if kind is None:
             raise ValueError(f"{name}: no safetensors dtype for {t.dtype}")
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype.name], "shape": list(t.shape),
+        header[name] = {"dtype": kind, "shape": list(t.shape),
                         "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     if metadata:
@@ -108,49 +111,6 @@ def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) ->
     os.replace(tmp, path)
 
 
-def export_config(params: dict, meta: dict, positions: int | None = None):
-    """The model config (its family's dataclass) of a checkpoint's parameters and meta;
-    ``positions``: the positions the model was built for (a learned table's rows; else the
-    checkpoint's record, which an --init-from run took from its folder; else the block)."""
-    from .. import nn
-    parts = nn.family(nn.arch_of(meta)).model.PARTS
-    vocab = params[parts["tokens"] + ".weight"]
-    table = parts.get("positions")
-    block = params[table + ".weight"].shape[0] if table else \
-        positions or meta.get("block_size", 1024)
-    return nn.config_of(meta, vocab_size=int(vocab.shape[0]), block_size=int(block))
-
-
-def export_hf(out: str, params: dict, meta: dict, vocabulary: dict | None = None,
-              positions: int | None = None) -> dict:
-    """``out``/model.safetensors and ``out``/config.json: a Hugging Face folder of the
-    checkpoint's family (its adapter's names and config.json); with the checkpoint's
-    vocabulary also ``tokenizer.json`` and ``tokenizer_config.json``, so that
-    ``transformers.pipeline('text-generation', model=out)`` encodes, generates and decodes."""
-    from .. import nn
-    cfg = export_config(params, meta, positions)
-    adapter = nn.family(cfg.arch).hf
-    tensors = adapter.to_theirs(cfg, params)
-    config = adapter.config_json(cfg)
-    os.makedirs(out, exist_ok=True)
-    tokenizer = hf_tokenizer(vocabulary) if vocabulary else None
-    config["bos_token_id"] = config["eos_token_id"] = None
-    special = {}
-    if tokenizer is not None:
-        eot = tokenizer.token_to_id("<|endoftext|>")
-        if eot is not None:                       # not token 0, which is a real token
-            config["bos_token_id"] = config["eos_token_id"] = eot
-            special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
-        tokenizer.save(os.path.join(out, "tokenizer.json"))
-        with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
-                       "model_max_length": int(cfg.block_size), **special}, f, indent=1)
-    write_safetensors(os.path.join(out, "model.safetensors"), tensors, {"format": "pt"})
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    return tensors
-
-
 def export_names(params: dict, meta: dict, names: str) -> dict:
     """The parameters under another project's names (``--names``): one the checkpoint's
     family declares (nn.Family.exports), else a one-line refusal."""
@@ -161,19 +121,3 @@ def export_names(params: dict, meta: dict, names: str) -> dict:
         raise ValueError(f"--names {names}: a {f.title} checkpoint exports "
                          f"{', '.join(['hpcdist', *exports])} names")
     return exports[names](params)
-
-
-def hf_tokenizer(vocabulary: dict):
-    """A ``tokenizers.Tokenizer`` for a checkpoint's vocabulary: its own tokenizer, or for
-    characters one that maps each character to its id and joins them back (None for
-    vocabularies without text: digits, bare ids)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    if vocabulary.get("kind") == "tokenizer":
-        return Tokenizer.from_str(vocabulary["tokenizer"])
-    if vocabulary.get("kind") != "chars":
-        return None
-    chars = vocabulary["chars"]
-    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=chars[0]))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return tok

@@ -119,3 +119,19 @@ def test_a_model_trained_from_scratch_takes_its_ids_from_its_tokenizer(tmp_path)
     wte = reader.tensor("param/wte.weight")
     got = m.transformer.wte.weight.detach().float().numpy()
     assert np.abs(got - wte).max() <= np.abs(wte).max() * 2 ** -8   # bf16's rounding
+
+
+def test_a_fine_tune_resumes_from_its_save_folder_alone(tmp_path):
+    """A Gemma run from a folder, resumed with --resume --save-dir (and its data) only: the
+    family, the shape and --init-from come from the checkpoint (issue 91, part 3)."""
+    src, tok = _folder(tmp_path, "gemma", "float32")
+    save, out = str(tmp_path / "ck"), str(tmp_path / "o")
+    rc, _, err = py("-m", "hpcdist.train", "--init-from", str(src), "--data", str(tok),
+                    "--steps", "1", "--batch-size", "2", "--block-size", "16", "--save-dir",
+                    save, "--out-dir", out, timeout=300)
+    assert rc == 0, err
+    rc, said, err = py("-m", "hpcdist.train", "--resume", "--save-dir", save, "--data",
+                       str(tok), "--steps", "2", "--batch-size", "2", "--out-dir", out,
+                       timeout=300)
+    assert rc == 0, err
+    assert f"--arch gemma, --init-from {src}" in said and "Gemma" in said, said[:600]

@@ -110,7 +110,7 @@ def test_preflight_accepts_any_world_size_and_refuses_another_model(tmp_path):
                                     str(tmp_path / "o"), "--batch-size", "8"]), log=lambda *a: None)
     args = ["--save-dir", save, "--resume", "--batch-size", "4"]
     assert preflight.check(args, 2) == []                   # written by 1 rank, resumed by 2
-    with pytest.raises(ConfigError, match="written by a different run: n_embd 64 there, 32 here"):
+    with pytest.raises(ConfigError, match="--n-embd 32 contradicts --resume: .* holds a run with --n-embd 64"):
         preflight.check(args + ["--n-embd", "32"], 2)
 
 

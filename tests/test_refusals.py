@@ -181,3 +181,27 @@ def test_a_missing_tokenizer_names_its_flag(tmp_path):
     rc, _, err = py(*TRAIN, "--data", text, "--tokenizer", str(tmp_path / "nosuch.json"))
     assert rc == 2
     one_line(err, r"error: --tokenizer .*nosuch.json: no such file$")
+
+
+def test_resume_takes_the_model_from_the_checkpoint_and_a_contradiction_names_both(tmp_path):
+    save, out = str(tmp_path / "ck"), str(tmp_path / "o")
+    shape = ["--arch", "llama", "--n-layer", "2", "--n-embd", "32", "--n-head", "2",
+             "--n-kv-head", "1", "--precision", "fp32", "--task", "reverse"]
+    rc, _, err = py(*TRAIN, *shape, "--save-dir", save, "--out-dir", out)
+    assert rc == 0, err
+    rc, said, err = py("-m", "hpcdist.train", "--resume", "--save-dir", save, "--steps", "3",
+                       "--batch-size", "8", "--out-dir", out)
+    assert rc == 0, err
+    assert f"note: --resume takes the run's settings from {save}: --arch llama" in said
+    assert "resuming from" in said and "Llama 2x32 (2 heads, 1 kv head)" in said, said[:800]
+    assert "task reverse" in said
+    for flag, value, theirs in (("--n-layer", "3", "2"), ("--arch", "gpt", "'llama'"),
+                                ("--task", "sort", "'reverse'")):
+        rc, _, err = py("-m", "hpcdist.train", "--resume", "--save-dir", save, "--steps", "4",
+                        flag, value, "--out-dir", out)
+        assert rc == 2
+        one_line(err, rf"{flag} '?{value}'? contradicts --resume: .* holds a run with {flag} "
+                      rf"{theirs}; drop {flag}")
+    rc, _, err = py("-m", "hpcdist.train", "--resume", "--save-dir", save, "--steps", "4",
+                    "--n-layer", "2", "--batch-size", "8", "--out-dir", out)
+    assert rc == 0, err                                 # (one that agrees is fine)

@@ -150,7 +150,8 @@ class LlamaConfig:
 
     def describe(self) -> str:
         """The run header's words for the shape: "2x64 (4 heads, 2 kv heads"."""
-        kv = f", {self.kv_heads} kv heads" if self.kv_heads != self.n_head else ""
+        kv = f", {self.kv_heads} kv head{'s' if self.kv_heads > 1 else ''}" \
+            if self.kv_heads != self.n_head else ""
         hd = f", head size {self.head_dim}" if self.head_dim else ""
         rope = f", rotary {self.rope_type}" if self.rope_type != "default" else ""
         return f"{self.n_layer}x{self.n_embd} ({self.n_head} heads{kv}{hd}{rope}"

@@ -20,7 +20,7 @@ from .. import nn
 from ..host.layout import Layout
 from .config_help import HELP
 from .errors import ConfigError
-from .shape import against_pretrained, sized
+from .shape import against_pretrained, from_checkpoint, sized
 from .settings import CHOICES, MAX_STEPS, NON_NEGATIVE, POSITIVE, SETTINGS
 from ..host.cli import Parser
 
@@ -381,6 +381,8 @@ def parse_config(argv=None) -> TrainConfig:
     if values.get("data") and "task" not in values:     # a data file means its text task
         values["task"] = "text"
         print("note: --data selects --task text")
+    for line in from_checkpoint(values):
+        print(line)
     sized(values)
     against_pretrained(values)
     cfg = TrainConfig(**values)

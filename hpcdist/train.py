@@ -32,6 +32,7 @@ from .parallel import state  # noqa: E402
 from .parallel.strategy import DataParallelStrategy, build_strategy  # noqa: E402
 from .comm import ulfm  # noqa: E402
 from .run import fits, loop, mfu, recovery, report, runtime, savedir, supervisor  # noqa: E402
+from .run import sinks  # noqa: E402
 from .run.config import ConfigError, TrainConfig, parse_config, validate_world  # noqa: E402
 from .run.pretrained import shape_from_pretrained  # noqa: E402
 from .run.evaluate import evaluate  # noqa: E402
@@ -123,6 +124,8 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     resumed = start > 0 or (resume is not None and resume[0] is not None)   # (a recovery too)
     metrics = runtime.open_run_file(cfg.out_dir, "metrics.jsonl", resumed=resumed, say=say) \
         if comm.rank == 0 else None
+    if metrics is not None and (also := sinks.sinks(cfg, start)) is not None:
+        metrics = sinks.Forwarding(metrics, also)          # --tensorboard, --wandb
     meter = mfu.Meter(model, cfg, train_set.block_size, comm.size, comm.nodes,
                       threads.usable_cores()) if comm.rank == 0 else None
     for line in header(cfg, model, strategy, comm.size, hosts, train_set, test_set=test_set):

@@ -149,6 +149,8 @@ class Settings:
     eval_tokens: int = 262144     # held-out tokens scored at most (0: every window up to 4,096)
     out_dir: str = "runs"
     # observability
+    tensorboard: bool = False     # metrics.jsonl's records as TensorBoard event files too
+    wandb: bool = False           # ... and as a Weights & Biases run (offline by default)
     trace: str = ""               # write a Chrome trace of every rank to this file
     comm_log: bool = False        # print per-collective timings next to the alpha-beta model
     trace_memory: bool = False    # measure activation memory per step (memtrace; slower)

@@ -209,6 +209,10 @@ HELP = {
         "out_dir": "metrics.jsonl, train.log (what "
                                                           "rank 0 prints), ranks.json, "
                                                           "comm_log.json go here",
+        "tensorboard": "also write metrics.jsonl's records as TensorBoard event files in "
+                       "<out-dir>/tensorboard (tensorboardX; tensorboard --logdir <out-dir>)",
+        "wandb": "also log metrics.jsonl's records to a Weights & Biases run (offline into "
+                 "<out-dir>/wandb unless $WANDB_MODE says otherwise; needs wandb)",
         "trace": "write a Chrome trace of every rank to this file (ui.perfetto.dev)",
         "comm_log": "print per-collective timings beside the alpha-beta model",
         "trace_memory": "measure each step's activation memory and peak above the model "

@@ -163,6 +163,7 @@ def loop(run: Run, start: Start):
             with timeline.span("checkpoint", step=save_at):
                 save(save_at)
         if cfg.eval_every and step % cfg.eval_every == 0 and more:  # (the last: final report)
+            unread.read()                        # (the step records before it, in order)
             held_out(step)
         if save_at is not None or (cfg.eval_every and step % cfg.eval_every == 0):
             unread.restart_clock()

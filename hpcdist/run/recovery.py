@@ -27,7 +27,7 @@ from ..device import backend
 from ..host import signals, threads
 from ..parallel import state
 from .config import ConfigError, TrainConfig, validate, validate_world
-from . import mirror, report
+from . import mirror, report, sinks
 
 
 class Mark:
@@ -210,15 +210,17 @@ def _record(comm, cfg, lost, gone, resumed_from: int, source: str) -> None:
     steps the survivors go on from that the lost run had settled but not yet written (every
     survivor holds them alike)."""
     if comm.rank == 0 and cfg.out_dir:
+        records = [r for r in getattr(lost, "records", []) if r["step"] <= resumed_from] + [
+            {"event": "recovered", "lost": gone, "step": lost.failed_step,
+             "resumed_from": resumed_from, "world": comm.size, "source": source,
+             "detected": lost.detected, "recovered": time.time(),
+             "batch_size": cfg.batch_size}]
         with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-            for r in getattr(lost, "records", []):
-                if r["step"] <= resumed_from:
-                    f.write(json.dumps(r) + "\n")
-            f.write(json.dumps({"event": "recovered", "lost": gone, "step": lost.failed_step,
-                                "resumed_from": resumed_from, "world": comm.size,
-                                "source": source, "detected": lost.detected,
-                                "recovered": time.time(), "batch_size": cfg.batch_size})
-                    + "\n")
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        also = sinks.sinks(cfg)                   # --tensorboard, --wandb: the same records
+        for r in records if also is not None else ():
+            also.add(r)
 
 
 def _rebuild(world):

@@ -10,6 +10,7 @@ from dataclasses import fields
 
 from .. import nn
 from ..device import backend
+from . import sinks
 
 POSITIVE = ("length", "num_digits", "block_size", "n_layer", "n_head", "n_embd", "steps",
             "batch_size", "log_every", "eval_batch", "grad_accum", "bucket_mb", "first_bucket_mb",
@@ -115,6 +116,7 @@ SETTINGS = [
     ("timeout", lambda c: c.timeout < 0 and
      f"timeout must be >= 0 seconds (0: the default), got {c.timeout}"),
     ("data_encoding", _encoding_problem),
+    ("tensorboard", lambda c: sinks.problem(c)),
     ("attention", lambda c: _attention_problem(c)),
     ("arch", lambda c: _foreign_setting(c)),
     ("arch", lambda c: _family_problem(c)),

@@ -167,6 +167,11 @@ def test_checkpoint_bench(tmp_path):
     ddp, zero = rows
     assert ddp["plain_bytes"] > ddp["bytes"]             # replicas each wrote a copy; we once
     assert all(r["save"] > 0 and r["load_other"] > 0 for r in rows)
+    out = bench("checkpoint", "--async-save", "--ranks", "2", "--n-layer", "1", "--n-embd",
+                "16", "--repeat", "1", "--batch", "2", "--out", str(out_file))
+    (row,) = json.loads((tmp_path / "ck_async.json").read_text())["rows"]
+    assert row["sync"] > 0 and 0 < row["stall"] and row["written"] > 0
+    assert "async stall ms" in out
 
 
 def test_peers_bench(tmp_path):

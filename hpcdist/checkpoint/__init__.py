@@ -11,10 +11,12 @@ import io
 import json
 import os
 import shutil
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import reshard
+from .agree import agree_failure, gather_json
 from .errors import CheckpointError
 from .meta import check_meta, checkpoint_meta  # noqa: F401  (checkpoint.check_meta, ...)
 
@@ -72,35 +74,8 @@ def _fsync_dir(path: str) -> None:                # a rename in it is durable
         os.close(dir_fd)
 
 
-def _agree_failure(comm, error: str | None) -> str | None:
-    """Every rank learns whether any rank failed; returns the lowest failing rank's message."""
-    flag = comm.allreduce(np.array([comm.size - comm.rank if error else 0], dtype=np.int64),
-                          op="max")
-    if not flag[0]:
-        return None
-    reporter = comm.size - int(flag[0])
-    text = np.zeros(1024, dtype=np.uint8)
-    if comm.rank == reporter:
-        raw = f"rank {reporter}: {error}".encode()[:1024]
-        text[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    comm.bcast(text, root=reporter)
-    return bytes(text).rstrip(b"\0").decode(errors="replace")
-
-
 def _oserror(e: OSError, path: str) -> str:
     return f"{e.filename or path}: {e.strerror or e}"
-
-
-def _gather_json(comm, obj) -> list:
-    """Every rank's JSON value on every rank (our allgatherv of the UTF-8 bytes)."""
-    raw = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-    sizes = comm.allgather(np.array([raw.size], dtype=np.int64))
-    allbytes = comm.allgatherv(raw.copy())
-    out, o = [], 0
-    for n in sizes:
-        out.append(json.loads(bytes(allbytes[o:o + int(n)]).decode()))
-        o += int(n)
-    return out
 
 
 def save(save_dir: str, step: int, comm, pieces: list, own: dict, meta: dict | None = None,
@@ -109,12 +84,38 @@ def save(save_dir: str, step: int, comm, pieces: list, own: dict, meta: dict | N
 
     ``pieces``: [(name, cut, logical shape, (a, b), array)] this rank writes (reshard.py);
     ``own``: this rank's own arrays; ``scalars``: JSON values, the same on every rank (rank 0's
-    are kept). Raises CheckpointError on every rank if writing failed on any.
+    are kept). Raises CheckpointError on every rank if writing failed on any. The three
+    phases (``begin``, ``write_file``, ``publish``) are also run apart: checkpoint/background.py
+    writes the file off the step's path.
     """
+    started = begin(save_dir, step, comm, pieces, own)
+    if started.error is None:
+        started.digest, started.error = write_file(started.path, started.arrays)
+    return publish(started, comm, meta, scalars)
+
+
+@dataclass
+class Started:
+    """A save begun on this rank: its stage folder (made by rank 0, agreed), this rank's file
+    and arrays, the pieces' descriptions; ``digest`` and ``error`` once the file is written."""
+    save_dir: str
+    step: int
+    stage: str
+    name: str
+    path: str
+    arrays: dict
+    described: list
+    error: str | None = None
+    digest: dict | None = None
+
+
+def begin(save_dir: str, step: int, comm, pieces: list, own: dict, copy=None) -> Started:
+    """The save's first phase (collective): rank 0 makes the stage folder, every rank learns
+    whether it could; ``copy(key, array)``: each array's copy in host memory (the state goes
+    on changing while a background thread writes them), None to keep the arrays as given."""
     folder = step_dir(save_dir, step)
     stage = os.path.join(save_dir, PARTIAL + os.path.basename(folder))
     name = f"rank_{comm.rank:05d}.npz"
-    path = os.path.join(stage, name)
     error = None
     if comm.rank == 0:
         try:
@@ -122,35 +123,50 @@ def save(save_dir: str, step: int, comm, pieces: list, own: dict, meta: dict | N
             os.makedirs(stage)
         except OSError as e:
             error = _oserror(e, stage)
-    error = _agree_failure(comm, error)          # the folder exists before anyone writes
-    arrays = {f"p{i}": data for i, (_, _, _, _, data) in enumerate(pieces)}
-    arrays.update({f"own/{k}": v for k, v in own.items()})
+    error = agree_failure(comm, error)          # the folder exists before anyone writes
+    keep = copy or (lambda key, a: a)
+    arrays = {f"p{i}": keep(f"p{i}", data) for i, (_, _, _, _, data) in enumerate(pieces)}
+    arrays.update({f"own/{k}": keep(f"own/{k}", v) for k, v in own.items()})
     described = [{"name": n, "cut": list(c) if c is not None else None, "shape": list(shape),
                   "dtype": str(np.asarray(d).dtype), "flat": [int(a), int(b)], "key": f"p{i}"}
                  for i, (n, c, shape, (a, b), d) in enumerate(pieces)]
-    digest = None
+    return Started(save_dir, step, stage, name, os.path.join(stage, name), arrays, described,
+                   error)
+
+
+def write_file(path: str, arrays: dict) -> tuple[dict | None, str | None]:
+    """This rank's file of the save (no collective: a background thread may run it):
+    (its digest, None) or (None, the error)."""
+    try:
+        raw = _npz_bytes(arrays)
+        _write_atomic(path, raw)
+        return {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}, None
+    except OSError as e:
+        return None, _oserror(e, path)
+
+
+def publish(started: Started, comm, meta: dict | None, scalars: dict | None) -> str:
+    """The save's last phase (collective, every rank's file written): every rank learns
+    whether any failed; rank 0 writes the manifest and gives the stage its name, then
+    ``latest``; a failure removes the stage and raises CheckpointError on every rank."""
+    save_dir, step = started.save_dir, started.step
+    folder = step_dir(save_dir, step)
+    error = agree_failure(comm, started.error)
     if error is None:
-        try:
-            raw = _npz_bytes(arrays)
-            _write_atomic(path, raw)
-            digest = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
-        except OSError as e:
-            error = _oserror(e, path)
-        error = _agree_failure(comm, error)
-    if error is None:
-        everyone = _gather_json(comm, {"file": name, "digest": digest, "pieces": described})
+        everyone = gather_json(comm, {"file": started.name, "digest": started.digest,
+                                       "pieces": started.described})
         if comm.rank == 0:
             try:
-                _write_manifest(stage, step, comm.size, everyone, meta, scalars)
-                _publish(save_dir, stage, folder)
+                _write_manifest(started.stage, step, comm.size, everyone, meta, scalars)
+                _publish(save_dir, started.stage, folder)
             except OSError as e:
                 error = _oserror(e, folder)
-        error = _agree_failure(comm, error)      # complete on disk before anyone goes on
+        error = agree_failure(comm, error)      # complete on disk before anyone goes on
     if error is None:
         return folder
     comm.barrier()
     if comm.rank == 0:
-        shutil.rmtree(stage, ignore_errors=True)
+        shutil.rmtree(started.stage, ignore_errors=True)
     kept = _latest_name(save_dir)
     raise CheckpointError(f"saving checkpoint step {step} failed on {error}; "
                           + (f"the previous checkpoint ({kept}) is still 'latest'" if kept

@@ -40,8 +40,10 @@ def tensor_entries(model, mesh) -> list:
     return out
 
 
-def pieces_to_save(strategy) -> list:
-    """[(name, cut, logical shape, (a, b), host array)] this rank writes."""
+def pieces_to_save(strategy, copy: bool = True) -> list:
+    """[(name, cut, logical shape, (a, b), host array)] this rank writes: copies, or with
+    ``copy`` False (an --async-save, which copies them itself) views of the state on the
+    CPU (a device's state is copied to the host either way)."""
     mesh = strategy.mesh
     if not strategy.holds_state():
         return []                                        # a replica: rank dp 0 writes
@@ -56,8 +58,9 @@ def pieces_to_save(strategy) -> list:
         if s >= e:
             continue
         for kind, arr in arrays.items():
+            host = backend.to_numpy(arr[s - lo:e - lo])
             out.append((f"{kind}/{name}", cut, shape, (s - o, e - o),
-                        backend.to_numpy(arr[s - lo:e - lo]).copy()))
+                        host.copy() if copy else host))
     return out
 
 
@@ -112,9 +115,12 @@ def run_layout(cfg, world: int) -> dict:
     return layout
 
 
-def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None) -> str:
+def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None, background=None) \
+        -> str:
     """The layout-free checkpoint of this run at ``step`` (collective); ``vocabulary``: the
-    data's (kept whole, for sampling and export, and named in the meta)."""
+    data's (kept whole, for sampling and export, and named in the meta). ``background``
+    (checkpoint/background.py, --async-save): the save begun there, its file written off the
+    step's path; the folder it will have is returned."""
     own = {"rng": checkpoint.json_array(backend.rng_state())}
     own.update(strategy.own_state())
     scalars = scalars_of(cfg, comm.size, strategy, (sampler.epoch, sampler.position),
@@ -125,8 +131,13 @@ def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None) -> str:
     config = getattr(getattr(model, "full", model), "config", None)
     if config is not None:           # the positions the model takes (--init-from: its folder's)
         scalars["positions"] = int(config.block_size)
+    meta = checkpoint.checkpoint_meta(cfg, vocabulary)
+    if background is not None:
+        background.start(cfg.save_dir, step, comm, pieces_to_save(strategy, copy=False), own,
+                         meta, scalars)
+        return checkpoint.step_dir(cfg.save_dir, step)
     return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(strategy), own,
-                           meta=checkpoint.checkpoint_meta(cfg, vocabulary), scalars=scalars)
+                           meta=meta, scalars=scalars)
 
 
 def scalars_of(cfg, world: int, strategy, sampler: tuple, global_batch: int) -> dict:

@@ -134,6 +134,7 @@ class Settings:
     resume: bool = False          # continue from the latest checkpoint in save_dir
     overwrite: bool = False       # move another run's checkpoints in save_dir aside
     allow_other_files: bool = False   # save_dir may hold files no run wrote
+    async_save: bool = False      # write checkpoints from a background thread
     # run
     seed: int = 1337
     timeout: float = 0.0          # seconds a rank may wait on another (0: $HPCDIST_TIMEOUT/300)

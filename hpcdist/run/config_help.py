@@ -193,6 +193,9 @@ HELP = {
         "overwrite": "a fresh run into a --save-dir that holds another run's checkpoints "
                      "moves them aside to <dir>.old-N (never deletes); without it that is "
                      "refused",
+        "async_save": "copy a checkpoint's state to host memory in the step and write it "
+                      "from a background thread while training goes on (one in flight at "
+                      "most; the last, and a SIGTERM's, written in the step)",
         "allow_other_files": "write checkpoints into a --save-dir that holds files no run "
                              "wrote (refused without it, naming one; the training data's "
                              "folder is never a save folder)",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import checkpoint, optim
+from ..checkpoint import background
 from ..nn import moe
 from ..autograd import memtrace
 from ..device import backend
@@ -41,6 +42,8 @@ class Run:
     save: object = None
     held_out: object = None
     mark: object = None
+    background: object = None     # --async-save: the save in flight (checkpoint/background.py)
+    saved: object = None          # what a published save prints and prunes (actions)
 
 
 @dataclass(kw_only=True)
@@ -83,13 +86,27 @@ def actions(run: Run):
     --eval-every's held-out evaluation, each collective."""
     cfg, comm, strategy, say = run.cfg, run.comm, run.strategy, run.say
 
-    def save(at: int) -> None:
-        folder = state.save_checkpoint(cfg, at, comm, strategy, run.sampler,
-                                       run.train_set.vocabulary)
-        say(f"saved {folder}")
+    run.background = background.Background() if getattr(cfg, "async_save", False) else None
+
+    def saved(folder: str, how: str = "") -> None:
+        say(f"saved {folder}{how}")
         if cfg.keep_last and comm.rank == 0:
             for old in checkpoint.prune(cfg.save_dir, cfg.keep_last):
                 say(f"removed {old} (--keep-last {cfg.keep_last})")
+
+    def save(at: int, final: bool = True) -> None:
+        """A checkpoint of step ``at``; with --async-save the one in flight is published
+        first, and the last (``final``: the end, a stop) is written in the step."""
+        if run.background is not None:
+            finish_background(run, saved)
+            if not final:
+                folder = state.save_checkpoint(cfg, at, comm, strategy, run.sampler,
+                                               run.train_set.vocabulary, run.background)
+                say(f"saving {folder} in the background (--async-save)")
+                return
+        saved(state.save_checkpoint(cfg, at, comm, strategy, run.sampler,
+                                    run.train_set.vocabulary))
+    run.saved = saved
 
     def held_out(at: int) -> None:                   # --eval-every (collective)
         t0 = time.perf_counter()
@@ -103,6 +120,16 @@ def actions(run: Run):
                                           "accuracy": float(accuracy),
                                           "eval_tokens": tokens}) + "\n")
     return save, held_out
+
+
+def finish_background(run: Run, saved, only_if_ready: bool = False) -> None:
+    """Publish the save in flight (collective): always (``only_if_ready`` False: waiting for
+    this rank's file), or only once every rank's file is written."""
+    bg = run.background
+    if bg is None or bg.step is None or (only_if_ready and not bg.ready(run.comm)):
+        return
+    folder, seconds = bg.finish(run.comm)
+    saved(folder, f" (written in the background, {seconds:.1f} s after its step)")
 
 
 def largest_activation(run: Run) -> int:
@@ -137,7 +164,8 @@ def loop(run: Run, start: Start):
         if choice is not None:
             choice.before_step()
         rec = train_step(cfg, strategy, run.train_set, sampler, step, lr, delay=delay,
-                         settle=mark.recovers)
+                         settle=mark.recovers, before_update=run.background and
+                         run.background.wait_copied)
         if choice is not None and (chosen := choice.after_step()):
             say(chosen)
         history.append(rec)
@@ -161,12 +189,15 @@ def loop(run: Run, start: Start):
         if save_at is not None:
             runtime.test_hooks("save")
             with timeline.span("checkpoint", step=save_at):
-                save(save_at)
+                save(save_at, final=not more or stopped)
+        elif run.background is not None:                 # published once every rank wrote
+            finish_background(run, run.saved, only_if_ready=True)
         if cfg.eval_every and step % cfg.eval_every == 0 and more:  # (the last: final report)
             unread.read()                        # (the step records before it, in order)
             held_out(step)
         if save_at is not None or (cfg.eval_every and step % cfg.eval_every == 0):
             unread.restart_clock()
+    finish_background(run, run.saved)                     # (none is left in flight)
     return history, step, stopped
 
 
@@ -179,11 +210,14 @@ def straggler_delay(cfg, rank: int) -> float:
 
 
 def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
-               *, delay: float = 0.0, settle: bool = False) -> dict:
+               *, delay: float = 0.0, settle: bool = False, before_update=None) -> dict:
     """One optimizer step over ``cfg.grad_accum`` micro-batches; its metrics record.
     ``delay``: seconds this rank sleeps in the step (a straggler). ``settle`` (under
     --on-failure shrink): the loss's mean over the replicas is read before the step is
-    committed, so that a committed step's record never needs a rank lost after it."""
+    committed, so that a committed step's record never needs a rank lost after it.
+    ``before_update()``: called before the step changes the state (an --async-save's copy
+    of it finishes while the forward and backward run)."""
+    before_update = before_update or (lambda: None)
     forward_backward = graphed.forward_backward(cfg, strategy)
     t0 = time.perf_counter()
     bytes0 = strategy.comm.bytes_sent
@@ -196,6 +230,7 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
                 getattr(train_set, "masked", False):   # (its weights are the graph's constants)
             forward_backward = strategy.forward_backward
         if isinstance(forward_backward, graphed.GraphedStep):     # the whole step: one graph
+            before_update()
             with timeline.span("graphed step"):
                 loss, norm = forward_backward([train_set.batch(sampler.next_batch())
                                                for _ in range(cfg.grad_accum)])
@@ -203,7 +238,7 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
         else:
             loss, applied, norm, trained = _eager_step(
                 cfg, strategy, train_set, sampler, lr, forward_backward=forward_backward,
-                settle=settle)
+                settle=settle, before_update=before_update)
         experts = moe.after_step(strategy.model, applied)    # balancing; load and drops
         if span is not None and counts is not None:   # the GPU stand-in's counts, per step
             after = backend.device_counts()
@@ -223,7 +258,7 @@ def train_step(cfg, strategy, train_set, sampler, step: int, lr: float,
 
 
 def _eager_step(cfg, strategy, train_set, sampler, lr: float, *, forward_backward,
-                settle: bool):
+                settle: bool, before_update):
     """A step's work from the host, op by op (or each micro-batch's forward and backward as
     a graph): (loss, applied, gradient norm)."""
     xp = backend.xp()
@@ -240,6 +275,7 @@ def _eager_step(cfg, strategy, train_set, sampler, lr: float, *, forward_backwar
         with strategy.micro_context(last), _overflow_ok(strategy):
             part = forward_backward(*((x, y) if host else (xp.asarray(x), xp.asarray(y))), w)
         loss_sum += part if weights is None else part * w
+    before_update()
     with timeline.span("gradient sync"):
         strategy.sync()
     # the mean over the replicas (Unread.settle): per trained token of the global batch

@@ -117,6 +117,10 @@ SETTINGS = [
      f"timeout must be >= 0 seconds (0: the default), got {c.timeout}"),
     ("data_encoding", _encoding_problem),
     ("tensorboard", lambda c: sinks.problem(c)),
+    ("async_save", lambda c: c.async_save and (
+        "--async-save needs --save-dir (it writes checkpoints)" if not c.save_dir else
+        "--async-save: a parameter server saves from its own loop (--strategy ps); drop it"
+        if c.strategy == "ps" else None)),
     ("attention", lambda c: _attention_problem(c)),
     ("arch", lambda c: _foreign_setting(c)),
     ("arch", lambda c: _family_problem(c)),

@@ -451,6 +451,53 @@ def test_a_rank_killed_mid_save_leaves_no_half_checkpoint_and_the_next_run_clean
     assert not any(n.startswith("partial.") for n in os.listdir(save))
 
 
+# ---- --async-save: the write off the step's path, crashed into and signalled ----------------
+
+def test_a_rank_killed_while_an_async_save_writes_leaves_the_previous_latest(tmp_path):
+    """--async-save with its write held 30 s (HPCDIST_SAVE_DELAY_S): rank 1 is SIGKILLed two
+    steps after the step-4 save began, its file unwritten. The step-2 save (published) stays
+    'latest' and verifies; partial.step_00000004 is all the other one left, and --resume
+    removes it and goes on to the end."""
+    save = tmp_path / "ck"
+    args = train_args(tmp_path, "--save-dir", str(save), "--save-every", "2", "--async-save",
+                      steps=8)
+    rc, out, err, _ = run(args, n=2, HPCDIST_SAVE_DELAY_S="30", HPCDIST_SIGNAL_AT="1:6:SIGKILL")
+    assert rc != 0
+    assert (save / "latest").read_text() == "step_00000002", out[-2000:]
+    left = sorted(n for n in os.listdir(save) if "step" in n)
+    assert left == ["partial.step_00000004", "step_00000002"], left
+    r = subprocess.run([sys.executable, "-m", "hpcdist.checkpoint", "verify", str(save)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    rc, out, err, _ = run(train_args(tmp_path, "--save-dir", str(save), "--save-every", "2",
+                                     "--async-save", "--resume", steps=8), n=2)
+    assert rc == 0, err[-3000:]
+    assert "removed" in out and "partial.step_00000004" in out
+    assert (save / "latest").read_text() == "step_00000008"
+    assert not any(n.startswith("partial.") for n in os.listdir(save))
+
+
+def test_sigterm_waits_for_the_async_write_then_saves_the_final_step(tmp_path):
+    """SIGTERM on every rank at step 5, while the step-4 save's write is held 3 s: the run
+    waits for it, publishes it, saves the step it stops at in the step and exits 75; both
+    verify."""
+    from hpcdist import checkpoint
+    save = tmp_path / "ck"
+    args = train_args(tmp_path, "--save-dir", str(save), "--save-every", "4", "--async-save",
+                      steps=40)
+    rc, out, err, _ = run(args, n=2, HPCDIST_SAVE_DELAY_S="3",
+                          HPCDIST_SIGNAL_AT="0:5:SIGTERM,1:5:SIGTERM")
+    assert rc == 75, err[-3000:]
+    stop = int(re.search(r"stopped after step (\d+) of 40 on SIGTERM", out)[1])   # (agreed
+    final = f"step_{stop:08d}"                                  # at the step's meeting)
+    assert stop > 4 and "saved " + str(save / "step_00000004") + " (written in the " \
+        "background, 3." in out
+    assert out.index("step_00000004 (written") < out.index("saved " + str(save / final))
+    assert (save / "latest").read_text() == final
+    for name in ("step_00000004", final):
+        checkpoint.Reader(str(save / name)).verify()
+
+
 # ---- SIGTERM at every moment of a checkpointing run: the meaning is decided at the entry -----
 
 @pytest.mark.parametrize("moment, rc_expected", [("prepare", 75), ("start", 75), ("save", 75),

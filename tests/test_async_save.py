@@ -37,5 +37,5 @@ def test_async_saves_write_the_synchronous_saves_files(tmp_path):
     assert sync == asynced
     assert aout.count("in the background (--async-save)") == 4          # steps 2, 4, 6, 8
     assert aout.count("(written in the background") == 4 and "saved " in aout
-    loss = [line.split("held-out loss")[1] for line in (out, aout)]
+    loss = [o.split("held-out loss ")[1].split()[0] for o in (out, aout)]
     assert loss[0] == loss[1]

@@ -46,7 +46,7 @@ class Background:
     def step(self) -> int | None:
         return None if self.started is None else self.started.step
 
-    def start(self, save_dir: str, step: int, comm, pieces: list, own: dict, meta: dict,
+    def start(self, save_dir: str, step: int, comm, pieces: list, own: dict, *, meta: dict,
               scalars: dict) -> None:
         """Begin the save of ``step`` (collective: the stage folder, then the copy to host
         memory); its file is written by a thread from here."""

@@ -115,8 +115,8 @@ def run_layout(cfg, world: int) -> dict:
     return layout
 
 
-def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None, background=None) \
-        -> str:
+def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None, *,
+                    background=None) -> str:
     """The layout-free checkpoint of this run at ``step`` (collective); ``vocabulary``: the
     data's (kept whole, for sampling and export, and named in the meta). ``background``
     (checkpoint/background.py, --async-save): the save begun there, its file written off the
@@ -134,7 +134,7 @@ def save_checkpoint(cfg, step, comm, strategy, sampler, vocabulary=None, backgro
     meta = checkpoint.checkpoint_meta(cfg, vocabulary)
     if background is not None:
         background.start(cfg.save_dir, step, comm, pieces_to_save(strategy, copy=False), own,
-                         meta, scalars)
+                         meta=meta, scalars=scalars)
         return checkpoint.step_dir(cfg.save_dir, step)
     return checkpoint.save(cfg.save_dir, step, comm, pieces_to_save(strategy), own,
                            meta=meta, scalars=scalars)

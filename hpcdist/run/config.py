@@ -21,7 +21,7 @@ from ..host.layout import Layout
 from .config_help import HELP
 from .errors import ConfigError
 from .shape import against_pretrained, from_checkpoint, sized
-from .settings import CHOICES, MAX_STEPS, NON_NEGATIVE, POSITIVE, SETTINGS
+from .settings import CHOICES, MAX_STEPS, NON_NEGATIVE, POSITIVE, SETTINGS, device_from_env
 from ..host.cli import Parser
 
 
@@ -376,11 +376,7 @@ def parse_config(argv=None) -> TrainConfig:
     values.update(flags)
     if isinstance(values.get("cuda_graph"), bool):      # (a config file's true / false)
         values["cuda_graph"] = "on" if values["cuda_graph"] else "off"
-    if "device" not in values and os.environ.get("HPCDIST_DEVICE"):   # (as the library's)
-        values["device"] = os.environ["HPCDIST_DEVICE"].lower()
-        if values["device"] not in CHOICES["device"]:
-            raise ConfigError(f"HPCDIST_DEVICE={os.environ['HPCDIST_DEVICE']!r}: choose one of "
-                              f"{', '.join(CHOICES['device'])}, or pass --device", "device")
+    device_from_env(values)
     if values.get("data") and "task" not in values:     # a data file means its text task
         values["task"] = "text"
         print("note: --data selects --task text")

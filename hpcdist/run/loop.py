@@ -101,7 +101,8 @@ def actions(run: Run):
             finish_background(run, saved)
             if not final:
                 folder = state.save_checkpoint(cfg, at, comm, strategy, run.sampler,
-                                               run.train_set.vocabulary, run.background)
+                                               run.train_set.vocabulary,
+                                               background=run.background)
                 say(f"saving {folder} in the background (--async-save)")
                 return
         saved(state.save_checkpoint(cfg, at, comm, strategy, run.sampler,

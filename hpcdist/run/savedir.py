@@ -27,7 +27,8 @@ LOCK = ".lock"
 # What a run writes in its save folder (and its out folder's files, which may share it)
 OURS = (RUN, f"{RUN}.tmp.*", LOCK, "latest", "latest.tmp.*", "step_*", "partial.*",
         ".hpcdist-probe-*", "train.log", "train.log.*", "metrics.jsonl", "metrics.jsonl.*",
-        "ranks.json", "ranks.json.tmp.*", "comm_log.json", "comm_log.json.*")
+        "ranks.json", "ranks.json.tmp.*", "comm_log.json", "comm_log.json.*",
+        "tensorboard", "wandb")                 # (--tensorboard, --wandb: run/sinks.py)
 HEARTBEAT_S = 10.0
 STALE_S = 60.0
 

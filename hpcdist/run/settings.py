@@ -31,6 +31,19 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "arch": tuple(nn.FAMILIES)}
 
 
+def device_from_env(values: dict) -> None:
+    """--device unset: $HPCDIST_DEVICE's, as the library's backend.init reads it (an unknown
+    one is refused naming the variable)."""
+    import os
+    if "device" in values or not os.environ.get("HPCDIST_DEVICE"):
+        return
+    from .errors import ConfigError
+    values["device"] = os.environ["HPCDIST_DEVICE"].lower()
+    if values["device"] not in CHOICES["device"]:
+        raise ConfigError(f"HPCDIST_DEVICE={os.environ['HPCDIST_DEVICE']!r}: choose one of "
+                          f"{', '.join(CHOICES['device'])}, or pass --device", "device")
+
+
 def _foreign_setting(c) -> str | None:
     """A family's own setting given for a family that has no such setting."""
     for name, (_, _, archs) in nn.options().items():

@@ -205,3 +205,18 @@ def test_resume_takes_the_model_from_the_checkpoint_and_a_contradiction_names_bo
     rc, _, err = py("-m", "hpcdist.train", "--resume", "--save-dir", save, "--steps", "4",
                     "--n-layer", "2", "--batch-size", "8", "--out-dir", out)
     assert rc == 0, err                                 # (one that agrees is fine)
+
+
+def test_the_planner_plans_a_cluster_of_cpu_nodes():
+    """--gpu cpu: a rank's peak measured on this machine's cores (fp32), the command on
+    --device cpu (one node: mpirun; several: jobs/train-cpu.sbatch)."""
+    base = ["-m", "hpcdist.plan", "--arch", "gpt", "--layers", "2", "--hidden", "64",
+            "--heads", "2", "--seq", "64", "--vocab", "256", "--global-batch", "8", "--gpu",
+            "cpu"]
+    rc, out, err = py(*base, "--gpus", "2", "--gpus-per-node", "2")
+    assert rc == 0, err
+    assert "x CPU ranks (" in out and "TFLOP/s fp32 measured here" in out
+    assert "mpirun -n 2 python -m hpcdist.train --device cpu" in out
+    assert "--precision" not in out.split("run it")[1]          # (fp32: the CPU's)
+    rc, out, err = py(*base, "--gpus", "4", "--gpus-per-node", "2")
+    assert rc == 0 and "sbatch -N 2 --ntasks-per-node=2 jobs/train-cpu.sbatch" in out, err

@@ -10,7 +10,7 @@ from dataclasses import replace
 from .. import nn
 from ..host.cli import Parser
 from ..run.config import add_setting
-from . import lora
+from . import cpu, lora
 from .facts import GB, GPU, HARDWARE, PRESETS
 from .model import FEATURES, Model, Settings
 from .search import plan
@@ -96,7 +96,9 @@ def parser() -> argparse.ArgumentParser:
     add("--global-batch", type=int, help="sequences per step (required without --preset)")
     add("--gpus", type=int, help="GPUs in all (required without --preset)")
     add("--gpus-per-node", type=int, default=8, help="GPUs per node")
-    add("--gpu", default="a100-80g", choices=sorted(HARDWARE) + ["custom"], help="the card")
+    add("--gpu", default="a100-80g", choices=sorted(HARDWARE) + ["custom", "cpu"],
+        help="the card; cpu: CPU nodes like this one, a rank a share of a node's cores "
+             "(plan/cpu.py: measured here, fp32, --device cpu)")
     add("--peak-tflops", type=float, help="custom: dense TFLOP/s of --dtype")
     add("--memory-gb", type=float, help="custom: memory per GPU")
     add("--nvlink-gbs", type=float, help="custom: NVLink GB/s each way")
@@ -190,6 +192,8 @@ def main(argv=None) -> int:
             ap.error("--gpu custom needs --peak-tflops, --memory-gb, --nvlink-gbs, --network-gbs")
         gpu = GPU("custom", {args.dtype: args.peak_tflops * 1e12}, args.memory_gb * GB,
                   args.nvlink_gbs * GB, args.network_gbs * GB)
+    elif args.gpu == "cpu":
+        gpu, args.dtype = cpu.target(args), "fp32"
     else:
         gpu = HARDWARE[args.gpu]
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
@@ -231,7 +235,8 @@ def main(argv=None) -> int:
         print(nothing_fits(refused))
         return 1
     report(fits, args.top or 10, args.wide)
-    print(command(model, fits, args.gpus, args.gpus_per_node, settings))
+    print(command(model, fits, args.gpus, args.gpus_per_node, settings,
+                  "cpu" if args.gpu == "cpu" else "gpu"))
     if args.diloco:
         print(diloco_advice(model, fits, gpu, args.gpus, args.gpus_per_node,
                             args.global_batch, settings=settings, H=args.diloco))
@@ -304,7 +309,8 @@ def train_args(model: Model, L, settings: Settings) -> list:
     return [str(x) for x in a + lora.train_flags(settings)]
 
 
-def command(model: Model, fits: list, gpus: int, per_node: int, settings: Settings) -> str:
+def command(model: Model, fits: list, gpus: int, per_node: int, settings: Settings,
+            device: str = "gpu") -> str:
     """The fastest layout as the command that runs it: mpirun on one node, the multi-node
     job template's sbatch line beyond (DATA: token shards from python -m hpcdist.data
     prepare). Where hpcdist.train refuses the fastest, it is printed with the reason, and
@@ -319,17 +325,20 @@ def command(model: Model, fits: list, gpus: int, per_node: int, settings: Settin
             if i == 0:
                 reason = str(err).split("; ")[0]           # its advice is for another layout
                 lines += [f"the fastest layout, which hpcdist.train does not take yet ({reason}):",
-                          "  " + _launch(args, gpus, per_node)]
+                          "  " + _launch(args, gpus, per_node, device)]
             continue
         what = "run it" if i == 0 else (f"run it: the fastest layout hpcdist.train takes (number "
                                         f"{i + 1} by step time, {e.step_s:.2f} s)")
         return "\n".join(lines + [f"{what} (DATA: token shards, python -m hpcdist.data prepare):",
-                                  "  " + _launch(args, gpus, per_node)])
+                                  "  " + _launch(args, gpus, per_node, device)])
     return "\n".join(lines + ["no fitting layout is one hpcdist.train runs yet"])
 
 
-def _launch(args: list, gpus: int, per_node: int) -> str:
+def _launch(args: list, gpus: int, per_node: int, device: str = "gpu") -> str:
     if gpus <= per_node:
-        return f"mpirun -n {gpus} python -m hpcdist.train --device gpu {' '.join(args)}"
+        return f"mpirun -n {gpus} python -m hpcdist.train --device {device} {' '.join(args)}"
+    if device == "cpu":
+        return (f"sbatch -N {gpus // per_node} --ntasks-per-node={per_node} "
+                "jobs/train-cpu.sbatch " + " ".join(args))
     return (f"sbatch -N {gpus // per_node} --ntasks-per-node={per_node} "
             f"--gpus-per-node={per_node} jobs/train-gpu-multinode.sbatch " + " ".join(args))

@@ -310,9 +310,9 @@ def test_no_verified_checkpoint_refuses_instead_of_starting_over(tmp_path):
 
 
 @pytest.mark.parametrize("change, said", [
-    (["--n-embd", "32"], "n_embd 64 there, 32 here"),
-    (["--task", "reverse"], "task 'sort' there, 'reverse' here"),
-    (["--optimizer", "sgd"], "optimizer 'adamw' there, 'sgd' here"),
+    (["--n-embd", "32"], "--n-embd 32 contradicts --resume: "),       # (run/shape.py:
+    (["--task", "reverse"], "--task 'reverse' contradicts --resume: "),   # both values, the
+    (["--optimizer", "sgd"], "--optimizer 'sgd' contradicts --resume: "),  # checkpoint's too)
 ])
 def test_checkpoint_of_another_run_refused_in_one_line(tmp_path, change, said):
     save, args = _first_run(tmp_path, steps=2)
@@ -320,6 +320,7 @@ def test_checkpoint_of_another_run_refused_in_one_line(tmp_path, change, said):
     assert rc == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and said in lines[0] and "Traceback" not in err, err
+    assert "holds a run with " + change[0] in lines[0], lines[0]
 
 
 def test_checkpoint_of_another_world_size_resumes(tmp_path):

@@ -220,3 +220,15 @@ def test_the_planner_plans_a_cluster_of_cpu_nodes():
     assert "--precision" not in out.split("run it")[1]          # (fp32: the CPU's)
     rc, out, err = py(*base, "--gpus", "4", "--gpus-per-node", "2")
     assert rc == 0 and "sbatch -N 2 --ntasks-per-node=2 jobs/train-cpu.sbatch" in out, err
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--async-save"], r"--async-save needs --save-dir"),
+    (["--async-save", "--save-dir", "ck", "--strategy", "ps"], r"a parameter server saves"),
+    (["--async-save", "--save-dir", "ck", "--on-failure", "shrink"],
+     r"--async-save with --on-failure shrink"),
+])
+def test_async_save_where_it_cannot_run_is_one_line(tmp_path, args, says):
+    rc, _, err = py(*TRAIN, *args, cwd=str(tmp_path))
+    assert rc == 2
+    one_line(err, says)

@@ -133,7 +133,9 @@ SETTINGS = [
     ("async_save", lambda c: c.async_save and (
         "--async-save needs --save-dir (it writes checkpoints)" if not c.save_dir else
         "--async-save: a parameter server saves from its own loop (--strategy ps); drop it"
-        if c.strategy == "ps" else None)),
+        if c.strategy == "ps" else
+        "--async-save with --on-failure shrink: a write in flight when a rank is lost is not "
+        "taken back yet; drop one" if c.on_failure == "shrink" else None)),
     ("attention", lambda c: _attention_problem(c)),
     ("arch", lambda c: _foreign_setting(c)),
     ("arch", lambda c: _family_problem(c)),

@@ -134,4 +134,5 @@ def test_a_fine_tune_resumes_from_its_save_folder_alone(tmp_path):
                        str(tok), "--steps", "2", "--batch-size", "2", "--out-dir", out,
                        timeout=300)
     assert rc == 0, err
-    assert f"--arch gemma, --init-from {src}" in said and "Gemma" in said, said[:600]
+    assert f"--arch gemma, --init-from {src}, its shape" in said and "Gemma" in said, \
+        said[:600]

@@ -192,7 +192,8 @@ def test_resume_takes_the_model_from_the_checkpoint_and_a_contradiction_names_bo
     rc, said, err = py("-m", "hpcdist.train", "--resume", "--save-dir", save, "--steps", "3",
                        "--batch-size", "8", "--out-dir", out)
     assert rc == 0, err
-    assert f"note: --resume takes the run's settings from {save}: --arch llama" in said
+    assert f"note: --resume takes the run's settings from {save} (" in said and \
+        "the command leaves open: --arch llama, its shape" in said
     assert "resuming from" in said and "Llama 2x32 (2 heads, 1 kv head)" in said, said[:800]
     assert "task reverse" in said
     for flag, value, theirs in (("--n-layer", "3", "2"), ("--arch", "gpt", "'llama'"),

@@ -93,9 +93,9 @@ def from_checkpoint(values: dict) -> list[str]:
     if not added:
         return []
     origin = f", --init-from {values['init_from']}" if "init_from" in added else ""
-    return [f"note: --resume takes the run's settings from {values['save_dir']}: --arch "
-            f"{values['arch']}{origin} and {len(added) - 1 - bool(origin)} more (its shape, "
-            "task and precision)"]
+    return [f"note: --resume takes the run's settings from {values['save_dir']} ({len(added)} "
+            f"the command leaves open: --arch {values['arch']}{origin}, its shape, task and "
+            "precision)"]
 
 
 def _latest_meta(save_dir: str) -> dict | None:

@@ -97,8 +97,7 @@ def parser() -> argparse.ArgumentParser:
     add("--gpus", type=int, help="GPUs in all (required without --preset)")
     add("--gpus-per-node", type=int, default=8, help="GPUs per node")
     add("--gpu", default="a100-80g", choices=sorted(HARDWARE) + ["custom", "cpu"],
-        help="the card; cpu: CPU nodes like this one, a rank a share of a node's cores "
-             "(plan/cpu.py: measured here, fp32, --device cpu)")
+        help="the card (cpu: CPU nodes like this one, measured here: plan/cpu.py)")
     add("--peak-tflops", type=float, help="custom: dense TFLOP/s of --dtype")
     add("--memory-gb", type=float, help="custom: memory per GPU")
     add("--nvlink-gbs", type=float, help="custom: NVLink GB/s each way")

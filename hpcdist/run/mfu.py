@@ -21,7 +21,8 @@ from ..device import backend
 from ..nn import lora
 from ..nn.family import count_parameters
 from ..nn.moe import moe_layers
-from ..plan import HARDWARE, flops_per_token  # noqa: F401 (bench gpu uses it too)
+from ..plan.facts import HARDWARE  # noqa: F401 (bench gpu uses it too)
+from ..plan.model import flops_per_token
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hpcdist", "peak.json")
 

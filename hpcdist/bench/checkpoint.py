@@ -21,6 +21,15 @@ from hpcdist.bench.common import emit, relaunch, table, write_json
 from ..host.cli import Parser
 
 
+def _timed(comm, fn) -> float:
+    """Seconds of ``fn()`` on every rank, between two barriers."""
+    comm.barrier()
+    t0 = time.perf_counter()
+    fn()
+    comm.barrier()
+    return time.perf_counter() - t0
+
+
 def worker(args) -> int:
     from hpcdist import checkpoint, data
     from hpcdist.comm import Communicator
@@ -42,11 +51,7 @@ def worker(args) -> int:
         return cfg, strategy, sampler
 
     def timed(fn):
-        comm.barrier()
-        t0 = time.perf_counter()
-        fn()
-        comm.barrier()
-        return time.perf_counter() - t0
+        return _timed(comm, fn)
 
     for zero, other in ((0, 1), (1, 0)):
         cfg, strategy, sampler = build(zero)
@@ -101,25 +106,15 @@ def stall_worker(args) -> int:
     _, strategy = build_strategy(cfg, comm, train_set)
     sampler = data.DistributedSampler(len(train_set), cfg.batch_size,
                                       strategy.batch_comm.rank, strategy.batch_comm.size)
-    at = [0]
-
-    bg = Background()
+    at, bg = [0], Background()
 
     def step():
         at[0] += 1
-        comm.barrier()
-        t0 = time.perf_counter()
-        train_step(cfg, strategy, train_set, sampler, at[0], 1e-4,
-                   before_update=bg.wait_copied)
-        comm.barrier()
-        return time.perf_counter() - t0
+        return _timed(comm, lambda: train_step(cfg, strategy, train_set, sampler, at[0], 1e-4,
+                                               before_update=bg.wait_copied))
 
     def timed(fn):
-        comm.barrier()
-        t0 = time.perf_counter()
-        fn()
-        comm.barrier()
-        return time.perf_counter() - t0
+        return _timed(comm, fn)
     for _ in range(3):
         step()
     plain = [step() for _ in range(args.repeat * 3)]

@@ -67,13 +67,16 @@ class Background:
         try:                                     # the state's views into the host buffers,
             started.arrays = {k: self._copy(k, a) if k.startswith("p") else a   # while the
                               for k, a in started.arrays.items()}    # next step computes
+            self.copied.set()
+            delay = float(os.environ.get("HPCDIST_SAVE_DELAY_S", "0") or 0)   # (crash tests)
+            if delay:
+                time.sleep(delay)
+            started.digest, started.error = write_file(started.path, started.arrays)
+        except Exception as e:                   # (agreed by publish: every rank raises)
+            started.digest, started.error = None, f"{type(e).__name__}: {e}"
         finally:
             self.copied.set()
-        delay = float(os.environ.get("HPCDIST_SAVE_DELAY_S", "0") or 0)   # (the crash tests)
-        if delay:
-            time.sleep(delay)
-        started.digest, started.error = write_file(started.path, started.arrays)
-        started.arrays = {}                      # (the buffers stay for the next save)
+            started.arrays = {}                  # (the buffers stay for the next save)
 
     def wait_copied(self) -> None:
         """Before the step changes the state (the gradient sync, the optimizer): the save's

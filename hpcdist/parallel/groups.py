@@ -87,6 +87,8 @@ class AcrossGroups(Strategy):
     """A layout (``inner``) run in each replica group, the groups joined over ``cross``:
     batches, losses and checkpoints are the whole world's. Subclasses add what crosses."""
 
+    norm_is_global = False      # a step's gradient norm is the group's (run/report.py)
+
     def __init__(self, inner, comm, groups: Groups, batches):
         self.inner, self.groups, self.cross = inner, groups, groups.cross
         self.model, self.mesh, self.scaler = inner.model, inner.mesh, inner.scaler

@@ -57,6 +57,8 @@ def staleness_summary(comm, hist, max_gap: int) -> dict:
 class PSWorker(Strategy):
     """A worker: the whole model, no optimizer; pushes gradients, takes back parameters."""
 
+    norm_is_global = False      # a step's gradient norm is this worker's (run/report.py)
+
     def __init__(self, model, comm, dp_comm, servers: int):
         self.model, self.comm, self.dp_comm, self.mesh = model, comm, dp_comm, None
         self.scaler = LossScaler(enabled=False)

@@ -310,9 +310,10 @@ class Unread:
         self.settled += recs
         scaler = getattr(self.strategy, "scaler", None)
         skips = scaler is not None and scaler.enabled   # (fp16 skips a step of inf gradients)
-        for r in recs:
+        alike = getattr(self.strategy, "norm_is_global", True) and not skips   # (DiLoCo's: a
+        for r in recs:                                               # group's, not agreed)
             if not np.isfinite(r["loss"]) or (
-                    r["grad_norm"] is not None and not np.isfinite(r["grad_norm"]) and not skips):
+                    alike and r["grad_norm"] is not None and not np.isfinite(r["grad_norm"])):
                 self.write()
                 what = "loss" if not np.isfinite(r["loss"]) else "gradient's norm"
                 raise Diverged(f"the {what} became {r['loss' if what == 'loss' else 'grad_norm']}"

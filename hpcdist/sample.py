@@ -226,18 +226,20 @@ class Stream:
         if self.tok is None:
             self._write(("," if len(self.ids) > 1 else "") + str(token))
             return
-        context = self.tok.decode(self.ids[self.start:self.read]) if self.read else ""
-        text = self.tok.decode(self.ids[self.start:])
-        if text.endswith("\ufffd") or len(text) <= len(context):   # a character cut: wait
-            return
-        self._write(text[len(context):])
-        self.start, self.read = self.read, len(self.ids)
+        new = self._new()
+        if new and not new.endswith("\ufffd"):           # (a character cut in two: wait)
+            self._write(new)
+            self.start, self.read = self.read, len(self.ids)
 
     def end(self) -> None:
-        if self.tok is not None and self.read < len(self.ids):     # what never decoded whole
-            context = self.tok.decode(self.ids[self.start:self.read]) if self.read else ""
-            self._write(self.tok.decode(self.ids[self.start:])[len(context):])
+        if self.tok is not None:                         # what never decoded whole
+            self._write(self._new())
         self._write("\n")
+
+    def _new(self) -> str:
+        """The text of the tokens not yet printed, decoded after the one before them."""
+        context = self.tok.decode(self.ids[self.start:self.read])
+        return self.tok.decode(self.ids[self.start:])[len(context):]
 
     @staticmethod
     def _write(text: str) -> None:

@@ -17,7 +17,6 @@ if __name__ == "__main__":      # before MPI starts (the imports below start it)
     supervisor.start()
 
 import contextlib  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -124,8 +123,8 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     resumed = start > 0 or (resume is not None and resume[0] is not None)   # (a recovery too)
     metrics = runtime.open_run_file(cfg.out_dir, "metrics.jsonl", resumed=resumed, say=say) \
         if comm.rank == 0 else None
-    if metrics is not None and (also := sinks.sinks(cfg, start)) is not None:
-        metrics = sinks.Forwarding(metrics, also)          # --tensorboard, --wandb
+    if metrics is not None:
+        metrics.sinks = sinks.sinks(cfg, start)            # --tensorboard, --wandb
     meter = mfu.Meter(model, cfg, train_set.block_size, comm.size, comm.nodes,
                       threads.usable_cores()) if comm.rank == 0 else None
     for line in header(cfg, model, strategy, comm.size, hosts, train_set, test_set=test_set):
@@ -153,7 +152,7 @@ def _run(cfg, comm, log, prepared, stop, on_build) -> dict:
     if backend.device_label() == "gpu":                # (an asked path that could not run:
         say(f"attention ({cfg.attention}): {kernels.attention.choice()}")  # flash, said here)
     if metrics is not None:
-        metrics.write(json.dumps(final) + "\n")
+        metrics.record(final)
         metrics.close()
     if logfile is not None:
         logfile.close()

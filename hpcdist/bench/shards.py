@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from hpcdist.bench.common import end_job, start_job
+from ..host.cli import Parser
 
 VOCAB = 512     # the corpus's size is what is measured; a small vocabulary keeps the logits small
 
@@ -28,7 +29,6 @@ try:
 except SystemExit:
     pass
 from mpi4py import MPI
-from ..host.cli import Parser
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print("RSS", MPI.COMM_WORLD.Get_rank(), rss, flush=True)
 """

@@ -7,7 +7,6 @@ a retry runs. The rest of this design: docs/checkpoints.md, "hpcdist/checkpoint/
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -16,7 +15,7 @@ import numpy as np
 
 from ..host import folders
 from . import CheckpointError, Reader
-from .hf_export import DTYPES, export_hf
+from .hf_export import DTYPES, export_dtype, export_hf
 from .tools import choose, export_names, verify_all
 from ..host.cli import Parser
 
@@ -82,13 +81,12 @@ def main(argv=None) -> int:
         if args.format == "safetensors":
             vocabulary = reader.scalars.get("vocabulary")
             tensors = _staged(args.out, lambda folder: export_hf(
-                folder, params, reader.manifest.get("meta") or {}, vocabulary,
+                folder, params, meta, vocabulary,
                 reader.scalars.get("positions"), args.dtype))
             said = " and the tokenizer" if vocabulary and vocabulary.get("kind") in (
                 "chars", "tokenizer") else ""
-            with open(os.path.join(args.out, "config.json")) as f:
-                written = json.load(f)
-            kind = next((written[k] for k in ("dtype", "torch_dtype") if k in written), "")
+            kind = export_dtype(args.dtype, ((meta.get("source") or {}).get("files") or {})
+                                .get("config.json"))
             print(f"wrote {args.out}/model.safetensors ({kind}), config.json, "
                   f"generation_config.json{said}: {len(tensors)} tensors (Hugging Face names; "
                   "transformers.AutoModelForCausalLM.from_pretrained loads the folder)")

@@ -38,8 +38,9 @@ def check_layers(folder: str, cfg) -> None:
     work, not a missing tensor found while the model is built."""
     f = nn.family(cfg.arch)
     names = {n: True for path in weight_files(folder) for n in safetensors_header(path)[0]}
+    table = f.hf.table(cfg)
     for i in range(cfg.n_layer):
-        rows = [r for r in f.hf.table(cfg) if r.ours.startswith(f"blocks.{i}.")]
+        rows = [r for r in table if r.ours.startswith(f"blocks.{i}.")]
         if rows and not any(f.hf.lookup(names, t) is not None for r in rows
                             for t in (*r.theirs, *([r.instead] if r.instead else []))):
             raise ValueError(f"{folder}/config.json declares {cfg.n_layer} layers, but the "

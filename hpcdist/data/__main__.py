@@ -11,6 +11,7 @@ tokenizer is copied to ``DIR/tokenizer.json``. Train on it with
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import shutil
 import sys
@@ -120,8 +121,10 @@ def corpus_files(paths, say=print, leave: str = "") -> list:
     return files
 
 
-PREPARED = ("tokenizer.json", ".prepare-*", *(f"{split}_*{suffix}" for split in ("train", "val")
-                                               for suffix in (".bin", ".mask.npy", ".docs.npy")))
+# What a prepare leaves in its --out (OUTPUT), and the folder it works in meanwhile
+OUTPUT = ("tokenizer.json", *(f"{split}_*{suffix}" for split in ("train", "val")
+                              for suffix in (".bin", ".mask.npy", ".docs.npy")))
+PREPARED = (*OUTPUT, ".prepare-*")
 
 
 def other_files_problem(out: str, inputs, others_ok: bool) -> str | None:
@@ -134,8 +137,8 @@ def earlier_files(out: str) -> list:
     """What an earlier prepare left in ``out``: its tokenizer.json and token shards."""
     if not os.path.isdir(out):
         return []
-    return sorted(n for n in os.listdir(out) if n == "tokenizer.json" or (
-        n.endswith((".bin", ".mask.npy", ".docs.npy")) and n.startswith(("train_", "val_"))))
+    return sorted(n for n in os.listdir(out)
+                  if any(fnmatch.fnmatchcase(n, pattern) for pattern in OUTPUT))
 
 
 def load_tokenizer(files, vocab_size: int, tokenizer: str, errors: str, say):

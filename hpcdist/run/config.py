@@ -21,7 +21,8 @@ from ..host.layout import Layout
 from .config_help import HELP
 from .errors import ConfigError
 from .shape import against_pretrained, from_checkpoint, sized
-from .settings import CHOICES, MAX_STEPS, NON_NEGATIVE, POSITIVE, SETTINGS, device_from_env
+from .settings import (CHOICES, MAX_STEPS, NON_NEGATIVE, POSITIVE, SETTINGS, device_from_env,
+                       flag)
 from ..host.cli import Parser
 
 
@@ -186,11 +187,6 @@ TrainConfig = make_dataclass(
 TrainConfig.__module__ = __name__
 
 
-def flag(name: str) -> str:
-    """The command-line flag of setting ``name``."""
-    return "--" + name.replace("_", "-")
-
-
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError for the first setting that cannot work: non-finite or non-positive
     numbers, unknown choices, then ``SETTINGS`` and every feature's declared refusals
@@ -339,15 +335,15 @@ def add_setting(parser, name: str, kind: str, text: str) -> None:
     """The flag of setting ``name`` of type ``kind`` (a field's annotation: "int", "float",
     "str", "bool"), None when not given (the default is decided after parsing): the trainer's
     settings, and the families' own in the planner's parser too."""
-    flag = "--" + name.replace("_", "-")
+    option = flag(name)
     if name in BARE:                   # given alone: its value there (--cuda-graph: on)
-        parser.add_argument(flag, dest=name, nargs="?", const=BARE[name], default=None,
+        parser.add_argument(option, dest=name, nargs="?", const=BARE[name], default=None,
                             help=text)
     elif kind == "bool":
-        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+        parser.add_argument(option, dest=name, action=argparse.BooleanOptionalAction,
                             default=None, help=text)
     else:
-        parser.add_argument(flag, dest=name, default=None,
+        parser.add_argument(option, dest=name, default=None,
                             type={"int": int, "float": float, "str": str}[kind], help=text)
 
 
@@ -364,7 +360,7 @@ def parse_config(argv=None) -> TrainConfig:
     for old, name in RENAMED.items():
         for i, a in enumerate(argv if argv is not None else sys.argv[1:]):
             if a == old or a.startswith(old + "="):
-                new = "--" + name.replace("_", "-")
+                new = flag(name)
                 print(f"note: {old} is now {new} (the old spelling still works)")
                 if argv is None:
                     argv = list(sys.argv[1:])

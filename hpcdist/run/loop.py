@@ -5,7 +5,6 @@ report."""
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from dataclasses import dataclass
 
@@ -117,9 +116,8 @@ def actions(run: Run):
         say(f"step {at:5d} | held-out loss {loss:.4f} | held-out accuracy {accuracy * 100:.2f}%"
             f" | {tokens:,} tokens scored in {time.perf_counter() - t0:.1f} s")
         if run.metrics is not None:
-            run.metrics.write(json.dumps({"event": "eval", "step": at, "test_loss": float(loss),
-                                          "accuracy": float(accuracy),
-                                          "eval_tokens": tokens}) + "\n")
+            run.metrics.record({"event": "eval", "step": at, "test_loss": float(loss),
+                                "accuracy": float(accuracy), "eval_tokens": tokens})
     return save, held_out
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from .. import nn
 
-import json
 import signal
 import time
 import warnings
@@ -329,7 +328,7 @@ class Unread:
         recs, self.settled = self.settled, []
         if self.metrics is not None and recs:
             for r in recs:
-                self.metrics.write(json.dumps(r) + "\n")
+                self.metrics.record(r)
             self.metrics.flush()
 
 

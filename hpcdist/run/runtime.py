@@ -92,6 +92,13 @@ class RunFile:
     def __init__(self, f, path: str):
         self.f, self.path, self.failed = f, path, None
         self.whole = os.path.getsize(path)       # bytes of whole lines written
+        self.sinks = None                        # --tensorboard, --wandb (run/sinks.py)
+
+    def record(self, rec: dict) -> None:
+        """``rec`` as a JSON line (metrics.jsonl), and to the run's sinks as it is."""
+        self.write(json.dumps(rec) + "\n")
+        if self.sinks is not None:
+            self.sinks.add(rec)
 
     def write(self, text: str) -> None:
         self._do(lambda: self.f.write(text))
@@ -103,6 +110,8 @@ class RunFile:
 
     def close(self) -> None:
         self._do(self.f.close)
+        if self.sinks is not None:
+            self.sinks.flush()
 
     def _do(self, op) -> None:
         if self.failed is not None:

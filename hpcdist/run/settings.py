@@ -31,6 +31,11 @@ CHOICES = {"task": ("sort", "reverse", "text"), "optimizer": ("adamw", "sgd"),
            "arch": tuple(nn.FAMILIES)}
 
 
+def flag(name: str) -> str:
+    """The command-line flag of setting ``name`` (``rope_theta`` -> ``--rope-theta``)."""
+    return "--" + name.replace("_", "-")
+
+
 def device_from_env(values: dict) -> None:
     """--device unset: $HPCDIST_DEVICE's, as the library's backend.init reads it (an unknown
     one is refused naming the variable)."""
@@ -48,8 +53,7 @@ def _foreign_setting(c) -> str | None:
     """A family's own setting given for a family that has no such setting."""
     for name, (_, _, archs) in nn.options().items():
         if getattr(c, name) is not None and c.arch not in archs:
-            flag = "--" + name.replace("_", "-")
-            return (f"{flag} is a setting of {', '.join(archs)}, not of --arch {c.arch}: drop "
+            return (f"{flag(name)} is a setting of {', '.join(archs)}, not of --arch {c.arch}: drop "
                     f"it, or choose --arch {archs[0]}")
     return None
 
@@ -68,9 +72,8 @@ def _as_flags(message: str, arch: str) -> str:
     """A family config's message with its field names as the flags that set them
     (``rope_theta`` -> ``--rope-theta``)."""
     names = {f.name for f in fields(nn.FAMILIES[arch].config)}
-    return re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)*\b", lambda m: "--" + m[0].replace(
-        "_", "-") if m[0] in names and ("_" in m[0] or message.startswith(m[0])) else m[0],
-        message)
+    return re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)*\b", lambda m: flag(m[0]) if m[0] in names
+                  and ("_" in m[0] or message.startswith(m[0])) else m[0], message)
 
 
 def _lora_problem(c) -> str | None:

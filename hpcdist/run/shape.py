@@ -8,6 +8,7 @@ import os
 
 from .. import nn
 from .errors import ConfigError
+from .settings import flag
 
 
 SHAPE = ("arch", "n_layer", "n_head", "n_embd", "bias", "tie_weights", "experts", "top_k",
@@ -44,10 +45,9 @@ def against_pretrained(values: dict) -> None:
         return                                  # prepare() reports the folder itself
     for k in SHAPE:
         if k in values and k in shape and values[k] != shape[k]:
-            flag = "--" + k.replace("_", "-")
-            raise ConfigError(f"{flag} {values[k]} contradicts --init-from "
+            raise ConfigError(f"{flag(k)} {values[k]} contradicts --init-from "
                               f"{values['init_from']}, whose {k} is {shape[k]}: the model's "
-                              f"shape is the folder's; drop {flag}", k)
+                              f"shape is the folder's; drop {flag(k)}", k)
     values.update({k: v for k, v in shape.items() if k in SHAPE})
 
 
@@ -78,10 +78,10 @@ def from_checkpoint(values: dict) -> list[str]:
     origin = (meta.get("source") or {}).get("folder") or meta.get("base_folder")
     for name, value in taken.items():
         if name in values and values[name] != value:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} {values[name]!r} contradicts --resume: {values['save_dir']}"
-                              f" holds a run with {flag} {value!r}; drop {flag}, or start a "
-                              "new run in another --save-dir", name)
+            option = flag(name)
+            raise ConfigError(f"{option} {values[name]!r} contradicts --resume: "
+                              f"{values['save_dir']} holds a run with {option} {value!r}; drop "
+                              f"{option}, or start a new run in another --save-dir", name)
     added = sorted(k for k in taken if k not in values)
     values.update({k: v for k, v in taken.items() if k not in values})
     if origin and os.path.isdir(origin) and not values.get("init_from") and \

@@ -124,33 +124,3 @@ def sinks(cfg, start: int = 0) -> Sinks | None:
     if cfg.out_dir not in _open:
         _open[cfg.out_dir] = Sinks(cfg, start)
     return _open[cfg.out_dir]
-
-
-class Forwarding:
-    """metrics.jsonl's file, each whole line written also given to ``sinks``."""
-
-    def __init__(self, file, sinks_: Sinks):
-        self.file, self.sinks, self.partial = file, sinks_, ""
-
-    def write(self, text: str) -> None:
-        self.file.write(text)
-        lines = (self.partial + text).split("\n")
-        self.partial = lines.pop()
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                self.sinks.add(record)
-
-    def flush(self) -> None:
-        self.file.flush()
-        self.sinks.flush()
-
-    def close(self) -> None:
-        self.file.close()
-        self.sinks.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.file, name)

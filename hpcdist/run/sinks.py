@@ -18,11 +18,10 @@ _open: dict = {}        # out_dir -> Sinks (one a process: a recovery's _run reu
 
 def problem(cfg) -> str | None:
     """Why the sinks asked for cannot be written (a library missing), for start-up."""
-    for flag, module, package in (("tensorboard", "tensorboardX", "tensorboardX"),
-                                  ("wandb", "wandb", "wandb")):
+    for flag, package in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
         if getattr(cfg, flag, False):
             try:
-                __import__(module)
+                __import__(package)
             except ImportError:
                 return (f"--{flag} needs the {package} package: pip install '{package}' "
                         f"(or 'hpcdist[{flag}]')")

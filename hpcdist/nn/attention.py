@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from ..autograd import ops
 from ..autograd.tensor import Tensor
 from ..device import backend, kernels
+from ..device.kernels.attention_kinds import PLAIN, Scores
 from .family import AttentionShape
 from .layers import Dropout, active
 from .packing import Packing
-from .module import Module
+from .module import Module, Parameter
+from .placement import HEADS
 
 
 @dataclass(frozen=True)
@@ -64,13 +66,25 @@ class SelfAttention(Module):
     ``q_norm`` / ``k_norm``: the seam between the projections and the core, a module applied
     to each query / key head (B, T, heads, head_dim) before the rotation (Qwen3's per-head
     RMSNorm, declared ``over=HEADS``: under tensor parallelism each rank norms its own
-    heads, and the norm's gradient is partial over the group)."""
+    heads, and the norm's gradient is partial over the group). ``scores``: the layer's
+    attention kind (device/kernels/attention_kinds.py: scale, soft-cap, window, sinks),
+    which the training path, the KV cache and packed rows all honour; with sinks the layer
+    owns ``sinks`` (n_head,), zeros to start."""
 
     def __init__(self, shape: AttentionShape, dropout: float = 0.0,
-                 rotary: Rotary | None = None, window: int = 0, *, q_norm=None, k_norm=None):
-        self.shape, self.rotary, self.window = shape, rotary, window
+                 rotary: Rotary | None = None, window: int = 0, *, q_norm=None, k_norm=None,
+                 scores: Scores = PLAIN):
+        if window and scores.window and window != scores.window:
+            raise ValueError(f"a layer of window {window} declared with scores of window "
+                             f"{scores.window}")
+        self.shape, self.rotary, self.window = shape, rotary, window or scores.window
+        self.scores = scores
         self.attn_drop = Dropout(dropout)
         self.q_norm, self.k_norm = q_norm, k_norm
+        if scores.sinks:
+            self.placements = {"sinks": HEADS}
+            self.sinks = Parameter(backend.xp().zeros(shape.n_head,
+                                                      dtype=backend.default_float()))
 
     @property
     def n_head(self) -> int:
@@ -80,11 +94,13 @@ class SelfAttention(Module):
         """``pos``: the rows' global positions (rotary), or a packed batch's Packing (each
         document attended alone: nn/packing.py); ``cache``: this layer's KV cache (inference;
         see ``attention``)."""
+        kind = (self.scores, getattr(self, "sinks", None))
         if isinstance(pos, Packing):
             return pos.attend(qkv, lambda part, p: attention(
-                before_core(self, part, p), self.shape, self.attn_drop, None, self.window))
+                before_core(self, part, p), self.shape, self.attn_drop, None, self.window,
+                kind))
         return attention(before_core(self, qkv, pos), self.shape, self.attn_drop, cache,
-                         self.window)
+                         self.window, kind)
 
 
 def before_core(core, qkv: Tensor, pos) -> Tensor:
@@ -106,17 +122,28 @@ def before_core(core, qkv: Tensor, pos) -> Tensor:
 
 
 def attention(qkv: Tensor, shape: AttentionShape, drop, cache: dict | None = None,
-              window: int = 0) -> Tensor:
+              window: int = 0, kind=(PLAIN, None)) -> Tensor:
     """Causal self-attention of qkv (B, T, shape.width) -> (B, T, shape.out_width): the fused
     op unless the probabilities take dropout (then op by op, the (T, T) probabilities kept).
     ``cache`` (inference): the kv heads' keys and values of the tokens before these, extended
     with theirs; these rows attend through the tiled kernels by position (O(T) memory: a
-    prompt as long as the context is one block)."""
+    prompt as long as the context is one block). ``kind``: (the layer's Scores, its sinks
+    Tensor or None)."""
+    scores, sinks = kind
+    if sinks is not None and sinks.shape[0] != shape.n_head:
+        raise ValueError(f"attention sinks for {sinks.shape[0]} heads on a core of "
+                         f"{shape.n_head}: tensor parallelism does not cut sinks with their "
+                         "heads yet")
     if cache is not None:
         if active(drop):
             raise ValueError("a KV cache is for inference: call model.eval() first (dropout "
                              "is on)")
-        return _cached(qkv, shape, cache, window)
+        return _cached(qkv, shape, cache, window, kind)
+    if scores != PLAIN or sinks is not None:
+        if active(drop):
+            raise ValueError("dropout on the probabilities of a capped, windowed or sinked "
+                             "attention: the tiled path has none (set --dropout 0)")
+        return ops.fused_attention(qkv, shape.n_head, shape.n_kv_head, scores, sinks)
     if not active(drop):
         return ops.fused_attention(qkv, shape.n_head, shape.n_kv_head)
     B, T, _ = qkv.shape
@@ -131,7 +158,8 @@ def attention(qkv: Tensor, shape: AttentionShape, drop, cache: dict | None = Non
     return y.transpose(0, 3, 1, 2, 4).reshape(B, T, shape.out_width)
 
 
-def _cached(qkv: Tensor, shape: AttentionShape, cache: dict, window: int = 0) -> Tensor:
+def _cached(qkv: Tensor, shape: AttentionShape, cache: dict, window: int = 0,
+            kind=(PLAIN, None)) -> Tensor:
     """The KV-cache step, inference only (no graph): keys and values kept in token layout
     (B, past + T, nkv hd), these rows (at positions past...) over all of them through the
     flash kernels' blocks (device/kernels/flash_blocks.py), the run's kind of arithmetic.
@@ -154,7 +182,14 @@ def _cached(qkv: Tensor, shape: AttentionShape, cache: dict, window: int = 0) ->
     else:
         k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)
     cache["k"], cache["v"], cache["seen"] = k, v, cache.get("seen", held) + T
-    fwd = kernels.FLASH_BLOCK_FWD[kernels.attention.kind(qkv.dtype)]
-    y, _ = fwd(xp.ascontiguousarray(q), k, v, shape.n_head, shape.n_kv_head,
-               1.0 / math.sqrt(shape.head_dim), past, 0)
+    arith, (scores, sinks) = kernels.attention.kind(qkv.dtype), kind
+    q, scale = xp.ascontiguousarray(q), scores.softmax_scale(shape.head_dim)
+    if scores.cap:                         # (the block kernels take no cap: their twin does)
+        y, lse = kernels.block_twin(q, k, v, shape.n_head, shape.n_kv_head, scale, past, 0,
+                                    kernels.flash.ROUNDING[arith], scores.cap)
+    else:
+        y, lse = kernels.FLASH_BLOCK_FWD[arith](q, k, v, shape.n_head, shape.n_kv_head,
+                                                scale, past, 0)
+    if sinks is not None:
+        y, _ = kernels.attention_kinds.with_sinks(y, lse, sinks.data)
     return Tensor(y.astype(qkv.dtype, copy=False))

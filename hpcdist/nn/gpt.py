@@ -150,12 +150,16 @@ class LMLoss(Module):
     vocabulary, or of the sequence) can take its place. ``vocab_size``: the vocabulary, where
     the head is padded past it (``vocab_multiple``): the padding columns are left out of the
     loss, and the logits it returns outside training (evaluation, sampling) are the
-    vocabulary's alone; in training they are returned as computed (padded, no copy)."""
+    vocabulary's alone; in training they are returned as computed (padded, no copy).
+    ``cap``: the logits soft-capped first (ops.softcap; Gemma 2's final_logit_softcapping),
+    in the loss and in what sampling reads alike."""
 
-    def __init__(self, vocab_size: int | None = None):
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int | None = None, cap: float = 0.0):
+        self.vocab_size, self.cap = vocab_size, cap
 
     def forward(self, logits: Tensor, targets=None, ignore_index: int = -100):
+        if self.cap:
+            logits = ops.softcap(logits, self.cap)
         V = self.vocab_size
         padded = V is not None and logits.shape[-1] > V
         loss = None if targets is None else ops.cross_entropy(

@@ -174,6 +174,10 @@ class ContextParallelAttention(Module):
     the same names)."""
 
     def __init__(self, cp: ContextParallel, core):
+        scores = getattr(core, "scores", None)
+        if scores is not None and scores != type(scores)():
+            raise ValueError(f"context parallelism with {scores}: ring attention and Ulysses "
+                             "do not carry a cap, window or sinks yet (run without --cp)")
         self.cp, self.shape, self.rotary = cp, core.shape, core.rotary
         self.q_norm, self.k_norm = core.q_norm, core.k_norm
         self.p = core.attn_drop.p                        # dropout on the probabilities

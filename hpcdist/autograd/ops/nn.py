@@ -64,17 +64,37 @@ def causal_softmax(a: Tensor, scale: float, past: int = 0) -> Tensor:
     return Tensor._make(out, (a,), lambda g: (kernels.SOFTMAX_CAUSAL_BWD(g, out, scale),))
 
 
-def fused_attention(qkv: Tensor, n_head: int, n_kv_head: int | None = None) -> Tensor:
+def fused_attention(qkv: Tensor, n_head: int, n_kv_head: int | None = None, scores=None,
+                    sinks: Tensor | None = None) -> Tensor:
     """Causal self-attention straight from the fused projection qkv (B, T, (nh + 2 nkv) hs)
     -> (B, T, nh hs), ``n_kv_head`` key/value heads (default ``n_head``; fewer: grouped-query
     attention, each shared by n_head / n_kv_head query heads): tiled (flash) attention, one
     kernel forward and three backward on a GPU (kernels.attention_fwd / _bwd); no dropout on
-    the probabilities, no KV cache (nn.gpt.attention takes the op-by-op path for those)."""
+    the probabilities, no KV cache (nn.gpt.attention takes the op-by-op path for those).
+    ``scores`` (kernels.attention_kinds.Scores): a layer's scale, soft-cap and window;
+    ``sinks`` (n_head,): its learned sink logits, with their own gradient."""
     n_kv_head = n_kv_head or n_head
-    scale = 1.0 / kernels.flash.head_size(qkv.shape[-1], n_head, n_kv_head) ** 0.5
-    y, lse, saved = kernels.attention_fwd(qkv.data, n_head, n_kv_head, scale)
-    return Tensor._make(y, (qkv,), lambda g: (
-        kernels.attention_bwd(qkv.data, y, g, lse, n_head, n_kv_head, scale, saved),))
+    if (scores is None or scores == kernels.attention_kinds.PLAIN) and sinks is None:
+        scale = 1.0 / kernels.flash.head_size(qkv.shape[-1], n_head, n_kv_head) ** 0.5
+        y, lse, saved = kernels.attention_fwd(qkv.data, n_head, n_kv_head, scale)
+        return Tensor._make(y, (qkv,), lambda g: (
+            kernels.attention_bwd(qkv.data, y, g, lse, n_head, n_kv_head, scale, saved),))
+    scores = scores or kernels.attention_kinds.PLAIN
+    s = None if sinks is None else sinks.data
+    y, lse, _ = kernels.attention.kinded_attention_fwd(qkv.data, n_head, n_kv_head, scores, s)
+    if sinks is None:
+        return Tensor._make(y, (qkv,), lambda g: kernels.attention.kinded_attention_bwd(
+            qkv.data, y, g, lse, n_head, n_kv_head, scores)[:1])
+    return Tensor._make(y, (qkv, sinks), lambda g: kernels.attention.kinded_attention_bwd(
+        qkv.data, y, g, lse, n_head, n_kv_head, scores, s))
+
+
+def softcap(a: Tensor, cap: float) -> Tensor:
+    """cap tanh(a / cap): logits soft-capped (Gemma 2's final logits), bounded by +-cap and
+    the identity near 0; the gradient 1 - tanh^2."""
+    xp = _xp(a)
+    t = xp.tanh(a.data / a.data.dtype.type(cap))
+    return Tensor._make(t * t.dtype.type(cap), (a,), lambda g: (g * (1 - t * t),))
 
 
 def log_softmax(a: Tensor, axis: int = -1) -> Tensor:

@@ -8,6 +8,7 @@ and rotary embeddings (rotary.py). elementwise.py, colsum.py, adamw.py, rows.py,
 attention.py, gemm.py and moe.py hold the rest.
 
 The rest of this design: docs/gpu.md, "hpcdist/device/kernels/__init__.py"."""
+from . import attention_kinds
 from .attention import attention_bwd, attention_bwd_twin, attention_fwd, attention_twin
 from .flash import FLASH_BWD, FLASH_FWD, flash_bwd_twin, flash_twin
 from .cudnn_attention import CUDNN_BWD, CUDNN_FWD

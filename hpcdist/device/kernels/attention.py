@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from .. import backend
-from . import cudnn_attention, gemm
+from . import attention_kinds, cudnn_attention, gemm
 from .flash import FLASH_BWD, FLASH_FWD, head_size
 from .gemm import matmul as gemm_matmul
 from .rows import (SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, softmax_causal_bwd_twin,
@@ -225,3 +225,34 @@ def attention_fwd(qkv, n_head: int, n_kv_head: int, scale: float):
 def attention_bwd(qkv, y, dy, lse, n_head: int, n_kv_head: int, scale: float, saved=None):
     """dqkv (the shape of qkv) of y = attention_fwd(qkv)[0] against dy."""
     return _backward(qkv, y, dy, lse, n_head, n_kv_head, scale, saved)
+
+
+def kinded_attention_fwd(qkv, n_head: int, n_kv_head: int, scores, sinks=None):
+    """(y, lse, None) of attention with ``scores`` (attention_kinds.Scores) and, where it
+    declares them, ``sinks`` (n_head,): the flash kernels where they take the scores, the
+    tiled twin where they do not (choice() says which ran); sinks merged after either."""
+    hs = head_size(qkv.shape[-1], n_head, n_kv_head)
+    scale, arith = scores.softmax_scale(hs), kind(qkv.dtype)
+    if scores.tiled_kernels_take:
+        way = "flash"
+        y, lse = FLASH_FWD[arith](qkv, n_head, n_kv_head, scale)
+    else:
+        way = (f"the tiled twin (soft-cap {scores.cap:g}, window {scores.window}: the flash "
+               "kernels take neither yet)")
+        y, lse = attention_kinds.kinded_fwd(qkv, n_head, n_kv_head, scale, scores, arith)
+    _chosen.setdefault((tuple(qkv.shape), n_head, n_kv_head, qkv.dtype.name, scores), way)
+    if sinks is not None:
+        y, lse = attention_kinds.with_sinks(y, lse, sinks)
+    return y, lse, None
+
+
+def kinded_attention_bwd(qkv, y, dy, lse, n_head: int, n_kv_head: int, scores, sinks=None):
+    """(dqkv, dsinks or None) of kinded_attention_fwd, given its merged lse and final y."""
+    hs = head_size(qkv.shape[-1], n_head, n_kv_head)
+    scale, arith = scores.softmax_scale(hs), kind(qkv.dtype)
+    if scores.tiled_kernels_take:
+        dqkv = FLASH_BWD[arith](qkv, y, dy, lse, n_head, n_kv_head, scale)
+    else:
+        dqkv = attention_kinds.kinded_bwd(qkv, y, dy, lse, n_head, n_kv_head, scale, scores,
+                                          arith)
+    return dqkv, None if sinks is None else attention_kinds.sink_grad(y, dy, lse, sinks)

@@ -63,9 +63,39 @@ def _compute_dtype(dtype):
     return np.float64 if dtype == np.float64 else np.float32
 
 
-def flash_twin(qkv, nh, nkv, scale, rounding=None):
+def key_range(i0: int, i1: int, window: int) -> int:
+    """The first key a block of queries i0..i1 can see: 0, or under a window (a query sees
+    itself and window - 1 keys before it) i0 - window + 1; the tiles before it are skipped."""
+    return max(0, i0 - window + 1) if window else 0
+
+
+def _block_rows(B, nh, T, window) -> int:
+    """Queries per block of the twin: the scores under 64 MiB; under a window at most the
+    window's width (at least 64), so that a block's keys are the window, not the sequence."""
+    step = _rows_per_block(B, nh, T)
+    return min(step, max(64, window)) if window else step
+
+
+def _scores(xp, qb, kb, scale, cap, i0, i1, lo, window, ct):
+    """A block's scores (rows i0..i1 over keys lo..i1), scaled, capped (cap tanh(s / cap)
+    where ``cap``), masked to -inf outside causality and the window; and tanh's value (for
+    the backward through the cap; None without one)."""
+    s = _mm(qb, kb) * ct(scale)
+    t = None
+    if cap:
+        t = xp.tanh(s / ct(cap))
+        s = t * ct(cap)
+    j, i = xp.arange(lo, i1)[None, :], xp.arange(i0, i1)[:, None]
+    seen = (j <= i) & (j > i - window) if window else j <= i
+    return xp.where(seen, s, ct(-np.inf)), seen, t
+
+
+def flash_twin(qkv, nh, nkv, scale, rounding=None, cap=0.0, window=0):
     """(y (B, T, nh hs), lse (B, nh, T)): causal softmax(scale q k^T) v, a block of queries at a
-    time. ``rounding``: applied to q, k, v first (the tensor-core kinds' inputs)."""
+    time. ``rounding``: applied to q, k, v first (the tensor-core kinds' inputs). The
+    attention kinds (attention_kinds.Scores): ``cap`` soft-caps the scaled scores (Gemma 2's
+    cap tanh(s / cap)); ``window`` > 0: a query sees itself and window - 1 keys before it,
+    and a block reads only the keys its rows can see."""
     xp = backend.array_module(qkv)
     ct = _compute_dtype(qkv.dtype)
     q, k, v = (a.astype(ct) for a in _split(qkv, nh, nkv))
@@ -78,24 +108,26 @@ def flash_twin(qkv, nh, nkv, scale, rounding=None):
     vt = v.transpose(0, 2, 1, 3)[:, :, None]                          # (B, nkv, 1, T, hs)
     y = xp.empty((B, nkv, G, T, hs), ct)
     lse = xp.empty((B, nkv, G, T), ct)
-    step = _rows_per_block(B, nh, T)
+    step = _block_rows(B, nh, T, window)
     for i0 in range(0, T, step):
         i1 = min(T, i0 + step)
-        s = _mm(qg[..., i0:i1, :], kt[..., :i1]) * ct(scale)    # (B, nkv, G, rows, i1)
-        seen = xp.arange(i1)[None, :] <= xp.arange(i0, i1)[:, None]
-        s = xp.where(seen, s, ct(-np.inf))
+        lo = key_range(i0, i1, window)
+        s, _, _ = _scores(xp, qg[..., i0:i1, :], kt[..., lo:i1], scale, cap, i0, i1, lo,
+                          window, ct)                              # (B, nkv, G, rows, keys)
         m = s.max(axis=-1)
         p = xp.exp(s - m[..., None])
         total = p.sum(axis=-1)
-        y[..., i0:i1, :] = _mm(p, vt[..., :i1, :]) / total[..., None]
+        y[..., i0:i1, :] = _mm(p, vt[..., lo:i1, :]) / total[..., None]
         lse[..., i0:i1] = m + xp.log(total)
     y = y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
     return y.astype(qkv.dtype), lse.reshape(B, nh, T)
 
 
-def flash_bwd_twin(qkv, y, dy, lse, nh, nkv, scale, rounding=None):
+def flash_bwd_twin(qkv, y, dy, lse, nh, nkv, scale, rounding=None, cap=0.0, window=0):
     """dqkv (B, T, (nh + 2 nkv) hs) of y = flash_twin(qkv)[0]: per block of queries, p from
-    lse, ds = p (dy v^T - rowsum(dy y)); dq = scale ds k, dk += scale ds^T q, dv += p^T dy."""
+    lse, dz = p (dy v^T - rowsum(dy y)), through the cap ds = dz (1 - tanh^2); dq = scale ds
+    k, dk += scale ds^T q, dv += p^T dy. ``lse`` may hold more than these scores (a sink's
+    term: attention_kinds.with_sinks): p and D are then the whole softmax's, as they must be."""
     xp = backend.array_module(qkv)
     ct = _compute_dtype(qkv.dtype)
     q, k, v = (a.astype(ct) for a in _split(qkv, nh, nkv))
@@ -114,18 +146,21 @@ def flash_bwd_twin(qkv, y, dy, lse, nh, nkv, scale, rounding=None):
     dq = xp.empty((B, nkv, G, T, hs), ct)
     dk = xp.zeros((B, nkv, T, hs), ct)
     dv = xp.zeros((B, nkv, T, hs), ct)
-    step = _rows_per_block(B, nh, T)
+    step = _block_rows(B, nh, T, window)
     for i0 in range(0, T, step):
         i1 = min(T, i0 + step)
-        s = _mm(qg[..., i0:i1, :], xp.swapaxes(kk[..., :i1, :], -1, -2)) * ct(scale)
-        seen = xp.arange(i1)[None, :] <= xp.arange(i0, i1)[:, None]
-        p = xp.where(seen, xp.exp(s - lg[..., i0:i1, None]), ct(0))     # (B, nkv, G, rows, i1)
-        dp = _mm(gg[..., i0:i1, :], xp.swapaxes(vv[..., :i1, :], -1, -2))
+        lo = key_range(i0, i1, window)
+        s, seen, t = _scores(xp, qg[..., i0:i1, :], xp.swapaxes(kk[..., lo:i1, :], -1, -2),
+                             scale, cap, i0, i1, lo, window, ct)
+        p = xp.where(seen, xp.exp(s - lg[..., i0:i1, None]), ct(0))   # (B, nkv, G, rows, keys)
+        dp = _mm(gg[..., i0:i1, :], xp.swapaxes(vv[..., lo:i1, :], -1, -2))
         ds = p * (dp - Dg[..., i0:i1, None])
-        dq[..., i0:i1, :] = _mm(ds, kk[..., :i1, :]) * ct(scale)
-        dk[..., :i1, :] += _mm(xp.swapaxes(ds, -1, -2), qg[..., i0:i1, :]).sum(axis=2) \
+        if t is not None:
+            ds = ds * (ct(1) - t * t)
+        dq[..., i0:i1, :] = _mm(ds, kk[..., lo:i1, :]) * ct(scale)
+        dk[..., lo:i1, :] += _mm(xp.swapaxes(ds, -1, -2), qg[..., i0:i1, :]).sum(axis=2) \
             * ct(scale)
-        dv[..., :i1, :] += _mm(xp.swapaxes(p, -1, -2), gg[..., i0:i1, :]).sum(axis=2)
+        dv[..., lo:i1, :] += _mm(xp.swapaxes(p, -1, -2), gg[..., i0:i1, :]).sum(axis=2)
     out = xp.empty(qkv.shape, dtype=qkv.dtype)
     oq, ok, ov = _split(out, nh, nkv)
     oq[...] = dq.reshape(B, nh, T, hs).transpose(0, 2, 1, 3)

@@ -24,13 +24,13 @@ def _heads(a, H: int):
     return a.reshape(B, T, H, W // H).transpose(0, 2, 1, 3)
 
 
-def block_twin(q, k, v, nh, nkv, scale, q_pos, k_pos, rounding=None):
+def block_twin(q, k, v, nh, nkv, scale, q_pos, k_pos, rounding=None, cap=0.0):
     """(y (B, Tq, nh hd), lse (B, nh, Tq)): q's rows (positions q_pos + i) over k, v's
     (k_pos + j), a key seen at or before its query; a row that sees none: y 0, lse -inf.
     Rows a chunk at a time, so the scores stay under flash.py's 64 MiB (a ring's blocks at
-    long context)."""
+    long context). ``cap``: the scaled scores soft-capped (forward only: the KV cache's)."""
     xp = backend.array_module(q)
-    parts = [_block(q[:, i0:i1], k, v, nh, nkv, scale, q_pos + i0, k_pos, rounding)
+    parts = [_block(q[:, i0:i1], k, v, nh, nkv, scale, q_pos + i0, k_pos, rounding, cap)
              for i0, i1 in _chunks(q.shape[0], nh, q.shape[1], k.shape[1])]
     if len(parts) == 1:
         return parts[0]
@@ -43,7 +43,7 @@ def _chunks(B, nh, Tq, Tk):
     return [(i0, min(Tq, i0 + step)) for i0 in range(0, Tq, step)] or [(0, 0)]
 
 
-def _block(q, k, v, nh, nkv, scale, q_pos, k_pos, rounding):
+def _block(q, k, v, nh, nkv, scale, q_pos, k_pos, rounding, cap=0.0):
     xp = backend.array_module(q)
     ct = _compute_dtype(q.dtype)
     q, k, v = (a.astype(ct) for a in (q, k, v))
@@ -54,6 +54,8 @@ def _block(q, k, v, nh, nkv, scale, q_pos, k_pos, rounding):
     qh = _heads(q, nh).reshape(B, nkv, G, Tq, -1)
     kh, vh = _heads(k, nkv)[:, :, None], _heads(v, nkv)[:, :, None]
     s = _mm(qh, xp.swapaxes(kh, -1, -2)) * ct(scale)                   # (B, nkv, G, Tq, Tk)
+    if cap:
+        s = xp.tanh(s / ct(cap)) * ct(cap)
     seen = (k_pos + xp.arange(k.shape[1]))[None, :] <= (q_pos + xp.arange(Tq))[:, None]
     s = xp.where(seen, s, ct(-np.inf))
     m = s.max(axis=-1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ...nn.family import replace, resolve
 from ...nn.module import Module, pad_axis
+from ...autograd import ops
 from ...autograd.tensor import Tensor
 from ..sequence import Cut, cut_embeddings, sequence_of
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -56,10 +57,12 @@ class VocabParallelLoss(Module):
     training); in evaluation, or without targets, the logits are gathered (trimmed to the
     vocabulary) for the caller's argmax."""
 
-    def __init__(self, comm, lo: int, vocab_size: int):
-        self.comm, self.lo, self.vocab_size = comm, lo, vocab_size
+    def __init__(self, comm, lo: int, vocab_size: int, cap: float = 0.0):
+        self.comm, self.lo, self.vocab_size, self.cap = comm, lo, vocab_size, cap
 
     def forward(self, logits: Tensor, targets=None, ignore_index: int = -100):
+        if self.cap:                          # (elementwise: each rank caps its slice)
+            logits = ops.softcap(logits, self.cap)
         loss = None if targets is None else vocab_parallel_cross_entropy(
             logits, targets, self.comm, self.lo, self.vocab_size, ignore_index)
         if not self.training or targets is None:
@@ -109,5 +112,6 @@ def apply_tensor_parallel(model, comm, sequence_parallel: bool = False):
         model.set_part("head", ColumnParallelLinear(
             pad_axis(weight, 1, padded_vocab(V, comm.size, m)), None, comm,
             seq=seq if sp else None, logical=tuple(weight.shape), multiple=m))
-    model.set_part("loss", VocabParallelLoss(comm, tokens.lo, V))
+    model.set_part("loss", VocabParallelLoss(comm, tokens.lo, V,
+                                             getattr(model.part("loss"), "cap", 0.0)))
     return model.train(model.training)

@@ -101,7 +101,9 @@ def generate(model, ids, n: int, temperature: float = 0.0, top_k: int = 0,
         raise ValueError("an empty prompt: give at least one token")
     block = model.config.block_size
     learned = model.PARTS.get("positions") is not None     # (a table of block rows)
-    window = getattr(model.config, "sliding_window", 0) or 0
+    cfg = model.config
+    window = cfg.feed_window() if hasattr(cfg, "feed_window") else \
+        getattr(cfg, "sliding_window", 0) or 0
     said = set()
 
     def note(key, line):

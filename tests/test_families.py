@@ -35,6 +35,10 @@ KINDS = {
                    dict(rope_theta=1e4, tie_word_embeddings=True), "qwen2"),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=12, rope_theta=300.0),
               "gemma"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=12, rope_theta=300.0, num_hidden_layers=3, sliding_window=8,
+                    query_pre_attn_scalar=20, attn_logit_softcapping=3.0,
+                    final_logit_softcapping=4.0), "gemma2"),
     "mistral-window": ("MistralConfig", "MistralForCausalLM",
                        dict(sliding_window=8, rope_theta=1e4), "llama"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=12, rope_theta=1e4), "qwen3"),
@@ -137,7 +141,8 @@ def test_llama3_scaling_changes_the_frequencies_as_transformers_computes_them():
     del torch
 
 
-@pytest.fixture(scope="module", params=["llama3.1", "qwen2", "gemma", "qwen3", "qwen3-moe"])
+@pytest.fixture(scope="module", params=["llama3.1", "qwen2", "gemma", "gemma2", "qwen3",
+                                               "qwen3-moe"])
 def trained(request, tmp_path_factory):
     kind = request.param
     tmp = tmp_path_factory.mktemp("run-" + kind)
@@ -146,6 +151,9 @@ def trained(request, tmp_path_factory):
              "qwen2": ["--arch", "qwen2", "--n-kv-head", "2"],
              "gemma": ["--arch", "gemma", "--n-embd", "48", "--n-head", "4",
                        "--head-dim", "16"],
+             "gemma2": ["--arch", "gemma2", "--n-embd", "48", "--n-head", "4",
+                        "--head-dim", "16", "--n-layer", "3", "--local-window", "4",
+                        "--attn-cap", "5", "--final-cap", "6", "--query-scalar", "20"],
              "qwen3": ["--arch", "qwen3", "--n-kv-head", "2", "--head-dim", "8"],
              "qwen3-moe": ["--arch", "qwen3", "--n-kv-head", "2", "--head-dim", "8",
                            "--experts", "4", "--top-k", "2", "--expert-hidden", "16",
@@ -198,7 +206,8 @@ def test_a_checkpoint_exports_to_a_folder_transformers_loads_as_its_family(train
     out = tmp / "hf"
     config = export(tmp / "ck", out)
     want = {"llama3.1": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-            "gemma": ("gemma", "GemmaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+            "gemma": ("gemma", "GemmaForCausalLM"),
+            "gemma2": ("gemma2", "Gemma2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
             "qwen3-moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}[kind]
     assert config["model_type"] == want[0]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
@@ -233,12 +242,15 @@ def test_help_lists_a_familys_settings_under_it():
     r = subprocess.run([sys.executable, "-m", "hpcdist.train", "--help"], capture_output=True,
                        text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
     groups = r.stdout.split("\n\n")
-    rotary = next(g for g in groups if g.startswith("model: llama, qwen2, qwen3, gemma:"))
+    rotary = next(g for g in groups if g.startswith("model: llama, qwen2, qwen3, gemma, gemma2:"))
     for flag in ("--n-kv-head", "--head-dim", "--rope-theta", "--rope-type", "--ffn-hidden"):
         assert flag in rotary
     model = next(g for g in groups if g.startswith("model:\n"))
     assert "--n-kv-head" not in model and "--rope-theta" not in model
     assert "qwen2 1000000.0" in rotary                # each family's default where they differ
+    gemma2 = next(g for g in groups if g.startswith("model: gemma2:"))
+    for flag in ("--attn-cap", "--final-cap", "--query-scalar", "--local-window"):
+        assert flag in gemma2
 
 
 def test_every_family_is_registered_from_one_file():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ..autograd import ops
 from ..autograd.tensor import Tensor
+from ..device.kernels.attention_kinds import PLAIN, Scores
 from .attention import ROTARY_KINDS, Llama3Rotary, Rotary, SelfAttention
 from .family import Anatomy, AttentionShape, DecoderLM, Family, Projection, count_parameters
 from .hf_adapter import HFAdapter, Renamed, rope_fields, rope_json
@@ -80,6 +81,7 @@ class LlamaConfig:
     out_bias = True              # the output projection has a bias where --bias is on
                                  # (Qwen2: q|k|v biases only)
     head_norms = False           # RMSNorm on each q and k head before rotary (Qwen3)
+    final_cap = 0.0              # the final logits soft-capped (Gemma 2: 30)
     norm_topk = True             # MoE: the chosen experts' gates renormalised (Mixtral)
 
     def is_moe(self, layer: int) -> bool:
@@ -165,6 +167,14 @@ class LlamaConfig:
                        expert_width=self.expert_hidden or self.hidden(),
                        head_norms=2 * self.head_size() if self.head_norms else 0)
 
+    def scores(self, layer: int) -> Scores:
+        """Layer ``layer``'s attention kind (kernels/attention_kinds.py; Llama's: plain)."""
+        return PLAIN
+
+    def feed_window(self) -> int:
+        """The longest KV-cache window (sampling feeds rows past it one at a time)."""
+        return self.sliding_window
+
     def qk_norms(self) -> dict:
         """The attention's seam between the projections and the core (nn/attention.py):
         ``q_norm`` / ``k_norm`` modules applied to each head, declared over the heads."""
@@ -176,11 +186,11 @@ class LlamaConfig:
 
 
 class Attention(Module):
-    def __init__(self, cfg: LlamaConfig, proj_std: float):
+    def __init__(self, cfg: LlamaConfig, proj_std: float, layer: int = 0):
         shape = cfg.attention_shape()
         self.qkv = Linear(cfg.n_embd, shape.width, bias=cfg.bias, std=0.02)
         self.core = SelfAttention(shape, cfg.dropout, cfg.rotary(), cfg.sliding_window,
-                                  **cfg.qk_norms())
+                                  **cfg.qk_norms(), scores=cfg.scores(layer))
         self.proj = Linear(shape.out_width, cfg.n_embd, bias=cfg.bias and cfg.out_bias,
                            std=proj_std)
         self.resid_drop = Dropout(cfg.dropout)
@@ -205,7 +215,7 @@ class Block(Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0):
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_offset)
-        self.attn = Attention(cfg, proj_std)
+        self.attn = Attention(cfg, proj_std, layer)
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_offset)
         H = cfg.hidden()
         if cfg.is_moe(layer):
@@ -237,6 +247,7 @@ class Block(Module):
 class Llama(DecoderLM):
     PARTS = {"tokens": "embed_tokens", "positions": None, "drop": "drop", "norm": "norm",
              "head": "lm_head", "loss": "lm_loss"}
+    BLOCK = Block                # (a family with blocks of its own names its class)
 
     def __init__(self, cfg: LlamaConfig):
         cfg.validate()
@@ -246,11 +257,11 @@ class Llama(DecoderLM):
         if cfg.scale_embeddings:
             self.embed_scale = math.sqrt(cfg.n_embd)
         self.drop = Dropout(cfg.dropout)
-        self.blocks = ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
+        self.blocks = ModuleList([self.BLOCK(cfg, i) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.norm_offset)
         self.lm_head = None if cfg.tie_weights else \
             Linear(cfg.n_embd, cfg.vocab_size, bias=False, std=0.02, multiple=cfg.vocab_multiple)
-        self.lm_loss = LMLoss(cfg.vocab_size)
+        self.lm_loss = LMLoss(cfg.vocab_size, cfg.final_cap)
 
 
 # ---- Hugging Face: Llama, Mistral, Mixtral folders -------------------------------------------

@@ -4,7 +4,9 @@ nn/llama.py's rotary kinds): in fp64 tensor parallelism with and without sequenc
 parallelism (q|k|v biases, Gemma's own head size and Qwen3's per-head norms split with the
 heads, the norms' partial gradients summed because they are declared over the heads),
 pipelines, ring and Ulysses context parallelism (scaled frequencies at global positions),
-expert parallelism (Qwen3-MoE), ZeRO-3 and recompute follow the one-process run to 1e-10."""
+expert parallelism (Qwen3-MoE), ZeRO-3 and recompute follow the one-process run to 1e-10.
+Gemma 2 (capped attention and final logits, a local window shorter than the block): all
+but context parallelism, which refuses its kinds."""
 import os
 
 import numpy as np
@@ -23,6 +25,9 @@ FAMILIES = {
     "qwen3-moe": dict(arch="qwen3", n_layer=2, n_head=4, n_kv_head=2, n_embd=16, head_dim=6,
                       ffn_hidden=32, rope_theta=500.0, experts=4, top_k=2, expert_hidden=8,
                       sparse_step=2),
+    "gemma2": dict(arch="gemma2", n_layer=2, n_head=4, n_kv_head=2, n_embd=16, head_dim=6,
+                   ffn_hidden=32, rope_theta=500.0, local_window=3, attn_cap=2.0,
+                   final_cap=3.0, query_scalar=5.0),
     "llama3.1": dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=16, ffn_hidden=32,
                      rope_theta=500.0, rope_type="llama3", rope_factor=4.0,
                      rope_original_context=4, tie_weights=True),
@@ -40,6 +45,8 @@ def _layouts(P, family):
         out += [dict(tp=3, n_head=6, n_kv_head=3, n_embd=24, ffn_hidden=24)]
     if P % 4 == 0:
         out += [dict(tp=2, pp=2), dict(tp=2, cp=2)]
+    if family == "gemma2":                  # (ring attention and Ulysses carry no cap or
+        out = [kw for kw in out if "cp" not in kw]              # window yet: refused)
     if FAMILIES[family].get("experts"):     # (the balancing loss is the whole batch's: one
         out = [dict(kw, micro_batches=1) if "pp" in kw else kw for kw in out]  # micro-batch)
     return out

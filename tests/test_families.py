@@ -31,6 +31,11 @@ KINDS = {
                  dict(rope_theta=500.0, rope_scaling=dict(LLAMA3), tie_word_embeddings=True),
                  "llama"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e4), "qwen2"),
+    "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM",
+                   dict(rope_theta=1e4, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 16,
+                                                      "beta_fast": 8.0, "beta_slow": 0.5}),
+                   "qwen2"),
     "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM",
                    dict(rope_theta=1e4, tie_word_embeddings=True), "qwen2"),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=12, rope_theta=300.0),
@@ -121,6 +126,30 @@ def test_greedy_text_with_the_kv_cache_equals_transformers_generate(folder):
     kind, model, path = folder
     ours, _ = sample.load(str(path))
     assert_greedy_equals_generate(ours, model, kind)
+
+
+@pytest.mark.parametrize("rope", [dict(factor=8.0), dict(factor=32.0, beta_fast=16.0),
+                                  dict(factor=4.0, attention_factor=1.3),
+                                  dict(factor=40.0, mscale=1.0, mscale_all_dim=0.5)], ids=str)
+def test_yarn_scaling_changes_frequencies_and_magnitude_as_transformers_computes_them(rope):
+    """YaRN's frequencies and attention factor from config.json's settings equal
+    transformers' own computation (its rope_init function) and are neither the plain
+    frequencies nor all slowed."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from hpcdist.nn.attention import Rotary, rotary_of
+    from hpcdist.nn.hf_adapter import rope_fields
+    scaling = {"rope_type": "yarn", "original_max_position_embeddings": 64, **rope}
+    c = {**SHAPE, "hidden_size": 128, "num_attention_heads": 2, "max_position_embeddings": 512,
+         "rope_theta": 150000.0, "rope_scaling": scaling}
+    theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**c), "cpu")
+    ours = rotary_of(nn.LlamaConfig(**rope_fields(c, "test")))
+    got = ours.frequencies(64, np)
+    np.testing.assert_allclose(got, theirs.double().numpy(), rtol=1e-6)
+    assert abs(ours.magnitude() - factor) < 1e-12
+    plain = Rotary(150000.0).frequencies(64, np)
+    assert (got == plain).any() and np.isclose(got, plain / rope["factor"]).any()
 
 
 def test_llama3_scaling_changes_the_frequencies_as_transformers_computes_them():
@@ -227,7 +256,7 @@ def test_a_folder_with_an_unknown_rotary_scaling_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": 48, "num_attention_heads": 6,
         "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 61,
-        "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+        "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}))
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 8 + b"")
     for args in (["-m", "hpcdist.sample", str(tmp_path), "--ids", "1"],
                  ["-m", "hpcdist.train", "--init-from", str(tmp_path), "--steps", "1"]):
@@ -235,7 +264,7 @@ def test_a_folder_with_an_unknown_rotary_scaling_is_one_line(tmp_path):
                            env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, r.stderr
-        assert "rotary scaling 'yarn' is not one hpcdist computes" in lines[0], r.stderr
+        assert "rotary scaling 'dynamic' is not one hpcdist computes" in lines[0], r.stderr
 
 
 def test_help_lists_a_familys_settings_under_it():

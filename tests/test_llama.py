@@ -107,7 +107,7 @@ def test_a_checkpoint_exports_to_a_folder_transformers_loads(trained):
 @pytest.mark.parametrize("args,says", [
     (["--arch", "llama", "--n-head", "4", "--n-kv-head", "3"],
      "must be divisible by --n-kv-head (3)"),
-    (["--n-kv-head", "2"], "--n-kv-head is a setting of llama, qwen2, qwen3, gemma, not of --arch gpt"),
+    (["--n-kv-head", "2"], "--n-kv-head is a setting of llama, qwen2, qwen3, gemma, gemma2, not of --arch gpt"),
     (["--arch", "llama", "--n-kv-head", "1", "--tp", "2"], "must divide n_kv_head (1)"),
     (["--arch", "llama", "--n-embd", "36", "--n-head", "4"], "must be even"),
     (["--arch", "llama", "--n-kv-head", "2", "--n-head", "4", "--cp", "4",
@@ -117,12 +117,14 @@ def test_a_checkpoint_exports_to_a_folder_transformers_loads(trained):
     (["--arch", "gemma", "--n-embd", "48", "--n-head", "4", "--head-dim", "9"],
      "--arch gemma: the head size 9 must be even"),
     (["--arch", "gemma", "--no-tie-weights"], "Gemma's head is the token table"),
-    (["--arch", "qwen2", "--rope-type", "yarn"], "unknown --rope-type 'yarn'"),
+    (["--arch", "qwen2", "--rope-type", "dynamic"], "unknown --rope-type 'dynamic'"),
+    (["--arch", "qwen2", "--rope-type", "yarn", "--rope-beta-slow", "40"],
+     "yarn rotary scaling needs 0 < --rope-beta-slow < --rope-beta-fast"),
     (["--arch", "llama", "--rope-theta", "-1"], "--rope-theta must be positive, got -1.0"),
     (["--arch", "llama", "--norm-eps", "-1"], "--norm-eps must be positive, got -1.0"),
     (["--arch", "llama", "--ffn-hidden", "-5"], "--ffn-hidden must be 0 or more, got -5"),
-    (["--rope-type", "llama3"], "--rope-type is a setting of llama, qwen2, qwen3, gemma, not of "
-                                "--arch gpt"),
+    (["--rope-type", "llama3"], "--rope-type is a setting of llama, qwen2, qwen3, gemma, "
+                                "gemma2, not of --arch gpt"),
 ])
 def test_bad_settings_are_one_line_before_step_one(args, says):
     r = subprocess.run([sys.executable, "-m", "hpcdist.train", "--steps", "1", *args],

@@ -27,6 +27,10 @@ class Rotary:
     (i, i + hd/2) rotated by position x frequency i, theta^(-2i/hd)."""
     theta: float = 10000.0
 
+    def magnitude(self) -> float:
+        """What cos and sin are scaled by (YaRN's attention factor; 1 elsewhere)."""
+        return 1.0
+
     def frequencies(self, hd: int, xp):
         """The hd/2 frequencies (float64, made on ``xp``'s device: nothing crosses from the
         host inside a step, which a CUDA graph's capture refuses)."""
@@ -57,7 +61,66 @@ class Llama3Rotary(Rotary):
         return xp.where(middle, blended, out)
 
 
-ROTARY_KINDS = {"default": Rotary, "llama3": Llama3Rotary}   # --rope-type
+@dataclass(frozen=True)
+class YarnRotary(Rotary):
+    """YaRN (arXiv:2309.00071; transformers' ``rope_type: yarn``, gpt-oss's and Qwen's long
+    contexts): the dimensions turning fewer than beta_slow times in the original context
+    are slowed ``factor`` times, those turning more than beta_fast kept, a linear ramp
+    between (its ends rounded out to whole dimensions where ``truncate``); cos and sin
+    scaled by the attention factor (default 0.1 ln(factor) + 1), so the scores by its
+    square."""
+    factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_context: int = 4096
+    attention_factor: float = 0.0
+    truncate: bool = True
+
+    def magnitude(self) -> float:
+        if self.attention_factor:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def frequencies(self, hd: int, xp):
+        inv = super().frequencies(hd, xp)
+
+        def dimension(turns):           # the dimension turning ``turns`` times in the context
+            return hd * math.log(self.original_context / (turns * 2 * math.pi)) / \
+                (2 * math.log(self.theta))
+        low, high = dimension(self.beta_fast), dimension(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, hd - 1)
+        high = high + 0.001 if high == low else high
+        slowed = xp.clip((xp.arange(hd // 2, dtype="float64") - low) / (high - low), 0, 1)
+        return inv / self.factor * slowed + inv * (1 - slowed)
+
+
+ROTARY_KINDS = {"default": Rotary, "llama3": Llama3Rotary, "yarn": YarnRotary}  # --rope-type
+
+
+def rotary_of(cfg) -> Rotary:
+    """The rotary kind a rotary family's config declares (``rope_type`` and the ``rope_*``
+    settings); a kind or setting it cannot compute is refused."""
+    if cfg.rope_type not in ROTARY_KINDS:
+        raise ValueError(f"unknown rope_type {cfg.rope_type!r}: one of "
+                         f"{', '.join(ROTARY_KINDS)}")
+    if cfg.rope_type == "llama3":
+        if not 0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor:
+            raise ValueError("llama3 rotary scaling needs 0 < rope_low_freq_factor < "
+                             f"rope_high_freq_factor, got {cfg.rope_low_freq_factor} and "
+                             f"{cfg.rope_high_freq_factor}")
+        return Llama3Rotary(cfg.rope_theta, cfg.rope_factor, cfg.rope_low_freq_factor,
+                            cfg.rope_high_freq_factor, cfg.rope_original_context)
+    if cfg.rope_type == "yarn":
+        if not 0 < cfg.rope_beta_slow < cfg.rope_beta_fast or cfg.rope_attention_factor < 0:
+            raise ValueError("yarn rotary scaling needs 0 < rope_beta_slow < rope_beta_fast "
+                             f"and an attention factor of 0 or more, got {cfg.rope_beta_slow}"
+                             f", {cfg.rope_beta_fast}, {cfg.rope_attention_factor}")
+        return YarnRotary(cfg.rope_theta, cfg.rope_factor, cfg.rope_beta_fast,
+                          cfg.rope_beta_slow, cfg.rope_original_context,
+                          cfg.rope_attention_factor)
+    return Rotary(cfg.rope_theta)
 
 
 class SelfAttention(Module):

@@ -10,6 +10,7 @@ gate | up): concatenated along our output axis, and cut back at ``pieces`` on ex
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,8 +113,35 @@ def rope_fields(c: dict, where: str) -> dict:
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{where}: rotary scaling llama3 needs factor, low_freq_factor, "
                              "high_freq_factor and original_max_position_embeddings") from None
+    if kind == "yarn":
+        return _yarn_fields(rope, theta, c, where)
     raise ValueError(f"{where}: rotary scaling {kind!r} is not one hpcdist computes (default, "
-                     "llama3): this folder would give other logits than transformers'")
+                     "llama3, yarn): this folder would give other logits than transformers'")
+
+
+def _yarn_fields(rope: dict, theta: float, c: dict, where: str) -> dict:
+    """YaRN's settings (transformers' names): the attention factor where given, else from
+    mscale / mscale_all_dim where both are (DeepSeek's form), else 0 (the default's)."""
+    if not rope.get("truncate", True):
+        raise ValueError(f"{where}: yarn rotary scaling with truncate false is not one "
+                         "hpcdist computes")
+    try:
+        factor = float(rope.get("factor") or int(c["max_position_embeddings"]) /
+                       int(rope["original_max_position_embeddings"]))
+        original = int(rope.get("original_max_position_embeddings") or
+                       c["max_position_embeddings"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{where}: rotary scaling yarn needs factor and "
+                         "original_max_position_embeddings") from None
+    attention = float(rope.get("attention_factor") or 0.0)
+    ms, ms_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    if not attention and ms and ms_all and factor > 1:
+        attention = (0.1 * ms * math.log(factor) + 1) / (0.1 * ms_all * math.log(factor) + 1)
+    return {"rope_theta": theta, "rope_type": "yarn", "rope_factor": factor,
+            "rope_original_context": original,
+            "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+            "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+            "rope_attention_factor": attention}
 
 
 def rope_json(cfg) -> dict:
@@ -125,6 +153,12 @@ def rope_json(cfg) -> dict:
                       low_freq_factor=float(cfg.rope_low_freq_factor),
                       high_freq_factor=float(cfg.rope_high_freq_factor),
                       original_max_position_embeddings=int(cfg.rope_original_context))
+    if cfg.rope_type == "yarn":
+        params.update(factor=float(cfg.rope_factor), beta_fast=float(cfg.rope_beta_fast),
+                      beta_slow=float(cfg.rope_beta_slow),
+                      original_max_position_embeddings=int(cfg.rope_original_context))
+        if cfg.rope_attention_factor:
+            params["attention_factor"] = float(cfg.rope_attention_factor)
     scaling = None if cfg.rope_type == "default" else \
         {k: v for k, v in params.items() if k != "rope_theta"}
     return {"rope_theta": float(cfg.rope_theta), "rope_parameters": params,

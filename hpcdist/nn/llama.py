@@ -9,10 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..autograd import ops
 from ..autograd.tensor import Tensor
 from ..device.kernels.attention_kinds import PLAIN, Scores
-from .attention import ROTARY_KINDS, Llama3Rotary, Rotary, SelfAttention
+from .attention import Rotary, SelfAttention, rotary_of
 from .family import Anatomy, AttentionShape, DecoderLM, Family, Projection, count_parameters
 from .hf_adapter import HFAdapter, Renamed, rope_fields, rope_json
 from .gpt import LMLoss
@@ -43,15 +42,21 @@ class LlamaConfig:
                                 "of 64)")
     rope_theta: float = option(10000.0, "the rotary embeddings' base")
     rope_type: str = option("default", "rotary frequencies: default | llama3 (Llama 3.1's "
-                                       "long-context scaling, the four --rope-* below)")
-    rope_factor: float = option(8.0, "llama3 rotary: how many times the long wavelengths "
-                                     "are slowed")
+                                       "long-context scaling, the --rope-* below) | yarn")
+    rope_factor: float = option(8.0, "llama3 and yarn rotary: how many times the long "
+                                     "wavelengths are slowed")
     rope_low_freq_factor: float = option(1.0, "llama3 rotary: wavelengths past "
                                               "original context / this are slowed")
     rope_high_freq_factor: float = option(4.0, "llama3 rotary: wavelengths under "
                                                "original context / this are kept")
-    rope_original_context: int = option(8192, "llama3 rotary: the context the model was "
-                                              "pretrained at")
+    rope_original_context: int = option(8192, "llama3 and yarn rotary: the context the "
+                                              "model was pretrained at")
+    rope_beta_fast: float = option(32.0, "yarn rotary: dimensions turning more than this "
+                                         "often in the original context are kept")
+    rope_beta_slow: float = option(1.0, "yarn rotary: dimensions turning less than this "
+                                        "often are slowed --rope-factor times")
+    rope_attention_factor: float = option(0.0, "yarn rotary: cos and sin scaled by this "
+                                               "(0: 0.1 ln(factor) + 1)")
     sliding_window: int = option(0, "attention sees at most this many positions back "
                                     "(Mistral; 0: the whole context)")
     norm_eps: float = option(1e-5, "RMSNorm's epsilon")
@@ -108,11 +113,8 @@ class LlamaConfig:
         return AttentionShape(self.n_head, self.kv_heads, self.head_size())
 
     def rotary(self) -> Rotary:
-        """The declared rotary kind with this config's settings."""
-        if self.rope_type == "llama3":
-            return Llama3Rotary(self.rope_theta, self.rope_factor, self.rope_low_freq_factor,
-                                self.rope_high_freq_factor, self.rope_original_context)
-        return Rotary(self.rope_theta)
+        """The declared rotary kind with this config's settings (validated there)."""
+        return rotary_of(self)
 
     def validate(self) -> None:
         for name in ("block_size", "vocab_size", "vocab_multiple", "n_layer", "n_head",
@@ -134,14 +136,7 @@ class LlamaConfig:
         if self.n_kv_head < 0 or self.n_head % self.kv_heads:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head "
                              f"({self.n_kv_head}): each kv head serves a whole group of queries")
-        if self.rope_type not in ROTARY_KINDS:
-            raise ValueError(f"unknown rope_type {self.rope_type!r}: one of "
-                             f"{', '.join(ROTARY_KINDS)}")
-        if self.rope_type == "llama3" and not \
-                0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
-            raise ValueError("llama3 rotary scaling needs 0 < rope_low_freq_factor < "
-                             f"rope_high_freq_factor, got {self.rope_low_freq_factor} and "
-                             f"{self.rope_high_freq_factor}")
+        rotary_of(self)
         if self.sliding_window and self.sliding_window < self.block_size:
             raise ValueError(f"sliding_window {self.sliding_window} is shorter than the "
                              f"{self.block_size} positions trained: hpcdist's training "

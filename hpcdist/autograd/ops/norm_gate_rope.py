@@ -70,6 +70,8 @@ def tables(pos, hd: int, rotary, dtype):
             return both
     inv = rotary.frequencies(hd, backend.array_module(pos))
     both = kernels.rotary_tables(pos, hd, rotary.theta, dtype, frequencies=inv)
+    if rotary.magnitude() != 1.0:                         # (YaRN's attention factor)
+        both = tuple(t * t.dtype.type(rotary.magnitude()) for t in both)
     _TABLES.insert(0, (pos, hd, rotary, dtype, both))
     del _TABLES[8:]
     return both

@@ -163,3 +163,17 @@ def test_the_final_logit_cap_in_the_loss_and_in_what_sampling_reads():
         dn[idx] -= 1e-6
         assert abs(x.grad[idx] - (f(up) - f(dn)) / 2e-6) < 1e-8
     assert np.all(np.abs(LMLoss(7, cap=5.0).eval()(Tensor(z)).data) < 5.0)
+
+
+def test_a_window_as_long_as_the_rows_runs_in_the_flash_kernels():
+    """A window of T or more masks nothing: the flash kernels run (not the twin), equal to
+    the definition."""
+    qkv, _ = _case((1, 16, 2, 2, 4), seed=7)
+    kernels.attention._chosen.clear()
+    y, _, _ = kernels.attention.kinded_attention_fwd(qkv, 2, 2, Scores(window=16))
+    assert kernels.attention.choice().startswith("flash")
+    np.testing.assert_allclose(y, definition(qkv, 2, 2, 0.5), rtol=1e-12, atol=1e-12)
+    kernels.attention._chosen.clear()
+    kernels.attention.kinded_attention_fwd(qkv, 2, 2, Scores(window=15))
+    assert "tiled twin" in kernels.attention.choice()
+    kernels.attention._chosen.clear()

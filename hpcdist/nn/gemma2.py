@@ -36,8 +36,9 @@ class Gemma2Config(GemmaConfig):
         return layer in local
 
     def scores(self, layer: int) -> Scores:
-        window = self.local_window if self.is_local(layer) and \
-            self.local_window < self.block_size else 0
+        # (kept at any block: sampling runs past the block, the window still bounds the
+        # local layers' cache; a step of T <= window drops it: Scores.within)
+        window = self.local_window if self.is_local(layer) else 0
         return Scores(scale=self.query_scalar ** -0.5, cap=self.attn_cap, window=window)
 
     def feed_window(self) -> int:

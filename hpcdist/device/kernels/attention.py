@@ -232,6 +232,7 @@ def kinded_attention_fwd(qkv, n_head: int, n_kv_head: int, scores, sinks=None):
     declares them, ``sinks`` (n_head,): the flash kernels where they take the scores, the
     tiled twin where they do not (choice() says which ran); sinks merged after either."""
     hs = head_size(qkv.shape[-1], n_head, n_kv_head)
+    scores = scores.within(qkv.shape[1])
     scale, arith = scores.softmax_scale(hs), kind(qkv.dtype)
     if scores.tiled_kernels_take:
         way = "flash"
@@ -249,6 +250,7 @@ def kinded_attention_fwd(qkv, n_head: int, n_kv_head: int, scores, sinks=None):
 def kinded_attention_bwd(qkv, y, dy, lse, n_head: int, n_kv_head: int, scores, sinks=None):
     """(dqkv, dsinks or None) of kinded_attention_fwd, given its merged lse and final y."""
     hs = head_size(qkv.shape[-1], n_head, n_kv_head)
+    scores = scores.within(qkv.shape[1])
     scale, arith = scores.softmax_scale(hs), kind(qkv.dtype)
     if scores.tiled_kernels_take:
         dqkv = FLASH_BWD[arith](qkv, y, dy, lse, n_head, n_kv_head, scale)

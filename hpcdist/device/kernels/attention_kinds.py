@@ -9,7 +9,7 @@ given that lse and y is already exact (p and rowsum(dy y) are the whole softmax'
 own gradient is -sum_i exp(sink - lse_i) rowsum(dy y)_i."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -37,6 +37,11 @@ class Scores:
         """The flash kernels (CPU numba + BLAS, CUDA, cuDNN) compute these scores: no cap,
         no window (sinks and a scale they take: the sinks are merged after them)."""
         return not self.cap and not self.window
+
+    def within(self, T: int) -> "Scores":
+        """These scores over T positions: a window of T or more masks nothing, so it is
+        dropped (the flash kernels then take the rest)."""
+        return replace(self, window=0) if self.window >= T else self
 
     def softmax_scale(self, head_size: int) -> float:
         return self.scale if self.scale is not None else 1.0 / head_size ** 0.5

@@ -177,3 +177,23 @@ def test_a_window_as_long_as_the_rows_runs_in_the_flash_kernels():
     kernels.attention.kinded_attention_fwd(qkv, 2, 2, Scores(window=15))
     assert "tiled twin" in kernels.attention.choice()
     kernels.attention._chosen.clear()
+
+
+def test_the_planner_and_the_run_count_a_local_layers_attention_by_its_window():
+    """FLOPs per token: 6N + 12 d sum over layers of min(T, window) (a global layer: T),
+    in the planner's model and in the run's MFU alike."""
+    from hpcdist import nn
+    from hpcdist.plan.model import Model, layer_windows
+    from hpcdist.run import mfu
+    cfg = nn.family("gemma2").config(n_layer=4, n_head=2, n_embd=16, head_dim=8,
+                                     vocab_size=50, block_size=64, local_window=16)
+    assert layer_windows(cfg) == (16, 0, 16, 0)
+    m = Model.of(cfg)
+    d, T = 16, 64
+    weights = 6 * (m.active_parameters - m.positions)
+    assert m.flops(1, False) / T == pytest.approx(weights + 12 * d * (16 + 64 + 16 + 64))
+    model = nn.build("gemma2", n_layer=4, n_head=2, n_embd=16, head_dim=8, vocab_size=50,
+                     block_size=64, local_window=16)
+    per_token = mfu.model_flops_per_token(model, cfg, T)
+    n = model.logical_parameters()
+    assert per_token == pytest.approx(6 * n + 12 * d * (16 + 64 + 16 + 64))

@@ -330,6 +330,7 @@ def test_no_module_outside_nn_names_a_family():
     ("llama", dict(n_kv_head=2)), ("llama", dict(experts=4, tie_weights=True, bias=True)),
     ("qwen2", dict(n_kv_head=2)), ("qwen2", dict(tie_weights=True)),
     ("gemma", dict(head_dim=16, n_kv_head=1)),
+    ("gemma2", dict(head_dim=16, n_kv_head=2, local_window=4)),
     ("qwen3", dict(n_kv_head=2, head_dim=8)),
     ("qwen3", dict(n_kv_head=2, experts=4, top_k=2, expert_hidden=16, sparse_step=2)),
     ("llama", dict(experts=3, shared_experts=2, expert_hidden=32, moe_every=2))])

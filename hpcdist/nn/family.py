@@ -100,6 +100,7 @@ class Anatomy:
     scaled_embeddings: bool = False
     expert_width: int = 0
     head_norms: int = 0
+    block_norms: int = 2         # norms over the hidden width a block (Gemma 2: 4)
 
     @property
     def norm_size(self) -> int:
@@ -132,7 +133,7 @@ def count_parameters(cfg) -> int:
     moe = C * cfg.experts + (cfg.experts + cfg.shared_experts) * \
         a.mlp_parameters(C, a.expert_width)
     with_experts = sum(1 for i in range(cfg.n_layer) if cfg.is_moe(i))
-    blocks = cfg.n_layer * (attn + 2 * a.norm_size * C + a.head_norms) + with_experts * moe + \
+    blocks = cfg.n_layer * (attn + a.block_norms * a.norm_size * C + a.head_norms) + with_experts * moe + \
         (cfg.n_layer - with_experts) * a.mlp_parameters(C)
     tables = cfg.vocab_size * C + (0 if a.rotary else cfg.block_size * C)
     return blocks + tables + a.norm_size * C + (0 if a.tied else C * cfg.vocab_size)

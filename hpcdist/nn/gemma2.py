@@ -6,6 +6,7 @@ attention kind is data (``scores``; the local layers from config.json's ``layer_
 else every even layer as transformers has it). What differs from Gemma is this file."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..autograd.tensor import Tensor
@@ -40,6 +41,9 @@ class Gemma2Config(GemmaConfig):
         # local layers' cache; a step of T <= window drops it: Scores.within)
         window = self.local_window if self.is_local(layer) else 0
         return Scores(scale=self.query_scalar ** -0.5, cap=self.attn_cap, window=window)
+
+    def anatomy(self):
+        return dataclasses.replace(super().anatomy(), block_norms=4)
 
     def feed_window(self) -> int:
         return max((self.scores(i).window for i in range(self.n_layer)), default=0)

@@ -196,8 +196,9 @@ class Model:
         to the biases; torchtitan's for Llama), plus one more forward of the blocks under
         full recompute."""
         B, s, l, d = batch, self.seq, self.layers, self.attention_width
-        per_token = flops_per_token(self.active_parameters - self.positions, l, d, s)
-        extra = 2 * l * self.matmul_weights + 4 * l * d * s + \
+        windows = layer_windows(_config(self))
+        per_token = flops_per_token(self.active_parameters - self.positions, l, d, s, windows)
+        extra = 2 * l * self.matmul_weights + 4 * d * attended(l, s, windows) + \
             2 * self.moe_change(self.top_k) if recompute else 0
         return B * s * (per_token + extra)
 
@@ -237,12 +238,25 @@ def preset(name: str) -> Model:
     return Model.of(config)
 
 
-def flops_per_token(params: float, layers: int, width: int, seq: int) -> float:
+def flops_per_token(params: float, layers: int, width: int, seq: int,
+                    windows: tuple = ()) -> float:
     """Training FLOPs per token as the peers count them (PaLM's appendix, nanoGPT, llm.c):
     6N for every weight's matmuls forward and backward (N without the position table),
     plus attention's 12 L d T (Q K^T and the weighted sum of V, forward and backward; d
-    the heads' width)."""
-    return 6 * params + 12 * layers * width * seq
+    the heads' width). ``windows``: each layer's attention window (0: global), where a
+    family declares them: a local layer's keys are min(T, window), not T."""
+    return 6 * params + 12 * width * attended(layers, seq, windows)
+
+
+def attended(layers: int, seq: int, windows: tuple = ()) -> int:
+    """The keys a token's attention reads over the layers: L T, or sum min(T, window)."""
+    return sum(min(seq, w) if w else seq for w in windows) if windows else layers * seq
+
+
+def layer_windows(cfg) -> tuple:
+    """Each layer's attention window (0: global) from a family's config (``scores``)."""
+    return tuple(cfg.scores(i).window for i in range(cfg.n_layer)) \
+        if hasattr(cfg, "scores") else ()
 
 
 @dataclass(frozen=True)

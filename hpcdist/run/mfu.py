@@ -22,7 +22,7 @@ from ..nn import lora
 from ..nn.family import count_parameters
 from ..nn.moe import moe_layers
 from ..plan.facts import HARDWARE  # noqa: F401 (bench gpu uses it too)
-from ..plan.model import flops_per_token
+from ..plan.model import flops_per_token, layer_windows
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hpcdist", "peak.json")
 
@@ -35,7 +35,8 @@ def model_flops_per_token(model, cfg, seq: int) -> float:
         table = full.part("positions")             # gradients), the adapters' 6N
         base -= table.weight.size if table is not None else 0
         width = full.config.attention_shape().out_width
-        return flops_per_token(base, cfg.n_layer, width, seq) - 2 * base + \
+        return flops_per_token(base, cfg.n_layer, width, seq,
+                               layer_windows(full.config)) - 2 * base + \
             6 * full.logical_parameters()
     params = full.logical_parameters()           # (a padded vocabulary's padding: not)
     table = full.part("positions")                        # a learned position table: no
@@ -43,7 +44,7 @@ def model_flops_per_token(model, cfg, seq: int) -> float:
     # experts: a token runs through k of each layer's (of those this rank holds, under EP)
     params += sum((m.k - len(m.experts)) * m.expert_size for m in moe_layers(full))
     width = full.config.attention_shape().out_width     # heads x head size
-    return flops_per_token(params, cfg.n_layer, width, seq)
+    return flops_per_token(params, cfg.n_layer, width, seq, layer_windows(full.config))
 
 
 def _cpu_name() -> str:

@@ -84,12 +84,12 @@ def _kv_heads(c) -> int:
 
 
 def _kinded_layer(c):
-    """The first layer whose attention is not the plain causal softmax (a cap, a window
-    shorter than the block, sinks: a family's ``scores``), as (index, its Scores), else None."""
+    """The first layer whose attention is not the plain causal softmax (a scale of its own,
+    a cap, a window, sinks: a family's ``scores``), as (index, its Scores), else None."""
     cfg = _declared(c)
     for i in range(cfg.n_layer):
         s = cfg.scores(i) if hasattr(cfg, "scores") else None
-        if s is not None and (s.cap or s.window or s.sinks):
+        if s is not None and s != type(s)():
             return i, s
     return None
 
@@ -127,7 +127,8 @@ CONTEXT = [   # parallel/context.py: each sequence split over cp ranks, attentio
          f"{_kv_heads(c) // max(c.tp, 1)}"),
     ("cp", lambda c: c.cp > 1 and _kinded_layer(c) and
      f"--cp {c.cp}: layer {_kinded_layer(c)[0]}'s attention is {_kinded_layer(c)[1]}; ring "
-     "attention and Ulysses carry no cap, window or sinks yet: run without --cp"),
+     "attention and Ulysses carry no scale of a family's own, cap, window or sinks yet: run "
+     "without --cp"),
     ("cp", lambda c: c.cp > 1 and c.strategy == "ps" and
      f"--cp {c.cp} does not run with --strategy ps (parameter servers run plain data "
      "parallelism)"),

@@ -177,7 +177,8 @@ class ContextParallelAttention(Module):
         scores = getattr(core, "scores", None)
         if scores is not None and scores != type(scores)():
             raise ValueError(f"context parallelism with {scores}: ring attention and Ulysses "
-                             "do not carry a cap, window or sinks yet (run without --cp)")
+                             "carry no scale of a family's own, cap, window or sinks yet "
+                             "(run without --cp)")
         self.cp, self.shape, self.rotary = cp, core.shape, core.rotary
         self.q_norm, self.k_norm = core.q_norm, core.k_norm
         self.p = core.attn_drop.p                        # dropout on the probabilities

@@ -337,3 +337,22 @@ def test_no_module_outside_nn_names_a_family():
 def test_a_familys_parameter_count_is_its_models(arch, kw):
     m = nn.build(arch, n_layer=3, n_head=4, n_embd=32, vocab_size=50, block_size=16, **kw)
     assert m.config.parameters() == sum(p.data.size for p in m.parameters())
+
+
+def test_a_gemma2_folders_layer_pattern_reaches_the_run_and_its_checkpoint(tmp_path):
+    """config.json's layer_types (here full, sliding, sliding: not transformers' default
+    alternation) is the run's --local-layers, so the training config, the checkpoint's meta
+    and an export all keep it (a plain config field would be dropped on the way)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    kinds = ["full_attention", "sliding_attention", "sliding_attention"]
+    cfg = transformers.Gemma2Config(**{**SHAPE, **KINDS["gemma2"][2], "layer_types": kinds})
+    transformers.Gemma2ForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    run = train.parse_config(["--init-from", str(tmp_path), "--steps", "1"])
+    assert run.local_layers == "1,2"
+    ours = nn.config_of(run)
+    assert [ours.scores(i).window for i in range(3)] == [0, 8, 8]
+    assert nn.family("gemma2").hf.config_json(ours)["layer_types"] == kinds
+    with pytest.raises(ValueError, match="names a layer outside 0..2"):
+        nn.family("gemma2").config(n_layer=3, local_layers="0,3").validate()

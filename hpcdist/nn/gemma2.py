@@ -7,7 +7,7 @@ else every even layer as transformers has it). What differs from Gemma is this f
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..autograd.tensor import Tensor
 from ..device.kernels.attention_kinds import Scores
@@ -27,14 +27,25 @@ class Gemma2Config(GemmaConfig):
     query_scalar: float = option(256.0, "Gemma 2: the softmax scale is this^-1/2 "
                                         "(query_pre_attn_scalar)")
     local_window: int = option(4096, "Gemma 2: the local layers' sliding window")
-    local_layers: tuple = field(default=None)     # None: every even layer (0, 2, ...)
+    local_layers: str = option("", "Gemma 2: the local layers, comma-separated (empty: every "
+                                   "even layer, as transformers has it; none: no layer)")
 
     arch = "gemma2"
 
+    def local(self) -> tuple:
+        """The local layers' indices (``local_layers`` read)."""
+        if not self.local_layers:
+            return tuple(range(0, self.n_layer, 2))
+        if self.local_layers == "none":
+            return ()
+        try:
+            return tuple(int(i) for i in self.local_layers.split(","))
+        except ValueError:
+            raise ValueError(f"Gemma 2's local_layers is a comma-separated list of layers "
+                             f"(or none), got {self.local_layers!r}") from None
+
     def is_local(self, layer: int) -> bool:
-        local = self.local_layers if self.local_layers is not None else \
-            range(0, self.n_layer, 2)
-        return layer in local
+        return layer in self.local()
 
     def scores(self, layer: int) -> Scores:
         # (kept at any block: sampling runs past the block, the window still bounds the
@@ -50,6 +61,9 @@ class Gemma2Config(GemmaConfig):
 
     def validate(self) -> None:
         super().validate()
+        if any(not 0 <= i < self.n_layer for i in self.local()):
+            raise ValueError(f"Gemma 2's local_layers {self.local_layers!r} names a layer "
+                             f"outside 0..{self.n_layer - 1}")
         if self.query_scalar <= 0 or self.local_window < 1:
             raise ValueError(f"Gemma 2's query_scalar must be positive and its local window "
                              f"1 or more, got {self.query_scalar}, {self.local_window}")
@@ -84,13 +98,14 @@ class Gemma2HF(GemmaHF):
         out = super().fields({**c, "sliding_window": None}, where)
         n = out["n_layer"]
         kinds = c.get("layer_types")
-        local = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention") \
-            if kinds else tuple(range(0, n, 2))
+        local = [i for i, k in enumerate(kinds) if k == "sliding_attention"] if kinds \
+            else list(range(0, n, 2))
         out.update(attn_cap=float(c.get("attn_logit_softcapping") or 0.0),
                    final_cap=float(c.get("final_logit_softcapping") or 0.0),
                    query_scalar=float(c.get("query_pre_attn_scalar") or out["head_dim"] or
                                       out["n_embd"] // out["n_head"]),
-                   local_window=int(c.get("sliding_window") or 4096), local_layers=local)
+                   local_window=int(c.get("sliding_window") or 4096),
+                   local_layers=",".join(map(str, local)) or "none")
         return out
 
     def table(self, cfg) -> list:

@@ -243,8 +243,7 @@ def flops_per_token(params: float, layers: int, width: int, seq: int,
     """Training FLOPs per token as the peers count them (PaLM's appendix, nanoGPT, llm.c):
     6N for every weight's matmuls forward and backward (N without the position table),
     plus attention's 12 L d T (Q K^T and the weighted sum of V, forward and backward; d
-    the heads' width). ``windows``: each layer's attention window (0: global), where a
-    family declares them: a local layer's keys are min(T, window), not T."""
+    the heads' width); ``windows``: each layer's (0: global), a local layer's keys min(T, w)."""
     return 6 * params + 12 * width * attended(layers, seq, windows)
 
 

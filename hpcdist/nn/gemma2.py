@@ -13,7 +13,6 @@ from ..autograd.tensor import Tensor
 from ..device.kernels.attention_kinds import Scores
 from .family import Family
 from .gemma import GemmaConfig, GemmaHF
-from .hf_adapter import Renamed
 from .layers import RMSNorm
 from .llama import Block, Llama, option
 
@@ -93,6 +92,9 @@ class Gemma2HF(GemmaHF):
     ``pre_feedforward_layernorm``) and ``post_feedforward_layernorm`` the one after it."""
 
     model_types = {"gemma2": "Gemma2ForCausalLM"}
+    norms = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+             "mlp_norm": "pre_feedforward_layernorm",
+             "post_mlp_norm": "post_feedforward_layernorm"}
 
     def fields(self, c: dict, where: str) -> dict:
         out = super().fields({**c, "sliding_window": None}, where)
@@ -106,20 +108,6 @@ class Gemma2HF(GemmaHF):
                                       out["n_embd"] // out["n_head"]),
                    local_window=int(c.get("sliding_window") or 4096),
                    local_layers=",".join(map(str, local)) or "none")
-        return out
-
-    def table(self, cfg) -> list:
-        out = []
-        for r in super().table(cfg):
-            if r.theirs[0].endswith(".post_attention_layernorm.weight"):
-                L = r.theirs[0][:-len("post_attention_layernorm.weight")]
-                b = r.ours[:-len("mlp_norm.weight")]
-                r = Renamed(r.ours, (L + "pre_feedforward_layernorm.weight",))
-                out += [Renamed(b + "post_attn_norm.weight",
-                                (L + "post_attention_layernorm.weight",)),
-                        Renamed(b + "post_mlp_norm.weight",
-                                (L + "post_feedforward_layernorm.weight",))]
-            out.append(r)
         return out
 
     def model_type(self, cfg) -> str:

@@ -268,6 +268,7 @@ class LlamaHF(HFAdapter):
     model_types = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                    "mixtral": "MixtralForCausalLM"}
     activations = ("silu",)          # config.json's hidden_act values this family computes
+    norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}  # a block's
 
     def fields(self, c: dict, where: str) -> dict:
         kind = c.get("model_type")
@@ -308,9 +309,9 @@ class LlamaHF(HFAdapter):
         for i in range(cfg.n_layer):
             b, L = f"blocks.{i}.", f"model.layers.{i}."
             a = L + "self_attn."
-            out += [Renamed(b + "attn_norm.weight", (L + "input_layernorm.weight",)),
-                    Renamed(b + "mlp_norm.weight", (L + "post_attention_layernorm.weight",)),
-                    Renamed(b + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight",
+            out += [Renamed(f"{b}{ours}.weight", (f"{L}{theirs}.weight",))
+                    for ours, theirs in self.norms.items()]
+            out += [Renamed(b + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight",
                                                     a + "v_proj.weight"), "linear", qkv),
                     Renamed(b + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias",
                                                   a + "v_proj.bias"), "same", qkv),

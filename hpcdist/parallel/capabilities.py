@@ -83,14 +83,16 @@ def _kv_heads(c) -> int:
     return _declared(c).attention_shape().n_kv_head
 
 
-def _kinded_layer(c):
-    """The first layer whose attention is not the plain causal softmax (a scale of its own,
-    a cap, a window, sinks: a family's ``scores``), as (index, its Scores), else None."""
+def _kinded_problem(c) -> str | None:
+    """Why --cp cannot run these layers: the first whose attention is not the plain causal
+    softmax (a scale of its own, a cap, a window, sinks: a family's ``scores``)."""
     cfg = _declared(c)
-    for i in range(cfg.n_layer):
-        s = cfg.scores(i) if hasattr(cfg, "scores") else None
-        if s is not None and s != type(s)():
-            return i, s
+    for i in range(cfg.n_layer if hasattr(cfg, "scores") else 0):
+        s = cfg.scores(i)
+        if s != type(s)():
+            return (f"--cp {c.cp}: layer {i}'s attention is {s}; ring attention and Ulysses "
+                    "carry no scale of a family's own, cap, window or sinks yet: run without "
+                    "--cp")
     return None
 
 
@@ -125,10 +127,7 @@ CONTEXT = [   # parallel/context.py: each sequence split over cp ranks, attentio
          f"tensor-parallel rank holds (n_kv_head / tp; each with its queries) over --cp "
          f"{c.cp}: cp must divide them; use --cp-impl ring, or a cp dividing "
          f"{_kv_heads(c) // max(c.tp, 1)}"),
-    ("cp", lambda c: c.cp > 1 and _kinded_layer(c) and
-     f"--cp {c.cp}: layer {_kinded_layer(c)[0]}'s attention is {_kinded_layer(c)[1]}; ring "
-     "attention and Ulysses carry no scale of a family's own, cap, window or sinks yet: run "
-     "without --cp"),
+    ("cp", lambda c: c.cp > 1 and _kinded_problem(c)),
     ("cp", lambda c: c.cp > 1 and c.strategy == "ps" and
      f"--cp {c.cp} does not run with --strategy ps (parameter servers run plain data "
      "parallelism)"),

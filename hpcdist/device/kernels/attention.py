@@ -15,7 +15,8 @@ import numpy as np
 
 from .. import backend
 from . import attention_kinds, cudnn_attention, gemm
-from .flash import FLASH_BWD, FLASH_FWD, head_size
+from .flash import (FLASH_BWD, FLASH_FWD, ROUNDING, flash_bwd_twin, flash_twin,
+                    head_size)
 from .gemm import matmul as gemm_matmul
 from .rows import (SOFTMAX_CAUSAL_BWD, SOFTMAX_CAUSAL_FWD, softmax_causal_bwd_twin,
                    softmax_causal_twin)
@@ -227,20 +228,27 @@ def attention_bwd(qkv, y, dy, lse, n_head: int, n_kv_head: int, scale: float, sa
     return _backward(qkv, y, dy, lse, n_head, n_kv_head, scale, saved)
 
 
+def _kinded(qkv, n_head, n_kv_head, scores):
+    """(these rows' scores (a window of T or more dropped), the softmax scale, the run's
+    arithmetic) for both directions."""
+    scores = scores.within(qkv.shape[1])
+    return (scores, scores.softmax_scale(head_size(qkv.shape[-1], n_head, n_kv_head)),
+            kind(qkv.dtype))
+
+
 def kinded_attention_fwd(qkv, n_head: int, n_kv_head: int, scores, sinks=None):
     """(y, lse, None) of attention with ``scores`` (attention_kinds.Scores) and, where it
     declares them, ``sinks`` (n_head,): the flash kernels where they take the scores, the
     tiled twin where they do not (choice() says which ran); sinks merged after either."""
-    hs = head_size(qkv.shape[-1], n_head, n_kv_head)
-    scores = scores.within(qkv.shape[1])
-    scale, arith = scores.softmax_scale(hs), kind(qkv.dtype)
+    scores, scale, arith = _kinded(qkv, n_head, n_kv_head, scores)
     if scores.tiled_kernels_take:
         way = "flash"
         y, lse = FLASH_FWD[arith](qkv, n_head, n_kv_head, scale)
-    else:
+    else:                            # (q, k, v rounded as the run's arithmetic rounds them)
         way = (f"the tiled twin (soft-cap {scores.cap:g}, window {scores.window}: the flash "
                "kernels take neither yet)")
-        y, lse = attention_kinds.kinded_fwd(qkv, n_head, n_kv_head, scale, scores, arith)
+        y, lse = flash_twin(qkv, n_head, n_kv_head, scale, ROUNDING[arith], scores.cap,
+                            scores.window)
     _chosen.setdefault((tuple(qkv.shape), n_head, n_kv_head, qkv.dtype.name, scores), way)
     if sinks is not None:
         y, lse = attention_kinds.with_sinks(y, lse, sinks)
@@ -249,12 +257,10 @@ def kinded_attention_fwd(qkv, n_head: int, n_kv_head: int, scores, sinks=None):
 
 def kinded_attention_bwd(qkv, y, dy, lse, n_head: int, n_kv_head: int, scores, sinks=None):
     """(dqkv, dsinks or None) of kinded_attention_fwd, given its merged lse and final y."""
-    hs = head_size(qkv.shape[-1], n_head, n_kv_head)
-    scores = scores.within(qkv.shape[1])
-    scale, arith = scores.softmax_scale(hs), kind(qkv.dtype)
+    scores, scale, arith = _kinded(qkv, n_head, n_kv_head, scores)
     if scores.tiled_kernels_take:
         dqkv = FLASH_BWD[arith](qkv, y, dy, lse, n_head, n_kv_head, scale)
     else:
-        dqkv = attention_kinds.kinded_bwd(qkv, y, dy, lse, n_head, n_kv_head, scale, scores,
-                                          arith)
+        dqkv = flash_bwd_twin(qkv, y, dy, lse, n_head, n_kv_head, scale, ROUNDING[arith],
+                              scores.cap, scores.window)
     return dqkv, None if sinks is None else attention_kinds.sink_grad(y, dy, lse, sinks)

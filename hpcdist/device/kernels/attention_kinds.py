@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .. import backend
-from .flash import ROUNDING, flash_bwd_twin, flash_twin
 
 
 @dataclass(frozen=True)
@@ -48,18 +47,6 @@ class Scores:
 
 
 PLAIN = Scores()
-
-
-def kinded_fwd(qkv, nh, nkv, scale, scores: Scores, arithmetic: str):
-    """(y, lse) of capped / windowed scores in the tiled twin, q, k, v rounded as the run's
-    kind of arithmetic rounds them (the kernels do not take these kinds yet)."""
-    return flash_twin(qkv, nh, nkv, scale, ROUNDING[arithmetic], scores.cap, scores.window)
-
-
-def kinded_bwd(qkv, y, dy, lse, nh, nkv, scale, scores: Scores, arithmetic: str):
-    rounding = ROUNDING[arithmetic]
-    return flash_bwd_twin(qkv, y, dy, lse, nh, nkv, scale, rounding, scores.cap,
-                          scores.window)
 
 
 def with_sinks(y, lse, sinks):
